@@ -1,0 +1,1 @@
+"""The default configuration shipped with vkpool and its loader."""

@@ -1,0 +1,1 @@
+"""The vkpool daemon: ZeroMQ server, protocol, scheduler and client library."""

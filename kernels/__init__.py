@@ -1,0 +1,1 @@
+"""GLSL compute kernels and the ONNX op registry."""

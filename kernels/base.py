@@ -1,0 +1,244 @@
+"""The op contract: what every ONNX op class declares and how it is dispatched.
+
+An op class is built once per graph node, at load time, from the node's attributes and
+the static shapes/dtypes of its inputs. It then answers everything the partitioner, the
+memory planner and the recorder need without touching a device:
+
+- ``output_infos()``: shape and dtype of each output;
+- ``flops()``, ``bytes_read()``, ``bytes_written()``, ``workspace_bytes()``;
+- ``reference(inputs)``: a numpy implementation (the host member runs it; tests compare with it);
+- ``dispatches(ctx)``: the compute dispatches that implement it on a Vulkan device.
+
+Shaders address memory through ``GL_EXT_buffer_reference`` pointers passed as push
+constants: there are no descriptor sets, so nothing is written per run and a tensor may be
+larger than ``maxStorageBufferRange``. A dispatch is a shader name (file stem under
+``shaders/``), compile-time defines, the push-constant arguments in declaration order and
+the workgroup counts.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+
+class UnsupportedOp(NotImplementedError):
+    """A node whose op type (or attribute combination) vkpool has no kernel for."""
+
+
+class OpError(ValueError):
+    """A node whose inputs or attributes are invalid for its op."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+# ---------------------------------------------------------------------------------------------
+# Push-constant arguments. Packed with std430 scalar alignment: pointers and 64-bit values on 8
+# bytes, everything else on 4, in the order the shader's push_constant block declares them.
+
+
+@dataclass(frozen=True)
+class Ptr:
+    """Device address of a tensor (``tensor``) plus a byte offset into it."""
+
+    tensor: Any
+    byte_offset: int = 0
+
+
+@dataclass(frozen=True)
+class U32:
+    value: int
+
+
+@dataclass(frozen=True)
+class I32:
+    value: int
+
+
+@dataclass(frozen=True)
+class F32:
+    value: float
+
+
+@dataclass(frozen=True)
+class U64:
+    value: int
+
+
+PushArg = Ptr | U32 | I32 | F32 | U64
+
+
+def pack_push_constants(args: Sequence[PushArg], address_of: Any) -> bytes:
+    """Packs ``args`` as the shader's push_constant block lays them out.
+
+    ``address_of(tensor)`` returns the device address of a tensor handle.
+    """
+    out = bytearray()
+    for arg in args:
+        if isinstance(arg, (Ptr, U64)):
+            out.extend(b"\0" * (-len(out) % 8))
+            value = address_of(arg.tensor) + arg.byte_offset if isinstance(arg, Ptr) else arg.value
+            out.extend(struct.pack("<Q", value))
+        elif isinstance(arg, U32):
+            out.extend(struct.pack("<I", arg.value & 0xFFFFFFFF))
+        elif isinstance(arg, I32):
+            out.extend(struct.pack("<i", arg.value))
+        elif isinstance(arg, F32):
+            out.extend(struct.pack("<f", arg.value))
+        else:
+            raise TypeError(f"unknown push-constant argument {arg!r}")
+    return bytes(out)
+
+
+@dataclass
+class Dispatch:
+    """One ``vkCmdDispatch`` of a compute shader."""
+
+    shader: str
+    args: list[PushArg]
+    groups: tuple[int, int, int]
+    defines: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What kernels may tune on: filled from the member's physical device."""
+
+    subgroup_size: int = 32
+    max_workgroup_invocations: int = 1024
+    max_workgroup_count: tuple[int, int, int] = (65535, 65535, 65535)
+    shared_memory_bytes: int = 32768
+    max_push_constant_bytes: int = 128
+    float16: bool = False
+    int8: bool = False
+    int64: bool = True
+    cooperative_matrix: bool = False
+
+
+@dataclass
+class DispatchContext:
+    """What ``Op.dispatches`` receives: tensor handles and the device's capabilities.
+
+    ``inputs``/``outputs`` hold one handle per ONNX input/output (``None`` for an omitted
+    optional input). ``workspace`` is a handle of ``workspace_bytes()`` bytes, or ``None``.
+    ``constants`` are the values of inputs known at load time (initializers, folded values).
+    """
+
+    inputs: list[Any]
+    outputs: list[Any]
+    workspace: Any
+    caps: DeviceCaps
+    constants: dict[int, np.ndarray]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def groups_1d(n: int, local: int = 256, caps: DeviceCaps | None = None) -> tuple[int, int, int]:
+    """Workgroup counts covering ``n`` invocations with ``local``-wide groups.
+
+    Large counts are folded into y so no dimension exceeds the device's limit; shaders
+    recover the flat index as ``gl_GlobalInvocationID.x + gl_GlobalInvocationID.y *
+    gl_NumWorkGroups.x * local``.
+    """
+    groups = max(1, ceil_div(n, local))
+    max_x = (caps.max_workgroup_count[0] if caps else 65535)
+    if groups <= max_x:
+        return (groups, 1, 1)
+    y = ceil_div(groups, max_x)
+    return (ceil_div(groups, y), y, 1)
+
+
+class Op:
+    """Base class of every op. Subclasses set ``op_type`` and implement the hooks below.
+
+    ``inputs`` are the static infos of the node's inputs (``None`` where an optional input is
+    omitted); ``constants`` maps input positions to values known at load time.
+    """
+
+    op_type: ClassVar[str] = ""
+    domain: ClassVar[str] = ""
+    #: input positions whose values must be known at load time (e.g. Reshape's shape)
+    constant_inputs: ClassVar[tuple[int, ...]] = ()
+    #: when not None, output 0 is a view of this input (same bytes, new shape): no dispatch
+    alias_input: ClassVar[int | None] = None
+
+    def __init__(
+        self,
+        attrs: dict[str, Any],
+        inputs: Sequence[TensorInfo | None],
+        constants: dict[int, np.ndarray] | None = None,
+        *,
+        opset: int = 17,
+        num_outputs: int = 1,
+    ) -> None:
+        self.attrs = dict(attrs)
+        self.inputs = list(inputs)
+        self.constants = dict(constants or {})
+        self.opset = opset
+        self.num_outputs = num_outputs
+        for pos in self.constant_inputs:
+            if pos < len(self.inputs) and self.inputs[pos] is not None and pos not in self.constants:
+                raise UnsupportedOp(
+                    f"{self.op_type}: input {pos} must be a constant known at load time"
+                )
+        self.check()
+
+    # -- hooks ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Validates attributes and input infos; raises OpError or UnsupportedOp."""
+
+    def output_infos(self) -> list[TensorInfo]:
+        raise NotImplementedError
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        raise NotImplementedError
+
+    # -- costs (defaults suit elementwise ops) ---------------------------------------------
+    def flops(self) -> int:
+        return sum(o.size for o in self.output_infos())
+
+    def bytes_read(self) -> int:
+        return sum(i.nbytes for i in self.inputs if i is not None)
+
+    def bytes_written(self) -> int:
+        return sum(o.nbytes for o in self.output_infos())
+
+    def workspace_bytes(self) -> int:
+        return 0
+
+    # -- helpers ------------------------------------------------------------------------------
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+    def input(self, pos: int) -> TensorInfo:
+        info = self.inputs[pos] if pos < len(self.inputs) else None
+        if info is None:
+            raise OpError(f"{self.op_type}: input {pos} is required")
+        return info
+
+    def has_input(self, pos: int) -> bool:
+        return pos < len(self.inputs) and self.inputs[pos] is not None

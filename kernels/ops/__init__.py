@@ -1,0 +1,1 @@
+"""One module per ONNX op (see the registry in vkpool.kernels.registry)."""

@@ -1,0 +1,65 @@
+"""The op registry: one line per op module. Adding an op = its module + one line here."""
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from typing import Any, Sequence
+
+import numpy as np
+
+from vkpool.kernels.base import Op, TensorInfo, UnsupportedOp
+
+#: (op_type, module under vkpool.kernels.ops, class name); domain "" (ai.onnx) unless noted
+OPS: list[tuple[str, str, str]] = [
+    ("Relu", "unary", "Relu"),
+    ("Add", "binary", "Add"),
+]
+
+
+@lru_cache(maxsize=None)
+def _classes() -> dict[str, type[Op]]:
+    found: dict[str, type[Op]] = {}
+    for op_type, module, cls_name in OPS:
+        mod = importlib.import_module(f"vkpool.kernels.ops.{module}")
+        found[op_type] = getattr(mod, cls_name)
+    return found
+
+
+def supported_ops() -> list[str]:
+    """Sorted op types that have a kernel."""
+    return sorted(_classes())
+
+
+def op_class(op_type: str, domain: str = "") -> type[Op]:
+    if domain not in ("", "ai.onnx"):
+        raise UnsupportedOp(f"op {domain}::{op_type} is not supported (only the ai.onnx domain is)")
+    cls = _classes().get(op_type)
+    if cls is None:
+        raise UnsupportedOp(
+            f"op {op_type} is not supported; `vkpool ops` lists the {len(_classes())} supported ops"
+        )
+    return cls
+
+
+def create_op(
+    op_type: str,
+    attrs: dict[str, Any],
+    inputs: Sequence[TensorInfo | None],
+    constants: dict[int, np.ndarray] | None = None,
+    *,
+    domain: str = "",
+    opset: int = 17,
+    num_outputs: int = 1,
+) -> Op:
+    return op_class(op_type, domain)(attrs, inputs, constants, opset=opset, num_outputs=num_outputs)
+
+
+def unsupported_in(op_types: Sequence[tuple[str, str]]) -> list[str]:
+    """The op types (with domain) in ``op_types`` that have no kernel, sorted, once each."""
+    known = _classes()
+    missing = {
+        (f"{d}::{t}" if d not in ("", "ai.onnx") else t)
+        for t, d in op_types
+        if d not in ("", "ai.onnx") or t not in known
+    }
+    return sorted(missing)

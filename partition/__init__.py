@@ -1,0 +1,1 @@
+"""Partitioning ONNX graphs across pool members under memory budgets."""
