@@ -1,0 +1,483 @@
+"""Loading an ONNX model into a static graph: checked, every shape known, constants folded.
+
+``load_model`` turns a file, bytes or ``ModelProto`` into a :class:`LoadedModel`:
+
+1. parse without external data, then read external weights through :mod:`mmap` from inside the
+   model's own folder only (no ``..``, absolute paths, links leading out, or hardlinks);
+2. ``onnx.checker.check_model`` (full check; by path so models over 2 GiB work);
+3. bind symbolic dimensions (``dims`` by name, else ``batch`` for an input's first dimension);
+4. repeat ``onnx.shape_inference.infer_shapes(data_prop=True, strict_mode=True)`` and constant
+   folding until nothing changes, so shapes computed by ``Shape → Gather → Concat → Reshape``
+   chains become static;
+5. fail with :class:`ModelError` naming any tensor whose shape or dtype is still unknown.
+
+Folding evaluates one node at a time with ``onnx.reference.ReferenceEvaluator``; it runs once at
+load, so its speed matters little next to never doing that work per inference.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from vkpool.kernels.base import TensorInfo
+
+
+class ModelError(ValueError):
+    """The model cannot be used: not ONNX, fails the checker, unsafe external data, or shapes
+    that stay unknown after binding every symbolic dimension."""
+
+
+@dataclass
+class Node:
+    name: str
+    op_type: str
+    domain: str
+    inputs: list[str]  # '' for an omitted optional input
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadedModel:
+    inputs: list[tuple[str, TensorInfo]]
+    outputs: list[tuple[str, TensorInfo]]
+    nodes: list[Node]
+    constants: dict[str, np.ndarray]
+    tensors: dict[str, TensorInfo]
+    opset: int
+
+    def op_types(self) -> list[tuple[str, str]]:
+        """``(op_type, domain)`` of every node, in node order."""
+        return [(n.op_type, n.domain) for n in self.nodes]
+
+
+# Ops whose result is not a function of their inputs: folding would freeze one random draw.
+_NONDETERMINISTIC = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+)
+# Constants up to this size go into the proto handed to shape inference so that data
+# propagation sees their values; larger ones are declared as typed inputs instead, which keeps
+# that proto small (a 1 GiB weight never needs its values for shape inference).
+_INLINE_CONSTANT_BYTES = 1 << 16
+_MAX_PROTO_BYTES = (1 << 31) - 1
+
+
+def load_model(
+    src: str | os.PathLike[str] | bytes | onnx.ModelProto,
+    *,
+    batch: int = 1,
+    dims: dict[str, int] | None = None,
+) -> LoadedModel:
+    """Loads, checks, binds and folds an ONNX model; see the module docstring."""
+    if batch < 1:
+        raise ModelError(f"batch must be at least 1, got {batch}")
+    proto, base_dir = _parse(src)
+    if base_dir is None:
+        _check(proto, None)
+        constants = _take_initializers(proto, base_dir)
+    else:
+        # external paths are vetted before the checker touches any file they name
+        constants = _take_initializers(proto, base_dir)
+        _check(proto, src)
+    opset = _onnx_opset(proto)
+    graph = proto.graph
+    bound = _bind_dims(graph, batch, dict(dims or {}))
+
+    nodes = list(graph.node)
+    input_names = [i.name for i in graph.input if i.name not in constants]
+    output_names = [o.name for o in graph.output]
+    types: dict[str, TensorInfo] = {}
+    while True:
+        types = _infer(proto, nodes, bound, constants, types)
+        nodes, changed = _fold(nodes, constants, types, proto)
+        if not changed:
+            break
+
+    kept_nodes = [_to_node(n) for n in nodes]
+    used = {t for n in kept_nodes for t in n.inputs if t} | set(output_names)
+    constants = {k: v for k, v in constants.items() if k in used}
+    tensors: dict[str, TensorInfo] = {}
+    for name, value in constants.items():
+        tensors[name] = TensorInfo(value.shape, value.dtype)
+    every_name = [*input_names, *output_names] + [t for n in kept_nodes for t in (*n.inputs, *n.outputs)]
+    for name in every_name:
+        if not name or name in tensors:
+            continue
+        info = types.get(name)
+        if info is None:
+            raise ModelError(f"tensor {name!r}: shape or dtype is still unknown after binding symbolic dims")
+        tensors[name] = info
+    return LoadedModel(
+        inputs=[(n, tensors[n]) for n in input_names],
+        outputs=[(n, tensors[n]) for n in output_names],
+        nodes=kept_nodes,
+        constants=constants,
+        tensors=tensors,
+        opset=opset,
+    )
+
+
+# -- parsing and external data -------------------------------------------------------------------
+
+
+def _parse(src: str | os.PathLike[str] | bytes | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
+    """Returns the proto without external data loaded and the folder external data may come from."""
+    if isinstance(src, onnx.ModelProto):
+        proto, base_dir = _copy_for_loading(src), None
+        what = "the given ModelProto"
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        proto, base_dir = _from_bytes(bytes(src), "the given bytes"), None
+        what = "the given bytes"
+    else:
+        path = Path(os.fspath(src))
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        proto, base_dir = _from_bytes(data, str(path)), path.resolve().parent
+        what = str(path)
+    if base_dir is None and _external_tensors(proto):
+        raise ModelError(
+            f"{what} references external data files; load it from its path so they can be read"
+        )
+    return proto, base_dir
+
+
+def _copy_for_loading(src: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy the loader may rewrite, sharing nothing with ``src``; weights are copied once here
+    and then moved out of the copy, so the caller's proto is never modified."""
+    out = onnx.ModelProto()
+    out.CopyFrom(src)
+    return out
+
+
+def _from_bytes(data: bytes, what: str) -> onnx.ModelProto:
+    try:
+        proto = onnx.load_model_from_string(data)
+    except Exception as exc:  # protobuf raises DecodeError, or RuntimeWarning-like errors
+        raise ModelError(f"not an ONNX model: {what} ({type(exc).__name__}: {exc})") from exc
+    # protobuf parses many byte strings (the empty one included) into a message with no graph
+    if proto.ir_version <= 0 or not proto.HasField("graph") or not proto.opset_import:
+        raise ModelError(f"not an ONNX model: {what} (no ir_version, opset or graph)")
+    return proto
+
+
+def _external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [
+        t for t in onnx.external_data_helper._get_all_tensors(proto)
+        if t.HasField("data_location") and t.data_location == onnx.TensorProto.EXTERNAL
+    ]
+
+
+def _check(proto: onnx.ModelProto, path: Any) -> None:
+    try:
+        if path is not None:
+            # By path the checker never serializes the model, so weights over 2 GiB are fine.
+            onnx.checker.check_model(os.fspath(path), full_check=True)
+        else:
+            if proto.ByteSize() > _MAX_PROTO_BYTES:
+                raise ModelError("a model over 2 GiB must be loaded from a path, with external data")
+            onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ModelError(f"the ONNX checker rejected the model: {exc}") from exc
+
+
+def _safe_external_path(base_dir: Path, location: str, tensor: str) -> Path:
+    """The resolved file of an external tensor, refused unless it lies inside ``base_dir``."""
+    rel = Path(location)
+    if not location or rel.is_absolute() or rel.drive:
+        raise ModelError(f"tensor {tensor!r}: external data location {location!r} must be a relative path")
+    if ".." in rel.parts:
+        raise ModelError(f"tensor {tensor!r}: external data location {location!r} must not contain '..'")
+    resolved = (base_dir / rel).resolve()
+    if not resolved.is_relative_to(base_dir):
+        raise ModelError(
+            f"tensor {tensor!r}: external data {location!r} resolves to {resolved}, outside the model's "
+            f"folder {base_dir} (a link leading out of it)"
+        )
+    return resolved
+
+
+def _read_external(tensor: onnx.TensorProto, base_dir: Path, dtype: np.dtype) -> np.ndarray:
+    info = {e.key: e.value for e in tensor.external_data}
+    path = _safe_external_path(base_dir, info.get("location", ""), tensor.name)
+    offset = int(info.get("offset", 0) or 0)
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    nbytes = count * dtype.itemsize
+    if "length" in info and int(info["length"]) != nbytes:
+        raise ModelError(f"tensor {tensor.name!r}: external length {info['length']} != {nbytes} bytes")
+    try:
+        # O_NOFOLLOW: the resolved path has no link left; one appearing now is refused
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ModelError(f"tensor {tensor.name!r}: cannot open external data {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelError(f"tensor {tensor.name!r}: external data {path} is not a regular file")
+        if st.st_nlink > 1:
+            # a hardlink may share its inode with a file anywhere on the volume
+            raise ModelError(
+                f"tensor {tensor.name!r}: external data {path} has {st.st_nlink} hard links; refused"
+            )
+        if offset < 0 or offset + nbytes > st.st_size:
+            raise ModelError(
+                f"tensor {tensor.name!r}: external data {path} has {st.st_size} bytes, "
+                f"needs {nbytes} at offset {offset}"
+            )
+        if nbytes == 0:
+            return np.zeros(tuple(tensor.dims), dtype)
+        # a read-only map: no copy, pages come in when the weights are first uploaded
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(tuple(tensor.dims))
+
+
+def _tensor_to_array(tensor: onnx.TensorProto, base_dir: Path | None) -> np.ndarray:
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    simple = dtype.kind in "biufc" and tensor.data_type not in _PACKED_TYPES and sys.byteorder == "little"
+    if tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL:
+        if not simple or base_dir is None:
+            raise ModelError(f"tensor {tensor.name!r}: external data of this dtype is not supported")
+        return _read_external(tensor, base_dir, dtype)
+    if simple and tensor.HasField("raw_data"):
+        raw = tensor.raw_data
+        tensor.ClearField("raw_data")  # the proto's copy goes; the array keeps the only one
+        return np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.dims))
+    return numpy_helper.to_array(tensor)
+
+
+_PACKED_TYPES = frozenset(
+    getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, n)
+)
+
+
+def _take_initializers(proto: onnx.ModelProto, base_dir: Path | None) -> dict[str, np.ndarray]:
+    """Moves initializers out of the proto into arrays (the proto keeps only their names)."""
+    graph = proto.graph
+    constants: dict[str, np.ndarray] = {}
+    for init in graph.initializer:
+        constants[init.name] = _tensor_to_array(init, base_dir)
+    for sparse in graph.sparse_initializer:
+        constants[sparse.values.name] = _sparse_to_dense(sparse)
+    del graph.initializer[:]
+    del graph.sparse_initializer[:]
+    return constants
+
+
+def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    values = numpy_helper.to_array(sparse.values)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    shape = tuple(sparse.dims)
+    dense = np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=values.dtype)
+    flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), shape)
+    dense[flat] = values
+    return dense.reshape(shape)
+
+
+def _onnx_opset(proto: onnx.ModelProto) -> int:
+    for entry in proto.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return int(entry.version)
+    raise ModelError("the model imports no ai.onnx opset")
+
+
+# -- symbolic dimensions and shape inference -----------------------------------------------------
+
+
+def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int]) -> dict[str, int]:
+    """Writes concrete values for symbolic dims of the graph inputs; returns the binding used.
+
+    A named dim takes ``dims[name]``; the first dim of an input, named or anonymous, else takes
+    ``batch``. The same name gets the same value everywhere (inputs, outputs, value_info).
+    """
+    binding = dict(dims)
+    for value in graph.input:
+        shape = value.type.tensor_type.shape if value.type.HasField("tensor_type") else None
+        if shape is None:
+            continue
+        for axis, dim in enumerate(shape.dim):
+            if dim.HasField("dim_value"):
+                continue
+            name = dim.dim_param
+            if name and name in binding:
+                dim.dim_value = binding[name]
+            elif axis == 0:
+                if name:
+                    binding[name] = batch
+                dim.dim_value = batch
+    for value in [*graph.output, *graph.value_info]:
+        if value.type.HasField("tensor_type"):
+            for dim in value.type.tensor_type.shape.dim:
+                if not dim.HasField("dim_value") and dim.dim_param in binding:
+                    dim.dim_value = binding[dim.dim_param]
+    for value in graph.input:
+        if not value.type.HasField("tensor_type"):
+            continue
+        shape = value.type.tensor_type.shape
+        unknown = [d.dim_param or "?" for d in shape.dim if not d.HasField("dim_value")]
+        if unknown or not value.type.tensor_type.HasField("shape"):
+            what = f"symbolic dims {unknown}" if unknown else "no shape"
+            raise ModelError(
+                f"input {value.name!r} has {what}; bind them with dims={{name: value}}"
+            )
+    return binding
+
+
+def _value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(info.dtype), info.shape)
+
+
+def _infer(
+    proto: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    bound: dict[str, int],
+    constants: dict[str, np.ndarray],
+    known: dict[str, TensorInfo],
+) -> dict[str, TensorInfo]:
+    """Static infos of every tensor the inference can reach, for the current (folded) nodes."""
+    src = proto.graph
+    needed = {t for n in nodes for t in n.input} | {o.name for o in src.output}
+    inputs = [i for i in src.input if i.name not in constants]
+    inits: list[onnx.TensorProto] = []
+    for name in sorted(needed & constants.keys()):
+        value = constants[name]
+        if value.nbytes <= _INLINE_CONSTANT_BYTES and value.dtype.kind != "O":
+            inits.append(numpy_helper.from_array(np.array(value, order="C", copy=None), name))
+        else:
+            inputs.append(_value_info(name, TensorInfo(value.shape, value.dtype)))
+    produced = {t for n in nodes for t in n.output}
+    # an output folded into a constant is no longer produced by any node
+    outputs = [o for o in src.output if o.name in produced or o.name in {i.name for i in inputs}]
+    graph = helper.make_graph(nodes, src.name or "g", inputs, outputs, inits,
+                              value_info=[v for v in src.value_info if v.name in produced])
+    model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+    model.functions.extend(proto.functions)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        raise ModelError(f"shape inference failed: {exc}") from exc
+    infos = dict(known)
+    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        info = _static_info(value)
+        if info is not None:
+            infos[value.name] = info
+    for name, value in constants.items():
+        infos[name] = TensorInfo(value.shape, value.dtype)
+    return infos
+
+
+def _static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
+    if not value.type.HasField("tensor_type"):
+        return None
+    ttype = value.type.tensor_type
+    if ttype.elem_type == onnx.TensorProto.UNDEFINED or not ttype.HasField("shape"):
+        return None
+    if any(not d.HasField("dim_value") for d in ttype.shape.dim):
+        return None
+    return TensorInfo(tuple(d.dim_value for d in ttype.shape.dim),
+                      helper.tensor_dtype_to_np_dtype(ttype.elem_type))
+
+
+# -- constant folding ----------------------------------------------------------------------------
+
+
+def _fold(
+    nodes: list[onnx.NodeProto],
+    constants: dict[str, np.ndarray],
+    infos: dict[str, TensorInfo],
+    proto: onnx.ModelProto,
+) -> tuple[list[onnx.NodeProto], bool]:
+    """One pass in topological order; a node folded here makes its consumers foldable too."""
+    kept: list[onnx.NodeProto] = []
+    changed = False
+    for node in nodes:
+        values = _fold_node(node, constants, infos, proto)
+        if values is None:
+            kept.append(node)
+            continue
+        changed = True
+        for name, value in zip(node.output, values):
+            if name:
+                constants[name] = value
+                infos[name] = TensorInfo(value.shape, value.dtype)
+    return kept, changed
+
+
+def _fold_node(
+    node: onnx.NodeProto,
+    constants: dict[str, np.ndarray],
+    infos: dict[str, TensorInfo],
+    proto: onnx.ModelProto,
+) -> list[np.ndarray] | None:
+    if node.domain not in ("", "ai.onnx") or node.op_type in _NONDETERMINISTIC:
+        return None
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return None  # subgraphs may read outer-scope values the single-node model lacks
+    present = [t for t in node.input if t]
+    if node.op_type in ("Shape", "Size") and present and present[0] in infos and present[0] not in constants:
+        return [_shape_or_size(node, infos[present[0]])]
+    if not all(t in constants for t in present):
+        return None
+    try:
+        values = _evaluate(node, constants, proto)
+    except Exception:  # an op the reference cannot evaluate stays a node; the runtime runs it
+        return None
+    out: list[np.ndarray] = []
+    for name, value in zip(node.output, values):
+        if not name:
+            out.append(np.zeros(0))
+            continue
+        array = np.asarray(value)
+        if name in infos and infos[name].dtype != array.dtype and array.dtype.kind != "O":
+            array = array.astype(infos[name].dtype)  # keep the declared dtype (int64 shapes ...)
+        out.append(array)
+    return out
+
+
+def _shape_or_size(node: onnx.NodeProto, info: TensorInfo) -> np.ndarray:
+    if node.op_type == "Size":
+        return np.array(info.size, dtype=np.int64)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    rank = len(info.shape)
+    start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
+    start = min(max(start + rank if start < 0 else start, 0), rank)
+    end = min(max(end + rank if end < 0 else end, 0), rank)
+    return np.array(info.shape[start:end], dtype=np.int64)
+
+
+def _evaluate(node: onnx.NodeProto, constants: dict[str, np.ndarray], proto: onnx.ModelProto) -> list[Any]:
+    from onnx.reference import ReferenceEvaluator  # imported on first fold: it is slow to import
+
+    names = [t for t in node.input if t]
+    inputs = [_value_info(n, TensorInfo(constants[n].shape, constants[n].dtype)) for n in names]
+    outputs = [helper.make_empty_tensor_value_info(o) for o in node.output if o]
+    graph = helper.make_graph([node], "fold", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+    model.functions.extend(proto.functions)
+    results = iter(ReferenceEvaluator(model).run(None, {n: constants[n] for n in names}))
+    # omitted optional outputs ('') get no value; _fold skips them by name
+    return [next(results) if o else None for o in node.output]
+
+
+def _to_node(node: onnx.NodeProto) -> Node:
+    attrs: dict[str, Any] = {}
+    for attr in node.attribute:
+        value = helper.get_attribute_value(attr)
+        if isinstance(value, onnx.TensorProto):
+            value = numpy_helper.to_array(value)
+        elif isinstance(value, list) and value and isinstance(value[0], onnx.TensorProto):
+            value = [numpy_helper.to_array(v) for v in value]
+        attrs[attr.name] = value
+    return Node(node.name, node.op_type, node.domain, list(node.input), list(node.output), attrs)
