@@ -242,3 +242,22 @@ class Op:
 
     def has_input(self, pos: int) -> bool:
         return pos < len(self.inputs) and self.inputs[pos] is not None
+
+
+#: element types a shader can be specialised for: numpy dtype -> (GLSL type, pointer type)
+GLSL_TYPES: dict[np.dtype, tuple[str, str]] = {
+    np.dtype(np.float32): ("float", "F32Buf"),
+    np.dtype(np.int32): ("int", "I32Buf"),
+    np.dtype(np.int64): ("int64_t", "I64Buf"),
+    np.dtype(np.uint8): ("uint8_t", "U8Buf"),
+    np.dtype(np.bool_): ("uint8_t", "U8Buf"),
+}
+
+
+def type_defines(dtype: np.dtype, prefix: str = "") -> dict[str, str]:
+    """Defines ``{prefix}T`` and ``{prefix}TBUF`` selecting a shader's element type."""
+    try:
+        glsl, buf = GLSL_TYPES[np.dtype(dtype)]
+    except KeyError:
+        raise UnsupportedOp(f"element type {np.dtype(dtype)} has no kernel") from None
+    return {f"{prefix}T": glsl, f"{prefix}TBUF": buf}

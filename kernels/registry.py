@@ -11,8 +11,18 @@ from vkpool.kernels.base import Op, TensorInfo, UnsupportedOp
 
 #: (op_type, module under vkpool.kernels.ops, class name); domain "" (ai.onnx) unless noted
 OPS: list[tuple[str, str, str]] = [
+    # -- elementwise: activations and arithmetic ---------------------------------------------
     ("Relu", "unary", "Relu"),
+    ("LeakyRelu", "unary", "LeakyRelu"),
     ("Add", "binary", "Add"),
+    ("Sub", "binary", "Sub"),
+    ("Mul", "binary", "Mul"),
+    ("Div", "binary", "Div"),
+    # -- linear algebra, convolution, pooling, normalisation -----------------------------------
+    # -- shape and data movement ------------------------------------------------------------
+    # -- more elementwise (math, logic, comparison) -------------------------------------------
+    # -- reductions and normalisation layers ----------------------------------------------------
+    # -- attention ------------------------------------------------------------------------------
 ]
 
 

@@ -1,0 +1,188 @@
+"""Loading and validating vkpool's YAML config, with file:line in every error.
+
+The schema is documented in ``docs/config.md``. Unknown keys, duplicate keys, malformed or
+negative sizes and zero splits are refused here; what needs the devices (a selector that
+matches nothing, a budget above the heap) is refused when the pool is built, still naming
+the file and line.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vkpool.units import parse_size
+
+SELECTOR_KEYS = ("index", "name", "vendor", "type", "uuid")
+DEVICE_TYPES = ("discrete", "integrated", "virtual", "cpu", "other")
+
+
+class ConfigError(ValueError):
+    """A config file is invalid: the message names the file, the line and the key."""
+
+
+@dataclass
+class Where:
+    """Source positions of the keys of a config file: ``where("devices[0].budget")``."""
+
+    path: str
+    lines: dict[str, int] = field(default_factory=dict)
+
+    def __call__(self, key: str) -> str:
+        line = self.lines.get(key)
+        while line is None and key:
+            key = key.rpartition(".")[0] if "." in key else ""
+            line = self.lines.get(key)
+        return f"{self.path}:{line}" if line else self.path
+
+    def error(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self(key)}: {key}: {message}")
+
+
+@dataclass
+class DeviceRule:
+    match: dict[str, Any]
+    split: int = 1
+    budget: list[str | int] | None = None
+    exclude: bool = False
+    key: str = ""  # e.g. "devices[1]": for error messages
+
+
+@dataclass
+class HostSettings:
+    enabled: bool = True
+    budget: str | int = "2GiB"
+
+
+@dataclass
+class Config:
+    devices: list[DeviceRule]
+    host: HostSettings
+    daemon: dict[str, Any]
+    where: Where
+
+    @property
+    def path(self) -> str:
+        return self.where.path
+
+
+def default_config_text() -> str:
+    return resources.files("vkpool.config").joinpath("default.yaml").read_text()
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    """Loads ``path``, else ``$VKPOOL_CONFIG``, else the default config shipped with vkpool."""
+    if path is None:
+        path = os.environ.get("VKPOOL_CONFIG") or None
+    if path is None:
+        return parse_config(default_config_text(), "<default config>")
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the config file: {exc.strerror}") from None
+    return parse_config(text, str(p))
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    where = Where(source)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{source}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    data = _to_python(root, "", where) if root is not None else {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the config must be a mapping with keys devices, host, daemon")
+    _only(data, ("devices", "host", "daemon"), "", where)
+    rules = _device_rules(data.get("devices") or [], where)
+    host = _host(data.get("host") or {}, where)
+    daemon = data.get("daemon") or {}
+    if not isinstance(daemon, dict):
+        raise where.error("daemon", "must be a mapping")
+    return Config(rules, host, daemon, where)
+
+
+def _only(mapping: dict[str, Any], allowed: tuple[str, ...], prefix: str, where: Where) -> None:
+    for key in mapping:
+        if key not in allowed:
+            full = f"{prefix}.{key}" if prefix else str(key)
+            raise where.error(full, f"unknown key {key!r} (allowed: {', '.join(allowed)})")
+
+
+def _device_rules(raw: Any, where: Where) -> list[DeviceRule]:
+    if not isinstance(raw, list):
+        raise where.error("devices", "must be a list of device rules")
+    rules = []
+    for i, item in enumerate(raw):
+        key = f"devices[{i}]"
+        if not isinstance(item, dict):
+            raise where.error(key, "a device rule is a mapping with match, split, budget, exclude")
+        _only(item, ("match", "split", "budget", "exclude"), key, where)
+        match = item.get("match")
+        if not isinstance(match, dict) or not match:
+            raise where.error(f"{key}.match", f"needs a mapping with one of {', '.join(SELECTOR_KEYS)}")
+        _only(match, SELECTOR_KEYS, f"{key}.match", where)
+        if "index" in match and (not isinstance(match["index"], int) or isinstance(match["index"], bool)
+                                 or match["index"] < 0):
+            raise where.error(f"{key}.match.index", "must be a device index (0, 1, ...)")
+        if "type" in match and str(match["type"]).lower() not in DEVICE_TYPES:
+            raise where.error(f"{key}.match.type", f"must be one of {', '.join(DEVICE_TYPES)}")
+        split = item.get("split", 1)
+        if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+            raise where.error(f"{key}.split", f"must be a whole number of members, 1 or more (got {split!r})")
+        exclude = item.get("exclude", False)
+        if not isinstance(exclude, bool):
+            raise where.error(f"{key}.exclude", "must be true or false")
+        budget = item.get("budget")
+        budgets: list[str | int] | None = None
+        if budget is not None:
+            budgets = list(budget) if isinstance(budget, list) else [budget]
+            if len(budgets) not in (1, split):
+                raise where.error(f"{key}.budget", f"give one budget or one per split member ({split})")
+            for j, b in enumerate(budgets):
+                _check_size(b, f"{key}.budget", where, allow_percent=True)
+        rules.append(DeviceRule(dict(match), split, budgets, exclude, key))
+    return rules
+
+
+def _host(raw: Any, where: Where) -> HostSettings:
+    if not isinstance(raw, dict):
+        raise where.error("host", "must be a mapping with enabled, budget")
+    _only(raw, ("enabled", "budget"), "host", where)
+    enabled = raw.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise where.error("host.enabled", "must be true or false")
+    budget = raw.get("budget", "2GiB")
+    _check_size(budget, "host.budget", where, allow_percent=False)
+    return HostSettings(enabled, budget)
+
+
+def _check_size(value: Any, key: str, where: Where, *, allow_percent: bool) -> None:
+    try:
+        parse_size(value, of=1 << 40 if allow_percent else None)
+    except ValueError as exc:
+        raise where.error(key, str(exc)) from None
+
+
+def _to_python(node: yaml.Node, path: str, where: Where) -> Any:
+    """Builds Python values from YAML nodes, recording each key's line, refusing duplicates."""
+    where.lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for knode, vnode in node.value:
+            key = yaml.SafeLoader("").construct_object(knode)
+            full = f"{path}.{key}" if path else str(key)
+            if key in out:
+                raise ConfigError(f"{where.path}:{knode.start_mark.line + 1}: {full}: duplicate key {key!r}")
+            where.lines[full] = knode.start_mark.line + 1
+            out[key] = _to_python(vnode, full, where)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_to_python(v, f"{path}[{i}]", where) for i, v in enumerate(node.value)]
+    return yaml.SafeLoader("").construct_object(node)

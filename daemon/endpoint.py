@@ -1,0 +1,108 @@
+"""Where the daemon listens, and the guards around binding there.
+
+- The default endpoint is an ``ipc://`` socket in ``$XDG_RUNTIME_DIR/vkpool/`` (else
+  ``~/.cache/vkpool/``): the directory is 0700 and the socket 0600, so only this user connects.
+- A second ``bind`` on an ipc path silently steals it from the first daemon, so a lock file
+  next to the socket refuses a second daemon; a socket left by a crashed daemon (lock free,
+  file present) is removed.
+- libzmq's ipc listener aborts the whole process when ``accept`` fails with EMFILE, so the
+  daemon raises its open-file limit at start and caps connections well below it.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import resource
+from pathlib import Path
+from typing import IO
+
+# Unix socket paths longer than this do not fit in sockaddr_un.sun_path.
+_MAX_IPC_PATH = 107
+# File descriptors kept free beyond the connection cap: pipes, log files, models, zmq internals.
+FD_RESERVE = 256
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot be used; the message says why and what to do."""
+
+
+def runtime_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return (Path(base) if base else Path.home() / ".cache") / "vkpool"
+
+
+def default_endpoint() -> str:
+    return f"ipc://{runtime_dir() / 'daemon.sock'}"
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+class EndpointLock:
+    """An exclusive ``flock`` on ``<socket>.lock``, held for the daemon's lifetime."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.path = socket_path.with_name(socket_path.name + ".lock")
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        if len(str(self.socket_path)) > _MAX_IPC_PATH:
+            raise EndpointError(f"ipc path {self.socket_path} is longer than {_MAX_IPC_PATH} "
+                                "characters; choose a shorter endpoint")
+        directory = self.socket_path.parent
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if directory == runtime_dir():
+            os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask and ignored if present
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        handle = os.fdopen(fd, "r+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            handle.seek(0)
+            owner = handle.read().strip() or "unknown"
+            handle.close()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise EndpointError(f"another vkpool daemon (pid {owner}) already serves "
+                                    f"ipc://{self.socket_path}; stop it with `vkpool stop` or choose "
+                                    "another --endpoint") from None
+            raise
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._file = handle
+        if self.socket_path.exists() or self.socket_path.is_symlink():
+            # The lock was free, so whoever made this socket is gone: a crashed daemon.
+            self.socket_path.unlink()
+
+    def release(self) -> None:
+        if self._file is None:
+            return
+        for path in (self.socket_path, self.path):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self._file.close()
+        self._file = None
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-file limit to the hard limit; return the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # keep the old limit; the connection cap below adapts to it
+    return soft
+
+
+def connection_cap(configured: int, fd_limit: int) -> int:
+    """The connection cap actually used: the configured one, lowered to fit the fd limit."""
+    return max(1, min(configured, fd_limit - FD_RESERVE))

@@ -1,0 +1,68 @@
+"""The daemon's view of the runtime: one device pool, sessions opened on it, error mapping.
+
+Everything the daemon asks of the engine goes through :class:`Engine`, so tests can hand the
+server another object with the same methods.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from vkpool.daemon.protocol import ProtocolViolation
+
+
+class Engine:
+    """vkpool's runtime: a :class:`vkpool.pool.DevicePool` shared by every loaded model."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    @classmethod
+    def from_config(cls, config: str | Path | None) -> "Engine":
+        from vkpool.pool import DevicePool
+
+        return cls(DevicePool.from_config(config))
+
+    def members(self) -> list[dict[str, Any]]:
+        return [{"id": m.id, "kind": m.kind, "budget_bytes": int(m.budget_bytes),
+                 "used_bytes": int(m.used_bytes)} for m in self.pool.members]
+
+    def has_member(self, member: str) -> bool:
+        return any(m.id == member for m in self.pool.members)
+
+    def budget_of(self, member: str) -> int:
+        return int(self.pool.member(member).budget_bytes)
+
+    def open(self, source: Path | bytes) -> Any:
+        import vkpool
+
+        return vkpool.Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool)
+
+    def set_budget(self, member: str, nbytes: int) -> None:
+        self.pool.set_budget(member, nbytes)
+
+    def what_if(self, source: Path | bytes, budgets: Mapping[str, int]) -> Any:
+        """The plan this model would get under ``budgets``, without allocating anything."""
+        from vkpool.partition import plan_for  # noqa: F401  (resolved when the planner lands)
+
+        return plan_for(source, self.pool, budgets)
+
+
+def classify(exc: BaseException) -> ProtocolViolation:
+    """The error reply for an exception raised by the engine."""
+    if isinstance(exc, ProtocolViolation):
+        return exc
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    message = str(exc) or type(exc).__name__
+    if "ModelError" in names:
+        return ProtocolViolation("ModelError", message)
+    if "UnsupportedOp" in names:
+        return ProtocolViolation("UnsupportedOp", message)
+    if "PartitionUnfeasible" in names or "DeviceOutOfMemory" in names:
+        details = {k: getattr(exc, k) for k in ("member", "requested", "used", "budget")
+                   if isinstance(getattr(exc, k, None), (int, str))}
+        return ProtocolViolation("InsufficientMemory", message, details)
+    if isinstance(exc, FileNotFoundError | IsADirectoryError | PermissionError):
+        return ProtocolViolation("FileNotFound", f"the daemon cannot read {exc.filename}: {exc.strerror}",
+                                 {"path": str(exc.filename)})
+    return ProtocolViolation("EngineError", f"{type(exc).__name__}: {message}")

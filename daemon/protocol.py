@@ -1,0 +1,383 @@
+"""The vkpool wire protocol: the single source of truth.
+
+Every message is a ZeroMQ multipart message (the layout follows jupyter_client's):
+
+    [routing frames...] DELIMITER header content [raw frame...]
+
+- routing frames are added by ROUTER sockets (a DEALER client sends none);
+- ``DELIMITER`` is the fixed frame ``b"<VKPOOL>"``;
+- ``header`` is a msgpack map: ``v`` (protocol version), ``id`` (request id, chosen by the
+  client, unique per client), ``type`` (``<action>_request`` / ``<action>_reply``) and, on
+  replies, ``status`` (``ok`` or ``error``);
+- ``content`` is a msgpack map whose fields are listed in :data:`MESSAGES`;
+- raw frames carry binary data (tensor bytes, model bytes). Binary data is never put inside
+  msgpack: a tensor is described in the content by ``{name, dtype, shape}`` and its bytes are
+  the raw frame at the same position.
+
+``docs/protocol.md`` embeds :func:`render_markdown`; a test keeps the two identical.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+DELIMITER = b"<VKPOOL>"
+
+#: dtypes a tensor may travel as (little-endian numpy names).
+DTYPES: tuple[str, ...] = (
+    "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64", "bool",
+)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str  # str | int | float | number | bool | list | map | any
+    required: bool
+    doc: str
+    nullable: bool = False
+
+
+@dataclass(frozen=True)
+class Message:
+    action: str
+    doc: str
+    request: tuple[Field, ...]
+    reply: tuple[Field, ...]
+    request_frames: str = "none"
+    reply_frames: str = "none"
+    control: bool = False  # answered by the I/O thread, never queued behind compute
+
+
+def _f(name: str, kind: str, doc: str, *, required: bool = True, nullable: bool = False) -> Field:
+    return Field(name, kind, required, doc, nullable)
+
+
+_TENSOR_LIST = "list of `{name, dtype, shape}`, one per raw frame, in frame order"
+_MODEL_INFO = (
+    "`{id, name, inputs, outputs, memory_by_member, members, refs, keep_alive, idle_s, queued, "
+    "running, done}`; `inputs`/`outputs` are lists of `{name, shape, type, dtype}`"
+)
+
+MESSAGES: dict[str, Message] = {m.action: m for m in (
+    Message("hello", "Handshake: checks the version and returns the daemon's limits.",
+            request=(_f("client", "str", "free-form client name for logs", required=False),),
+            reply=(_f("server_version", "str", "vkpool version of the daemon"),
+                   _f("protocol_version", "int", "the daemon's protocol version"),
+                   _f("pid", "int", "daemon process id"),
+                   _f("limits", "map", "`{max_message_bytes, max_frames, queue_limit}`")),
+            control=True),
+    Message("devices", "The pool members with their budgets and use.",
+            request=(),
+            reply=(_f("members", "list", "list of `{id, kind, budget_bytes, used_bytes}`"),),
+            control=True),
+    Message("load_model", "Loads a model (or shares the already loaded copy with the same content) "
+            "and takes a reference for this client.",
+            request=(_f("path", "str", "path on the daemon's file system; omit to send bytes",
+                        required=False, nullable=True),
+                     _f("name", "str", "display name", required=False, nullable=True),
+                     _f("keep_alive", "number", "seconds the model stays loaded once unused; "
+                        "negative = forever; default from the config", required=False, nullable=True)),
+            reply=(_f("model", "map", _MODEL_INFO),
+                   _f("shared", "bool", "true when the model was already loaded")),
+            request_frames="one frame with the ONNX bytes when `path` is absent"),
+    Message("list_models", "The loaded models, where each lives and its memory per member.",
+            request=(),
+            reply=(_f("models", "list", "list of " + _MODEL_INFO),),
+            control=True),
+    Message("plan", "The plan of a loaded model, or what it would be under other budgets.",
+            request=(_f("model", "str", "model id"),
+                     _f("budgets", "map", "what-if budgets `{member: bytes or size string}`",
+                        required=False, nullable=True)),
+            reply=(_f("text", "str", "the plan rendered as text"),
+                   _f("plan", "map", "the plan as JSON")),
+            ),
+    Message("infer", "Runs a loaded model on the given inputs.",
+            request=(_f("model", "str", "model id"),
+                     _f("inputs", "list", _TENSOR_LIST),
+                     _f("outputs", "list", "wanted output names; null = all", required=False,
+                        nullable=True),
+                     _f("priority", "int", "higher runs first within a client's queue", required=False),
+                     _f("timeout", "number", "seconds from acceptance; null = the config default",
+                        required=False, nullable=True)),
+            reply=(_f("outputs", "list", _TENSOR_LIST),
+                   _f("queue_s", "float", "seconds spent queued"),
+                   _f("run_s", "float", "seconds spent running")),
+            request_frames="one per input tensor", reply_frames="one per output tensor"),
+    Message("cancel", "Cancels a queued or running infer of this client.",
+            request=(_f("request_id", "str", "id of the infer request"),),
+            reply=(_f("cancelled", "bool", "true when the infer was answered `Cancelled`"),
+                   _f("state", "str", "`queued`, `running` or `unknown` (finished or never seen)")),
+            control=True),
+    Message("unload_model", "Drops this client's reference; the model is freed once unused for its "
+            "keep-alive.",
+            request=(_f("model", "str", "model id"),),
+            reply=(_f("model", "str", "model id"),
+                   _f("refs", "int", "references left (all clients)"),
+                   _f("unloaded", "bool", "true when the model's memory was freed now"))),
+    Message("set_budget", "Changes a member's budget at run time; affected models are re-planned, "
+            "or the change is refused with the reason.",
+            request=(_f("member", "str", "pool member id"),
+                     _f("size", "any", "bytes (int) or a size string such as `512MiB`")),
+            reply=(_f("member", "str", "pool member id"),
+                   _f("budget_bytes", "int", "the new budget"),
+                   _f("replanned", "list", "ids of the models re-planned"))),
+    Message("status", "Members, models, queue depths, counters, throughput and latency.",
+            request=(),
+            reply=(_f("uptime_s", "float", "seconds since start"),
+                   _f("members", "list", "as in `devices`"),
+                   _f("models", "list", "as in `list_models`"),
+                   _f("queues", "map", "`{model id: queued jobs}`"),
+                   _f("counters", "map", "`{accepted, ok, error, client_gone, in_flight, dropped, "
+                      "busy, connections}`; accepted = ok + error + client_gone + in_flight"),
+                   _f("jobs_per_s", "float", "infer replies per second over the last minute"),
+                   _f("latency_ms", "map", "`{p50, p90, p99}` of infer latency over the last 1000 jobs"),
+                   _f("draining", "bool", "true once shutdown began")),
+            control=True),
+    Message("shutdown", "Stops accepting, drains in-flight jobs within the drain deadline, exits.",
+            request=(),
+            reply=(_f("draining", "bool", "always true"),
+                   _f("in_flight", "int", "jobs being drained")),
+            control=True),
+)}
+
+#: error type -> when it is sent. The client raises the exception class of the same name.
+ERROR_TYPES: dict[str, str] = {
+    "ProtocolError": "the frames could not be decoded (missing delimiter, bad msgpack, bad header)",
+    "VersionMismatch": "the header's protocol version is not the daemon's",
+    "UnknownRequest": "the header's type names no request",
+    "InvalidRequest": "a content field is missing, unknown or of the wrong type",
+    "InvalidTensor": "a tensor's dtype, shape, name or byte size is wrong, or the frame count differs",
+    "MessageTooLarge": "the message exceeds `max_message_bytes` or `max_frames`",
+    "Busy": "the queue is full; retry later",
+    "TooManyConnections": "the daemon is at `max_connections`; close idle clients",
+    "Timeout": "the job did not finish within its timeout",
+    "Cancelled": "the job was cancelled by its client",
+    "ShuttingDown": "the daemon is stopping and no longer accepts, or could not drain, this job",
+    "UnknownModel": "no loaded model has this id (or this client holds no reference to it)",
+    "ModelError": "the file is not a valid ONNX model or its external data is unsafe",
+    "UnsupportedOp": "the model uses an op vkpool has no kernel for",
+    "InsufficientMemory": "the model does not fit the remaining budgets",
+    "BudgetRefused": "a budget change was refused",
+    "UnknownMember": "no pool member has this id",
+    "FileNotFound": "the model path cannot be read by the daemon",
+    "EngineError": "the engine failed while running the job",
+    "InternalError": "a bug in the daemon; the message says what failed",
+}
+
+
+class ProtocolViolation(Exception):
+    """A message that breaks the protocol; ``type`` is one of :data:`ERROR_TYPES`."""
+
+    def __init__(self, type_: str, message: str, details: Mapping[str, Any] | None = None) -> None:
+        assert type_ in ERROR_TYPES, type_
+        super().__init__(message)
+        self.type = type_
+        self.message = message
+        self.details = dict(details or {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing.
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes | memoryview) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated classes
+        raise ProtocolViolation("ProtocolError", f"frame is not valid msgpack: {exc}") from None
+
+
+def request_header(action: str, request_id: str) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "type": f"{action}_request"}
+
+
+def reply_header(action: str | None, request_id: str | None, status: str) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": request_id,
+            "type": f"{action}_reply" if action else "error_reply", "status": status}
+
+
+def encode(header: Mapping[str, Any], content: Mapping[str, Any],
+           frames: Sequence[Any] = ()) -> list[Any]:
+    """The frames of one message after the routing frames."""
+    return [DELIMITER, pack(dict(header)), pack(dict(content)), *frames]
+
+
+def split_routing(frames: Sequence[Any]) -> tuple[list[bytes], list[Any]]:
+    """Split ``[routing..., DELIMITER, rest...]``; frames may be bytes or zmq.Frame."""
+    for i, frame in enumerate(frames):
+        if _bytes(frame) == DELIMITER:
+            return [_bytes(f) for f in frames[:i]], list(frames[i + 1:])
+    raise ProtocolViolation("ProtocolError", "no <VKPOOL> delimiter frame")
+
+
+def _bytes(frame: Any) -> bytes:
+    return frame if isinstance(frame, bytes) else frame.bytes
+
+
+def _buffer(frame: Any) -> memoryview:
+    return memoryview(frame) if isinstance(frame, (bytes, bytearray, memoryview)) else frame.buffer
+
+
+def decode_request(frames: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """Header, validated content and raw frames of a request (frames after the delimiter)."""
+    if len(frames) < 2:
+        raise ProtocolViolation("ProtocolError", f"expected header and content frames, got {len(frames)} frame(s)")
+    header = unpack(_buffer(frames[0]))
+    if not isinstance(header, dict):
+        raise ProtocolViolation("ProtocolError", "header is not a map")
+    request_id = header.get("id")
+    if not isinstance(request_id, str) or not request_id:
+        raise ProtocolViolation("ProtocolError", "header field `id` must be a non-empty string")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolViolation("VersionMismatch", f"protocol version {version!r} is not supported; "
+                                f"this daemon speaks version {PROTOCOL_VERSION}",
+                                {"expected": PROTOCOL_VERSION, "got": version})
+    kind = header.get("type")
+    action = kind[: -len("_request")] if isinstance(kind, str) and kind.endswith("_request") else None
+    if action not in MESSAGES:
+        raise ProtocolViolation("UnknownRequest", f"unknown request type {kind!r}",
+                                {"known": sorted(f"{a}_request" for a in MESSAGES)})
+    content = unpack(_buffer(frames[1]))
+    if not isinstance(content, dict):
+        raise ProtocolViolation("InvalidRequest", "content is not a map")
+    validate(MESSAGES[action].request, content, f"{action}_request")
+    return header, content, list(frames[2:])
+
+
+def action_of(header: Mapping[str, Any]) -> str | None:
+    kind = header.get("type")
+    if isinstance(kind, str):
+        for suffix in ("_request", "_reply"):
+            if kind.endswith(suffix) and kind[: -len(suffix)] in MESSAGES:
+                return kind[: -len(suffix)]
+    return None
+
+
+_KIND_CHECKS: dict[str, Any] = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "list": lambda v: isinstance(v, list),
+    "map": lambda v: isinstance(v, dict),
+    "any": lambda v: True,
+}
+
+
+def validate(fields: Iterable[Field], content: Mapping[str, Any], where: str) -> None:
+    """Check required fields, types and that no unknown field is present."""
+    fields = tuple(fields)
+    known = {f.name for f in fields}
+    unknown = sorted(set(content) - known)
+    if unknown:
+        raise ProtocolViolation("InvalidRequest", f"{where}: unknown field(s) {unknown}",
+                                {"unknown": unknown, "allowed": sorted(known)})
+    for f in fields:
+        if f.name not in content:
+            if f.required:
+                raise ProtocolViolation("InvalidRequest", f"{where}: missing field `{f.name}`",
+                                        {"field": f.name})
+            continue
+        value = content[f.name]
+        if value is None and (f.nullable or not f.required):
+            continue
+        if not _KIND_CHECKS[f.kind](value):
+            raise ProtocolViolation("InvalidRequest", f"{where}: field `{f.name}` must be {f.kind}, "
+                                    f"got {type(value).__name__}", {"field": f.name, "expected": f.kind})
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors.
+
+def tensor_meta(name: str, array: np.ndarray) -> dict[str, Any]:
+    return {"name": name, "dtype": array.dtype.name, "shape": list(array.shape)}
+
+
+def tensor_frames(named: Sequence[tuple[str, np.ndarray]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Metadata and zero-copy frames; non-contiguous arrays are made contiguous once, here."""
+    metas, frames = [], []
+    for name, array in named:
+        array = np.asarray(array)
+        if array.dtype.name not in DTYPES:
+            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: dtype {array.dtype} cannot travel; "
+                                    f"allowed: {', '.join(DTYPES)}", {"tensor": name, "dtype": str(array.dtype)})
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        array = np.ascontiguousarray(array)
+        metas.append(tensor_meta(name, array))
+        frames.append(memoryview(array.reshape(-1).view(np.uint8)) if array.size else b"")
+    return metas, frames
+
+
+def decode_tensors(metas: Any, frames: Sequence[Any], what: str) -> dict[str, np.ndarray]:
+    """Zero-copy (read-only) arrays over the raw frames, checked against their metadata."""
+    if not isinstance(metas, list):
+        raise ProtocolViolation("InvalidRequest", f"`{what}` must be a list of tensor descriptions")
+    if len(metas) != len(frames):
+        raise ProtocolViolation("InvalidTensor", f"{len(metas)} tensor(s) described in `{what}` but "
+                                f"{len(frames)} raw frame(s) sent", {"described": len(metas), "frames": len(frames)})
+    out: dict[str, np.ndarray] = {}
+    for i, (meta, frame) in enumerate(zip(metas, frames)):
+        if not isinstance(meta, dict) or set(meta) != {"name", "dtype", "shape"}:
+            raise ProtocolViolation("InvalidTensor", f"`{what}[{i}]` must be a map with exactly name, dtype, shape",
+                                    {"index": i})
+        name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
+        if not isinstance(name, str) or name in out:
+            raise ProtocolViolation("InvalidTensor", f"`{what}[{i}]`: name must be a unique string", {"index": i})
+        if dtype not in DTYPES:
+            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: unknown dtype {dtype!r}",
+                                    {"tensor": name, "dtype": dtype, "allowed": list(DTYPES)})
+        if (not isinstance(shape, list) or len(shape) > 32
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: shape must be a list of "
+                                    f"non-negative ints", {"tensor": name, "shape": repr(shape)[:200]})
+        buffer = _buffer(frame)
+        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if buffer.nbytes != expected:
+            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: {dtype}{shape} needs {expected} bytes, "
+                                    f"frame has {buffer.nbytes}",
+                                    {"tensor": name, "expected_bytes": expected, "got_bytes": buffer.nbytes})
+        out[name] = np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Documentation.
+
+def render_markdown() -> str:
+    """The reference part of ``docs/protocol.md``: every message, its fields, every error type."""
+    lines = [f"Protocol version: **{PROTOCOL_VERSION}**. Delimiter frame: `{DELIMITER.decode()}`.", "",
+             "Tensor dtypes: " + ", ".join(f"`{d}`" for d in DTYPES) + ".", ""]
+    for m in MESSAGES.values():
+        lines += [f"### `{m.action}`", "", m.doc + (" Control: answered while compute is busy."
+                                                   if m.control else ""), ""]
+        for side, fields, frames in (("request", m.request, m.request_frames),
+                                     ("reply", m.reply, m.reply_frames)):
+            lines.append(f"`{m.action}_{side}` content:")
+            lines.append("")
+            if fields:
+                lines += ["| field | type | required | meaning |", "|---|---|---|---|"]
+                for f in fields:
+                    kind = f.kind + (" or null" if f.nullable else "")
+                    lines.append(f"| `{f.name}` | {kind} | {'yes' if f.required else 'no'} | {f.doc} |")
+            else:
+                lines.append("(empty map)")
+            lines += ["", f"Raw frames: {frames}.", ""]
+    lines += ["### Error types", "", "| type | sent when |", "|---|---|"]
+    lines += [f"| `{name}` | {doc} |" for name, doc in ERROR_TYPES.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")

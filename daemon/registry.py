@@ -1,0 +1,193 @@
+"""Loaded models: identified by content hash, shared, reference-counted per client.
+
+A model loaded twice (by path or by bytes, by one client or several) is one entry with one
+engine session. Each client holds references; when none is left and the model has had no job
+for its keep-alive (as Ollama's ``keep_alive``), the daemon frees it.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vkpool.daemon.protocol import ProtocolViolation
+
+
+def content_id(source: Path | bytes) -> str:
+    """sha256 of the model bytes and, for a path, of the external data files it names.
+
+    External locations that leave the model's folder are refused here, before anything reads
+    them (the engine refuses them too).
+    """
+    digest = hashlib.sha256()
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        digest.update(source)
+        return digest.hexdigest()
+    data = source.read_bytes()
+    digest.update(data)
+    for location in _external_locations(data):
+        digest.update(location.encode())
+        with open(_inside(source.parent.resolve(), location), "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _external_locations(data: bytes) -> list[str]:
+    import onnx  # only path loads pay for importing onnx
+
+    try:
+        proto = onnx.load_model_from_string(data, load_external_data=False)
+    except Exception:
+        return []  # not ONNX: the engine says so with its own message
+    found: list[str] = []
+    tensors = list(proto.graph.initializer)
+    for node in proto.graph.node:
+        tensors += [a.t for a in node.attribute if a.HasField("t")]
+    for tensor in tensors:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = {e.key: e.value for e in tensor.external_data}.get("location", "")
+            if location not in found:
+                found.append(location)
+    return found
+
+
+def _inside(base: Path, location: str) -> Path:
+    rel = Path(location)
+    resolved = (base / rel).resolve()
+    if not location or rel.is_absolute() or ".." in rel.parts or not resolved.is_relative_to(base):
+        raise ProtocolViolation("ModelError", f"external data {location!r} lies outside the model's "
+                                f"folder {base}", {"location": location, "folder": str(base)})
+    return resolved
+
+
+def describe_values(values: Any) -> list[dict[str, Any]]:
+    return [{"name": v.name, "shape": [d if isinstance(d, int) else str(d) for d in v.shape],
+             "type": v.type, "dtype": str(v.dtype)} for v in values]
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    id: str
+    name: str
+    source: Path | bytes
+    session: Any
+    keep_alive: float
+    refs: Counter[bytes] = field(default_factory=Counter)
+    last_used: float = field(default_factory=time.monotonic)
+    # Workers hold it shared while running; a re-plan holds it exclusively to swap the session.
+    gate: "SharedGate" = field(default_factory=lambda: SharedGate())
+
+    def __post_init__(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Cache what the I/O thread needs, so it never calls into a session being replaced."""
+        self.inputs = describe_values(self.session.get_inputs())
+        self.outputs = describe_values(self.session.get_outputs())
+        self.input_specs = {i["name"]: i for i in self.inputs}
+        self.output_names = [o["name"] for o in self.outputs]
+        self.memory = {k: int(v) for k, v in self.session.memory_by_member().items()}
+
+    def info(self, queued: int = 0, running: int = 0, done: int = 0) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "inputs": self.inputs, "outputs": self.outputs,
+                "memory_by_member": self.memory, "members": sorted(m for m, n in self.memory.items() if n),
+                "refs": sum(self.refs.values()), "keep_alive": self.keep_alive,
+                "idle_s": round(time.monotonic() - self.last_used, 3),
+                "queued": queued, "running": running, "done": done}
+
+
+class SharedGate:
+    """A readers-writer lock: many jobs run at once; a re-plan waits for them and excludes them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    def acquire_shared(self) -> None:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def acquire_exclusive(self) -> None:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._writer = True
+            while self._readers:
+                self._cond.wait()
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+class Registry:
+    """Model entries by id; every method is safe to call from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: dict[str, ModelEntry] = {}
+
+    def get(self, model_id: str) -> ModelEntry | None:
+        with self._lock:
+            return self._models.get(model_id)
+
+    def all(self) -> list[ModelEntry]:
+        with self._lock:
+            return list(self._models.values())
+
+    def add(self, entry: ModelEntry) -> None:
+        with self._lock:
+            self._models[entry.id] = entry
+
+    def remove(self, model_id: str) -> ModelEntry | None:
+        with self._lock:
+            return self._models.pop(model_id, None)
+
+    def take_ref(self, entry: ModelEntry, client: bytes, keep_alive: float | None) -> None:
+        with self._lock:
+            entry.refs[client] += 1
+            if keep_alive is not None:
+                entry.keep_alive = keep_alive
+            entry.last_used = time.monotonic()
+
+    def drop_ref(self, entry: ModelEntry, client: bytes) -> bool:
+        """Drop one reference of ``client``; False when it held none."""
+        with self._lock:
+            if entry.refs[client] <= 0:
+                return False
+            entry.refs[client] -= 1
+            if entry.refs[client] == 0:
+                del entry.refs[client]
+            entry.last_used = time.monotonic()
+            return True
+
+    def drop_client(self, client: bytes) -> list[ModelEntry]:
+        """Drop every reference of a client that left; the entries it held."""
+        with self._lock:
+            held = [e for e in self._models.values() if client in e.refs]
+            for entry in held:
+                del entry.refs[client]
+                entry.last_used = time.monotonic()
+            return held
+
+    def holds(self, entry: ModelEntry, client: bytes) -> bool:
+        with self._lock:
+            return entry.refs.get(client, 0) > 0
+
+    def unreferenced(self) -> list[ModelEntry]:
+        with self._lock:
+            return [e for e in self._models.values() if not e.refs]

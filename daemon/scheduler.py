@@ -1,0 +1,249 @@
+"""Per-model job queues, fair across clients, bounded, with timeouts and cancellation.
+
+Each loaded model has a :class:`ModelQueue` and a few worker threads. A queue keeps one
+priority heap per client and serves clients round-robin, so a client that floods a model
+with jobs delays only its own jobs. Queues are bounded (per model and in total): a job
+that does not fit is refused with ``Busy`` instead of growing memory.
+
+The engine's ``run`` releases the GIL inside its C calls, so while workers wait on devices
+the I/O thread keeps receiving, decoding and replying.
+
+A job is finished exactly once (:meth:`Job.finish`): by its worker, by a timeout, by a
+cancel, by its client leaving or by shutdown, whichever comes first; later attempts are
+ignored, so every accepted job gets one reply.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+log = logging.getLogger("vkpool.daemon")
+
+_sequence = itertools.count()
+
+
+@dataclass(eq=False)
+class Job:
+    client: bytes
+    request_id: str
+    model_id: str
+    feeds: dict[str, np.ndarray]
+    outputs: list[str] | None
+    priority: int
+    deadline: float | None          # time.monotonic() value
+    finish_cb: Callable[["Job", str, dict[str, Any], list[Any]], None]
+    accepted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    state: str = "queued"           # queued -> running -> done
+    seq: int = field(default_factory=lambda: next(_sequence))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish(self, status: str, content: dict[str, Any], frames: list[Any] | None = None) -> bool:
+        """Reply once; returns False when the job was already answered."""
+        with self._lock:
+            if self.state == "done":
+                return False
+            self.state = "done"
+        self.finish_cb(self, status, content, frames or [])
+        return True
+
+    def fail(self, error_type: str, message: str, details: dict[str, Any] | None = None) -> bool:
+        return self.finish("error", {"type": error_type, "message": message, "details": details or {}})
+
+
+class Busy(Exception):
+    """A queue is full; the message says which limit."""
+
+
+class ModelQueue:
+    """Jobs of one model: a heap per client, clients served round-robin."""
+
+    def __init__(self, model_id: str, limit: int) -> None:
+        self.model_id = model_id
+        self.limit = limit
+        self._heaps: dict[bytes, list[tuple[int, int, Job]]] = {}
+        self._rotation: deque[bytes] = deque()
+        self.size = 0
+        self.running = 0
+        self.done = 0
+
+    def push(self, job: Job) -> None:
+        heap = self._heaps.get(job.client)
+        if heap is None:
+            heap = self._heaps[job.client] = []
+            self._rotation.append(job.client)
+        heapq.heappush(heap, (-job.priority, job.seq, job))
+        self.size += 1
+
+    def pop(self) -> Job | None:
+        """The next job: the highest head priority, first client in rotation order among ties."""
+        while self._rotation:
+            best = max(-self._heaps[c][0][0] for c in self._rotation)
+            for _ in range(len(self._rotation)):
+                client = self._rotation[0]
+                self._rotation.rotate(-1)  # served (or skipped) clients go to the back
+                heap = self._heaps[client]
+                if -heap[0][0] == best:
+                    _, _, job = heapq.heappop(heap)
+                    self.size -= 1
+                    if not heap:
+                        del self._heaps[client]
+                        self._rotation.remove(client)
+                    if job.state == "queued":
+                        return job
+                    break  # a cancelled or expired job: look again
+            else:
+                raise AssertionError("no client has the best priority")
+        return None
+
+    def remove(self, predicate: Callable[[Job], bool]) -> list[Job]:
+        removed: list[Job] = []
+        for client in list(self._heaps):
+            heap = self._heaps[client]
+            keep = [item for item in heap if not predicate(item[2])]
+            removed += [item[2] for item in heap if predicate(item[2])]
+            if keep:
+                heapq.heapify(keep)
+                self._heaps[client] = keep
+            else:
+                del self._heaps[client]
+                self._rotation.remove(client)
+        self.size -= len(removed)
+        return removed
+
+    def jobs(self) -> list[Job]:
+        return [item[2] for heap in self._heaps.values() for item in heap]
+
+
+class Scheduler:
+    """All model queues, their worker threads, and the job index used by cancel and timeouts."""
+
+    def __init__(self, *, queue_limit: int, max_queued: int, workers_per_model: int,
+                 run_job: Callable[[Job], None]) -> None:
+        self.queue_limit = queue_limit
+        self.max_queued = max_queued
+        self.workers_per_model = workers_per_model
+        self._run_job = run_job
+        self._cond = threading.Condition()
+        self._queues: dict[str, ModelQueue] = {}
+        self._workers: dict[str, list[threading.Thread]] = {}
+        self._index: dict[tuple[bytes, str], Job] = {}  # queued or running jobs
+        self._closing: set[str] = set()
+
+    # -- models -------------------------------------------------------------------------------
+    def add_model(self, model_id: str) -> None:
+        with self._cond:
+            if model_id in self._queues:
+                return
+            self._queues[model_id] = ModelQueue(model_id, self.queue_limit)
+            threads = [threading.Thread(target=self._worker, args=(model_id,), daemon=True,
+                                        name=f"vkpool-worker-{model_id[:8]}-{i}")
+                       for i in range(self.workers_per_model)]
+            self._workers[model_id] = threads
+        for thread in threads:
+            thread.start()
+
+    def remove_model(self, model_id: str) -> None:
+        """Stop the model's workers once its running jobs are done (call with nothing queued)."""
+        with self._cond:
+            self._closing.add(model_id)
+            self._cond.notify_all()
+            threads = self._workers.pop(model_id, [])
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        with self._cond:
+            self._queues.pop(model_id, None)
+            self._closing.discard(model_id)
+
+    def active(self, model_id: str) -> int:
+        """Queued plus running jobs of a model."""
+        with self._cond:
+            queue = self._queues.get(model_id)
+            return 0 if queue is None else queue.size + queue.running
+
+    # -- jobs ---------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            queue = self._queues[job.model_id]
+            if queue.size >= queue.limit:
+                raise Busy(f"model {job.model_id[:12]} has {queue.size} queued jobs (queue_limit "
+                           f"{queue.limit}); retry later")
+            total = sum(q.size for q in self._queues.values())
+            if total >= self.max_queued:
+                raise Busy(f"{total} jobs queued over all models (max_queued_jobs {self.max_queued}); "
+                           "retry later")
+            queue.push(job)
+            self._index[(job.client, job.request_id)] = job
+            self._cond.notify_all()
+
+    def find(self, client: bytes, request_id: str) -> Job | None:
+        with self._cond:
+            return self._index.get((client, request_id))
+
+    def forget(self, job: Job) -> None:
+        with self._cond:
+            if self._index.get((job.client, job.request_id)) is job:
+                del self._index[(job.client, job.request_id)]
+
+    def pending(self, predicate: Callable[[Job], bool]) -> list[Job]:
+        with self._cond:
+            return [job for job in self._index.values() if predicate(job)]
+
+    def drop_queued(self, predicate: Callable[[Job], bool]) -> list[Job]:
+        """Take queued jobs matching ``predicate`` out of their queues (the caller answers them)."""
+        with self._cond:
+            removed = [job for q in self._queues.values() for job in q.remove(predicate)]
+            for job in removed:
+                self._index.pop((job.client, job.request_id), None)
+            return removed
+
+    def depths(self) -> dict[str, int]:
+        with self._cond:
+            return {model_id: q.size for model_id, q in self._queues.items()}
+
+    def counts(self, model_id: str) -> tuple[int, int, int]:
+        with self._cond:
+            q = self._queues.get(model_id)
+            return (0, 0, 0) if q is None else (q.size, q.running, q.done)
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._index)
+
+    # -- workers ------------------------------------------------------------------------------
+    def _worker(self, model_id: str) -> None:
+        while True:
+            with self._cond:
+                queue = self._queues[model_id]
+                job = queue.pop()
+                while job is None:
+                    if model_id in self._closing:
+                        return
+                    self._cond.wait()
+                    job = queue.pop()
+                with job._lock:
+                    if job.state != "queued":
+                        continue
+                    job.state = "running"
+                job.started_at = time.monotonic()
+                queue.running += 1
+            try:
+                self._run_job(job)
+            except Exception as exc:  # the run callback answers errors itself; this is a bug
+                log.exception("job %s crashed the worker callback", job.request_id)
+                job.fail("InternalError", f"worker failed: {type(exc).__name__}: {exc}")
+            finally:
+                with self._cond:
+                    queue.running -= 1
+                    queue.done += 1
+                    self._index.pop((job.client, job.request_id), None)
+                    self._cond.notify_all()

@@ -1,0 +1,160 @@
+"""The ``daemon:`` section of the config file: schema, defaults and validation.
+
+The config loader hands us the raw mapping and a ``where(key)`` that names the key's place in
+the file for error messages (``"vkpool.yaml: daemon.queue_limit"``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+
+class SettingsError(ValueError):
+    """A bad value in the ``daemon:`` section; the message names the key and the reason."""
+
+
+@dataclass(frozen=True)
+class CurveSettings:
+    """CURVE keys for a TCP endpoint (files written by ``zmq.auth.create_certificates``)."""
+
+    server_secret_key: Path
+    authorized_keys_dir: Path
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    endpoint: str | None = None          # None: ipc:// socket in the user's runtime directory
+    max_connections: int = 4096          # clients beyond this get TooManyConnections
+    queue_limit: int = 256               # queued jobs per model before Busy
+    max_queued_jobs: int = 4096          # queued jobs over all models before Busy
+    max_message_bytes: int = 256 << 20   # total size of one request
+    max_frames: int = 1024               # frames in one request
+    keep_alive: float = 300.0            # seconds an unused model stays loaded; < 0 = forever
+    job_timeout: float | None = 300.0    # default infer timeout (seconds); None = no limit
+    drain_deadline: float = 30.0         # seconds SIGTERM waits for in-flight jobs
+    evict_idle: bool = False             # free unused models to admit a load that does not fit
+    workers_per_model: int = 2           # engine calls in flight per model
+    replay_window: int = 1024            # remembered replies per daemon for retried request ids
+    log_file: Path | None = None
+    log_level: str = "INFO"
+    curve: CurveSettings | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None,
+                  where: Callable[[str], str] = lambda key: f"daemon.{key}") -> "DaemonSettings":
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        for key in raw:
+            if key not in known:
+                raise SettingsError(f"{where(key)}: unknown key; known keys: {', '.join(sorted(known))}")
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            parse = _PARSERS[key]
+            try:
+                values[key] = parse(value)
+            except (TypeError, ValueError) as exc:
+                raise SettingsError(f"{where(key)}: {exc}") from None
+        settings = cls(**values)
+        if settings.endpoint and settings.endpoint.startswith("tcp://") and settings.curve is None:
+            raise SettingsError(
+                f"{where('endpoint')}: a TCP endpoint needs CURVE keys (daemon.curve.server_secret_key "
+                "and daemon.curve.authorized_keys_dir): plain TCP would let anyone on the network "
+                "load files and run jobs as this user")
+        return settings
+
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_SCALE = {None: 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as ``"30s"``, ``"5m"``, ``"1h"``."""
+    if isinstance(value, bool):
+        raise TypeError("expected a duration, got a boolean")
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = _DURATION.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a duration (examples: 30, \"30s\", \"5m\", \"1h\")")
+    return float(match.group(1)) * _DURATION_SCALE[match.group(2)]
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _size(value: Any) -> int:
+    from vkpool.units import parse_size
+
+    size = value if isinstance(value, int) and not isinstance(value, bool) else parse_size(str(value))
+    if size < 1:
+        raise ValueError(f"expected a positive size, got {value!r}")
+    return size
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _endpoint(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(("ipc://", "tcp://")):
+        raise ValueError(f"expected an ipc:// or tcp:// endpoint, got {value!r}")
+    return value
+
+
+def _optional_duration(value: Any) -> float | None:
+    return None if value is None else _non_negative(parse_duration(value))
+
+
+def _non_negative(seconds: float) -> float:
+    if seconds < 0:
+        raise ValueError(f"expected a non-negative duration, got {seconds}")
+    return seconds
+
+
+def _log_level(value: Any) -> str:
+    level = str(value).upper()
+    if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ValueError(f"expected DEBUG, INFO, WARNING or ERROR, got {value!r}")
+    return level
+
+
+def _curve(value: Any) -> CurveSettings | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"server_secret_key", "authorized_keys_dir"}:
+        raise ValueError("expected a map with exactly server_secret_key and authorized_keys_dir")
+    secret = Path(value["server_secret_key"]).expanduser()
+    keys_dir = Path(value["authorized_keys_dir"]).expanduser()
+    if not secret.is_file():
+        raise ValueError(f"server_secret_key {secret} is not a file")
+    if not keys_dir.is_dir():
+        raise ValueError(f"authorized_keys_dir {keys_dir} is not a directory")
+    return CurveSettings(secret, keys_dir)
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "endpoint": _endpoint,
+    "max_connections": _positive_int,
+    "queue_limit": _positive_int,
+    "max_queued_jobs": _positive_int,
+    "max_message_bytes": _size,
+    "max_frames": _positive_int,
+    "keep_alive": parse_duration,
+    "job_timeout": _optional_duration,
+    "drain_deadline": lambda v: _non_negative(parse_duration(v)),
+    "evict_idle": _bool,
+    "workers_per_model": _positive_int,
+    "replay_window": _positive_int,
+    "log_file": lambda v: None if v is None else Path(str(v)).expanduser(),
+    "log_level": _log_level,
+    "curve": _curve,
+}

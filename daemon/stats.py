@@ -1,0 +1,58 @@
+"""Counters that balance (accepted = ok + error + client_gone + in flight) and job latency."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+
+class Stats:
+    LATENCY_WINDOW = 1000   # infer latencies kept for the percentiles
+    RATE_WINDOW_S = 60.0    # jobs/s is measured over this many seconds
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self.accepted = 0
+        self.ok = 0
+        self.error = 0
+        self.client_gone = 0
+        self.dropped = 0        # frames that could not be answered (no routing frame)
+        self.busy = 0
+        self.retries = 0        # repeated request ids, answered from the replay window
+        self._latencies: deque[float] = deque(maxlen=self.LATENCY_WINDOW)
+        self._finished_at: deque[float] = deque()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def infer_done(self, latency_s: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._latencies.append(latency_s)
+            self._finished_at.append(now)
+            while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
+                self._finished_at.popleft()
+
+    def snapshot(self, connections: int) -> dict[str, Any]:
+        now = time.monotonic()
+        with self._lock:
+            lat = sorted(self._latencies)
+            while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
+                self._finished_at.popleft()
+            span = min(self.RATE_WINDOW_S, now - self.started)
+            counters = {"accepted": self.accepted, "ok": self.ok, "error": self.error,
+                        "client_gone": self.client_gone,
+                        "in_flight": self.accepted - self.ok - self.error - self.client_gone,
+                        "dropped": self.dropped, "busy": self.busy, "retries": self.retries,
+                        "connections": connections}
+            rate = len(self._finished_at) / span if span > 0 else 0.0
+
+        def pct(p: float) -> float:
+            return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3, 3) if lat else 0.0
+
+        return {"uptime_s": round(now - self.started, 3), "counters": counters,
+                "jobs_per_s": round(rate, 3),
+                "latency_ms": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99)}}

@@ -1,0 +1,22 @@
+// Shared by every vkpool compute shader: tensors are reached through buffer-device-address
+// pointers carried in push constants (GL_EXT_buffer_reference), so no descriptor sets exist.
+#extension GL_EXT_buffer_reference : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#extension GL_EXT_shader_8bit_storage : require
+#extension GL_EXT_shader_16bit_storage : require
+
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer F32Buf { float v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32Buf { int v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer U32Buf { uint v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 8) buffer I64Buf { int64_t v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 1) buffer U8Buf { uint8_t v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4Buf { vec4 v[]; };
+
+#ifndef LOCAL_SIZE
+#define LOCAL_SIZE 256
+#endif
+
+// Flat invocation index for 1-D work folded into x and y (see kernels.base.groups_1d).
+uint flat_index() {
+    return gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+}

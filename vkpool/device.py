@@ -1,0 +1,447 @@
+"""A logical Vulkan device: queue, memory types, pipelines, command buffers and fences.
+
+One :class:`LogicalDevice` exists per physical device; the members of a split device share
+it (each with its own budget and allocators). All pipelines share one layout: no descriptor
+sets, one push-constant range. Tensors are reached by buffer device address.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vkpool import shaders, vk
+from vkpool.cache import cache_dir, write_atomic
+from vkpool.discovery import PhysicalDeviceInfo
+from vkpool.kernels.base import DeviceCaps
+
+
+@dataclass
+class Counters:
+    """What the device did: tests prove a steady-state run records, writes and allocates nothing."""
+
+    recordings: int = 0
+    descriptor_writes: int = 0
+    pipelines_created: int = 0
+    submissions: int = 0
+
+
+@dataclass(eq=False)
+class Submission:
+    """A recorded command buffer with its prebuilt VkSubmitInfo and fence."""
+
+    device: LogicalDevice
+    cmd: Any
+    info: Any
+    cmd_array: Any
+    fence: Any
+    fence_array: Any
+
+    def release(self) -> None:
+        self.device.destroy_fence(self.fence)
+        self.device.free_command_buffer(self.cmd)
+
+
+class LogicalDevice:
+    def __init__(self, info: PhysicalDeviceInfo) -> None:
+        if not info.usable:
+            raise vk.VulkanUnavailable(f"device {info.index} ({info.name}) cannot be used: {info.unusable_reason}")
+        self.info = info
+        self.name = f"vk{info.index}"
+        self.counters = Counters()
+        self._b = vk.binding()
+        self._ffi = vk.ffi()
+        self._lib = vk.lib()
+        self._keep: list[Any] = []
+        self._create_device()
+        self._choose_memory_types()
+        self.queue_lock = threading.Lock()
+        self._record_lock = threading.Lock()
+        self._create_layout_and_cache()
+        self.pipelines: dict[str, Any] = {}
+        self._pipeline_lock = threading.Lock()
+        self.caps = DeviceCaps(
+            subgroup_size=info.subgroup_size or 32,
+            max_workgroup_invocations=info.max_workgroup_invocations,
+            max_workgroup_count=info.max_workgroup_count,
+            shared_memory_bytes=info.max_shared_memory_bytes,
+            max_push_constant_bytes=self.push_constant_bytes,
+            float16=info.capabilities.get("fp16", False),
+            int8=info.capabilities.get("int8", False),
+            int64=info.capabilities.get("int64", False),
+            cooperative_matrix=info.capabilities.get("cooperative_matrix", False),
+        )
+        self._closed = False
+        atexit.register(self.save_pipeline_cache)
+
+    # -- creation ---------------------------------------------------------------------------
+    def _create_device(self) -> None:
+        ffi, b, info = self._ffi, self._b, self.info
+        pd = info.handle
+        count = ffi.new("uint32_t*")
+        self._lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, count, ffi.NULL)
+        fams = ffi.new("VkQueueFamilyProperties[]", count[0])
+        self._lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, count, fams)
+        compute = [i for i in range(count[0]) if fams[i].queueFlags & b.VK_QUEUE_COMPUTE_BIT]
+        if not compute:
+            raise vk.VulkanUnavailable(f"{info.name} has no compute queue")
+        # A compute family without graphics is usually the async-compute engine: prefer a
+        # family that has graphics too (the main engine) for lowest latency on NVIDIA.
+        self.queue_family = compute[0]
+        priority = ffi.new("float[]", [1.0])
+        qinfo = ffi.new("VkDeviceQueueCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+            "queueFamilyIndex": self.queue_family, "queueCount": 1, "pQueuePriorities": priority,
+        })
+        caps = info.capabilities
+        f11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {
+            "sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
+            "storageBuffer16BitAccess": int(caps.get("storage_16bit", False)),
+        })
+        f12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {
+            "sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+            "bufferDeviceAddress": 1,
+            "timelineSemaphore": 1,
+            "storageBuffer8BitAccess": 1,
+            "shaderInt8": int(caps.get("int8", False)),
+            "shaderFloat16": int(caps.get("fp16", False)),
+        })
+        f11.pNext = f12
+        f2 = ffi.new("VkPhysicalDeviceFeatures2*", {"sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2})
+        f2.features.shaderInt64 = int(caps.get("int64", False))
+        f2.pNext = f11
+        ext_names: list[bytes] = []
+        if caps.get("cooperative_matrix"):
+            fcm = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {
+                "sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR,
+                "cooperativeMatrix": 1,
+            })
+            f12.pNext = fcm
+            self._keep.append(fcm)
+            ext_names.append(b"VK_KHR_cooperative_matrix")
+        if caps.get("memory_budget"):
+            ext_names.append(b"VK_EXT_memory_budget")
+        ext_c = [ffi.new("char[]", n) for n in ext_names]
+        ext_arr = ffi.new("char*[]", ext_c) if ext_c else ffi.NULL
+        dinfo = ffi.new("VkDeviceCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, "pNext": f2,
+            "queueCreateInfoCount": 1, "pQueueCreateInfos": qinfo,
+            "enabledExtensionCount": len(ext_c), "ppEnabledExtensionNames": ext_arr,
+        })
+        handle = ffi.new("VkDevice*")
+        vk.call("vkCreateDevice", pd, dinfo, ffi.NULL, handle, member=self.name)
+        self.handle = handle[0]
+        self._keep += [priority, qinfo, f11, f12, f2, ext_c, ext_arr, dinfo]
+        q = ffi.new("VkQueue*")
+        self._lib.vkGetDeviceQueue(self.handle, self.queue_family, 0, q)
+        self.queue = q[0]
+        pool_info = ffi.new("VkCommandPoolCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+            "flags": b.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+            "queueFamilyIndex": self.queue_family,
+        })
+        pool = ffi.new("VkCommandPool*")
+        vk.call("vkCreateCommandPool", self.handle, pool_info, ffi.NULL, pool, member=self.name)
+        self.command_pool = pool[0]
+
+    def _choose_memory_types(self) -> None:
+        b = self._b
+        props = self._ffi.new("VkPhysicalDeviceMemoryProperties*")
+        self._lib.vkGetPhysicalDeviceMemoryProperties(self.info.handle, props)
+        types = [(i, props.memoryTypes[i].propertyFlags, props.memoryTypes[i].heapIndex)
+                 for i in range(props.memoryTypeCount)]
+        local_heap = self.info.device_local_heap.index
+        DL, HV, HC, HCA = (b.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, b.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT,
+                           b.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT, b.VK_MEMORY_PROPERTY_HOST_CACHED_BIT)
+
+        def pick(required: int, preferred: int = 0, heap: int | None = None) -> int | None:
+            cands = [(i, f) for i, f, h in types if f & required == required and (heap is None or h == heap)]
+            if not cands:
+                return None
+            return max(cands, key=lambda c: (c[1] & preferred == preferred, -c[0]))[0]
+
+        local = pick(DL, heap=local_heap)
+        if local is None:
+            local = pick(0, heap=local_heap)
+        assert local is not None
+        self.device_type = local
+        self.device_type_host_visible = bool(types[local][1] & HV)
+        host = pick(HV | HC, HCA)
+        if host is None:
+            raise vk.VulkanUnavailable(f"{self.info.name} has no host-visible coherent memory")
+        self.host_type = host
+        self.memory_flags = {i: f for i, f, _ in types}
+
+    def _create_layout_and_cache(self) -> None:
+        ffi, b = self._ffi, self._b
+        self.push_constant_bytes = min(256, self.info.max_push_constant_bytes)
+        rng = ffi.new("VkPushConstantRange*", {
+            "stageFlags": b.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0, "size": self.push_constant_bytes,
+        })
+        linfo = ffi.new("VkPipelineLayoutCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+            "pushConstantRangeCount": 1, "pPushConstantRanges": rng,
+        })
+        layout = ffi.new("VkPipelineLayout*")
+        vk.call("vkCreatePipelineLayout", self.handle, linfo, ffi.NULL, layout, member=self.name)
+        self.layout = layout[0]
+        self._keep += [rng, linfo]
+        key = f"{self.info.uuid}-{self.info.driver_version}-{self.info.driver_info}"
+        self._cache_path = cache_dir("pipelines") / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".bin")
+        initial = self._cache_path.read_bytes() if self._cache_path.exists() else b""
+        init_buf = ffi.from_buffer(initial) if initial else ffi.NULL
+        cinfo = ffi.new("VkPipelineCacheCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO,
+            "initialDataSize": len(initial), "pInitialData": init_buf,
+        })
+        cache = ffi.new("VkPipelineCache*")
+        try:
+            vk.call("vkCreatePipelineCache", self.handle, cinfo, ffi.NULL, cache, member=self.name)
+        except vk.VulkanError:  # a corrupt or foreign cache file: start empty
+            cinfo.initialDataSize, cinfo.pInitialData = 0, ffi.NULL
+            vk.call("vkCreatePipelineCache", self.handle, cinfo, ffi.NULL, cache, member=self.name)
+        self.pipeline_cache = cache[0]
+        self._cache_dirty = False
+
+    # -- pipelines --------------------------------------------------------------------------
+    def pipeline(self, shader: str, defines: dict[str, Any]) -> Any:
+        """The compute pipeline of a shader variant, built once per device."""
+        code = shaders.spirv(shader, defines)
+        key = hashlib.sha256(code).hexdigest()
+        with self._pipeline_lock:
+            found = self.pipelines.get(key)
+            if found is not None:
+                return found
+            ffi, b = self._ffi, self._b
+            code_buf = ffi.from_buffer(code)
+            minfo = ffi.new("VkShaderModuleCreateInfo*", {
+                "sType": b.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
+                "codeSize": len(code), "pCode": ffi.cast("uint32_t*", code_buf),
+            })
+            module = ffi.new("VkShaderModule*")
+            vk.call("vkCreateShaderModule", self.handle, minfo, ffi.NULL, module, member=self.name)
+            entry = ffi.new("char[]", b"main")
+            stage = ffi.new("VkPipelineShaderStageCreateInfo*", {
+                "sType": b.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
+                "stage": b.VK_SHADER_STAGE_COMPUTE_BIT, "module": module[0], "pName": entry,
+            })
+            pinfo = ffi.new("VkComputePipelineCreateInfo*", {
+                "sType": b.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, "layout": self.layout,
+            })
+            pinfo.stage = stage[0]
+            pipe = ffi.new("VkPipeline*")
+            try:
+                vk.call("vkCreateComputePipelines", self.handle, self.pipeline_cache, 1, pinfo, ffi.NULL, pipe,
+                        member=self.name)
+            finally:
+                self._lib.vkDestroyShaderModule(self.handle, module[0], ffi.NULL)
+            self.pipelines[key] = pipe[0]
+            self.counters.pipelines_created += 1
+            self._cache_dirty = True
+            return pipe[0]
+
+    def save_pipeline_cache(self) -> None:
+        if self._closed or not self._cache_dirty:
+            return
+        ffi = self._ffi
+        size = ffi.new("size_t*")
+        vk.call("vkGetPipelineCacheData", self.handle, self.pipeline_cache, size, ffi.NULL, member=self.name)
+        data = ffi.new("char[]", size[0])
+        vk.call("vkGetPipelineCacheData", self.handle, self.pipeline_cache, size, data, member=self.name)
+        write_atomic(self._cache_path, bytes(ffi.buffer(data, size[0])))
+        self._cache_dirty = False
+
+    # -- memory blocks ----------------------------------------------------------------------
+    def create_block(self, size: int, memory_type: int) -> tuple[Any, Any, int, np.ndarray | None]:
+        ffi, b, lib = self._ffi, self._b, self._lib
+        binfo = ffi.new("VkBufferCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, "size": size,
+            "usage": (b.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | b.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                      | b.VK_BUFFER_USAGE_TRANSFER_DST_BIT | vk.BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT),
+            "sharingMode": b.VK_SHARING_MODE_EXCLUSIVE,
+        })
+        buf = ffi.new("VkBuffer*")
+        vk.call("vkCreateBuffer", self.handle, binfo, ffi.NULL, buf, member=self.name)
+        req = ffi.new("VkMemoryRequirements*")
+        lib.vkGetBufferMemoryRequirements(self.handle, buf[0], req)
+        if not (req.memoryTypeBits >> memory_type) & 1:
+            lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
+            raise vk.VulkanError("vkGetBufferMemoryRequirements", b.VK_ERROR_FEATURE_NOT_PRESENT, self.name)
+        flags = ffi.new("VkMemoryAllocateFlagsInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+            "flags": vk.MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT,
+        })
+        ainfo = ffi.new("VkMemoryAllocateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, "pNext": flags,
+            "allocationSize": req.size, "memoryTypeIndex": memory_type,
+        })
+        mem = ffi.new("VkDeviceMemory*")
+        try:
+            vk.call("vkAllocateMemory", self.handle, ainfo, ffi.NULL, mem, member=self.name)
+        except vk.VulkanError:
+            lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
+            raise
+        vk.call("vkBindBufferMemory", self.handle, buf[0], mem[0], 0, member=self.name)
+        ainfo2 = ffi.new("VkBufferDeviceAddressInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO, "buffer": buf[0],
+        })
+        address = int(lib.vkGetBufferDeviceAddress(self.handle, ainfo2))
+        mapped = None
+        if self.memory_flags[memory_type] & b.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT:
+            ptr = ffi.new("void**")
+            vk.call("vkMapMemory", self.handle, mem[0], 0, size, 0, ptr, member=self.name)
+            mapped = np.frombuffer(ffi.buffer(ptr[0], size), dtype=np.uint8)
+        return mem[0], buf[0], address, mapped
+
+    def destroy_block(self, memory: Any, buffer: Any, *, mapped: bool) -> None:
+        if mapped:
+            self._lib.vkUnmapMemory(self.handle, memory)
+        self._lib.vkDestroyBuffer(self.handle, buffer, self._ffi.NULL)
+        self._lib.vkFreeMemory(self.handle, memory, self._ffi.NULL)
+
+    # -- command buffers ----------------------------------------------------------------------
+    def allocate_command_buffer(self) -> Any:
+        ffi, b = self._ffi, self._b
+        info = ffi.new("VkCommandBufferAllocateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, "commandPool": self.command_pool,
+            "level": b.VK_COMMAND_BUFFER_LEVEL_PRIMARY, "commandBufferCount": 1,
+        })
+        cmd = ffi.new("VkCommandBuffer*")
+        with self._record_lock:
+            vk.call("vkAllocateCommandBuffers", self.handle, info, cmd, member=self.name)
+        return cmd[0]
+
+    def free_command_buffer(self, cmd: Any) -> None:
+        arr = self._ffi.new("VkCommandBuffer[]", [cmd])
+        with self._record_lock:
+            self._lib.vkFreeCommandBuffers(self.handle, self.command_pool, 1, arr)
+
+    def record(self, cmd: Any, commands: list[tuple[Any, ...]], *, one_time: bool = False) -> None:
+        """Records ``commands`` into ``cmd``: ('dispatch', pipeline, push_bytes, groups),
+        ('barrier',), ('copy', src_buffer, src_offset, dst_buffer, dst_offset, size),
+        ('host_barrier',) making results visible to host reads."""
+        ffi, b, lib = self._ffi, self._b, self._lib
+        begin = ffi.new("VkCommandBufferBeginInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+            "flags": b.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT if one_time else 0,
+        })
+        all_stages = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | b.VK_PIPELINE_STAGE_TRANSFER_BIT
+        mb = ffi.new("VkMemoryBarrier*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+            "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT,
+            "dstAccessMask": (b.VK_ACCESS_SHADER_READ_BIT | b.VK_ACCESS_SHADER_WRITE_BIT
+                              | b.VK_ACCESS_TRANSFER_READ_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT),
+        })
+        host_mb = ffi.new("VkMemoryBarrier*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+            "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT,
+            "dstAccessMask": b.VK_ACCESS_HOST_READ_BIT,
+        })
+        region = ffi.new("VkBufferCopy*")
+        with self._record_lock:
+            vk.call("vkBeginCommandBuffer", cmd, begin, member=self.name)
+            bound = None
+            for c in commands:
+                kind = c[0]
+                if kind == "dispatch":
+                    _, pipe, push, groups = c
+                    if pipe != bound:
+                        lib.vkCmdBindPipeline(cmd, b.VK_PIPELINE_BIND_POINT_COMPUTE, pipe)
+                        bound = pipe
+                    if push:
+                        pbuf = ffi.from_buffer(push)
+                        lib.vkCmdPushConstants(cmd, self.layout, b.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push), pbuf)
+                    lib.vkCmdDispatch(cmd, *groups)
+                elif kind == "barrier":
+                    lib.vkCmdPipelineBarrier(cmd, all_stages, all_stages, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+                elif kind == "host_barrier":
+                    lib.vkCmdPipelineBarrier(cmd, all_stages, b.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, host_mb,
+                                             0, ffi.NULL, 0, ffi.NULL)
+                elif kind == "copy":
+                    _, src, soff, dst, doff, size = c
+                    region.srcOffset, region.dstOffset, region.size = soff, doff, size
+                    lib.vkCmdCopyBuffer(cmd, src, dst, 1, region)
+                else:
+                    raise ValueError(f"unknown command {kind!r}")
+            vk.call("vkEndCommandBuffer", cmd, member=self.name)
+        self.counters.recordings += 1
+
+    def create_fence(self) -> Any:
+        ffi = self._ffi
+        info = ffi.new("VkFenceCreateInfo*", {"sType": self._b.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO})
+        fence = ffi.new("VkFence*")
+        vk.call("vkCreateFence", self.handle, info, ffi.NULL, fence, member=self.name)
+        return fence[0]
+
+    def destroy_fence(self, fence: Any) -> None:
+        self._lib.vkDestroyFence(self.handle, fence, self._ffi.NULL)
+
+    def submission(self, cmd: Any) -> Submission:
+        """What a run submits, built once and reused by every run."""
+        ffi = self._ffi
+        arr = ffi.new("VkCommandBuffer[]", [cmd])
+        info = ffi.new("VkSubmitInfo*", {
+            "sType": self._b.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": arr,
+        })
+        fence = self.create_fence()
+        return Submission(self, cmd, info, arr, fence, ffi.new("VkFence[]", [fence]))
+
+    def submit(self, sub: Submission) -> None:
+        with self.queue_lock:
+            vk.check("vkQueueSubmit", self._lib.vkQueueSubmit(self.queue, 1, sub.info, sub.fence), self.name)
+        self.counters.submissions += 1
+
+    def wait(self, sub: Submission, *, spin_seconds: float = 0.0002) -> None:
+        """Waits for ``fence`` then resets it. Polls briefly (short jobs finish within a few
+        tens of microseconds, and polling answers sooner than a blocking wait), then blocks
+        in the driver with the GIL released."""
+        lib = self._lib
+        fence, fence_array = sub.fence, sub.fence_array
+        deadline = time.perf_counter() + spin_seconds
+        while True:
+            r = lib.vkGetFenceStatus(self.handle, fence)
+            if r == vk.VK_SUCCESS:
+                break
+            if r != vk.VK_NOT_READY:
+                vk.check("vkGetFenceStatus", r, self.name)
+            if time.perf_counter() > deadline:
+                while True:
+                    r = lib.vkWaitForFences(self.handle, 1, fence_array, 1, 1_000_000_000)
+                    if r == vk.VK_SUCCESS:
+                        break
+                    if r != vk.VK_TIMEOUT:
+                        vk.check("vkWaitForFences", r, self.name)
+                break
+        vk.check("vkResetFences", lib.vkResetFences(self.handle, 1, fence_array), self.name)
+
+    def run_once(self, commands: list[tuple[Any, ...]]) -> None:
+        """Records, submits and waits for a one-time command buffer (uploads, downloads)."""
+        cmd = self.allocate_command_buffer()
+        sub = self.submission(cmd)
+        try:
+            self.record(cmd, commands, one_time=True)
+            self.counters.recordings -= 1  # staging copies are not model recordings
+            self.submit(sub)
+            self.wait(sub)
+        finally:
+            sub.release()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.save_pipeline_cache()
+        lib, ffi = self._lib, self._ffi
+        lib.vkDeviceWaitIdle(self.handle)
+        for pipe in self.pipelines.values():
+            lib.vkDestroyPipeline(self.handle, pipe, ffi.NULL)
+        self.pipelines.clear()
+        lib.vkDestroyPipelineCache(self.handle, self.pipeline_cache, ffi.NULL)
+        lib.vkDestroyPipelineLayout(self.handle, self.layout, ffi.NULL)
+        lib.vkDestroyCommandPool(self.handle, self.command_pool, ffi.NULL)
+        lib.vkDestroyDevice(self.handle, ffi.NULL)
+        self._closed = True

