@@ -167,6 +167,7 @@ ERROR_TYPES: dict[str, str] = {
     "UnknownMember": "no pool member has this id",
     "FileNotFound": "the model path cannot be read by the daemon",
     "EngineError": "the engine failed while running the job",
+    "ReplayUnavailable": "a retried request's reply was too large to keep; the first reply was sent",
     "InternalError": "a bug in the daemon; the message says what failed",
 }
 

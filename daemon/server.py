@@ -1,0 +1,354 @@
+"""The daemon's I/O thread: one ROUTER socket, every reply sent from here.
+
+Only this thread touches the ROUTER socket. Workers and the admin thread hand their replies
+over an inproc PUSH/PULL pair. Control requests are answered inline, so they never queue
+behind compute.
+
+Clients that leave are found through the socket monitor: a disconnect names a file
+descriptor; each message's source descriptor maps it to the clients that used it, and those
+are probed (a send with ROUTER_MANDATORY fails for a departed peer). What a departed client
+held is released and its queued jobs are dropped, counted as ``client_gone``.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import signal
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from vkpool.daemon import protocol as P
+from vkpool.daemon.endpoint import EndpointError, EndpointLock, connection_cap, ipc_path, raise_fd_limit
+from vkpool.daemon.protocol import ProtocolViolation
+from vkpool.daemon.scheduler import Job
+from vkpool.daemon.service import Service, _error
+from vkpool.daemon.settings import DaemonSettings
+from vkpool.daemon.stats import Stats
+
+log = logging.getLogger("vkpool.daemon")
+
+_PROBE_DELAY_S = 0.3     # a disconnect is seen before the ROUTER drops the peer's pipe
+_TICK_S = 0.05
+_REPLAY_BYTES = 64 << 20  # replies kept for retried request ids
+
+
+class Server:
+    def __init__(self, engine: Any, settings: DaemonSettings, endpoint: str,
+                 context: zmq.Context | None = None) -> None:
+        self.settings = settings
+        self.endpoint = endpoint
+        self.ctx = context or zmq.Context.instance()
+        self.stats = Stats()
+        self.service = Service(engine, settings, self._reply_from_thread, self.stats)
+        self.service.watch = self._watch  # type: ignore[method-assign]
+        self._push_lock = threading.Lock()
+        self._inbox_addr = f"inproc://vkpool-replies-{id(self)}"
+        self._inbox = self.ctx.socket(zmq.PULL)
+        self._inbox.bind(self._inbox_addr)
+        self._push = self.ctx.socket(zmq.PUSH)
+        self._push.connect(self._inbox_addr)
+        self._deadlines: list[tuple[float, int, Job]] = []
+        self._deadline_lock = threading.Lock()
+        self._peers: dict[bytes, int] = {}              # client -> source fd of its last message
+        self._probes: list[tuple[float, int]] = []      # (when, fd)
+        self._in_progress: set[tuple[bytes, str]] = set()
+        self._replay: OrderedDict[tuple[bytes, str], list[Any]] = OrderedDict()
+        self._replay_bytes = 0
+        self._io_thread: threading.Thread | None = None
+        self._connections = 0
+        self._lock: EndpointLock | None = None
+        self._stop = threading.Event()
+        self._drain_until: float | None = None
+        self.fd_limit = raise_fd_limit()
+        self.max_connections = connection_cap(settings.max_connections, self.fd_limit)
+        self._router = self._bind()
+
+    # -- sockets ------------------------------------------------------------------------------
+    def _bind(self) -> zmq.Socket:
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
+        router.setsockopt(zmq.SNDHWM, 0)  # replies exist only for accepted (bounded) requests
+        router.setsockopt(zmq.LINGER, 2000)
+        if self.endpoint.startswith("tcp://"):
+            self._setup_curve(router)
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            self._lock = EndpointLock(path)
+            self._lock.acquire()
+        self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        try:
+            import os
+
+            old = os.umask(0o177)  # the socket file is created 0600: no window where others connect
+            try:
+                router.bind(self.endpoint)
+            finally:
+                os.umask(old)
+        except zmq.ZMQError as exc:
+            self.close_sockets(router)
+            raise EndpointError(f"cannot bind {self.endpoint}: {exc}") from None
+        log.info("listening on %s (fd limit %d, max connections %d)", self.endpoint, self.fd_limit,
+                 self.max_connections)
+        return router
+
+    def _setup_curve(self, router: zmq.Socket) -> None:
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        curve = self.settings.curve
+        if curve is None:
+            raise EndpointError(f"refusing plain TCP on {self.endpoint}: anyone who reaches the port could "
+                                "load files and run jobs as this user. Configure daemon.curve (server_secret_key, "
+                                "authorized_keys_dir) or use the default ipc:// endpoint")
+        public, secret = zmq.auth.load_certificate(str(curve.server_secret_key))
+        if secret is None:
+            raise EndpointError(f"{curve.server_secret_key} holds no secret key")
+        self._auth = ThreadAuthenticator(self.ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(curve.authorized_keys_dir))
+        router.curve_secretkey = secret
+        router.curve_publickey = public
+        router.curve_server = True
+
+    # -- replies ------------------------------------------------------------------------------
+    def _reply_from_thread(self, client: bytes, rid: str, action: str, status: str,
+                           content: dict[str, Any], frames: list[Any]) -> None:
+        message = [client, rid.encode(), *P.encode(P.reply_header(action, rid, status), content, frames)]
+        if threading.current_thread() is self._io_thread:
+            self._send_reply(message)
+            return
+        with self._push_lock:
+            self._push.send_multipart(message, copy=False)
+
+    def _send_reply(self, message: list[Any]) -> None:
+        client, rid, *frames = message
+        key = (_b(client), _b(rid).decode())
+        self._in_progress.discard(key)
+        status = self._status_of(frames)
+        try:
+            self._router.send_multipart([client, *frames], copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.stats.count("client_gone")
+            return
+        self.stats.count(status)
+        self._remember(key, frames)
+
+    def _remember(self, key: tuple[bytes, str], frames: list[Any]) -> None:
+        """Keep the reply for a retry of the same request id, within a count and a byte bound."""
+        size = sum(len(f) for f in frames)
+        if size > _REPLAY_BYTES // 16:
+            header = {**P.unpack(_b(frames[1])), "status": "error"}
+            frames = P.encode(header, {
+                "type": "ReplayUnavailable", "message": "the reply was sent once and is too large to replay",
+                "details": {"bytes": size}})
+            size = sum(len(f) for f in frames)
+        self._replay[key] = frames
+        self._replay_bytes += size
+        while len(self._replay) > self.settings.replay_window or self._replay_bytes > _REPLAY_BYTES:
+            _, old = self._replay.popitem(last=False)
+            self._replay_bytes -= sum(len(f) for f in old)
+
+    @staticmethod
+    def _status_of(frames: list[Any]) -> str:
+        return P.unpack(_b(frames[1]))["status"]
+
+    def _error_now(self, client: bytes, rid: str | None, action: str | None, violation: ProtocolViolation) -> None:
+        frames = P.encode(P.reply_header(action, rid, "error"), _error(violation))
+        self._send_reply([client, (rid or "").encode(), *frames])
+
+    # -- requests -----------------------------------------------------------------------------
+    def _on_request(self, raw: list[zmq.Frame]) -> None:
+        if len(raw) < 2:
+            self.stats.count("dropped")  # nothing after the routing frame: nowhere to reply
+            return
+        client = raw[0].bytes
+        fd = raw[-1].get(zmq.SRCFD)
+        if client not in self._peers and len(self._peers) >= self.max_connections:
+            self.stats.count("accepted")
+            self._error_now(client, None, None, ProtocolViolation(
+                "TooManyConnections", f"the daemon serves {len(self._peers)} clients (max_connections "
+                f"{self.max_connections}); close idle clients or raise daemon.max_connections"))
+            return
+        self._peers[client] = fd
+        header: dict[str, Any] = {}
+        try:
+            _, body = P.split_routing(raw[1:])
+            size = sum(len(f) for f in raw)
+            if len(raw) > self.settings.max_frames or size > self.settings.max_message_bytes:
+                header = _peek_header(body)
+                raise ProtocolViolation("MessageTooLarge", f"request of {len(raw)} frames and {size} bytes "
+                                        f"exceeds max_frames {self.settings.max_frames} or max_message_bytes "
+                                        f"{self.settings.max_message_bytes}",
+                                        {"frames": len(raw), "bytes": size})
+            header = _peek_header(body)
+            key = (client, header["id"]) if isinstance(header.get("id"), str) else None
+            if key is not None and (key in self._in_progress or key in self._replay):
+                self.stats.count("retries")
+                if key in self._replay:  # answered before: send the same reply again, run nothing
+                    self._router.send_multipart([client, *self._replay[key]], copy=False)
+                return
+            header, content, frames = P.decode_request(body)
+        except ProtocolViolation as exc:
+            rid = header.get("id") if isinstance(header.get("id"), str) else None
+            self.stats.count("accepted")
+            self._error_now(client, rid, P.action_of(header), exc)
+            return
+        self.stats.count("accepted")
+        rid, action = header["id"], P.action_of(header)
+        self._in_progress.add((client, rid))
+        try:
+            if action == "shutdown":
+                self._reply_from_thread(client, rid, action, "ok",
+                                        {"draining": True, "in_flight": self.service.scheduler.in_flight()}, [])
+                self.request_stop()
+            else:
+                self.service.handle(client, header, content, frames, {"connections": self._connections})
+        except ProtocolViolation as exc:
+            self._error_now(client, rid, action, exc)
+        except Exception as exc:
+            log.exception("%s request %s failed", action, rid)
+            self._error_now(client, rid, action, ProtocolViolation("InternalError", f"{type(exc).__name__}: {exc}"))
+
+    def _watch(self, job: Job) -> None:
+        if job.deadline is not None:
+            with self._deadline_lock:
+                heapq.heappush(self._deadlines, (job.deadline, job.seq, job))
+
+    # -- housekeeping -------------------------------------------------------------------------
+    def _expire_jobs(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            with self._deadline_lock:
+                _, _, job = heapq.heappop(self._deadlines)
+            if job.state != "done":
+                self.service.scheduler.drop_queued(lambda j: j is job)
+                job.fail("Timeout", f"job did not finish within its timeout ({job.deadline - job.accepted_at:.3g} s)",
+                         {"state": job.state})
+
+    def _on_monitor(self) -> None:
+        event = parse_monitor_message(self._monitor.recv_multipart())
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            self._connections += 1
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self._connections = max(0, self._connections - 1)
+            self._probes.append((time.monotonic() + _PROBE_DELAY_S, int(event["value"])))
+
+    def _run_probes(self, now: float) -> None:
+        due = [fd for when, fd in self._probes if when <= now]
+        if not due:
+            return
+        self._probes = [(when, fd) for when, fd in self._probes if when > now]
+        probe = P.encode({"v": P.PROTOCOL_VERSION, "id": None, "type": "probe"}, {})
+        for client in [c for c, fd in self._peers.items() if fd in due]:
+            try:
+                self._router.send_multipart([client, *probe])
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._client_gone(client)
+
+    def _client_gone(self, client: bytes) -> None:
+        del self._peers[client]
+        dropped = self.service.client_gone(client)
+        for job in dropped:
+            job.fail("Cancelled", "client left")  # the send fails and counts client_gone
+        log.info("client %s left; %d queued job(s) dropped", client.hex()[:8], len(dropped))
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.request_stop())
+
+    def serve_forever(self) -> int:
+        self._io_thread = threading.current_thread()
+        poller = zmq.Poller()
+        for sock in (self._router, self._inbox, self._monitor):
+            poller.register(sock, zmq.POLLIN)
+        last_sweep = 0.0
+        try:
+            while True:
+                events = dict(poller.poll(_TICK_S * 1000))
+                if self._monitor in events:
+                    while self._monitor.poll(0):
+                        self._on_monitor()
+                for _ in range(256):  # worker replies first: they free queue slots
+                    try:
+                        self._send_reply(self._inbox.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+                for _ in range(256):
+                    try:
+                        self._on_request(self._router.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+                now = time.monotonic()
+                self._expire_jobs(now)
+                self._run_probes(now)
+                if now - last_sweep > 0.5:
+                    last_sweep = now
+                    self.service.expire_idle()
+                if self._stop.is_set() and self._drain_step(now):
+                    return 0
+        finally:
+            self._shutdown()
+
+    def _drain_step(self, now: float) -> bool:
+        """One step of a graceful stop; True once nothing is left to answer."""
+        if self._drain_until is None:
+            self._drain_until = now + self.settings.drain_deadline
+            self.service.draining = True
+            log.info("stopping: draining %d job(s) within %.1f s", self.service.scheduler.in_flight(),
+                     self.settings.drain_deadline)
+        pending = self.service.scheduler.pending(lambda j: True)
+        if not pending and self.service.admin_idle() and not self._inbox.poll(0):
+            return True
+        if now >= self._drain_until:
+            self.service.scheduler.drop_queued(lambda j: True)
+            for job in pending:
+                job.fail("ShuttingDown", "the daemon stopped before this job could run")
+            self._drain_until = now + 3600  # answered; the next steps only flush the replies
+        return False
+
+    def _shutdown(self) -> None:
+        while True:  # flush replies handed over by workers
+            try:
+                self._send_reply(self._inbox.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                break
+        self.service.close()
+        self.close_sockets(self._router)
+        if self._lock is not None:
+            self._lock.release()
+        log.info("stopped: %s", self.stats.snapshot(self._connections)["counters"])
+
+    def close_sockets(self, router: zmq.Socket) -> None:
+        router.disable_monitor()
+        for sock in (self._monitor, self._push, self._inbox):
+            sock.close(0)
+        router.close(linger=2000)
+        if getattr(self, "_auth", None) is not None:
+            self._auth.stop()
+
+
+def _b(frame: Any) -> bytes:
+    return frame if isinstance(frame, bytes) else frame.bytes
+
+
+def _peek_header(body: list[Any]) -> dict[str, Any]:
+    """The header as far as it decodes: enough to address an error reply."""
+    if not body:
+        raise ProtocolViolation("ProtocolError", "no header frame after the delimiter")
+    header = P.unpack(_b(body[0]))
+    if not isinstance(header, dict):
+        raise ProtocolViolation("ProtocolError", "header is not a map")
+    return header

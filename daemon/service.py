@@ -1,0 +1,352 @@
+"""What each request does. The I/O thread calls :meth:`Service.handle`; slow work (loading,
+planning, budgets) runs on one admin thread, inference on the scheduler's workers, and
+control requests are answered right here so they never wait behind compute."""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from vkpool.daemon import protocol as P
+from vkpool.daemon.engine import classify
+from vkpool.daemon.protocol import ProtocolViolation
+from vkpool.daemon.registry import ModelEntry, Registry, content_id
+from vkpool.daemon.scheduler import Busy, Job, Scheduler
+from vkpool.daemon.settings import DaemonSettings
+from vkpool.daemon.stats import Stats
+
+log = logging.getLogger("vkpool.daemon")
+
+Reply = Callable[[bytes, str, str, str, dict[str, Any], list[Any]], None]
+
+
+class Service:
+    def __init__(self, engine: Any, settings: DaemonSettings, reply: Reply, stats: Stats) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.reply = reply
+        self.stats = stats
+        self.registry = Registry()
+        self.scheduler = Scheduler(queue_limit=settings.queue_limit, max_queued=settings.max_queued_jobs,
+                                   workers_per_model=settings.workers_per_model, run_job=self._run_job)
+        self._admin: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._admin_busy = 0
+        self._admin_thread = threading.Thread(target=self._admin_loop, name="vkpool-admin", daemon=True)
+        self._admin_thread.start()
+        self.draining = False
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def handle(self, client: bytes, header: dict[str, Any], content: dict[str, Any], frames: list[Any],
+               extra: dict[str, Any]) -> None:
+        """Answer (now or later) one decoded request; raises ProtocolViolation for a bad one."""
+        action = P.action_of(header)
+        assert action is not None
+        rid = header["id"]
+        if self.draining and not P.MESSAGES[action].control:
+            raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
+        if action in ("hello", "devices", "list_models", "status", "cancel"):
+            if frames:
+                raise ProtocolViolation("InvalidRequest", f"{action}_request takes no raw frames, got {len(frames)}")
+            result = getattr(self, f"_{action}")(client, content, extra)
+            self.reply(client, rid, action, "ok", result, [])
+        elif action == "infer":
+            self._infer(client, rid, content, frames)
+        elif action == "shutdown":
+            raise AssertionError("shutdown is handled by the server")
+        else:
+            if action != "load_model" and frames:
+                raise ProtocolViolation("InvalidRequest", f"{action}_request takes no raw frames, got {len(frames)}")
+            prepared = getattr(self, f"_prepare_{action}")(client, content, frames)
+            self._submit_admin(client, rid, action, prepared)
+
+    def _submit_admin(self, client: bytes, rid: str, action: str, work: Callable[[], dict[str, Any]]) -> None:
+        def run() -> None:
+            try:
+                result = work()
+            except Exception as exc:
+                violation = classify(exc)
+                if violation.type in ("EngineError", "InternalError"):
+                    log.exception("%s failed", action)
+                self.reply(client, rid, action, "error", _error(violation), [])
+            else:
+                self.reply(client, rid, action, "ok", result, [])
+        self._admin.put(run)
+
+    def _admin_loop(self) -> None:
+        while (work := self._admin.get()) is not None:
+            self._admin_busy += 1
+            try:
+                work()
+            finally:
+                self._admin_busy -= 1
+
+    def admin_idle(self) -> bool:
+        return self._admin.empty() and self._admin_busy == 0
+
+    # -- control ------------------------------------------------------------------------------
+    def _hello(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        import os
+
+        from vkpool import __version__
+
+        return {"server_version": __version__, "protocol_version": P.PROTOCOL_VERSION, "pid": os.getpid(),
+                "limits": {"max_message_bytes": self.settings.max_message_bytes,
+                           "max_frames": self.settings.max_frames, "queue_limit": self.settings.queue_limit}}
+
+    def _devices(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        return {"members": self.engine.members()}
+
+    def model_infos(self) -> list[dict[str, Any]]:
+        return [e.info(*self.scheduler.counts(e.id)) for e in self.registry.all()]
+
+    def _list_models(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        return {"models": self.model_infos()}
+
+    def _status(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        snap = self.stats.snapshot(extra.get("connections", 0))
+        return {**snap, "members": self.engine.members(), "models": self.model_infos(),
+                "queues": self.scheduler.depths(), "draining": self.draining}
+
+    def _cancel(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        job = self.scheduler.find(client, content["request_id"])
+        if job is None:
+            return {"cancelled": False, "state": "unknown"}
+        state = "queued" if job.state == "queued" else "running"
+        self.scheduler.drop_queued(lambda j: j is job)
+        cancelled = job.fail("Cancelled", f"request {job.request_id} was cancelled"
+                             + (" (its result is discarded)" if state == "running" else ""))
+        return {"cancelled": cancelled, "state": state if cancelled else "unknown"}
+
+    # -- inference ----------------------------------------------------------------------------
+    def _model_for(self, client: bytes, model_id: str) -> ModelEntry:
+        entry = self.registry.get(model_id)
+        if entry is None:
+            raise ProtocolViolation("UnknownModel", f"no loaded model has id {model_id!r}", {"model": model_id})
+        if not self.registry.holds(entry, client):
+            raise ProtocolViolation("UnknownModel", f"model {model_id[:12]} is not loaded by this client; "
+                                    "send load_model first", {"model": model_id})
+        return entry
+
+    def _infer(self, client: bytes, rid: str, content: dict[str, Any], frames: list[Any]) -> None:
+        entry = self._model_for(client, content["model"])
+        feeds = P.decode_tensors(content["inputs"], frames, "inputs")
+        _check_feeds(entry, feeds)
+        outputs = content.get("outputs")
+        if outputs is not None:
+            unknown = [o for o in outputs if o not in entry.output_names]
+            if unknown or not all(isinstance(o, str) for o in outputs):
+                raise ProtocolViolation("InvalidRequest", f"unknown output(s) {unknown}; the model has "
+                                        f"{entry.output_names}", {"unknown": unknown})
+        timeout = content.get("timeout")
+        if timeout is None:
+            timeout = self.settings.job_timeout
+        elif timeout <= 0:
+            raise ProtocolViolation("InvalidRequest", f"timeout must be positive, got {timeout}")
+        job = Job(client=client, request_id=rid, model_id=entry.id, feeds=feeds, outputs=outputs,
+                  priority=int(content.get("priority") or 0), finish_cb=self._job_finished,
+                  deadline=None if timeout is None else time.monotonic() + timeout)
+        try:
+            self.scheduler.submit(job)
+        except Busy as exc:
+            self.stats.count("busy")
+            raise ProtocolViolation("Busy", str(exc), {"model": entry.id}) from None
+        self.watch(job)
+
+    def watch(self, job: Job) -> None:
+        """Overridden by the server to track deadlines."""
+
+    def _run_job(self, job: Job) -> None:
+        entry = self.registry.get(job.model_id)
+        if entry is None:
+            job.fail("UnknownModel", f"model {job.model_id[:12]} was unloaded")
+            return
+        entry.gate.acquire_shared()
+        try:
+            if job.state == "done":  # timed out or cancelled while waiting for a re-plan
+                return
+            started = time.monotonic()
+            names = job.outputs if job.outputs is not None else entry.output_names
+            results = entry.session.run(names, job.feeds)
+        except Exception as exc:
+            violation = classify(exc)
+            log.warning("job %s on %s failed: %s", job.request_id, job.model_id[:12], violation.message)
+            job.fail(violation.type, violation.message, violation.details)
+            return
+        finally:
+            entry.gate.release_shared()
+            entry.last_used = time.monotonic()
+        finished = time.monotonic()
+        try:
+            metas, frames = P.tensor_frames(list(zip(names, (np.asarray(r) for r in results))))
+        except ProtocolViolation as exc:
+            job.fail(exc.type, exc.message, exc.details)
+            return
+        queued = (job.started_at or started) - job.accepted_at
+        if job.finish("ok", {"outputs": metas, "queue_s": round(queued, 6),
+                             "run_s": round(finished - started, 6)}, frames):
+            self.stats.infer_done(finished - job.accepted_at)
+
+    def _job_finished(self, job: Job, status: str, content: dict[str, Any], frames: list[Any]) -> None:
+        self.scheduler.forget(job)
+        self.reply(job.client, job.request_id, "infer", status, content, frames)
+
+    # -- models -------------------------------------------------------------------------------
+    def _prepare_load_model(self, client: bytes, content: dict[str, Any], frames: list[Any]) -> Callable[[], dict]:
+        path = content.get("path")
+        if (path is None) == (len(frames) != 1) or (path is not None and frames):
+            raise ProtocolViolation("InvalidRequest", "load_model needs either `path` or exactly one raw "
+                                    f"frame with the model bytes (got path={path!r} and {len(frames)} frame(s))")
+        source: Path | bytes = Path(path).expanduser() if path is not None else bytes(P._buffer(frames[0]))
+        if isinstance(source, Path):
+            if not source.is_absolute():
+                raise ProtocolViolation("InvalidRequest", f"path {path!r} must be absolute (the daemon's "
+                                        "working directory is not the client's)", {"path": path})
+        keep_alive = content.get("keep_alive")
+        name = content.get("name") or (source.name if isinstance(source, Path) else "model")
+        return lambda: self._load(client, source, str(name), keep_alive)
+
+    def _load(self, client: bytes, source: Path | bytes, name: str, keep_alive: float | None) -> dict[str, Any]:
+        model_id = content_id(source)
+        entry = self.registry.get(model_id)
+        shared = entry is not None
+        if entry is None:
+            session = self._open_admitted(source)
+            entry = ModelEntry(id=model_id, name=name, source=source, session=session,
+                               keep_alive=self.settings.keep_alive if keep_alive is None else keep_alive)
+            self.registry.add(entry)
+            self.scheduler.add_model(model_id)
+            log.info("loaded %s (%s) on %s", name, model_id[:12], entry.memory)
+        self.registry.take_ref(entry, client, keep_alive)
+        return {"model": entry.info(*self.scheduler.counts(entry.id)), "shared": shared}
+
+    def _open_admitted(self, source: Path | bytes) -> Any:
+        """Open a session; when it does not fit and eviction is on, free idle models first."""
+        while True:
+            try:
+                return self.engine.open(source)
+            except Exception as exc:
+                violation = classify(exc)
+                if violation.type != "InsufficientMemory":
+                    raise violation from None
+                idle = sorted((e for e in self.registry.unreferenced() if not self.scheduler.active(e.id)),
+                              key=lambda e: e.last_used)
+                if not self.settings.evict_idle or not idle:
+                    violation.details.setdefault("free_bytes", {
+                        m["id"]: m["budget_bytes"] - m["used_bytes"] for m in self.engine.members()})
+                    violation.details.setdefault("idle_models", [e.id for e in idle])
+                    raise violation from None
+                log.info("evicting idle model %s to admit a load", idle[0].id[:12])
+                self._free(idle[0])
+
+    def _prepare_unload_model(self, client: bytes, content: dict[str, Any], frames: list[Any]) -> Callable[[], dict]:
+        entry = self._model_for(client, content["model"])
+
+        def unload() -> dict[str, Any]:
+            self.registry.drop_ref(entry, client)
+            unloaded = False
+            if not entry.refs and entry.keep_alive == 0 and not self.scheduler.active(entry.id):
+                self._free(entry)
+                unloaded = True
+            return {"model": entry.id, "refs": sum(entry.refs.values()), "unloaded": unloaded}
+        return unload
+
+    def _free(self, entry: ModelEntry) -> None:
+        """Free a model (admin thread only)."""
+        if self.registry.remove(entry.id) is None:
+            return
+        self.scheduler.remove_model(entry.id)
+        entry.session.close()
+        log.info("unloaded %s (%s)", entry.name, entry.id[:12])
+
+    def expire_idle(self) -> None:
+        """Queue the freeing of unreferenced models idle for longer than their keep-alive."""
+        now = time.monotonic()
+        for entry in self.registry.unreferenced():
+            if 0 <= entry.keep_alive <= now - entry.last_used and not self.scheduler.active(entry.id):
+                def free(entry: ModelEntry = entry) -> None:
+                    if not entry.refs and not self.scheduler.active(entry.id):
+                        self._free(entry)
+                entry.last_used = float("inf")  # queued once; _free runs on the admin thread
+                self._admin.put(free)
+
+    def client_gone(self, client: bytes) -> list[Job]:
+        """Release everything a departed client held; its queued jobs, to be answered by the caller."""
+        self.registry.drop_client(client)
+        return self.scheduler.drop_queued(lambda j: j.client == client)
+
+    # -- plans and budgets ----------------------------------------------------------------------
+    def _prepare_plan(self, client: bytes, content: dict[str, Any], frames: list[Any]) -> Callable[[], dict]:
+        entry = self._model_for(client, content["model"])
+        budgets = _parse_budgets(content.get("budgets"), self.engine)
+
+        def plan() -> dict[str, Any]:
+            entry.gate.acquire_shared()
+            try:
+                the_plan = self.engine.what_if(entry.source, budgets) if budgets else entry.session.plan
+            finally:
+                entry.gate.release_shared()
+            as_json = the_plan.to_json()
+            return {"text": the_plan.to_text(), "plan": json.loads(as_json) if isinstance(as_json, str) else as_json}
+        return plan
+
+    def _prepare_set_budget(self, client: bytes, content: dict[str, Any], frames: list[Any]) -> Callable[[], dict]:
+        member = content["member"]
+        nbytes = _parse_budgets({member: content["size"]}, self.engine)[member]
+        from vkpool.daemon.budgets import change_budget
+
+        return lambda: change_budget(self, member, nbytes)
+
+    def close(self) -> None:
+        self._admin.put(None)
+        self._admin_thread.join()
+        for entry in self.registry.all():
+            self._free(entry)
+
+
+def _error(v: ProtocolViolation) -> dict[str, Any]:
+    return {"type": v.type, "message": v.message, "details": v.details}
+
+
+def _check_feeds(entry: ModelEntry, feeds: dict[str, np.ndarray]) -> None:
+    expected = entry.input_specs
+    missing = sorted(set(expected) - set(feeds))
+    unknown = sorted(set(feeds) - set(expected))
+    if missing or unknown:
+        raise ProtocolViolation("InvalidTensor", f"inputs do not match the model: missing {missing}, "
+                                f"unknown {unknown}", {"missing": missing, "unknown": unknown,
+                                                       "expected": sorted(expected)})
+    for name, array in feeds.items():
+        spec = expected[name]
+        if array.dtype.name != spec["dtype"]:
+            raise ProtocolViolation("InvalidTensor", f"input {name!r} must be {spec['dtype']}, got "
+                                    f"{array.dtype.name}", {"tensor": name, "expected": spec["dtype"],
+                                                            "got": array.dtype.name})
+        shape = spec["shape"]
+        if len(shape) != array.ndim or any(isinstance(d, int) and d != n for d, n in zip(shape, array.shape)):
+            raise ProtocolViolation("InvalidTensor", f"input {name!r} must have shape {shape}, got "
+                                    f"{list(array.shape)}", {"tensor": name, "expected": shape,
+                                                             "got": list(array.shape)})
+
+
+def _parse_budgets(raw: dict[str, Any] | None, engine: Any) -> dict[str, int]:
+    from vkpool.units import parse_size
+
+    out: dict[str, int] = {}
+    for member, size in (raw or {}).items():
+        if not engine.has_member(member):
+            raise ProtocolViolation("UnknownMember", f"no pool member {member!r}",
+                                    {"member": member, "members": [m["id"] for m in engine.members()]})
+        try:
+            if isinstance(size, bool) or not isinstance(size, (int, str)):
+                raise ValueError(f"{size!r} is not a size")
+            out[member] = parse_size(size)
+        except ValueError as exc:
+            raise ProtocolViolation("InvalidRequest", f"budget for {member}: {exc}",
+                                    {"member": member}) from None
+    return out
