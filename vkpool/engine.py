@@ -1,0 +1,391 @@
+"""Compiling a run of graph nodes for one pool member, and running it.
+
+A :class:`VulkanChunk` is what one member executes as one command buffer:
+
+1. one op object per node, built from the registry with static shapes;
+2. weights uploaded once to device memory;
+3. activations placed in one arena by liveness (a tensor's bytes are reused once its last
+   reader has run), inputs and outputs in persistently mapped host-visible memory;
+4. dispatches grouped into dependency levels: a node's level is one more than the levels of
+   what produced its inputs and of what last touched the memory its outputs reuse, so a
+   barrier stands only between levels, never between independent dispatches;
+5. one command buffer recorded once; a run writes the inputs, submits, waits, reads outputs.
+
+A :class:`HostChunk` runs the same nodes with the ops' numpy references (the ``cpu`` member).
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, pack_push_constants
+from vkpool.kernels.registry import create_op
+from vkpool.model import Node
+
+
+@dataclass(eq=False)
+class TensorHandle:
+    """Where a tensor lives on a Vulkan member: an allocation plus a byte offset."""
+
+    alloc: Any
+    offset: int
+    nbytes: int
+
+    @property
+    def address(self) -> int:
+        return self.alloc.address + self.offset
+
+
+def build_ops(nodes: Sequence[Node], tensors: dict[str, TensorInfo], constants: dict[str, np.ndarray],
+              opset: int) -> list[Op]:
+    """One op object per node; raises OpError where the op's shapes disagree with inference."""
+    ops = []
+    for node in nodes:
+        infos = [tensors[n] if n else None for n in node.inputs]
+        consts = {i: constants[n] for i, n in enumerate(node.inputs) if n and n in constants}
+        op = create_op(node.op_type, node.attrs, infos, consts, domain=node.domain, opset=opset,
+                       num_outputs=len(node.outputs))
+        outs = op.output_infos()
+        for name, info in zip(node.outputs, outs):
+            if not name:
+                continue
+            known = tensors.get(name)
+            if known is not None and (known.shape != info.shape or known.dtype != info.dtype):
+                raise OpError(
+                    f"node {node.name or node.op_type}: output {name!r} is {info.shape} {info.dtype} by the "
+                    f"kernel but {known.shape} {known.dtype} by shape inference"
+                )
+            tensors[name] = info
+        ops.append(op)
+    return ops
+
+
+@dataclass
+class _Region:
+    offset: int
+    size: int
+    level: int  # the highest dependency level that touched these bytes
+
+
+class ArenaPlanner:
+    """First-fit placement of tensors in one arena, tracking the level that last touched each byte.
+
+    A freed range remembers the highest dependency level of the nodes that read or wrote it, so
+    a later tensor placed there is written only after those nodes ran (the WAR/WAW hazard).
+    """
+
+    ALIGN = 256
+
+    def __init__(self) -> None:
+        self.free: list[_Region] = []  # sorted by offset, coalesced
+        self.end = 0  # high-water mark
+
+    def alloc(self, nbytes: int) -> tuple[int, int]:
+        size = max(self.ALIGN, -(-nbytes // self.ALIGN) * self.ALIGN)
+        for i, r in enumerate(self.free):
+            if r.size >= size:
+                off, level = r.offset, r.level
+                if r.size == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = _Region(r.offset + size, r.size - size, r.level)
+                return off, level
+        if self.free and self.free[-1].offset + self.free[-1].size == self.end:
+            last = self.free.pop()  # grow the trailing free range instead of leaving it unused
+            self.end = last.offset + size
+            return last.offset, last.level
+        off = self.end
+        self.end += size
+        return off, 0
+
+    def release(self, offset: int, nbytes: int, level: int) -> None:
+        size = max(self.ALIGN, -(-nbytes // self.ALIGN) * self.ALIGN)
+        keys = [r.offset for r in self.free]
+        i = bisect.bisect_left(keys, offset)
+        region = _Region(offset, size, level)
+        if i < len(self.free) and self.free[i].offset == offset + size:
+            nxt = self.free.pop(i)
+            region = _Region(offset, size + nxt.size, max(level, nxt.level))
+        if i > 0 and self.free[i - 1].offset + self.free[i - 1].size == offset:
+            prev = self.free.pop(i - 1)
+            region = _Region(prev.offset, prev.size + region.size, max(prev.level, region.level))
+            i -= 1
+        self.free.insert(i, region)
+
+
+@dataclass
+class ChunkStats:
+    weight_bytes: int = 0
+    arena_bytes: int = 0
+    io_bytes: int = 0
+    peak_live_bytes: int = 0  # the largest set of activations alive at once
+    dispatches: int = 0
+    barriers: int = 0
+    levels: int = 0
+
+
+@dataclass
+class _Tensor:
+    info: TensorInfo
+    kind: str  # "input" | "output" | "const" | "arena"
+    base: str  # the tensor whose storage this one uses (itself unless a view)
+    handle: TensorHandle | None = None
+    producer_level: int = 0
+    access_level: int = 0
+    last_use: int = -1
+    offset: int = 0
+
+
+def _address(handle: TensorHandle) -> int:
+    return handle.address
+
+
+def _view(tensor: _Tensor) -> np.ndarray:
+    assert tensor.handle is not None
+    raw = tensor.handle.alloc.view(np.uint8)[tensor.handle.offset:tensor.handle.offset + tensor.info.nbytes]
+    return raw.view(tensor.info.dtype).reshape(tensor.info.shape)
+
+
+class VulkanChunk:
+    """Nodes compiled for one Vulkan member, recorded once into one command buffer."""
+
+    def __init__(self, member: Any, nodes: Sequence[Node], tensors: dict[str, TensorInfo],
+                 constants: dict[str, np.ndarray], inputs: Sequence[str], outputs: Sequence[str],
+                 opset: int) -> None:
+        self.member = member
+        self.device = member.device
+        self.nodes = list(nodes)
+        self.input_names = list(inputs)
+        self.output_names = list(outputs)
+        self.stats = ChunkStats()
+        self._lock = threading.Lock()
+        self._allocs: list[Any] = []
+        self.submission = None
+        try:
+            self.ops = build_ops(self.nodes, tensors, constants, opset)
+            self._place(tensors, constants)
+            self._record(constants)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- memory ----------------------------------------------------------------------------
+    def _place(self, tensors: dict[str, TensorInfo], constants: dict[str, np.ndarray]) -> None:
+        t: dict[str, _Tensor] = {}
+        member = self.member
+        for name in self.input_names:
+            t[name] = _Tensor(tensors[name], "input", name)
+        outputs = set(self.output_names)
+        for op, node in zip(self.ops, self.nodes):
+            for name in node.inputs:
+                if name and name not in t:
+                    if name not in constants:
+                        raise OpError(f"tensor {name!r} is neither an input of the chunk nor produced before "
+                                      f"its use")
+                    t[name] = _Tensor(TensorInfo(constants[name].shape, constants[name].dtype), "const", name)
+            for pos, name in enumerate(node.outputs):
+                if not name:
+                    continue
+                info = tensors[name]
+                if pos == 0 and op.alias_input is not None and name not in outputs:
+                    t[name] = _Tensor(info, "view", t[node.inputs[op.alias_input]].base)
+                else:
+                    t[name] = _Tensor(info, "output" if name in outputs else "arena", name)
+        self.tensors = t
+        # Storage: constants and I/O get allocations of their own; activations share an arena.
+        for name, tensor in t.items():
+            if tensor.kind == "const":
+                alloc = member.alloc(tensor.info.nbytes)
+                self._allocs.append(alloc)
+                member.upload(alloc, constants[name])
+                tensor.handle = TensorHandle(alloc, 0, tensor.info.nbytes)
+                self.stats.weight_bytes += tensor.info.nbytes
+            elif tensor.kind in ("input", "output"):
+                alloc = member.alloc(tensor.info.nbytes, host_visible=True)
+                self._allocs.append(alloc)
+                tensor.handle = TensorHandle(alloc, 0, tensor.info.nbytes)
+                self.stats.io_bytes += tensor.info.nbytes
+        for index, node in enumerate(self.nodes):
+            for name in node.inputs:
+                if name:
+                    t[t[name].base].last_use = index
+        for name in self.output_names:
+            if name in t:
+                t[t[name].base].last_use = len(self.nodes)
+
+    # -- recording -------------------------------------------------------------------------
+    def _record(self, constants: dict[str, np.ndarray]) -> None:
+        t = self.tensors
+        planner = ArenaPlanner()
+        live = 0
+        frees_at: dict[int, list[str]] = {}
+        for name, tensor in t.items():
+            if tensor.kind == "arena":
+                frees_at.setdefault(tensor.last_use, []).append(name)
+        scheduled: list[tuple[int, Op, Node, int]] = []  # (level, op, node, workspace offset or -1)
+        for index, (op, node) in enumerate(zip(self.ops, self.nodes)):
+            level = 0
+            for name in node.inputs:
+                if name:
+                    level = max(level, t[t[name].base].producer_level)
+            for name in node.outputs:
+                if not name or t[name].kind == "view":
+                    continue
+                tensor = t[name]
+                if tensor.kind == "arena":
+                    tensor.offset, touched = planner.alloc(tensor.info.nbytes)
+                    live += tensor.info.nbytes
+                    level = max(level, touched)
+                else:
+                    level = max(level, tensor.access_level)
+            ws_bytes = op.workspace_bytes()
+            ws_off = -1
+            if ws_bytes:
+                ws_off, touched = planner.alloc(ws_bytes)
+                level = max(level, touched)
+                live += ws_bytes
+            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, live)
+            # an op's own dispatches run one after another (sub-levels of its level), so the
+            # level its outputs are ready at is its level plus the number of its dispatches
+            node_level = level + 1
+            scheduled.append((node_level, op, node, ws_off))
+            for name in node.outputs:
+                if name and t[name].kind != "view":
+                    t[name].producer_level = node_level
+                    t[name].access_level = node_level
+            for name in node.inputs:
+                if name:
+                    base = t[t[name].base]
+                    base.access_level = max(base.access_level, node_level)
+            if ws_bytes:
+                planner.release(ws_off, ws_bytes, node_level)
+                live -= ws_bytes
+            for name in frees_at.get(index, []):
+                tensor = t[name]
+                planner.release(tensor.offset, tensor.info.nbytes, tensor.access_level)
+                live -= tensor.info.nbytes
+        self.stats.arena_bytes = planner.end
+        arena = self.member.alloc(planner.end) if planner.end else None
+        if arena is not None:
+            self._allocs.append(arena)
+        for tensor in t.values():
+            if tensor.kind == "arena":
+                tensor.handle = TensorHandle(arena, tensor.offset, tensor.info.nbytes)
+
+        caps = self.device.caps
+        buckets: dict[tuple[int, int], list[Any]] = {}
+        for level, op, node, ws_off in scheduled:
+            ctx = DispatchContext(
+                inputs=[t[t[n].base].handle if n else None for n in node.inputs],
+                outputs=[t[t[n].base].handle if n else None for n in node.outputs],
+                workspace=TensorHandle(arena, ws_off, op.workspace_bytes()) if ws_off >= 0 else None,
+                caps=caps,
+                constants=op.constants,
+            )
+            work: list[Any] = []
+            if op.alias_input is not None:
+                if t[node.outputs[0]].kind == "output":  # a view that is a chunk output: copy its bytes
+                    work.append(("copy", ctx.inputs[op.alias_input], ctx.outputs[0]))
+                if sum(1 for n in node.outputs if n) > 1:  # e.g. Dropout's mask
+                    work.extend(op.dispatches(ctx))
+            else:
+                work.extend(op.dispatches(ctx))
+            for k, item in enumerate(work):
+                buckets.setdefault((level, k), []).append(item)
+        commands: list[tuple[Any, ...]] = []
+        for key in sorted(buckets):
+            if commands:
+                commands.append(("barrier",))
+                self.stats.barriers += 1
+            for item in buckets[key]:
+                if isinstance(item, tuple):
+                    _, src, dst = item
+                    commands.append(("copy", src.alloc.buffer, src.alloc.offset + src.offset,
+                                     dst.alloc.buffer, dst.alloc.offset + dst.offset, dst.nbytes))
+                else:
+                    pipe = self.device.pipeline(item.shader, item.defines)
+                    push = pack_push_constants(item.args, _address)
+                    if len(push) > self.device.push_constant_bytes:
+                        raise OpError(f"{item.shader}: {len(push)} bytes of push constants exceed the "
+                                      f"device's {self.device.push_constant_bytes}")
+                    commands.append(("dispatch", pipe, push, item.groups))
+                    self.stats.dispatches += 1
+        self.stats.levels = len(buckets)
+        self._in_views = {n: _view(t[n]) for n in self.input_names}
+        # chunk outputs no node writes (a chunk input, a constant, a view of one) are copied
+        for name in self.output_names:
+            tensor = t[name]
+            if tensor.kind == "output":
+                continue
+            src = t[tensor.base].handle
+            alloc = self.member.alloc(tensor.info.nbytes, host_visible=True)
+            self._allocs.append(alloc)
+            if commands:
+                commands.append(("barrier",))
+            commands.append(("copy", src.alloc.buffer, src.alloc.offset + src.offset, alloc.buffer,
+                             alloc.offset, tensor.info.nbytes))
+            t[name] = _Tensor(tensor.info, "output", name, TensorHandle(alloc, 0, tensor.info.nbytes))
+        commands.append(("host_barrier",))
+        cmd = self.device.allocate_command_buffer()
+        self.submission = self.device.submission(cmd)
+        self.device.record(cmd, commands)
+        self.device.save_pipeline_cache()
+        self._out_views = {n: _view(t[n]) for n in self.output_names}
+
+    # -- running ---------------------------------------------------------------------------
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with self._lock:
+            for name, view in self._in_views.items():
+                np.copyto(view, feeds[name], casting="no")
+            self.device.submit(self.submission)
+            self.device.wait(self.submission)
+            return {name: view.copy() for name, view in self._out_views.items()}
+
+    def close(self) -> None:
+        if self.submission is not None:
+            self.submission.release()
+            self.submission = None
+        for alloc in self._allocs:
+            alloc.free()
+        self._allocs = []
+
+
+class HostChunk:
+    """Nodes run on the host with the ops' numpy references (the ``cpu`` member)."""
+
+    def __init__(self, member: Any, nodes: Sequence[Node], tensors: dict[str, TensorInfo],
+                 constants: dict[str, np.ndarray], inputs: Sequence[str], outputs: Sequence[str],
+                 opset: int) -> None:
+        self.member = member
+        self.nodes = list(nodes)
+        self.input_names = list(inputs)
+        self.output_names = list(outputs)
+        self.ops = build_ops(self.nodes, tensors, constants, opset)
+        used = {n for node in self.nodes for n in node.inputs if n in constants}
+        self.constants = {n: constants[n] for n in used}
+        self.stats = ChunkStats(weight_bytes=sum(c.nbytes for c in self.constants.values()))
+        self._charge = self.stats.weight_bytes + max(
+            (sum(tensors[o].nbytes for o in node.outputs if o) for node in self.nodes), default=0)
+        member.budget.reserve(self._charge)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values: dict[str, np.ndarray] = dict(self.constants)
+        values.update(feeds)
+        for op, node in zip(self.ops, self.nodes):
+            results = op.reference([values[n] if n else None for n in node.inputs])
+            for name, value in zip(node.outputs, results):
+                if name:
+                    values[name] = value
+        return {n: np.asarray(values[n]) for n in self.output_names}
+
+    def close(self) -> None:
+        if self._charge:
+            self.member.budget.release(self._charge)
+            self._charge = 0
+
+
+__all__ = ["VulkanChunk", "HostChunk", "build_ops", "ArenaPlanner", "TensorHandle", "ChunkStats"]
