@@ -1,0 +1,258 @@
+"""Partition algorithms: plain functions from an op graph and members to a :class:`Plan`.
+
+The search space of :func:`dp_partition` and :func:`exhaustive_partition` is the same: cut the
+graph's topological order into contiguous segments and give each segment its own member (a
+member hosts at most one segment; any member order). The optimum is lexicographic: first the
+objective (``latency`` = chain of chunks and transfers, ``throughput`` = slowest member, its
+copy engine included), then the fewest bytes moved between members.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence
+
+import networkx as nx
+import numpy as np
+
+from vkpool.partition.cost import Member, link_ps
+from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan, chunk_peak_bytes
+from vkpool.partition.segments import Column, columns
+
+OBJECTIVES = ("latency", "throughput")
+_INF = np.iinfo(np.int64).max // 4
+
+
+def greedy_partition(G: nx.DiGraph, members: Sequence[Member], *, objective: str = "latency") -> Plan:
+    """VKML's first-fit allocator (Baker et al., *VKML*, §4): in topological order, each op goes to
+    the first member, in the given priority order, with enough budget left for what the op adds:
+    the weights and input tensors not yet on that member, its outputs and its workspace. Nothing
+    is ever freed (every tensor is charged for the whole run). O(ops · members + reads).
+    """
+    t0 = time.perf_counter()
+    uses = G.graph["tensors"]
+    left = {m.id: m.budget_bytes for m in members}
+    resident: dict[str, set[str]] = {m.id: set() for m in members}
+    member_of: dict[str, str] = {}
+    for op in G.graph["order"]:
+        attrs = G.nodes[op]
+        needs = {}
+        for m in members:
+            have = resident[m.id]
+            extra = sum(b for t, b in attrs["weights"].items() if t not in have)
+            extra += sum(uses[t].nbytes for t in attrs["inputs"] if t not in have)
+            extra += sum(uses[t].nbytes for t in attrs["outputs"]) + attrs["workspace_bytes"]
+            needs[m.id] = extra
+        chosen = next((m.id for m in members if needs[m.id] <= left[m.id]), None)
+        if chosen is None:
+            short = {m.id: needs[m.id] - left[m.id] for m in members}
+            raise PartitionUnfeasible(
+                f"greedy: op {op} fits on no member; more budget needed: {_fmt_short(short)}",
+                shortfall_bytes=short, unplaceable_op=op)
+        left[chosen] -= needs[chosen]
+        resident[chosen].update(attrs["weights"], attrs["inputs"], attrs["outputs"])
+        member_of[op] = chosen
+    return build_plan(G, member_of, members, objective=objective, algorithm="greedy",
+                      solve_time_s=time.perf_counter() - t0)
+
+
+def dp_partition(
+    G: nx.DiGraph, members: Sequence[Member], *, objective: str = "latency", replicate: bool = True
+) -> Plan:
+    """Optimal contiguous-segment plan by dynamic programming over (prefix, set of members used).
+
+    ``f[S][e]`` is the best cost of running ops ``[0, e)`` on exactly the members in ``S``, one
+    segment each; ``f[S][e] = min over d ∈ S, i < e of f[S − d][i] ⊕ c_d(i, e)`` over
+    memory-feasible segments, with ⊕ = ``+`` for latency and ``max`` for throughput. Latency is
+    minimised lexicographically with transfer bytes (both additive, so exact); throughput first
+    finds the optimal period by a bottleneck DP, then a second pass minimises bytes among plans
+    within it. Segment costs stream a column at a time from :mod:`vkpool.partition.segments`.
+    O(n² · 2^m · m) elementary steps, vectorised over the segment start and the member sets
+    (n ops, m members); O(n · 2^m) memory.
+
+    With ``objective="throughput"`` and ``replicate``, whole-model copies on every member that
+    can hold the model alone are compared with the best pipeline, and the faster kept.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if not G.graph["order"]:
+        raise ValueError("the graph has no ops")
+    t0 = time.perf_counter()
+    n, m = len(G.graph["order"]), len(members)
+    if objective == "latency":
+        choice, last = _solve(G, members, "sum", None)
+    else:
+        period, last = _solve(G, members, "period", None)
+        choice, last = _solve(G, members, "bytes", period) if period is not None else (None, last)
+    if choice is None:
+        raise _unfeasible(G, members)
+    plan = build_plan(G, _assignment(G, members, choice), members, objective=objective, algorithm="dp")
+    if objective == "throughput" and replicate:
+        whole = int(last.peak[0])
+        alone = [k for k, mm in enumerate(members) if whole <= mm.budget_bytes]
+        if len(alone) > 1:
+            stage = _member_rows(last, members)[2]
+            best = min(alone, key=lambda k: int(stage[k][0]))
+            rest = [members[k].id for k in alone if k != best]
+            replicated = build_plan(G, {op: members[best].id for op in G.graph["order"]}, members,
+                                    objective=objective, algorithm="dp", replicas=rest)
+            if replicated.throughput_per_s > plan.throughput_per_s:
+                plan = replicated
+    plan.solve_time_s = time.perf_counter() - t0
+    return plan
+
+
+def _member_rows(col: Column, members: Sequence[Member]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per member (rows) and start (columns): feasible, latency cost, stage period."""
+    budgets = np.array([mm.budget_bytes for mm in members], np.int64)[:, None]
+    latency_s = np.array([mm.cost.transfer_latency_s for mm in members])[:, None]
+    h2d = np.array([mm.cost.h2d_bytes_per_s for mm in members])[:, None]
+    d2h = np.array([mm.cost.d2h_bytes_per_s for mm in members])[:, None]
+    # the same expression as MemberCost.upload_ps/download_ps, broadcast over members
+    link = link_ps(col.up_bytes[None, :], latency_s, h2d) + link_ps(col.down_bytes[None, :], latency_s, d2h)
+    compute = np.stack(col.compute_ps)
+    return col.peak[None, :] <= budgets, compute + link, np.maximum(compute, link)
+
+
+def _solve(G: nx.DiGraph, members: Sequence[Member], mode: str, period: int | None):
+    """One DP pass over the columns. Modes (primary key, secondary key):
+
+    - ``"sum"``: (latency, cross bytes), both additive;
+    - ``"period"``: the bottleneck: max stage period (returns that value, not segments);
+    - ``"bytes"``: (cross bytes, latency) over segments whose stage fits in ``period``.
+
+    For a fixed member k the sets S that contain k are handled at once: their predecessors
+    S − k form a 2-D slice, so each column costs O(m) numpy calls on (2^(m−1) × e) arrays.
+    Returns (segments [(start, end, member index)] or the period, or None; the last column).
+    """
+    n, m = len(G.graph["order"]), len(members)
+    full = 1 << m
+    primary = np.full((full, n + 1), _INF, np.int64)
+    secondary = np.full((full, n + 1), _INF, np.int64)
+    back_start = np.full((full, n + 1), -1, np.int64)
+    back_member = np.full((full, n + 1), -1, np.int64)
+    primary[0, 0] = secondary[0, 0] = 0
+    with_k = [np.array([S for S in range(full) if S >> k & 1], np.int64) for k in range(m)]
+    col = None
+    for col in columns(G, members):
+        e = col.end
+        feasible, latency, stage = _member_rows(col, members)
+        best_p = np.full(full, _INF, np.int64)
+        best_s = np.full(full, _INF, np.int64)
+        for k in range(m):
+            starts = np.flatnonzero(feasible[k])  # only memory-feasible segments are priced
+            if mode == "bytes":
+                starts = starts[stage[k][starts] <= period]
+            if starts.size == 0:
+                continue
+            sets = with_k[k]
+            prev = sets ^ (1 << k)
+            grid = np.ix_(prev, starts)
+            p_prev, s_prev = primary[grid], secondary[grid]
+            ok = p_prev < _INF
+            if mode == "sum":
+                a = p_prev + latency[k][starts]
+                b = s_prev + col.cross_bytes[starts]
+            elif mode == "period":  # no secondary key: the bottleneck alone
+                a = np.maximum(p_prev, stage[k][starts])
+                a[~ok] = _INF
+                pick = a.argmin(axis=1)
+                ka = a[np.arange(len(sets)), pick]
+                better = ka < best_p[sets]
+                upd = sets[better]
+                best_p[upd] = ka[better]
+                best_s[upd] = 0
+                continue
+            else:
+                a = p_prev + col.cross_bytes[starts]  # primary holds bytes in this mode
+                b = s_prev + latency[k][starts]
+            a[~ok] = _INF
+            amin = a.min(axis=1, keepdims=True)
+            b_at_min = np.where(a == amin, b, _INF)
+            pick = b_at_min.argmin(axis=1)
+            rows = np.arange(len(sets))
+            ka, kb = a[rows, pick], b_at_min[rows, pick]
+            better = (ka < best_p[sets]) | ((ka == best_p[sets]) & (kb < best_s[sets]))
+            better &= ka < _INF
+            upd = sets[better]
+            best_p[upd], best_s[upd] = ka[better], kb[better]
+            back_start[upd, e], back_member[upd, e] = starts[pick[better]], k
+        primary[:, e], secondary[:, e] = best_p, best_s
+    final = [(int(primary[S, n]), int(secondary[S, n]), S) for S in range(1, full) if primary[S, n] < _INF]
+    if not final:
+        return None, col
+    key_p, _, S = min(final)
+    if mode == "period":
+        return key_p, col
+    segments = []
+    e = n
+    while e > 0:
+        i, k = int(back_start[S, e]), int(back_member[S, e])
+        segments.append((i, e, k))
+        S ^= 1 << k
+        e = i
+    return segments[::-1], col
+
+
+def _assignment(G: nx.DiGraph, members: Sequence[Member], segments) -> dict[str, str]:
+    order = G.graph["order"]
+    return {order[t]: members[k].id for i, e, k in segments for t in range(i, e)}
+
+
+def _unfeasible(G: nx.DiGraph, members: Sequence[Member]) -> PartitionUnfeasible:
+    """Says which op fits nowhere, or how much more budget each member needs to take it all."""
+    order = G.graph["order"]
+    col = None
+    for col in columns(G, members):
+        e = col.end
+        alone = int(col.peak[e - 1])  # the op e-1 as a segment by itself
+        if all(alone > mm.budget_bytes for mm in members):
+            short = {mm.id: alone - mm.budget_bytes for mm in members}
+            return PartitionUnfeasible(
+                f"op {order[e - 1]} needs {alone} bytes by itself and fits on no member; "
+                f"more budget needed: {_fmt_short(short)}", shortfall_bytes=short, unplaceable_op=order[e - 1])
+    whole = int(col.peak[0])
+    short = {mm.id: max(0, whole - mm.budget_bytes) for mm in members}
+    return PartitionUnfeasible(
+        f"no split of the model fits the budgets; the whole model needs {whole} bytes, so any one of "
+        f"these increases makes it fit: {_fmt_short(short)}", shortfall_bytes=short)
+
+
+def _fmt_short(short: dict[str, int]) -> str:
+    from vkpool.units import format_size
+
+    return ", ".join(f"{k} +{format_size(v)}" for k, v in short.items())
+
+
+def exhaustive_partition(G: nx.DiGraph, members: Sequence[Member], *, objective: str = "latency") -> Plan:
+    """The oracle: every cut of the order into at most m contiguous segments, every injective
+    assignment of members to them, each priced by :func:`build_plan` alone (independent of the
+    DP's column arithmetic). O(C(n−1, k−1) · m!/(m−k)! · n) for k ≤ m segments: tests only.
+    """
+    t0 = time.perf_counter()
+    order = G.graph["order"]
+    n = len(order)
+    best_key, best_plan = None, None
+    for k in range(1, min(n, len(members)) + 1):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            bounds = (0, *cuts, n)
+            segments = [order[bounds[s]:bounds[s + 1]] for s in range(k)]
+            for chosen in itertools.permutations(members, k):
+                if any(chunk_peak_bytes(G, ops) > mm.budget_bytes for ops, mm in zip(segments, chosen)):
+                    continue
+                member_of = {op: mm.id for ops, mm in zip(segments, chosen) for op in ops}
+                plan = build_plan(G, member_of, members, objective=objective, algorithm="exhaustive")
+                key = plan_key(plan)
+                if best_key is None or key < best_key:
+                    best_key, best_plan = key, plan
+    if best_plan is None:
+        raise PartitionUnfeasible("no contiguous-segment plan fits", shortfall_bytes={})
+    best_plan.solve_time_s = time.perf_counter() - t0
+    return best_plan
+
+
+def plan_key(plan: Plan) -> tuple[float, int]:
+    """What the optimum minimises: (objective value, transfer bytes); exact integers where possible."""
+    if plan.objective == "latency":
+        return (round(plan.latency_s * 1e12), plan.transfer_bytes)
+    return (round(1e12 / plan.throughput_per_s), plan.transfer_bytes)
