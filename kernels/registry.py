@@ -22,6 +22,16 @@ OPS: list[tuple[str, str, str]] = [
     # -- shape and data movement ------------------------------------------------------------
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
+    ("ReduceSum", "reduce", "ReduceSum"),
+    ("ReduceMean", "reduce", "ReduceMean"),
+    ("ReduceMax", "reduce", "ReduceMax"),
+    ("ReduceMin", "reduce", "ReduceMin"),
+    ("ReduceProd", "reduce", "ReduceProd"),
+    ("ReduceL1", "reduce", "ReduceL1"),
+    ("ReduceL2", "reduce", "ReduceL2"),
+    ("ReduceLogSum", "reduce", "ReduceLogSum"),
+    ("ReduceLogSumExp", "reduce", "ReduceLogSumExp"),
+    ("ReduceSumSquare", "reduce", "ReduceSumSquare"),
     # -- attention ------------------------------------------------------------------------------
 ]
 
