@@ -19,6 +19,8 @@ OPS: list[tuple[str, str, str]] = [
     ("Mul", "binary", "Mul"),
     ("Div", "binary", "Div"),
     # -- linear algebra, convolution, pooling, normalisation -----------------------------------
+    ("Gemm", "gemm", "Gemm"),
+    ("MatMul", "matmul", "MatMul"),
     # -- shape and data movement ------------------------------------------------------------
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------

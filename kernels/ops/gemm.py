@@ -1,0 +1,253 @@
+"""Gemm, and the matrix-product planner that Gemm, MatMul and Conv share.
+
+A product is described by element strides (``MatmulProblem``), so transposed operands,
+broadcast batches and a broadcast bias need no copy. The planner picks a kernel per shape
+once, at load time:
+
+- one output row (M == 1, no batch) with B's columns contiguous: ``gemv.comp``, B read once
+  with vec4 loads, split over K across workgroups when there are too few column strips to
+  fill the device, the partial sums finished by ``gemv_reduce.comp``;
+- one output row with B's rows contiguous along K (Gemm transB=1): ``gemv_t.comp``;
+- anything else: the tiled shared-memory GEMM ``gemm.comp`` (64x64 tiles with 4x4 outputs
+  per invocation, 32x32 tiles with 2x2 when 64x64 tiles would leave the device idle).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from vkpool.kernels.base import (
+    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
+)
+from vkpool.kernels.broadcast import broadcast_strides
+
+_F32 = np.dtype(np.float32)
+_MAX_GROUPS = 65535
+#: workgroups a GEMV should spread over so that every multiprocessor of a large GPU streams
+_GEMV_TARGET_GROUPS = 1024
+_GEMV_MIN_ROWS_PER_SPLIT = 128
+
+
+@dataclass(frozen=True)
+class BatchDim:
+    """One batch dimension of a product: its extent and the element stride of each operand."""
+
+    count: int
+    a: int
+    b: int
+    c: int
+    y: int
+
+
+@dataclass
+class MatmulProblem:
+    """``Y[batch] = alpha * A[batch] @ B[batch] + beta * C[batch]`` over float32, by strides.
+
+    A is M x K (element (m, k) at ``m * sAm + k * sAk``), B is K x N, C broadcasts to M x N
+    by its strides (0 on a broadcast axis), Y is contiguous M x N per batch. ``batch`` lists
+    batch dimensions outermost first; the innermost runs as the workgroup z axis, the others
+    as separate dispatches at byte offsets.
+    """
+
+    M: int
+    N: int
+    K: int
+    sAm: int
+    sAk: int
+    sBk: int
+    sBn: int
+    has_bias: bool = False
+    sCm: int = 0
+    sCn: int = 0
+    alpha: float = 1.0
+    beta: float = 1.0
+    batch: list[BatchDim] = field(default_factory=list)
+
+    @property
+    def batch_count(self) -> int:
+        return int(np.prod([d.count for d in self.batch], dtype=np.int64)) if self.batch else 1
+
+
+class MatmulPlan:
+    """The kernels chosen for one ``MatmulProblem``; built once, at load time."""
+
+    def __init__(self, p: MatmulProblem) -> None:
+        self.p = p
+        if p.batch and p.batch[-1].count > _MAX_GROUPS:
+            raise UnsupportedOp(f"matrix product with an innermost batch of {p.batch[-1].count} (> {_MAX_GROUPS})")
+        self.kind = "gemm"
+        self.splits = 1
+        if p.M == 1 and p.batch_count == 1 and p.K > 0:
+            if p.sBk == 1:
+                self.kind = "gemv_t"
+            elif p.sBn == 1:
+                self.kind = "gemv"
+                self._plan_gemv()
+        if self.kind == "gemm":
+            self._plan_gemm()
+
+    # -- choices -------------------------------------------------------------------------
+    def _plan_gemv(self) -> None:
+        p = self.p
+        self.vec = 4 if p.N % 4 == 0 and p.sBk % 4 == 0 else 1
+        self.txg, self.tyg = 64, 4
+        col_groups = ceil_div(p.N, self.vec * self.txg)
+        splits = max(1, min(ceil_div(_GEMV_TARGET_GROUPS, col_groups), p.K // _GEMV_MIN_ROWS_PER_SPLIT))
+        self.kchunk = ceil_div(p.K, splits)
+        self.splits = ceil_div(p.K, self.kchunk)
+        self.col_groups = col_groups
+
+    def _plan_gemm(self) -> None:
+        p = self.p
+        tiles64 = ceil_div(p.M, 64) * ceil_div(p.N, 64) * p.batch_count
+        # NOTE: few large tiles leave most multiprocessors of a big GPU idle; 32x32 tiles give
+        # four times the workgroups for the small spatial sizes of batch-1 convolutions.
+        if tiles64 >= 128:
+            self.tile = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
+        else:
+            self.tile = {"BM": 32, "BN": 32, "BK": 16, "TM": 2, "TN": 2}
+
+    def workspace_bytes(self) -> int:
+        return self.splits * self.p.N * 4 if self.kind == "gemv" and self.splits > 1 else 0
+
+    # -- dispatches ----------------------------------------------------------------------
+    def dispatches(
+        self, a: Any, b: Any, c: Any, y: Any, ws: Any, extra_defines: dict[str, Any] | None = None,
+    ) -> list[Dispatch]:
+        """Dispatches computing Y; ``c`` may be None when the problem has no bias."""
+        p = self.p
+        c_or_y = c if p.has_bias else y  # an unused pointer still needs a valid address
+        if self.kind == "gemv_t":
+            return [self._gemv_t(a, b, c_or_y, y)]
+        if self.kind == "gemv":
+            return self._gemv(a, b, c_or_y, y, ws)
+        out: list[Dispatch] = []
+        outer = p.batch[:-1]
+        inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
+        defines = {
+            **self.tile, "A_KCONTIG": int(p.sAk == 1 and p.sAm != 1), "B_NCONTIG": int(p.sBn == 1),
+            "HAS_BIAS": int(p.has_bias), **(extra_defines or {}),
+        }
+        groups = (ceil_div(p.N, self.tile["BN"]), ceil_div(p.M, self.tile["BM"]), inner.count)
+        if groups[1] > _MAX_GROUPS or groups[0] > _MAX_GROUPS:
+            raise UnsupportedOp(f"matrix product of {p.M} x {p.N} exceeds the workgroup grid")
+        for idx in itertools.product(*(range(d.count) for d in outer)):
+            oa = sum(i * d.a for i, d in zip(idx, outer)) * 4
+            ob = sum(i * d.b for i, d in zip(idx, outer)) * 4
+            oc = sum(i * d.c for i, d in zip(idx, outer)) * 4
+            oy = sum(i * d.y for i, d in zip(idx, outer)) * 4
+            args = [
+                Ptr(a, oa), Ptr(b, ob), Ptr(c_or_y, oc if p.has_bias else 0), Ptr(y, oy),
+                U32(p.M), U32(p.N), U32(p.K),
+                U32(p.sAm), U32(p.sAk), U32(p.sBk), U32(p.sBn), U32(p.sCm), U32(p.sCn),
+                U32(inner.a), U32(inner.b), U32(inner.c), F32(p.alpha), F32(p.beta),
+            ]
+            out.append(Dispatch("gemm", args, groups, defines))
+        return out
+
+    def _gemv(self, a: Any, b: Any, c: Any, y: Any, ws: Any) -> list[Dispatch]:
+        p = self.p
+        split = self.splits > 1
+        defines = {"VEC": self.vec, "TXG": self.txg, "TYG": self.tyg, "SPLIT": int(split),
+                   "HAS_BIAS": int(p.has_bias)}
+        first = Dispatch(
+            "gemv",
+            [Ptr(a), Ptr(b), Ptr(c), Ptr(ws if split else y), U32(p.N), U32(p.K), U32(p.sAk), U32(p.sBk),
+             U32(self.kchunk), U32(p.sCn), F32(p.alpha), F32(p.beta)],
+            (self.col_groups, self.splits, 1), defines,
+        )
+        if not split:
+            return [first]
+        reduce = Dispatch(
+            "gemv_reduce",
+            [Ptr(ws), Ptr(c), Ptr(y), U32(p.N), U32(self.splits), U32(p.sCn), F32(p.alpha), F32(p.beta)],
+            (ceil_div(p.N, 256), 1, 1), {"HAS_BIAS": int(p.has_bias)},
+        )
+        return [first, reduce]
+
+    def _gemv_t(self, a: Any, b: Any, c: Any, y: Any) -> Dispatch:
+        p = self.p
+        vec = 4 if p.K % 4 == 0 and p.sBn % 4 == 0 and p.sAk == 1 else 1
+        if vec == 1 and p.sAk != 1:
+            raise UnsupportedOp("GEMV with a strided vector operand")  # never built by the ops here
+        rows = 8
+        groups = ceil_div(p.N, rows)
+        gy = ceil_div(groups, _MAX_GROUPS)
+        return Dispatch(
+            "gemv_t",
+            [Ptr(a), Ptr(b), Ptr(c), Ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
+             F32(p.alpha), F32(p.beta)],
+            (ceil_div(groups, gy), gy, 1), {"VEC": vec, "TPR": 32, "ROWS": rows, "HAS_BIAS": int(p.has_bias)},
+        )
+
+    def flops(self) -> int:
+        p = self.p
+        return 2 * p.M * p.N * p.K * p.batch_count
+
+
+class Gemm(Op):
+    """``Y = alpha * A' @ B' + beta * C`` with A' = A or A^T, B' = B or B^T, C broadcast to M x N."""
+
+    op_type = "Gemm"
+
+    def check(self) -> None:
+        a, b = self.input(0), self.input(1)
+        for info in (a, b, *( [self.input(2)] if self.has_input(2) else [])):
+            if info.dtype != _F32:
+                raise UnsupportedOp(f"Gemm: only float32 is supported, got {info.dtype}")
+        if len(a.shape) != 2 or len(b.shape) != 2:
+            raise OpError(f"Gemm: A and B must be 2-D, got {a.shape} and {b.shape}")
+        if self.opset < 7 and int(self.attr("broadcast", 0)) == 0 and self.has_input(2):
+            raise UnsupportedOp("Gemm: opset < 7 without broadcast")
+        ta, tb = int(self.attr("transA", 0)), int(self.attr("transB", 0))
+        M, K = (a.shape[1], a.shape[0]) if ta else a.shape
+        Kb, N = (b.shape[1], b.shape[0]) if tb else b.shape
+        if K != Kb:
+            raise OpError(f"Gemm: inner dimensions differ ({a.shape}, transA={ta}; {b.shape}, transB={tb})")
+        self.M, self.N, self.K = M, N, K
+        alpha, beta = float(self.attr("alpha", 1.0)), float(self.attr("beta", 1.0))
+        has_bias = self.has_input(2) and beta != 0.0
+        sCm = sCn = 0
+        if self.has_input(2):
+            cs = self.input(2).shape
+            if len(cs) > 2 or any(d not in (1, t) for d, t in zip(cs[::-1], (N, M))):
+                raise OpError(f"Gemm: C of shape {cs} does not broadcast to {(M, N)}")
+            sCm, sCn = broadcast_strides(cs, (M, N))
+        self.plan = MatmulPlan(MatmulProblem(
+            M=M, N=N, K=K,
+            sAm=1 if ta else K, sAk=M if ta else 1,
+            sBk=1 if tb else N, sBn=K if tb else 1,
+            has_bias=has_bias, sCm=sCm, sCn=sCn, alpha=alpha, beta=beta,
+        ))
+
+    def output_infos(self) -> list[TensorInfo]:
+        return [TensorInfo((self.M, self.N), _F32)]
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        if int(self.attr("transA", 0)):
+            a = a.T
+        if int(self.attr("transB", 0)):
+            b = b.T
+        y = np.float32(self.attr("alpha", 1.0)) * (a @ b)
+        c = inputs[2] if len(inputs) > 2 else None
+        if c is not None:
+            y = y + np.float32(self.attr("beta", 1.0)) * c
+        return [np.asarray(y, dtype=np.float32).reshape(self.M, self.N)]
+
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+        return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], c, ctx.outputs[0], ctx.workspace)
+
+    def flops(self) -> int:
+        return self.plan.flops() + (self.M * self.N if self.plan.p.has_bias else 0)
+
+    def workspace_bytes(self) -> int:
+        return self.plan.workspace_bytes()
+
+
+__all__ = ["Gemm", "MatmulPlan", "MatmulProblem", "BatchDim"]
