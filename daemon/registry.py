@@ -40,8 +40,9 @@ def content_id(source: Path | bytes) -> str:
 def _external_locations(data: bytes) -> list[str]:
     import onnx  # only path loads pay for importing onnx
 
+    proto = onnx.ModelProto()
     try:
-        proto = onnx.load_model_from_string(data, load_external_data=False)
+        proto.ParseFromString(data)  # parsing never reads external files
     except Exception:
         return []  # not ONNX: the engine says so with its own message
     found: list[str] = []

@@ -170,7 +170,7 @@ class Server:
             self.stats.count("dropped")  # nothing after the routing frame: nowhere to reply
             return
         client = raw[0].bytes
-        fd = raw[-1].get(zmq.SRCFD)
+        fd = _source_fd(raw[-1])
         if client not in self._peers and len(self._peers) >= self.max_connections:
             self.stats.count("accepted")
             self._error_now(client, None, None, ProtocolViolation(
@@ -288,9 +288,14 @@ class Server:
                         break
                 for _ in range(256):
                     try:
-                        self._on_request(self._router.recv_multipart(zmq.NOBLOCK, copy=False))
+                        raw = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    try:
+                        self._on_request(raw)
+                    except Exception:  # never let one message take the daemon down
+                        log.exception("unexpected failure handling a message; dropped")
+                        self.stats.count("dropped")
                 now = time.monotonic()
                 self._expire_jobs(now)
                 self._run_probes(now)
@@ -338,6 +343,13 @@ class Server:
         router.close(linger=2000)
         if getattr(self, "_auth", None) is not None:
             self._auth.stop()
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:  # inproc:// messages have no file descriptor
+        return -1
 
 
 def _b(frame: Any) -> bytes:
