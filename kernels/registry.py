@@ -34,6 +34,11 @@ OPS: list[tuple[str, str, str]] = [
     ("ReduceLogSum", "reduce", "ReduceLogSum"),
     ("ReduceLogSumExp", "reduce", "ReduceLogSumExp"),
     ("ReduceSumSquare", "reduce", "ReduceSumSquare"),
+    ("ArgMax", "argmax", "ArgMax"),
+    ("ArgMin", "argmax", "ArgMin"),
+    ("CumSum", "cumsum", "CumSum"),
+    ("TopK", "topk", "TopK"),
+    ("Hardmax", "hardmax", "Hardmax"),
     # -- attention ------------------------------------------------------------------------------
 ]
 

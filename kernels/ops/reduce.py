@@ -236,5 +236,10 @@ class ReduceSumSquare(Reduce):
 __all__ = [
     "Reduce", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
     "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "normalize_axes",
-    "reduction_view", "row_geometry",
+    "reduction_view", "row_geometry", "axis_view",
 ]
+
+
+def axis_view(shape: Sequence[int], axis: int) -> tuple[int, int, int]:
+    """``shape`` seen as ``[outer, shape[axis], inner]``."""
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
