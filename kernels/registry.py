@@ -21,6 +21,7 @@ OPS: list[tuple[str, str, str]] = [
     # -- linear algebra, convolution, pooling, normalisation -----------------------------------
     ("Gemm", "gemm", "Gemm"),
     ("MatMul", "matmul", "MatMul"),
+    ("Conv", "conv", "Conv"),
     # -- shape and data movement ------------------------------------------------------------
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------

@@ -74,13 +74,13 @@ class MatmulProblem:
 class MatmulPlan:
     """The kernels chosen for one ``MatmulProblem``; built once, at load time."""
 
-    def __init__(self, p: MatmulProblem) -> None:
+    def __init__(self, p: MatmulProblem, *, force_gemm: bool = False) -> None:
         self.p = p
         if p.batch and p.batch[-1].count > _MAX_GROUPS:
             raise UnsupportedOp(f"matrix product with an innermost batch of {p.batch[-1].count} (> {_MAX_GROUPS})")
         self.kind = "gemm"
         self.splits = 1
-        if p.M == 1 and p.batch_count == 1 and p.K > 0:
+        if p.M == 1 and p.batch_count == 1 and p.K > 0 and not force_gemm:
             if p.sBk == 1:
                 self.kind = "gemv_t"
             elif p.sBn == 1:

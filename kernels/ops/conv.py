@@ -1,0 +1,107 @@
+"""Conv: 1-D, 2-D and 3-D, groups (depthwise included), strides, dilations, pads, auto_pad.
+
+Two kernels, chosen per shape at load time: a direct convolution (``conv.comp``) for few
+output channels per group or short reductions, where a GEMM tile would be mostly padding;
+otherwise an implicit GEMM (``gemm.comp`` with CONV) that computes the im2col on the fly
+while loading tiles, so no workspace is needed: per image and group,
+Y[Mg x P] = W[Mg x Cg*k] @ im2col(X)[Cg*k x P].
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from vkpool.kernels.base import (
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+)
+from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem
+from vkpool.kernels.ops.spatial import Window, window, window_view
+
+_F32 = np.dtype(np.float32)
+#: an implicit GEMM pays off from this many output channels per group ...
+_GEMM_MIN_CHANNELS = 16
+#: ... and this long a reduction (input channels per group x kernel size)
+_GEMM_MIN_REDUCTION = 64
+
+
+class Conv(Op):
+    op_type = "Conv"
+
+    def check(self) -> None:
+        x, w = self.input(0), self.input(1)
+        for info in (x, w, *([self.input(2)] if self.has_input(2) else [])):
+            if info.dtype != _F32:
+                raise UnsupportedOp(f"Conv: only float32 is supported, got {info.dtype}")
+        if len(x.shape) < 3 or len(w.shape) != len(x.shape):
+            raise OpError(f"Conv: X {x.shape} and W {w.shape} must be N x C x spatial and M x C/group x kernel")
+        self.group = int(self.attr("group", 1))
+        n, c = x.shape[:2]
+        m, cg = w.shape[:2]
+        if self.group < 1 or c % self.group or m % self.group or cg * self.group != c:
+            raise OpError(f"Conv: {c} input and {m} output channels do not split into {self.group} groups of W {w.shape}")
+        kernel = tuple(int(k) for k in self.attr("kernel_shape", w.shape[2:]))
+        if kernel != tuple(w.shape[2:]):
+            raise OpError(f"Conv: kernel_shape {kernel} differs from W's {w.shape[2:]}")
+        if self.has_input(2) and self.input(2).shape != (m,):
+            raise OpError(f"Conv: B must have shape ({m},), got {self.input(2).shape}")
+        self.win: Window = window("Conv", self.attrs, x.shape[2:], kernel)
+        self.out_shape = (n, m, *self.win.out_shape)
+        mg, kred = m // self.group, cg * math.prod(kernel)
+        self.plan: MatmulPlan | None = None
+        if mg >= _GEMM_MIN_CHANNELS and kred >= _GEMM_MIN_REDUCTION:
+            in_size = math.prod(self.win.in_shape)
+            self.plan = MatmulPlan(MatmulProblem(
+                M=mg, N=math.prod(self.win.out_shape), K=kred, sAm=kred, sAk=1, sBk=0, sBn=1,
+                has_bias=self.has_input(2), sCm=1, sCn=0,
+                batch=[BatchDim(n * self.group, mg * kred, cg * in_size, mg, 0)],
+            ), force_gemm=True)
+
+    def output_infos(self) -> list[TensorInfo]:
+        return [TensorInfo(self.out_shape, _F32)]
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x, w = inputs[0], inputs[1]
+        assert x is not None and w is not None
+        b = inputs[2] if len(inputs) > 2 else None
+        cols = window_view(x, self.win, 0.0)  # [N, C, k..., o...]
+        n, c = x.shape[:2]
+        m, cg = w.shape[:2]
+        g, mg = self.group, m // self.group
+        kp, op = math.prod(self.win.kernel), math.prod(self.win.out_shape)
+        cols = cols.reshape(n, g, cg * kp, op)
+        wg = w.reshape(g, mg, cg * kp)
+        y = np.einsum("gmk,ngkp->ngmp", wg, cols, optimize=True).reshape(self.out_shape)
+        if b is not None:
+            y = y + b.reshape(1, m, *([1] * self.win.rank))
+        return [y.astype(np.float32, copy=False)]
+
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        x, w, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
+        b = ctx.inputs[2] if len(ctx.inputs) > 2 and ctx.inputs[2] is not None else None
+        c, m = self.input(0).shape[1], self.input(1).shape[0]
+        geometry = self.win.defines()
+        if self.plan is not None:
+            extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
+                     **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
+            return self.plan.dispatches(w, x, b, y, None, extra)
+        total = math.prod(self.out_shape)
+        return [Dispatch(
+            "conv",
+            [Ptr(x), Ptr(w), Ptr(b if b is not None else y), Ptr(y), U32(total)],
+            groups_1d(total, 256, ctx.caps),
+            {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None),
+             **{k: v for k, v in geometry.items() if not k.startswith("Q")}},
+        )]
+
+    def flops(self) -> int:
+        w = self.input(1)
+        per_output = 2 * math.prod(w.shape[1:])
+        return math.prod(self.out_shape) * per_output
+
+    def workspace_bytes(self) -> int:
+        return 0
+
+
+__all__ = ["Conv"]
