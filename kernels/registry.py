@@ -22,6 +22,10 @@ OPS: list[tuple[str, str, str]] = [
     ("Gemm", "gemm", "Gemm"),
     ("MatMul", "matmul", "MatMul"),
     ("Conv", "conv", "Conv"),
+    ("MaxPool", "pool", "MaxPool"),
+    ("AveragePool", "pool", "AveragePool"),
+    ("GlobalMaxPool", "pool", "GlobalMaxPool"),
+    ("GlobalAveragePool", "pool", "GlobalAveragePool"),
     # -- shape and data movement ------------------------------------------------------------
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
@@ -40,6 +44,12 @@ OPS: list[tuple[str, str, str]] = [
     ("CumSum", "cumsum", "CumSum"),
     ("TopK", "topk", "TopK"),
     ("Hardmax", "hardmax", "Hardmax"),
+    ("LayerNormalization", "norms", "LayerNormalization"),
+    ("RMSNormalization", "norms", "RMSNormalization"),
+    ("GroupNormalization", "norms", "GroupNormalization"),
+    ("InstanceNormalization", "norms", "InstanceNormalization"),
+    ("MeanVarianceNormalization", "norms", "MeanVarianceNormalization"),
+    ("LpNormalization", "norms", "LpNormalization"),
     # -- attention ------------------------------------------------------------------------------
 ]
 

@@ -1,0 +1,276 @@
+"""Normalisation layers on ``shaders/norm.comp``: statistics per row, then a rescale.
+
+Every op here is "reduce some dimensions of x, then map each element with the row's
+statistics and a per-channel (or broadcast-tail) scale and bias". Each op states its row
+view (collapsed shape + reduced mask, as for Reduce*) and how scale/bias are indexed; the
+shader does the rest. float32 only.
+"""
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Sequence
+
+import numpy as np
+
+from vkpool.kernels.base import (
+    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp,
+)
+from vkpool.kernels.ops.reduce import MAX_VIEW_RANK, normalize_axes, reduction_view, row_geometry
+
+
+def tail_broadcast_size(param: tuple[int, ...], norm_shape: tuple[int, ...], what: str) -> int:
+    """Size of ``param`` when it broadcasts to ``norm_shape`` as a trailing block (so element
+    ``i`` of a row uses ``param[i % size]``); other broadcast patterns have no kernel."""
+    if len(param) > len(norm_shape):
+        raise OpError(f"{what} of shape {param} does not broadcast to {norm_shape}")
+    padded = (1,) * (len(norm_shape) - len(param)) + tuple(param)
+    k = 0
+    while k < len(padded) and padded[k] == 1:
+        k += 1
+    if padded[k:] != norm_shape[k:]:
+        if all(p in (1, n) for p, n in zip(padded, norm_shape)):
+            raise UnsupportedOp(f"{what} of shape {param} broadcasts to {norm_shape} with inner "
+                                "extent-1 dimensions: no kernel for that pattern")
+        raise OpError(f"{what} of shape {param} does not broadcast to {norm_shape}")
+    return math.prod(padded[k:])
+
+
+class RowNorm(Op):
+    """Base: subclasses set ``mode`` and fill ``self.view_shape``/``self.axes`` (on the real or
+    a reshaped view of x), ``self.sdiv``/``self.smod``/``self.bmod`` and ``self.eps``."""
+
+    mode: ClassVar[int]
+    scale_pos: ClassVar[int | None] = 1
+    bias_pos: ClassVar[int | None] = 2
+    p: int = 2
+
+    def check(self) -> None:
+        x = self.input(0)
+        if x.dtype != np.float32:
+            raise UnsupportedOp(f"{self.op_type}: element type {x.dtype} has no kernel")
+        for pos in (self.scale_pos, self.bias_pos):
+            if pos is not None and self.has_input(pos) and self.input(pos).dtype != np.float32:
+                raise UnsupportedOp(f"{self.op_type}: input {pos} of type {self.input(pos).dtype} has no kernel")
+        self.sdiv, self.smod, self.bmod = 1, 1, 1
+        self.eps = float(self.attr("epsilon", 1e-5))
+        self.setup()
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def output_infos(self) -> list[TensorInfo]:
+        return [self.input(0)]
+
+    def flops(self) -> int:
+        return 5 * self.input(0).size
+
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        x = self.input(0)
+        if x.size == 0:
+            return []
+        dims, mask = reduction_view(self.view_shape, self.axes)
+        nred = math.prod(self.view_shape[a] for a in self.axes)
+        nrows = x.size // max(nred, 1)
+        threads, groups = row_geometry(nrows, nred, ctx.caps)
+        has_scale = self.scale_pos is not None and self.has_input(self.scale_pos)
+        has_bias = self.bias_pos is not None and self.has_input(self.bias_pos)
+        stats = [ctx.outputs[k] if k < len(ctx.outputs) and ctx.outputs[k] is not None else None for k in (1, 2)]
+        has_stats = all(s is not None for s in stats)
+        x_ptr = Ptr(ctx.inputs[0])
+        args = [
+            x_ptr,
+            Ptr(ctx.inputs[self.scale_pos]) if has_scale else x_ptr,
+            Ptr(ctx.inputs[self.bias_pos]) if has_bias else x_ptr,
+            Ptr(ctx.outputs[0]),
+            Ptr(stats[0]) if has_stats else x_ptr,
+            Ptr(stats[1]) if has_stats else x_ptr,
+            U32(nrows), U32(nred), U32(len(dims)), U32(mask),
+        ]
+        args += [U32(v) for v in dims + [1] * (MAX_VIEW_RANK - len(dims))]
+        args += [F32(self.eps), U32(self.sdiv), U32(self.smod), U32(self.bmod)]
+        defines = {"MODE": self.mode, "ROW_THREADS": threads, "HAS_SCALE": int(has_scale),
+                   "HAS_BIAS": int(has_bias), "HAS_STATS": int(has_stats), "P": self.p}
+        return [Dispatch("norm", args, groups, defines)]
+
+
+class LayerNormalization(RowNorm):
+    op_type = "LayerNormalization"
+    mode = 0
+
+    def setup(self) -> None:
+        x = self.input(0)
+        rank = len(x.shape)
+        self.axis = normalize_axes([self.attr("axis", -1)], rank, self.op_type)[0]
+        if int(self.attr("stash_type", 1)) != 1:
+            raise UnsupportedOp(f"{self.op_type}: stash_type {self.attr('stash_type')} (only float32: 1)")
+        self.view_shape = x.shape
+        self.axes = list(range(self.axis, rank))
+        norm_shape = x.shape[self.axis:]
+        self.smod = tail_broadcast_size(self.input(1).shape, norm_shape, "scale")
+        if self.has_input(2):
+            self.bmod = tail_broadcast_size(self.input(2).shape, norm_shape, "bias")
+        self.stats_shape = x.shape[:self.axis] + (1,) * (rank - self.axis)
+
+    def output_infos(self) -> list[TensorInfo]:
+        x = self.input(0)
+        stats = TensorInfo(self.stats_shape, np.float32)
+        return [x, stats, stats][: max(1, self.num_outputs)]
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x, scale, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
+        assert x is not None and scale is not None
+        axes = tuple(self.axes)
+        mean = x.mean(axis=axes, keepdims=True)
+        inv = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + np.float32(self.eps))
+        y = (x - mean) * inv * scale
+        if bias is not None:
+            y = y + bias
+        out = [y.astype(np.float32), mean.astype(np.float32), inv.astype(np.float32)]
+        return out[: max(1, self.num_outputs)]
+
+
+class RMSNormalization(RowNorm):
+    op_type = "RMSNormalization"
+    mode = 1
+    bias_pos = None
+
+    def setup(self) -> None:
+        x = self.input(0)
+        rank = len(x.shape)
+        self.axis = normalize_axes([self.attr("axis", -1)], rank, self.op_type)[0]
+        if int(self.attr("stash_type", 1)) != 1:
+            raise UnsupportedOp(f"{self.op_type}: stash_type {self.attr('stash_type')} (only float32: 1)")
+        self.view_shape = x.shape
+        self.axes = list(range(self.axis, rank))
+        self.smod = tail_broadcast_size(self.input(1).shape, x.shape[self.axis:], "scale")
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x, scale = inputs[0], inputs[1]
+        assert x is not None and scale is not None
+        ms = np.mean(np.square(x), axis=tuple(self.axes), keepdims=True)
+        return [(x / np.sqrt(ms + np.float32(self.eps)) * scale).astype(np.float32)]
+
+
+class GroupNormalization(RowNorm):
+    """Opset 18: scale/bias have one value per group; opset 21: one per channel."""
+
+    op_type = "GroupNormalization"
+    mode = 0
+
+    def setup(self) -> None:
+        x = self.input(0)
+        if len(x.shape) < 2:
+            raise OpError(f"{self.op_type}: input must be [N, C, ...], got {x.shape}")
+        if int(self.attr("stash_type", 1)) != 1:
+            raise UnsupportedOp(f"{self.op_type}: stash_type {self.attr('stash_type')} (only float32: 1)")
+        n, c = x.shape[0], x.shape[1]
+        g = int(self.attr("num_groups"))
+        if g <= 0 or c % g:
+            raise OpError(f"{self.op_type}: {c} channels do not split into {g} groups")
+        spatial = math.prod(x.shape[2:])
+        self.groups = g
+        self.per_group = self.opset < 21
+        want = g if self.per_group else c
+        for pos, what in ((1, "scale"), (2, "bias")):
+            if self.input(pos).size != want:
+                raise OpError(f"{self.op_type}: {what} has {self.input(pos).size} values, expected {want}")
+        self.view_shape = (n * g, (c // g) * spatial)
+        self.axes = [1]
+        self.sdiv = spatial * (c // g) if self.per_group else spatial
+        self.smod = self.bmod = want
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x, scale, bias = inputs[0], inputs[1], inputs[2]
+        assert x is not None and scale is not None and bias is not None
+        n, c = x.shape[:2]
+        v = x.reshape(n, self.groups, -1)
+        mean = v.mean(axis=2, keepdims=True)
+        var = ((v - mean) ** 2).mean(axis=2, keepdims=True)
+        y = ((v - mean) / np.sqrt(var + np.float32(self.eps))).reshape(x.shape)
+        if self.per_group:
+            scale = np.repeat(scale.reshape(-1), c // self.groups)
+            bias = np.repeat(bias.reshape(-1), c // self.groups)
+        bshape = (1, c) + (1,) * (len(x.shape) - 2)
+        return [(y * scale.reshape(bshape) + bias.reshape(bshape)).astype(np.float32)]
+
+
+class InstanceNormalization(RowNorm):
+    op_type = "InstanceNormalization"
+    mode = 0
+
+    def setup(self) -> None:
+        x = self.input(0)
+        if len(x.shape) < 2:
+            raise OpError(f"{self.op_type}: input must be [N, C, ...], got {x.shape}")
+        n, c = x.shape[0], x.shape[1]
+        for pos, what in ((1, "scale"), (2, "B")):
+            if self.input(pos).size != c:
+                raise OpError(f"{self.op_type}: {what} has {self.input(pos).size} values, expected {c}")
+        spatial = math.prod(x.shape[2:])
+        self.view_shape = (n * c, spatial)
+        self.axes = [1]
+        self.sdiv, self.smod, self.bmod = spatial, c, c
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x, scale, bias = inputs[0], inputs[1], inputs[2]
+        assert x is not None and scale is not None and bias is not None
+        axes = tuple(range(2, x.ndim))
+        mean = x.mean(axis=axes, keepdims=True)
+        var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+        bshape = (1, -1) + (1,) * (x.ndim - 2)
+        y = (x - mean) / np.sqrt(var + np.float32(self.eps)) * scale.reshape(bshape) + bias.reshape(bshape)
+        return [y.astype(np.float32)]
+
+
+class MeanVarianceNormalization(RowNorm):
+    op_type = "MeanVarianceNormalization"
+    mode = 2
+    scale_pos = None
+    bias_pos = None
+
+    def setup(self) -> None:
+        x = self.input(0)
+        self.view_shape = x.shape
+        self.axes = normalize_axes(self.attr("axes", [0, 2, 3]), len(x.shape), self.op_type)
+        self.eps = 1e-9  # the epsilon of the op's function body
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x = inputs[0]
+        assert x is not None
+        axes = tuple(self.axes)
+        mean = x.mean(axis=axes, keepdims=True)
+        std = np.sqrt(np.maximum((x * x).mean(axis=axes, keepdims=True) - mean * mean, 0))
+        return [((x - mean) / (std + np.float32(self.eps))).astype(np.float32)]
+
+
+class LpNormalization(RowNorm):
+    op_type = "LpNormalization"
+    mode = 3
+    scale_pos = None
+    bias_pos = None
+
+    def setup(self) -> None:
+        x = self.input(0)
+        self.p = int(self.attr("p", 2))
+        if self.p not in (1, 2):
+            raise OpError(f"{self.op_type}: p must be 1 or 2, got {self.p}")
+        self.view_shape = x.shape
+        self.axes = normalize_axes([self.attr("axis", -1)], len(x.shape), self.op_type)
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x = inputs[0]
+        assert x is not None
+        axis = self.axes[0]
+        if self.p == 1:
+            norm = np.sum(np.abs(x), axis=axis, keepdims=True)
+        else:
+            norm = np.sqrt(np.sum(x * x, axis=axis, keepdims=True))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = np.where(norm == 0, np.float32(0), x / norm)
+        return [y.astype(np.float32)]
+
+
+__all__ = [
+    "LayerNormalization", "RMSNormalization", "GroupNormalization", "InstanceNormalization",
+    "MeanVarianceNormalization", "LpNormalization", "tail_broadcast_size",
+]
