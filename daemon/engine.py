@@ -18,7 +18,8 @@ class Engine:
         self.pool = pool
 
     @classmethod
-    def from_config(cls, config: str | Path | None) -> "Engine":
+    def from_config(cls, config: Any) -> "Engine":
+        """``config``: a path, a parsed config object, or None for the default."""
         from vkpool.pool import DevicePool
 
         return cls(DevicePool.from_config(config))
@@ -34,18 +35,38 @@ class Engine:
         return int(self.pool.member(member).budget_bytes)
 
     def open(self, source: Path | bytes) -> Any:
-        import vkpool
+        from vkpool.session import Session
 
-        return vkpool.Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool)
+        return Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool)
 
     def set_budget(self, member: str, nbytes: int) -> None:
         self.pool.set_budget(member, nbytes)
 
-    def what_if(self, source: Path | bytes, budgets: Mapping[str, int]) -> Any:
-        """The plan this model would get under ``budgets``, without allocating anything."""
-        from vkpool.partition import plan_for  # noqa: F401  (resolved when the planner lands)
+    def what_if(self, session: Any, budgets: Mapping[str, int]) -> Any:
+        """The partitioner's plan for a loaded model under other budgets; allocates nothing."""
+        from vkpool.partition import plan_model
+        from vkpool.partition.cost import DEFAULT_COSTS, Member, load_calibration
+        from vkpool.partition.render import to_json_dict, to_text
 
-        return plan_for(source, self.pool, budgets)
+        members = []
+        for m in self.pool.members:
+            info = getattr(m, "info", None)
+            cost = (load_calibration(info.uuid) if info is not None else None) or DEFAULT_COSTS[m.kind]
+            members.append(Member(m.id, int(budgets.get(m.id, m.budget_bytes)), cost, m.kind,
+                                  getattr(info, "name", "")))
+        plan = plan_model(session.model, members)
+        return _RenderedPlan(to_text(plan), to_json_dict(plan))
+
+
+class _RenderedPlan:
+    def __init__(self, text: str, as_json: dict[str, Any]) -> None:
+        self.text, self.json = text, as_json
+
+    def to_text(self) -> str:
+        return self.text
+
+    def to_json(self) -> dict[str, Any]:
+        return self.json
 
 
 def classify(exc: BaseException) -> ProtocolViolation:

@@ -12,21 +12,17 @@ from vkpool.daemon.settings import DaemonSettings, SettingsError
 log = logging.getLogger("vkpool.daemon")
 
 
-def load_settings(config: str | Path | None) -> DaemonSettings:
-    """The ``daemon:`` section of the config file (defaults when there is no file or section)."""
-    if config is None:
-        return DaemonSettings()
-    import yaml
+def load_settings(config: str | Path | None) -> tuple[Any, DaemonSettings]:
+    """The parsed config (``config``, else ``$VKPOOL_CONFIG``, else the default) and its ``daemon:``
+    section validated."""
+    from vkpool.config.loader import ConfigError, load_config
 
-    path = Path(config)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise SettingsError(f"{path}: {exc}") from None
-    section = raw.get("daemon") if isinstance(raw, dict) else None
-    if section is not None and not isinstance(section, dict):
-        raise SettingsError(f"{path}: daemon: must be a map")
-    return DaemonSettings.from_dict(section, where=lambda key: f"{path}: daemon.{key}")
+        cfg = load_config(config)
+    except ConfigError as exc:
+        raise SettingsError(str(exc)) from None
+    settings = DaemonSettings.from_dict(cfg.daemon, where=lambda key: f"{cfg.where('daemon.' + key)}: daemon.{key}")
+    return cfg, settings
 
 
 def setup_logging(settings: DaemonSettings) -> None:
@@ -45,7 +41,7 @@ def setup_logging(settings: DaemonSettings) -> None:
 def serve(config: str | Path | None = None, endpoint: str | None = None, engine: Any = None) -> int:
     """Run the daemon in the foreground until SIGTERM/SIGINT or a shutdown request; exit status."""
     try:
-        settings = load_settings(config)
+        cfg, settings = load_settings(config)
     except SettingsError as exc:
         print(f"vkpool serve: {exc}", file=sys.stderr)
         return 2
@@ -61,7 +57,7 @@ def serve(config: str | Path | None = None, endpoint: str | None = None, engine:
     if engine is None:
         from vkpool.daemon.engine import Engine
 
-        engine = Engine.from_config(config)
+        engine = Engine.from_config(cfg)
     try:
         server = Server(engine, settings, endpoint)
     except EndpointError as exc:

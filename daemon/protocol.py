@@ -116,7 +116,9 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
             control=True),
     Message("unload_model", "Drops this client's reference; the model is freed once unused for its "
             "keep-alive.",
-            request=(_f("model", "str", "model id"),),
+            request=(_f("model", "str", "model id"),
+                     _f("now", "bool", "free it as soon as no reference is left, ignoring its keep-alive "
+                        "(allowed without holding a reference)", required=False)),
             reply=(_f("model", "str", "model id"),
                    _f("refs", "int", "references left (all clients)"),
                    _f("unloaded", "bool", "true when the model's memory was freed now"))),

@@ -259,7 +259,8 @@ class Server:
         dropped = self.service.client_gone(client)
         for job in dropped:
             job.fail("Cancelled", "client left")  # the send fails and counts client_gone
-        log.info("client %s left; %d queued job(s) dropped", client.hex()[:8], len(dropped))
+        log.log(logging.INFO if dropped else logging.DEBUG, "client %s left; %d queued job(s) dropped",
+                client.hex()[:8], len(dropped))
 
     # -- life cycle ---------------------------------------------------------------------------
     def request_stop(self) -> None:

@@ -245,10 +245,15 @@ class Service:
                 self._free(idle[0])
 
     def _prepare_unload_model(self, client: bytes, content: dict[str, Any], frames: list[Any]) -> Callable[[], dict]:
-        entry = self._model_for(client, content["model"])
+        now = bool(content.get("now"))
+        entry = self.registry.get(content["model"]) if now else None
+        if entry is None:
+            entry = self._model_for(client, content["model"])
 
         def unload() -> dict[str, Any]:
             self.registry.drop_ref(entry, client)
+            if now and not entry.refs:
+                entry.keep_alive = 0
             unloaded = False
             if not entry.refs and entry.keep_alive == 0 and not self.scheduler.active(entry.id):
                 self._free(entry)
@@ -288,7 +293,7 @@ class Service:
         def plan() -> dict[str, Any]:
             entry.gate.acquire_shared()
             try:
-                the_plan = self.engine.what_if(entry.source, budgets) if budgets else entry.session.plan
+                the_plan = self.engine.what_if(entry.session, budgets) if budgets else entry.session.plan
             finally:
                 entry.gate.release_shared()
             as_json = the_plan.to_json()

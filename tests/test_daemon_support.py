@@ -198,7 +198,7 @@ class StandInEngine:
             raise ValueError(f"{member}: {self.members_[0]['used_bytes']} bytes in use exceed {nbytes}")
         self.members_[0]["budget_bytes"] = nbytes
 
-    def what_if(self, source: Path | bytes, budgets: dict[str, int]) -> _Plan:
+    def what_if(self, session: StandInSession, budgets: dict[str, int]) -> _Plan:
         return _Plan(dict(budgets))
 
 

@@ -1,0 +1,194 @@
+"""Daemon subcommands of ``vkpool``: serve, status, load, unload, budget, stop; and the helpers
+behind ``vkpool run --remote`` / ``vkpool plan --remote``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from vkpool.units import format_size
+
+
+def add_parsers(subparsers: Any) -> None:
+    def endpoint(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--endpoint", default=argparse.SUPPRESS,
+                       help="daemon endpoint (default: $VKPOOL_ENDPOINT, else the ipc socket in the "
+                            "runtime directory)")
+
+    p = subparsers.add_parser("serve", help="run the daemon in the foreground",
+                              description="Own the device pool and serve inference jobs to client processes "
+                                          "over ZeroMQ until SIGTERM/SIGINT or `vkpool stop`.")
+    p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="config file")
+    endpoint(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("status", help="the daemon's members, models, queues and latency")
+    endpoint(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+    p = subparsers.add_parser("load", help="load a model into the daemon (kept for its keep-alive)")
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--keep-alive", metavar="DURATION", help="how long it stays once unused "
+                   "(30s, 5m, 1h; -1 = forever; default from the config)")
+    endpoint(p)
+    p.set_defaults(func=cmd_load)
+
+    p = subparsers.add_parser("unload", help="free a model now (when no client uses it)")
+    p.add_argument("model", help="model id (or a unique prefix), as `vkpool status` shows")
+    endpoint(p)
+    p.set_defaults(func=cmd_unload)
+
+    p = subparsers.add_parser("budget", help="change a member's budget in the running daemon")
+    p.add_argument("member", metavar="ID", help="pool member (vk0, vk0.1, cpu)")
+    p.add_argument("size", metavar="SIZE", help="new budget (512MiB, 2GiB, bytes)")
+    endpoint(p)
+    p.set_defaults(func=cmd_budget)
+
+    p = subparsers.add_parser("stop", help="stop the daemon (in-flight jobs are drained)")
+    endpoint(p)
+    p.set_defaults(func=cmd_stop)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from vkpool.daemon.client import Client
+
+    return Client(getattr(args, "endpoint", None))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from vkpool.daemon.main import serve
+
+    return serve(getattr(args, "config", None), getattr(args, "endpoint", None))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(render_status(status))
+    return 0
+
+
+def render_status(status: dict[str, Any]) -> str:
+    c = status["counters"]
+    lat = status["latency_ms"]
+    lines = [f"vkpool daemon up {status['uptime_s']:.0f} s{' (draining)' if status['draining'] else ''}: "
+             f"{c['connections']} connection(s), {status['jobs_per_s']:.1f} jobs/s, latency p50 {lat['p50']:.2f} ms "
+             f"p90 {lat['p90']:.2f} ms p99 {lat['p99']:.2f} ms",
+             f"requests: {c['accepted']} accepted = {c['ok']} ok + {c['error']} error + {c['client_gone']} "
+             f"client gone + {c['in_flight']} in flight; {c['busy']} busy, {c['dropped']} dropped", "",
+             "members:"]
+    for m in status["members"]:
+        lines.append(f"  {m['id']:<8} {m['kind']:<7} {format_size(m['used_bytes']):>10} used of "
+                     f"{format_size(m['budget_bytes'])}")
+    lines += ["", "models:" if status["models"] else "models: none"]
+    for m in status["models"]:
+        memory = ", ".join(f"{k} {format_size(v)}" for k, v in m["memory_by_member"].items())
+        lines.append(f"  {m['id'][:12]} {m['name']:<20} refs {m['refs']:<3} queued {m['queued']:<4} "
+                     f"running {m['running']:<2} done {m['done']:<7} on {memory}")
+    return "\n".join(lines)
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from vkpool.daemon.settings import parse_duration
+
+    keep_alive = None if args.keep_alive is None else parse_duration(args.keep_alive)
+    with _client(args) as client:
+        model = client.load_model(args.model, keep_alive=keep_alive)
+    memory = ", ".join(f"{k} {format_size(v)}" for k, v in model["memory_by_member"].items())
+    kept = "forever" if model["keep_alive"] < 0 else f"{model['keep_alive']:g} s once unused"
+    print(f"{model['id']} {model['name']} on {memory}; kept {kept}")
+    return 0
+
+
+def _resolve_model(client: Any, prefix: str) -> str:
+    matches = [m["id"] for m in client.list_models() if m["id"].startswith(prefix)]
+    if len(matches) != 1:
+        raise SystemExit(f"vkpool: error: {len(matches)} loaded models match {prefix!r}")
+    return matches[0]
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        model = _resolve_model(client, args.model)
+        reply = client.request("unload_model", {"model": model, "now": True})[0]
+    if reply["unloaded"]:
+        print(f"{model[:12]} unloaded")
+        return 0
+    print(f"{model[:12]} is still used by {reply['refs']} reference(s); it is freed once they are dropped")
+    return 1
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        reply = client.set_budget(args.member, int(args.size) if args.size.isdigit() else args.size)
+    moved = f"; re-planned {', '.join(m[:12] for m in reply['replanned'])}" if reply["replanned"] else ""
+    print(f"{reply['member']}: budget {format_size(reply['budget_bytes'])}{moved}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        reply = client.shutdown()
+    print(f"daemon stopping; draining {reply['in_flight']} job(s)")
+    return 0
+
+
+def remote_run(args: argparse.Namespace) -> int:
+    """``vkpool run MODEL --remote``: the same output as the in-process run, through the daemon."""
+    import time
+
+    import numpy as np
+
+    from vkpool.cli import _checksum, _load_feeds
+
+    with _client(args) as client:
+        t0 = time.perf_counter()
+        session = client.session(args.model, keep_alive=getattr(args, "keep_alive", None))
+        t_load = time.perf_counter() - t0
+        feeds = _load_feeds(args.input, session.get_inputs(), args.seed)
+        t1 = time.perf_counter()
+        outputs = session.run(None, feeds)
+        t_first = time.perf_counter() - t1
+        where = ", ".join(session.info["members"])
+        print(f"model {args.model} on {where} (daemon {client.endpoint}): loaded in {t_load * 1e3:.1f} ms, "
+              f"first run {t_first * 1e3:.2f} ms")
+        for arg, value in zip(session.get_outputs(), outputs):
+            print(f"  {arg.name}: shape {list(value.shape)} {value.dtype} checksum {_checksum(value)}")
+        if getattr(args, "repeat", 0) > 0:
+            times = []
+            for _ in range(args.repeat):
+                t = time.perf_counter()
+                session.run(None, feeds)
+                times.append(time.perf_counter() - t)
+            q = np.percentile(np.array(times) * 1e3, [5, 50, 95])
+            print(f"latency over {args.repeat} runs: median {q[1]:.3f} ms, p05 {q[0]:.3f} ms, p95 {q[2]:.3f} ms")
+        session.close()
+    return 0
+
+
+def remote_plan(args: argparse.Namespace) -> int:
+    """``vkpool plan MODEL --remote``: the daemon's plan for MODEL, or what-if with ``--budget``."""
+    budgets = {}
+    for item in getattr(args, "budget", []) or []:
+        member, sep, size = item.partition("=")
+        if not sep:
+            raise ValueError(f"--budget {item!r}: expected ID=SIZE")
+        budgets[member] = int(size) if size.isdigit() else size
+    with _client(args) as client:
+        session = client.session(args.model)
+        reply = client.plan(session.model_id, budgets or None)
+        session.close()
+    fmt = getattr(args, "format", "text")
+    text = json.dumps(reply["plan"], indent=2) + "\n" if fmt == "json" else reply["text"].rstrip("\n") + "\n"
+    if getattr(args, "output", None):
+        from pathlib import Path
+
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
