@@ -1,0 +1,33 @@
+"""Shared fixtures: a real Vulkan pool (lavapipe in CI) and a private cache directory."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# Tests never touch the user's cache: SPIR-V and pipeline caches go to a per-run folder
+# (shared across the run so shaders compile once).
+os.environ.setdefault("VKPOOL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "vkpool-test-cache"))
+os.environ.pop("VKPOOL_CONFIG", None)
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """The default pool: every Vulkan device, one member each, plus the host member."""
+    from vkpool.pool import DevicePool
+    from vkpool.vk import VulkanUnavailable
+
+    try:
+        p = DevicePool.from_config(None)
+    except VulkanUnavailable as exc:  # a missing resource, not a failing feature
+        pytest.skip(f"no Vulkan device: {exc}")
+    if not p.vulkan_members:
+        pytest.skip("no usable Vulkan device")
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def vk_member(pool):
+    return pool.vulkan_members[0]

@@ -1,0 +1,5 @@
+import sys
+
+from vkpool.cli import main
+
+sys.exit(main())

@@ -1,0 +1,118 @@
+"""``onnx.backend.base.Backend`` for vkpool, as ``onnxruntime.backend`` provides for ORT.
+
+The ONNX project's backend node tests (``onnx.backend.test``) run against vkpool through it.
+ONNX's device names map to pool members: ``"CPU"`` (what the test suite asks for) is the
+default Vulkan member, so the Vulkan kernels are what the tests exercise; ``"VK"``/``"GPU"``
+are accepted too. A model with an op vkpool lacks is "not compatible" (the suite skips it).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+from onnx.backend.base import Backend, BackendRep
+from onnx.backend.test.runner import BackendIsNotSupposedToImplementIt
+
+from vkpool.kernels.base import UnsupportedOp
+from vkpool.kernels.registry import unsupported_in
+from vkpool.pool import DevicePool
+from vkpool.session import Session
+
+_DEVICES = ("CPU", "VK", "GPU")
+_pool: DevicePool | None = None
+_pool_lock = threading.Lock()
+
+
+def shared_pool() -> DevicePool:
+    """One pool per process: the suite prepares thousands of models."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = DevicePool.from_config(None)
+        return _pool
+
+
+class VkpoolRep(BackendRep):
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        names = [i.name for i in self.session.get_inputs()]
+        if isinstance(inputs, dict):
+            feeds = dict(inputs)
+        else:
+            if isinstance(inputs, np.ndarray):
+                inputs = [inputs]
+            feeds = dict(zip(names, inputs))
+        try:
+            return tuple(self.session.run(None, feeds))
+        finally:
+            if kwargs.get("close", False):
+                self.session.close()
+
+
+class VkpoolBackend(Backend):
+    @classmethod
+    def is_compatible(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> bool:
+        """Whether vkpool has kernels for every node as this model uses it (op, types, attributes)."""
+        if not cls.supports_device(device):
+            return False
+        if unsupported_in([(n.op_type, n.domain) for n in model.graph.node]):
+            return False
+        from vkpool.engine import build_ops
+        from vkpool.model import ModelError, load_model
+
+        try:
+            loaded = load_model(model.SerializeToString())
+            build_ops(loaded.nodes, dict(loaded.tensors), loaded.constants, loaded.opset)
+        except (UnsupportedOp, ModelError):
+            return False
+        return True
+
+    @classmethod
+    def prepare(cls, model: onnx.ModelProto | bytes | str, device: str = "CPU", **kwargs: Any) -> VkpoolRep:
+        if not cls.supports_device(device):
+            raise UnsupportedOp(f"device {device!r} is not one of {_DEVICES}")
+        src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+        try:
+            return VkpoolRep(Session(src, pool=shared_pool(), device=kwargs.get("member")))
+        except UnsupportedOp as exc:
+            # the suite counts this as "not supported" (a skip), not as a failure
+            raise BackendIsNotSupposedToImplementIt(str(exc)) from None
+
+    @classmethod
+    def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any
+                  ) -> tuple[np.ndarray, ...]:
+        rep = cls.prepare(model, device, **kwargs)
+        try:
+            return rep.run(inputs)
+        finally:
+            rep.session.close()
+
+    @classmethod
+    def run_node(cls, node: onnx.NodeProto, inputs: Sequence[np.ndarray], device: str = "CPU",
+                 outputs_info: Sequence[tuple[Any, tuple[int, ...]]] | None = None, **kwargs: Any
+                 ) -> tuple[np.ndarray, ...]:
+        from onnx import helper
+
+        in_infos = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.asarray(x).dtype),
+                                                  np.asarray(x).shape)
+                    for name, x in zip(node.input, inputs) if name]
+        out_infos = [helper.make_empty_tensor_value_info(name) for name in node.output if name]
+        graph = helper.make_graph([node], "node", in_infos, out_infos)
+        opset = kwargs.get("opset_version", onnx.defs.onnx_opset_version())
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        return cls.run_model(model, [np.asarray(x) for x in inputs], device)
+
+    @classmethod
+    def supports_device(cls, device: str) -> bool:
+        return str(device).upper().split(":")[0] in _DEVICES
+
+
+prepare = VkpoolBackend.prepare
+run_model = VkpoolBackend.run_model
+run_node = VkpoolBackend.run_node
+supports_device = VkpoolBackend.supports_device
+is_compatible = VkpoolBackend.is_compatible

@@ -1,0 +1,270 @@
+"""The ``vkpool`` command line."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from typing import Any, Callable
+
+from vkpool import __version__
+
+#: modules that add subcommands: (module, function taking the subparsers object)
+COMMAND_MODULES = [
+    ("vkpool.partition.cli", "add_parser"),
+    ("vkpool.daemon.cli", "add_parsers"),
+]
+
+EPILOG = """\
+Configuration: --config FILE or $VKPOOL_CONFIG (else the shipped default); see docs/config.md.
+Examples:
+  vkpool devices                      list the pool's members, budgets and capabilities
+  vkpool run model.onnx --check       run once with random inputs, compare with onnxruntime
+  vkpool run model.onnx --repeat 100  latency median and percentiles
+  vkpool plan model.onnx --budget vk0=256MiB --format text
+  vkpool serve                        start the daemon (then: vkpool status, vkpool run --remote)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    if args.config:
+        import os
+
+        os.environ["VKPOOL_CONFIG"] = args.config
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # every failure a user can cause ends in one clear line
+        if getattr(args, "debug", False):
+            raise
+        print(f"vkpool: error: {_describe(exc)}", file=sys.stderr)
+        return 1
+    return int(result or 0)
+
+
+def _describe(exc: BaseException) -> str:
+    name = type(exc).__name__
+    text = str(exc) or name
+    return text if name in ("ConfigError", "ModelError", "VulkanUnavailable") else f"{text} [{name}]"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vkpool",
+        description="Pool every Vulkan compute device on this machine and run ONNX models on them, "
+                    "in-process or through a daemon shared by many processes.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"vkpool {__version__}")
+    parser.add_argument("--config", metavar="FILE", help="config file (default: $VKPOOL_CONFIG or the shipped one)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    p = sub.add_parser("devices", help="list pool members: devices, budgets, limits, capabilities",
+                       description="List every member of the pool built from the config: Vulkan devices "
+                                   "(or their splits) and the host member, with budgets and capabilities.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_devices)
+
+    p = sub.add_parser("ops", help="list the supported ONNX ops", description="List the ONNX ops vkpool has kernels for.")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ops)
+
+    p = sub.add_parser("run", help="run a model once or repeatedly, with random or given inputs",
+                       description="Run MODEL and print each output's shape, dtype and checksum.")
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
+    p.add_argument("--device", metavar="ID", help="pool member to run on (vk0, vk0.1, cpu); default: first that fits")
+    p.add_argument("--check", action="store_true", help="compare with onnxruntime (CPU): largest differences")
+    p.add_argument("--repeat", type=int, default=0, metavar="N", help="run N more times; print latency percentiles")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--remote", action="store_true", help="run through the daemon instead of in-process")
+    p.add_argument("--endpoint", help="daemon endpoint (with --remote)")
+    p.set_defaults(func=cmd_run)
+
+    for module, fn in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        getattr(mod, fn)(sub)
+    return parser
+
+
+# -- devices -----------------------------------------------------------------------------------
+def cmd_devices(args: argparse.Namespace) -> int:
+    from vkpool.pool import DevicePool
+    from vkpool.units import format_size
+
+    pool = DevicePool.from_config(None)
+    try:
+        if args.json:
+            print(json.dumps({"config": pool.config.path if pool.config else None, "members": pool.describe()},
+                             indent=2))
+            return 0
+        rows = [("MEMBER", "DEVICE", "VENDOR", "TYPE", "DRIVER", "API", "HEAP", "BUDGET", "USED")]
+        for m in pool.members:
+            if m.kind == "vulkan":
+                i = m.info
+                heap = i.device_local_heap
+                rows.append((m.id, i.name, i.vendor, i.type, f"{i.driver_name} {i.driver_info}".strip(),
+                             i.api_version, format_size(heap.size), format_size(m.budget_bytes),
+                             format_size(m.used_bytes)))
+            else:
+                rows.append((m.id, "host (numpy)", "-", "cpu", "-", "-", "-", format_size(m.budget_bytes),
+                             format_size(m.used_bytes)))
+        _table(rows)
+        seen = set()
+        for m in pool.vulkan_members:
+            i = m.info
+            if i.index in seen:
+                continue
+            seen.add(i.index)
+            caps = ", ".join(k for k, v in i.capabilities.items() if v) or "none"
+            heaps = "; ".join(
+                f"heap {h.index}: {format_size(h.size)}{' device-local' if h.device_local else ''}"
+                + (f", budget {format_size(h.budget)}, usage {format_size(h.usage or 0)}" if h.budget else "")
+                for h in i.heaps)
+            print(f"\nvk{i.index}: {i.name}  uuid {i.uuid}")
+            print(f"  {heaps}")
+            print(f"  subgroup {i.subgroup_size}, workgroup ≤ {i.max_workgroup_invocations} invocations "
+                  f"{list(i.max_workgroup_size)}, shared memory {format_size(i.max_shared_memory_bytes)}, "
+                  f"push constants {i.max_push_constant_bytes} B, storage buffer range "
+                  f"{format_size(i.max_storage_buffer_range)}")
+            print(f"  capabilities: {caps}")
+        return 0
+    finally:
+        pool.close()
+
+
+def _table(rows: list[tuple[Any, ...]]) -> None:
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+# -- ops -----------------------------------------------------------------------------------------
+def cmd_ops(args: argparse.Namespace) -> int:
+    from vkpool.kernels.registry import supported_ops
+
+    ops = supported_ops()
+    if args.json:
+        print(json.dumps(ops))
+    else:
+        print(f"{len(ops)} supported ONNX ops (domain ai.onnx):")
+        line = ""
+        for op in ops:
+            if len(line) + len(op) + 2 > 100:
+                print("  " + line.rstrip(", "))
+                line = ""
+            line += op + ", "
+        if line:
+            print("  " + line.rstrip(", "))
+    return 0
+
+
+# -- run -----------------------------------------------------------------------------------------
+def random_inputs(inputs: list[Any], seed: int = 0) -> dict[str, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for arg in inputs:
+        shape, dtype = tuple(arg.shape), np.dtype(arg.dtype)
+        if dtype.kind == "f":
+            feeds[arg.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[arg.name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            feeds[arg.name] = rng.integers(0, 10, shape).astype(dtype)
+    return feeds
+
+
+def _load_feeds(specs: list[str], inputs: list[Any], seed: int) -> dict[str, Any]:
+    import numpy as np
+
+    feeds = random_inputs(inputs, seed)
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--input takes NAME=FILE.npy, got {spec!r}")
+        if name not in feeds:
+            raise ValueError(f"--input {name}: the model has no input {name!r} (inputs: {', '.join(feeds)})")
+        feeds[name] = np.load(path)
+    return feeds
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    if args.remote:
+        from vkpool.daemon.cli import remote_run
+
+        return int(remote_run(args) or 0)
+    from vkpool.session import Session
+
+    t0 = time.perf_counter()
+    with Session(args.model, device=args.device) as sess:
+        t_load = time.perf_counter() - t0
+        feeds = _load_feeds(args.input, sess.get_inputs(), args.seed)
+        t1 = time.perf_counter()
+        outputs = sess.run(None, feeds)
+        t_first = time.perf_counter() - t1
+        print(f"model {args.model} on {sess.member.id}: loaded in {t_load * 1e3:.1f} ms, "
+              f"first run {t_first * 1e3:.2f} ms")
+        for arg, value in zip(sess.get_outputs(), outputs):
+            print(f"  {arg.name}: shape {list(value.shape)} {value.dtype} checksum {_checksum(value)}")
+        if args.check:
+            _check_against_onnxruntime(args.model, feeds, sess, outputs)
+        if args.repeat > 0:
+            times = []
+            for _ in range(args.repeat):
+                t = time.perf_counter()
+                sess.run(None, feeds)
+                times.append(time.perf_counter() - t)
+            q = np.percentile(np.array(times) * 1e3, [5, 50, 95])
+            print(f"latency over {args.repeat} runs: median {q[1]:.3f} ms, p05 {q[0]:.3f} ms, p95 {q[2]:.3f} ms")
+    return 0
+
+
+def _checksum(value: Any) -> str:
+    import numpy as np
+
+    if value.dtype.kind in "fc":
+        return f"sum={float(np.sum(value, dtype=np.float64)):.6g} abs={float(np.abs(value).sum(dtype=np.float64)):.6g}"
+    return f"sum={int(np.sum(value.astype(np.int64)))}"
+
+
+def _check_against_onnxruntime(model: str, feeds: dict[str, Any], sess: Any, outputs: list[Any]) -> None:
+    import numpy as np
+
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        print("  --check needs onnxruntime: pip install onnxruntime", file=sys.stderr)
+        return
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for arg, got, want in zip(sess.get_outputs(), outputs, ref):
+        if got.dtype.kind in "fc":
+            diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+            rel = float(diff.max() / max(np.abs(want).max(), 1e-30)) if diff.size else 0.0
+            print(f"  check {arg.name}: max abs diff {float(diff.max()) if diff.size else 0:.3g}, "
+                  f"relative to max |ref| {rel:.3g}")
+        else:
+            print(f"  check {arg.name}: {'equal' if np.array_equal(got, want) else 'DIFFERENT'}")
+
+
+Command = Callable[[argparse.Namespace], int]
+
+if __name__ == "__main__":
+    sys.exit(main())
