@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from bench import workloads as wl
 from bench.harness import Config, run_all
@@ -33,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", help="vkpool device id for the in-process runtime")
     parser.add_argument("--warmup", type=int, help="warm-up runs (default 20; smoke 3)")
     parser.add_argument("--runs", type=int, help="timed runs (default 100; smoke 10)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the results already in --out for the (runtime, workload) pairs not run now, "
+                             "so a long benchmark can be run in parts")
     parser.add_argument("--timeout", type=float, help="seconds per child process (default 900; smoke 120)")
     return parser.parse_args(argv)
 
@@ -48,6 +52,22 @@ def select_workloads(requested: list[str] | None, smoke: bool) -> list[str]:
             wl.input_for(item)  # raises KeyError with the known names for a typo
             names.append(item)
     return list(dict.fromkeys(names))
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` plus the results of ``old`` for the (runtime, workload) pairs ``new`` did not measure."""
+    fresh = {(r["runtime"], r["workload"]) for r in new["results"]}
+    kept = [r for r in old["results"] if (r["runtime"], r["workload"]) not in fresh]
+    merged = dict(new)
+    merged["results"] = kept + new["results"]
+    merged["elapsed_s"] = old.get("elapsed_s", 0.0) + new.get("elapsed_s", 0.0)
+    merged["runtimes"] = {**old.get("runtimes", {}), **new.get("runtimes", {})}
+    available = set(merged["runtimes"])
+    merged["unavailable"] = {rt: why for rt, why in {**old.get("unavailable", {}), **new.get("unavailable", {})}.items()
+                             if rt not in available or rt in new.get("unavailable", {})}
+    for key in ("workloads", "runtimes"):
+        merged["config"][key] = list(dict.fromkeys(old.get("config", {}).get(key, []) + new["config"][key]))
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     doc = run_all(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    previous = cfg.out / "results.json"
+    if args.append and previous.exists():
+        doc = merge(json.loads(previous.read_text()), doc)
     (cfg.out / "results.json").write_text(json.dumps(doc, indent=1))
     markdown = render_markdown(doc)
     (cfg.out / "results.md").write_text(markdown + "\n")

@@ -1,6 +1,7 @@
 """Turns the raw results into the add-chain fits, ratios, a markdown report and PNG plots."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -172,10 +173,13 @@ def plot(doc: dict[str, Any], out_dir: Path, prefix: str = "bench-") -> list[Pat
     if workloads and runtimes:
         fig, ax = plt.subplots(figsize=(9, 0.9 + 0.6 * len(workloads) * max(1, len(runtimes)) / 2.5))
         height = 0.8 / len(runtimes)
+        marks: list[tuple[float, str]] = []
         for i, rt in enumerate(runtimes):
             ys, xs, lo, hi = [], [], [], []
             for j, w in enumerate(workloads):
                 e = by_key.get((w, rt))
+                if e is not None and e.get("status") in ("wrong", "failed"):
+                    marks.append((j + i * height, f"{rt}: {e['status']}"))
                 if median_ms(e) is not None:
                     lat = e["latency"]  # type: ignore[index]
                     ys.append(j + i * height)
@@ -186,6 +190,9 @@ def plot(doc: dict[str, Any], out_dir: Path, prefix: str = "bench-") -> list[Pat
         ax.set_yticks([j + 0.4 - height / 2 for j in range(len(workloads))], workloads)
         ax.invert_yaxis()
         ax.set_xscale("log")
+        for y, text in marks:  # a runtime that was not timed says why instead of leaving a gap
+            ax.text(0.005, y, text, transform=ax.get_yaxis_transform(), va="center", fontsize="x-small",
+                    color="0.35")
         ax.set_xlabel("latency, median with p05–p95 (ms, log)")
         ax.legend(fontsize="small")
         ax.grid(axis="x", which="both", alpha=0.3)
@@ -207,7 +214,8 @@ def plot(doc: dict[str, Any], out_dir: Path, prefix: str = "bench-") -> list[Pat
             (line,) = ax.plot(ns, lat, "o", label=rt)
             if rt in fits:
                 f = fits[rt]
-                ax.plot(ns, [(f.c_us + f.s_us_per_op * n) / 1e3 for n in ns], "-", color=line.get_color(),
+                dense = [10 ** (k / 20) for k in range(0, int(20 * math.log10(max(ns))) + 1)]
+                ax.plot(dense, [(f.c_us + f.s_us_per_op * n) / 1e3 for n in dense], "-", color=line.get_color(),
                         alpha=0.6, label=f"  C={f.c_us:.1f} µs, S={f.s_us_per_op:.2f} µs/op")
         ax.set_xscale("log")
         ax.set_yscale("log")

@@ -142,3 +142,17 @@ def test_plots_are_written(tmp_path: Path) -> None:
 
 def test_results_document_is_json_serialisable() -> None:
     json.dumps(_doc())
+
+
+def test_append_keeps_pairs_not_rerun() -> None:
+    from bench.__main__ import merge
+
+    old = _doc()
+    new = {"config": {"runs": 10, "warmup": 3, "workloads": ["mlp"], "runtimes": ["ort_cpu"]}, "machine": {},
+           "results": [_entry("ort_cpu", "mlp", 0.25)], "unavailable": {}, "runtimes": {"ort_cpu": "y"}}
+    merged = merge(old, new)
+    by_key = report.index(merged["results"])
+    assert by_key[("mlp", "ort_cpu")]["latency"]["median_ms"] == 0.25
+    assert by_key[("mlp", "vkpool")]["latency"]["median_ms"] == 0.5
+    assert len(merged["results"]) == len(old["results"])  # type: ignore[arg-type]
+    assert merged["unavailable"] == {"ort_cuda": "no CUDA"}
