@@ -96,7 +96,10 @@ def dp_partition(
             rest = [members[k].id for k in alone if k != best]
             replicated = build_plan(G, {op: members[best].id for op in G.graph["order"]}, members,
                                     objective=objective, algorithm="dp", replicas=rest)
-            if replicated.throughput_per_s > plan.throughput_per_s:
+            # ties (within float noise) go to the copies: they move no tensor between members
+            gain = replicated.throughput_per_s - plan.throughput_per_s
+            if gain > 1e-9 * plan.throughput_per_s or (abs(gain) <= 1e-9 * plan.throughput_per_s
+                                                        and replicated.transfer_bytes < plan.transfer_bytes):
                 plan = replicated
     plan.solve_time_s = time.perf_counter() - t0
     return plan
@@ -225,30 +228,72 @@ def _fmt_short(short: dict[str, int]) -> str:
 
 
 def exhaustive_partition(G: nx.DiGraph, members: Sequence[Member], *, objective: str = "latency") -> Plan:
-    """The oracle: every cut of the order into at most m contiguous segments, every injective
-    assignment of members to them, each priced by :func:`build_plan` alone (independent of the
-    DP's column arithmetic). O(C(n−1, k−1) · m!/(m−k)! · n) for k ≤ m segments: tests only.
+    """The oracle: every cut of the order into k ≤ m contiguous segments and every injective
+    assignment of members to them. Each (segment, member) is priced once by
+    :func:`segment_cost`, a direct loop over the segment's ops, independent of the DP's column
+    arithmetic; the best is then built with :func:`build_plan`.
+    O(n²·m) pricing + O(Σ_k C(n−1, k−1) · m!/(m−k)!) enumeration: for tests on small graphs.
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     t0 = time.perf_counter()
     order = G.graph["order"]
     n = len(order)
-    best_key, best_plan = None, None
+    priced: dict[tuple[int, int, int], tuple[int, int, int] | None] = {}
+
+    def price(i: int, e: int, k: int) -> tuple[int, int, int] | None:
+        if (i, e, k) not in priced:
+            ops = order[i:e]
+            fits = chunk_peak_bytes(G, ops) <= members[k].budget_bytes
+            priced[i, e, k] = segment_cost(G, ops, members[k]) if fits else None
+        return priced[i, e, k]
+
+    best_key, best = None, None
     for k in range(1, min(n, len(members)) + 1):
         for cuts in itertools.combinations(range(1, n), k - 1):
             bounds = (0, *cuts, n)
-            segments = [order[bounds[s]:bounds[s + 1]] for s in range(k)]
-            for chosen in itertools.permutations(members, k):
-                if any(chunk_peak_bytes(G, ops) > mm.budget_bytes for ops, mm in zip(segments, chosen)):
+            for chosen in itertools.permutations(range(len(members)), k):
+                costs = [price(bounds[s], bounds[s + 1], chosen[s]) for s in range(k)]
+                if any(c is None for c in costs):
                     continue
-                member_of = {op: mm.id for ops, mm in zip(segments, chosen) for op in ops}
-                plan = build_plan(G, member_of, members, objective=objective, algorithm="exhaustive")
-                key = plan_key(plan)
+                if objective == "latency":
+                    value = sum(c[0] for c in costs)
+                else:
+                    value = max(c[1] for c in costs)
+                key = (value, sum(c[2] for c in costs))
                 if best_key is None or key < best_key:
-                    best_key, best_plan = key, plan
-    if best_plan is None:
-        raise PartitionUnfeasible("no contiguous-segment plan fits", shortfall_bytes={})
-    best_plan.solve_time_s = time.perf_counter() - t0
-    return best_plan
+                    best_key, best = key, (bounds, chosen)
+    if best is None:
+        raise PartitionUnfeasible("no contiguous-segment plan fits the budgets", shortfall_bytes={})
+    bounds, chosen = best
+    member_of = {order[t]: members[chosen[s]].id for s in range(len(chosen))
+                 for t in range(bounds[s], bounds[s + 1])}
+    plan = build_plan(G, member_of, members, objective=objective, algorithm="exhaustive")
+    plan.solve_time_s = time.perf_counter() - t0
+    return plan
+
+
+def segment_cost(G: nx.DiGraph, ops: Sequence[str], member: Member) -> tuple[int, int, int]:
+    """(latency ps, stage period ps, bytes received from other segments) of ``ops`` run as one
+    chunk on ``member`` in a plan where every other op is on another member; O(reads)."""
+    uses = G.graph["tensors"]
+    inside = set(ops)
+    compute = 0
+    up: dict[str, int] = {}
+    cross = 0
+    down: dict[str, int] = {}
+    for op in ops:
+        attrs = G.nodes[op]
+        compute += member.cost.op_ps(attrs["flops"], attrs["bytes_read"] + attrs["bytes_written"])
+        for t in attrs["inputs"]:
+            if uses[t].producer not in inside:
+                up[t] = uses[t].nbytes
+        for t in attrs["outputs"]:
+            if uses[t].is_output or any(c not in inside for c in uses[t].consumers):
+                down[t] = uses[t].nbytes
+    cross = sum(b for t, b in up.items() if uses[t].producer is not None)
+    link = member.cost.upload_ps(sum(up.values())) + member.cost.download_ps(sum(down.values()))
+    return compute + link, max(compute, link), cross
 
 
 def plan_key(plan: Plan) -> tuple[float, int]:

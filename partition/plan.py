@@ -15,7 +15,9 @@ Pricing (one model for every algorithm, so plans compare):
   (held for the whole chunk), plus the peak of its live activations in execution order (a
   tensor lives from its producer to its last reader anywhere; graph outputs and tensors read by
   later chunks until the chunk ends), plus the largest workspace of its ops. A member's memory
-  is the sum over its chunks. Budgets are hard limits.
+  is its chunk's peak; a member running several chunks (greedy plans) counts the lower of two
+  upper bounds: the sum of its chunks' peaks, and everything it ever holds, never freed.
+  Budgets are hard limits.
 """
 from __future__ import annotations
 
@@ -130,6 +132,17 @@ def chunk_peak_bytes(G: nx.DiGraph, ops: Sequence[str], pos: dict[str, int] | No
     return sum(weights.values()) + sum(received.values()) + workspace + peak
 
 
+def _never_freed_bytes(G: nx.DiGraph, ops: Sequence[str]) -> int:
+    uses = G.graph["tensors"]
+    weights: dict[str, int] = {}
+    tensors: set[str] = set()
+    for op in ops:
+        weights.update(G.nodes[op]["weights"])
+        tensors.update(G.nodes[op]["inputs"], G.nodes[op]["outputs"])
+    workspace = max(G.nodes[op]["workspace_bytes"] for op in ops)
+    return sum(weights.values()) + sum(uses[t].nbytes for t in tensors) + workspace
+
+
 def _last_use(use, pos: dict[str, int]) -> float:
     if use.is_output:
         return float("inf")
@@ -209,6 +222,12 @@ def build_plan(
         memory[chunk.member] += chunk.peak_bytes
         compute[chunk.member] += chunk.compute_ps
         link[chunk.member] += chunk.upload_ps + chunk.download_ps
+    for member_id in memory:
+        mine = [c for c in chunks if c.member == member_id]
+        if len(mine) > 1:
+            # summing chunk peaks counts a weight or tensor shared by chunks once per chunk; keeping
+            # everything the member ever touches, never freed, is also an upper bound: take the lower
+            memory[member_id] = min(memory[member_id], _never_freed_bytes(G, [op for c in mine for op in c.ops]))
     latency_ps = sum(c.time_ps for c in chunks)
     period_ps = max(max(compute[m], link[m]) for m in compute)
     throughput = PS_PER_S / period_ps if period_ps else float("inf")

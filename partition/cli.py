@@ -1,0 +1,80 @@
+"""``vkpool plan``: partition a model and print the plan; with ``--devices`` no GPU is needed."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from vkpool.partition.cost import DEFAULT_COSTS, Member, load_calibration, load_device_spec
+
+FORMATS = ("text", "json", "dot", "svg")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="partition a model across members and show the plan",
+        description="Partition MODEL across the pool's members (or those of a device spec file) "
+                    "under their memory budgets and print the plan.",
+        epilog="Examples:\n"
+               "  vkpool plan model.onnx --devices partition/specs/2xh200.yaml --budget gpu0=512MiB\n"
+               "  vkpool plan model.onnx --objective throughput --format svg -o plan.svg",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--budget", action="append", default=[], metavar="ID=SIZE",
+                   help="override a member's budget (e.g. gpu0=512MiB); repeatable")
+    p.add_argument("--devices", metavar="SPEC.yaml",
+                   help="plan for the members described in this file instead of this machine's pool")
+    p.add_argument("--objective", choices=("latency", "throughput"), default="latency")
+    p.add_argument("--algorithm", choices=("dp", "greedy"), default="dp")
+    p.add_argument("--format", choices=FORMATS, default="text")
+    p.add_argument("--batch", type=int, default=1, help="value of symbolic batch dims (default 1)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from vkpool.model import load_model
+    from vkpool.partition.api import plan_model
+    from vkpool.partition.graph import build_graph
+    from vkpool.partition.render import render
+
+    members = load_device_spec(args.devices) if args.devices else pool_members()
+    members = apply_budgets(members, args.budget)
+    G = build_graph(load_model(args.model, batch=args.batch))
+    plan = plan_model(G, members, objective=args.objective, algorithm=args.algorithm)
+    text = render(G, plan, args.format)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def apply_budgets(members: list[Member], overrides: list[str]) -> list[Member]:
+    """Members with ``ID=SIZE`` budget overrides applied; unknown ids are an error."""
+    from vkpool.units import parse_size
+
+    by_id = {m.id: m for m in members}
+    for item in overrides:
+        member_id, sep, size = item.partition("=")
+        if not sep or member_id not in by_id:
+            raise ValueError(f"--budget {item!r}: expected ID=SIZE with ID one of {', '.join(by_id)}")
+        by_id[member_id] = by_id[member_id].with_budget(parse_size(size))
+    return [by_id[m.id] for m in members]
+
+
+def pool_members() -> list[Member]:
+    """This machine's pool members, priced by their cached calibration (else the kind's default)."""
+    from vkpool.pool import DevicePool
+
+    pool = DevicePool.from_config(None)
+    try:
+        out = []
+        for m in pool.members:
+            info = getattr(m, "info", None)
+            cost = (load_calibration(info.uuid) if info is not None else None) or DEFAULT_COSTS[m.kind]
+            out.append(Member(m.id, m.budget_bytes, cost, m.kind, getattr(info, "name", "")))
+        return out
+    finally:
+        pool.close()
