@@ -1,0 +1,128 @@
+"""Record-once execution on the real Vulkan device: nothing is recorded, written or allocated per run."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from vkpool.engine import ArenaPlanner
+from vkpool.session import InvalidInput, Session
+
+
+def _model(n_layers: int = 6) -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 16])
+    inits, nodes, prev = [], [], "x"
+    rng = np.random.default_rng(0)
+    for i in range(n_layers):
+        inits.append(numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), f"b{i}"))
+        nodes.append(helper.make_node("Add", [prev, f"b{i}"], [f"a{i}"]))
+        nodes.append(helper.make_node("Relu", [f"a{i}"], [f"r{i}"] if i < n_layers - 1 else ["y"]))
+        prev = f"r{i}"
+    g = helper.make_graph(nodes, "g", [x], [y], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def _reference(x: np.ndarray, n_layers: int = 6) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    for _ in range(n_layers):
+        x = np.maximum(x + rng.standard_normal(16).astype(np.float32), 0)
+    return x
+
+
+def test_thousand_runs_record_write_and_allocate_nothing(pool):
+    with Session(_model(), pool=pool) as sess:
+        device = sess.member.device
+        x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+        sess.run(None, {"x": x})
+        recordings = device.counters.recordings
+        descriptor_writes = device.counters.descriptor_writes
+        allocations = sess.member.allocations
+        pipelines = device.counters.pipelines_created
+        for i in range(1000):
+            xi = x + np.float32(i % 7)
+            (out,) = sess.run(None, {"x": xi})
+            if i % 100 == 0:
+                np.testing.assert_allclose(out, _reference(xi), rtol=1e-6, atol=1e-6)
+        assert device.counters.recordings == recordings
+        assert device.counters.descriptor_writes == descriptor_writes == 0
+        assert sess.member.allocations == allocations
+        assert device.counters.pipelines_created == pipelines
+
+
+def test_eight_threads_never_mix_results(pool):
+    with Session(_model(), pool=pool) as sess:
+        errors: list[str] = []
+
+        def worker(k: int) -> None:
+            rng = np.random.default_rng(100 + k)
+            for _ in range(40):
+                x = rng.standard_normal((3, 16)).astype(np.float32)
+                (out,) = sess.run(["y"], {"x": x})
+                if not np.allclose(out, _reference(x), rtol=1e-6, atol=1e-6):
+                    errors.append(f"thread {k} got another request's result")
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+
+
+def test_activation_memory_is_the_largest_live_set(pool):
+    with Session(_model(12), pool=pool) as sess:
+        stats = sess.stats
+        # a chain keeps at most two activations alive (an op's input and its output)
+        assert stats.arena_bytes == 2 * ArenaPlanner.ALIGN
+        assert stats.peak_live_bytes == 2 * 3 * 16 * 4
+        assert stats.barriers == stats.levels - 1 == 2 * 12 - 1
+
+
+def test_independent_branches_share_a_level(pool):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])
+    outs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [8]) for i in range(4)]
+    nodes = [helper.make_node("Relu", ["x"], [f"y{i}"]) for i in range(4)]
+    g = helper.make_graph(nodes, "g", [x], outs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    with Session(m, pool=pool) as sess:
+        assert sess.stats.levels == 1 and sess.stats.barriers == 0 and sess.stats.dispatches == 4
+        x_val = np.linspace(-2, 2, 8, dtype=np.float32)
+        for out in sess.run(None, {"x": x_val}):
+            np.testing.assert_array_equal(out, np.maximum(x_val, 0))
+
+
+def test_bad_feeds_say_what_is_wrong(pool):
+    with Session(_model(), pool=pool) as sess:
+        with pytest.raises(InvalidInput, match="missing"):
+            sess.run(None, {})
+        with pytest.raises(InvalidInput, match="float32"):
+            sess.run(None, {"x": np.zeros((3, 16), np.float64)})
+        with pytest.raises(InvalidInput, match=r"shape \[3, 16\]"):
+            sess.run(None, {"x": np.zeros((2, 16), np.float32)})
+        with pytest.raises(InvalidInput, match="unknown input"):
+            sess.run(None, {"x": np.zeros((3, 16), np.float32), "z": np.zeros(1)})
+
+
+def test_session_frees_its_memory(pool):
+    member = pool.vulkan_members[0]
+    before = member.used_bytes
+    sess = Session(_model(), pool=pool)
+    assert member.used_bytes > before
+    sess.close()
+    assert member.used_bytes == before
+
+
+def test_arena_planner_reuses_freed_ranges_and_remembers_levels():
+    p = ArenaPlanner()
+    a, _ = p.alloc(1000)
+    b, _ = p.alloc(1000)
+    p.release(a, 1000, level=3)
+    c, level = p.alloc(500)
+    assert c == a and level == 3
+    p.release(b, 1000, level=5)
+    p.release(c, 500, level=4)
+    d, level = p.alloc(2048)
+    assert d == 0 and level == 5
