@@ -73,12 +73,21 @@ OPS: list[tuple[str, str, str]] = [
     ("AveragePool", "pool", "AveragePool"),
     ("GlobalMaxPool", "pool", "GlobalMaxPool"),
     ("GlobalAveragePool", "pool", "GlobalAveragePool"),
+    ("BatchNormalization", "batchnorm", "BatchNormalization"),
+    ("LRN", "lrn", "LRN"),
+    ("Softmax", "softmax", "Softmax"),
+    ("LogSoftmax", "softmax", "LogSoftmax"),
     # -- shape and data movement ------------------------------------------------------------
     ("GatherElements", "gather_scatter", "GatherElements"),
     ("GatherND", "gather_scatter", "GatherND"),
     ("ScatterElements", "gather_scatter", "ScatterElements"),
     ("Scatter", "gather_scatter", "Scatter"),
     ("ScatterND", "gather_scatter", "ScatterND"),
+    ("Pad", "pad", "Pad"),
+    ("Trilu", "trilu", "Trilu"),
+    ("OneHot", "onehot", "OneHot"),
+    ("DepthToSpace", "depth_space", "DepthToSpace"),
+    ("SpaceToDepth", "depth_space", "SpaceToDepth"),
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
     ("ReduceSum", "reduce", "ReduceSum"),
