@@ -1,53 +1,80 @@
-"""Elementwise binary ops with multidirectional broadcasting (``shaders/binary.comp``)."""
+"""Elementwise binary ops with multidirectional broadcasting (``shaders/binary.comp``).
+
+Arithmetic (Add, Sub, Mul, Div, Pow, Mod, PRelu), logic (And, Or, Xor) and comparisons
+(Equal, Less, Greater, LessOrEqual, GreaterOrEqual: bool outputs) on every numeric type
+(float32/float16 and 8- to 64-bit integers; narrow types compute in 32 bits and wrap on store,
+as numpy does).
+"""
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, type_defines,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d,
 )
 from vkpool.kernels.broadcast import MAX_RANK, broadcast_shape, collapse
+from vkpool.kernels.ops.dtypes import BOOL, NUMERIC_TYPES, element_defines, require
 
-_DTYPES = (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32))
+
+def broadcast_dispatch(
+    code: int,
+    a: tuple[Any, TensorInfo],
+    b: tuple[Any, TensorInfo],
+    y: tuple[Any, TensorInfo],
+    ctx: DispatchContext,
+) -> Dispatch:
+    """One ``binary.comp`` dispatch: ``y = a (code) b``, each given as (handle, info).
+
+    ``y``'s shape is the broadcast shape; ``a`` may be ``y`` itself (an in-place update: each
+    invocation reads and writes the same element).
+    """
+    (ha, ia), (hb, ib), (hy, iy) = a, b, y
+    dims, (sa, sb) = collapse(iy.shape, ia.shape, ib.shape)
+    pad = [1] * (MAX_RANK - len(dims))
+    zeros = [0] * (MAX_RANK - len(dims))
+    args: list[Any] = [Ptr(ha), Ptr(hb), Ptr(hy), U32(iy.size), U32(len(dims))]
+    args += [U32(v) for v in dims + pad] + [U32(v) for v in sa + zeros] + [U32(v) for v in sb + zeros]
+    defines = {"OP": code, **element_defines(ia.dtype, "A"), **element_defines(ib.dtype, "B"),
+               **element_defines(iy.dtype, "Y")}
+    return Dispatch("binary", args, groups_1d(iy.size, 256, ctx.caps), defines)
 
 
 class Binary(Op):
-    """Base of ``y = a (op) b``: subclasses set ``code`` and ``numpy_op``."""
+    """Base of ``y = a (op) b``: subclasses set ``code``, ``numpy_op`` and the types they take."""
 
     code: ClassVar[int]
     numpy_op: ClassVar[Callable[[np.ndarray, np.ndarray], np.ndarray]]
+    input_types: ClassVar[frozenset[np.dtype]] = NUMERIC_TYPES
+    #: comparisons and logic produce bool
+    bool_output: ClassVar[bool] = False
 
     def check(self) -> None:
         a, b = self.input(0), self.input(1)
         if a.dtype != b.dtype:
             raise OpError(f"{self.op_type}: input types differ ({a.dtype} and {b.dtype})")
-        if a.dtype not in _DTYPES:
-            raise UnsupportedOp(f"{self.op_type}: element type {a.dtype} has no kernel")
+        require(self.op_type, a.dtype, self.input_types)
         self.out_shape = broadcast_shape(a.shape, b.shape)
 
+    def out_dtype(self) -> np.dtype:
+        return BOOL if self.bool_output else self.input(0).dtype
+
     def output_infos(self) -> list[TensorInfo]:
-        return [TensorInfo(self.out_shape, self.input(0).dtype)]
+        return [TensorInfo(self.out_shape, self.out_dtype())]
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         a, b = inputs[0], inputs[1]
         assert a is not None and b is not None
-        return [np.asarray(type(self).numpy_op(a, b)).astype(a.dtype, copy=False)]
+        with np.errstate(all="ignore"):
+            y = np.asarray(type(self).numpy_op(a, b))
+        return [y.astype(self.out_dtype(), copy=False)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
-        dims, (sa, sb) = collapse(self.out_shape, self.input(0).shape, self.input(1).shape)
-        pad = [1] * (MAX_RANK - len(dims))
-        zeros = [0] * (MAX_RANK - len(dims))
-        n = TensorInfo(self.out_shape, self.input(0).dtype).size
-        args = [Ptr(ctx.inputs[0]), Ptr(ctx.inputs[1]), Ptr(ctx.outputs[0]), U32(n), U32(len(dims))]
-        args += [U32(v) for v in dims + pad] + [U32(v) for v in sa + zeros] + [U32(v) for v in sb + zeros]
-        return [
-            Dispatch(
-                "binary", args, groups_1d(n, 256, ctx.caps),
-                {"OP": self.code, **type_defines(self.input(0).dtype)},
-            )
-        ]
+        return [broadcast_dispatch(
+            self.code, (ctx.inputs[0], self.input(0)), (ctx.inputs[1], self.input(1)),
+            (ctx.outputs[0], self.output_infos()[0]), ctx,
+        )]
 
 
 class Add(Binary):
@@ -70,7 +97,10 @@ class Mul(Binary):
 
 def _divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if np.issubdtype(a.dtype, np.integer):
-        return np.trunc(a / b).astype(a.dtype)  # ONNX integer Div truncates toward zero
+        # ONNX integer Div truncates toward zero; floor division corrected where signs differ
+        q = np.floor_divide(a, b)
+        inexact = (np.remainder(a, b) != 0) & ((a < 0) != (b < 0))
+        return (q + inexact).astype(a.dtype)
     return np.divide(a, b)
 
 
@@ -80,4 +110,125 @@ class Div(Binary):
     numpy_op = staticmethod(_divide)
 
 
-__all__ = ["Add", "Sub", "Mul", "Div", "Binary"]
+class Pow(Binary):
+    """``a ** b``; base and exponent may have different types, the result has the base's."""
+
+    op_type = "Pow"
+    code = 6
+    input_types = frozenset({np.dtype(t) for t in (np.float32, np.float16, np.int32, np.int64)})
+    exponent_types = NUMERIC_TYPES
+
+    def check(self) -> None:
+        a, b = self.input(0), self.input(1)
+        require(self.op_type, a.dtype, self.input_types, "base")
+        require(self.op_type, b.dtype, self.exponent_types, "exponent")
+        self.out_shape = broadcast_shape(a.shape, b.shape)
+
+    def flops(self) -> int:
+        return 8 * self.output_infos()[0].size
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        with np.errstate(all="ignore"):
+            if a.dtype.kind in "iu" and b.dtype.kind in "iu":
+                y = np.power(a.astype(np.int64), b.astype(np.int64))
+            else:
+                y = np.power(a.astype(np.float64), b.astype(np.float64))
+        return [np.asarray(y).astype(a.dtype)]
+
+
+class Mod(Binary):
+    """``fmod=0``: the remainder takes the divisor's sign (numpy ``mod``); ``fmod=1``: C ``fmod``."""
+
+    op_type = "Mod"
+
+    def check(self) -> None:
+        super().check()
+        fmod = int(self.attr("fmod", 0))
+        if fmod not in (0, 1):
+            raise OpError(f"Mod: fmod must be 0 or 1, got {fmod}")
+        self.fmod = bool(fmod)
+        self.code = 8 if self.fmod else 7
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        with np.errstate(all="ignore"):
+            y = np.fmod(a, b) if self.fmod else np.mod(a, b)
+        return [np.asarray(y).astype(a.dtype)]
+
+
+class PRelu(Binary):
+    """``x < 0 ? x * slope : x``; the slope broadcasts to X (unidirectionally)."""
+
+    op_type = "PRelu"
+    code = 17
+    input_types = frozenset(d for d in NUMERIC_TYPES if d.kind in "fi")
+
+    def check(self) -> None:
+        super().check()
+        if self.out_shape != self.input(0).shape:
+            raise OpError(f"PRelu: slope {self.input(1).shape} does not broadcast to X {self.input(0).shape}")
+
+    @staticmethod
+    def numpy_op(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
+        return np.where(x < 0, x * slope, x)
+
+
+class _Logic(Binary):
+    input_types = frozenset({BOOL})
+    bool_output = True
+
+
+class And(_Logic):
+    op_type = "And"
+    code = 9
+    numpy_op = np.logical_and
+
+
+class Or(_Logic):
+    op_type = "Or"
+    code = 10
+    numpy_op = np.logical_or
+
+
+class Xor(_Logic):
+    op_type = "Xor"
+    code = 11
+    numpy_op = np.logical_xor
+
+
+class _Compare(Binary):
+    bool_output = True
+
+
+class Equal(_Compare):
+    op_type = "Equal"
+    code = 12
+    input_types = NUMERIC_TYPES | {BOOL}
+    numpy_op = np.equal
+
+
+class Less(_Compare):
+    op_type = "Less"
+    code = 13
+    numpy_op = np.less
+
+
+class Greater(_Compare):
+    op_type = "Greater"
+    code = 14
+    numpy_op = np.greater
+
+
+class LessOrEqual(_Compare):
+    op_type = "LessOrEqual"
+    code = 15
+    numpy_op = np.less_equal
+
+
+class GreaterOrEqual(_Compare):
+    op_type = "GreaterOrEqual"
+    code = 16
+    numpy_op = np.greater_equal
