@@ -88,6 +88,8 @@ OPS: list[tuple[str, str, str]] = [
     ("OneHot", "onehot", "OneHot"),
     ("DepthToSpace", "depth_space", "DepthToSpace"),
     ("SpaceToDepth", "depth_space", "SpaceToDepth"),
+    ("NonZero", "nonzero", "NonZero"),
+    ("Size", "nonzero", "Size"),
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
     ("ReduceSum", "reduce", "ReduceSum"),
@@ -112,6 +114,7 @@ OPS: list[tuple[str, str, str]] = [
     ("MeanVarianceNormalization", "norms", "MeanVarianceNormalization"),
     ("LpNormalization", "norms", "LpNormalization"),
     # -- attention ------------------------------------------------------------------------------
+    ("SwiGLU", "swiglu", "SwiGLU"),
 ]
 
 
