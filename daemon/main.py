@@ -49,8 +49,8 @@ def serve(config: str | Path | None = None, endpoint: str | None = None, engine:
     endpoint = endpoint or settings.endpoint or default_endpoint()
     if endpoint.startswith("tcp://") and settings.curve is None:
         log.error("refusing plain TCP on %s: anyone who reaches the port could load files and run jobs as "
-                  "this user. Configure daemon.curve (server_secret_key, authorized_keys_dir), or use the "
-                  "default ipc:// endpoint", endpoint)
+                  "this user. Configure CURVE keys (daemon.curve: server_secret_key, authorized_keys_dir), "
+                  "or use the default ipc:// endpoint", endpoint)
         return 2
     from vkpool.daemon.server import Server
 

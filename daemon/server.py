@@ -171,16 +171,15 @@ class Server:
             return
         client = raw[0].bytes
         fd = _source_fd(raw[-1])
-        if client not in self._peers and len(self._peers) >= self.max_connections:
-            self.stats.count("accepted")
-            self._error_now(client, None, None, ProtocolViolation(
-                "TooManyConnections", f"the daemon serves {len(self._peers)} clients (max_connections "
-                f"{self.max_connections}); close idle clients or raise daemon.max_connections"))
-            return
-        self._peers[client] = fd
         header: dict[str, Any] = {}
         try:
             _, body = P.split_routing(raw[1:])
+            if client not in self._peers and len(self._peers) >= self.max_connections:
+                header = _peek_header(body)
+                raise ProtocolViolation(
+                    "TooManyConnections", f"the daemon serves {len(self._peers)} clients (max_connections "
+                    f"{self.max_connections}); close idle clients or raise daemon.max_connections")
+            self._peers[client] = fd
             size = sum(len(f) for f in raw)
             if len(raw) > self.settings.max_frames or size > self.settings.max_message_bytes:
                 header = _peek_header(body)

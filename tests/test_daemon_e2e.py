@@ -1,0 +1,396 @@
+"""End to end: a real ``vkpool serve`` subprocess on the Vulkan device, real client processes."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from test_daemon_support import (add_model, big_model, daemon_env, external_outside_model, mlp_model,
+                                 spawn_daemon, unsupported_model, wait_ready)
+from vkpool.daemon import errors as E
+from vkpool.daemon.client import Client
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Daemon:
+    def __init__(self, folder: Path, *, daemon: dict[str, Any] | None = None, stand_in: str | None = None,
+                 extra: str = "", preexec: Any = None, endpoint: str | None = None) -> None:
+        self.folder = folder
+        self.endpoint = endpoint or f"ipc://{folder}/d.sock"
+        self.config = folder / "vkpool.yaml"
+        self.config.write_text(extra + "daemon: " + json.dumps(daemon or {}) + "\n")
+        self.proc = spawn_daemon(self.endpoint, config=self.config, stand_in=stand_in, preexec=preexec)
+        wait_ready(self.endpoint, self.proc)
+
+    def client(self, **kwargs: Any) -> Client:
+        return Client(self.endpoint, **kwargs)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(60)
+        return code
+
+
+@pytest.fixture
+def folder() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="vkd", dir="/tmp"))  # short: ipc paths are limited to 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Daemon]:
+    path = Path(tempfile.mkdtemp(prefix="vkd", dir="/tmp"))
+    daemon = Daemon(path, daemon={"queue_limit": 4096, "max_message_bytes": "64MiB"},
+                    extra="devices:\n  - match: {name: 'llvmpipe*'}\n    budget: 32MiB\nhost:\n  budget: 32MiB\n")
+    yield daemon
+    assert daemon.stop() == 0
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_clients(code: str, args: list[list[str]], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen([sys.executable, "-c", code, *a], env=daemon_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for a in args]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        assert p.returncode == 0, err.decode()[-3000:]
+    return done
+
+
+JOBS_CLIENT = """
+import sys, numpy as np
+from vkpool.daemon.client import Client
+endpoint, out, seed, jobs, *models = sys.argv[1:]
+rng = np.random.default_rng(int(seed))
+with Client(endpoint) as client:
+    sessions = [client.session(m) for m in models]
+    xs, ys = [], []
+    for j in range(int(jobs)):
+        s = sessions[j % len(sessions)]
+        x = rng.standard_normal(s.get_inputs()[0].shape).astype(np.float32)
+        xs.append(x); ys.append(s.run(None, {"x": x}))
+np.savez(out, **{f"x{j}": x for j, x in enumerate(xs)},
+         **{f"y{j}_{k}": y for j, outs in enumerate(ys) for k, y in enumerate(outs)})
+"""
+
+
+def test_8_clients_x_200_jobs_on_2_models_match_in_process_runs(shared: Daemon) -> None:
+    from vkpool.session import Session
+
+    models = [shared.folder / "a.onnx", shared.folder / "b.onnx"]
+    models[0].write_bytes(mlp_model(8, 16, seed=1))
+    models[1].write_bytes(mlp_model(16, 32, seed=2))
+    with shared.client() as watcher:
+        before = watcher.status()["counters"]
+        run_clients(JOBS_CLIENT, [[shared.endpoint, str(shared.folder / f"out{i}.npz"), str(i), "200",
+                                   *map(str, models)] for i in range(8)])
+        after = watcher.status()
+    assert after["counters"]["ok"] - before["ok"] >= 8 * 200
+    c = after["counters"]
+    assert c["accepted"] == c["ok"] + c["error"] + c["client_gone"] + c["in_flight"]
+    sessions = [Session(str(m)) for m in models]
+    try:
+        for i in range(8):
+            data = np.load(shared.folder / f"out{i}.npz")
+            for j in range(200):
+                want = sessions[j % 2].run(None, {"x": data[f"x{j}"]})
+                for k, w in enumerate(want):
+                    np.testing.assert_array_equal(data[f"y{j}_{k}"], w)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+KILLED_CLIENT = """
+import sys, time, numpy as np
+from vkpool.daemon import protocol as P
+from vkpool.daemon.client import Client
+client = Client(sys.argv[1])
+model = client.load_model(sys.argv[2], keep_alive=0)["id"]
+metas, frames = P.tensor_frames([("x", np.ones((1, 8), np.float32))])
+futures = [client.submit("infer", {"model": model, "inputs": metas}, frames) for _ in range(2000)]
+futures[0].result(60)
+print("running", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_client_killed_mid_job_leaves_the_daemon_serving_and_releases_its_model(shared: Daemon) -> None:
+    path = shared.folder / "killed.onnx"
+    path.write_bytes(mlp_model(8, 24, seed=5))
+    with shared.client() as watcher:
+        used_before = {m["id"]: m["used_bytes"] for m in watcher.devices()}
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, shared.endpoint, str(path)],
+                                env=daemon_env(), stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"running"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = watcher.status()
+            if status["counters"]["in_flight"] == 1 and not any(m["name"] == "killed.onnx" for m in status["models"]):
+                break
+            time.sleep(0.1)
+        c = status["counters"]
+        assert c["in_flight"] == 1, c  # only this status request
+        assert not any(m["name"] == "killed.onnx" for m in status["models"]), status["models"]
+        assert c["client_gone"] > 0
+        assert {m["id"]: m["used_bytes"] for m in watcher.devices()} == used_before
+        session = watcher.session(mlp_model(8, 16, seed=1))
+        assert session.run(None, {"x": np.ones((1, 8), np.float32)})[0].shape == (1, 8)
+
+
+def test_bad_models_over_ipc_are_refused_and_the_daemon_keeps_serving(shared: Daemon) -> None:
+    (shared.folder / "text.onnx").write_text("not a model")
+    with shared.client() as client:
+        with pytest.raises(E.ModelError):
+            client.load_model(shared.folder / "text.onnx")
+        with pytest.raises(E.UnsupportedOp, match="Det"):
+            client.load_model(unsupported_model())
+        with pytest.raises(E.InsufficientMemory):
+            client.load_model(big_model(40 << 20))
+        with pytest.raises(E.ModelError, match="outside"):
+            client.load_model(external_outside_model(shared.folder / "ext"))
+        model = client.load_model(add_model(), keep_alive=0)["id"]
+        client.unload_model(model)
+        with pytest.raises(E.UnknownModel):
+            client.infer(model, {"x": np.zeros((1, 4), np.float32)})
+        assert client.status()["counters"]["error"] >= 5
+
+
+def test_a_frame_over_the_size_limit_drops_only_that_connection(folder: Path) -> None:
+    import zmq
+
+    daemon = Daemon(folder, daemon={"max_message_bytes": "1MiB"}, stand_in="")
+    try:
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.linger = 0
+        rogue.connect(daemon.endpoint)
+        rogue.send_multipart([b"<VKPOOL>", b"\x80", b"\x80", b"z" * (2 << 20)])
+        time.sleep(0.5)
+        rogue.close(0)
+        ctx.term()
+        with daemon.client() as client:
+            assert client.status()["counters"]["accepted"] >= 1
+            with pytest.raises(E.MessageTooLarge):
+                client.request("status", {}, [b"a" * (600 << 10), b"b" * (600 << 10)])
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_budget_lowered_at_run_time_replans_or_is_refused_with_the_reason(folder: Path) -> None:
+    daemon = Daemon(folder)
+    try:
+        with daemon.client() as client:
+            session = client.session(mlp_model())
+            x = np.arange(8, dtype=np.float32).reshape(1, 8)
+            before = session.run(None, {"x": x})
+            assert session.memory_by_member().get("vk0", 0) > 0
+            reply = client.set_budget("vk0", 256)
+            assert reply == {"member": "vk0", "budget_bytes": 256, "replanned": [session.model_id]}
+            moved = session.memory_by_member()
+            assert moved.get("vk0", 0) == 0 and moved["cpu"] > 0
+            after = session.run(None, {"x": x})
+            for a, b in zip(before, after):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            with pytest.raises(E.BudgetRefused, match="cpu") as info:
+                client.set_budget("cpu", 64)
+            assert info.value.details["model"] == session.model_id
+            assert {m["id"]: m["budget_bytes"] for m in client.devices()}["vk0"] == 256
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], before[0], rtol=1e-5, atol=1e-5)
+    finally:
+        assert daemon.stop() == 0
+
+
+DRAIN_CLIENT = """
+import sys, numpy as np
+from vkpool.daemon import protocol as P
+from vkpool.daemon.client import Client, result_of
+from vkpool.daemon.errors import DaemonError
+client = Client(sys.argv[1])
+model = client.load_model(sys.argv[2])["id"]
+metas, frames = P.tensor_frames([("x", np.ones((1, 8), np.float32))])
+futures = [client.submit("infer", {"model": model, "inputs": metas}, frames) for _ in range(int(sys.argv[3]))]
+futures[0].result(60)
+print("running", flush=True)
+outcomes = {}
+for f in futures:
+    header, content, _ = f.result(60)
+    key = "ok" if header["status"] == "ok" else content["type"]
+    outcomes[key] = outcomes.get(key, 0) + 1
+print(outcomes, flush=True)
+"""
+
+
+@pytest.mark.parametrize("stand_in, deadline, jobs", [(None, 30, 300), ("delay_s=0.1", 0.4, 40)])
+def test_sigterm_drains_in_flight_jobs_and_exits_0(folder: Path, stand_in: str | None, deadline: float,
+                                                   jobs: int) -> None:
+    model = folder / "m.onnx"
+    model.write_bytes(mlp_model())
+    daemon = Daemon(folder, daemon={"drain_deadline": deadline, "workers_per_model": 1}, stand_in=stand_in)
+    proc = subprocess.Popen([sys.executable, "-c", DRAIN_CLIENT, daemon.endpoint, str(model), str(jobs)],
+                            env=daemon_env(), stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"running"
+    daemon.proc.send_signal(signal.SIGTERM)
+    outcomes = eval(proc.stdout.readline())  # a dict printed by the client
+    assert proc.wait(30) == 0
+    assert daemon.proc.wait(30) == 0
+    assert sum(outcomes.values()) == jobs
+    assert set(outcomes) <= {"ok", "ShuttingDown"}
+    if stand_in is None:
+        assert outcomes == {"ok": jobs}
+    else:
+        assert outcomes["ok"] >= 2 and outcomes["ShuttingDown"] >= 10
+    assert not Path(daemon.endpoint[6:]).exists()
+
+
+def test_one_daemon_per_socket_and_a_stale_socket_is_cleaned_up(folder: Path) -> None:
+    path = folder / "d.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # the file stays, as after a crash
+    with pytest.raises(E.DaemonUnavailable, match="vkpool serve"):
+        Client(f"ipc://{path}", hello_timeout=0.5)
+    daemon = Daemon(folder, stand_in="")
+    try:
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        second = spawn_daemon(daemon.endpoint, stand_in="")
+        assert second.wait(30) == 1
+        assert b"already serves" in second.stderr.read()
+        with daemon.client() as client:
+            assert client.status()["counters"]["accepted"] >= 1
+    finally:
+        assert daemon.stop() == 0
+    with pytest.raises(E.DaemonUnavailable, match="start it with `vkpool serve`"):
+        Client(daemon.endpoint)
+
+
+def test_plain_tcp_is_refused_and_curve_tcp_authenticates(folder: Path) -> None:
+    import zmq
+    import zmq.auth
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    plain = spawn_daemon(endpoint, stand_in="")
+    assert plain.wait(30) == 2
+    assert b"CURVE" in plain.stderr.read()
+
+    keys = folder / "keys"
+    authorized = folder / "authorized"
+    keys.mkdir()
+    authorized.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(keys), "client")
+    shutil.copy(client_public, authorized)
+    config = folder / "tcp.yaml"
+    config.write_text("daemon: " + json.dumps({"endpoint": endpoint, "curve": {
+        "server_secret_key": server_secret, "authorized_keys_dir": str(authorized)}}) + "\n")
+    proc = spawn_daemon(endpoint, config=config, stand_in="")
+    try:
+        spub, _ = zmq.auth.load_certificate(server_public)
+        cpub, csec = zmq.auth.load_certificate(client_secret)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client = Client(endpoint, curve=(cpub, csec, spub), hello_timeout=1)
+                break
+            except E.DaemonUnavailable:
+                assert time.monotonic() < deadline and proc.poll() is None
+        with client:
+            assert client.status()["counters"]["accepted"] >= 1
+        stranger_public, stranger_secret = zmq.curve_keypair()
+        with pytest.raises(E.DaemonUnavailable):
+            Client(endpoint, curve=(stranger_public, stranger_secret, spub), hello_timeout=1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+MANY_CONNECTIONS = """
+import sys, zmq
+from vkpool.daemon import protocol as P
+from vkpool.daemon.client import parse_reply
+endpoint, count = sys.argv[1], int(sys.argv[2])
+ctx = zmq.Context()
+ctx.max_sockets = count + 64
+socks = []
+for i in range(count):
+    s = ctx.socket(zmq.DEALER); s.linger = 0; s.connect(endpoint); socks.append(s)
+    s.send_multipart(P.encode(P.request_header("hello", f"h{i}"), {}))
+outcomes = {}
+poller = zmq.Poller()
+for s in socks:
+    poller.register(s, zmq.POLLIN)
+pending = set(socks)
+while pending:
+    events = dict(poller.poll(30000))
+    assert events, f"{len(pending)} sockets got no reply"
+    for s in events:
+        header, content, _ = parse_reply(s.recv_multipart(copy=False))
+        key = "ok" if header["status"] == "ok" else content["type"]
+        outcomes[key] = outcomes.get(key, 0) + 1
+        poller.unregister(s); pending.discard(s)
+print(outcomes, flush=True)
+sys.stdin.readline()  # hold the connections until told
+"""
+
+
+def _lower_fd_limit() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+
+def test_1500_connecting_clients_on_a_daemon_started_at_1024_fds(folder: Path) -> None:
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4096:
+        pytest.fail("this test needs a hard open-file limit of at least 4096 to start 1,500 clients")
+    daemon = Daemon(folder, stand_in="", preexec=_lower_fd_limit)
+    procs = [subprocess.Popen([sys.executable, "-c", MANY_CONNECTIONS, daemon.endpoint, "500"], env=daemon_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(3)]
+    try:
+        for p in procs:
+            assert eval(p.stdout.readline()) == {"ok": 500}
+        with daemon.client() as client:
+            assert client.status()["counters"]["connections"] >= 1500
+    finally:
+        for p in procs:
+            p.communicate(b"\n", timeout=30)
+        assert daemon.stop() == 0
+
+
+def test_connections_beyond_the_cap_get_too_many_connections(folder: Path) -> None:
+    daemon = Daemon(folder, stand_in="", daemon={"max_connections": 50})
+    proc = subprocess.Popen([sys.executable, "-c", MANY_CONNECTIONS, daemon.endpoint, "80"], env=daemon_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert eval(proc.stdout.readline()) == {"ok": 50, "TooManyConnections": 30}
+    finally:
+        proc.communicate(b"\n", timeout=30)
+    deadline = time.monotonic() + 10
+    while True:  # once those clients left, there is room again
+        try:
+            with daemon.client() as client:
+                client.status()
+            break
+        except E.TooManyConnections:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert daemon.stop() == 0
