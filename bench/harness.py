@@ -244,6 +244,11 @@ def _machine() -> dict[str, Any]:
 
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "cpus": os.cpu_count()}
+    try:
+        info["commit"] = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, text=True,
+                                        capture_output=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        info["commit"] = None
     for module in ("numpy", "onnx", "onnxruntime", "ncnn", "torch", "vkpool"):
         try:
             info[module] = __import__(module).__version__

@@ -91,7 +91,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"Runs: {cfg.get('runs')} timed after {cfg.get('warmup')} warm-up"
         f"{' (smoke)' if cfg.get('smoke') else ''}; machine: {doc.get('machine', {}).get('platform', '?')}, "
         f"{doc.get('machine', {}).get('cpus', '?')} CPUs; started {doc.get('started', '?')}, "
-        f"took {doc.get('elapsed_s', 0):.0f} s.",
+        f"took {doc.get('elapsed_s', 0):.0f} s; vkpool at {doc.get('machine', {}).get('commit') or '?'}.",
         "",
         "### Latency, median (p05–p95), ms",
         "",

@@ -25,13 +25,13 @@ def onnx_to_torch(model_path: Path, device: str) -> Any:
     shapes = {t.name: tuple(int(v) for v in numpy_helper.to_array(t)) for t in model.graph.initializer
               if t.data_type == onnx.TensorProto.INT64}
 
-    def conv(x: Any, w: Any, a: dict[str, Any], b: Any = None) -> Any:
+    def conv(a: dict[str, Any], x: Any, w: Any, b: Any = None) -> Any:
         pads = list(a.get("pads", [0, 0, 0, 0]))
         if pads[:2] != pads[2:]:
             raise NotImplementedError("asymmetric Conv padding")
         return F.conv2d(x, w, b, stride=tuple(a.get("strides", [1, 1])), padding=tuple(pads[:2]))
 
-    def gemm(a_: Any, b: Any, a: dict[str, Any], c: Any = None) -> Any:
+    def gemm(a: dict[str, Any], a_: Any, b: Any, c: Any = None) -> Any:
         if a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0:
             raise NotImplementedError("Gemm with transA or alpha/beta != 1")
         y = a_ @ (b.T if a.get("transB", 0) else b)
@@ -39,12 +39,12 @@ def onnx_to_torch(model_path: Path, device: str) -> Any:
 
     ops = {
         "Conv": conv,
-        "Add": lambda a_, b, a: a_ + b,
-        "Relu": lambda x, a: torch.relu(x),
-        "MaxPool": lambda x, a: F.max_pool2d(x, tuple(a["kernel_shape"]), tuple(a.get("strides", a["kernel_shape"]))),
-        "MatMul": lambda a_, b, a: a_ @ b,
+        "Add": lambda a, x, y: x + y,
+        "Relu": lambda a, x: torch.relu(x),
+        "MaxPool": lambda a, x: F.max_pool2d(x, tuple(a["kernel_shape"]), tuple(a.get("strides", a["kernel_shape"]))),
+        "MatMul": lambda a, x, y: x @ y,
         "Gemm": gemm,
-        "Softmax": lambda x, a: torch.softmax(x, dim=a.get("axis", -1)),
+        "Softmax": lambda a, x: torch.softmax(x, dim=a.get("axis", -1)),
     }
 
     class OnnxModule(torch.nn.Module):
@@ -66,7 +66,7 @@ def onnx_to_torch(model_path: Path, device: str) -> Any:
                 if op == "Reshape":
                     env[output] = env[inputs[0]].reshape(shapes[inputs[1]])
                 else:
-                    env[output] = ops[op](*(env[i] for i in inputs), a)
+                    env[output] = ops[op](a, *(env[i] for i in inputs))
             return env["y"]
 
     return OnnxModule().eval()
