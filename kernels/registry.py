@@ -115,6 +115,7 @@ OPS: list[tuple[str, str, str]] = [
     ("LpNormalization", "norms", "LpNormalization"),
     # -- attention ------------------------------------------------------------------------------
     ("SwiGLU", "swiglu", "SwiGLU"),
+    ("Attention", "attention", "Attention"),
 ]
 
 

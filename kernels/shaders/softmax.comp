@@ -1,0 +1,61 @@
+#version 450
+// Softmax / LogSoftmax over one axis: one workgroup per row (all indices but the axis).
+// A row's D elements lie `inner` apart, starting at outer * D * inner + i_inner. Three
+// strided passes (max, sum of exponentials, write), each combined in shared memory.
+// MODE 0 = Softmax, 1 = LogSoftmax.
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"
+layout(local_size_x = LOCAL_SIZE) in;
+
+layout(push_constant) uniform Args {
+    F32Buf x;
+    F32Buf y;
+    uint D;
+    uint inner;
+    uint rows;
+} pc;
+
+shared float part[LOCAL_SIZE];
+
+void main() {
+    const uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    const uint t = gl_LocalInvocationID.x;
+    if (row >= pc.rows) return;  // uniform per workgroup
+    const uint inner = pc.inner, D = pc.D;
+    const uint base = (row / inner) * D * inner + row % inner;
+
+    float m = -1.0 / 0.0;
+    for (uint j = t; j < D; j += LOCAL_SIZE) m = max(m, pc.x.v[base + j * inner]);
+    part[t] = m;
+    barrier();
+    for (uint s = LOCAL_SIZE / 2; s > 0; s >>= 1) {
+        if (t < s) part[t] = max(part[t], part[t + s]);
+        barrier();
+    }
+    m = part[0];
+    barrier();
+
+    float sum = 0.0;
+    for (uint j = t; j < D; j += LOCAL_SIZE) sum += exp(pc.x.v[base + j * inner] - m);
+    part[t] = sum;
+    barrier();
+    for (uint s = LOCAL_SIZE / 2; s > 0; s >>= 1) {
+        if (t < s) part[t] += part[t + s];
+        barrier();
+    }
+    sum = part[0];
+
+#if MODE == 0
+    const float scale = 1.0 / sum;
+    for (uint j = t; j < D; j += LOCAL_SIZE) {
+        uint k = base + j * inner;
+        pc.y.v[k] = exp(pc.x.v[k] - m) * scale;
+    }
+#else
+    const float shift = m + log(sum);
+    for (uint j = t; j < D; j += LOCAL_SIZE) {
+        uint k = base + j * inner;
+        pc.y.v[k] = pc.x.v[k] - shift;
+    }
+#endif
+}
