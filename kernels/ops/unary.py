@@ -6,11 +6,13 @@ every numeric type; IsNaN/IsInf produce bool; Not takes bool.
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from vkpool.kernels.base import F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d
+from vkpool.kernels.base import (
+    F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d,
+)
 from vkpool.kernels.ops.dtypes import BOOL, FLOAT_TYPES, NUMERIC_TYPES, element_defines, require
 
 _SIGNED_AND_FLOAT = frozenset(d for d in NUMERIC_TYPES if d.kind in "fi")
@@ -55,12 +57,20 @@ class Unary(Op):
         return self.cost * self.input(0).size
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
-        n = self.input(0).size
-        alpha, beta, gamma = self.params()
         defines = {"OP": self.code, **element_defines(self.input(0).dtype, "X"),
                    **element_defines(self.out_dtype(), "Y")}
-        args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(n), F32(alpha), F32(beta), F32(gamma)]
-        return [Dispatch("unary", args, groups_1d(n, 256, ctx.caps), defines)]
+        return [unary_dispatch(ctx.inputs[0], ctx.outputs[0], self.input(0).size, defines, ctx.caps,
+                               self.params())]
+
+
+def unary_dispatch(
+    src: Any, dst: Any, n: int, defines: dict[str, Any], caps: DeviceCaps,
+    params: tuple[float, float, float] = (0.0, 0.0, 0.0),
+) -> Dispatch:
+    """One ``unary.comp`` dispatch over ``n`` elements; ``defines`` choose OP and the types."""
+    alpha, beta, gamma = params
+    args = [Ptr(src), Ptr(dst), U32(n), F32(alpha), F32(beta), F32(gamma)]
+    return Dispatch("unary", args, groups_1d(n, 256, caps), defines)
 
 
 # Kept for ops written against the first float-only base class.

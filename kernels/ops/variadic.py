@@ -11,10 +11,11 @@ from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
-from vkpool.kernels.base import F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d
+from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, TensorInfo
 from vkpool.kernels.broadcast import broadcast_shape
 from vkpool.kernels.ops.binary import broadcast_dispatch
 from vkpool.kernels.ops.dtypes import FLOAT_TYPES, NUMERIC_TYPES, element_defines, require
+from vkpool.kernels.ops.unary import unary_dispatch
 
 _ADD, _MAX, _MIN = 0, 4, 5
 
@@ -92,7 +93,7 @@ class Mean(Variadic):
         if len(self.inputs) == 1:
             return work
         info = self.output_infos()[0]
-        n = info.size
         defines = {"OP": 4, **element_defines(info.dtype, "X")}
-        args = [Ptr(ctx.outputs[0]), Ptr(ctx.outputs[0]), U32(n), F32(1.0 / len(self.inputs)), F32(0), F32(0)]
-        return work + [Dispatch("unary", args, groups_1d(n, 256, ctx.caps), defines)]
+        scale = unary_dispatch(ctx.outputs[0], ctx.outputs[0], info.size, defines, ctx.caps,
+                               (1.0 / len(self.inputs), 0.0, 0.0))
+        return work + [scale]
