@@ -109,7 +109,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         row.append(f"{vk / best[1]:.2f}× ({best[0]})" if vk is not None and best else "n/a")
         if len(header) > len(row):
             daemon = median_ms(by_key.get((workload, "vkpool_daemon")))
-            row.append(f"+{_ms(daemon - vk)}" if daemon is not None and vk is not None else "n/a")
+            row.append(f"{daemon - vk:+.3g} ms" if daemon is not None and vk is not None else "n/a")
         lines.append(_row(row))
     lines += ["", "Ratio: vkpool's median over the fastest other runtime's (below 1 is faster).", ""]
 
