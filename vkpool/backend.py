@@ -75,6 +75,11 @@ class VkpoolBackend(Backend):
     def prepare(cls, model: onnx.ModelProto | bytes | str, device: str = "CPU", **kwargs: Any) -> VkpoolRep:
         if not cls.supports_device(device):
             raise UnsupportedOp(f"device {device!r} is not one of {_DEVICES}")
+        if isinstance(model, onnx.ModelProto):
+            kinds = {v.type.WhichOneof("value") for v in [*model.graph.input, *model.graph.output]}
+            if kinds - {"tensor_type"}:
+                raise BackendIsNotSupposedToImplementIt(
+                    f"only tensor inputs and outputs are supported, not {sorted(kinds - {'tensor_type'})}")
         src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
         try:
             return VkpoolRep(Session(src, pool=shared_pool(), device=kwargs.get("member")))
