@@ -1,0 +1,209 @@
+"""Attention (opset 23+) on ``shaders/attention.comp`` (+ ``kv_concat.comp`` for the KV cache).
+
+Supported: 3-D and 4-D Q/K/V, grouped heads (q_num_heads a multiple of kv_num_heads), bool
+or float ``attn_mask`` broadcast over (batch, heads, query), masks shorter than the key length
+(missing columns masked), ``is_causal`` aligned bottom-right on the cache, ``scale``,
+``softcap``, ``past_key``/``past_value`` with ``present_*`` outputs, ``nonpad_kv_seqlen``,
+sliding windows, and every ``qk_matmul_output_mode``. Scores and softmax are float32 whatever
+``softmax_precision`` asks (float32 is at least as precise as any type it may name for float32
+inputs).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from vkpool.kernels.base import (
+    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, groups_1d,
+)
+
+
+class Attention(Op):
+    op_type = "Attention"
+
+    def check(self) -> None:
+        q, k, v = self.input(0), self.input(1), self.input(2)
+        for t in (q, k, v):
+            if t.dtype != np.float32:
+                raise UnsupportedOp(f"Attention: element type {t.dtype} has no kernel")
+        rank = len(q.shape)
+        if rank not in (3, 4) or len(k.shape) != rank or len(v.shape) != rank:
+            raise OpError(f"Attention: Q/K/V must all be 3-D or all 4-D, got {q.shape}, {k.shape}, {v.shape}")
+        self.is3d = rank == 3
+        self.b = q.shape[0]
+        if self.is3d:
+            hq, hkv = self.attr("q_num_heads"), self.attr("kv_num_heads")
+            if not hq or not hkv:
+                raise OpError("Attention: 3-D inputs need q_num_heads and kv_num_heads")
+            self.hq, self.hkv = int(hq), int(hkv)
+            self.s, self.l = q.shape[1], k.shape[1]
+            if q.shape[2] % self.hq or k.shape[2] % self.hkv or v.shape[2] % self.hkv:
+                raise OpError("Attention: hidden sizes are not multiples of the head counts")
+            self.d, self.dv = q.shape[2] // self.hq, v.shape[2] // self.hkv
+            if k.shape[2] // self.hkv != self.d:
+                raise OpError("Attention: Q and K head sizes differ")
+        else:
+            self.hq, self.s, self.d = q.shape[1], q.shape[2], q.shape[3]
+            self.hkv, self.l, self.dv = k.shape[1], k.shape[2], v.shape[3]
+            if k.shape[3] != self.d or v.shape[1] != self.hkv or v.shape[2] != self.l:
+                raise OpError(f"Attention: K {k.shape} / V {v.shape} do not match Q {q.shape}")
+        if self.hq % self.hkv:
+            raise OpError(f"Attention: {self.hq} query heads do not group over {self.hkv} KV heads")
+        self.has_past = self.has_input(4)
+        if self.has_past != self.has_input(5):
+            raise OpError("Attention: past_key and past_value come together")
+        self.past = self.input(4).shape[2] if self.has_past else 0
+        if self.has_past and (self.input(4).dtype != np.float32 or self.input(5).dtype != np.float32):
+            raise UnsupportedOp("Attention: only float32 KV caches")
+        self.t = self.past + self.l
+        self.has_nonpad = self.has_input(6)
+        if self.has_nonpad and self.has_past:
+            raise OpError("Attention: nonpad_kv_seqlen cannot be combined with past_key/past_value")
+        self.mask_shape: tuple[int, ...] | None = None
+        if self.has_input(3):
+            m = self.input(3)
+            if m.dtype not in (np.dtype(np.float32), np.dtype(np.bool_)):
+                raise UnsupportedOp(f"Attention: mask type {m.dtype} has no kernel")
+            if not 1 <= len(m.shape) <= 4:
+                raise OpError(f"Attention: mask rank {len(m.shape)}")
+            ms = (1,) * (4 - len(m.shape)) + tuple(m.shape)
+            for got, full in zip(ms[:3], (self.b, self.hq, self.s)):
+                if got not in (1, full):
+                    raise OpError(f"Attention: mask {m.shape} does not broadcast to {(self.b, self.hq, self.s, self.t)}")
+            if ms[3] > self.t:
+                raise OpError(f"Attention: mask has {ms[3]} key columns for {self.t} keys")
+            self.mask_shape = ms
+        self.scale = float(self.attr("scale", 1.0 / math.sqrt(self.d))) if self.attr("scale") is not None \
+            else 1.0 / math.sqrt(self.d)
+        self.softcap = float(self.attr("softcap", 0.0) or 0.0)
+        self.causal = bool(self.attr("is_causal", 0))
+        self.qk_mode = int(self.attr("qk_matmul_output_mode", 0))
+        if self.qk_mode not in (0, 1, 2, 3):
+            raise OpError(f"Attention: qk_matmul_output_mode {self.qk_mode}")
+        self.wl = int(self.attr("left_window_size", -1))
+        self.wr = int(self.attr("right_window_size", -1))
+
+    # -- shapes and costs ---------------------------------------------------------------------
+    def output_infos(self) -> list[TensorInfo]:
+        f = np.float32
+        y = (self.b, self.s, self.hq * self.dv) if self.is3d else (self.b, self.hq, self.s, self.dv)
+        outs = [TensorInfo(y, f), TensorInfo((self.b, self.hkv, self.t, self.d), f),
+                TensorInfo((self.b, self.hkv, self.t, self.dv), f), TensorInfo((self.b, self.hq, self.s, self.t), f)]
+        return outs[: max(1, self.num_outputs)]
+
+    def flops(self) -> int:
+        return 2 * self.b * self.hq * self.s * self.t * (self.d + self.dv)
+
+    def workspace_bytes(self) -> int:
+        return 4 * self.b * self.hq * self.s * self.t
+
+    # -- numpy reference ----------------------------------------------------------------------
+    def _bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None) -> np.ndarray:
+        b, hq, s, t = self.b, self.hq, self.s, self.t
+        bias = np.zeros((b, hq, s, t), np.float32)
+        if mask is not None:
+            m = mask.reshape(self.mask_shape)
+            full = np.zeros(self.mask_shape[:3] + (t,), np.float32)
+            width = m.shape[3]
+            full[..., width:] = -np.inf
+            full[..., :width] = np.where(m, 0, -np.inf) if m.dtype == np.bool_ else m
+            bias = bias + full
+        i = np.arange(s).reshape(1, 1, s, 1)
+        j = np.arange(t).reshape(1, 1, 1, t)
+        offset = (nonpad.reshape(-1, 1, 1, 1) - s) if nonpad is not None else self.past
+        diff = i + offset - j
+        allowed = np.ones_like(diff, dtype=bool)
+        if self.causal:
+            allowed &= diff >= 0
+        if self.wl >= 0:
+            allowed &= diff <= self.wl
+        if self.wr >= 0:
+            allowed &= -diff <= self.wr
+        if nonpad is not None:
+            allowed &= j < nonpad.reshape(-1, 1, 1, 1)
+        return np.where(allowed, bias, -np.inf).astype(np.float32)
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        get: Any = lambda k: inputs[k] if k < len(inputs) else None  # noqa: E731
+        q, k, v = get(0), get(1), get(2)
+        b, hq, hkv, s = self.b, self.hq, self.hkv, self.s
+        if self.is3d:
+            q = q.reshape(b, s, hq, self.d).transpose(0, 2, 1, 3)
+            k = k.reshape(b, self.l, hkv, self.d).transpose(0, 2, 1, 3)
+            v = v.reshape(b, self.l, hkv, self.dv).transpose(0, 2, 1, 3)
+        if self.has_past:
+            k = np.concatenate([get(4), k], axis=2)
+            v = np.concatenate([get(5), v], axis=2)
+        present_k, present_v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        rep = hq // hkv
+        kk, vv = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+        scores = (q.astype(np.float64) @ kk.transpose(0, 1, 3, 2)) * self.scale
+        if self.softcap > 0:
+            scores = self.softcap * np.tanh(scores / self.softcap)
+        bias = self._bias(get(3), get(6))
+        with np.errstate(invalid="ignore"):
+            t = scores + bias
+            m = np.max(t, axis=-1, keepdims=True)
+            m = np.where(np.isneginf(m), 0, m)
+            e = np.exp(t - m)
+            ssum = e.sum(axis=-1, keepdims=True)
+            p = e / np.where(ssum == 0, 1, ssum)
+        p = np.where(np.isneginf(bias.max(axis=-1, keepdims=True)), 0, p)
+        y = p @ vv
+        if self.is3d:
+            y = y.transpose(0, 2, 1, 3).reshape(b, s, hq * self.dv)
+        qk = {0: scores, 1: scores, 2: t, 3: p}[self.qk_mode]
+        outs = [y.astype(np.float32), present_k.astype(np.float32), present_v.astype(np.float32),
+                np.asarray(qk, np.float32)]
+        return outs[: max(1, self.num_outputs)]
+
+    # -- device ---------------------------------------------------------------------------------
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        out: list[Dispatch] = []
+        want = [k < len(ctx.outputs) and ctx.outputs[k] is not None for k in range(4)]
+        k_src, v_src, kv3d = ctx.inputs[1], ctx.inputs[2], self.is3d
+        for pos, dim in ((1, self.d), (2, self.dv)):
+            present = ctx.outputs[pos] if want[pos] else None
+            if present is None and self.has_past:
+                raise UnsupportedOp("Attention: past_key/past_value without the present outputs")
+            if present is None:
+                continue
+            past = ctx.inputs[pos + 3] if self.has_past else ctx.inputs[pos]
+            n = self.b * self.hkv * self.t * dim
+            defines = {"B": self.b, "H": self.hkv, "PAST": self.past, "L": self.l, "DIM": dim,
+                       "NEW3D": int(self.is3d)}
+            out.append(Dispatch("kv_concat", [Ptr(past), Ptr(ctx.inputs[pos]), Ptr(present)],
+                                groups_1d(n, 64, ctx.caps), defines))
+            if self.has_past:
+                if pos == 1:
+                    k_src = present
+                else:
+                    v_src = present
+                kv3d = False
+        if self.b * self.hq * self.s == 0:
+            return out
+        ms = self.mask_shape or (1, 1, 1, self.t)
+        mlen = ms[3]
+        mss = mlen if ms[2] > 1 else 0
+        msh = ms[2] * mlen if ms[1] > 1 else 0
+        msb = ms[1] * ms[2] * mlen if ms[0] > 1 else 0
+        has_mask = self.mask_shape is not None
+        defines = {
+            "B": self.b, "HQ": self.hq, "HKV": self.hkv, "S": self.s, "T": self.t, "D": self.d, "DV": self.dv,
+            "PAST": self.past, "Q3D": int(self.is3d), "KV3D": int(kv3d),
+            "HAS_MASK": int(has_mask), "MASK_BOOL": int(has_mask and self.input(3).dtype == np.bool_),
+            "MASK_LEN": mlen, "MSB": msb, "MSH": msh, "MSS": mss,
+            "CAUSAL": int(self.causal), "NONPAD": int(self.has_nonpad), "WL": self.wl, "WR": self.wr,
+            "SOFTCAP": int(self.softcap > 0), "QK_MODE": self.qk_mode if want[3] else -1,
+        }
+        q = Ptr(ctx.inputs[0])
+        args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
+                Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.workspace), Ptr(ctx.outputs[0]),
+                Ptr(ctx.outputs[3]) if want[3] else q, F32(self.scale), F32(self.softcap)]
+        out.append(Dispatch("attention", args, groups_1d(self.b * self.hq * self.s, 1, ctx.caps), defines))
+        return out
+
+
+__all__ = ["Attention"]

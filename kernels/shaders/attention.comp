@@ -1,0 +1,160 @@
+#version 450
+// Attention (ONNX opset 23+): one workgroup per query row (b, h, i). Shapes are compile-time
+// defines (one pipeline per node), so the push constants carry only pointers and two floats.
+// Pass 1 scores s_j = softcap(scale * q.k_j) + bias_j into the workspace row; pass 2 the
+// softmax in place (a row whose bias is all -inf gives zeros, as the reference does); pass 3
+// y[d] = sum_j p_j v_j[d]. Layouts: Q3D: Q/Y are [B, S, H*D] (else [B, H, S, D]); KV3D: K/V are
+// [B, T, Hkv*D] (else [B, Hkv, T, D]: also the layout of present_key/value).
+// Mask bias: MASK_BOOL false -> -inf, else added; columns past MASK_LEN are masked; CAUSAL with
+// offset (past length, or nonpad_kv_seqlen[b] - S); NONPAD masks j >= nonpad_kv_seqlen[b];
+// WL/WR >= 0 bound the sliding window. QK_MODE (0..3, -1 none) picks the qk_matmul_output stage.
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"
+layout(local_size_x = 64) in;
+
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer RowBuf { float v[]; };
+
+layout(push_constant) uniform Args {
+    F32Buf q;
+    F32Buf k;
+    F32Buf v;
+    F32Buf mask;     // float mask, or a U8 mask read through mask_u8
+    I64Buf nonpad;
+    RowBuf scores;   // workspace: one row of T floats per query row
+    F32Buf y;
+    F32Buf qk_out;
+    float scale;
+    float softcap;
+} pc;
+
+shared float red[64];
+#define NEG_INF uintBitsToFloat(0xff800000u)
+
+float reduce_max(float x, uint lane) {
+    red[lane] = x;
+    barrier();
+    for (uint s = 32; s > 0; s >>= 1) {
+        if (lane < s) red[lane] = max(red[lane], red[lane + s]);
+        barrier();
+    }
+    float r = red[0];
+    barrier();
+    return r;
+}
+
+float reduce_sum(float x, uint lane) {
+    red[lane] = x;
+    barrier();
+    for (uint s = 32; s > 0; s >>= 1) {
+        if (lane < s) red[lane] += red[lane + s];
+        barrier();
+    }
+    float r = red[0];
+    barrier();
+    return r;
+}
+
+uint q_index(uint b, uint h, uint i, uint d) {
+#if Q3D
+    return ((b * S + i) * HQ + h) * D + d;
+#else
+    return ((b * HQ + h) * S + i) * D + d;
+#endif
+}
+
+uint y_index(uint b, uint h, uint i, uint d) {
+#if Q3D
+    return ((b * S + i) * HQ + h) * DV + d;
+#else
+    return ((b * HQ + h) * S + i) * DV + d;
+#endif
+}
+
+uint kv_index(uint b, uint h, uint j, uint d, uint dim) {
+#if KV3D
+    return ((b * T + j) * HKV + h) * dim + d;
+#else
+    return ((b * HKV + h) * T + j) * dim + d;
+#endif
+}
+
+float bias(uint b, uint h, uint i, uint j) {
+    float r = 0.0;
+#if HAS_MASK
+    if (j >= MASK_LEN) return NEG_INF;
+    uint m = b * MSB + h * MSH + i * MSS + j;
+#if MASK_BOOL
+    if (uint(U8Buf(pc.mask).v[m]) == 0u) return NEG_INF;
+#else
+    r = pc.mask.v[m];
+#endif
+#endif
+#if NONPAD
+    int64_t valid = pc.nonpad.v[b];
+    int64_t offset = valid - int64_t(S);
+    if (int64_t(j) >= valid) return NEG_INF;
+#else
+    int64_t offset = int64_t(PAST);
+#endif
+    int64_t diff = int64_t(i) + offset - int64_t(j);
+#if CAUSAL
+    if (diff < 0) return NEG_INF;
+#endif
+#if WL >= 0
+    if (diff > int64_t(WL)) return NEG_INF;
+#endif
+#if WR >= 0
+    if (-diff > int64_t(WR)) return NEG_INF;
+#endif
+    return r;
+}
+
+void main() {
+    uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    if (row >= B * HQ * S) return;  // uniform over the workgroup
+    uint lane = gl_LocalInvocationID.x;
+    uint i = row % S, h = (row / S) % HQ, b = row / (S * HQ);
+    uint hk = h / (HQ / HKV);
+    uint base = row * T;
+
+    float tmax = NEG_INF, bmax = NEG_INF;
+    for (uint j = lane; j < T; j += 64) {
+        float s = 0.0;
+        for (uint d = 0; d < D; ++d) s += pc.q.v[q_index(b, h, i, d)] * pc.k.v[kv_index(b, hk, j, d, D)];
+        s *= pc.scale;
+#if SOFTCAP
+        s = pc.softcap * tanh(s / pc.softcap);
+#endif
+        float bj = bias(b, h, i, j);
+        float t = s + bj;
+#if QK_MODE == 0 || QK_MODE == 1
+        pc.qk_out.v[base + j] = s;
+#elif QK_MODE == 2
+        pc.qk_out.v[base + j] = t;
+#endif
+        pc.scores.v[base + j] = t;
+        tmax = max(tmax, t);
+        bmax = max(bmax, bj);
+    }
+    tmax = reduce_max(tmax, lane);
+    bool all_masked = reduce_max(bmax, lane) == NEG_INF;
+    float m = tmax == NEG_INF ? 0.0 : tmax;
+    float sum = 0.0;
+    for (uint j = lane; j < T; j += 64) sum += exp(pc.scores.v[base + j] - m);
+    sum = reduce_sum(sum, lane);
+    if (sum == 0.0) sum = 1.0;
+    for (uint j = lane; j < T; j += 64) {
+        float p = all_masked ? 0.0 : exp(pc.scores.v[base + j] - m) / sum;
+        pc.scores.v[base + j] = p;
+#if QK_MODE == 3
+        pc.qk_out.v[base + j] = p;
+#endif
+    }
+    memoryBarrierBuffer();
+    barrier();
+    for (uint d = lane; d < DV; d += 64) {
+        float acc = 0.0;
+        for (uint j = 0; j < T; ++j) acc += pc.scores.v[base + j] * pc.v.v[kv_index(b, hk, j, d, DV)];
+        pc.y.v[y_index(b, h, i, d)] = acc;
+    }
+}
