@@ -134,6 +134,7 @@ OPS: list[tuple[str, str, str]] = [
     # -- attention ------------------------------------------------------------------------------
     ("SwiGLU", "swiglu", "SwiGLU"),
     ("Attention", "attention", "Attention"),
+    ("RotaryEmbedding", "rotary", "RotaryEmbedding"),
 ]
 
 
