@@ -244,7 +244,7 @@ def test_sigterm_drains_in_flight_jobs_and_exits_0(folder: Path, stand_in: str |
                                                    jobs: int) -> None:
     model = folder / "m.onnx"
     model.write_bytes(mlp_model())
-    daemon = Daemon(folder, daemon={"drain_deadline": deadline, "workers_per_model": 1}, stand_in=stand_in)
+    daemon = Daemon(folder, daemon={"drain_deadline": deadline, "workers_per_model": 1, "queue_limit": 1024}, stand_in=stand_in)
     proc = subprocess.Popen([sys.executable, "-c", DRAIN_CLIENT, daemon.endpoint, str(model), str(jobs)],
                             env=daemon_env(), stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"running"
