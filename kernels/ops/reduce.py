@@ -61,7 +61,9 @@ def extreme_defines(dtype: np.dtype, acc: str) -> dict[str, str]:
     if acc == "float":
         return {"LOWEST": "uintBitsToFloat(0xff800000u)", "HIGHEST": "uintBitsToFloat(0x7f800000u)"}
     if acc == "int64_t":
-        return {"LOWEST": "(-9223372036854775807L - 1L)", "HIGHEST": "9223372036854775807L"}
+        # NOTE: glslang rejects 64-bit literals in command-line defines (tokenised before the
+        # shader's #extension lines), so the extremes are built from 32-bit ones.
+        return {"LOWEST": "int64_t(uint64_t(1u)<<63)", "HIGHEST": "int64_t(~(uint64_t(1u)<<63))"}
     if acc == "int":
         return {"LOWEST": "(-2147483647 - 1)", "HIGHEST": "2147483647"}
     return {"LOWEST": "0u", "HIGHEST": "255u"}  # bool / uint8 held in a uint
