@@ -108,6 +108,8 @@ OPS: list[tuple[str, str, str]] = [
     ("SpaceToDepth", "depth_space", "SpaceToDepth"),
     ("NonZero", "nonzero", "NonZero"),
     ("Size", "nonzero", "Size"),
+    ("Resize", "resize", "Resize"),
+    ("Upsample", "resize", "Upsample"),
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
     ("ReduceSum", "reduce", "ReduceSum"),
