@@ -16,14 +16,14 @@ from bench.harness import Config, run_all
 from bench.report import plot, render_markdown
 from bench.runners import RUNNERS
 
-SMOKE_WORKLOADS = ["mnist12_like", "mlp", "conv_few_15MB", "conv_many_255MB"]
+SMOKE_WORKLOADS = ["mnist12_like", "mlp", "conv_few_15MB"]
 SMOKE_NS = (1, 10, 100)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true",
-                        help="quick check: add chains N=1,10,100, no 1 GiB workloads, 3 warm-up + 10 runs")
+                        help="quick check: mnist12_like, mlp, conv_few_15MB, add chains N=1,10,100; 3 warm-up + 10 runs")
     parser.add_argument("--workloads", nargs="+", metavar="NAME",
                         help=f"workloads to run (default: all). Known: {', '.join(wl.all_names())}; "
                              "any add_chain_<N> works; 'add_chain' means the protocol's five lengths")
