@@ -9,7 +9,7 @@ import numpy as np
 from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d
 from vkpool.kernels.ops.dtypes import word_defines
 
-_INDEX_BUFFERS = {np.dtype(np.int64): "I64Buf", np.dtype(np.int32): "I32Buf"}
+_INDEX_BUFFERS = {np.dtype(np.int64): ("I64Buf", "int64_t"), np.dtype(np.int32): ("I32Buf", "int")}
 
 
 class Gather(Op):
@@ -56,5 +56,6 @@ class Gather(Op):
         inner = math.prod(data.shape[self.axis + 1:])
         args = [Ptr(ctx.inputs[0]), Ptr(ctx.inputs[1]), Ptr(ctx.outputs[0]), U32(n), U32(inner),
                 U32(indices.size), U32(data.shape[self.axis])]
-        defines = {"IBUF": _INDEX_BUFFERS[indices.dtype], **word_defines(data.dtype)}
+        buf, index_type = _INDEX_BUFFERS[indices.dtype]
+        defines = {"IBUF": buf, "IT": index_type, **word_defines(data.dtype)}
         return [Dispatch("gather", args, groups_1d(n, 256, ctx.caps), defines)]

@@ -64,6 +64,7 @@ class Sum(Variadic):
     op_type = "Sum"
     code = _ADD
     numpy_op = np.add
+    input_types = FLOAT_TYPES
 
 
 class Max(Variadic):

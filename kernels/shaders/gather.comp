@@ -1,7 +1,7 @@
 #version 450
 // Gather along one axis: y[o, j, k] = x[o, idx[j], k] with x viewed as [outer, axis_dim, inner]
 // and the indices flattened to j. Negative indices count from the end.
-// WT/WBUF: the element word (no conversion); IBUF: I64Buf or I32Buf for the indices.
+// WT/WBUF: the element word (no conversion); IBUF/IT: I64Buf/int64_t or I32Buf/int for the indices.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "elem_types.glsl"
@@ -24,7 +24,9 @@ void main() {
     uint rest = i / pc.inner;
     uint j = rest % pc.count;
     uint o = rest / pc.count;
-    int64_t t = int64_t(pc.idx.v[j]);
-    if (t < 0) t += int64_t(pc.axis_dim);
+    // NOTE: lavapipe (Mesa 22.3, LLVM 15) zero-extended int64_t(int) read through a buffer
+    // reference, so an int32 index stays int32 here.
+    IT t = pc.idx.v[j];
+    if (t < IT(0)) t += IT(pc.axis_dim);
     pc.y.v[i] = pc.x.v[(o * pc.axis_dim + uint(t)) * pc.inner + k];
 }

@@ -44,6 +44,10 @@ YCT apply(XCT v) {
 #elif OP == 5   // Cast: C conversions; to bool is "not zero"
 #if YKIND == 3
     return v != XCT(0) ? 1u : 0u;
+#elif XKIND == 0 && YKIND == 2
+    // float to unsigned through a signed 64-bit integer: a negative value wraps as numpy's
+    // and C's conversions do in practice, rather than saturating to 0 or the maximum
+    return YCT(int64_t(v));
 #else
     return YCT(v);
 #endif
