@@ -110,6 +110,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Size", "nonzero", "Size"),
     ("Resize", "resize", "Resize"),
     ("Upsample", "resize", "Upsample"),
+    ("ConvTranspose", "convtranspose", "ConvTranspose"),
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
     ("ReduceSum", "reduce", "ReduceSum"),

@@ -162,3 +162,22 @@ def test_nonzero_of_a_run_time_tensor_is_refused(pool):
 
     with pytest.raises(UnsupportedOp, match="known at load time"):
         create_op("NonZero", {}, [TensorInfo((3,), np.float32)])
+
+
+@pytest.mark.parametrize("attrs,shape", [
+    ({"strides": [2, 3], "pads": [1, 0, 0, 2], "output_padding": [1, 1], "dilations": [1, 2]}, (1, 2, 3, 3)),
+    ({"group": 2, "auto_pad": "SAME_LOWER", "strides": [2, 2]}, (2, 4, 3, 2)),
+    ({"output_shape": [7, 6], "strides": [2, 2]}, (1, 2, 3, 3)),
+])
+def test_conv_transpose_2d(pool, attrs, shape):
+    x = randn(*shape)
+    w = randn(shape[1], 3, 2, 3)
+    got, want = run_node(pool, "ConvTranspose", [x, w, randn(3 * attrs.get("group", 1))], attrs)
+    assert_matches(got, want)
+
+
+def test_conv_transpose_1d_and_3d(pool):
+    got, want = run_node(pool, "ConvTranspose", [randn(1, 2, 5), randn(2, 3, 3)], {"strides": [2]})
+    assert_matches(got, want)
+    got, want = run_node(pool, "ConvTranspose", [randn(1, 1, 2, 3, 2), randn(1, 2, 2, 2, 2)], {})
+    assert_matches(got, want)
