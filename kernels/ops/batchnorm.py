@@ -18,9 +18,9 @@ class BatchNormalization(Op):
 
     def check(self) -> None:
         if int(self.attr("training_mode", 0)):
-            raise UnsupportedOp("BatchNormalization: training_mode=1 (batch statistics) is not supported")
+            raise UnsupportedOp("BatchNormalization: training_mode=1 (batch statistics): no kernel")
         if self.opset < 14 and self.num_outputs > 1:
-            raise UnsupportedOp("BatchNormalization: the training outputs (mean, var, saved stats) are not supported")
+            raise UnsupportedOp("BatchNormalization: training outputs (mean, var, saved stats): no kernel")
         if self.num_outputs > 1:
             raise OpError("BatchNormalization: running mean/var outputs require training_mode=1")
         x = self.input(0)
@@ -41,14 +41,14 @@ class BatchNormalization(Op):
             self.period, self.count = spatial, c
         for i, p in enumerate(params, start=1):
             if math.prod(p.shape) != math.prod(self.param_shape):
-                raise OpError(f"BatchNormalization: input {i} has shape {p.shape}, expected {self.param_shape}")
+                raise OpError(f"BatchNormalization: input {i} has shape {p.shape}, not {self.param_shape}")
 
     def output_infos(self) -> list[TensorInfo]:
         return [self.input(0)]
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale, bias, mean, var = inputs[:5]
-        assert x is not None and scale is not None and bias is not None and mean is not None and var is not None
+        assert all(v is not None for v in (x, scale, bias, mean, var))
         shape = (1, *self.param_shape, *([1] * (x.ndim - 1 - len(self.param_shape))))
         eps = np.float32(self.attr("epsilon", 1e-5))
         r = [a.reshape(shape) for a in (scale, bias, mean, var)]

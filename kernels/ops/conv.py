@@ -35,12 +35,14 @@ class Conv(Op):
             if info.dtype != _F32:
                 raise UnsupportedOp(f"Conv: only float32 is supported, got {info.dtype}")
         if len(x.shape) < 3 or len(w.shape) != len(x.shape):
-            raise OpError(f"Conv: X {x.shape} and W {w.shape} must be N x C x spatial and M x C/group x kernel")
+            raise OpError(f"Conv: X {x.shape}, W {w.shape} must be N x C x spatial, M x C/group x kernel")
         self.group = int(self.attr("group", 1))
         n, c = x.shape[:2]
         m, cg = w.shape[:2]
         if self.group < 1 or c % self.group or m % self.group or cg * self.group != c:
-            raise OpError(f"Conv: {c} input and {m} output channels do not split into {self.group} groups of W {w.shape}")
+            raise OpError(
+                f"Conv: {c} input and {m} output channels do not split in {self.group} groups of W {w.shape}"
+            )
         kernel = tuple(int(k) for k in self.attr("kernel_shape", w.shape[2:]))
         if kernel != tuple(w.shape[2:]):
             raise OpError(f"Conv: kernel_shape {kernel} differs from W's {w.shape[2:]}")

@@ -77,7 +77,7 @@ class MatmulPlan:
     def __init__(self, p: MatmulProblem, *, force_gemm: bool = False) -> None:
         self.p = p
         if p.batch and p.batch[-1].count > _MAX_GROUPS:
-            raise UnsupportedOp(f"matrix product with an innermost batch of {p.batch[-1].count} (> {_MAX_GROUPS})")
+            raise UnsupportedOp(f"matrix product with an inner batch of {p.batch[-1].count} > {_MAX_GROUPS}")
         self.kind = "gemm"
         self.splits = 1
         if p.M == 1 and p.batch_count == 1 and p.K > 0 and not force_gemm:
@@ -200,8 +200,6 @@ class Gemm(Op):
                 raise UnsupportedOp(f"Gemm: only float32 is supported, got {info.dtype}")
         if len(a.shape) != 2 or len(b.shape) != 2:
             raise OpError(f"Gemm: A and B must be 2-D, got {a.shape} and {b.shape}")
-        if self.opset < 7 and int(self.attr("broadcast", 0)) == 0 and self.has_input(2):
-            raise UnsupportedOp("Gemm: opset < 7 without broadcast")
         ta, tb = int(self.attr("transA", 0)), int(self.attr("transB", 0))
         M, K = (a.shape[1], a.shape[0]) if ta else a.shape
         Kb, N = (b.shape[1], b.shape[0]) if tb else b.shape
@@ -215,6 +213,8 @@ class Gemm(Op):
             cs = self.input(2).shape
             if len(cs) > 2 or any(d not in (1, t) for d, t in zip(cs[::-1], (N, M))):
                 raise OpError(f"Gemm: C of shape {cs} does not broadcast to {(M, N)}")
+            if self.opset < 7 and int(self.attr("broadcast", 0)) == 0 and tuple(cs) != (M, N):
+                raise OpError(f"Gemm: C must be {(M, N)} without broadcast (opset {self.opset}), got {cs}")
             sCm, sCn = broadcast_strides(cs, (M, N))
         self.plan = MatmulPlan(MatmulProblem(
             M=M, N=N, K=K,
