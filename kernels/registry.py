@@ -111,6 +111,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Resize", "resize", "Resize"),
     ("Upsample", "resize", "Upsample"),
     ("ConvTranspose", "convtranspose", "ConvTranspose"),
+    ("Einsum", "einsum", "Einsum"),
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
     ("ReduceSum", "reduce", "ReduceSum"),

@@ -204,3 +204,22 @@ def test_conv_transpose_1d_and_3d(pool):
     assert_matches(got, want)
     got, want = run_node(pool, "ConvTranspose", [randn(1, 1, 2, 3, 2), randn(1, 2, 2, 2, 2)], {})
     assert_matches(got, want)
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("ij->ji", [(3, 4)]),
+    ("...ii->...i", [(2, 3, 3)]),                    # batched diagonal
+    ("bij, bjk -> bik", [(2, 2, 3), (2, 3, 4)]),
+    ("i,i", [(5,), (5,)]),                          # implicit scalar output
+    ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 2)]),     # a chain through the workspace
+    ("...j,j", [(2, 1, 3), (3,)]),                  # implicit output with an ellipsis
+])
+def test_einsum(pool, equation, shapes):
+    got, want = run_node(pool, "Einsum", [randn(*s) for s in shapes], {"equation": equation}, opset=12)
+    assert_matches(got, want)
+
+
+def test_einsum_int64(pool):
+    a = RNG.integers(-5, 5, (3, 4)).astype(np.int64)
+    got, want = run_node(pool, "Einsum", [a, a], {"equation": "ij,ij->i"}, opset=12)
+    assert_matches(got, want)
