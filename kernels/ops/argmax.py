@@ -1,7 +1,6 @@
 """ArgMax and ArgMin (``shaders/argreduce.comp``) with keepdims and select_last_index."""
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Sequence
 
 import numpy as np

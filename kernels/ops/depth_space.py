@@ -2,7 +2,7 @@
 gather (``shaders/permute.comp``) over a 6-D view of the output."""
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from typing import Sequence
 
 import numpy as np
 

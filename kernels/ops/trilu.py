@@ -1,7 +1,6 @@
 """Trilu (``shaders/trilu.comp``): k is read on the device, so it may be a graph input."""
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
