@@ -57,6 +57,10 @@ class Binary(Op):
         require(self.op_type, a.dtype, self.input_types)
         self.out_shape = broadcast_shape(a.shape, b.shape)
 
+    def op_code(self) -> int:
+        """The shader's OP define (an attribute may choose among variants)."""
+        return self.code
+
     def out_dtype(self) -> np.dtype:
         return BOOL if self.bool_output else self.input(0).dtype
 
@@ -72,7 +76,7 @@ class Binary(Op):
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         return [broadcast_dispatch(
-            self.code, (ctx.inputs[0], self.input(0)), (ctx.inputs[1], self.input(1)),
+            self.op_code(), (ctx.inputs[0], self.input(0)), (ctx.inputs[1], self.input(1)),
             (ctx.outputs[0], self.output_infos()[0]), ctx,
         )]
 
@@ -149,7 +153,9 @@ class Mod(Binary):
         if fmod not in (0, 1):
             raise OpError(f"Mod: fmod must be 0 or 1, got {fmod}")
         self.fmod = bool(fmod)
-        self.code = 8 if self.fmod else 7
+
+    def op_code(self) -> int:
+        return 8 if self.fmod else 7
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         a, b = inputs[0], inputs[1]

@@ -62,6 +62,8 @@ def strided_copy(
     n = math.prod(shape)
     if n == 0:
         return []
+    if n >= 2**31 or any(abs(s) * (d - 1) >= 2**31 for s, d in zip(strides, shape)):
+        raise UnsupportedOp(f"a strided copy of {n} elements exceeds the shader's 32-bit offsets")
     dims, merged = merge_dims(shape, strides)
     if len(dims) > MAX_COPY_RANK:
         raise UnsupportedOp(f"a strided copy over {len(dims)} non-mergeable dimensions "

@@ -31,6 +31,10 @@ class Unary(Op):
     def check(self) -> None:
         require(self.op_type, self.input(0).dtype, self.input_types)
 
+    def op_code(self) -> int:
+        """The shader's OP define (an attribute may choose among variants)."""
+        return self.code
+
     def out_dtype(self) -> np.dtype:
         return self.output_type if self.output_type is not None else self.input(0).dtype
 
@@ -57,7 +61,7 @@ class Unary(Op):
         return self.cost * self.input(0).size
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
-        defines = {"OP": self.code, **element_defines(self.input(0).dtype, "X"),
+        defines = {"OP": self.op_code(), **element_defines(self.input(0).dtype, "X"),
                    **element_defines(self.out_dtype(), "Y")}
         return [unary_dispatch(ctx.inputs[0], ctx.outputs[0], self.input(0).size, defines, ctx.caps,
                                self.params())]
@@ -71,10 +75,6 @@ def unary_dispatch(
     alpha, beta, gamma = params
     args = [Ptr(src), Ptr(dst), U32(n), F32(alpha), F32(beta), F32(gamma)]
     return Dispatch("unary", args, groups_1d(n, 256, caps), defines)
-
-
-# Kept for ops written against the first float-only base class.
-UnaryFloat = Unary
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -249,7 +249,9 @@ class Gelu(Unary):
         if approximate not in ("none", "tanh"):
             raise OpError(f"Gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.tanh = approximate == "tanh"
-        self.code = 20 if self.tanh else 19
+
+    def op_code(self) -> int:
+        return 20 if self.tanh else 19
 
     def compute(self, x: np.ndarray) -> np.ndarray:
         if self.tanh:
