@@ -24,8 +24,9 @@ void main() {
     uint rest = i / pc.inner;
     uint j = rest % pc.count;
     uint o = rest / pc.count;
-    // NOTE: lavapipe (Mesa 22.3, LLVM 15) zero-extended int64_t(int) read through a buffer
-    // reference, so an int32 index stays int32 here.
+    // NOTE: on lavapipe (llvmpipe, LLVM 15) int64_t(pc.idx.v[j]) of an int32 index read through
+    // a buffer reference came out zero-extended (-2 became 4294967294); glslang or the driver,
+    // not isolated. An int32 index therefore stays int32 here.
     IT t = pc.idx.v[j];
     if (t < IT(0)) t += IT(pc.axis_dim);
     pc.y.v[i] = pc.x.v[(o * pc.axis_dim + uint(t)) * pc.inner + k];
