@@ -99,6 +99,10 @@ def test_plan_choices() -> None:
     assert MatMul({}, _infos((40, 32), (32, 40))).plan.tile["BM"] == 32
     assert Conv({"pads": [1, 1, 1, 1]}, _infos((1, 64, 8, 8), (128, 64, 3, 3))).plan is not None
     assert Conv({"group": 8}, _infos((1, 8, 8, 8), (8, 1, 3, 3))).plan is None  # depthwise: direct
+    deep = MatMul({}, _infos((40, 600), (600, 30))).plan  # one tile, long K: split-K
+    assert deep.kind == "gemm" and deep.splits == 4 and deep.workspace_bytes() == 4 * 40 * 30 * 4
+    grouped = Conv({"group": 2}, _infos((2, 64, 5, 5), (32, 32, 3, 3))).plan
+    assert grouped is not None and grouped.splits == 2
 
 
 def test_unsupported_and_invalid() -> None:
@@ -133,12 +137,17 @@ def test_matmul_tiled_64(pool: Any) -> None:
     _check(pool, "MatMul", [_rand(130, 24), _rand(24, 520, seed=1)])
 
 
+def test_matmul_split_k(pool: Any) -> None:
+    _check(pool, "MatMul", [_rand(40, 600), _rand(600, 30, seed=1)], weights=(1,), atol=1e-4)
+
+
 @pytest.mark.parametrize("shapes,attrs", [
     (((1, 40), (24, 40), (24,)), {"transB": 1}),                        # GEMV over rows, vec4
     (((1, 13), (5, 13), ()), {"transB": 1, "alpha": 0.5}),              # scalar loads, scalar C
     (((6, 5), (4, 6), (5, 1)), {"transA": 1, "transB": 1, "beta": 2.0}),
     (((3, 9), (9, 4), None), {"alpha": -1.5}),                           # C omitted
     (((1, 64), (64, 16), (1, 16)), {"beta": 0.25}),                      # split-K GEMV with bias
+    (((300, 20), (50, 300), (20, 50)), {"transA": 1, "transB": 1, "alpha": 0.7, "beta": -1.0}),  # split-K
 ])
 def test_gemm(pool: Any, shapes: tuple[Any, ...], attrs: dict[str, Any]) -> None:
     inputs = [_rand(*s, seed=k) if s is not None else None for k, s in enumerate(shapes)]
@@ -155,6 +164,7 @@ def test_gemm(pool: Any, shapes: tuple[Any, ...], attrs: dict[str, Any]) -> None
     ((1, 8, 6, 6), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}),                              # implicit GEMM
     ((1, 16, 5, 7), (32, 8, 2, 3), {"group": 2, "strides": [1, 2], "auto_pad": "VALID"}),
     ((1, 2, 4, 5, 5), (3, 2, 2, 3, 3), {"pads": [0, 1, 1, 1, 1, 0]}),                   # 3-D
+    ((2, 64, 5, 5), (32, 32, 3, 3), {"group": 2, "pads": [1, 1, 0, 0]}),                 # split-K
 ])
 def test_conv(pool: Any, x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any]) -> None:
     _check(pool, "Conv", [_rand(*x_shape), _rand(*w_shape, seed=1), _rand(w_shape[0], seed=2)], attrs,

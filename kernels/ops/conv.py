@@ -3,8 +3,8 @@
 Two kernels, chosen per shape at load time: a direct convolution (``conv.comp``) for few
 output channels per group or short reductions, where a GEMM tile would be mostly padding;
 otherwise an implicit GEMM (``gemm.comp`` with CONV) that computes the im2col on the fly
-while loading tiles, so no workspace is needed: per image and group,
-Y[Mg x P] = W[Mg x Cg*k] @ im2col(X)[Cg*k x P].
+while loading tiles (no im2col buffer): per image and group,
+Y[Mg x P] = W[Mg x Cg*k] @ im2col(X)[Cg*k x P]; its only workspace holds split-K partial sums.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Conv(Op):
             self.plan = MatmulPlan(MatmulProblem(
                 M=mg, N=math.prod(self.win.out_shape), K=kred, sAm=kred, sAk=1, sBk=0, sBn=1,
                 has_bias=self.has_input(2), sCm=1, sCn=0,
-                batch=[BatchDim(n * self.group, mg * kred, cg * in_size, mg, 0)],
+                batch=[BatchDim(n * self.group, mg * kred, cg * in_size, mg, 0)], bias_rows=m,
             ), force_gemm=True)
 
     def output_infos(self) -> list[TensorInfo]:
@@ -87,7 +87,7 @@ class Conv(Op):
         if self.plan is not None:
             extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
-            return self.plan.dispatches(w, x, b, y, None, extra)
+            return self.plan.dispatches(w, x, b, y, ctx.workspace, extra)
         total = math.prod(self.out_shape)
         return [Dispatch(
             "conv",
@@ -103,7 +103,7 @@ class Conv(Op):
         return math.prod(self.out_shape) * per_output
 
     def workspace_bytes(self) -> int:
-        return 0
+        return self.plan.workspace_bytes() if self.plan is not None else 0
 
 
 __all__ = ["Conv"]

@@ -6,10 +6,11 @@ once, at load time:
 
 - one output row (M == 1, no batch) with B's columns contiguous: ``gemv.comp``, B read once
   with vec4 loads, split over K across workgroups when there are too few column strips to
-  fill the device, the partial sums finished by ``gemv_reduce.comp``;
+  fill the device, the partial sums finished by ``gemm_reduce.comp``;
 - one output row with B's rows contiguous along K (Gemm transB=1): ``gemv_t.comp``;
 - anything else: the tiled shared-memory GEMM ``gemm.comp`` (64x64 tiles with 4x4 outputs
-  per invocation, 32x32 tiles with 2x2 when 64x64 tiles would leave the device idle).
+  per invocation, 32x32 tiles with 2x2 when 64x64 tiles would leave the device idle, and
+  split-K over workgroups, finished by ``gemm_reduce.comp``, when even those are too few).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
+    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div, groups_1d,
 )
 from vkpool.kernels.broadcast import broadcast_strides
 
@@ -29,6 +30,9 @@ _MAX_GROUPS = 65535
 #: workgroups a GEMV should spread over so that every multiprocessor of a large GPU streams
 _GEMV_TARGET_GROUPS = 1024
 _GEMV_MIN_ROWS_PER_SPLIT = 128
+#: workgroups below which a tiled product splits its reduction, and the least K per split
+_GEMM_TARGET_GROUPS = 256
+_GEMM_MIN_K_PER_SPLIT = 128
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class MatmulProblem:
     alpha: float = 1.0
     beta: float = 1.0
     batch: list[BatchDim] = field(default_factory=list)
+    #: rows of C's pattern when a split-K reduction indexes it flat: M, or all output channels
+    #: of a grouped convolution (whose batch runs over groups)
+    bias_rows: int | None = None
 
     @property
     def batch_count(self) -> int:
@@ -109,9 +116,33 @@ class MatmulPlan:
             self.tile = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
         else:
             self.tile = {"BM": 32, "BN": 32, "BK": 16, "TM": 2, "TN": 2}
+        # Still too few workgroups for a long reduction (deep layers of a batch-1 CNN: 256
+        # channels of 7x7): split K over workgroups, the partial tiles summed by a second pass.
+        tiles = ceil_div(p.M, self.tile["BM"]) * ceil_div(p.N, self.tile["BN"]) * p.batch_count
+        splits = min(ceil_div(_GEMM_TARGET_GROUPS, tiles), p.K // _GEMM_MIN_K_PER_SPLIT)
+        inner = p.batch[-1].count if p.batch else 1
+        if len(p.batch) <= 1 and splits > 1 and inner * splits <= _MAX_GROUPS:
+            bk = self.tile["BK"]
+            self.kchunk = ceil_div(ceil_div(p.K, splits), bk) * bk
+            self.splits = ceil_div(p.K, self.kchunk)
 
     def workspace_bytes(self) -> int:
-        return self.splits * self.p.N * 4 if self.kind == "gemv" and self.splits > 1 else 0
+        p = self.p
+        rows = 1 if self.kind == "gemv" else p.M * p.batch_count
+        return self.splits * rows * p.N * 4 if self.splits > 1 else 0
+
+    def _reduce(self, ws: Any, c: Any, y: Any) -> Dispatch:
+        """Sums the split partial products in ``ws`` into ``y``, applying alpha and the bias."""
+        p = self.p
+        rows = 1 if self.kind == "gemv" else p.M * p.batch_count
+        total = rows * p.N
+        bias_rows = 1 if self.kind == "gemv" else (p.bias_rows or p.M)
+        return Dispatch(
+            "gemm_reduce",
+            [Ptr(ws), Ptr(c), Ptr(y), U32(total), U32(self.splits), U32(p.N), U32(bias_rows),
+             U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta)],
+            groups_1d(total, 256), {"HAS_BIAS": int(p.has_bias)},
+        )
 
     # -- dispatches ----------------------------------------------------------------------
     def dispatches(
@@ -127,11 +158,14 @@ class MatmulPlan:
         out: list[Dispatch] = []
         outer = p.batch[:-1]
         inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
+        split = self.splits > 1
         defines = {
-            **self.tile, "A_KCONTIG": int(p.sAk == 1 and p.sAm != 1), "B_NCONTIG": int(p.sBn == 1),
-            "HAS_BIAS": int(p.has_bias), **(extra_defines or {}),
+            **self.tile, "A_KCONTIG": int(p.sAk == 1), "B_NCONTIG": int(p.sBn == 1),
+            "HAS_BIAS": int(p.has_bias), "SPLITS": self.splits, **(extra_defines or {}),
         }
-        groups = (ceil_div(p.N, self.tile["BN"]), ceil_div(p.M, self.tile["BM"]), inner.count)
+        if split:
+            defines["KCHUNK"] = self.kchunk
+        groups = (ceil_div(p.N, self.tile["BN"]), ceil_div(p.M, self.tile["BM"]), inner.count * self.splits)
         if groups[1] > _MAX_GROUPS or groups[0] > _MAX_GROUPS:
             raise UnsupportedOp(f"matrix product of {p.M} x {p.N} exceeds the workgroup grid")
         for idx in itertools.product(*(range(d.count) for d in outer)):
@@ -140,12 +174,15 @@ class MatmulPlan:
             oc = sum(i * d.c for i, d in zip(idx, outer)) * 4
             oy = sum(i * d.y for i, d in zip(idx, outer)) * 4
             args = [
-                Ptr(a, oa), Ptr(b, ob), Ptr(c_or_y, oc if p.has_bias else 0), Ptr(y, oy),
+                Ptr(a, oa), Ptr(b, ob), Ptr(c_or_y, oc if p.has_bias else 0),
+                Ptr(ws) if split else Ptr(y, oy),
                 U32(p.M), U32(p.N), U32(p.K),
                 U32(p.sAm), U32(p.sAk), U32(p.sBk), U32(p.sBn), U32(p.sCm), U32(p.sCn),
                 U32(inner.a), U32(inner.b), U32(inner.c), F32(p.alpha), F32(p.beta),
             ]
             out.append(Dispatch("gemm", args, groups, defines))
+        if split:  # only with a single batch dimension: one product
+            out.append(self._reduce(ws, c_or_y, y))
         return out
 
     def _gemv(self, a: Any, b: Any, c: Any, y: Any, ws: Any) -> list[Dispatch]:
@@ -161,12 +198,7 @@ class MatmulPlan:
         )
         if not split:
             return [first]
-        reduce = Dispatch(
-            "gemv_reduce",
-            [Ptr(ws), Ptr(c), Ptr(y), U32(p.N), U32(self.splits), U32(p.sCn), F32(p.alpha), F32(p.beta)],
-            (ceil_div(p.N, 256), 1, 1), {"HAS_BIAS": int(p.has_bias)},
-        )
-        return [first, reduce]
+        return [first, self._reduce(ws, c, y)]
 
     def _gemv_t(self, a: Any, b: Any, c: Any, y: Any) -> Dispatch:
         p = self.p

@@ -5,6 +5,9 @@
 // strides, so transposed operands and broadcast batches need no copy. A_KCONTIG / B_NCONTIG
 // pick the tile-load mapping in which consecutive invocations read consecutive addresses.
 //
+// With SPLITS > 1 the K range is split over workgroups (z = batch * SPLITS + split) and Y is
+// a workspace of SPLITS raw partial products, summed by gemm_reduce.comp.
+//
 // With CONV defined this is an implicit-GEMM convolution: A is the weight [G][Mg][K],
 // B is the im2col of the input computed on the fly (K = Cg*KD*KH*KW rows, N = OD*OH*OW
 // columns), z = image * G + group and the bias is per output channel (row).
@@ -68,7 +71,17 @@ void main() {
     const uint ty = tid / TX;
     const uint row0 = gl_WorkGroupID.y * BM;
     const uint col0 = gl_WorkGroupID.x * BN;
+#if SPLITS > 1
+    // split-K: z = batch * SPLITS + split; each split sums KCHUNK of K into the workspace
+    const uint z = gl_WorkGroupID.z / SPLITS;
+    const uint split = gl_WorkGroupID.z % SPLITS;
+    const uint kBegin = split * KCHUNK;
+    const uint kEnd = min(pc.K, kBegin + KCHUNK);
+#else
     const uint z = gl_WorkGroupID.z;
+    const uint kBegin = 0;
+    const uint kEnd = pc.K;
+#endif
 #ifdef CONV
     const uint g = z % G;
     const uint aBase = g * pc.bA;
@@ -79,13 +92,13 @@ void main() {
     const uint bBase = z * pc.bB;
     const uint cBase = z * pc.bC;
 #endif
-    const uint M = pc.M, N = pc.N, K = pc.K;
+    const uint M = pc.M, N = pc.N;
 
     float acc[TM][TN];
     for (uint i = 0; i < TM; ++i)
         for (uint j = 0; j < TN; ++j) acc[i][j] = 0.0;
 
-    for (uint k0 = 0; k0 < K; k0 += BK) {
+    for (uint k0 = kBegin; k0 < kEnd; k0 += BK) {
         for (uint e = tid; e < BM * BK; e += NT) {
 #if A_KCONTIG
             uint kk = e % BK, mm = e / BK;
@@ -93,7 +106,7 @@ void main() {
             uint mm = e % BM, kk = e / BM;
 #endif
             uint gm = row0 + mm, gk = k0 + kk;
-            As[kk][mm] = (gm < M && gk < K) ? pc.a.v[aBase + gm * pc.sAm + gk * pc.sAk] : 0.0;
+            As[kk][mm] = (gm < M && gk < kEnd) ? pc.a.v[aBase + gm * pc.sAm + gk * pc.sAk] : 0.0;
         }
         for (uint e = tid; e < BK * BN; e += NT) {
 #if B_NCONTIG
@@ -103,9 +116,9 @@ void main() {
 #endif
             uint gn = col0 + nn, gk = k0 + kk;
 #ifdef CONV
-            Bs[kk][nn] = (gn < N && gk < K) ? load_b(bBase, gk, gn) : 0.0;
+            Bs[kk][nn] = (gn < N && gk < kEnd) ? load_b(bBase, gk, gn) : 0.0;
 #else
-            Bs[kk][nn] = (gn < N && gk < K) ? pc.b.v[bBase + gk * pc.sBk + gn * pc.sBn] : 0.0;
+            Bs[kk][nn] = (gn < N && gk < kEnd) ? pc.b.v[bBase + gk * pc.sBk + gn * pc.sBn] : 0.0;
 #endif
         }
         barrier();
@@ -119,13 +132,22 @@ void main() {
         barrier();
     }
 
+#if SPLITS > 1
+    // raw partial sums; gemm_reduce.comp applies alpha and the bias
+    const uint yBase = (split * gl_NumWorkGroups.z / SPLITS + z) * M * N;
+#else
     const uint yBase = z * M * N;
+#endif
     for (uint i = 0; i < TM; ++i) {
         uint m = row0 + ty + i * TY;
         if (m >= M) continue;
         for (uint j = 0; j < TN; ++j) {
             uint n = col0 + tx + j * TX;
             if (n >= N) continue;
+#if SPLITS > 1
+            pc.y.v[yBase + m * N + n] = acc[i][j];
+            continue;
+#endif
             float v = pc.alpha * acc[i][j];
 #if HAS_BIAS
             v += pc.beta * pc.c.v[cBase + m * pc.sCm + n * pc.sCn];

@@ -4,7 +4,7 @@
 // VEC == 4) and every TYG-th row of the workgroup's K chunk, so a workgroup reads
 // TXG * VEC contiguous columns per row: wide, coalesced, and B is read exactly once.
 // The TYG partial sums are combined in shared memory. With SPLIT, gl_WorkGroupID.y picks a
-// K chunk and raw partial sums go to ws[chunk][n] for gemv_reduce.comp to finish.
+// K chunk and raw partial sums go to ws[chunk][n] for gemm_reduce.comp to finish.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
@@ -44,17 +44,19 @@ void main() {
     const uint k0 = gl_WorkGroupID.y * pc.kchunk;
     const uint k1 = min(k0 + pc.kchunk, pc.K);
     const uint rowStride = pc.sBk / VEC;               // B row stride in units of VT
-    VT acc0 = VT(0.0), acc1 = VT(0.0);
+    VT acc0 = VT(0.0), acc1 = VT(0.0), acc2 = VT(0.0), acc3 = VT(0.0);
     if (live) {
         uint k = k0 + ty;
-        // two independent accumulators keep two loads in flight per invocation
-        for (; k + TYG < k1; k += 2 * TYG) {
+        // four independent accumulators keep four weight loads in flight per invocation
+        for (; k + 3 * TYG < k1; k += 4 * TYG) {
             acc0 += pc.x.v[k * pc.sx] * pc.b.v[k * rowStride + col];
             acc1 += pc.x.v[(k + TYG) * pc.sx] * pc.b.v[(k + TYG) * rowStride + col];
+            acc2 += pc.x.v[(k + 2 * TYG) * pc.sx] * pc.b.v[(k + 2 * TYG) * rowStride + col];
+            acc3 += pc.x.v[(k + 3 * TYG) * pc.sx] * pc.b.v[(k + 3 * TYG) * rowStride + col];
         }
-        if (k < k1) acc0 += pc.x.v[k * pc.sx] * pc.b.v[k * rowStride + col];
+        for (; k < k1; k += TYG) acc0 += pc.x.v[k * pc.sx] * pc.b.v[k * rowStride + col];
     }
-    red[ty][tx] = acc0 + acc1;
+    red[ty][tx] = (acc0 + acc1) + (acc2 + acc3);
     barrier();
     if (ty != 0 || !live) return;
     VT s = red[0][tx];

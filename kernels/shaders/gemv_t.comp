@@ -46,16 +46,18 @@ void main() {
     const uint n = (gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x) * ROWS + r;
     const uint kv = pc.K / VEC;           // row length in units of VT
     const uint rowBase = n * (pc.sBn / VEC);
-    VT acc0 = VT(0.0), acc1 = VT(0.0);
+    VT acc0 = VT(0.0), acc1 = VT(0.0), acc2 = VT(0.0), acc3 = VT(0.0);
     if (n < pc.N) {
         uint k = t;
-        for (; k + TPR < kv; k += 2 * TPR) {
+        for (; k + 3 * TPR < kv; k += 4 * TPR) {
             acc0 += pc.x.v[k] * pc.b.v[rowBase + k];
             acc1 += pc.x.v[k + TPR] * pc.b.v[rowBase + k + TPR];
+            acc2 += pc.x.v[k + 2 * TPR] * pc.b.v[rowBase + k + 2 * TPR];
+            acc3 += pc.x.v[k + 3 * TPR] * pc.b.v[rowBase + k + 3 * TPR];
         }
-        if (k < kv) acc0 += pc.x.v[k] * pc.b.v[rowBase + k];
+        for (; k < kv; k += TPR) acc0 += pc.x.v[k] * pc.b.v[rowBase + k];
     }
-    red[r][t] = hsum(acc0 + acc1);
+    red[r][t] = hsum((acc0 + acc1) + (acc2 + acc3));
     barrier();
     for (uint s = TPR / 2; s > 0; s >>= 1) {
         if (t < s) red[r][t] += red[r][t + s];
