@@ -10,7 +10,7 @@ for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 PY=python3
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:/tmp/vkpool-src
-$PY -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/vkpool-src . >/dev/null || exit 1
+$PY -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/vkpool-src . >/dev/null || exit 1
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 [ -f "$icd" ] || icd=$(ls /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json /usr/local/nvidia/share/vulkan/icd.d/*.json 2>/dev/null | head -1)
 echo "NVIDIA ICD: $icd"; cat "$icd" 2>/dev/null | head -5
@@ -31,7 +31,7 @@ REPO=$OLDPWD
 rm -rf /tmp/benchpkg && mkdir -p /tmp/benchpkg && cp -r "$REPO/bench" /tmp/benchpkg/
 export PYTHONPATH=$PYTHONPATH:/tmp/benchpkg
 $PY -m bench.workloads --out /tmp/models > /dev/null
-for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1 add_chain_1000; do
+for w in ${WORKLOADS:-mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1 add_chain_1000}; do
   [ -f /tmp/models/$w.onnx ] || $PY -m bench.workloads --out /tmp/models $w > /dev/null
   echo "== $w"; timeout 240 $PY -m vkpool run /tmp/models/$w.onnx --device vk0 --check --repeat 100
 done 2>&1 | tee "$OUT/workloads-$name.txt"
