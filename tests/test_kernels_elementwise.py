@@ -11,59 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
 
-import vkpool
+from node_cases import run_node
 
 RNG = np.random.default_rng(1234)
-
-
-def run_node(
-    pool: Any,
-    op_type: str,
-    inputs: list[np.ndarray | None],
-    attrs: dict[str, Any] | None = None,
-    *,
-    constants: tuple[int, ...] = (),
-    num_outputs: int = 1,
-    opset: int = 21,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(device outputs, reference outputs) of one ``op_type`` node; inputs at ``constants``
-    positions become initializers, ``None`` an omitted optional input."""
-    names = [f"in{i}" if x is not None else "" for i, x in enumerate(inputs)]
-    outs = [f"out{i}" for i in range(num_outputs)]
-    node = helper.make_node(op_type, names, outs, **(attrs or {}))
-    graph_inputs, inits, feeds = [], [], {}
-    for i, (name, x) in enumerate(zip(names, inputs)):
-        if x is None:
-            continue
-        if i in constants:
-            inits.append(numpy_helper.from_array(x, name))
-        else:
-            dtype = helper.np_dtype_to_tensor_dtype(x.dtype)
-            graph_inputs.append(helper.make_tensor_value_info(name, dtype, x.shape))
-            feeds[name] = x
-    probe = helper.make_model(
-        helper.make_graph([node], "probe", graph_inputs,
-                          [helper.make_empty_tensor_value_info(o) for o in outs], initializer=inits),
-        opset_imports=[helper.make_opsetid("", opset)],
-    )
-    expected = [np.asarray(e) for e in ReferenceEvaluator(probe).run(None, feeds)]
-    graph_outputs = [
-        helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(e.dtype), e.shape)
-        for o, e in zip(outs, expected)
-    ]
-    model = helper.make_model(
-        helper.make_graph([node], "case", graph_inputs, graph_outputs, initializer=inits),
-        opset_imports=[helper.make_opsetid("", opset)],
-    )
-    session = vkpool.Session(model.SerializeToString(), pool=pool)
-    try:
-        got = session.run(None, feeds)
-    finally:
-        session.close()
-    return got, expected
 
 
 def assert_matches(got: list[np.ndarray], expected: list[np.ndarray], rtol: float = 1e-5,

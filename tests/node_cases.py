@@ -1,0 +1,43 @@
+"""One-node ONNX cases run on the real Vulkan device, with the reference outputs to compare."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import vkpool
+
+
+def run_node(pool: Any, op_type: str, inputs: list[np.ndarray | None], attrs: dict[str, Any] | None = None, *,
+             constants: tuple[int, ...] = (), num_outputs: int = 1, opset: int = 21,
+             expected: list[np.ndarray] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(device outputs, reference outputs) of one node; ``constants`` positions become initializers.
+    ``expected`` replaces the reference evaluator where it cannot run the case."""
+    names = [f"in{i}" if x is not None else "" for i, x in enumerate(inputs)]
+    outs = [f"out{i}" for i in range(num_outputs)]
+    node = helper.make_node(op_type, names, outs, **(attrs or {}))
+    graph_inputs, inits, feeds = [], [], {}
+    for i, (name, x) in enumerate(zip(names, inputs)):
+        if x is None:
+            continue
+        if i in constants:
+            inits.append(numpy_helper.from_array(x, name))
+        else:
+            graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape))
+            feeds[name] = x
+    opsets = [helper.make_opsetid("", opset)]
+
+    def model(outputs: list[Any]) -> bytes:
+        graph = helper.make_graph([node], "case", graph_inputs, outputs, initializer=inits)
+        return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+    if expected is None:
+        expected = [np.asarray(e) for e in ReferenceEvaluator(
+            model([helper.make_empty_tensor_value_info(o) for o in outs])).run(None, feeds)]
+    typed = [helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(e.dtype), e.shape)
+             for o, e in zip(outs, expected)]
+    with vkpool.Session(model(typed), pool=pool) as session:
+        got = session.run(None, feeds)
+    return got, expected
