@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import struct
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
@@ -169,7 +170,7 @@ def groups_1d(n: int, local: int = 256, caps: DeviceCaps | None = None) -> tuple
     return (ceil_div(groups, y), y, 1)
 
 
-class Op:
+class Op(metaclass=ABCMeta):
     """Base class of every op. Subclasses set ``op_type`` and implement the hooks below.
 
     ``inputs`` are the static infos of the node's inputs (``None`` where an optional input is

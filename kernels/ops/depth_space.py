@@ -2,6 +2,8 @@
 gather (``shaders/permute.comp``) over a 6-D view of the output."""
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from typing import Sequence
 
 import numpy as np
@@ -28,11 +30,13 @@ class _Rearrange(Op):
             raise OpError(f"{self.op_type}: blocksize must be positive")
         self.setup()
 
+    @abstractmethod
     def setup(self) -> None:
-        raise NotImplementedError
+        """Derives the block rearrangement from the attributes."""
 
+    @abstractmethod
     def view(self) -> tuple[list[int], list[int]]:
-        raise NotImplementedError
+        """The input viewed as (shape, strides) in output order."""
 
     def output_infos(self) -> list[TensorInfo]:
         return [TensorInfo(self.out_shape, self.input(0).dtype)]

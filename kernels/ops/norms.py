@@ -7,6 +7,8 @@ shader does the rest. float32 only.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import math
 from typing import ClassVar, Sequence
 
@@ -55,8 +57,9 @@ class RowNorm(Op):
         self.eps = float(self.attr("epsilon", 1e-5))
         self.setup()
 
+    @abstractmethod
     def setup(self) -> None:
-        raise NotImplementedError
+        """Sets the op's row layout and affine parameters."""
 
     def output_infos(self) -> list[TensorInfo]:
         return [self.input(0)]

@@ -7,6 +7,8 @@ The input is viewed as a collapsed shape with a bit mask of reduced dimensions
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import math
 from typing import Callable, ClassVar, Sequence
 
@@ -113,8 +115,9 @@ class Reduce(Op):
     def output_infos(self) -> list[TensorInfo]:
         return [TensorInfo(self.out_shape, self.input(0).dtype)]
 
+    @abstractmethod
     def compute(self, x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-        raise NotImplementedError
+        """numpy reduction over ``axes`` (kept as size-1 dimensions)."""
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x = inputs[0]

@@ -5,6 +5,8 @@ every numeric type; IsNaN/IsInf produce bool; Not takes bool.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import math
 from typing import Any, ClassVar, Sequence
 
@@ -45,9 +47,9 @@ class Unary(Op):
         """``alpha``, ``beta``, ``gamma`` of the shader."""
         return (0.0, 0.0, 0.0)
 
+    @abstractmethod
     def compute(self, x: np.ndarray) -> np.ndarray:
         """numpy ``f``; float inputs arrive as float32 (float16 is widened, as the shader does)."""
-        raise NotImplementedError
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x = inputs[0]
