@@ -28,12 +28,12 @@ def onnx_to_torch(model_path: Path, device: str) -> Any:
     def conv(a: dict[str, Any], x: Any, w: Any, b: Any = None) -> Any:
         pads = list(a.get("pads", [0, 0, 0, 0]))
         if pads[:2] != pads[2:]:
-            raise NotImplementedError("asymmetric Conv padding")
+            raise Unavailable("the torch model builder has no asymmetric Conv padding")
         return F.conv2d(x, w, b, stride=tuple(a.get("strides", [1, 1])), padding=tuple(pads[:2]))
 
     def gemm(a: dict[str, Any], a_: Any, b: Any, c: Any = None) -> Any:
         if a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0:
-            raise NotImplementedError("Gemm with transA or alpha/beta != 1")
+            raise Unavailable("the torch model builder has no Gemm with transA or alpha/beta != 1")
         y = a_ @ (b.T if a.get("transB", 0) else b)
         return y if c is None else y + c
 
@@ -57,7 +57,7 @@ def onnx_to_torch(model_path: Path, device: str) -> Any:
             self.nodes = [(n.op_type, list(n.input), n.output[0], a) for n, a in zip(model.graph.node, attrs)]
             for op, *_ in self.nodes:
                 if op not in ops and op != "Reshape":
-                    raise NotImplementedError(f"op {op} has no torch equivalent here")
+                    raise Unavailable(f"op {op} has no torch equivalent in the torch model builder")
 
         def forward(self, x: Any) -> Any:
             env = dict(self.consts)
