@@ -142,9 +142,7 @@ def remote_run(args: argparse.Namespace) -> int:
     """``vkpool run MODEL --remote``: the same output as the in-process run, through the daemon."""
     import time
 
-    import numpy as np
-
-    from vkpool.cli import _checksum, _load_feeds
+    from vkpool.cli import _load_feeds, print_latency, print_outputs
 
     with _client(args) as client:
         t0 = time.perf_counter()
@@ -157,16 +155,8 @@ def remote_run(args: argparse.Namespace) -> int:
         where = ", ".join(session.info["members"])
         print(f"model {args.model} on {where} (daemon {client.endpoint}): loaded in {t_load * 1e3:.1f} ms, "
               f"first run {t_first * 1e3:.2f} ms")
-        for arg, value in zip(session.get_outputs(), outputs):
-            print(f"  {arg.name}: shape {list(value.shape)} {value.dtype} checksum {_checksum(value)}")
-        if getattr(args, "repeat", 0) > 0:
-            times = []
-            for _ in range(args.repeat):
-                t = time.perf_counter()
-                session.run(None, feeds)
-                times.append(time.perf_counter() - t)
-            q = np.percentile(np.array(times) * 1e3, [5, 50, 95])
-            print(f"latency over {args.repeat} runs: median {q[1]:.3f} ms, p05 {q[0]:.3f} ms, p95 {q[2]:.3f} ms")
+        print_outputs(session, outputs)
+        print_latency(session, feeds, getattr(args, "repeat", 0))
         session.close()
     return 0
 

@@ -205,8 +205,6 @@ def _load_feeds(specs: list[str], inputs: list[Any], seed: int) -> dict[str, Any
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import numpy as np
-
     if args.remote:
         from vkpool.daemon.cli import remote_run
 
@@ -222,19 +220,32 @@ def cmd_run(args: argparse.Namespace) -> int:
         t_first = time.perf_counter() - t1
         print(f"model {args.model} on {sess.member.id}: loaded in {t_load * 1e3:.1f} ms, "
               f"first run {t_first * 1e3:.2f} ms")
-        for arg, value in zip(sess.get_outputs(), outputs):
-            print(f"  {arg.name}: shape {list(value.shape)} {value.dtype} checksum {_checksum(value)}")
+        print_outputs(sess, outputs)
         if args.check:
             _check_against_onnxruntime(args.model, feeds, sess, outputs)
-        if args.repeat > 0:
-            times = []
-            for _ in range(args.repeat):
-                t = time.perf_counter()
-                sess.run(None, feeds)
-                times.append(time.perf_counter() - t)
-            q = np.percentile(np.array(times) * 1e3, [5, 50, 95])
-            print(f"latency over {args.repeat} runs: median {q[1]:.3f} ms, p05 {q[0]:.3f} ms, p95 {q[2]:.3f} ms")
+        print_latency(sess, feeds, args.repeat)
     return 0
+
+
+def print_outputs(sess: Any, outputs: list[Any]) -> None:
+    """Each output's name, shape, dtype and checksum (a Session or a daemon RemoteSession)."""
+    for arg, value in zip(sess.get_outputs(), outputs):
+        print(f"  {arg.name}: shape {list(value.shape)} {value.dtype} checksum {_checksum(value)}")
+
+
+def print_latency(sess: Any, feeds: dict[str, Any], repeat: int) -> None:
+    """Runs ``repeat`` more times and prints the median, p05 and p95 latency."""
+    import numpy as np
+
+    if repeat <= 0:
+        return
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - t)
+    q = np.percentile(np.array(times) * 1e3, [5, 50, 95])
+    print(f"latency over {repeat} runs: median {q[1]:.3f} ms, p05 {q[0]:.3f} ms, p95 {q[2]:.3f} ms")
 
 
 def _checksum(value: Any) -> str:
