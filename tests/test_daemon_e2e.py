@@ -126,6 +126,12 @@ model = client.load_model(sys.argv[2], keep_alive=0)["id"]
 metas, frames = P.tensor_frames([("x", np.ones((1, 8), np.float32))])
 futures = [client.submit("infer", {"model": model, "inputs": metas}, frames) for _ in range(2000)]
 futures[0].result(60)
+# SIGTERM refuses what arrives after it: signal only once the daemon holds every job
+# (hello, load_model and these status requests are counted as accepted too)
+import time
+deadline = time.monotonic() + 60
+while client.status()["counters"]["accepted"] < len(futures) + 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
 print("running", flush=True)
 time.sleep(60)
 """
@@ -229,6 +235,12 @@ model = client.load_model(sys.argv[2])["id"]
 metas, frames = P.tensor_frames([("x", np.ones((1, 8), np.float32))])
 futures = [client.submit("infer", {"model": model, "inputs": metas}, frames) for _ in range(int(sys.argv[3]))]
 futures[0].result(60)
+# SIGTERM refuses what arrives after it: signal only once the daemon holds every job
+# (hello, load_model and these status requests are counted as accepted too)
+import time
+deadline = time.monotonic() + 60
+while client.status()["counters"]["accepted"] < len(futures) + 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
 print("running", flush=True)
 outcomes = {}
 for f in futures:
