@@ -91,7 +91,7 @@ def dp_partition(
         whole = int(last.peak[0])
         alone = [k for k, mm in enumerate(members) if whole <= mm.budget_bytes]
         if len(alone) > 1:
-            stage = _member_rows(last, members)[2]
+            stage = _MemberRows(members)(last)[2]
             best = min(alone, key=lambda k: int(stage[k][0]))
             rest = [members[k].id for k in alone if k != best]
             replicated = build_plan(G, {op: members[best].id for op in G.graph["order"]}, members,
@@ -105,16 +105,28 @@ def dp_partition(
     return plan
 
 
-def _member_rows(col: Column, members: Sequence[Member]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per member (rows) and start (columns): feasible, latency cost, stage period."""
-    budgets = np.array([mm.budget_bytes for mm in members], np.int64)[:, None]
-    latency_s = np.array([mm.cost.transfer_latency_s for mm in members])[:, None]
-    h2d = np.array([mm.cost.h2d_bytes_per_s for mm in members])[:, None]
-    d2h = np.array([mm.cost.d2h_bytes_per_s for mm in members])[:, None]
-    # the same expression as MemberCost.upload_ps/download_ps, broadcast over members
-    link = link_ps(col.up_bytes[None, :], latency_s, h2d) + link_ps(col.down_bytes[None, :], latency_s, d2h)
-    compute = np.stack(col.compute_ps)
-    return col.peak[None, :] <= budgets, compute + link, np.maximum(compute, link)
+class _MemberRows:
+    """Prices a column for every member at once: feasible, latency cost and stage period, each an
+    (m, e − lo) array over the starts from ``lo``; the member figures are gathered once."""
+
+    def __init__(self, members: Sequence[Member]) -> None:
+        self.budgets = np.array([mm.budget_bytes for mm in members], np.int64)[:, None]
+        self.latency_s = np.array([mm.cost.transfer_latency_s for mm in members])[:, None]
+        self.h2d = np.array([mm.cost.h2d_bytes_per_s for mm in members])[:, None]
+        self.d2h = np.array([mm.cost.d2h_bytes_per_s for mm in members])[:, None]
+        self.most = int(self.budgets.max())
+
+    def first_start(self, col: Column) -> int:
+        """The first start whose segment fits some member (``col.end`` when none does)."""
+        fits = col.peak <= self.most
+        return int(fits.argmax()) if fits.any() else col.end
+
+    def __call__(self, col: Column, lo: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # the same expression as MemberCost.upload_ps/download_ps, broadcast over members
+        link = (link_ps(col.up_bytes[None, lo:], self.latency_s, self.h2d)
+                + link_ps(col.down_bytes[None, lo:], self.latency_s, self.d2h))
+        compute = np.stack([c[lo:] for c in col.compute_ps])
+        return col.peak[None, lo:] <= self.budgets, compute + link, np.maximum(compute, link)
 
 
 def _solve(G: nx.DiGraph, members: Sequence[Member], mode: str, period: int | None):
@@ -124,64 +136,68 @@ def _solve(G: nx.DiGraph, members: Sequence[Member], mode: str, period: int | No
     - ``"period"``: the bottleneck: max stage period (returns that value, not segments);
     - ``"bytes"``: (cross bytes, latency) over segments whose stage fits in ``period``.
 
-    For a fixed member k the sets S that contain k are handled at once: their predecessors
-    S − k form a 2-D slice, so each column costs O(m) numpy calls on (2^(m−1) × e) arrays.
+    Every (set S, member k ∈ S) pair is one row of a (m, 2^(m−1), width) array: row (k, h) reads
+    the predecessor set S − k from the table and adds member k's segment costs, broadcast over
+    the sets; so a column costs a fixed number of numpy calls whatever m. Starts before the first
+    one any member can take (memory, and in ``"bytes"`` mode the period) are cut off the width.
     Returns (segments [(start, end, member index)] or the period, or None; the last column).
     """
     n, m = len(G.graph["order"]), len(members)
     full = 1 << m
+    # pair (k, h): S = the h-th set containing k, prev = S without k
+    sets_km = np.array([[S for S in range(full) if S >> k & 1] for k in range(m)], np.int64)
+    prev_km = sets_km ^ (1 << np.arange(m))[:, None]
+    k_of = np.repeat(np.arange(m), full >> 1)
+    flat_sets = sets_km.ravel()
     primary = np.full((full, n + 1), _INF, np.int64)
-    secondary = np.full((full, n + 1), _INF, np.int64)
-    back_start = np.full((full, n + 1), -1, np.int64)
-    back_member = np.full((full, n + 1), -1, np.int64)
-    primary[0, 0] = secondary[0, 0] = 0
-    with_k = [np.array([S for S in range(full) if S >> k & 1], np.int64) for k in range(m)]
+    primary[0, 0] = 0
+    two_keys = mode != "period"
+    if two_keys:
+        secondary = np.full((full, n + 1), _INF, np.int64)
+        secondary[0, 0] = 0
+        back_start = np.full((full, n + 1), -1, np.int64)
+        back_member = np.full((full, n + 1), -1, np.int64)
+    rows = _MemberRows(members)
     col = None
     for col in columns(G, members):
         e = col.end
-        feasible, latency, stage = _member_rows(col, members)
-        best_p = np.full(full, _INF, np.int64)
-        best_s = np.full(full, _INF, np.int64)
-        for k in range(m):
-            starts = np.flatnonzero(feasible[k])  # only memory-feasible segments are priced
-            if mode == "bytes":
-                starts = starts[stage[k][starts] <= period]
-            if starts.size == 0:
-                continue
-            sets = with_k[k]
-            prev = sets ^ (1 << k)
-            grid = np.ix_(prev, starts)
-            p_prev, s_prev = primary[grid], secondary[grid]
-            ok = p_prev < _INF
-            if mode == "sum":
-                a = p_prev + latency[k][starts]
-                b = s_prev + col.cross_bytes[starts]
-            elif mode == "period":  # no secondary key: the bottleneck alone
-                a = np.maximum(p_prev, stage[k][starts])
-                a[~ok] = _INF
-                pick = a.argmin(axis=1)
-                ka = a[np.arange(len(sets)), pick]
-                better = ka < best_p[sets]
-                upd = sets[better]
-                best_p[upd] = ka[better]
-                best_s[upd] = 0
-                continue
-            else:
-                a = p_prev + col.cross_bytes[starts]  # primary holds bytes in this mode
-                b = s_prev + latency[k][starts]
-            a[~ok] = _INF
-            amin = a.min(axis=1, keepdims=True)
-            b_at_min = np.where(a == amin, b, _INF)
-            pick = b_at_min.argmin(axis=1)
-            rows = np.arange(len(sets))
-            ka, kb = a[rows, pick], b_at_min[rows, pick]
-            better = (ka < best_p[sets]) | ((ka == best_p[sets]) & (kb < best_s[sets]))
-            better &= ka < _INF
-            upd = sets[better]
-            best_p[upd], best_s[upd] = ka[better], kb[better]
-            back_start[upd, e], back_member[upd, e] = starts[pick[better]], k
-        primary[:, e], secondary[:, e] = best_p, best_s
-    final = [(int(primary[S, n]), int(secondary[S, n]), S) for S in range(1, full) if primary[S, n] < _INF]
+        lo = rows.first_start(col)
+        if lo == e:
+            continue
+        feasible, latency, stage = rows(col, lo)
+        if mode == "bytes":
+            feasible &= stage <= period
+        usable = feasible.any(axis=0)
+        if not usable.any():
+            continue
+        cut = int(usable.argmax())
+        if cut:
+            feasible, latency, stage = feasible[:, cut:], latency[:, cut:], stage[:, cut:]
+            lo += cut
+        if mode == "period":
+            a = np.maximum(primary[prev_km, lo:e], np.where(feasible, stage, _INF)[:, None, :])
+            best = a.min(axis=2).ravel()
+            np.minimum.at(primary[:, e], flat_sets, best)
+            continue
+        if mode == "sum":
+            cost_a, cost_b = np.where(feasible, latency, _INF), col.cross_bytes[None, lo:]
+        else:  # primary holds bytes, secondary latency
+            cost_a, cost_b = np.where(feasible, col.cross_bytes[None, lo:], _INF), latency
+        a = primary[prev_km, lo:e] + cost_a[:, None, :]
+        b = secondary[prev_km, lo:e] + cost_b[:, None, :]
+        amin = a.min(axis=2, keepdims=True)
+        pick = np.where(a == amin, b, _INF).argmin(axis=2)[..., None]
+        ka = np.take_along_axis(a, pick, axis=2).ravel()
+        kb = np.take_along_axis(b, pick, axis=2).ravel()
+        ranked = np.lexsort((kb, ka))  # best first, then the first pair of each set wins
+        ranked = ranked[ka[ranked] < _INF]
+        ranked = ranked[np.unique(flat_sets[ranked], return_index=True)[1]]
+        target = flat_sets[ranked]
+        primary[target, e], secondary[target, e] = ka[ranked], kb[ranked]
+        back_start[target, e] = pick.ravel()[ranked] + lo
+        back_member[target, e] = k_of[ranked]
+    final = [(int(primary[S, n]), int(secondary[S, n]) if two_keys else 0, S)
+             for S in range(1, full) if primary[S, n] < _INF]
     if not final:
         return None, col
     key_p, _, S = min(final)
