@@ -321,10 +321,17 @@ class LogicalDevice:
         with self._record_lock:
             self._lib.vkFreeCommandBuffers(self.handle, self.command_pool, 1, arr)
 
-    def record(self, cmd: Any, commands: list[tuple[Any, ...]], *, one_time: bool = False) -> None:
+    def record(self, cmd: Any, commands: list[tuple[Any, ...]], *, one_time: bool = False,
+               query_pool: Any = None) -> None:
         """Records ``commands`` into ``cmd``: ('dispatch', pipeline, push_bytes, groups),
         ('barrier',), ('copy', src_buffer, src_offset, dst_buffer, dst_offset, size),
-        ('host_barrier',) making results visible to host reads."""
+        ('host_barrier',) making results visible to host reads.
+
+        A barrier whose neighbouring commands (back to the previous barrier and on to the next)
+        are all dispatches orders compute against compute only: leaving the transfer stage out
+        spares the driver from synchronising the copy path between dependent dispatches.
+        With ``query_pool`` (``len(dispatches) + 1`` timestamp queries), a timestamp is written
+        before the first command and after each dispatch: the profile of :meth:`profile`."""
         ffi, b, lib = self._ffi, self._b, self._lib
         begin = ffi.new("VkCommandBufferBeginInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
@@ -342,11 +349,22 @@ class LogicalDevice:
             "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT,
             "dstAccessMask": b.VK_ACCESS_HOST_READ_BIT,
         })
+        compute = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+        compute_mb = ffi.new("VkMemoryBarrier*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+            "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT,
+            "dstAccessMask": b.VK_ACCESS_SHADER_READ_BIT | b.VK_ACCESS_SHADER_WRITE_BIT,
+        })
+        near_copy = _barriers_near_copies(commands)
         region = ffi.new("VkBufferCopy*")
         with self._record_lock:
             vk.call("vkBeginCommandBuffer", cmd, begin, member=self.name)
+            if query_pool is not None:
+                lib.vkCmdResetQueryPool(cmd, query_pool, 0, 1 + sum(c[0] == "dispatch" for c in commands))
+                lib.vkCmdWriteTimestamp(cmd, b.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, query_pool, 0)
             bound = None
-            for c in commands:
+            stamp = 1
+            for i, c in enumerate(commands):
                 kind = c[0]
                 if kind == "dispatch":
                     _, pipe, push, groups = c
@@ -357,8 +375,14 @@ class LogicalDevice:
                         pbuf = ffi.from_buffer(push)
                         lib.vkCmdPushConstants(cmd, self.layout, b.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push), pbuf)
                     lib.vkCmdDispatch(cmd, *groups)
+                    if query_pool is not None:
+                        lib.vkCmdWriteTimestamp(cmd, b.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, query_pool, stamp)
+                        stamp += 1
                 elif kind == "barrier":
-                    lib.vkCmdPipelineBarrier(cmd, all_stages, all_stages, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+                    if i in near_copy:
+                        lib.vkCmdPipelineBarrier(cmd, all_stages, all_stages, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+                    else:
+                        lib.vkCmdPipelineBarrier(cmd, compute, compute, 0, 1, compute_mb, 0, ffi.NULL, 0, ffi.NULL)
                 elif kind == "host_barrier":
                     lib.vkCmdPipelineBarrier(cmd, all_stages, b.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, host_mb,
                                              0, ffi.NULL, 0, ffi.NULL)
@@ -370,6 +394,38 @@ class LogicalDevice:
                     raise ValueError(f"unknown command {kind!r}")
             vk.call("vkEndCommandBuffer", cmd, member=self.name)
         self.counters.recordings += 1
+
+    def profile(self, commands: list[tuple[Any, ...]]) -> list[float]:
+        """Runs ``commands`` once with a GPU timestamp after every dispatch and returns each
+        dispatch's time in microseconds (from the previous timestamp, so a dispatch's share
+        includes the barrier before it). Timestamps serialise a little, so the sum runs a bit
+        above an unprofiled run; the shares are what matter."""
+        ffi, b, lib = self._ffi, self._b, self._lib
+        n = sum(c[0] == "dispatch" for c in commands)
+        info = ffi.new("VkQueryPoolCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+            "queryType": b.VK_QUERY_TYPE_TIMESTAMP, "queryCount": n + 1,
+        })
+        pool = ffi.new("VkQueryPool*")
+        vk.call("vkCreateQueryPool", self.handle, info, ffi.NULL, pool, member=self.name)
+        cmd = self.allocate_command_buffer()
+        sub = self.submission(cmd)
+        try:
+            self.record(cmd, commands, one_time=True, query_pool=pool[0])
+            self.counters.recordings -= 1  # a profile is not a model recording
+            self.submit(sub)
+            self.wait(sub)
+            stamps = np.zeros(n + 1, dtype=np.uint64)
+            vk.check("vkGetQueryPoolResults", lib.vkGetQueryPoolResults(
+                self.handle, pool[0], 0, n + 1, stamps.nbytes, ffi.from_buffer(stamps), 8,
+                b.VK_QUERY_RESULT_64_BIT | b.VK_QUERY_RESULT_WAIT_BIT), self.name)
+        finally:
+            sub.release()
+            lib.vkDestroyQueryPool(self.handle, pool[0], ffi.NULL)
+        props = ffi.new("VkPhysicalDeviceProperties*")
+        lib.vkGetPhysicalDeviceProperties(self.info.handle, props)
+        period_us = props.limits.timestampPeriod / 1000.0
+        return [float(d) * period_us for d in np.diff(stamps.astype(np.int64))]
 
     def create_fence(self) -> Any:
         ffi = self._ffi
@@ -445,3 +501,21 @@ class LogicalDevice:
         lib.vkDestroyCommandPool(self.handle, self.command_pool, ffi.NULL)
         lib.vkDestroyDevice(self.handle, ffi.NULL)
         self._closed = True
+
+
+def _barriers_near_copies(commands: list[tuple[Any, ...]]) -> set[int]:
+    """Indices of the barriers with a copy between them and the neighbouring barriers."""
+    near: set[int] = set()
+    segment_has_copy = False
+    previous_barrier = -1
+    for i, c in enumerate(commands):
+        if c[0] == "copy":
+            segment_has_copy = True
+        elif c[0] in ("barrier", "host_barrier"):
+            if segment_has_copy:
+                near.update(j for j in (previous_barrier, i) if j >= 0)
+            segment_has_copy = False
+            previous_barrier = i
+    if segment_has_copy and previous_barrier >= 0:
+        near.add(previous_barrier)
+    return near

@@ -295,13 +295,14 @@ class VulkanChunk:
             else:
                 work.extend(op.dispatches(ctx))
             for k, item in enumerate(work):
-                buckets.setdefault((level, k), []).append(item)
+                buckets.setdefault((level, k), []).append((f"{node.op_type} {node.name}", item))
         commands: list[tuple[Any, ...]] = []
+        labels: list[str] = []  # one per dispatch, for GPU timestamp profiles
         for key in sorted(buckets):
             if commands:
                 commands.append(("barrier",))
                 self.stats.barriers += 1
-            for item in buckets[key]:
+            for label, item in buckets[key]:
                 if isinstance(item, tuple):
                     _, src, dst = item
                     commands.append(("copy", src.alloc.buffer, src.alloc.offset + src.offset,
@@ -313,6 +314,7 @@ class VulkanChunk:
                         raise OpError(f"{item.shader}: {len(push)} bytes of push constants exceed the "
                                       f"device's {self.device.push_constant_bytes}")
                     commands.append(("dispatch", pipe, push, item.groups))
+                    labels.append(f"{label} [{item.shader}]")
                     self.stats.dispatches += 1
         self.stats.levels = len(buckets)
         self._in_views = {n: _view(t[n]) for n in self.input_names}
@@ -333,6 +335,7 @@ class VulkanChunk:
         cmd = self.device.allocate_command_buffer()
         self.submission = self.device.submission(cmd)
         self.device.record(cmd, commands)
+        self.commands, self.dispatch_labels = commands, labels
         self.device.save_pipeline_cache()
         self._out_views = {n: _view(t[n]) for n in self.output_names}
 

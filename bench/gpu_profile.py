@@ -1,0 +1,61 @@
+"""GPU time of every dispatch of a model's recorded command buffer, from Vulkan timestamps.
+
+Usage: python -m bench.gpu_profile MODEL.onnx [--device vk0] [--runs 5] [--top 15]
+
+The model's own commands (the ones every run replays) are recorded once more with a timestamp
+after each dispatch and run ``--runs`` times; each dispatch's share is the median over those
+runs of the time since the previous timestamp, so the barrier in front of a dispatch counts
+towards it. Prints the total, the time per shader and the costliest dispatches, next to the
+host-measured latency of a normal run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--device", help="member id (default: the first Vulkan member that fits)")
+    ap.add_argument("--runs", type=int, default=5, help="profiled runs; each dispatch's median is shown")
+    ap.add_argument("--top", type=int, default=15, help="how many of the costliest dispatches to list")
+    args = ap.parse_args()
+    from vkpool.cli import random_inputs
+    from vkpool.session import Session
+
+    sess = Session(args.model, device=args.device)
+    chunk = sess._chunk
+    device = chunk.device
+    feeds = random_inputs(sess.get_inputs())
+    for _ in range(20):
+        sess.run(None, feeds)
+    walls = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        walls.append((time.perf_counter() - t0) * 1e6)
+    profiles = [device.profile(chunk.commands) for _ in range(args.runs)]
+    per_dispatch = [statistics.median(p[i] for p in profiles) for i in range(len(chunk.dispatch_labels))]
+    total = sum(per_dispatch)
+    print(f"{args.model} on {sess.member.id} ({device.info.name}): {len(per_dispatch)} dispatches, "
+          f"{chunk.stats.barriers} barriers")
+    print(f"host-measured run: median {statistics.median(walls):.1f} µs; "
+          f"GPU timestamps: first to last {total:.1f} µs, {total / max(1, len(per_dispatch)):.2f} µs per dispatch")
+    by_shader: dict[str, list[float]] = defaultdict(list)
+    for label, us in zip(chunk.dispatch_labels, per_dispatch):
+        by_shader[label.rsplit("[", 1)[-1].rstrip("]")].append(us)
+    print("\n| shader | dispatches | GPU µs | share |\n|---|---|---|---|")
+    for shader, times in sorted(by_shader.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {shader} | {len(times)} | {sum(times):.1f} | {100 * sum(times) / max(total, 1e-9):.0f} % |")
+    print(f"\n| costliest dispatches | GPU µs |\n|---|---|")
+    ranked = sorted(zip(chunk.dispatch_labels, per_dispatch), key=lambda lt: -lt[1])
+    for label, us in ranked[: args.top]:
+        print(f"| {label} | {us:.1f} |")
+    sess.close()
+
+
+if __name__ == "__main__":
+    main()

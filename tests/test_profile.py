@@ -1,0 +1,40 @@
+"""GPU timestamp profiles of a recorded model, and the barrier choice they help measure."""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from vkpool.device import _barriers_near_copies
+from vkpool.session import Session
+
+
+def _chain(n: int) -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [256])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [256])
+    one = numpy_helper.from_array(np.ones(256, np.float32), "one")
+    nodes = [helper.make_node("Add", ["x" if i == 0 else f"t{i}", "one"], [f"t{i + 1}" if i < n - 1 else "y"])
+             for i in range(n)]
+    g = helper.make_graph(nodes, "chain", [x], [y], [one])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def test_profile_times_every_dispatch_and_leaves_the_model_intact(pool):
+    with Session(_chain(5), pool=pool) as sess:
+        chunk = sess._chunk
+        device = chunk.device
+        recordings = device.counters.recordings
+        times = device.profile(chunk.commands)
+        assert len(times) == len(chunk.dispatch_labels) == 5
+        assert all(t > 0 for t in times)
+        assert all("Add" in label and "[binary]" in label for label in chunk.dispatch_labels)
+        assert device.counters.recordings == recordings  # a profile is not a recording of the model
+        x = np.arange(256, dtype=np.float32)
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 5)
+
+
+def test_barriers_next_to_copies_keep_the_transfer_stage():
+    d, b, c, h = ("dispatch",), ("barrier",), ("copy",), ("host_barrier",)
+    # indices:              0  1  2  3  4  5  6  7  8
+    assert _barriers_near_copies([d, b, d, b, c, b, d, b, d]) == {3, 5}
+    assert _barriers_near_copies([d, b, d, b, d, h]) == set()
+    assert _barriers_near_copies([c, b, d, b, d, b, c, h]) == {1, 5, 7}
