@@ -3,7 +3,8 @@
 ``plan_model(model, members)`` is the entry point; the pieces are importable on their own:
 :mod:`.graph` (model → networkx DiGraph with costs), :mod:`.cost` (member speeds, calibration
 cache, device spec files), :mod:`.plan` (the Plan, its pricing and validator),
-:mod:`.algorithms` (greedy baseline, optimal DP, exhaustive oracle), :mod:`.render`.
+:mod:`.algorithms` (greedy baseline, optimal DP, exhaustive oracle), :mod:`.ilp` (an integer-programming
+oracle; needs scipy), :mod:`.render`.
 """
 from __future__ import annotations
 
