@@ -1,4 +1,5 @@
-"""``vkpool plan``: partition a model and print the plan; with ``--devices`` no GPU is needed."""
+"""``vkpool plan``: partition a model and print the plan; with ``--devices`` no GPU is needed,
+with ``--remote`` the running daemon plans against its own pool."""
 from __future__ import annotations
 
 import argparse
@@ -18,18 +19,24 @@ def add_parser(subparsers: Any) -> None:
                     "under their memory budgets and print the plan.",
         epilog="Examples:\n"
                "  vkpool plan model.onnx --devices partition/specs/2xh200.yaml --budget gpu0=512MiB\n"
-               "  vkpool plan model.onnx --objective throughput --format svg -o plan.svg",
+               "  vkpool plan model.onnx --objective throughput --format svg -o plan.svg\n"
+               "  vkpool plan model.onnx --remote --budget vk0=64MiB   what-if on the daemon's pool",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--budget", action="append", default=[], metavar="ID=SIZE",
                    help="override a member's budget (e.g. gpu0=512MiB); repeatable")
     p.add_argument("--devices", metavar="SPEC.yaml",
                    help="plan for the members described in this file instead of this machine's pool")
-    p.add_argument("--objective", choices=("latency", "throughput"), default="latency")
-    p.add_argument("--algorithm", choices=("dp", "greedy"), default="dp")
+    p.add_argument("--objective", choices=("latency", "throughput"),
+                   help="what the plan minimises: latency (default) or the pipelined period")
+    p.add_argument("--algorithm", choices=("dp", "greedy"), help="dp (optimal, default) or greedy (VKML first-fit)")
     p.add_argument("--format", choices=FORMATS, default="text")
-    p.add_argument("--batch", type=int, default=1, help="value of symbolic batch dims (default 1)")
+    p.add_argument("--batch", type=int, help="value of symbolic batch dims (default 1)")
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    p.add_argument("--remote", nargs="?", const="", metavar="ENDPOINT",
+                   help="ask the running daemon to plan MODEL on its pool (at ENDPOINT, default: "
+                        "$VKPOOL_ENDPOINT, else the ipc socket in the runtime directory); --budget "
+                        "becomes a what-if; text or json only")
     p.set_defaults(func=run_plan)
 
 
@@ -39,16 +46,33 @@ def run_plan(args: argparse.Namespace) -> int:
     from vkpool.partition.graph import build_graph
     from vkpool.partition.render import render
 
+    if args.remote is not None:
+        return run_remote_plan(args)
     members = load_device_spec(args.devices) if args.devices else pool_members()
     members = apply_budgets(members, args.budget)
-    G = build_graph(load_model(args.model, batch=args.batch))
-    plan = plan_model(G, members, objective=args.objective, algorithm=args.algorithm)
+    G = build_graph(load_model(args.model, batch=args.batch or 1))
+    plan = plan_model(G, members, objective=args.objective or "latency", algorithm=args.algorithm or "dp")
     text = render(G, plan, args.format)
     if args.output:
         Path(args.output).write_text(text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def run_remote_plan(args: argparse.Namespace) -> int:
+    """The daemon plans with its own objective and algorithm on its own members and budgets."""
+    from vkpool.daemon.cli import remote_plan
+
+    refused = [flag for flag, value in (("--devices", args.devices), ("--objective", args.objective),
+                                        ("--algorithm", args.algorithm), ("--batch", args.batch)) if value]
+    if refused:
+        raise ValueError(f"--remote plans on the daemon's pool with its settings; drop {', '.join(refused)}")
+    if args.format not in ("text", "json"):
+        raise ValueError(f"--remote answers text or json, not {args.format}")
+    if args.remote:
+        args.endpoint = args.remote
+    return int(remote_plan(args) or 0)
 
 
 def apply_budgets(members: list[Member], overrides: list[str]) -> list[Member]:

@@ -258,3 +258,41 @@ def test_cli_plan_with_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "algorithm=greedy" in capsys.readouterr().out
     assert main(["plan", str(model), "--devices", str(spec), "--budget", "gpu0=1KB", "--budget", "gpu1=1KB"]) == 1
     assert "more budget" in capsys.readouterr().err
+
+
+def test_cli_plan_remote_asks_the_running_daemon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+    import signal
+    import tempfile
+
+    from test_daemon_support import mlp_model, spawn_daemon, wait_ready
+    from vkpool.cli import main
+
+    model = tmp_path / "m.onnx"
+    model.write_bytes(mlp_model())
+    folder = Path(tempfile.mkdtemp(prefix="vkp", dir="/tmp"))  # ipc paths are limited to 107 bytes
+    endpoint = f"ipc://{folder}/d.sock"
+    config = folder / "vkpool.yaml"
+    config.write_text("devices:\n  - match: {name: 'llvmpipe*'}\n    budget: 32MiB\nhost:\n  budget: 32MiB\n")
+    proc = spawn_daemon(endpoint, config=config)
+    try:
+        wait_ready(endpoint, proc)
+        assert main(["plan", str(model), "--remote", endpoint]) == 0
+        assert capsys.readouterr().out.startswith("chunk 0 on vk0: 5 ops")
+        out = tmp_path / "remote.json"
+        assert main(["plan", str(model), "--remote", endpoint, "--format", "json", "-o", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert data["members"] == ["vk0"] and sum(c["ops"] for c in data["chunks"]) == 5
+        # what-if: with no room on vk0 the daemon plans on its host member
+        assert main(["plan", str(model), "--remote", endpoint, "--budget", "vk0=1KiB", "--format", "json",
+                     "-o", str(out)]) == 0
+        what_if = json.loads(out.read_text())
+        assert what_if["schema"] == "vkpool.plan" and {op["member"] for op in what_if["ops"]} == {"cpu"}
+        # the daemon's settings rule: a local-only flag is refused, not ignored
+        assert main(["plan", str(model), "--remote", endpoint, "--objective", "throughput"]) == 1
+        assert "--objective" in capsys.readouterr().err
+        assert main(["plan", str(model), "--remote", endpoint, "--format", "svg"]) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        shutil.rmtree(folder, ignore_errors=True)
