@@ -14,6 +14,7 @@ import concurrent.futures
 import itertools
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from vkpool.daemon.endpoint import default_endpoint, ipc_path
 from vkpool.daemon.errors import DaemonUnavailable, from_reply
 
 HELLO_TIMEOUT_S = 5.0
+_POLL_SLICE_MS = 100  # how often a waiting thread looks at the clock and at close()
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def check_endpoint(endpoint: str) -> None:
 
 
 def build_request(action: str, rid: str, content: Mapping[str, Any], frames: Sequence[Any]) -> list[Any]:
-    return P.encode(P.request_header(action, rid), {k: v for k, v in content.items()}, frames)
+    return [P.DELIMITER, P.packed_header(f"{action}_request", rid), P.pack(dict(content)), *frames]
 
 
 def parse_reply(frames: list[zmq.Frame]) -> tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None:
@@ -109,8 +111,29 @@ def load_content(model: str | os.PathLike[str] | bytes, name: str | None,
     return content, []
 
 
+class _Waiter:
+    """One request in flight: where its reply lands and how its thread is woken."""
+
+    __slots__ = ("reply", "wake", "future")
+
+    def __init__(self, wake: threading.Event | None = None,
+                 future: concurrent.futures.Future[Any] | None = None) -> None:
+        self.reply: tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None = None
+        self.wake = wake
+        self.future = future
+
+
 class Client:
-    """A connection to the daemon. Thread-safe; close it (or use ``with``) when done."""
+    """A connection to the daemon. Thread-safe; close it (or use ``with``) when done.
+
+    The DEALER socket is used by one thread at a time, the *leader*: a thread waiting for a reply
+    takes the lead when it is free, sends on the socket itself and receives until its reply
+    arrives, handing other threads' replies to them on the way. A thread that finds another
+    leading queues its request on an inproc socket that the leader forwards, and waits to be
+    handed its reply or the lead. With one thread, a request is a send and a receive on the
+    caller's thread: no hop between threads. Futures from :meth:`submit` are driven by a
+    background thread while any is unanswered.
+    """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = None,
                  hello_timeout: float = HELLO_TIMEOUT_S, curve: tuple[bytes, bytes, bytes] | None = None,
@@ -121,18 +144,24 @@ class Client:
         self._own_ctx = context is None  # inproc:// endpoints need the daemon's context
         self._ctx = context or zmq.Context()
         self._sock = make_socket(self._ctx, self.endpoint, curve)
-        self._outbox_addr = f"inproc://vkpool-client-{id(self)}"
+        self._outbox_addr = f"inproc://vkpool-client-{id(self)}-{uuid.uuid4().hex[:8]}"
         self._outbox_pull = self._ctx.socket(zmq.PULL)
         self._outbox_pull.bind(self._outbox_addr)
         self._outbox = self._ctx.socket(zmq.PUSH)
         self._outbox.connect(self._outbox_addr)
-        self._send_lock = threading.Lock()
-        self._pending: dict[str, concurrent.futures.Future[Any]] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._outbox_pull, zmq.POLLIN)
+        self._lead = threading.Lock()        # held by the thread using the DEALER socket
+        self._send_lock = threading.Lock()   # guards the PUSH end of the outbox
+        self._pending: dict[str, _Waiter] = {}
+        self._followers: set[_Waiter] = set()
+        self._unanswered: set[str] = set()   # submit() ids still waiting for their reply
+        self._driver: threading.Thread | None = None
+        self._driver_wake = threading.Event()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._io_loop, name="vkpool-client", daemon=True)
-        self._thread.start()
         try:
             self.info = self.request("hello", {"client": name or f"pid {os.getpid()}"}, timeout=hello_timeout)[0]
         except TimeoutError:
@@ -143,40 +172,118 @@ class Client:
             raise
 
     # -- transport ----------------------------------------------------------------------------
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._outbox_pull, zmq.POLLIN)
+    def _pump(self, done: Any, deadline: float | None) -> None:
+        """As the leader: forward queued requests and hand out replies until ``done()``, the
+        deadline or close."""
+        sock, outbox = self._sock, self._outbox_pull
+        while not done() and not self._closed.is_set():
+            while outbox.get(zmq.EVENTS) & zmq.POLLIN:
+                sock.send_multipart(outbox.recv_multipart(copy=False), copy=False)
+            wait_ms = _POLL_SLICE_MS
+            if deadline is not None:
+                wait_ms = min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1)
+                if wait_ms <= 0:
+                    return
+            if not self._poller.poll(wait_ms):
+                continue
+            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+                self._deliver(parse_reply(sock.recv_multipart(copy=False)))
+
+    def _deliver(self, reply: tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None) -> None:
+        if reply is None:
+            return  # a probe, or something that is no reply
+        rid = str(reply[0].get("id"))
+        waiter = self._pending.pop(rid, None)
+        if waiter is None:
+            return  # timed out meanwhile, or a retried id answered twice
+        waiter.reply = reply
+        if waiter.future is not None:
+            self._unanswered.discard(rid)
+            if not waiter.future.done():
+                waiter.future.set_result(reply)
+        if waiter.wake is not None:
+            waiter.wake.set()
+
+    def _hand_over_lead(self) -> None:
+        """After releasing the lead: wake one thread still waiting, so that it takes the lead."""
+        for waiter in list(self._followers):
+            if waiter.reply is None and waiter.wake is not None:
+                waiter.wake.set()
+                return
+        if self._unanswered:
+            self._driver_wake.set()
+
+    def _send_queued(self, message: list[Any]) -> None:
+        with self._send_lock:
+            self._outbox.send_multipart(message, copy=False)
+
+    def _exchange(self, rid: str, message: list[Any], timeout: float | None
+                  ) -> tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None:
+        """Send one request and wait for its reply; None at the timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._lead.acquire(blocking=False):
+            waiter = _Waiter()
+            self._pending[rid] = waiter
+            try:
+                self._sock.send_multipart(message, copy=False)
+                self._pump(lambda: waiter.reply is not None, deadline)
+            finally:
+                self._lead.release()
+                self._hand_over_lead()
+        else:
+            waiter = _Waiter(wake=threading.Event())
+            self._pending[rid] = waiter
+            self._followers.add(waiter)
+            try:
+                self._send_queued(message)
+                while waiter.reply is None and not self._closed.is_set():
+                    if self._lead.acquire(blocking=False):
+                        try:
+                            self._pump(lambda: waiter.reply is not None, deadline)
+                        finally:
+                            self._lead.release()
+                            self._followers.discard(waiter)
+                            self._hand_over_lead()
+                        break
+                    remaining = _POLL_SLICE_MS / 1000 if deadline is None else deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    waiter.wake.wait(min(remaining, _POLL_SLICE_MS / 1000))
+                    waiter.wake.clear()
+            finally:
+                self._followers.discard(waiter)
+        if waiter.reply is None:
+            self._pending.pop(rid, None)
+        return waiter.reply
+
+    def _drive(self) -> None:
+        """Background leader for futures from :meth:`submit` that nobody is waiting on."""
         while not self._closed.is_set():
-            events = dict(poller.poll(100))
-            if self._outbox_pull in events:
-                while True:
-                    try:
-                        self._sock.send_multipart(self._outbox_pull.recv_multipart(zmq.NOBLOCK, copy=False),
-                                                  copy=False)
-                    except zmq.Again:
-                        break
-            if self._sock in events:
-                while True:
-                    try:
-                        reply = parse_reply(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
-                    except zmq.Again:
-                        break
-                    if reply is not None:
-                        future = self._pending.pop(str(reply[0].get("id")), None)
-                        if future is not None and not future.done():
-                            future.set_result(reply)
+            if not self._unanswered:
+                self._driver_wake.wait(_POLL_SLICE_MS / 1000)
+                self._driver_wake.clear()
+                continue
+            if not self._lead.acquire(timeout=_POLL_SLICE_MS / 1000):
+                continue
+            try:
+                self._pump(lambda: not self._unanswered, None)
+            finally:
+                self._lead.release()
+                self._hand_over_lead()
 
     def request(self, action: str, content: Mapping[str, Any] | None = None, frames: Sequence[Any] = (),
                 *, timeout: float | None = None, request_id: str | None = None) -> tuple[dict[str, Any], list[Any]]:
         """Send one request and wait for its reply: ``(content, raw frames)``; raises on error replies."""
-        future = self.submit(action, content, frames, request_id=request_id)
+        if self._closed.is_set():
+            raise DaemonUnavailable("this client is closed")
+        rid = request_id or f"{self._prefix}-{next(self._ids)}"
         wait = timeout if timeout is not None else self.timeout
-        try:
-            return result_of(future.result(wait))
-        except concurrent.futures.TimeoutError:
-            self._pending.pop(future.request_id, None)  # type: ignore[attr-defined]
-            raise TimeoutError(f"no {action}_reply from {self.endpoint} within {wait:g} s") from None
+        reply = self._exchange(rid, build_request(action, rid, content or {}, frames), wait)
+        if reply is None:
+            if self._closed.is_set():
+                raise DaemonUnavailable("this client was closed while waiting for a reply")
+            raise TimeoutError(f"no {action}_reply from {self.endpoint} within {wait:g} s")
+        return result_of(reply)
 
     def submit(self, action: str, content: Mapping[str, Any] | None = None, frames: Sequence[Any] = (),
                *, request_id: str | None = None) -> concurrent.futures.Future[Any]:
@@ -186,20 +293,28 @@ class Client:
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         future.request_id = rid  # type: ignore[attr-defined]
-        self._pending[rid] = future
-        message = build_request(action, rid, content or {}, frames)
-        with self._send_lock:
-            self._outbox.send_multipart(message, copy=False)
+        self._pending[rid] = _Waiter(future=future)
+        self._unanswered.add(rid)
+        self._send_queued(build_request(action, rid, content or {}, frames))
+        if self._driver is None:
+            self._driver = threading.Thread(target=self._drive, name="vkpool-client", daemon=True)
+            self._driver.start()
+        self._driver_wake.set()
         return future
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        self._driver_wake.set()
+        if self._driver is not None and self._driver is not threading.current_thread():
+            self._driver.join()
+        # the leader, if any, leaves within one poll slice
+        held = self._lead.acquire(timeout=2 * _POLL_SLICE_MS / 1000 + 1)
         for sock in (self._sock, self._outbox, self._outbox_pull):
             sock.close(0)
+        if held:
+            self._lead.release()
         if self._own_ctx:
             self._ctx.term()
 

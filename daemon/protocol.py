@@ -18,6 +18,7 @@ Every message is a ZeroMQ multipart message (the layout follows jupyter_client's
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -148,6 +149,8 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
             control=True),
 )}
 
+_ACTION_OF: dict[str, str] = {f"{action}_{side}": action for action in MESSAGES for side in ("request", "reply")}
+
 #: error type -> when it is sent. The client raises the exception class of the same name.
 ERROR_TYPES: dict[str, str] = {
     "ProtocolError": "the frames could not be decoded (missing delimiter, bad msgpack, bad header)",
@@ -214,6 +217,28 @@ def encode(header: Mapping[str, Any], content: Mapping[str, Any],
     return [DELIMITER, pack(dict(header)), pack(dict(content)), *frames]
 
 
+_HEADER_PARTS: dict[tuple[str, str | None], tuple[bytes, bytes]] = {}
+
+
+def packed_header(kind: str, request_id: str | None, status: str | None = None) -> bytes:
+    """``pack(header)`` for a request (``status`` None) or a reply, from cached packed parts.
+
+    The bytes equal ``pack`` of :func:`request_header` / :func:`reply_header` (same keys, same
+    order); only the request id is packed per message.
+    """
+    parts = _HEADER_PARTS.get((kind, status))
+    if parts is None:
+        head = {"v": PROTOCOL_VERSION, "id": None, "type": kind}
+        if status is not None:
+            head["status"] = status
+        whole = pack(head)
+        prefix = pack({"v": PROTOCOL_VERSION, "id": None})[:-1]  # the map length is patched below
+        prefix = bytes([0x80 | len(head)]) + prefix[1:]
+        parts = _HEADER_PARTS[(kind, status)] = (prefix, whole[len(prefix) + 1:])
+    prefix, suffix = parts
+    return prefix + pack(request_id) + suffix
+
+
 def split_routing(frames: Sequence[Any]) -> tuple[list[bytes], list[Any]]:
     """Split ``[routing..., DELIMITER, rest...]``; frames may be bytes or zmq.Frame."""
     for i, frame in enumerate(frames):
@@ -230,11 +255,16 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(frame) if isinstance(frame, (bytes, bytearray, memoryview)) else frame.buffer
 
 
-def decode_request(frames: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
-    """Header, validated content and raw frames of a request (frames after the delimiter)."""
+def decode_request(frames: Sequence[Any], header: dict[str, Any] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """Header, validated content and raw frames of a request (frames after the delimiter).
+
+    ``header``: the first frame already unpacked by the caller (it is then not unpacked again).
+    """
     if len(frames) < 2:
         raise ProtocolViolation("ProtocolError", f"expected header and content frames, got {len(frames)} frame(s)")
-    header = unpack(_buffer(frames[0]))
+    if header is None:
+        header = unpack(_buffer(frames[0]))
     if not isinstance(header, dict):
         raise ProtocolViolation("ProtocolError", "header is not a map")
     request_id = header.get("id")
@@ -259,11 +289,7 @@ def decode_request(frames: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any
 
 def action_of(header: Mapping[str, Any]) -> str | None:
     kind = header.get("type")
-    if isinstance(kind, str):
-        for suffix in ("_request", "_reply"):
-            if kind.endswith(suffix) and kind[: -len(suffix)] in MESSAGES:
-                return kind[: -len(suffix)]
-    return None
+    return _ACTION_OF.get(kind) if isinstance(kind, str) else None
 
 
 _KIND_CHECKS: dict[str, Any] = {
@@ -303,6 +329,10 @@ def validate(fields: Iterable[Field], content: Mapping[str, Any], where: str) ->
 # ---------------------------------------------------------------------------------------------
 # Tensors.
 
+_DTYPE_OF: dict[str, np.dtype] = {name: np.dtype(name) for name in DTYPES}
+_NAME_OF: dict[np.dtype, str] = {dtype: name for name, dtype in _DTYPE_OF.items()}
+
+
 def tensor_meta(name: str, array: np.ndarray) -> dict[str, Any]:
     return {"name": name, "dtype": array.dtype.name, "shape": list(array.shape)}
 
@@ -312,13 +342,16 @@ def tensor_frames(named: Sequence[tuple[str, np.ndarray]]) -> tuple[list[dict[st
     metas, frames = [], []
     for name, array in named:
         array = np.asarray(array)
-        if array.dtype.name not in DTYPES:
-            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: dtype {array.dtype} cannot travel; "
-                                    f"allowed: {', '.join(DTYPES)}", {"tensor": name, "dtype": str(array.dtype)})
-        if array.dtype.byteorder == ">":
-            array = array.astype(array.dtype.newbyteorder("<"))
-        array = np.ascontiguousarray(array)
-        metas.append(tensor_meta(name, array))
+        dtype = _NAME_OF.get(array.dtype)
+        if dtype is None:
+            native = array.dtype.newbyteorder("<")
+            if array.dtype.byteorder != ">" or native not in _NAME_OF:
+                raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: dtype {array.dtype} cannot travel; "
+                                        f"allowed: {', '.join(DTYPES)}", {"tensor": name, "dtype": str(array.dtype)})
+            array, dtype = array.astype(native), _NAME_OF[native]
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        metas.append({"name": name, "dtype": dtype, "shape": list(array.shape)})
         frames.append(memoryview(array.reshape(-1).view(np.uint8)) if array.size else b"")
     return metas, frames
 
@@ -332,26 +365,27 @@ def decode_tensors(metas: Any, frames: Sequence[Any], what: str) -> dict[str, np
                                 f"{len(frames)} raw frame(s) sent", {"described": len(metas), "frames": len(frames)})
     out: dict[str, np.ndarray] = {}
     for i, (meta, frame) in enumerate(zip(metas, frames)):
-        if not isinstance(meta, dict) or set(meta) != {"name", "dtype", "shape"}:
+        if not isinstance(meta, dict) or len(meta) != 3 or meta.keys() != {"name", "dtype", "shape"}:
             raise ProtocolViolation("InvalidTensor", f"`{what}[{i}]` must be a map with exactly name, dtype, shape",
                                     {"index": i})
-        name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
+        name, dtype_name, shape = meta["name"], meta["dtype"], meta["shape"]
         if not isinstance(name, str) or name in out:
             raise ProtocolViolation("InvalidTensor", f"`{what}[{i}]`: name must be a unique string", {"index": i})
-        if dtype not in DTYPES:
-            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: unknown dtype {dtype!r}",
-                                    {"tensor": name, "dtype": dtype, "allowed": list(DTYPES)})
+        dtype = _DTYPE_OF.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: unknown dtype {dtype_name!r}",
+                                    {"tensor": name, "dtype": repr(dtype_name)[:100], "allowed": list(DTYPES)})
         if (not isinstance(shape, list) or len(shape) > 32
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+                or not all(type(d) is int and d >= 0 for d in shape)):
             raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: shape must be a list of "
                                     f"non-negative ints", {"tensor": name, "shape": repr(shape)[:200]})
         buffer = _buffer(frame)
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        expected = math.prod(shape) * dtype.itemsize
         if buffer.nbytes != expected:
-            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: {dtype}{shape} needs {expected} bytes, "
+            raise ProtocolViolation("InvalidTensor", f"tensor {name!r}: {dtype_name}{shape} needs {expected} bytes, "
                                     f"frame has {buffer.nbytes}",
                                     {"tensor": name, "expected_bytes": expected, "got_bytes": buffer.nbytes})
-        out[name] = np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
+        out[name] = np.frombuffer(buffer, dtype=dtype).reshape(shape)
     return out
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from vkpool.daemon.protocol import ProtocolViolation
 
 
@@ -82,6 +84,7 @@ class ModelEntry:
     last_used: float = field(default_factory=time.monotonic)
     # Workers hold it shared while running; a re-plan holds it exclusively to swap the session.
     gate: "SharedGate" = field(default_factory=lambda: SharedGate())
+    run_s: float | None = None      # moving average of the engine's run time, once measured
 
     def __post_init__(self) -> None:
         self.refresh()
@@ -91,6 +94,7 @@ class ModelEntry:
         self.inputs = describe_values(self.session.get_inputs())
         self.outputs = describe_values(self.session.get_outputs())
         self.input_specs = {i["name"]: i for i in self.inputs}
+        self.input_dtypes = {i["name"]: np.dtype(i["dtype"]) for i in self.inputs}
         self.output_names = [o["name"] for o in self.outputs]
         self.memory = {k: int(v) for k, v in self.session.memory_by_member().items()}
 
@@ -115,6 +119,14 @@ class SharedGate:
             while self._writer:
                 self._cond.wait()
             self._readers += 1
+
+    def try_acquire_shared(self) -> bool:
+        """Take a shared hold without waiting; False while a re-plan holds or waits for the gate."""
+        with self._cond:
+            if self._writer:
+                return False
+            self._readers += 1
+            return True
 
     def release_shared(self) -> None:
         with self._cond:

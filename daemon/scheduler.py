@@ -171,6 +171,21 @@ class Scheduler:
             return 0 if queue is None else queue.size + queue.running
 
     # -- jobs ---------------------------------------------------------------------------------
+    def claim_idle(self, model_id: str) -> ModelQueue | None:
+        """Count one job as running on a model with nothing queued or running, for a caller that
+        runs it itself; None when the model is busy. Pair with :meth:`release_claim`."""
+        with self._cond:
+            queue = self._queues.get(model_id)
+            if queue is None or queue.size or queue.running or model_id in self._closing:
+                return None
+            queue.running += 1
+            return queue
+
+    def release_claim(self, queue: ModelQueue, *, ran: bool) -> None:
+        with self._cond:
+            queue.running -= 1
+            queue.done += ran
+
     def submit(self, job: Job) -> None:
         with self._cond:
             queue = self._queues[job.model_id]

@@ -35,6 +35,7 @@ log = logging.getLogger("vkpool.daemon")
 _PROBE_DELAY_S = 0.3     # a disconnect is seen before the ROUTER drops the peer's pipe
 _TICK_S = 0.05
 _REPLAY_BYTES = 64 << 20  # replies kept for retried request ids
+_COMPACT_MIN = 4096       # deadline entries before finished jobs are swept out
 
 
 class Server:
@@ -46,6 +47,7 @@ class Server:
         self.stats = Stats()
         self.service = Service(engine, settings, self._reply_from_thread, self.stats)
         self.service.watch = self._watch  # type: ignore[method-assign]
+        self.service.inline_allowed = self._nothing_waiting  # type: ignore[method-assign]
         self._push_lock = threading.Lock()
         self._inbox_addr = f"inproc://vkpool-replies-{id(self)}"
         self._inbox = self.ctx.socket(zmq.PULL)
@@ -54,12 +56,13 @@ class Server:
         self._push.connect(self._inbox_addr)
         self._deadlines: list[tuple[float, int, Job]] = []
         self._deadline_lock = threading.Lock()
+        self._compact_at = _COMPACT_MIN
         self._peers: dict[bytes, int] = {}              # client -> source fd of its last message
         self._probes: list[tuple[float, int]] = []      # (when, fd)
         self._in_progress: set[tuple[bytes, str]] = set()
         self._replay: OrderedDict[tuple[bytes, str], list[Any]] = OrderedDict()
         self._replay_bytes = 0
-        self._io_thread: threading.Thread | None = None
+        self._io_ident: int | None = None
         self._connections = 0
         self._lock: EndpointLock | None = None
         self._stop = threading.Event()
@@ -117,29 +120,32 @@ class Server:
         router.curve_server = True
 
     # -- replies ------------------------------------------------------------------------------
-    def _reply_from_thread(self, client: bytes, rid: str, action: str, status: str,
+    def _reply_from_thread(self, client: bytes, rid: str, action: str | None, status: str,
                            content: dict[str, Any], frames: list[Any]) -> None:
-        message = [client, rid.encode(), *P.encode(P.reply_header(action, rid, status), content, frames)]
-        if threading.current_thread() is self._io_thread:
-            self._send_reply(message)
+        body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
+                P.pack(content), *frames]
+        if threading.get_ident() == self._io_ident:
+            self._send_reply(client, rid, status, body)
             return
         with self._push_lock:
-            self._push.send_multipart(message, copy=False)
+            self._push.send_multipart([client, rid.encode(), status.encode(), *body], copy=False)
 
-    def _send_reply(self, message: list[Any]) -> None:
-        client, rid, *frames = message
-        key = (_b(client), _b(rid).decode())
+    def _send_handed_over(self, message: list[zmq.Frame]) -> None:
+        client, rid, status, *body = message
+        self._send_reply(client.bytes, rid.bytes.decode(), status.bytes.decode(), body)
+
+    def _send_reply(self, client: bytes, rid: str, status: str, body: list[Any]) -> None:
+        key = (client, rid)
         self._in_progress.discard(key)
-        status = self._status_of(frames)
         try:
-            self._router.send_multipart([client, *frames], copy=False)
+            self._router.send_multipart([client, *body], copy=False)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.stats.count("client_gone")
             return
         self.stats.count(status)
-        self._remember(key, frames)
+        self._remember(key, body)
 
     def _remember(self, key: tuple[bytes, str], frames: list[Any]) -> None:
         """Keep the reply for a retry of the same request id, within a count and a byte bound."""
@@ -156,13 +162,10 @@ class Server:
             _, old = self._replay.popitem(last=False)
             self._replay_bytes -= sum(len(f) for f in old)
 
-    @staticmethod
-    def _status_of(frames: list[Any]) -> str:
-        return P.unpack(_b(frames[1]))["status"]
-
     def _error_now(self, client: bytes, rid: str | None, action: str | None, violation: ProtocolViolation) -> None:
-        frames = P.encode(P.reply_header(action, rid, "error"), _error(violation))
-        self._send_reply([client, (rid or "").encode(), *frames])
+        body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, "error"),
+                P.pack(_error(violation))]
+        self._send_reply(client, rid or "", "error", body)
 
     # -- requests -----------------------------------------------------------------------------
     def _on_request(self, raw: list[zmq.Frame]) -> None:
@@ -170,16 +173,16 @@ class Server:
             self.stats.count("dropped")  # nothing after the routing frame: nowhere to reply
             return
         client = raw[0].bytes
-        fd = _source_fd(raw[-1])
         header: dict[str, Any] = {}
         try:
-            _, body = P.split_routing(raw[1:])
+            # a DEALER client sends no routing frames: the delimiter follows the client's id
+            body = raw[2:] if len(raw) > 2 and raw[1].bytes == P.DELIMITER else P.split_routing(raw[1:])[1]
             if client not in self._peers and len(self._peers) >= self.max_connections:
                 header = _peek_header(body)
                 raise ProtocolViolation(
                     "TooManyConnections", f"the daemon serves {len(self._peers)} clients (max_connections "
                     f"{self.max_connections}); close idle clients or raise daemon.max_connections")
-            self._peers[client] = fd
+            self._peers[client] = _source_fd(raw[-1])
             size = sum(len(f) for f in raw)
             if len(raw) > self.settings.max_frames or size > self.settings.max_message_bytes:
                 header = _peek_header(body)
@@ -188,20 +191,21 @@ class Server:
                                         f"{self.settings.max_message_bytes}",
                                         {"frames": len(raw), "bytes": size})
             header = _peek_header(body)
-            key = (client, header["id"]) if isinstance(header.get("id"), str) else None
-            if key is not None and (key in self._in_progress or key in self._replay):
+            rid = header.get("id")
+            if isinstance(rid, str) and ((client, rid) in self._in_progress or (client, rid) in self._replay):
                 self.stats.count("retries")
-                if key in self._replay:  # answered before: send the same reply again, run nothing
-                    self._router.send_multipart([client, *self._replay[key]], copy=False)
+                replay = self._replay.get((client, rid))
+                if replay is not None:  # answered before: send the same reply again, run nothing
+                    self._router.send_multipart([client, *replay], copy=False)
                 return
-            header, content, frames = P.decode_request(body)
+            header, content, frames = P.decode_request(body, header)
         except ProtocolViolation as exc:
             rid = header.get("id") if isinstance(header.get("id"), str) else None
             self.stats.count("accepted")
             self._error_now(client, rid, P.action_of(header), exc)
             return
         self.stats.count("accepted")
-        rid, action = header["id"], P.action_of(header)
+        action = P.action_of(header)
         self._in_progress.add((client, rid))
         try:
             if action == "shutdown":
@@ -209,17 +213,27 @@ class Server:
                                         {"draining": True, "in_flight": self.service.scheduler.in_flight()}, [])
                 self.request_stop()
             else:
-                self.service.handle(client, header, content, frames, {"connections": self._connections})
+                self.service.handle(client, header, content, frames, self._connections)
         except ProtocolViolation as exc:
             self._error_now(client, rid, action, exc)
         except Exception as exc:
             log.exception("%s request %s failed", action, rid)
             self._error_now(client, rid, action, ProtocolViolation("InternalError", f"{type(exc).__name__}: {exc}"))
 
+    def _nothing_waiting(self) -> bool:
+        """True when no further request is waiting on the socket (a short job may then run here)."""
+        return not self._router.get(zmq.EVENTS) & zmq.POLLIN
+
     def _watch(self, job: Job) -> None:
         if job.deadline is not None:
             with self._deadline_lock:
                 heapq.heappush(self._deadlines, (job.deadline, job.seq, job))
+                if len(self._deadlines) > self._compact_at:
+                    # finished jobs stay in the heap until their deadline: drop them so it does not
+                    # grow with the job rate times the timeout
+                    self._deadlines = [d for d in self._deadlines if d[2].state != "done"]
+                    heapq.heapify(self._deadlines)
+                    self._compact_at = max(_COMPACT_MIN, 2 * len(self._deadlines))
 
     # -- housekeeping -------------------------------------------------------------------------
     def _expire_jobs(self, now: float) -> None:
@@ -270,35 +284,38 @@ class Server:
             signal.signal(sig, lambda *_: self.request_stop())
 
     def serve_forever(self) -> int:
-        self._io_thread = threading.current_thread()
+        self._io_ident = threading.get_ident()
+        router, inbox, monitor = self._router, self._inbox, self._monitor
         poller = zmq.Poller()
-        for sock in (self._router, self._inbox, self._monitor):
+        for sock in (router, inbox, monitor):
             poller.register(sock, zmq.POLLIN)
         last_sweep = 0.0
         try:
             while True:
-                events = dict(poller.poll(_TICK_S * 1000))
-                if self._monitor in events:
-                    while self._monitor.poll(0):
+                ready = [sock for sock, _ in poller.poll(_TICK_S * 1000)]
+                if monitor in ready:
+                    while monitor.poll(0):
                         self._on_monitor()
-                for _ in range(256):  # worker replies first: they free queue slots
-                    try:
-                        self._send_reply(self._inbox.recv_multipart(zmq.NOBLOCK, copy=False))
-                    except zmq.Again:
-                        break
-                for _ in range(256):
-                    try:
-                        raw = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._on_request(raw)
-                    except Exception:  # never let one message take the daemon down
-                        log.exception("unexpected failure handling a message; dropped")
-                        self.stats.count("dropped")
+                if inbox in ready:  # worker replies first: they free queue slots
+                    for _ in range(256):
+                        if not inbox.get(zmq.EVENTS) & zmq.POLLIN:
+                            break
+                        self._send_handed_over(inbox.recv_multipart(copy=False))
+                if router in ready:
+                    for _ in range(256):
+                        if not router.get(zmq.EVENTS) & zmq.POLLIN:
+                            break
+                        raw = router.recv_multipart(copy=False)
+                        try:
+                            self._on_request(raw)
+                        except Exception:  # never let one message take the daemon down
+                            log.exception("unexpected failure handling a message; dropped")
+                            self.stats.count("dropped")
                 now = time.monotonic()
-                self._expire_jobs(now)
-                self._run_probes(now)
+                if self._deadlines:
+                    self._expire_jobs(now)
+                if self._probes:
+                    self._run_probes(now)
                 if now - last_sweep > 0.5:
                     last_sweep = now
                     self.service.expire_idle()
@@ -325,11 +342,8 @@ class Server:
         return False
 
     def _shutdown(self) -> None:
-        while True:  # flush replies handed over by workers
-            try:
-                self._send_reply(self._inbox.recv_multipart(zmq.NOBLOCK, copy=False))
-            except zmq.Again:
-                break
+        while self._inbox.get(zmq.EVENTS) & zmq.POLLIN:  # flush replies handed over by workers
+            self._send_handed_over(self._inbox.recv_multipart(copy=False))
         self.service.close()
         self.close_sockets(self._router)
         if self._lock is not None:

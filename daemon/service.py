@@ -43,23 +43,25 @@ class Service:
 
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, client: bytes, header: dict[str, Any], content: dict[str, Any], frames: list[Any],
-               extra: dict[str, Any]) -> None:
+               connections: int = 0) -> None:
         """Answer (now or later) one decoded request; raises ProtocolViolation for a bad one."""
         action = P.action_of(header)
         assert action is not None
         rid = header["id"]
-        if self.draining and not P.MESSAGES[action].control:
-            raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
-        if action in ("hello", "devices", "list_models", "status", "cancel"):
+        if action == "infer":
+            if self.draining:
+                raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
+            self._infer(client, rid, content, frames)
+        elif action in ("hello", "devices", "list_models", "status", "cancel"):
             if frames:
                 raise ProtocolViolation("InvalidRequest", f"{action}_request takes no raw frames, got {len(frames)}")
-            result = getattr(self, f"_{action}")(client, content, extra)
+            result = getattr(self, f"_{action}")(client, content, connections)
             self.reply(client, rid, action, "ok", result, [])
-        elif action == "infer":
-            self._infer(client, rid, content, frames)
         elif action == "shutdown":
             raise AssertionError("shutdown is handled by the server")
         else:
+            if self.draining:
+                raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
             if action != "load_model" and frames:
                 raise ProtocolViolation("InvalidRequest", f"{action}_request takes no raw frames, got {len(frames)}")
             prepared = getattr(self, f"_prepare_{action}")(client, content, frames)
@@ -90,7 +92,7 @@ class Service:
         return self._admin.empty() and self._admin_busy == 0
 
     # -- control ------------------------------------------------------------------------------
-    def _hello(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    def _hello(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         import os
 
         from vkpool import __version__
@@ -99,21 +101,21 @@ class Service:
                 "limits": {"max_message_bytes": self.settings.max_message_bytes,
                            "max_frames": self.settings.max_frames, "queue_limit": self.settings.queue_limit}}
 
-    def _devices(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    def _devices(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         return {"members": self.engine.members()}
 
     def model_infos(self) -> list[dict[str, Any]]:
         return [e.info(*self.scheduler.counts(e.id)) for e in self.registry.all()]
 
-    def _list_models(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    def _list_models(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         return {"models": self.model_infos()}
 
-    def _status(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-        snap = self.stats.snapshot(extra.get("connections", 0))
+    def _status(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
+        snap = self.stats.snapshot(connections)
         return {**snap, "members": self.engine.members(), "models": self.model_infos(),
                 "queues": self.scheduler.depths(), "draining": self.draining}
 
-    def _cancel(self, client: bytes, content: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    def _cancel(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         job = self.scheduler.find(client, content["request_id"])
         if job is None:
             return {"cancelled": False, "state": "unknown"}
@@ -134,6 +136,7 @@ class Service:
         return entry
 
     def _infer(self, client: bytes, rid: str, content: dict[str, Any], frames: list[Any]) -> None:
+        accepted = time.monotonic()
         entry = self._model_for(client, content["model"])
         feeds = P.decode_tensors(content["inputs"], frames, "inputs")
         _check_feeds(entry, feeds)
@@ -148,9 +151,13 @@ class Service:
             timeout = self.settings.job_timeout
         elif timeout <= 0:
             raise ProtocolViolation("InvalidRequest", f"timeout must be positive, got {timeout}")
+        deadline = None if timeout is None else accepted + timeout
+        if (entry.run_s is not None and entry.run_s <= self.settings.inline_run_max
+                and self.inline_allowed() and self._run_inline(client, rid, entry, outputs, feeds, accepted, deadline)):
+            return
         job = Job(client=client, request_id=rid, model_id=entry.id, feeds=feeds, outputs=outputs,
                   priority=int(content.get("priority") or 0), finish_cb=self._job_finished,
-                  deadline=None if timeout is None else time.monotonic() + timeout)
+                  deadline=deadline, accepted_at=accepted)
         try:
             self.scheduler.submit(job)
         except Busy as exc:
@@ -161,6 +168,54 @@ class Service:
     def watch(self, job: Job) -> None:
         """Overridden by the server to track deadlines."""
 
+    def inline_allowed(self) -> bool:
+        """Overridden by the server: True when nothing else waits for the I/O thread."""
+        return False
+
+    def _run_inline(self, client: bytes, rid: str, entry: ModelEntry, outputs: list[str] | None,
+                    feeds: dict[str, np.ndarray], accepted: float, deadline: float | None) -> bool:
+        """Run a short job on the calling (I/O) thread when its model is idle: no queue, no thread
+        hop. False when it must be queued instead (the model is busy or being re-planned)."""
+        queue = self.scheduler.claim_idle(entry.id)
+        if queue is None:
+            return False
+        if not entry.gate.try_acquire_shared():
+            self.scheduler.release_claim(queue, ran=False)
+            return False
+        try:
+            status, content, frames = self._execute(entry, outputs, feeds, 0.0)
+        finally:
+            entry.gate.release_shared()
+            self.scheduler.release_claim(queue, ran=True)
+        finished = time.monotonic()
+        if deadline is not None and finished > deadline:
+            status, content, frames = "error", {"type": "Timeout", "message": "job did not finish within its "
+                                                f"timeout ({deadline - accepted:.3g} s)",
+                                                "details": {"state": "running"}}, []
+        if status == "ok":
+            self.stats.infer_done(finished - accepted)
+        self.reply(client, rid, "infer", status, content, frames)
+        return True
+
+    def _execute(self, entry: ModelEntry, outputs: list[str] | None, feeds: dict[str, np.ndarray],
+                 queued_s: float) -> tuple[str, dict[str, Any], list[Any]]:
+        """Run a job on its model (the caller holds the model's gate): status, content, frames."""
+        names = outputs if outputs is not None else entry.output_names
+        started = time.monotonic()
+        try:
+            results = entry.session.run(names, feeds)
+            finished = time.monotonic()
+            metas, frames = P.tensor_frames(list(zip(names, (np.asarray(r) for r in results))))
+        except Exception as exc:
+            entry.last_used = time.monotonic()
+            violation = classify(exc)
+            log.warning("job on %s failed: %s", entry.id[:12], violation.message)
+            return "error", _error(violation), []
+        entry.last_used = finished
+        run_s = finished - started
+        entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
+        return "ok", {"outputs": metas, "queue_s": round(queued_s, 6), "run_s": round(run_s, 6)}, frames
+
     def _run_job(self, job: Job) -> None:
         entry = self.registry.get(job.model_id)
         if entry is None:
@@ -170,27 +225,12 @@ class Service:
         try:
             if job.state == "done":  # timed out or cancelled while waiting for a re-plan
                 return
-            started = time.monotonic()
-            names = job.outputs if job.outputs is not None else entry.output_names
-            results = entry.session.run(names, job.feeds)
-        except Exception as exc:
-            violation = classify(exc)
-            log.warning("job %s on %s failed: %s", job.request_id, job.model_id[:12], violation.message)
-            job.fail(violation.type, violation.message, violation.details)
-            return
+            queued = (job.started_at or time.monotonic()) - job.accepted_at
+            status, content, frames = self._execute(entry, job.outputs, job.feeds, queued)
         finally:
             entry.gate.release_shared()
-            entry.last_used = time.monotonic()
-        finished = time.monotonic()
-        try:
-            metas, frames = P.tensor_frames(list(zip(names, (np.asarray(r) for r in results))))
-        except ProtocolViolation as exc:
-            job.fail(exc.type, exc.message, exc.details)
-            return
-        queued = (job.started_at or started) - job.accepted_at
-        if job.finish("ok", {"outputs": metas, "queue_s": round(queued, 6),
-                             "run_s": round(finished - started, 6)}, frames):
-            self.stats.infer_done(finished - job.accepted_at)
+        if job.finish(status, content, frames) and status == "ok":
+            self.stats.infer_done(time.monotonic() - job.accepted_at)
 
     def _job_finished(self, job: Job, status: str, content: dict[str, Any], frames: list[Any]) -> None:
         self.scheduler.forget(job)
@@ -320,15 +360,15 @@ def _error(v: ProtocolViolation) -> dict[str, Any]:
 
 def _check_feeds(entry: ModelEntry, feeds: dict[str, np.ndarray]) -> None:
     expected = entry.input_specs
-    missing = sorted(set(expected) - set(feeds))
-    unknown = sorted(set(feeds) - set(expected))
-    if missing or unknown:
+    if feeds.keys() != expected.keys():
+        missing = sorted(set(expected) - set(feeds))
+        unknown = sorted(set(feeds) - set(expected))
         raise ProtocolViolation("InvalidTensor", f"inputs do not match the model: missing {missing}, "
                                 f"unknown {unknown}", {"missing": missing, "unknown": unknown,
                                                        "expected": sorted(expected)})
     for name, array in feeds.items():
         spec = expected[name]
-        if array.dtype.name != spec["dtype"]:
+        if array.dtype != entry.input_dtypes[name]:
             raise ProtocolViolation("InvalidTensor", f"input {name!r} must be {spec['dtype']}, got "
                                     f"{array.dtype.name}", {"tensor": name, "expected": spec["dtype"],
                                                             "got": array.dtype.name})
