@@ -1,4 +1,4 @@
-"""The plan of a model placed whole on one member (the partitioner's Plan covers splits)."""
+"""Where a session runs a model: whole on one member, or a partition plan over several."""
 from __future__ import annotations
 
 import json
@@ -45,6 +45,61 @@ class SingleMemberPlan:
             f"inputs/outputs {format_size(s.io_bytes)}\n"
             "  transfers: none"
         )
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+class MultiMemberPlan:
+    """A partition :class:`~vkpool.partition.plan.Plan` as a session runs it.
+
+    Reads like the Plan (``member_of``, ``chunks``, ``transfers``, ``replicas``, … are the
+    Plan's) and renders with :mod:`vkpool.partition.render`, followed by what each chunk
+    holds once compiled.
+    """
+
+    def __init__(self, plan: Any, graph: Any, executor: Any) -> None:
+        self.partition_plan = plan
+        self.graph = graph
+        self._executor = executor
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "partition_plan":  # not set yet (during unpickling or a failed __init__)
+            raise AttributeError(name)
+        return getattr(self.partition_plan, name)
+
+    @property
+    def assignment(self) -> dict[str, str]:
+        """Node name (or op type and index) → member id."""
+        return dict(self.partition_plan.member_of)
+
+    def to_dict(self) -> dict[str, Any]:
+        from vkpool.partition.render import to_json_dict
+
+        out = to_json_dict(self.partition_plan)
+        out["compiled"] = [
+            {"lane": lane.index, "chunk": stage.index, "member": stage.member.id, "ops": len(stage.nodes),
+             "weights": stage.chunk.stats.weight_bytes, "activations": stage.chunk.stats.arena_bytes,
+             "io": stage.chunk.stats.io_bytes, "dispatches": stage.chunk.stats.dispatches}
+            for lane in self._executor.lanes for stage in lane.stages
+        ]
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_text(self) -> str:
+        from vkpool.partition.render import to_text
+
+        lines = [to_text(self.partition_plan).rstrip("\n"), "", "Compiled:"]
+        for lane in self._executor.lanes:
+            for stage in lane.stages:
+                s = stage.chunk.stats
+                where = "chunk" if lane.index == 0 else f"replica {lane.index}"
+                lines.append(f"  {where} {stage.index} on {stage.member.id}: {len(stage.nodes)} ops, "
+                             f"{s.dispatches} dispatches; weights {format_size(s.weight_bytes)}, "
+                             f"activations {format_size(s.arena_bytes)}, inputs/outputs {format_size(s.io_bytes)}")
+        return "\n".join(lines) + "\n"
 
     def __str__(self) -> str:
         return self.to_text()

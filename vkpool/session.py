@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -44,10 +45,16 @@ class Session:
     """Loads an ONNX model onto the pool and runs it.
 
     ``model``: a path or the model's bytes. ``device``: a member id (``"vk0"``, ``"vk0.1"``,
-    ``"cpu"``); by default the first Vulkan member whose budget holds the model. ``budgets``:
-    member id → size (``"512MiB"`` or bytes) applied to the pool before placing. ``config``: a
-    config path for the pool this session creates; ``pool``: an existing pool to share.
-    ``batch``/``dims`` bind symbolic dimensions (the batch dimension defaults to 1).
+    ``"cpu"``); by default the first Vulkan member whose budget holds the model, and when none
+    does, a plan from :func:`vkpool.partition.plan_model` over the Vulkan members (the ``cpu``
+    member joins only when they cannot hold it together) run by :class:`vkpool.executor.PlanExecutor`.
+    ``devices``: plan over exactly these members (in priority order) even when one would do;
+    ``plan``: run this plan, a :class:`~vkpool.partition.plan.Plan` made for this model or a
+    mapping op name → member id. ``objective``: the planner's objective (``"latency"`` or
+    ``"throughput"``, which may replicate the whole model on several members).
+    ``budgets``: member id → size (``"512MiB"`` or bytes) applied to the pool before placing.
+    ``config``: a config path for the pool this session creates; ``pool``: an existing pool to
+    share. ``batch``/``dims`` bind symbolic dimensions (the batch dimension defaults to 1).
     """
 
     def __init__(
@@ -60,10 +67,14 @@ class Session:
         pool: DevicePool | None = None,
         batch: int = 1,
         dims: Mapping[str, int] | None = None,
+        devices: Sequence[str] | None = None,
+        plan: Any = None,
+        objective: str = "latency",
     ) -> None:
         self._own_pool = pool is None
         self.pool = pool if pool is not None else DevicePool.from_config(None if config is None else str(config))
         self._chunk: Any = None
+        self._executor: Any = None
         self._closed = False
         self._lock = threading.Lock()
         try:
@@ -76,7 +87,12 @@ class Session:
                     f"the model uses ops vkpool does not support: {', '.join(missing)}. "
                     "`vkpool ops` lists the supported ops."
                 )
-            self._compile(device)
+            if device is not None and (devices is not None or plan is not None):
+                raise ValueError("give one of device (one member), devices (a plan over them) or plan")
+            if devices is not None or plan is not None:
+                self._compile_plan(devices, plan, objective)
+            else:
+                self._compile(device)
         except BaseException:
             self.close()
             raise
@@ -99,7 +115,10 @@ class Session:
         self._chunk_outputs = [name for name, _ in m.outputs if name not in m.constants]
         self._chunk_inputs = [name for name, _ in m.inputs if name in used or name in self._chunk_outputs]
         errors: list[str] = []
-        for member in self._candidates(device):
+        candidates = self._candidates(device)
+        for member in candidates:
+            if device is None and not isinstance(member, VulkanMember) and self.pool.vulkan_members:
+                break  # no Vulkan member holds it whole: split it before falling back to the host
             cls = VulkanChunk if isinstance(member, VulkanMember) else HostChunk
             tensors = dict(m.tensors)
             try:
@@ -111,9 +130,87 @@ class Session:
                 errors.append(str(exc))
                 if device is not None:
                     raise
+        if device is None and self.pool.vulkan_members and m.nodes:
+            from vkpool.partition.plan import PartitionUnfeasible
+
+            vulkan = [mm.id for mm in self.pool.vulkan_members]
+            hosts = [mm.id for mm in candidates if not isinstance(mm, VulkanMember)]
+            for ids in ([vulkan, vulkan + hosts] if hosts else [vulkan]):
+                try:
+                    self._compile_plan(ids, None, "latency")
+                    return
+                except (PartitionUnfeasible, DeviceOutOfMemory) as exc:
+                    errors.append(f"plan over {', '.join(ids)}: {exc}")
         raise DeviceOutOfMemory(
-            "pool", 0, 0, 0, "no member's budget holds the whole model: " + " | ".join(errors)
+            "pool", 0, 0, 0, "no member's budget holds the whole model, nor do the members together: "
+            + " | ".join(errors)
         )
+
+    def _planner_members(self, ids: Sequence[str]) -> list[Any]:
+        """The partitioner's view of pool members: free budget and calibrated (else default) speeds."""
+        from vkpool.partition.cost import DEFAULT_COSTS, Member as PlanMember, load_calibration
+
+        out = []
+        for member_id in ids:
+            member = self.pool.member(member_id)
+            info = getattr(member, "info", None)
+            cost = (load_calibration(info.uuid) if info is not None else None) or DEFAULT_COSTS[member.kind]
+            out.append(PlanMember(member.id, member.budget.free_bytes, cost, member.kind,
+                                  getattr(info, "name", "")))
+        return out
+
+    def _compile_plan(self, devices: Sequence[str] | None, plan: Any, objective: str) -> None:
+        """Plans over ``devices`` (or takes ``plan``) and builds the executor.
+
+        The planner prices memory with its own model of a chunk; the compiled chunk may need a
+        little more (inputs and outputs held in their own buffers, arena alignment). When a
+        member refuses a chunk, its budget as the planner sees it is cut to 90% of what the
+        refused plan gave it, and the model is planned again.
+        """
+        from vkpool.executor import MemberGroup, PlanExecutor
+        from vkpool.partition import plan_model
+        from vkpool.partition.graph import build_graph
+        from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan, plan_problems
+        from vkpool.placement import MultiMemberPlan
+
+        graph = build_graph(self.model)
+        if plan is not None:
+            if isinstance(plan, Plan):
+                given = plan
+            else:
+                assignment = dict(plan)
+                ids = list(dict.fromkeys(assignment.values()))
+                missing = sorted(set(graph.nodes) - set(assignment))
+                if missing:
+                    raise ValueError(f"the plan places no member for op(s) {missing[:5]}")
+                given = build_plan(graph, assignment, self._planner_members(ids), algorithm="given")
+            unknown = set(given.member_of) ^ set(graph.nodes)
+            if unknown:
+                raise ValueError(f"the plan was made for another model: ops {sorted(unknown)[:5]} differ")
+            self._executor = PlanExecutor(self.pool, self.model, given, graph)
+        else:
+            if not devices:
+                raise ValueError("devices must name at least one pool member")
+            members = self._planner_members(devices)
+            for _attempt in range(2 * len(members) + 2):
+                chosen = plan_model(graph, members, objective=objective)
+                problems = plan_problems(graph, chosen)
+                if problems:
+                    raise PartitionUnfeasible("; ".join(problems), shortfall_bytes={})
+                try:
+                    self._executor = PlanExecutor(self.pool, self.model, chosen, graph)
+                    break
+                except DeviceOutOfMemory as exc:
+                    refused = next((k for k, mm in enumerate(members) if mm.id == exc.member), None)
+                    if refused is None:
+                        raise
+                    planned = chosen.memory_bytes.get(exc.member, members[refused].budget_bytes)
+                    members[refused] = members[refused].with_budget(int(planned * 0.9))
+            else:
+                raise DeviceOutOfMemory("pool", 0, 0, 0, "the compiled chunks exceed the budgets the plans "
+                                        "were made for, however the plans were cut")
+        self._chunk_plan = MultiMemberPlan(self._executor.plan, graph, self._executor)
+        self.member = MemberGroup([self.pool.member(i) for i in self._executor.members])
 
     # -- ONNX Runtime-shaped API ----------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -133,7 +230,51 @@ class Session:
         unknown = [n for n in names if n not in known]
         if unknown:
             raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are {sorted(known)}")
-        produced = self._chunk.run({n: feeds[n] for n in self._chunk_inputs})
+        if self._executor is not None:
+            produced = self._executor.run(feeds)
+        else:
+            produced = self._chunk.run({n: feeds[n] for n in self._chunk_inputs})
+        return self._select(names, produced)
+
+    def submit(self, input_feed: Mapping[str, Any], output_names: Sequence[str] | None = None) -> Future:
+        """Starts a run and returns a future of its outputs (as :meth:`run` returns them).
+
+        On a plan over several members, requests submitted back to back are pipelined: one
+        member runs a later request's chunk while another runs an earlier one's. On one
+        member the run happens before this returns.
+        """
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        if self._executor is None:
+            done: Future = Future()
+            try:
+                done.set_result(self.run(output_names, input_feed))
+            except Exception as exc:
+                done.set_exception(exc)
+            return done
+        feeds = self._check_feeds(input_feed)
+        names = self._output_list(output_names)
+        result: Future = Future()
+        inner = self._executor.submit(feeds)
+
+        def finish(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(self._select(names, f.result()))
+        inner.add_done_callback(finish)
+        return result
+
+    def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
+        names = [n for n, _ in self.model.outputs] if output_names is None else list(output_names)
+        known = {n for n, _ in self.model.outputs}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are {sorted(known)}")
+        return names
+
+    def _select(self, names: list[str], produced: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         out = []
         for name in names:
             if name in produced:
@@ -163,17 +304,32 @@ class Session:
     # -- what it holds ----------------------------------------------------------------------------
     @property
     def plan(self) -> Any:
+        """Where the model runs: a SingleMemberPlan, or the partition Plan as a MultiMemberPlan."""
+        if self._executor is not None:
+            return self._chunk_plan
         from vkpool.placement import SingleMemberPlan
 
         return SingleMemberPlan(self.model, self.member.id, self._chunk.stats)
 
     def memory_by_member(self) -> dict[str, int]:
+        if self._executor is not None:
+            return self._executor.memory_by_member()
         stats = self._chunk.stats
         return {self.member.id: stats.weight_bytes + stats.arena_bytes + stats.io_bytes}
 
     @property
     def stats(self) -> Any:
-        return self._chunk.stats
+        return self._executor.stats() if self._executor is not None else self._chunk.stats
+
+    @property
+    def executor(self) -> Any:
+        """The :class:`~vkpool.executor.PlanExecutor` of a plan over several members, else None."""
+        return self._executor
+
+    def trace(self) -> list[Any]:
+        """Per chunk run of the last requests: request, member, host start/end ``perf_counter_ns``
+        (:class:`~vkpool.executor.ChunkEvent`); empty for a session on one member."""
+        return self._executor.trace() if self._executor is not None else []
 
     def close(self) -> None:
         with self._lock:
@@ -183,6 +339,9 @@ class Session:
             if self._chunk is not None:
                 self._chunk.close()
                 self._chunk = None
+            if self._executor is not None:
+                self._executor.close()
+                self._executor = None
             if self._own_pool and getattr(self, "pool", None) is not None:
                 self.pool.close()
 

@@ -1,0 +1,332 @@
+"""Running a partition Plan: one recorded chunk per plan chunk, requests pipelined across members.
+
+A :class:`PlanExecutor` builds, for every chunk of a :class:`~vkpool.partition.plan.Plan`, a
+:class:`~vkpool.engine.VulkanChunk` (recorded once) or a :class:`~vkpool.engine.HostChunk` on
+its member, and for every replica member one whole-model chunk. Requests then flow like this:
+
+- each member has one worker thread and a FIFO of chunk runs; a request's chunk is queued on
+  its member as soon as every chunk it reads from has finished, so independent chunks on
+  different members run at once, and member A runs request k+1 while member B runs request k;
+- a tensor crossing chunks is staged through host memory: the producer's chunk output lives in
+  host-visible mapped memory, is copied into the request's own host array when the chunk
+  finishes, and written into the consumer chunk's mapped input when that chunk starts. Each
+  request owns its boundary tensors, so a chunk instance is free for the next request the
+  moment its outputs are copied out; nothing in flight is ever overwritten;
+- with replicas, a request goes to the lane (the plan's chunks, or one replica) with the
+  fewest requests in flight.
+
+Every cross-member staging is counted as ``(tensor, src, dst)`` and every chunk run is traced
+with host ``perf_counter_ns`` start and end, per request.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from vkpool.engine import ChunkStats, HostChunk, VulkanChunk
+from vkpool.model import LoadedModel, Node
+
+#: requests whose chunk timings :meth:`PlanExecutor.trace` keeps (oldest dropped first)
+TRACE_REQUESTS = 4096
+
+
+@dataclass(frozen=True)
+class ExecutedTransfer:
+    """A tensor one chunk wrote and a chunk on another member read, staged through the host."""
+
+    tensor: str
+    nbytes: int
+    src: str
+    dst: str
+    src_chunk: int
+    dst_chunk: int
+
+
+@dataclass(frozen=True)
+class ChunkEvent:
+    """One chunk run of one request: host timestamps around input staging, run and read-back."""
+
+    request: int
+    lane: int
+    chunk: int
+    member: str
+    ops: int
+    start_ns: int
+    end_ns: int
+
+    @property
+    def ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+
+class MemberGroup:
+    """The members a session's plan runs on; ``id`` joins theirs with ``+`` (``vk0.0+vk0.1``)."""
+
+    def __init__(self, members: Sequence[Any]) -> None:
+        self.members = list(members)
+        self.id = "+".join(m.id for m in self.members)
+
+    def __repr__(self) -> str:
+        return f"MemberGroup({self.id})"
+
+
+@dataclass(eq=False)
+class _Stage:
+    index: int
+    member: Any
+    nodes: list[Node]
+    inputs: list[str]
+    outputs: list[str]
+    preds: list[int] = field(default_factory=list)
+    succs: list[int] = field(default_factory=list)
+    transfers: list[ExecutedTransfer] = field(default_factory=list)  # what it receives from other members
+    chunk: Any = None
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One complete copy of the model: the plan's chunks, or a replica's single chunk."""
+
+    index: int
+    stages: list[_Stage]
+    in_flight: int = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    lane: _Lane
+    values: dict[str, np.ndarray]
+    waiting: list[int]  # per stage, how many of its preds have not finished
+    future: Future
+    left: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    events: list[ChunkEvent] = field(default_factory=list)
+    failed: bool = False
+
+
+def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
+                members: Sequence[Any]) -> list[_Stage]:
+    """Stages (chunk inputs, outputs, preds) for node index groups given in execution order."""
+    produced_by: dict[str, int] = {}
+    for s, indices in enumerate(node_indices):
+        for i in indices:
+            for name in model.nodes[i].outputs:
+                if name:
+                    produced_by[name] = s
+    model_outputs = {name for name, _ in model.outputs}
+    read_by: dict[str, set[int]] = {}
+    stages: list[_Stage] = []
+    for s, indices in enumerate(node_indices):
+        nodes = [model.nodes[i] for i in sorted(indices)]
+        inside = {name for node in nodes for name in node.outputs if name}
+        inputs: list[str] = []
+        for node in nodes:
+            for name in node.inputs:
+                if name and name not in inside and name not in model.constants and name not in inputs:
+                    inputs.append(name)
+                    read_by.setdefault(name, set()).add(s)
+        stages.append(_Stage(s, members[s], nodes, inputs, []))
+    for stage in stages:
+        stage.outputs = [name for node in stage.nodes for name in node.outputs
+                         if name and (name in model_outputs or read_by.get(name, set()) - {stage.index})]
+        preds = sorted({produced_by[n] for n in stage.inputs if n in produced_by})
+        stage.preds = preds
+        for p in preds:
+            stages[p].succs.append(stage.index)
+    for stage in stages:
+        for name in stage.inputs:
+            src = produced_by.get(name)
+            if src is not None and stages[src].member.id != stage.member.id:
+                stage.transfers.append(ExecutedTransfer(name, model.tensors[name].nbytes,
+                                                        stages[src].member.id, stage.member.id, src, stage.index))
+    return stages
+
+
+class PlanExecutor:
+    """Builds a plan's chunks on pool members and runs requests through them (see module doc)."""
+
+    def __init__(self, pool: Any, model: LoadedModel, plan: Any, graph: Any) -> None:
+        self.model = model
+        self.plan = plan
+        self._closed = False
+        self._ids = itertools.count()
+        self._lane_lock = threading.Lock()
+        self._trace: deque[list[ChunkEvent]] = deque(maxlen=TRACE_REQUESTS)
+        self._trace_lock = threading.Lock()
+        self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
+        self._count_lock = threading.Lock()
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+        index_of = {op: int(graph.nodes[op]["index"]) for op in graph.nodes}
+        self._input_names = [name for name, _ in model.inputs]
+        self._output_names = [name for name, _ in model.outputs if name not in model.constants]
+        self.lanes: list[_Lane] = []
+        try:
+            groups = [[index_of[op] for op in chunk.ops] for chunk in plan.chunks]
+            members = [pool.member(chunk.member) for chunk in plan.chunks]
+            self.lanes.append(_Lane(0, stage_nodes(model, groups, members)))
+            everything = list(range(len(model.nodes)))
+            for k, replica in enumerate(plan.replicas, start=1):
+                self.lanes.append(_Lane(k, stage_nodes(model, [everything], [pool.member(replica)])))
+            for lane in self.lanes:
+                for stage in lane.stages:
+                    stage.chunk = self._build(stage)
+            for member_id in dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages):
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                t = threading.Thread(target=self._worker, args=(q,), name=f"vkpool-{member_id}", daemon=True)
+                self._queues[member_id] = q
+                self._threads.append(t)
+                t.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, stage: _Stage) -> Any:
+        from vkpool.pool import VulkanMember
+
+        m = self.model
+        cls = VulkanChunk if isinstance(stage.member, VulkanMember) else HostChunk
+        return cls(stage.member, stage.nodes, dict(m.tensors), m.constants, stage.inputs, stage.outputs, m.opset)
+
+    # -- what it holds -------------------------------------------------------------------------
+    @property
+    def members(self) -> list[str]:
+        return list(dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages))
+
+    @property
+    def planned_transfers(self) -> list[ExecutedTransfer]:
+        """The cross-member stagings one request on the plan's own lane performs."""
+        return [t for stage in self.lanes[0].stages for t in stage.transfers]
+
+    def memory_by_member(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for lane in self.lanes:
+            for stage in lane.stages:
+                s = stage.chunk.stats
+                out[stage.member.id] = out.get(stage.member.id, 0) + s.weight_bytes + s.arena_bytes + s.io_bytes
+        return out
+
+    def stats(self) -> ChunkStats:
+        """The chunks' statistics summed (largest live set: the largest of any chunk)."""
+        total = ChunkStats()
+        for lane in self.lanes:
+            for stage in lane.stages:
+                s = stage.chunk.stats
+                total.weight_bytes += s.weight_bytes
+                total.arena_bytes += s.arena_bytes
+                total.io_bytes += s.io_bytes
+                total.peak_live_bytes = max(total.peak_live_bytes, s.peak_live_bytes)
+                total.dispatches += s.dispatches
+                total.barriers += s.barriers
+                total.levels += s.levels
+        return total
+
+    def trace(self) -> list[ChunkEvent]:
+        """Chunk runs of the last requests, in the order they ended."""
+        with self._trace_lock:
+            return [e for events in self._trace for e in events]
+
+    # -- running -------------------------------------------------------------------------------
+    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:
+        """Starts one request; the future's result is ``{output name: array}``."""
+        if self._closed:
+            raise RuntimeError("the executor is closed")
+        with self._lane_lock:
+            lane = min(self.lanes, key=lambda ln: (ln.in_flight, ln.index))
+            lane.in_flight += 1
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        request = _Request(next(self._ids), lane, dict(feeds), [len(s.preds) for s in lane.stages], future,
+                           len(lane.stages))
+        for stage in lane.stages:
+            if not stage.preds:
+                self._queues[stage.member.id].put((request, stage))
+        return future
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.submit(feeds).result()
+
+    def _worker(self, q: queue.SimpleQueue) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            request, stage = item
+            if request.failed:
+                continue
+            try:
+                self._run_stage(request, stage)
+            except BaseException as exc:  # the request fails; the worker serves the next one
+                self._fail(request, exc)
+
+    def _run_stage(self, request: _Request, stage: _Stage) -> None:
+        start = time.perf_counter_ns()
+        feeds = {name: request.values[name] for name in stage.inputs}
+        produced = stage.chunk.run(feeds)
+        end = time.perf_counter_ns()
+        event = ChunkEvent(request.id, request.lane.index, stage.index, stage.member.id, len(stage.nodes),
+                           start, end)
+        if stage.transfers:
+            with self._count_lock:
+                for t in stage.transfers:
+                    self.transfers_executed[(t.tensor, t.src, t.dst)] += 1
+        ready: list[_Stage] = []
+        with request.lock:
+            request.values.update(produced)
+            request.events.append(event)
+            for succ in stage.succs:
+                request.waiting[succ] -= 1
+                if request.waiting[succ] == 0:
+                    ready.append(request.lane.stages[succ])
+            request.left -= 1
+            finished = request.left == 0
+        for nxt in ready:
+            self._queues[nxt.member.id].put((request, nxt))
+        if finished:
+            self._finish(request)
+
+    def _finish(self, request: _Request) -> None:
+        with self._lane_lock:
+            request.lane.in_flight -= 1
+        with self._trace_lock:
+            self._trace.append(request.events)
+        out = {}
+        for name in self._output_names:
+            value = request.values[name]
+            out[name] = value.copy() if name in self._input_names else value
+        request.future.set_result(out)
+
+    def _fail(self, request: _Request, exc: BaseException) -> None:
+        with request.lock:
+            if request.failed:
+                return
+            request.failed = True
+        with self._lane_lock:
+            request.lane.in_flight -= 1
+        request.future.set_exception(exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join()
+        for lane in self.lanes:
+            for stage in lane.stages:
+                if stage.chunk is not None:
+                    stage.chunk.close()
+                    stage.chunk = None
+
+
+__all__ = ["PlanExecutor", "MemberGroup", "ChunkEvent", "ExecutedTransfer", "stage_nodes", "TRACE_REQUESTS"]
