@@ -4,6 +4,8 @@ The ONNX project's backend node tests (``onnx.backend.test``) run against vkpool
 ONNX's device names map to pool members: ``"CPU"`` (what the test suite asks for) is the
 default Vulkan member, so the Vulkan kernels are what the tests exercise; ``"VK"``/``"GPU"``
 are accepted too. A model with an op vkpool lacks is "not compatible" (the suite skips it).
+Inputs that fix output shapes are bound from the fed values before the model loads
+(``shape_inputs``), since vkpool compiles static shapes.
 """
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ from typing import Any, Sequence
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep
 from onnx.backend.test.runner import BackendIsNotSupposedToImplementIt
 
 from vkpool.kernels.base import UnsupportedOp
-from vkpool.kernels.registry import unsupported_in
+from vkpool.kernels.registry import op_class, unsupported_in
 from vkpool.pool import DevicePool
 from vkpool.session import Session
 
@@ -34,33 +37,125 @@ def shared_pool() -> DevicePool:
         return _pool
 
 
+def shape_inputs(model: onnx.ModelProto) -> list[str]:
+    """Graph inputs whose values reach a node input its kernel needs known at load time.
+
+    Reshape's shape, Slice's starts, TopK's k, Resize's sizes, ... fix output shapes, and vkpool
+    compiles static shapes; the backend binds these inputs from the fed values. An input counts
+    when such a value is computed from it (a window size cast and fed to Range, say).
+    """
+    fed = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
+    producer = {out: node for node in model.graph.node for out in node.output if out}
+    found: list[str] = []
+    seen: set[str] = set()
+
+    def trace(name: str) -> None:
+        if not name or name in seen:
+            return
+        seen.add(name)
+        if name in fed:
+            found.append(name)
+        elif name in producer:
+            for src in producer[name].input:
+                trace(src)
+
+    for node in model.graph.node:
+        try:
+            positions = op_class(node.op_type, node.domain).constant_inputs
+        except UnsupportedOp:
+            continue
+        for pos in positions:
+            if pos < len(node.input):
+                trace(node.input[pos])
+    return found
+
+
+def bind_inputs(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of ``model`` whose inputs named in ``values`` are initializers holding them."""
+    bound = onnx.ModelProto()
+    bound.CopyFrom(model)
+    kept = [i for i in bound.graph.input if i.name not in values]
+    del bound.graph.input[:]
+    bound.graph.input.extend(kept)
+    bound.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), name) for name, v in values.items())
+    return bound
+
+
+def _open(model: onnx.ModelProto, member: str | None) -> Session:
+    try:
+        return Session(model.SerializeToString(), pool=shared_pool(), device=member)
+    except UnsupportedOp as exc:
+        # the suite counts this as "not supported" (a skip), not as a failure
+        raise BackendIsNotSupposedToImplementIt(str(exc)) from None
+
+
 class VkpoolRep(BackendRep):
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    """A prepared model. Where inputs fix shapes (``shape_inputs``), the session is built on the
+    first run from their values, and rebuilt when a later run feeds other values."""
+
+    def __init__(self, model: onnx.ModelProto, member: str | None = None) -> None:
+        self.model = model
+        self.member = member
+        init_names = {t.name for t in model.graph.initializer}
+        self.input_names = [i.name for i in model.graph.input if i.name not in init_names]
+        self.bound = shape_inputs(model)
+        self._bound_key: tuple[bytes, ...] | None = None
+        self._session: Session | None = None if self.bound else _open(model, member)
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise RuntimeError(f"the model is built on its first run, from the values of {self.bound}")
+        return self._session
+
+    def _session_for(self, feeds: dict[str, Any]) -> Session:
+        if not self.bound:
+            return self.session
+        missing = [n for n in self.bound if n not in feeds]
+        if missing:
+            raise ValueError(f"inputs {missing} fix output shapes and must be fed")
+        values = {n: np.asarray(feeds[n]) for n in self.bound}
+        key = tuple(f"{v.dtype}{v.shape}".encode() + v.tobytes() for v in values.values())
+        if self._session is None or key != self._bound_key:
+            self.close()
+            self._session = _open(bind_inputs(self.model, values), self.member)
+            self._bound_key = key
+        return self._session
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
-        names = [i.name for i in self.session.get_inputs()]
         if isinstance(inputs, dict):
             feeds = dict(inputs)
         else:
             if isinstance(inputs, np.ndarray):
                 inputs = [inputs]
-            feeds = dict(zip(names, inputs))
+            feeds = dict(zip(self.input_names, inputs))
+        session = self._session_for(feeds)
         try:
-            return tuple(self.session.run(None, feeds))
+            return tuple(session.run(None, {k: v for k, v in feeds.items() if k not in self.bound}))
         finally:
             if kwargs.get("close", False):
-                self.session.close()
+                self.close()
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
 
 
 class VkpoolBackend(Backend):
     @classmethod
     def is_compatible(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> bool:
-        """Whether vkpool has kernels for every node as this model uses it (op, types, attributes)."""
+        """Whether vkpool has kernels for every node as this model uses it (op, types, attributes).
+
+        A model with inputs that fix shapes is judged on its ops alone: its kernels are chosen once
+        those values are fed.
+        """
         if not cls.supports_device(device):
             return False
         if unsupported_in([(n.op_type, n.domain) for n in model.graph.node]):
             return False
+        if shape_inputs(model):
+            return True
         from vkpool.engine import build_ops
         from vkpool.model import ModelError, load_model
 
@@ -75,17 +170,19 @@ class VkpoolBackend(Backend):
     def prepare(cls, model: onnx.ModelProto | bytes | str, device: str = "CPU", **kwargs: Any) -> VkpoolRep:
         if not cls.supports_device(device):
             raise UnsupportedOp(f"device {device!r} is not one of {_DEVICES}")
-        if isinstance(model, onnx.ModelProto):
-            kinds = {v.type.WhichOneof("value") for v in [*model.graph.input, *model.graph.output]}
-            if kinds - {"tensor_type"}:
-                raise BackendIsNotSupposedToImplementIt(
-                    f"only tensor inputs and outputs are supported, not {sorted(kinds - {'tensor_type'})}")
-        src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
-        try:
-            return VkpoolRep(Session(src, pool=shared_pool(), device=kwargs.get("member")))
-        except UnsupportedOp as exc:
-            # the suite counts this as "not supported" (a skip), not as a failure
-            raise BackendIsNotSupposedToImplementIt(str(exc)) from None
+        if isinstance(model, str):
+            model = onnx.load(model)
+        elif isinstance(model, bytes):
+            model = onnx.load_from_string(model)
+        kinds = {v.type.WhichOneof("value") for v in [*model.graph.input, *model.graph.output]}
+        if kinds - {"tensor_type"}:
+            raise BackendIsNotSupposedToImplementIt(
+                f"only tensor inputs and outputs are supported, not {', '.join(sorted(kinds - {'tensor_type'}))}")
+        missing = unsupported_in([(n.op_type, n.domain) for n in model.graph.node])
+        if missing:
+            raise BackendIsNotSupposedToImplementIt(
+                f"the model uses ops vkpool does not support: {', '.join(missing)}")
+        return VkpoolRep(model, kwargs.get("member"))
 
     @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any
@@ -94,7 +191,7 @@ class VkpoolBackend(Backend):
         try:
             return rep.run(inputs)
         finally:
-            rep.session.close()
+            rep.close()
 
     @classmethod
     def run_node(cls, node: onnx.NodeProto, inputs: Sequence[np.ndarray], device: str = "CPU",
