@@ -29,14 +29,16 @@ def _case(name: str, node: Any, inputs: dict[str, np.ndarray], outputs: dict[str
                               [info(n, y) for n, y in outputs.items()])
     opsets = [helper.make_opsetid("", 21), *(helper.make_opsetid(d, 1) for d in domains)]
     model = helper.make_model(graph, opset_imports=opsets)
-    return Case(name, node.op_type, model.SerializeToString(), [(list(inputs.values()), list(outputs.values()))])
+    data_set = (list(inputs.values()), list(outputs.values()))
+    return Case(name, node.op_type, model.SerializeToString(), [data_set])
 
 
 X = np.array([[-1.5, 2.0, -3.25], [4.0, -0.5, 0.0]], np.float32)
 
 
 def abs_case(name: str = "test_abs_small", expected: np.ndarray | None = None) -> Case:
-    return _case(name, helper.make_node("Abs", ["x"], ["y"]), {"x": X}, {"y": np.abs(X) if expected is None else expected})
+    y = np.abs(X) if expected is None else expected
+    return _case(name, helper.make_node("Abs", ["x"], ["y"]), {"x": X}, {"y": y})
 
 
 def test_passing_case() -> None:
@@ -83,7 +85,8 @@ def test_workers_isolate_cases_and_survive_a_timeout() -> None:
     assert [(o.name, o.status) for o in outcomes] == [("test_a", PASSED), ("test_b", FAILED)]
     # a limit no case can meet: each one times out, the worker is replaced, the run completes
     seen: list[int] = []
-    outcomes = run_cases(cases, jobs=2, timeout=0.0, progress=lambda o, done, total, counts: seen.append(done))
+    outcomes = run_cases(cases, jobs=2, timeout=0.0,
+                         progress=lambda outcome, done, total, counts: seen.append(done))
     assert [(o.status, o.reason) for o in outcomes] == [(FAILED, "timeout")] * 2
     assert seen == [1, 2]
 
@@ -91,12 +94,14 @@ def test_workers_isolate_cases_and_survive_a_timeout() -> None:
 @pytest.mark.parametrize("name, ops, expected", [
     ("test_abs", ["Abs"], "Abs"),
     ("test_softmax_axis_0_expanded", ["Constant", "ReduceMax", "Sub", "Exp", "ReduceSum", "Div"], "Softmax"),
-    ("test_reduce_log_sum_exp_default_axes_keepdims_example_expanded", ["ReduceSum", "Exp", "Log"], "ReduceLogSumExp"),
+    ("test_reduce_log_sum_exp_default_axes_keepdims_example_expanded", ["ReduceSum", "Exp", "Log"],
+     "ReduceLogSumExp"),
     ("test_layer_normalization_2d_axis0_expanded", ["Shape", "Sub"], "LayerNormalization"),
 ])
 def test_op_under_test(name: str, ops: list[str], expected: str) -> None:
-    schemas = {s.lower(): s for s in ("Abs", "Softmax", "SoftmaxCrossEntropyLoss", "ReduceLogSum", "ReduceLogSumExp",
-                                      "ReduceSum", "LayerNormalization", "Sub")}
+    names = ("Abs", "Softmax", "SoftmaxCrossEntropyLoss", "ReduceLogSum", "ReduceLogSumExp", "ReduceSum",
+             "LayerNormalization", "Sub")
+    schemas = {n.lower(): n for n in names}
     assert op_under_test(name, ops, schemas) == expected
 
 
@@ -113,7 +118,7 @@ def test_markdown_report() -> None:
     assert lines[0].startswith("# ")
     assert "| 2 | 1 | 1 | 4 |" in lines[:12]  # totals: passed, failed, unsupported, total
     assert "onnx 1.99.0" in text and "llvmpipe" in text and "`python -m vkpool.conformance`" in text
-    assert "rtol 0.001 and atol 1e-07" in text
+    assert "rtol 0.001 and atol 1e-07" in text.replace("\n", " ")
     assert "| Abs | 1 | 1 | 0 |" in lines and "| Acos | 0 | 0 | 1 |" in lines
     assert "| test_abs_example | Abs | Mismatched elements: 1 / 3 (33.3%) |" in lines
     assert "| the model uses ops vkpool does not support: Acos | 1 |" in lines

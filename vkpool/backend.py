@@ -175,9 +175,10 @@ class VkpoolBackend(Backend):
         elif isinstance(model, bytes):
             model = onnx.load_from_string(model)
         kinds = {v.type.WhichOneof("value") for v in [*model.graph.input, *model.graph.output]}
-        if kinds - {"tensor_type"}:
+        other = sorted(kinds - {"tensor_type"})
+        if other:
             raise BackendIsNotSupposedToImplementIt(
-                f"only tensor inputs and outputs are supported, not {', '.join(sorted(kinds - {'tensor_type'}))}")
+                f"only tensor inputs and outputs are supported, not {', '.join(other)}")
         missing = unsupported_in([(n.op_type, n.domain) for n in model.graph.node])
         if missing:
             raise BackendIsNotSupposedToImplementIt(

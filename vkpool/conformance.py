@@ -59,7 +59,8 @@ def _schema_names() -> dict[str, str]:
     """Op names of the ai.onnx domain keyed by their lowercase, underscore-free spelling."""
     import onnx.defs
 
-    return {s.name.lower(): s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain in ("", "ai.onnx")}
+    schemas = onnx.defs.get_all_schemas_with_history()
+    return {s.name.lower(): s.name for s in schemas if s.domain in ("", "ai.onnx")}
 
 
 def op_under_test(name: str, op_types: Sequence[str], schemas: dict[str, str]) -> str:
@@ -102,7 +103,8 @@ def short_reason(exc: BaseException) -> str:
     """One line: the exception type and the informative lines of its message."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     # numpy's assert_allclose starts with a blank line and a restatement of the tolerances
-    lines = [ln for ln in lines if not ln.startswith(("Not equal to tolerance", "x:", "y:", "ACTUAL", "DESIRED"))]
+    noise = ("Not equal to tolerance", "x:", "y:", "ACTUAL", "DESIRED")
+    lines = [ln for ln in lines if not ln.startswith(noise)]
     text = "; ".join(lines) or type(exc).__name__
     if not isinstance(exc, AssertionError):
         text = f"{type(exc).__name__}: {text}"
@@ -320,8 +322,9 @@ def write_markdown(outcomes: Sequence[Outcome], *, command: str, onnx_version: s
         "|---:|---:|---:|---:|",
         f"| {s.totals[PASSED]} | {s.totals[FAILED]} | {s.totals[UNSUPPORTED]} | {total} |",
         "",
-        "Outputs are compared as the onnx backend test runner compares them (`Runner.assert_similar_outputs`):",
-        f"same count, shapes and dtypes, values within rtol {rtol:g} and atol {atol:g}.",
+        "Outputs are compared as the onnx backend test runner compares them",
+        "(`Runner.assert_similar_outputs`): same count, shapes and dtypes, values within",
+        f"rtol {rtol:g} and atol {atol:g}.",
         "*Unsupported*: vkpool refused the model at load (an op, element type or attribute without a",
         "kernel). *Failed*: a wrong result, an error while running, or a crash or timeout of the",
         "case's worker process. Inputs that fix output shapes (Reshape's shape, Slice's starts, ...)",
@@ -351,7 +354,8 @@ def write_markdown(outcomes: Sequence[Outcome], *, command: str, onnx_version: s
     lines += ["", f"## Why cases are unsupported ({sum(unsupported.values())})", ""]
     if unsupported:
         lines += ["| reason | cases |", "|---|---:|"]
-        lines += [f"| {reason} | {n} |" for reason, n in sorted(unsupported.items(), key=lambda kv: (-kv[1], kv[0]))]
+        ranked = sorted(unsupported.items(), key=lambda kv: (-kv[1], kv[0]))
+        lines += [f"| {reason} | {n} |" for reason, n in ranked]
     else:
         lines.append("None.")
     return "\n".join(lines) + "\n"
