@@ -20,6 +20,7 @@ from bench import workloads
 from vkpool.config.loader import parse_config
 from vkpool.partition.graph import build_graph
 from vkpool.partition.plan import chunk_peak_bytes
+from vkpool.placement import balanced_cut
 from vkpool.session import Session
 
 MEMBERS = ["vk0.0", "vk0.1", "vk0.2", "vk0.3"]
@@ -121,22 +122,6 @@ def _reference(name: str, pool) -> tuple[bytes, dict[str, np.ndarray], list[np.n
     return _cache[name]
 
 
-def _balanced_cut(graph, k: int) -> list[list[str]]:
-    """The cut of the op order into ``k`` contiguous segments with the smallest largest chunk
-    (peak bytes as the partitioner prices them); O(n² · k) peak evaluations."""
-    order = graph.graph["order"]
-    n = len(order)
-    peak = {(i, j): chunk_peak_bytes(graph, order[i:j]) for i in range(n) for j in range(i + 1, n + 1)}
-    best = {(0, 0): (0, [])}
-    for parts in range(1, k + 1):
-        for end in range(parts, n + 1):
-            options = [(max(best[(parts - 1, start)][0], peak[(start, end)]), best[(parts - 1, start)][1] + [end])
-                       for start in range(parts - 1, end) if (parts - 1, start) in best]
-            best[(parts, end)] = min(options)
-    bounds = [0] + best[(k, n)][1]
-    return [order[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
 def _check(session: Session, feeds: dict[str, np.ndarray], expected: list[np.ndarray], runs: int = 2) -> None:
     for _ in range(runs):  # later runs replay the same recorded chunks
         out = session.run(None, feeds)
@@ -158,7 +143,7 @@ def test_split_matches_single_member(pool4, name: str, k: int) -> None:
         graph = build_graph(probe.model)
         whole = sum(probe.memory_by_member().values())
     if k in _WORKLOADS[name][2]:
-        segments = _balanced_cut(graph, k)
+        segments = balanced_cut(graph, k)
     else:
         order = graph.graph["order"]
         segments = [[order[i] for i in part] for part in np.array_split(np.arange(len(order)), k)]

@@ -103,3 +103,27 @@ class MultiMemberPlan:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def balanced_cut(graph: Any, k: int) -> list[list[str]]:
+    """The cut of ``graph``'s op order into ``k`` contiguous segments whose largest chunk (peak
+    bytes as :func:`vkpool.partition.plan.chunk_peak_bytes` prices it) is smallest.
+
+    Budgets set to these chunks' sizes force a k-member plan where the model allows one.
+    Dynamic programming over (segments, end): O(n² · k) peak evaluations for n ops.
+    """
+    from vkpool.partition.plan import chunk_peak_bytes
+
+    order = list(graph.graph["order"])
+    n = len(order)
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot cut {n} ops into {k} non-empty segments")
+    peak = {(i, j): chunk_peak_bytes(graph, order[i:j]) for i in range(n) for j in range(i + 1, n + 1)}
+    best: dict[tuple[int, int], tuple[int, list[int]]] = {(0, 0): (0, [])}
+    for parts in range(1, k + 1):
+        for end in range(parts, n + 1):
+            options = [(max(best[(parts - 1, start)][0], peak[(start, end)]), best[(parts - 1, start)][1] + [end])
+                       for start in range(parts - 1, end) if (parts - 1, start) in best]
+            best[(parts, end)] = min(options)
+    bounds = [0] + best[(k, n)][1]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,267 @@
+"""Multi-member execution on this machine's pool: splits, replicas, and a GPU + software device.
+
+Run on a machine with two GPUs (vkpool installed from source)::
+
+    python -m bench.multi_gpu --out multi_gpu.json
+
+It uses the pool's Vulkan members: the first two that are not software devices are "the GPUs";
+a software device (llvmpipe) if the pool has one, else the ``cpu`` member, is "the host side".
+
+- (a) ``conv_many_255MB`` and ``matmul_1GB_16layers`` split over the two GPUs by budgets (each
+  budget holds about half the model, so neither GPU holds it alone): latency against the whole
+  model on one GPU, and throughput with 8 requests in flight against one GPU;
+- (b) ``mnist12_like`` and ``conv_few_15MB`` replicated on both GPUs (the throughput objective):
+  throughput with 8 requests in flight against one GPU;
+- (c) one GPU + the host side in one plan: outputs against ONNX Runtime (CPU), and the time of
+  each chunk (member, ops, median ms).
+
+Prints markdown; ``--out`` writes the same figures as JSON. ``--smoke`` runs on one device split
+into three members (two stand in for the GPUs, the third for the host side) with the large
+workloads scaled down, to check the script end to end anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from bench import workloads
+
+SMOKE_CONFIG = ("devices:\n  - match: {index: 0}\n    split: 3\n    budget: [600MiB, 600MiB, 600MiB]\n"
+                "host:\n  enabled: true\n  budget: 1GiB\n")
+
+
+def _smoke_models() -> dict[str, Callable[[], Any]]:
+    # the large workloads' structure at smaller widths: lavapipe on a few cores runs them in seconds
+    return {
+        "conv_many_255MB": lambda: workloads._conv_net("conv_many_scaled", [16, 32, 64], [2, 2, 1],
+                                                       [3136, 1024, 1024, 512, 10]),
+        "matmul_1GB_16layers": lambda: workloads._matmul_net("matmul_16layers_scaled", 1024, 16),
+    }
+
+
+def _model(name: str, smoke: bool) -> tuple[bytes, dict[str, np.ndarray]]:
+    build = _smoke_models().get(name) if smoke else None
+    proto = build() if build is not None else workloads.build(name)
+    feeds = workloads.input_for(name)
+    if smoke and name == "matmul_1GB_16layers":
+        feeds = {"x": np.random.default_rng(0).standard_normal((1, 1024), dtype=np.float32)}
+    return proto.SerializeToString(), feeds
+
+
+def _label(name: str, smoke: bool) -> str:
+    return f"{name} (scaled)" if smoke and name in _smoke_models() else name
+
+
+def roles(pool: Any) -> tuple[list[str], str]:
+    """(the two GPU member ids, the host-side member id) of ``pool``."""
+    vulkan = pool.vulkan_members
+    software = [m for m in vulkan if m.info.type == "cpu"]
+    gpus = [m.id for m in vulkan if m.info.type != "cpu"]
+    if len(gpus) < 2:  # a split software device (the smoke run): its first members stand in
+        gpus = [m.id for m in vulkan][:2]
+        software = [m for m in vulkan if m.id not in gpus]
+    if len(gpus) < 2:
+        raise SystemExit(f"two Vulkan members are needed; the pool has {[m.id for m in vulkan]}")
+    host = software[0].id if software else "cpu"
+    return gpus, host
+
+
+def latency_ms(session: Any, feeds: dict[str, np.ndarray], runs: int) -> float:
+    for _ in range(min(3, runs)):
+        session.run(None, feeds)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        session.run(None, feeds)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int = 8) -> float:
+    """Requests per second with ``in_flight`` requests kept outstanding (futures, refilled as
+    each completes)."""
+    slots = threading.Semaphore(in_flight)
+    done = threading.Event()
+    left = [requests]
+    lock = threading.Lock()
+
+    def finished(_: Any) -> None:
+        slots.release()
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+    for _ in range(in_flight):
+        session.run(None, feeds)
+    t0 = time.perf_counter()
+    futures = []
+    for _ in range(requests):
+        slots.acquire()
+        f = session.submit(feeds)
+        f.add_done_callback(finished)
+        futures.append(f)
+    done.wait()
+    elapsed = time.perf_counter() - t0
+    for f in futures:
+        f.result()
+    return requests / elapsed
+
+
+def _graph(session: Any) -> Any:
+    from vkpool.partition.graph import build_graph
+
+    return build_graph(session.model)
+
+
+def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: int, requests: int) -> dict:
+    from vkpool.partition.plan import chunk_peak_bytes
+    from vkpool.placement import balanced_cut
+    from vkpool.session import Session
+
+    model, feeds = _model(name, smoke)
+    saved = {m: pool.member(m).budget_bytes for m in gpus}
+    with Session(model, pool=pool, device=gpus[0]) as one:
+        expected = one.run(None, feeds)
+        row: dict[str, Any] = {"workload": _label(name, smoke), "one_gpu_ms": latency_ms(one, feeds, runs),
+                               "one_gpu_per_s": throughput(one, feeds, requests)}
+        whole = sum(one.memory_by_member().values())
+        graph = _graph(one)
+    halves = balanced_cut(graph, 2)
+    need = max(chunk_peak_bytes(graph, ops) for ops in halves)
+    budget = min(whole - 1, need + need // 20 + (1 << 20))
+    try:
+        for m in gpus:
+            pool.set_budget(m, budget)
+        with Session(model, pool=pool, devices=gpus) as split:
+            out = split.run(None, feeds)
+            row.update(
+                budget_bytes=budget, whole_bytes=whole,
+                members=sorted({c.member for c in split.plan.chunks}),
+                chunks=[{"member": c.member, "ops": len(c.ops)} for c in split.plan.chunks],
+                transfers=[{"tensor": t.tensor, "bytes": t.nbytes, "src": t.src, "dst": t.dst}
+                           for t in split.plan.transfers],
+                identical=all(np.array_equal(a, b) for a, b in zip(out, expected)),
+                split_ms=latency_ms(split, feeds, runs),
+                split_per_s=throughput(split, feeds, requests),
+            )
+    finally:
+        for m in gpus:
+            pool.set_budget(m, saved[m])
+    return row
+
+
+def replicated(pool: Any, gpus: list[str], name: str, smoke: bool, requests: int) -> dict:
+    from vkpool.session import Session
+
+    model, feeds = _model(name, smoke)
+    with Session(model, pool=pool, device=gpus[0]) as one:
+        expected = one.run(None, feeds)
+        row: dict[str, Any] = {"workload": name, "one_gpu_per_s": throughput(one, feeds, requests)}
+    with Session(model, pool=pool, devices=gpus, objective="throughput") as both:
+        out = both.run(None, feeds)
+        row.update(replicas=list(both.plan.replicas), lanes=len(both.executor.lanes),
+                   identical=all(np.array_equal(a, b) for a, b in zip(out, expected)),
+                   replicated_per_s=throughput(both, feeds, requests))
+        row["requests_per_lane"] = {lane: sum(1 for e in both.trace() if e.lane == lane and e.chunk == 0)
+                                    for lane in range(len(both.executor.lanes))}
+    return row
+
+
+def gpu_and_host(pool: Any, gpu: str, host: str, name: str, smoke: bool, runs: int) -> dict:
+    import onnxruntime as ort
+
+    from vkpool.placement import balanced_cut
+    from vkpool.session import Session
+
+    model, feeds = _model(name, smoke)
+    with Session(model, pool=pool, device=gpu) as probe:
+        graph = _graph(probe)
+    first, second = balanced_cut(graph, 2)
+    assignment = {**{op: gpu for op in first}, **{op: host for op in second}}
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    with Session(model, pool=pool, plan=assignment) as session:
+        out = session.run(None, feeds)
+        for _ in range(runs):
+            session.run(None, feeds)
+        events = session.trace()
+        table = []
+        for chunk in session.plan.chunks:
+            times = [e.ms for e in events if e.chunk == chunk.index]
+            table.append({"chunk": chunk.index, "member": chunk.member, "ops": len(chunk.ops),
+                          "ms": statistics.median(times)})
+        return {"workload": name, "members": [gpu, host],
+                "max_abs_diff_vs_onnxruntime": max(float(np.max(np.abs(a - b))) for a, b in zip(out, ref)),
+                "allclose": all(np.allclose(a, b, rtol=1e-3, atol=1e-5) for a, b in zip(out, ref)),
+                "chunks": table}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Multi-member execution ({result['device']})", "",
+             f"GPUs: {', '.join(result['gpus'])}; host side: {result['host']}" + (" (smoke)" if result["smoke"] else ""),
+             "", "## (a) Split over two GPUs by budgets", "",
+             "| workload | members | identical | 1 GPU latency | split latency | 1 GPU req/s (8 in flight) | split req/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["split"]:
+        lines.append(f"| {r['workload']} | {'+'.join(r['members'])} | {r['identical']} | {r['one_gpu_ms']:.3f} ms | "
+                     f"{r['split_ms']:.3f} ms | {r['one_gpu_per_s']:.1f} | {r['split_per_s']:.1f} |")
+    lines += ["", "## (b) Replicated on both GPUs", "",
+              "| workload | replicas | identical | 1 GPU req/s (8 in flight) | replicated req/s | requests per copy |",
+              "|---|---|---|---|---|---|"]
+    for r in result["replicated"]:
+        lines.append(f"| {r['workload']} | {', '.join(r['replicas']) or 'none'} | {r['identical']} | "
+                     f"{r['one_gpu_per_s']:.1f} | {r['replicated_per_s']:.1f} | {r['requests_per_lane']} |")
+    c = result["gpu_and_host"]
+    lines += ["", f"## (c) One GPU + {result['host']} in one plan: {c['workload']}", "",
+              f"max |vkpool − ONNX Runtime CPU| = {c['max_abs_diff_vs_onnxruntime']:.3g} "
+              f"(allclose rtol 1e-3, atol 1e-5: {c['allclose']})", "",
+              "| chunk | member | ops | median ms |", "|---|---|---|---|"]
+    for row in c["chunks"]:
+        lines.append(f"| {row['chunk']} | {row['member']} | {row['ops']} | {row['ms']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.multi_gpu", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="pool config (default: $VKPOOL_CONFIG or the packaged default)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one device split in three members, large workloads scaled down")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per latency (default 50; smoke 5)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests per throughput figure (default 200; smoke 16)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    from vkpool.config.loader import parse_config
+    from vkpool.pool import DevicePool
+
+    runs = args.runs or (5 if args.smoke else 50)
+    requests = args.requests or (16 if args.smoke else 200)
+    pool = DevicePool.from_config(parse_config(SMOKE_CONFIG) if args.smoke else args.config)
+    try:
+        gpus, host = roles(pool)
+        device = ", ".join(sorted({pool.member(g).info.name for g in gpus}))
+        result: dict[str, Any] = {"device": device, "gpus": gpus, "host": host, "smoke": args.smoke,
+                                  "runs": runs, "requests": requests, "in_flight": 8}
+        result["split"] = [split_by_budgets(pool, gpus, n, args.smoke, runs, requests)
+                           for n in ("conv_many_255MB", "matmul_1GB_16layers")]
+        result["replicated"] = [replicated(pool, gpus, n, args.smoke, requests)
+                                for n in ("mnist12_like", "conv_few_15MB")]
+        result["gpu_and_host"] = gpu_and_host(pool, gpus[0], host, "conv_few_15MB", args.smoke, runs)
+    finally:
+        pool.close()
+    sys.stdout.write(markdown(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
