@@ -93,8 +93,10 @@ class AsyncClient:
         await self.close()
 
     async def load_model(self, model: str | os.PathLike[str] | bytes, *, name: str | None = None,
-                         keep_alive: float | None = None) -> dict[str, Any]:
-        return (await self.request("load_model", *C.load_content(model, name, keep_alive)))[0]["model"]
+                         keep_alive: float | None = None, batch: int | None = None,
+                         dims: Mapping[str, int] | None = None) -> dict[str, Any]:
+        content, frames = C.load_content(model, name, keep_alive, batch, dims)
+        return (await self.request("load_model", content, frames))[0]["model"]
 
     async def infer(self, model_id: str, feeds: Mapping[str, Any], outputs: Iterable[str] | None = None, *,
                     priority: int = 0, timeout: float | None = None) -> list[np.ndarray]:

@@ -1,21 +1,34 @@
-"""Latency through the daemon against in-process, and jobs/s with several client processes.
+"""What the daemon costs: latency through it against in-process, and jobs/s with many clients.
 
-    python -m vkpool.daemon.bench model.onnx [--runs 300] [--seconds 3] [--clients 1 4 16]
+    python -m vkpool.daemon.bench [MODEL ...] [--runs 2000] [--seconds 5] [--clients 1 4 16] [--out FILE.json]
 
-Starts its own daemon on a temporary ipc socket (with the default config, or --config), feeds
-random inputs, and prints a markdown table.
+MODEL is an ONNX file or a workload name of ``bench/workloads.py`` (run from the repository root
+for those; default: ``mnist12_like add_chain_1``). The bench starts its own daemon on a temporary
+ipc socket with the same config as the in-process sessions (``--config``, else the default), so
+both run on the same member. Latency is measured by one client thread in rounds that alternate
+in-process and daemon runs, so that a change of machine load hits both alike; *added* is the
+daemon's median minus the in-process median. Throughput counts the jobs that N client processes,
+started together, complete in ``--seconds``. The markdown table goes to stdout; ``--out`` also
+writes the figures as JSON (and the table beside it, as ``.md``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
+
+DEFAULT_MODELS = ("mnist12_like", "add_chain_1")
+_ROUNDS = 10
 
 _CLIENT = """
 import sys, time, numpy as np
@@ -26,7 +39,8 @@ with Client(endpoint) as client:
     rng = np.random.default_rng(0)
     feeds = {i.name: rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(i.dtype)
              for i in session.get_inputs()}
-    session.run(None, feeds)
+    for _ in range(20):
+        session.run(None, feeds)
     sys.stdout.write("ready\\n"); sys.stdout.flush()
     sys.stdin.readline()
     n, end = 0, time.perf_counter() + seconds
@@ -36,92 +50,194 @@ with Client(endpoint) as client:
 """
 
 
-def _feeds(inputs: list) -> dict[str, np.ndarray]:
+def resolve_model(name: str, folder: Path) -> Path:
+    """An existing ONNX file, or a workload of ``bench/workloads.py`` written into ``folder``."""
+    path = Path(name)
+    if path.suffix == ".onnx" or path.exists():
+        if not path.is_file():
+            raise SystemExit(f"{name}: no such model file")
+        return path.resolve()
+    try:
+        from bench.workloads import save
+    except ImportError:
+        raise SystemExit(f"{name!r} is not a file, and the workload builders (bench/workloads.py) cannot be "
+                         "imported: run from the repository root, or pass .onnx files") from None
+    return save(name, folder).resolve()
+
+
+def feeds_for(inputs: list[Any]) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {i.name: rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(i.dtype)
             for i in inputs}
 
 
-def _latency(run, feeds: dict[str, np.ndarray], runs: int) -> tuple[float, float]:
-    for _ in range(10):
-        run(None, feeds)
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        run(None, feeds)
-        times.append(time.perf_counter() - t)
-    p50, p99 = np.percentile(np.array(times) * 1e3, [50, 99])
-    return float(p50), float(p99)
+def summary_us(times_s: list[float]) -> dict[str, float]:
+    p05, p50, p95 = np.percentile(np.array(times_s) * 1e6, [5, 50, 95])
+    return {"median_us": round(float(p50), 1), "p05_us": round(float(p05), 1), "p95_us": round(float(p95), 1),
+            "runs": len(times_s)}
 
 
-def _throughput(endpoint: str, model: str, clients: int, seconds: float) -> float:
-    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoint, model, str(seconds)],
+def interleaved_latency(runs: dict[str, Callable[[], Any]], total: int, warmup: int = 50) -> dict[str, list[float]]:
+    """Per-call seconds of each function, measured in alternating rounds of ``total / _ROUNDS`` calls."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    per_round = max(1, total // _ROUNDS)
+    clock = time.perf_counter
+    for _ in range(_ROUNDS):
+        for name, run in runs.items():
+            out = times[name]
+            for _ in range(per_round):
+                t = clock()
+                run()
+                out.append(clock() - t)
+    return times
+
+
+def throughput(endpoint: str, model: Path, clients: int, seconds: float) -> float:
+    """Jobs per second completed by ``clients`` processes running together."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoint, str(model), str(seconds)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(clients)]
-    for p in procs:
-        if p.stdout.readline().strip() != "ready":
-            raise RuntimeError("a bench client failed to start")
-    for p in procs:  # start together
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    total = sum(int(p.communicate(timeout=seconds + 120)[0].strip()) for p in procs)
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a bench client exited {p.wait()} before it was ready")
+        for p in procs:  # start together
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        total = sum(int(p.communicate(timeout=seconds + 120)[0].strip()) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return total / seconds
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vkpool.daemon.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="ONNX model file")
-    parser.add_argument("--config", help="config file for the pool (both in-process and daemon)")
-    parser.add_argument("--runs", type=int, default=300, help="runs per latency measurement")
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each throughput measurement")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    args = parser.parse_args(argv)
-    model = str(Path(args.model).resolve())
+class BenchDaemon:
+    """``vkpool serve`` on a temporary ipc socket, its log kept for failures."""
 
-    from vkpool.session import Session
+    def __init__(self, config: str | None) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="vkb", dir="/tmp"))  # ipc paths: at most 107 bytes
+        self.endpoint = f"ipc://{self.folder}/bench.sock"
+        self.log = open(self.folder / "daemon.log", "wb")
+        cmd = [sys.executable, "-m", "vkpool", *(["--config", config] if config else []),
+               "serve", "--endpoint", self.endpoint]
+        self.proc = subprocess.Popen(cmd, stderr=self.log)
 
-    with Session(model, config=args.config) as session:
-        feeds = _feeds(session.get_inputs())
-        local = _latency(session.run, feeds, args.runs)
-        where = session.member.id
-
-    folder = tempfile.mkdtemp(prefix="vkb", dir="/tmp")
-    endpoint = f"ipc://{folder}/bench.sock"
-    cmd = [sys.executable, "-m", "vkpool", *(["--config", args.config] if args.config else []),
-           "serve", "--endpoint", endpoint]
-    daemon = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    try:
+    def client(self) -> Any:
         from vkpool.daemon.client import Client
         from vkpool.daemon.errors import DaemonUnavailable
 
         deadline = time.monotonic() + 60
         while True:
             try:
-                client = Client(endpoint, hello_timeout=2)
-                break
+                return Client(self.endpoint, hello_timeout=2)
             except DaemonUnavailable:
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.log.flush()
+                    raise RuntimeError("the bench daemon did not start:\n"
+                                       + (self.folder / "daemon.log").read_text()[-3000:]) from None
                 time.sleep(0.2)
-        with client:
-            remote_session = client.session(model)
-            remote = _latency(remote_session.run, feeds, args.runs)
-            rates = {n: _throughput(endpoint, model, n, args.seconds) for n in args.clients}
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
-        os.rmdir(folder) if os.path.isdir(folder) and not os.listdir(folder) else None
 
-    print(f"model `{Path(model).name}` on {where}, {os.cpu_count()} CPU cores\n")
-    print("| path | p50 latency (ms) | p99 latency (ms) |")
-    print("|---|---|---|")
-    print(f"| in-process Session | {local[0]:.3f} | {local[1]:.3f} |")
-    print(f"| through the daemon (1 client) | {remote[0]:.3f} | {remote[1]:.3f} |")
-    print(f"| daemon overhead | {remote[0] - local[0]:.3f} | |\n")
-    print("| client processes | jobs/s (total) |")
-    print("|---|---|")
-    for n, rate in rates.items():
-        print(f"| {n} | {rate:.0f} |")
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def measure(models: list[Path], *, config: str | None, runs: int, seconds: float,
+            clients: list[int]) -> dict[str, Any]:
+    from vkpool.session import Session
+
+    daemon = BenchDaemon(config)
+    results: dict[str, Any] = {}
+    try:
+        with daemon.client() as client:
+            names = {m["id"]: m.get("name", "") for m in client.devices()}
+            for path in models:
+                with Session(str(path), config=config) as local:
+                    feeds = feeds_for(local.get_inputs())
+                    remote = client.session(path)
+                    times = interleaved_latency({"in_process": lambda: local.run(None, feeds),
+                                                 "daemon": lambda: remote.run(None, feeds)}, runs)
+                    member = local.member.id
+                    remote.close()
+                entry: dict[str, Any] = {"member": member, "device": names.get(member, ""),
+                                         "in_process": summary_us(times["in_process"]),
+                                         "daemon": summary_us(times["daemon"])}
+                entry["added_us"] = round(entry["daemon"]["median_us"] - entry["in_process"]["median_us"], 1)
+                entry["jobs_per_s"] = {str(n): round(throughput(daemon.endpoint, path, n, seconds), 1)
+                                       for n in clients}
+                results[path.stem] = entry
+                print(f"{path.stem}: added {entry['added_us']} us at the median; jobs/s {entry['jobs_per_s']}",
+                      file=sys.stderr)
+    finally:
+        daemon.stop()
+    return results
+
+
+def environment() -> dict[str, Any]:
+    import zmq
+
+    from vkpool import __version__
+
+    return {"vkpool": __version__, "python": platform.python_version(), "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
+            "system": f"{platform.system()} {platform.release()}"}
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [f"`{report['command']}`", "",
+             f"vkpool {env['vkpool']}, Python {env['python']}, pyzmq {env['pyzmq']} (libzmq {env['libzmq']}), "
+             f"{env['cpus']} CPUs; {report['runs']} runs per latency, {report['seconds']:g} s per throughput "
+             "figure.", "",
+             "| model | device | in-process median / p05 / p95 (µs) | daemon median / p05 / p95 (µs) | added (µs) |",
+             "|---|---|---|---|---|"]
+    for name, r in report["models"].items():
+        a, d = r["in_process"], r["daemon"]
+        device = f"{r['member']} ({r['device']})" if r["device"] else r["member"]
+        lines.append(f"| {name} | {device} | {a['median_us']:.0f} / {a['p05_us']:.0f} / {a['p95_us']:.0f} | "
+                     f"{d['median_us']:.0f} / {d['p05_us']:.0f} / {d['p95_us']:.0f} | {r['added_us']:.0f} |")
+    counts = report["clients"]
+    lines += ["", "| model | " + " | ".join(f"jobs/s, {n} client{'s' if n > 1 else ''}" for n in counts) + " |",
+              "|---|" + "---|" * len(counts)]
+    for name, r in report["models"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['jobs_per_s'][str(n)]:.0f}" for n in counts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vkpool.daemon.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS),
+                        help="ONNX files or workload names (default: mnist12_like add_chain_1)")
+    parser.add_argument("--config", help="config file for the pool (in-process and daemon alike)")
+    parser.add_argument("--runs", type=int, default=2000, help="latency samples per path and model")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput figure")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="client process counts")
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON (and the table as .md)")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="vkpool-bench-"))
+    try:
+        models = [resolve_model(m, work) for m in args.models]
+        figures = measure(models, config=args.config, runs=args.runs, seconds=args.seconds, clients=args.clients)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    command = "python -m vkpool.daemon.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = {"command": command.strip(), "environment": environment(), "runs": args.runs,
+              "seconds": args.seconds, "clients": args.clients, "models": figures}
+    table = to_markdown(report)
+    sys.stdout.write(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(table)
     return 0
 
 

@@ -32,6 +32,9 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--keep-alive", metavar="DURATION", help="how long it stays once unused "
                    "(30s, 5m, 1h; -1 = forever; default from the config)")
+    p.add_argument("--batch", type=int, metavar="N", help="value of the inputs' symbolic batch dims (default 1)")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
+                   help="value of a named symbolic dim; repeatable")
     endpoint(p)
     p.set_defaults(func=cmd_load)
 
@@ -84,7 +87,7 @@ def render_status(status: dict[str, Any]) -> str:
              "members:"]
     for m in status["members"]:
         lines.append(f"  {m['id']:<8} {m['kind']:<7} {format_size(m['used_bytes']):>10} used of "
-                     f"{format_size(m['budget_bytes'])}")
+                     f"{format_size(m['budget_bytes'])}  {m.get('name', '')}")
     lines += ["", "models:" if status["models"] else "models: none"]
     for m in status["models"]:
         memory = ", ".join(f"{k} {format_size(v)}" for k, v in m["memory_by_member"].items())
@@ -97,12 +100,25 @@ def cmd_load(args: argparse.Namespace) -> int:
     from vkpool.daemon.settings import parse_duration
 
     keep_alive = None if args.keep_alive is None else parse_duration(args.keep_alive)
+    dims = parse_dims(args.dim)
     with _client(args) as client:
-        model = client.load_model(args.model, keep_alive=keep_alive)
+        model = client.load_model(args.model, keep_alive=keep_alive, batch=args.batch, dims=dims)
     memory = ", ".join(f"{k} {format_size(v)}" for k, v in model["memory_by_member"].items())
     kept = "forever" if model["keep_alive"] < 0 else f"{model['keep_alive']:g} s once unused"
-    print(f"{model['id']} {model['name']} on {memory}; kept {kept}")
+    inputs = ", ".join(f"{i['name']}{i['shape']}" for i in model["inputs"])
+    print(f"{model['id']} {model['name']} ({inputs}) on {memory}; kept {kept}")
     return 0
+
+
+def parse_dims(items: list[str]) -> dict[str, int]:
+    """``["seq=128", "n=4"]`` -> ``{"seq": 128, "n": 4}``; a malformed item is a ValueError."""
+    dims: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--dim {item!r}: expected NAME=VALUE with a positive integer VALUE")
+        dims[name] = int(value)
+    return dims
 
 
 def _resolve_model(client: Any, prefix: str) -> str:
@@ -170,7 +186,8 @@ def remote_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--budget {item!r}: expected ID=SIZE")
         budgets[member] = int(size) if size.isdigit() else size
     with _client(args) as client:
-        session = client.session(args.model)
+        session = client.session(args.model, batch=getattr(args, "batch", None),
+                                 dims=parse_dims(getattr(args, "dim", None) or []))
         reply = client.plan(session.model_id, budgets or None)
         session.close()
     fmt = getattr(args, "format", "text")

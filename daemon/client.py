@@ -102,9 +102,13 @@ def outputs_of(content: dict[str, Any], frames: list[Any]) -> list[np.ndarray]:
     return [a.copy() for a in arrays.values()]  # writable, like the in-process session's results
 
 
-def load_content(model: str | os.PathLike[str] | bytes, name: str | None,
-                 keep_alive: float | None) -> tuple[dict[str, Any], list[Any]]:
+def load_content(model: str | os.PathLike[str] | bytes, name: str | None, keep_alive: float | None,
+                 batch: int | None = None, dims: Mapping[str, int] | None = None) -> tuple[dict[str, Any], list[Any]]:
     content: dict[str, Any] = {"name": name, "keep_alive": keep_alive}
+    if batch is not None:
+        content["batch"] = int(batch)
+    if dims:
+        content["dims"] = {str(k): int(v) for k, v in dims.items()}
     if isinstance(model, (bytes, bytearray, memoryview)):
         return content, [bytes(model)]
     content["path"] = str(Path(model).expanduser().resolve())
@@ -329,8 +333,11 @@ class Client:
         return self.request("devices")[0]["members"]
 
     def load_model(self, model: str | os.PathLike[str] | bytes, *, name: str | None = None,
-                   keep_alive: float | None = None) -> dict[str, Any]:
-        return self.request("load_model", *load_content(model, name, keep_alive))[0]["model"]
+                   keep_alive: float | None = None, batch: int | None = None,
+                   dims: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """Load (or share) a model; ``batch``/``dims`` bind its symbolic dims as ``vkpool.Session``
+        does (the same file with another binding is another model)."""
+        return self.request("load_model", *load_content(model, name, keep_alive, batch, dims))[0]["model"]
 
     def list_models(self) -> list[dict[str, Any]]:
         return self.request("list_models")[0]["models"]
@@ -360,8 +367,9 @@ class Client:
         return self.request("shutdown")[0]
 
     def session(self, model: str | os.PathLike[str] | bytes, *, name: str | None = None,
-                keep_alive: float | None = None) -> "RemoteSession":
-        return RemoteSession(self, self.load_model(model, name=name, keep_alive=keep_alive))
+                keep_alive: float | None = None, batch: int | None = None,
+                dims: Mapping[str, int] | None = None) -> "RemoteSession":
+        return RemoteSession(self, self.load_model(model, name=name, keep_alive=keep_alive, batch=batch, dims=dims))
 
 
 def value_infos(described: list[dict[str, Any]]) -> list[ValueInfo]:

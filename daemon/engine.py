@@ -25,7 +25,7 @@ class Engine:
         return cls(DevicePool.from_config(config))
 
     def members(self) -> list[dict[str, Any]]:
-        return [{"id": m.id, "kind": m.kind, "budget_bytes": int(m.budget_bytes),
+        return [{"id": m.id, "kind": m.kind, "name": member_name(m), "budget_bytes": int(m.budget_bytes),
                  "used_bytes": int(m.used_bytes)} for m in self.pool.members]
 
     def has_member(self, member: str) -> bool:
@@ -34,10 +34,13 @@ class Engine:
     def budget_of(self, member: str) -> int:
         return int(self.pool.member(member).budget_bytes)
 
-    def open(self, source: Path | bytes) -> Any:
+    def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None) -> Any:
+        """A session of the model on the pool; ``shape``: ``{batch, dims}`` binding symbolic dims."""
         from vkpool.session import Session
 
-        return Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool)
+        shape = shape or {}
+        return Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool,
+                       batch=shape.get("batch") or 1, dims=shape.get("dims") or None)
 
     def set_budget(self, member: str, nbytes: int) -> None:
         self.pool.set_budget(member, nbytes)
@@ -56,6 +59,16 @@ class Engine:
                                   getattr(info, "name", "")))
         plan = plan_model(session.model, members)
         return _RenderedPlan(to_text(plan), to_json_dict(plan))
+
+
+def member_name(member: Any) -> str:
+    """The device's name as the driver reports it (``NVIDIA H100 80GB HBM3``, ``llvmpipe ...``),
+    with the split for a member that is part of one; ``host CPU`` for the host member."""
+    info = getattr(member, "info", None)
+    if info is None:
+        return "host CPU" if member.kind == "host" else ""
+    split = getattr(member, "split_index", None)
+    return str(info.name) + ("" if split is None else f" (split {split})")
 
 
 class _RenderedPlan:

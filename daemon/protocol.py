@@ -61,8 +61,9 @@ def _f(name: str, kind: str, doc: str, *, required: bool = True, nullable: bool 
 
 _TENSOR_LIST = "list of `{name, dtype, shape}`, one per raw frame, in frame order"
 _MODEL_INFO = (
-    "`{id, name, inputs, outputs, memory_by_member, members, refs, keep_alive, idle_s, queued, "
-    "running, done}`; `inputs`/`outputs` are lists of `{name, shape, type, dtype}`"
+    "`{id, name, binding, inputs, outputs, memory_by_member, members, refs, keep_alive, idle_s, queued, "
+    "running, done}`; `binding` is `{batch, dims}` as loaded (empty when nothing was bound); "
+    "`inputs`/`outputs` are lists of `{name, shape, type, dtype}`"
 )
 
 MESSAGES: dict[str, Message] = {m.action: m for m in (
@@ -75,7 +76,8 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
             control=True),
     Message("devices", "The pool members with their budgets and use.",
             request=(),
-            reply=(_f("members", "list", "list of `{id, kind, budget_bytes, used_bytes}`"),),
+            reply=(_f("members", "list", "list of `{id, kind, name, budget_bytes, used_bytes}`; `name` is "
+                      "the device's name as its driver reports it (`host CPU` for the host member)"),),
             control=True),
     Message("load_model", "Loads a model (or shares the already loaded copy with the same content) "
             "and takes a reference for this client.",
@@ -83,9 +85,13 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                         required=False, nullable=True),
                      _f("name", "str", "display name", required=False, nullable=True),
                      _f("keep_alive", "number", "seconds the model stays loaded once unused; "
-                        "negative = forever; default from the config", required=False, nullable=True)),
+                        "negative = forever; default from the config", required=False, nullable=True),
+                     _f("batch", "int", "value of the inputs' symbolic first (batch) dims; default 1",
+                        required=False, nullable=True),
+                     _f("dims", "map", "`{dim name: value}` for named symbolic dims", required=False,
+                        nullable=True)),
             reply=(_f("model", "map", _MODEL_INFO),
-                   _f("shared", "bool", "true when the model was already loaded")),
+                   _f("shared", "bool", "true when the model was already loaded with the same binding")),
             request_frames="one frame with the ONNX bytes when `path` is absent"),
     Message("list_models", "The loaded models, where each lives and its memory per member.",
             request=(),

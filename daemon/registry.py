@@ -7,6 +7,7 @@ for its keep-alive (as Ollama's ``keep_alive``), the daemon frees it.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections import Counter
@@ -37,6 +38,14 @@ def content_id(source: Path | bytes) -> str:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def bound_id(content: str, binding: dict[str, Any]) -> str:
+    """The id of a model loaded with symbolic dims bound: the content hash when nothing is bound,
+    else a hash of it and the binding (one model, two batch sizes: two entries)."""
+    if not binding:
+        return content
+    return hashlib.sha256(f"{content}:{json.dumps(binding, sort_keys=True)}".encode()).hexdigest()
 
 
 def _external_locations(data: bytes) -> list[str]:
@@ -80,6 +89,7 @@ class ModelEntry:
     source: Path | bytes
     session: Any
     keep_alive: float
+    binding: dict[str, Any] = field(default_factory=dict)  # {batch, dims} the session was opened with
     refs: Counter[bytes] = field(default_factory=Counter)
     last_used: float = field(default_factory=time.monotonic)
     # Workers hold it shared while running; a re-plan holds it exclusively to swap the session.
@@ -99,7 +109,7 @@ class ModelEntry:
         self.memory = {k: int(v) for k, v in self.session.memory_by_member().items()}
 
     def info(self, queued: int = 0, running: int = 0, done: int = 0) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "inputs": self.inputs, "outputs": self.outputs,
+        return {"id": self.id, "name": self.name, "binding": self.binding, "inputs": self.inputs, "outputs": self.outputs,
                 "memory_by_member": self.memory, "members": sorted(m for m, n in self.memory.items() if n),
                 "refs": sum(self.refs.values()), "keep_alive": self.keep_alive,
                 "idle_s": round(time.monotonic() - self.last_used, 3),

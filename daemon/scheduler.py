@@ -44,6 +44,7 @@ class Job:
     started_at: float | None = None
     state: str = "queued"           # queued -> running -> done
     seq: int = field(default_factory=lambda: next(_sequence))
+    settled: bool = False           # counted as done by the scheduler
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def finish(self, status: str, content: dict[str, Any], frames: list[Any] | None = None) -> bool:
@@ -257,8 +258,17 @@ class Scheduler:
                 log.exception("job %s crashed the worker callback", job.request_id)
                 job.fail("InternalError", f"worker failed: {type(exc).__name__}: {exc}")
             finally:
-                with self._cond:
-                    queue.running -= 1
-                    queue.done += 1
-                    self._index.pop((job.client, job.request_id), None)
-                    self._cond.notify_all()
+                self.settle(job)
+
+    def settle(self, job: Job) -> None:
+        """Count a job that a worker ran as done; the run callback calls it before replying, so
+        that a client never sees its reply before the counts do."""
+        with self._cond:
+            if job.settled:
+                return
+            job.settled = True
+            queue = self._queues[job.model_id]
+            queue.running -= 1
+            queue.done += 1
+            self._index.pop((job.client, job.request_id), None)
+            self._cond.notify_all()

@@ -16,7 +16,7 @@ import numpy as np
 from vkpool.daemon import protocol as P
 from vkpool.daemon.engine import classify
 from vkpool.daemon.protocol import ProtocolViolation
-from vkpool.daemon.registry import ModelEntry, Registry, content_id
+from vkpool.daemon.registry import ModelEntry, Registry, bound_id, content_id
 from vkpool.daemon.scheduler import Busy, Job, Scheduler
 from vkpool.daemon.settings import DaemonSettings
 from vkpool.daemon.stats import Stats
@@ -229,6 +229,7 @@ class Service:
             status, content, frames = self._execute(entry, job.outputs, job.feeds, queued)
         finally:
             entry.gate.release_shared()
+        self.scheduler.settle(job)
         if job.finish(status, content, frames) and status == "ok":
             self.stats.infer_done(time.monotonic() - job.accepted_at)
 
@@ -249,15 +250,18 @@ class Service:
                                         "working directory is not the client's)", {"path": path})
         keep_alive = content.get("keep_alive")
         name = content.get("name") or (source.name if isinstance(source, Path) else "model")
-        return lambda: self._load(client, source, str(name), keep_alive)
+        binding = _binding(content.get("batch"), content.get("dims"))
+        return lambda: self._load(client, source, str(name), keep_alive, binding)
 
-    def _load(self, client: bytes, source: Path | bytes, name: str, keep_alive: float | None) -> dict[str, Any]:
-        model_id = content_id(source)
+    def _load(self, client: bytes, source: Path | bytes, name: str, keep_alive: float | None,
+              binding: dict[str, Any] | None = None) -> dict[str, Any]:
+        binding = binding or {}
+        model_id = bound_id(content_id(source), binding)
         entry = self.registry.get(model_id)
         shared = entry is not None
         if entry is None:
-            session = self._open_admitted(source)
-            entry = ModelEntry(id=model_id, name=name, source=source, session=session,
+            session = self._open_admitted(source, binding)
+            entry = ModelEntry(id=model_id, name=name, source=source, session=session, binding=binding,
                                keep_alive=self.settings.keep_alive if keep_alive is None else keep_alive)
             self.registry.add(entry)
             self.scheduler.add_model(model_id)
@@ -265,11 +269,14 @@ class Service:
         self.registry.take_ref(entry, client, keep_alive)
         return {"model": entry.info(*self.scheduler.counts(entry.id)), "shared": shared}
 
-    def _open_admitted(self, source: Path | bytes) -> Any:
+    def open_session(self, source: Path | bytes, binding: dict[str, Any]) -> Any:
+        return self.engine.open(source, binding) if binding else self.engine.open(source)
+
+    def _open_admitted(self, source: Path | bytes, binding: dict[str, Any]) -> Any:
         """Open a session; when it does not fit and eviction is on, free idle models first."""
         while True:
             try:
-                return self.engine.open(source)
+                return self.open_session(source, binding)
             except Exception as exc:
                 violation = classify(exc)
                 if violation.type != "InsufficientMemory":
@@ -377,6 +384,25 @@ def _check_feeds(entry: ModelEntry, feeds: dict[str, np.ndarray]) -> None:
             raise ProtocolViolation("InvalidTensor", f"input {name!r} must have shape {shape}, got "
                                     f"{list(array.shape)}", {"tensor": name, "expected": shape,
                                                              "got": list(array.shape)})
+
+
+def _binding(batch: Any, dims: Any) -> dict[str, Any]:
+    """``{batch, dims}`` of a load request, validated; the defaults (batch 1, no dims) are left out
+    so that a model loaded with and without them is the same entry."""
+    binding: dict[str, Any] = {}
+    if batch is not None:
+        if batch < 1:
+            raise ProtocolViolation("InvalidRequest", f"batch must be at least 1, got {batch}", {"batch": batch})
+        if batch != 1:
+            binding["batch"] = batch
+    if dims:
+        bad = {k: v for k, v in dims.items()
+               if not isinstance(k, str) or not k or type(v) is not int or v < 1}
+        if bad:
+            raise ProtocolViolation("InvalidRequest", f"dims must map dim names to positive ints, got {bad!r}"[:300],
+                                    {"dims": repr(bad)[:200]})
+        binding["dims"] = dict(sorted(dims.items()))
+    return binding
 
 
 def _parse_budgets(raw: dict[str, Any] | None, engine: Any) -> dict[str, int]:

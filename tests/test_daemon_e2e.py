@@ -17,8 +17,8 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from test_daemon_support import (add_model, big_model, daemon_env, external_outside_model, mlp_model,
-                                 spawn_daemon, unsupported_model, wait_ready)
+from test_daemon_support import (add_model, batched_model, big_model, daemon_env, external_outside_model,
+                                 mlp_model, spawn_daemon, unsupported_model, wait_ready)
 from vkpool.daemon import errors as E
 from vkpool.daemon.client import Client
 
@@ -178,6 +178,31 @@ def test_bad_models_over_ipc_are_refused_and_the_daemon_keeps_serving(shared: Da
         with pytest.raises(E.UnknownModel):
             client.infer(model, {"x": np.zeros((1, 4), np.float32)})
         assert client.status()["counters"]["error"] >= 5
+
+
+def test_cli_load_binds_dims_and_devices_name_the_device(shared: Daemon) -> None:
+    from vkpool.session import Session
+
+    path = shared.folder / "batched.onnx"
+    path.write_bytes(batched_model())
+    done = subprocess.run([sys.executable, "-m", "vkpool", "load", str(path), "--batch", "3", "--dim", "T=2",
+                           "--keep-alive", "-1", "--endpoint", shared.endpoint], env=daemon_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "x[3, 4, 2]" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "vkpool", "load", str(path), "--dim", "T", "--endpoint",
+                          shared.endpoint], env=daemon_env(), capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "NAME=VALUE" in bad.stderr
+    x = np.random.default_rng(3).standard_normal((3, 4, 2)).astype(np.float32)
+    with shared.client() as client:
+        session = client.session(path, batch=3, dims={"T": 2})
+        # the CLI's reference left with it; the kept-alive model is shared, not loaded again
+        assert session.model_id == done.stdout.split()[0] and session.info["refs"] == 1
+        with Session(str(path), batch=3, dims={"T": 2}) as local:
+            np.testing.assert_array_equal(session.run(None, {"x": x})[0], local.run(None, {"x": x})[0])
+        names = {m["id"]: m["name"] for m in client.devices()}
+        assert names["cpu"] == "host CPU" and "llvmpipe" in names["vk0"], names
+        assert client.request("unload_model", {"model": session.model_id, "now": True})[0]["unloaded"]
 
 
 def test_a_frame_over_the_size_limit_drops_only_that_connection(folder: Path) -> None:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import zmq
 
-from test_daemon_support import (InprocDaemon, StandInEngine, add_model, big_model, external_outside_model,
-                                 inproc, mlp_model, reference_run, unsupported_model)
+from test_daemon_support import (InprocDaemon, StandInEngine, add_model, batched_model, big_model,
+                                 external_outside_model, inproc, mlp_model, reference_run, unsupported_model)
 from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
 
@@ -381,3 +381,24 @@ def test_async_client_runs_many_requests_at_once(inproc: InprocDaemon) -> None:
         client._sock.close(0)
 
     asyncio.run(real())
+
+
+def test_load_binds_batch_and_named_dims_and_each_binding_is_its_own_model(inproc: InprocDaemon) -> None:
+    with inproc.client() as client:
+        plain = client.load_model(batched_model(), dims={"T": 5})
+        assert plain["binding"] == {"dims": {"T": 5}} and plain["inputs"][0]["shape"] == [1, 4, 5]
+        same = client.request("load_model", {"batch": 1, "dims": {"T": 5}}, [batched_model()])[0]
+        assert same["shared"] is True and same["model"]["id"] == plain["id"]  # batch 1 is the default
+        session = client.session(batched_model(), batch=3, dims={"T": 2})
+        assert session.model_id != plain["id"] and session.info["binding"] == {"batch": 3, "dims": {"T": 2}}
+        assert session.get_inputs()[0].shape == [3, 4, 2]
+        x = np.arange(24, dtype=np.float32).reshape(3, 4, 2)
+        np.testing.assert_array_equal(session.run(None, {"x": x})[0], x + 1)
+        with pytest.raises(E.InvalidTensor, match="must have shape"):
+            session.run(None, {"x": np.zeros((1, 4, 2), np.float32)})
+        for content in ({"batch": 0}, {"batch": "2"}, {"dims": {"T": 0}}, {"dims": {"T": 1.5}}, {"dims": [1]}):
+            with pytest.raises(E.InvalidRequest):
+                client.request("load_model", content, [batched_model()])
+        assert len(client.list_models()) == 2
+        members = client.devices()
+        assert members[0]["name"] == "host CPU"

@@ -49,6 +49,15 @@ def mlp_model(n: int = 8, hidden: int = 16, seed: int = 0) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
+def batched_model(n: int = 4) -> bytes:
+    """y = x + 1 with x: float32[N, n, T] (batch dim N anonymous first, T named)."""
+    one = numpy_helper.from_array(np.ones((1, n, 1), np.float32), "one")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "one"], ["y"])], "batched",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", n, "T"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", n, "T"])], [one])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
 def unsupported_model() -> bytes:
     """A valid model whose op (Det) no engine here implements."""
     graph = helper.make_graph([helper.make_node("Det", ["x"], ["y"])], "det",
@@ -104,10 +113,12 @@ class DeviceOutOfMemory(MemoryError):
 
 
 class _Arg:
-    def __init__(self, v: onnx.ValueInfoProto) -> None:
+    def __init__(self, v: onnx.ValueInfoProto, binding: dict[str, Any]) -> None:
         t = v.type.tensor_type
         self.name = v.name
-        self.shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim]
+        dims, batch = binding.get("dims", {}), binding.get("batch", 1)
+        self.shape = [d.dim_value if d.HasField("dim_value") else dims.get(d.dim_param, batch if i == 0 else d.dim_param)
+                      for i, d in enumerate(t.shape.dim)]
         self.dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
         self.type = {np.dtype(np.float32): "tensor(float)"}.get(self.dtype, f"tensor({self.dtype.name})")
 
@@ -126,7 +137,8 @@ class _Plan:
 class StandInSession:
     SUPPORTED = {"Add", "MatMul", "Relu", "Mul"}
 
-    def __init__(self, engine: "StandInEngine", model: bytes, delay_s: float) -> None:
+    def __init__(self, engine: "StandInEngine", model: bytes, delay_s: float,
+                 binding: dict[str, Any] | None = None) -> None:
         from onnx.reference import ReferenceEvaluator
 
         try:
@@ -145,8 +157,8 @@ class StandInSession:
         member["used_bytes"] += need
         self.engine, self.need, self.delay_s = engine, need, delay_s
         self._ref = ReferenceEvaluator(proto)
-        self._inputs = [_Arg(v) for v in proto.graph.input]
-        self._outputs = [_Arg(v) for v in proto.graph.output]
+        self._inputs = [_Arg(v, binding or {}) for v in proto.graph.input]
+        self._outputs = [_Arg(v, binding or {}) for v in proto.graph.output]
         self.plan = _Plan({"cpu": need})
         self.closed = False
 
@@ -175,7 +187,8 @@ class StandInEngine:
     """The daemon's Engine contract over onnx.reference, with a single 'cpu' member."""
 
     def __init__(self, budget_bytes: int = 1 << 20, delay_s: float = 0.0) -> None:
-        self.members_ = [{"id": "cpu", "kind": "host", "budget_bytes": budget_bytes, "used_bytes": 0}]
+        self.members_ = [{"id": "cpu", "kind": "host", "name": "host CPU", "budget_bytes": budget_bytes,
+                          "used_bytes": 0}]
         self.delay_s = delay_s
         self.opened = 0
 
@@ -188,10 +201,10 @@ class StandInEngine:
     def budget_of(self, member: str) -> int:
         return self.members_[0]["budget_bytes"]
 
-    def open(self, source: Path | bytes) -> StandInSession:
+    def open(self, source: Path | bytes, binding: dict[str, Any] | None = None) -> StandInSession:
         data = source.read_bytes() if isinstance(source, Path) else bytes(source)
         self.opened += 1
-        return StandInSession(self, data, self.delay_s)
+        return StandInSession(self, data, self.delay_s, binding)
 
     def set_budget(self, member: str, nbytes: int) -> None:
         if nbytes < self.members_[0]["used_bytes"]:
