@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vkpool.partition.cost import DEFAULT_COSTS, Member, load_calibration, load_device_spec
+from vkpool.partition.cost import DEFAULT_COSTS, Member, host_calibration_key, load_calibration, load_device_spec
 
 FORMATS = ("text", "json", "dot", "svg")
 
@@ -89,7 +89,8 @@ def apply_budgets(members: list[Member], overrides: list[str]) -> list[Member]:
 
 
 def pool_members() -> list[Member]:
-    """This machine's pool members, priced by their cached calibration (else the kind's default)."""
+    """This machine's pool members, priced by their cached calibration (``vkpool calibrate``; else the
+    kind's default)."""
     from vkpool.pool import DevicePool
 
     pool = DevicePool.from_config(None)
@@ -97,7 +98,8 @@ def pool_members() -> list[Member]:
         out = []
         for m in pool.members:
             info = getattr(m, "info", None)
-            cost = (load_calibration(info.uuid) if info is not None else None) or DEFAULT_COSTS[m.kind]
+            key = info.uuid if info is not None else host_calibration_key()
+            cost = load_calibration(key) or DEFAULT_COSTS[m.kind]
             out.append(Member(m.id, m.budget_bytes, cost, m.kind, getattr(info, "name", "")))
         return out
     finally:

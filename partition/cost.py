@@ -6,7 +6,8 @@
   ``download(b) = transfer_latency_s + b / d2h_bytes_per_s``; a tensor moving between members goes
   device → host → device, so it pays the producer's download and the consumer's upload.
 
-Measured figures live in a JSON file per physical device, keyed by its UUID, under
+Measured figures (``vkpool calibrate``, :mod:`vkpool.partition.calibrate`) live in a JSON file
+per physical device, keyed by its UUID (the host member by :func:`host_calibration_key`), under
 ``$VKPOOL_CACHE_DIR/calibration`` (default ``~/.cache/vkpool/calibration``). A device spec file
 (YAML) describes the members of a machine that is not this one, so plans can be made anywhere.
 """
@@ -116,6 +117,13 @@ def calibration_path(device_uuid: str) -> Path:
     if not safe:
         raise ValueError(f"bad device UUID {device_uuid!r}")
     return cache_dir("calibration") / f"{safe}.json"
+
+
+def host_calibration_key() -> str:
+    """The cache key of this machine's host member, which has no Vulkan UUID: ``host-<hostname>``."""
+    import socket
+
+    return "host-" + "".join(c for c in socket.gethostname() if c.isalnum() or c in "-_")
 
 
 def save_calibration(device_uuid: str, cost: MemberCost, *, device_name: str = "", driver: str = "") -> Path:

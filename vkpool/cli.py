@@ -13,6 +13,7 @@ from vkpool import __version__
 #: modules that add subcommands: (module, function taking the subparsers object)
 COMMAND_MODULES = [
     ("vkpool.partition.cli", "add_parser"),
+    ("vkpool.partition.calibrate", "add_parser"),
     ("vkpool.daemon.cli", "add_parsers"),
 ]
 
