@@ -1,7 +1,8 @@
 """Elementwise binary ops with multidirectional broadcasting (``shaders/binary.comp``).
 
-Arithmetic (Add, Sub, Mul, Div, Pow, Mod, PRelu), logic (And, Or, Xor) and comparisons
-(Equal, Less, Greater, LessOrEqual, GreaterOrEqual: bool outputs) on every numeric type
+Arithmetic (Add, Sub, Mul, Div, Pow, Mod, PRelu), logic (And, Or, Xor), bitwise ops on
+integers (BitShift, BitwiseAnd, BitwiseOr, BitwiseXor) and comparisons (Equal, Less, Greater,
+LessOrEqual, GreaterOrEqual: bool outputs) on every numeric type
 (float32/float16 and 8- to 64-bit integers; narrow types compute in 32 bits and wrap on store,
 as numpy does).
 """
@@ -15,7 +16,7 @@ from vkpool.kernels.base import (
     Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d,
 )
 from vkpool.kernels.broadcast import MAX_RANK, broadcast_shape, collapse
-from vkpool.kernels.ops.dtypes import BOOL, NUMERIC_TYPES, element_defines, require
+from vkpool.kernels.ops.dtypes import BOOL, INT_TYPES, NUMERIC_TYPES, element_defines, require
 
 
 def broadcast_dispatch(
@@ -203,6 +204,59 @@ class Xor(_Logic):
     op_type = "Xor"
     code = 11
     numpy_op = np.logical_xor
+
+
+class BitShift(Binary):
+    """``direction`` LEFT or RIGHT on integers; a right shift of a signed type is arithmetic, and a
+    count outside ``[0, bits)`` gives 0 (-1 for a negative value shifted right), as numpy's."""
+
+    op_type = "BitShift"
+    input_types = INT_TYPES
+
+    def check(self) -> None:
+        super().check()
+        if self.attr("direction") not in (b"LEFT", b"RIGHT", "LEFT", "RIGHT"):
+            raise OpError(f"BitShift: direction must be LEFT or RIGHT, got {self.attr('direction')!r}")
+
+    def left(self) -> bool:
+        direction = self.attr("direction")
+        return (direction.decode() if isinstance(direction, bytes) else direction) == "LEFT"
+
+    def op_code(self) -> int:
+        return 18 if self.left() else 19
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        shift = np.left_shift if self.left() else np.right_shift
+        return [shift(a, b).astype(a.dtype)]
+
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        (dispatch,) = super().dispatches(ctx)
+        dispatch.defines["BITS"] = self.input(0).dtype.itemsize * 8
+        return [dispatch]
+
+
+class _Bitwise(Binary):
+    input_types = INT_TYPES
+
+
+class BitwiseAnd(_Bitwise):
+    op_type = "BitwiseAnd"
+    code = 20
+    numpy_op = np.bitwise_and
+
+
+class BitwiseOr(_Bitwise):
+    op_type = "BitwiseOr"
+    code = 21
+    numpy_op = np.bitwise_or
+
+
+class BitwiseXor(_Bitwise):
+    op_type = "BitwiseXor"
+    code = 22
+    numpy_op = np.bitwise_xor
 
 
 class _Compare(Binary):

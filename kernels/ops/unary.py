@@ -1,21 +1,21 @@
 """Elementwise ``y = f(x)`` ops sharing ``shaders/unary.comp``: activations and math functions.
 
 Float functions run on float32 and float16 (computed in float32); Abs/Neg/Sign/Relu/Shrink on
-every numeric type; IsNaN/IsInf produce bool; Not takes bool.
+every numeric type; IsNaN/IsInf produce bool; Not takes bool; BitwiseNot takes integers.
 """
 from __future__ import annotations
 
 from abc import abstractmethod
 
 import math
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
 from vkpool.kernels.base import (
     F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d,
 )
-from vkpool.kernels.ops.dtypes import BOOL, FLOAT_TYPES, NUMERIC_TYPES, element_defines, require
+from vkpool.kernels.ops.dtypes import BOOL, FLOAT_TYPES, INT_TYPES, NUMERIC_TYPES, element_defines, require
 
 _SIGNED_AND_FLOAT = frozenset(d for d in NUMERIC_TYPES if d.kind in "fi")
 
@@ -416,3 +416,76 @@ class Not(Unary):
 
     def compute(self, x: np.ndarray) -> np.ndarray:
         return np.logical_not(x)
+
+
+class BitwiseNot(Unary):
+    op_type = "BitwiseNot"
+    code = 35
+    input_types = INT_TYPES
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
+        return np.invert(x)
+
+
+class _Trig(Unary):
+    """Trigonometric and hyperbolic functions and their inverses: ``numpy_op`` is the reference."""
+
+    numpy_op: ClassVar[Callable[[np.ndarray], np.ndarray]]
+    cost = 8
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
+        return type(self).numpy_op(x)
+
+
+class Tan(_Trig):
+    op_type = "Tan"
+    code = 36
+    numpy_op = np.tan
+
+
+class Asin(_Trig):
+    op_type = "Asin"
+    code = 37
+    numpy_op = np.arcsin
+
+
+class Acos(_Trig):
+    op_type = "Acos"
+    code = 38
+    numpy_op = np.arccos
+
+
+class Atan(_Trig):
+    op_type = "Atan"
+    code = 39
+    numpy_op = np.arctan
+
+
+class Sinh(_Trig):
+    op_type = "Sinh"
+    code = 40
+    numpy_op = np.sinh
+
+
+class Cosh(_Trig):
+    op_type = "Cosh"
+    code = 41
+    numpy_op = np.cosh
+
+
+class Asinh(_Trig):
+    op_type = "Asinh"
+    code = 42
+    numpy_op = np.arcsinh
+
+
+class Acosh(_Trig):
+    op_type = "Acosh"
+    code = 43
+    numpy_op = np.arccosh
+
+
+class Atanh(_Trig):
+    op_type = "Atanh"
+    code = 44
+    numpy_op = np.arctanh

@@ -138,6 +138,27 @@ YCT apply(ACT x, BCT z) {
     return x >= z ? 1u : 0u;
 #elif OP == 17  // PRelu: b is the slope
     return x < ACT(0) ? x * z : x;
+#elif OP == 18 || OP == 19  // BitShift left / right; narrow types shift in 32 bits, wrap on store
+    // a count outside [0, BITS) shifts every bit out: 0, or -1 for a negative value shifted
+    // right (the sign fills it), as numpy does; GLSL leaves such counts undefined
+    if (z < BCT(0) || z >= BCT(BITS)) {
+#if OP == 18
+        return ACT(0);
+#else
+        return x < ACT(0) ? ACT(-1) : ACT(0);
+#endif
+    }
+#if OP == 18
+    return x << z;
+#else
+    return x >> z;  // arithmetic for signed types
+#endif
+#elif OP == 20
+    return x & z;
+#elif OP == 21
+    return x | z;
+#elif OP == 22
+    return x ^ z;
 #else
 #error "unknown OP"
 #endif

@@ -2,9 +2,23 @@
 // (e^2x - 1)/(e^2x + 1) is inf/inf = NaN for |x| > ~44 on some drivers).
 
 float log1p_(float t) {
+    // NOTE: lavapipe (Mesa 22.3, llvmpipe) computes log(u) near u = 1 with an absolute, not a
+    // relative, error of ~1e-8, so log(1 + 1e-7) is off by 20%; a series covers small |t|.
+    if (abs(t) < 0.0078125) {
+        return t * (1.0 + t * (-0.5 + t * (1.0 / 3.0 + t * (-0.25 + t * 0.2))));
+    }
     // Goldberg's trick: log(u) * t / (u - 1) cancels the rounding of u = 1 + t.
     float u = 1.0 + t;
-    return u == 1.0 ? t : log(u) * (t / (u - 1.0));
+    return log(u) * (t / (u - 1.0));
+}
+
+// asin and acos through atan: lavapipe's asin/acos are accurate to ~4e-4 only (Mesa 22.3).
+float asin_(float x) {
+    return atan(x, sqrt((1.0 - x) * (1.0 + x)));
+}
+
+float acos_(float x) {
+    return 2.0 * atan(sqrt((1.0 - x) / (1.0 + x)));
 }
 
 float tanh_(float x) {

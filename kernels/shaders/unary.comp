@@ -118,6 +118,28 @@ YCT apply(XCT v) {
     return (isinf(v) && ((v < 0.0 && pc.alpha != 0.0) || (v > 0.0 && pc.beta != 0.0))) ? 1u : 0u;
 #elif OP == 34  // Not
     return v != 0u ? 0u : 1u;
+#elif OP == 35  // BitwiseNot, any integer type (narrow ones wrap on store)
+    return ~v;
+#elif OP == 36  // Tan
+    return tan(v);
+#elif OP == 37  // Asin
+    return asin_(v);
+#elif OP == 38  // Acos
+    return acos_(v);
+#elif OP == 39  // Atan
+    return atan(v);
+#elif OP == 40  // Sinh: e^x/2 - e^-x/2 cancels near 0, where the series is exact to float
+    return abs(v) < 0.0625 ? v * (1.0 + v * v * (1.0 / 6.0 + v * v / 120.0)) : 0.5 * (exp(v) - exp(-v));
+#elif OP == 41  // Cosh
+    return 0.5 * (exp(v) + exp(-v));
+#elif OP == 42  // Asinh = sign(x) log1p(|x| + x^2 / (1 + sqrt(1 + x^2))), exact near 0
+    float a = abs(v);
+    float r = a > 1e18 ? log(a) + 0.69314718056 : log1p_(a + a * a / (1.0 + sqrt(1.0 + a * a)));
+    return v < 0.0 ? -r : r;
+#elif OP == 43  // Acosh
+    return log(v + sqrt(v * v - 1.0));
+#elif OP == 44  // Atanh = log1p(2x / (1 - x)) / 2, exact near 0
+    return 0.5 * log1p_(2.0 * v / (1.0 - v));
 #else
 #error "unknown OP"
 #endif
