@@ -8,7 +8,9 @@
 #      cmeel.prefix/lib/libglslang.so.13 cmeel.prefix/lib/libSPIRV.so.13 \
 #      cmeel.prefix/lib/libglslang-default-resource-limits.so.13 cmeel.prefix/lib/libSPIRV-Tools-shared.so) \
 #      > .glsl/glslang.tar.xz
-# Usage: bash bench/gpu_run.sh [name] [--lvp]  (name labels the output files)
+# Usage: bash bench/gpu_run.sh [name] [--lvp] [--devices-only]  (name labels the output files)
+# Environment: WORKLOADS (default: all), PROFILE (workloads to time per dispatch), BENCH (arguments
+# for python -m bench), BENCH_TIMEOUT.
 set -uo pipefail
 name=${1:-gpu}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -45,6 +47,11 @@ done 2>&1 | tee "$OUT/workloads-$name.txt"
 for w in mnist12_like add_chain_1000; do
   timeout 120 $PY -m bench.where_time_goes /tmp/models/$w.onnx --device vk0
 done 2>&1 | tee "$OUT/where-time-goes-$name.txt"
+# GPU timestamps per dispatch (PROFILE lists the workloads to profile)
+for w in ${PROFILE:-}; do
+  [ -f /tmp/models/$w.onnx ] || $PY -m bench.workloads --out /tmp/models $w > /dev/null
+  timeout 180 $PY -m bench.gpu_profile /tmp/models/$w.onnx --device vk0
+done 2>&1 | tee "$OUT/gpu-profile-$name.txt"
 if [ -n "${BENCH:-}" ]; then
   cd /tmp && timeout "${BENCH_TIMEOUT:-300}" $PY -m bench $BENCH --out /tmp/bench-out 2>&1 | tail -40
   cp /tmp/bench-out/*.md /tmp/bench-out/*.json "$OUT/" 2>/dev/null

@@ -38,3 +38,23 @@ def test_barriers_next_to_copies_keep_the_transfer_stage():
     assert _barriers_near_copies([d, b, d, b, c, b, d, b, d]) == {3, 5}
     assert _barriers_near_copies([d, b, d, b, d, h]) == set()
     assert _barriers_near_copies([c, b, d, b, d, b, c, h]) == {1, 5, 7}
+
+
+def _add_one(n: int) -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])
+    one = numpy_helper.from_array(np.ones(1, np.float32), "one")
+    g = helper.make_graph([helper.make_node("Add", ["x", "one"], ["y"])], "add", [x], [y], [one])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def test_large_outputs_are_copied_out_and_small_ones_written_in_place(pool):
+    from vkpool.engine import STAGED_OUTPUT_BYTES
+
+    for n, staged in ((STAGED_OUTPUT_BYTES // 4, True), (STAGED_OUTPUT_BYTES // 4 - 1, False)):
+        with Session(_add_one(n), pool=pool) as sess:
+            copies = [c for c in sess._chunk.commands if c[0] == "copy"]
+            assert len(copies) == (1 if staged else 0)
+            x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+            for _ in range(3):
+                np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)

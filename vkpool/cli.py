@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
     p.add_argument("--device", metavar="ID", help="pool member to run on (vk0, vk0.1, cpu); default: first that fits")
     p.add_argument("--check", action="store_true", help="compare with onnxruntime (CPU): largest differences")
-    p.add_argument("--repeat", type=int, default=0, metavar="N", help="run N more times; print latency percentiles")
+    p.add_argument("--repeat", type=int, default=0, metavar="N", help="run N more times after up to 20 warm-up runs; print latency percentiles")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--remote", action="store_true", help="run through the daemon instead of in-process")
     p.add_argument("--endpoint", help="daemon endpoint (with --remote)")
@@ -235,11 +235,14 @@ def print_outputs(sess: Any, outputs: list[Any]) -> None:
 
 
 def print_latency(sess: Any, feeds: dict[str, Any], repeat: int) -> None:
-    """Runs ``repeat`` more times and prints the median, p05 and p95 latency."""
+    """Runs ``repeat`` more times, after as many warm-up runs as the benchmark protocol (20, or
+    ``repeat`` if fewer: clocks and caches settle), and prints the median, p05 and p95 latency."""
     import numpy as np
 
     if repeat <= 0:
         return
+    for _ in range(min(20, repeat)):
+        sess.run(None, feeds)
     times = []
     for _ in range(repeat):
         t = time.perf_counter()

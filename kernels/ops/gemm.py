@@ -30,6 +30,9 @@ _MAX_GROUPS = 65535
 #: workgroups a GEMV should spread over so that every multiprocessor of a large GPU streams
 _GEMV_TARGET_GROUPS = 1024
 _GEMV_MIN_ROWS_PER_SPLIT = 128
+#: gemv_t: output rows per workgroup and invocations sharing one row
+_GEMV_T_ROWS = 8
+_GEMV_T_THREADS_PER_ROW = 32
 #: workgroups below which a tiled product splits its reduction, and the least K per split
 _GEMM_TARGET_GROUPS = 256
 _GEMM_MIN_K_PER_SPLIT = 128
@@ -205,14 +208,14 @@ class MatmulPlan:
         vec = 4 if p.K % 4 == 0 and p.sBn % 4 == 0 and p.sAk == 1 else 1
         if vec == 1 and p.sAk != 1:
             raise UnsupportedOp("GEMV with a strided vector operand")  # never built by the ops here
-        rows = 8
+        rows = _GEMV_T_ROWS
         groups = ceil_div(p.N, rows)
         gy = ceil_div(groups, _MAX_GROUPS)
         return Dispatch(
             "gemv_t",
             [Ptr(a), Ptr(b), Ptr(c), Ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
-            (ceil_div(groups, gy), gy, 1), {"VEC": vec, "TPR": 32, "ROWS": rows, "HAS_BIAS": int(p.has_bias)},
+            (ceil_div(groups, gy), gy, 1), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias)},
         )
 
     def flops(self) -> int:
