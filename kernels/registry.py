@@ -101,6 +101,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Transpose", "transpose", "Transpose"),
     ("Concat", "concat", "Concat"),
     ("Slice", "slice", "Slice"),
+    ("Split", "split", "Split"),
     ("Expand", "expand", "Expand"),
     ("Tile", "tile", "Tile"),
     ("Gather", "gather", "Gather"),
