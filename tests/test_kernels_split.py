@@ -28,7 +28,8 @@ def test_split_attribute_sizes(pool):
 
 @pytest.mark.parametrize("parts", [1, 3, 4])
 def test_split_num_outputs_uneven(pool, parts):
-    got, expected = run_node(pool, "Split", [X], {"axis": 1, "num_outputs": parts}, num_outputs=parts, opset=18)
+    got, expected = run_node(pool, "Split", [X], {"axis": 1, "num_outputs": parts}, num_outputs=parts,
+                             opset=18)
     assert [g.shape[1] for g in got] == [e.shape[1] for e in expected]
     for g, e in zip(got, expected):
         np.testing.assert_array_equal(g, e)
