@@ -91,6 +91,8 @@ OPS: list[tuple[str, str, str]] = [
     ("LRN", "lrn", "LRN"),
     ("Softmax", "softmax", "Softmax"),
     ("LogSoftmax", "softmax", "LogSoftmax"),
+    ("NegativeLogLikelihoodLoss", "loss", "NegativeLogLikelihoodLoss"),
+    ("SoftmaxCrossEntropyLoss", "loss", "SoftmaxCrossEntropyLoss"),
     # -- shape and data movement ------------------------------------------------------------
     ("Reshape", "views", "Reshape"),
     ("Flatten", "views", "Flatten"),

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
+    DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
 )
 
 _F32 = np.dtype(np.float32)
@@ -57,19 +57,27 @@ class SoftmaxBase(Op):
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         rows = self.outer * self.inner
-        # long rows get wide workgroups: the lone row after a big GEMV is latency-bound
-        widest = min(1024 if self.D >= 4096 else 256, ctx.caps.max_workgroup_invocations)
-        local = min(widest, max(32, 1 << max(0, self.D - 1).bit_length()))
-        gy = ceil_div(max(rows, 1), 65535)
-        return [Dispatch(
-            "softmax",
-            [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(self.D), U32(self.inner), U32(rows)],
-            (ceil_div(max(rows, 1), gy), gy, 1),
-            {"MODE": self.mode, "LOCAL_SIZE": local},
-        )]
+        return [softmax_dispatch(ctx.inputs[0], ctx.outputs[0], self.D, self.inner, rows, self.mode,
+                                 ctx.caps)]
 
     def flops(self) -> int:
         return 4 * self.input(0).size
+
+
+def softmax_dispatch(src: Any, dst: Any, D: int, inner: int, rows: int, mode: int,
+                     caps: DeviceCaps) -> Dispatch:
+    """One ``softmax.comp`` dispatch (``mode`` 0 Softmax, 1 LogSoftmax) over ``rows`` rows of ``D``
+    elements ``inner`` apart."""
+    # long rows get wide workgroups: the lone row after a big GEMV is latency-bound
+    widest = min(1024 if D >= 4096 else 256, caps.max_workgroup_invocations)
+    local = min(widest, max(32, 1 << max(0, D - 1).bit_length()))
+    gy = ceil_div(max(rows, 1), 65535)
+    return Dispatch(
+        "softmax",
+        [Ptr(src), Ptr(dst), U32(D), U32(inner), U32(rows)],
+        (ceil_div(max(rows, 1), gy), gy, 1),
+        {"MODE": mode, "LOCAL_SIZE": local},
+    )
 
 
 class Softmax(SoftmaxBase):
@@ -82,4 +90,4 @@ class LogSoftmax(SoftmaxBase):
     mode = 1
 
 
-__all__ = ["Softmax", "LogSoftmax"]
+__all__ = ["Softmax", "LogSoftmax", "softmax_dispatch"]
