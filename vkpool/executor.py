@@ -165,6 +165,7 @@ class PlanExecutor:
         self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
         self._count_lock = threading.Lock()
         self._queues: dict[str, queue.SimpleQueue] = {}
+        self._pending: dict[int, _Request] = {}
         self._threads: list[threading.Thread] = []
         index_of = {op: int(graph.nodes[op]["index"]) for op in graph.nodes}
         self._input_names = [name for name, _ in model.inputs]
@@ -247,6 +248,8 @@ class PlanExecutor:
         future.set_running_or_notify_cancel()
         request = _Request(next(self._ids), lane, dict(feeds), [len(s.preds) for s in lane.stages], future,
                            len(lane.stages))
+        with self._lane_lock:
+            self._pending[request.id] = request
         for stage in lane.stages:
             if not stage.preds:
                 self._queues[stage.member.id].put((request, stage))
@@ -297,6 +300,7 @@ class PlanExecutor:
     def _finish(self, request: _Request) -> None:
         with self._lane_lock:
             request.lane.in_flight -= 1
+            self._pending.pop(request.id, None)
         with self._trace_lock:
             self._trace.append(request.events)
         out = {}
@@ -312,6 +316,7 @@ class PlanExecutor:
             request.failed = True
         with self._lane_lock:
             request.lane.in_flight -= 1
+            self._pending.pop(request.id, None)
         request.future.set_exception(exc)
 
     def close(self) -> None:
@@ -322,6 +327,9 @@ class PlanExecutor:
             q.put(None)
         for t in self._threads:
             t.join()
+        # a request whose next chunk was queued after its member's worker stopped never ends: fail it
+        for request in list(self._pending.values()):
+            self._fail(request, RuntimeError("the session was closed before this request finished"))
         for lane in self.lanes:
             for stage in lane.stages:
                 if stage.chunk is not None:
