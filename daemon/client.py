@@ -74,7 +74,7 @@ def parse_reply(frames: list[zmq.Frame]) -> tuple[dict[str, Any], dict[str, Any]
     """Header, content and raw frames of a reply; None for anything that is not one (probes)."""
     try:
         _, body = P.split_routing(frames)
-        header, content = P.unpack(body[0].buffer), P.unpack(body[1].buffer)
+        header, content = P.unpack(P._buffer(body[0])), P.unpack(P._buffer(body[1]))
     except (P.ProtocolViolation, IndexError):
         return None
     if not isinstance(header, dict) or "status" not in header or not isinstance(content, dict):
@@ -191,7 +191,7 @@ class Client:
             if not self._poller.poll(wait_ms):
                 continue
             while sock.get(zmq.EVENTS) & zmq.POLLIN:
-                self._deliver(parse_reply(sock.recv_multipart(copy=False)))
+                self._deliver(parse_reply(P.recv_parts(sock, 3)))
 
     def _deliver(self, reply: tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None) -> None:
         if reply is None:
@@ -229,7 +229,7 @@ class Client:
             waiter = _Waiter()
             self._pending[rid] = waiter
             try:
-                self._sock.send_multipart(message, copy=False)
+                P.send_parts(self._sock, message)
                 self._pump(lambda: waiter.reply is not None, deadline)
             finally:
                 self._lead.release()

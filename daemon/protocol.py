@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 import numpy as np
+from zmq import RCVMORE, SNDMORE
 
 PROTOCOL_VERSION = 1
 DELIMITER = b"<VKPOOL>"
@@ -243,6 +244,27 @@ def packed_header(kind: str, request_id: str | None, status: str | None = None) 
         parts = _HEADER_PARTS[(kind, status)] = (prefix, whole[len(prefix) + 1:])
     prefix, suffix = parts
     return prefix + pack(request_id) + suffix
+
+
+#: frames at least this large travel zero-copy; smaller ones are copied, which pyzmq does faster
+#: than it builds the Frame object a zero-copy send or receive needs.
+ZERO_COPY_MIN = 1 << 16
+
+
+def send_parts(sock: Any, parts: Sequence[Any]) -> None:
+    """Send a multipart message, copying only the small frames."""
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        sock.send(part, SNDMORE if i < last else 0, copy=len(part) < ZERO_COPY_MIN)
+
+
+def recv_parts(sock: Any, copied: int) -> list[Any]:
+    """Receive a multipart message: the first ``copied`` frames as bytes, the rest (tensor and
+    model bytes) as zero-copy frames."""
+    parts = [sock.recv()]
+    while sock.get(RCVMORE):
+        parts.append(sock.recv(copy=len(parts) < copied))
+    return parts
 
 
 def split_routing(frames: Sequence[Any]) -> tuple[list[bytes], list[Any]]:

@@ -138,7 +138,7 @@ class Server:
         key = (client, rid)
         self._in_progress.discard(key)
         try:
-            self._router.send_multipart([client, *body], copy=False)
+            P.send_parts(self._router, [client, *body])
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -168,21 +168,31 @@ class Server:
         self._send_reply(client, rid or "", "error", body)
 
     # -- requests -----------------------------------------------------------------------------
-    def _on_request(self, raw: list[zmq.Frame]) -> None:
+    def _recv_request(self) -> tuple[list[Any], int]:
+        """One request's frames (routing id, delimiter, header and content as bytes; raw frames
+        zero-copy) and the file descriptor it came from."""
+        router = self._router
+        first = router.recv(copy=False)
+        parts: list[Any] = [first.bytes]
+        while router.get(zmq.RCVMORE):
+            parts.append(router.recv(copy=len(parts) < 4))
+        return parts, _source_fd(first)
+
+    def _on_request(self, raw: list[Any], fd: int = -1) -> None:
         if len(raw) < 2:
             self.stats.count("dropped")  # nothing after the routing frame: nowhere to reply
             return
-        client = raw[0].bytes
+        client = _b(raw[0])
         header: dict[str, Any] = {}
         try:
             # a DEALER client sends no routing frames: the delimiter follows the client's id
-            body = raw[2:] if len(raw) > 2 and raw[1].bytes == P.DELIMITER else P.split_routing(raw[1:])[1]
+            body = raw[2:] if len(raw) > 2 and _b(raw[1]) == P.DELIMITER else P.split_routing(raw[1:])[1]
             if client not in self._peers and len(self._peers) >= self.max_connections:
                 header = _peek_header(body)
                 raise ProtocolViolation(
                     "TooManyConnections", f"the daemon serves {len(self._peers)} clients (max_connections "
                     f"{self.max_connections}); close idle clients or raise daemon.max_connections")
-            self._peers[client] = _source_fd(raw[-1])
+            self._peers[client] = fd
             size = sum(len(f) for f in raw)
             if len(raw) > self.settings.max_frames or size > self.settings.max_message_bytes:
                 header = _peek_header(body)
@@ -196,7 +206,7 @@ class Server:
                 self.stats.count("retries")
                 replay = self._replay.get((client, rid))
                 if replay is not None:  # answered before: send the same reply again, run nothing
-                    self._router.send_multipart([client, *replay], copy=False)
+                    P.send_parts(self._router, [client, *replay])
                 return
             header, content, frames = P.decode_request(body, header)
         except ProtocolViolation as exc:
@@ -305,9 +315,9 @@ class Server:
                     for _ in range(256):
                         if not router.get(zmq.EVENTS) & zmq.POLLIN:
                             break
-                        raw = router.recv_multipart(copy=False)
+                        raw, fd = self._recv_request()
                         try:
-                            self._on_request(raw)
+                            self._on_request(raw, fd)
                         except Exception:  # never let one message take the daemon down
                             log.exception("unexpected failure handling a message; dropped")
                             self.stats.count("dropped")

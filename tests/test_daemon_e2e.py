@@ -434,3 +434,107 @@ def test_connections_beyond_the_cap_get_too_many_connections(folder: Path) -> No
             assert time.monotonic() < deadline
             time.sleep(0.2)
     assert daemon.stop() == 0
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _bad_input_round(daemon: Daemon, folder: Path) -> dict[str, int]:
+    """Every kind of bad input once, then 10,000 jobs against a queue of 16; the outcomes."""
+    import msgpack
+    import zmq
+
+    from vkpool.daemon import protocol as P
+    from vkpool.daemon.client import parse_reply
+
+    def packed(header: dict[str, Any], content: Any = None) -> list[bytes]:
+        return [P.DELIMITER, msgpack.packb(header), *([] if content is None else [msgpack.packb(content)])]
+
+    seen: dict[str, int] = {}
+    with daemon.client() as client:
+        model = client.load_model(add_model())["id"]
+        x, _ = P.tensor_frames([("x", np.ones((1, 4), np.float32))])
+        raw_cases = [
+            [b"garbage"],                                                     # no delimiter
+            [P.DELIMITER, b"\xc1\xc1", b"\x80"],                              # not msgpack
+            [P.DELIMITER, msgpack.packb({"v": 1, "id": "t"})[:-3]],           # truncated header
+            packed({"v": 7, "id": "v", "type": "hello_request"}, {}),         # wrong version
+            packed({"v": 1, "id": "u", "type": "format_disk_request"}, {}),   # unknown request type
+            packed({"v": 1, "id": "m", "type": "infer_request"}, {"inputs": []}),  # missing field
+            [*packed({"v": 1, "id": "d", "type": "infer_request"},
+                     {"model": model, "inputs": [{"name": "x", "dtype": "float64", "shape": [1, 4]}]}),
+             b"\0" * 32],                                                     # wrong dtype
+            [*packed({"v": 1, "id": "s", "type": "infer_request"},
+                     {"model": model, "inputs": [{"name": "x", "dtype": "float32", "shape": [4, 1]}]}),
+             b"\0" * 16],                                                     # wrong shape
+            [*packed({"v": 1, "id": "f", "type": "infer_request"}, {"model": model, "inputs": x}),
+             b"\0" * 16, b"\0" * 16],                                         # frame count mismatch
+            [*packed({"v": 1, "id": "o", "type": "status_request"}, {}), *[b""] * 40],  # too many frames
+            packed({"v": 1, "id": "k", "type": "infer_request"}, {"model": "f" * 64, "inputs": []}),
+        ]
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(daemon.endpoint)
+        raw.send_multipart([*packed({"v": 1, "id": "load", "type": "load_model_request"}, {}), add_model()])
+        assert raw.poll(30_000) and parse_reply(raw.recv_multipart(copy=False))[0]["status"] == "ok"
+        for frames in raw_cases:
+            raw.send_multipart(frames)
+            assert raw.poll(10_000), f"no reply to {frames[:2]}"
+            header, content, _ = parse_reply(raw.recv_multipart(copy=False))
+            assert header["status"] == "error", content
+            seen[content["type"]] = seen.get(content["type"], 0) + 1
+        raw.close(0)
+        ctx.term()
+        (folder / "text.onnx").write_text("not a model")
+        for bad, error in ((folder / "text.onnx", E.ModelError), (unsupported_model(), E.UnsupportedOp),
+                           (big_model(40 << 20), E.InsufficientMemory),
+                           (external_outside_model(folder / f"ext{len(list(folder.iterdir()))}"), E.ModelError)):
+            with pytest.raises(error):
+                client.load_model(bad)
+        gone = client.load_model(mlp_model(), keep_alive=0)["id"]
+        client.unload_model(gone)
+        with pytest.raises(E.UnknownModel):
+            client.infer(gone, {"x": np.ones((1, 8), np.float32)})
+        content, frames = {"model": model, "inputs": x}, P.tensor_frames([("x", np.ones((1, 4), np.float32))])[1]
+        futures = [client.submit("infer", content, frames) for _ in range(10_000)]
+        for future in futures:
+            header, reply, _ = future.result(120)
+            key = "ok" if header["status"] == "ok" else reply["type"]
+            seen[key] = seen.get(key, 0) + 1
+        client.unload_model(model)
+    return seen
+
+
+def test_bad_input_and_a_flood_leave_the_daemon_serving_and_its_memory_where_it_was(folder: Path) -> None:
+    daemon = Daemon(folder, daemon={"queue_limit": 16, "max_frames": 32, "keep_alive": 0},
+                    extra="devices:\n  - match: {name: 'llvmpipe*'}\n    budget: 32MiB\nhost:\n  budget: 32MiB\n")
+    try:
+        with daemon.client() as watcher:
+            used = {m["id"]: m["used_bytes"] for m in watcher.devices()}
+        first = _bad_input_round(daemon, folder)  # warms up imports, caches and the replay window
+        assert {"ProtocolError", "VersionMismatch", "UnknownRequest", "InvalidRequest", "InvalidTensor",
+                "MessageTooLarge", "UnknownModel"} <= set(first), first
+        assert first["Busy"] > 1_000 and first["ok"] >= 16 and first["ok"] + first["Busy"] == 10_000, first
+        rss = _rss_bytes(daemon.proc.pid)
+        again = _bad_input_round(daemon, folder)
+        assert again.keys() == first.keys()
+        grown = _rss_bytes(daemon.proc.pid) - rss
+        assert grown < 16 << 20, f"the daemon grew by {grown >> 20} MiB over a second round"
+        with daemon.client() as watcher:
+            deadline = time.monotonic() + 10
+            while watcher.list_models() and time.monotonic() < deadline:
+                time.sleep(0.1)  # keep_alive 0: models are freed by the next sweep
+            assert watcher.list_models() == []
+            assert {m["id"]: m["used_bytes"] for m in watcher.devices()} == used
+            status = watcher.status()
+            c = status["counters"]
+            assert c["in_flight"] == 1 and c["accepted"] == c["ok"] + c["error"] + c["client_gone"] + 1, c
+            assert all(depth == 0 for depth in status["queues"].values())
+            assert watcher.session(add_model()).run(None, {"x": np.ones((1, 4), np.float32)})[0].sum() == 8
+    finally:
+        assert daemon.stop() == 0
