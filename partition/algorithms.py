@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import networkx as nx
 import numpy as np
 
 from vkpool.partition.cost import Member, link_ps
 from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan, chunk_peak_bytes
-from vkpool.partition.segments import Column, columns
+from vkpool.partition.segments import Column, columns, cost_groups
 
 OBJECTIVES = ("latency", "throughput")
 _INF = np.iinfo(np.int64).max // 4
@@ -107,13 +107,14 @@ def dp_partition(
 
 class _MemberRows:
     """Prices a column for every member at once: feasible, latency cost and stage period, each an
-    (m, e − lo) array over the starts from ``lo``; the member figures are gathered once."""
+    (m, e − lo) array over the starts from ``lo``. Members of equal cost share one row of work."""
 
     def __init__(self, members: Sequence[Member]) -> None:
         self.budgets = np.array([mm.budget_bytes for mm in members], np.int64)[:, None]
-        self.latency_s = np.array([mm.cost.transfer_latency_s for mm in members])[:, None]
-        self.h2d = np.array([mm.cost.h2d_bytes_per_s for mm in members])[:, None]
-        self.d2h = np.array([mm.cost.d2h_bytes_per_s for mm in members])[:, None]
+        distinct, self.group = cost_groups(members)
+        self.latency_s = np.array([c.transfer_latency_s for c in distinct])[:, None]
+        self.h2d = np.array([c.h2d_bytes_per_s for c in distinct])[:, None]
+        self.d2h = np.array([c.d2h_bytes_per_s for c in distinct])[:, None]
         self.most = int(self.budgets.max())
 
     def first_start(self, col: Column) -> int:
@@ -126,7 +127,22 @@ class _MemberRows:
         link = (link_ps(col.up_bytes[None, lo:], self.latency_s, self.h2d)
                 + link_ps(col.down_bytes[None, lo:], self.latency_s, self.d2h))
         compute = np.stack([c[lo:] for c in col.compute_ps])
-        return col.peak[None, lo:] <= self.budgets, compute + link, np.maximum(compute, link)
+        latency, stage = compute + link, np.maximum(compute, link)
+        if len(self.latency_s) > 1 or len(self.group) == 1:
+            latency, stage = latency[self.group], stage[self.group]
+        else:  # one cost for all: broadcast the row instead of copying it
+            latency = np.broadcast_to(latency, (len(self.group), latency.shape[1]))
+            stage = np.broadcast_to(stage, latency.shape)
+        return col.peak[None, lo:] <= self.budgets, latency, stage
+
+
+def member_classes(members: Sequence[Member]) -> list[list[int]]:
+    """Indices of ``members`` grouped by (budget, cost), in order: members of a class are
+    interchangeable, so the DP counts how many of a class it has used instead of which."""
+    groups: dict[tuple[int, Any], list[int]] = {}
+    for index, mm in enumerate(members):
+        groups.setdefault((mm.budget_bytes, mm.cost), []).append(index)
+    return list(groups.values())
 
 
 def _solve(G: nx.DiGraph, members: Sequence[Member], mode: str, period: int | None):
@@ -136,28 +152,41 @@ def _solve(G: nx.DiGraph, members: Sequence[Member], mode: str, period: int | No
     - ``"period"``: the bottleneck: max stage period (returns that value, not segments);
     - ``"bytes"``: (cross bytes, latency) over segments whose stage fits in ``period``.
 
-    Every (set S, member k ∈ S) pair is one row of a (m, 2^(m−1), width) array: row (k, h) reads
-    the predecessor set S − k from the table and adds member k's segment costs, broadcast over
-    the sets; so a column costs a fixed number of numpy calls whatever m. Starts before the first
-    one any member can take (memory, and in ``"bytes"`` mode the period) are cut off the width.
+    A state is how many members of each class (:func:`member_classes`) the prefix uses, a
+    mixed-radix number: with m distinct members that is the set of used members (2^m states);
+    with m identical ones, a count (m + 1 states). Every (state S, class k used in S) pair is one
+    row of a (classes, H, width) array: row (k, h) reads the predecessor S − one of k from the
+    table and adds class k's segment costs, broadcast over the states, so a column costs a fixed
+    number of numpy calls. Starts before the first one any member can take (memory, and in
+    ``"bytes"`` mode the period) are cut off the width.
     Returns (segments [(start, end, member index)] or the period, or None; the last column).
     """
-    n, m = len(G.graph["order"]), len(members)
-    full = 1 << m
-    # pair (k, h): S = the h-th set containing k, prev = S without k
-    sets_km = np.array([[S for S in range(full) if S >> k & 1] for k in range(m)], np.int64)
-    prev_km = sets_km ^ (1 << np.arange(m))[:, None]
-    k_of = np.repeat(np.arange(m), full >> 1)
-    flat_sets = sets_km.ravel()
-    primary = np.full((full, n + 1), _INF, np.int64)
+    n = len(G.graph["order"])
+    classes = member_classes(members)
+    counts = np.array([len(c) for c in classes], np.int64)
+    strides = np.concatenate([[1], np.cumprod(counts + 1)[:-1]]).astype(np.int64)
+    n_states = int(np.prod(counts + 1))
+    dummy = n_states  # an always-unreachable row that pads the pairs of classes used in fewer states
+    digits = (np.arange(n_states)[:, None] // strides[None, :]) % (counts + 1)[None, :]
+    with_k = [np.flatnonzero(digits[:, k] >= 1) for k in range(len(classes))]
+    width = max(len(w) for w in with_k)
+    states_kh = np.full((len(classes), width), dummy, np.int64)
+    prev_kh = np.full((len(classes), width), dummy, np.int64)
+    for k, w in enumerate(with_k):
+        states_kh[k, :len(w)] = w
+        prev_kh[k, :len(w)] = w - strides[k]
+    mc = len(classes)
+    k_of = np.repeat(np.arange(mc), width)
+    flat_states = states_kh.ravel()
+    primary = np.full((n_states + 1, n + 1), _INF, np.int64)
     primary[0, 0] = 0
     two_keys = mode != "period"
     if two_keys:
-        secondary = np.full((full, n + 1), _INF, np.int64)
+        secondary = np.full((n_states + 1, n + 1), _INF, np.int64)
         secondary[0, 0] = 0
-        back_start = np.full((full, n + 1), -1, np.int64)
-        back_member = np.full((full, n + 1), -1, np.int64)
-    rows = _MemberRows(members)
+        back_start = np.full((n_states + 1, n + 1), -1, np.int64)
+        back_class = np.full((n_states + 1, n + 1), -1, np.int64)
+    rows = _MemberRows([members[c[0]] for c in classes])
     col = None
     for col in columns(G, members):
         e = col.end
@@ -175,29 +204,34 @@ def _solve(G: nx.DiGraph, members: Sequence[Member], mode: str, period: int | No
             feasible, latency, stage = feasible[:, cut:], latency[:, cut:], stage[:, cut:]
             lo += cut
         if mode == "period":
-            a = np.maximum(primary[prev_km, lo:e], np.where(feasible, stage, _INF)[:, None, :])
-            best = a.min(axis=2).ravel()
-            np.minimum.at(primary[:, e], flat_sets, best)
+            a = np.maximum(primary[prev_kh, lo:e], np.where(feasible, stage, _INF)[:, None, :])
+            np.minimum.at(primary[:, e], flat_states, a.min(axis=2).ravel())
+            primary[dummy, e] = _INF
             continue
         if mode == "sum":
             cost_a, cost_b = np.where(feasible, latency, _INF), col.cross_bytes[None, lo:]
         else:  # primary holds bytes, secondary latency
             cost_a, cost_b = np.where(feasible, col.cross_bytes[None, lo:], _INF), latency
-        a = primary[prev_km, lo:e] + cost_a[:, None, :]
-        b = secondary[prev_km, lo:e] + cost_b[:, None, :]
-        amin = a.min(axis=2, keepdims=True)
-        pick = np.where(a == amin, b, _INF).argmin(axis=2)[..., None]
-        ka = np.take_along_axis(a, pick, axis=2).ravel()
-        kb = np.take_along_axis(b, pick, axis=2).ravel()
-        ranked = np.lexsort((kb, ka))  # best first, then the first pair of each set wins
-        ranked = ranked[ka[ranked] < _INF]
-        ranked = ranked[np.unique(flat_sets[ranked], return_index=True)[1]]
-        target = flat_sets[ranked]
+        a = primary[prev_kh, lo:e] + cost_a[:, None, :]
+        pick = a.argmin(axis=2)
+        ka = np.take_along_axis(a, pick[..., None], axis=2)[..., 0]
+        # the secondary key only matters where the primary ties: price it for those rows alone
+        tied = np.count_nonzero(a == ka[..., None], axis=2) > 1
+        cost_b = np.broadcast_to(cost_b, (mc, e - lo))
+        for k, h in zip(*np.nonzero(tied & (ka < _INF))):
+            b = np.where(a[k, h] == ka[k, h], secondary[prev_kh[k, h], lo:e] + cost_b[k], _INF)
+            pick[k, h] = b.argmin()
+        kb = secondary[prev_kh, pick + lo] + np.take_along_axis(cost_b, pick, axis=1)
+        ka, kb, pick = ka.ravel(), kb.ravel(), pick.ravel()
+        ranked = np.lexsort((kb, ka))  # best first, then the first pair of each state wins
+        ranked = ranked[(ka[ranked] < _INF) & (flat_states[ranked] != dummy)]
+        ranked = ranked[np.unique(flat_states[ranked], return_index=True)[1]]
+        target = flat_states[ranked]
         primary[target, e], secondary[target, e] = ka[ranked], kb[ranked]
-        back_start[target, e] = pick.ravel()[ranked] + lo
-        back_member[target, e] = k_of[ranked]
+        back_start[target, e] = pick[ranked] + lo
+        back_class[target, e] = k_of[ranked]
     final = [(int(primary[S, n]), int(secondary[S, n]) if two_keys else 0, S)
-             for S in range(1, full) if primary[S, n] < _INF]
+             for S in range(1, n_states) if primary[S, n] < _INF]
     if not final:
         return None, col
     key_p, _, S = min(final)
@@ -206,11 +240,13 @@ def _solve(G: nx.DiGraph, members: Sequence[Member], mode: str, period: int | No
     segments = []
     e = n
     while e > 0:
-        i, k = int(back_start[S, e]), int(back_member[S, e])
+        i, k = int(back_start[S, e]), int(back_class[S, e])
         segments.append((i, e, k))
-        S ^= 1 << k
+        S -= int(strides[k])
         e = i
-    return segments[::-1], col
+    # the members of a class are interchangeable: give them out in their priority order
+    unused = [list(c) for c in classes]
+    return [(i, e, unused[k].pop(0)) for i, e, k in reversed(segments)], col
 
 
 def _assignment(G: nx.DiGraph, members: Sequence[Member], segments) -> dict[str, str]:

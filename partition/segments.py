@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import networkx as nx
 import numpy as np
 
-from vkpool.partition.cost import Member
+from vkpool.partition.cost import Member, MemberCost
 from vkpool.partition.graph import positions
 
 
@@ -28,7 +28,19 @@ class Column:
     up_bytes: np.ndarray  # tensors read from before i (graph inputs included)
     cross_bytes: np.ndarray  # the part of up_bytes produced by other segments
     down_bytes: np.ndarray  # tensors written and read after end, or graph outputs
-    compute_ps: list[np.ndarray]  # per member
+    compute_ps: list[np.ndarray]  # per distinct member cost, in the order of ``cost_groups``
+
+
+def cost_groups(members: Sequence[Member]) -> tuple[list[MemberCost], np.ndarray]:
+    """The distinct costs among ``members`` and, per member, the index of its own: members of
+    equal speeds (identical GPUs, splits of one) are priced once."""
+    distinct: list[MemberCost] = []
+    index = []
+    for m in members:
+        if m.cost not in distinct:
+            distinct.append(m.cost)
+        index.append(distinct.index(m.cost))
+    return distinct, np.array(index, np.int64)
 
 
 def columns(G: nx.DiGraph, members: Sequence[Member]) -> Iterator[Column]:
@@ -48,8 +60,8 @@ def columns(G: nx.DiGraph, members: Sequence[Member]) -> Iterator[Column]:
     freed_at: dict[int, list[tuple[int, int]]] = {}  # position → (producer pos, bytes) freed after it
     down_ends: dict[int, list[tuple[int, int]]] = {}  # last reader → (producer pos, bytes)
     prefix = []
-    for m in members:
-        times = [m.cost.op_ps(G.nodes[op]["flops"], G.nodes[op]["bytes_read"] + G.nodes[op]["bytes_written"])
+    for cost in cost_groups(members)[0]:
+        times = [cost.op_ps(G.nodes[op]["flops"], G.nodes[op]["bytes_read"] + G.nodes[op]["bytes_written"])
                  for op in order]
         prefix.append(np.concatenate([[0], np.cumsum(np.asarray(times, np.int64))]))
 

@@ -28,6 +28,9 @@ def _members(seed: int, count: int, whole_peak: int) -> list[Member]:
     rng = np.random.default_rng(seed)
     out = []
     for k in range(count):
+        if out and rng.random() < 0.3:  # an identical twin (same GPU model): the DP collapses them
+            out.append(Member(f"m{k}", out[-1].budget_bytes, out[-1].cost))
+            continue
         cost = MemberCost(float(rng.uniform(1e9, 1e12)), float(rng.uniform(1e9, 1e12)),
                           float(rng.uniform(0, 1e-5)), float(rng.uniform(1e8, 1e10)),
                           float(rng.uniform(1e8, 1e10)), float(rng.uniform(0, 1e-4)))
