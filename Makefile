@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# torch's CPU-only wheels: the tests export models with torch and need no CUDA libraries
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: help demo test serve conformance bench system-deps venv clean
 
@@ -19,7 +21,7 @@ system-deps:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench]' --extra-index-url $(TORCH_INDEX)
 	@touch $(STAMP)
 
 venv: system-deps $(STAMP)
