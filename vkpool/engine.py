@@ -195,7 +195,8 @@ class VulkanChunk:
                 if not name:
                     continue
                 info = tensors[name]
-                if pos == 0 and op.alias_input is not None and name not in outputs:
+                staged = name not in outputs or info.nbytes >= STAGED_OUTPUT_BYTES
+                if pos == 0 and op.alias_input is not None and staged:  # the final copy reads its base
                     t[name] = _Tensor(info, "view", t[node.inputs[op.alias_input]].base)
                 else:
                     # a large output is computed in device memory and copied out at the end: a

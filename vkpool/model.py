@@ -76,8 +76,11 @@ def load_model(
     *,
     batch: int = 1,
     dims: dict[str, int] | None = None,
+    fuse: bool = True,
 ) -> LoadedModel:
-    """Loads, checks, binds and folds an ONNX model; see the module docstring."""
+    """Loads, checks, binds and folds an ONNX model; see the module docstring. With ``fuse``
+    (the default), biases and Relus are folded into the products before them
+    (:mod:`vkpool.fusion`)."""
     if batch < 1:
         raise ModelError(f"batch must be at least 1, got {batch}")
     proto, base_dir = _parse(src)
@@ -116,7 +119,7 @@ def load_model(
         if info is None:
             raise ModelError(f"tensor {name!r}: shape or dtype is still unknown after binding symbolic dims")
         tensors[name] = info
-    return LoadedModel(
+    model = LoadedModel(
         inputs=[(n, tensors[n]) for n in input_names],
         outputs=[(n, tensors[n]) for n in output_names],
         nodes=kept_nodes,
@@ -124,6 +127,11 @@ def load_model(
         tensors=tensors,
         opset=opset,
     )
+    if fuse:
+        from vkpool.fusion import fuse as fuse_epilogues
+
+        fuse_epilogues(model)
+    return model
 
 
 # -- parsing and external data -------------------------------------------------------------------

@@ -75,6 +75,8 @@ class MatmulProblem:
     #: rows of C's pattern when a split-K reduction indexes it flat: M, or all output channels
     #: of a grouped convolution (whose batch runs over groups)
     bias_rows: int | None = None
+    #: a Relu fused into the epilogue (see ``fused_relu``)
+    relu: bool = False
 
     @property
     def batch_count(self) -> int:
@@ -144,7 +146,7 @@ class MatmulPlan:
             "gemm_reduce",
             [Ptr(ws), Ptr(c), Ptr(y), U32(total), U32(self.splits), U32(p.N), U32(bias_rows),
              U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta)],
-            groups_1d(total, 256), {"HAS_BIAS": int(p.has_bias)},
+            groups_1d(total, 256), {"HAS_BIAS": int(p.has_bias), "RELU": int(p.relu)},
         )
 
     # -- dispatches ----------------------------------------------------------------------
@@ -164,7 +166,7 @@ class MatmulPlan:
         split = self.splits > 1
         defines = {
             **self.tile, "A_KCONTIG": int(p.sAk == 1), "B_NCONTIG": int(p.sBn == 1),
-            "HAS_BIAS": int(p.has_bias), "SPLITS": self.splits, **(extra_defines or {}),
+            "HAS_BIAS": int(p.has_bias), "RELU": int(p.relu), "SPLITS": self.splits, **(extra_defines or {}),
         }
         if split:
             defines["KCHUNK"] = self.kchunk
@@ -192,7 +194,7 @@ class MatmulPlan:
         p = self.p
         split = self.splits > 1
         defines = {"VEC": self.vec, "TXG": self.txg, "TYG": self.tyg, "SPLIT": int(split),
-                   "HAS_BIAS": int(p.has_bias)}
+                   "HAS_BIAS": int(p.has_bias), "RELU": int(p.relu)}
         first = Dispatch(
             "gemv",
             [Ptr(a), Ptr(b), Ptr(c), Ptr(ws if split else y), U32(p.N), U32(p.K), U32(p.sAk), U32(p.sBk),
@@ -215,12 +217,22 @@ class MatmulPlan:
             "gemv_t",
             [Ptr(a), Ptr(b), Ptr(c), Ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
-            (ceil_div(groups, gy), gy, 1), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias)},
+            (ceil_div(groups, gy), gy, 1), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
+             "RELU": int(p.relu)},
         )
 
     def flops(self) -> int:
         p = self.p
         return 2 * p.M * p.N * p.K * p.batch_count
+
+
+def fused_relu(op: Op) -> bool:
+    """Whether the load-time rewrite (``vkpool.fusion``) folded a Relu into ``op``: the node
+    then carries the internal attribute ``activation = "Relu"``, never present in a file."""
+    activation = op.attr("activation", None)
+    if activation not in (None, "Relu"):
+        raise OpError(f"{op.op_type}: unknown fused activation {activation!r}")
+    return activation == "Relu"
 
 
 class Gemm(Op):
@@ -255,7 +267,7 @@ class Gemm(Op):
             M=M, N=N, K=K,
             sAm=1 if ta else K, sAk=M if ta else 1,
             sBk=1 if tb else N, sBn=K if tb else 1,
-            has_bias=has_bias, sCm=sCm, sCn=sCn, alpha=alpha, beta=beta,
+            has_bias=has_bias, sCm=sCm, sCn=sCn, alpha=alpha, beta=beta, relu=fused_relu(self),
         ))
 
     def output_infos(self) -> list[TensorInfo]:
@@ -272,6 +284,8 @@ class Gemm(Op):
         c = inputs[2] if len(inputs) > 2 else None
         if c is not None:
             y = y + np.float32(self.attr("beta", 1.0)) * c
+        if self.plan.p.relu:
+            y = np.maximum(y, 0)
         return [np.asarray(y, dtype=np.float32).reshape(self.M, self.N)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
@@ -285,4 +299,4 @@ class Gemm(Op):
         return self.plan.workspace_bytes()
 
 
-__all__ = ["Gemm", "MatmulPlan", "MatmulProblem", "BatchDim"]
+__all__ = ["Gemm", "MatmulPlan", "MatmulProblem", "BatchDim", "fused_relu"]

@@ -12,6 +12,11 @@ layout(buffer_reference, std430, buffer_reference_align = 8) buffer I64Buf { int
 layout(buffer_reference, std430, buffer_reference_align = 1) buffer U8Buf { uint8_t v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4Buf { vec4 v[]; };
 
+// RELU = 1: the product's epilogue applies a fused Relu (a load-time rewrite, vkpool.fusion)
+#ifndef RELU
+#define RELU 0
+#endif
+
 #ifndef LOCAL_SIZE
 #define LOCAL_SIZE 256
 #endif

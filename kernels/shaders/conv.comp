@@ -51,5 +51,8 @@ void main() {
 #if HAS_BIAS
     acc += pc.b.v[m];
 #endif
+#if RELU
+    acc = max(acc, 0.0);
+#endif
     pc.y.v[i] = acc;
 }

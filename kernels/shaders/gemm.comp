@@ -152,6 +152,9 @@ void main() {
 #if HAS_BIAS
             v += pc.beta * pc.c.v[cBase + m * pc.sCm + n * pc.sCn];
 #endif
+#if RELU
+            v = max(v, 0.0);
+#endif
             pc.y.v[yBase + m * N + n] = v;
         }
     }

@@ -23,5 +23,8 @@ void main() {
 #if HAS_BIAS
     v += pc.beta * pc.c.v[((i / pc.cols) % pc.rows) * pc.sCm + (i % pc.cols) * pc.sCn];
 #endif
+#if RELU
+    v = max(v, 0.0);
+#endif
     pc.y.v[i] = v;
 }

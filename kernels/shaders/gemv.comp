@@ -75,6 +75,9 @@ void main() {
 #if HAS_BIAS
         v += pc.beta * pc.c.v[n * pc.sCn];
 #endif
+#if RELU
+        v = max(v, 0.0);
+#endif
         pc.y.v[n] = v;
 #endif
     }
