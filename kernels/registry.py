@@ -144,6 +144,7 @@ OPS: list[tuple[str, str, str]] = [
     ("ArgMax", "argmax", "ArgMax"),
     ("ArgMin", "argmax", "ArgMin"),
     ("CumSum", "cumsum", "CumSum"),
+    ("CumProd", "cumsum", "CumProd"),
     ("TopK", "topk", "TopK"),
     ("Hardmax", "hardmax", "Hardmax"),
     ("LayerNormalization", "norms", "LayerNormalization"),

@@ -1,5 +1,5 @@
-"""Trigonometric, hyperbolic and bitwise kernels on the real Vulkan device, against ONNX's
-reference evaluator. Float32 tolerances: rtol 1e-4, atol 1e-6 (the onnx backend tests ask
+"""Trigonometric, hyperbolic, bitwise and cumulative-product kernels on the real Vulkan device,
+against ONNX's reference evaluator. Float32 tolerances: rtol 1e-4, atol 1e-6 (the onnx backend tests ask
 for rtol 1e-3, atol 1e-7); integer outputs must match exactly."""
 from __future__ import annotations
 
@@ -59,3 +59,14 @@ def test_bitwise_not(pool, dtype):
     x = RNG.integers(info.min, info.max, size=(7, 9), dtype=dtype, endpoint=True)
     got, expected = run_node(pool, "BitwiseNot", [x], opset=18)
     np.testing.assert_array_equal(got[0], expected[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.int64])
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_cumprod(pool, dtype, exclusive, reverse):
+    x = RNG.uniform(0.5, 1.5, size=(3, 6, 4)).astype(dtype) if dtype == np.float32 else \
+        RNG.integers(-3, 4, size=(3, 6, 4)).astype(dtype)
+    axis = np.array(-2, np.int64)
+    got, expected = run_node(pool, "CumProd", [x, axis], {"exclusive": exclusive, "reverse": reverse},
+                             opset=26)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)

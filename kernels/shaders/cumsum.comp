@@ -1,6 +1,6 @@
 #version 450
-// CumSum along an axis read from the device at run time (so the axis may be a graph input):
-// one invocation per line of the axis, serial along it.
+// CumSum (CumProd with PROD) along an axis read from the device at run time (so the axis may
+// be a graph input): one invocation per line of the axis, serial along it.
 // EXCLUSIVE and REVERSE are the ONNX attributes; AXIS_T/AXIS_BUF: the axis tensor's type.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
@@ -24,7 +24,13 @@ void main() {
     for (uint d = uint(a) + 1; d < pc.rank; ++d) inner *= pc.shape[d];
     if (n == 0 || line >= pc.total / n) return;
     uint base = (line / inner) * n * inner + line % inner;
+#if PROD  // CumProd
+    T acc = T(1);
+#define ACCUMULATE(v) acc *= v
+#else
     T acc = T(0);
+#define ACCUMULATE(v) acc += v
+#endif
     for (uint k = 0; k < n; ++k) {
 #if REVERSE
         uint i = base + (n - 1 - k) * inner;
@@ -34,9 +40,9 @@ void main() {
         T v = pc.x.v[i];
 #if EXCLUSIVE
         pc.y.v[i] = acc;
-        acc += v;
+        ACCUMULATE(v);
 #else
-        acc += v;
+        ACCUMULATE(v);
         pc.y.v[i] = acc;
 #endif
     }
