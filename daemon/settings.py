@@ -6,7 +6,7 @@ the file for error messages (``"vkpool.yaml: daemon.queue_limit"``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
