@@ -1,17 +1,35 @@
 """Cast and CastLike between float32/float16 and 8- to 64-bit integers and bool (``unary.comp``'s
-conversion). Float to integer truncates toward zero; anything to bool is "not zero". double,
-bfloat16, float8/4 and strings have no kernel."""
+conversion). Float to integer truncates toward zero; anything to bool is "not zero". From float8,
+float4 and 4-/2-bit integers to float32/float16 (and the narrow integers to 8-bit ones) through
+``cast_narrow.comp``. double, bfloat16, casts to the narrow types and strings have no kernel."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
 
-from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, TensorInfo
+from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d
 from vkpool.kernels.ops.dtypes import ELEMENT_TYPES, element_defines, require
 from vkpool.kernels.ops.unary import unary_dispatch
 
 _CASTABLE = frozenset(ELEMENT_TYPES)
+
+#: types narrower than a byte's arithmetic, held one per byte (ml_dtypes), by numpy name: the
+#: defines of ``shaders/cast_narrow.comp`` that decode them
+_NARROW: dict[str, dict[str, int]] = {
+    "float8_e4m3fn": {"FORMAT": 0, "EXP_BITS": 4, "MAN_BITS": 3, "BIAS": 7, "NAN_CODE": 1},
+    "float8_e4m3fnuz": {"FORMAT": 0, "EXP_BITS": 4, "MAN_BITS": 3, "BIAS": 8, "NAN_CODE": 2},
+    "float8_e5m2": {"FORMAT": 0, "EXP_BITS": 5, "MAN_BITS": 2, "BIAS": 15, "NAN_CODE": 0},
+    "float8_e5m2fnuz": {"FORMAT": 0, "EXP_BITS": 5, "MAN_BITS": 2, "BIAS": 16, "NAN_CODE": 2},
+    "float8_e8m0fnu": {"FORMAT": 0, "EXP_BITS": 8, "MAN_BITS": 0, "BIAS": 127, "NAN_CODE": 4},
+    "float4_e2m1fn": {"FORMAT": 0, "EXP_BITS": 2, "MAN_BITS": 1, "BIAS": 1, "NAN_CODE": 3},
+    "int4": {"FORMAT": 1, "INT_BITS": 4},
+    "uint4": {"FORMAT": 2, "INT_BITS": 4},
+    "int2": {"FORMAT": 1, "INT_BITS": 2},
+    "uint2": {"FORMAT": 2, "INT_BITS": 2},
+}
+#: what a narrow type decodes to: floats, and the 8-bit integers for the narrow integers
+_DECODED = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.int8, np.uint8))
 
 
 def _onnx_dtype(to: int) -> np.dtype:
@@ -40,8 +58,12 @@ class Cast(Op):
         return _onnx_dtype(int(to))
 
     def check(self) -> None:
-        require(self.op_type, self.input(0).dtype, _CASTABLE)
         self.to = self.target()
+        self.narrow = _NARROW.get(self.input(0).dtype.name)
+        if self.narrow is not None:
+            require(self.op_type, self.to, _DECODED, f"{self.input(0).dtype} to")
+            return
+        require(self.op_type, self.input(0).dtype, _CASTABLE)
         require(self.op_type, self.to, _CASTABLE, "target")
 
     def output_infos(self) -> list[TensorInfo]:
@@ -57,6 +79,10 @@ class Cast(Op):
         n = self.input(0).size
         if n == 0:
             return []
+        if self.narrow is not None:
+            args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(n)]
+            return [Dispatch("cast_narrow", args, groups_1d(n, 256, ctx.caps),
+                             {**self.narrow, **element_defines(self.to, "Y")})]
         defines = {"OP": 5, **element_defines(self.input(0).dtype, "X"), **element_defines(self.to, "Y")}
         return [unary_dispatch(ctx.inputs[0], ctx.outputs[0], n, defines, ctx.caps)]
 
