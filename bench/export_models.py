@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import io
 import math
 import warnings
@@ -345,13 +346,13 @@ def to_onnx(built: Built) -> bytes:
     import torch
 
     args = tuple(torch.from_numpy(v) for v in built.inputs.values())
+    # torch before 2.5 has only this exporter and no ``dynamo`` argument; from 2.9 it is not the default
+    choose = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
     buf = io.BytesIO()
     with warnings.catch_warnings():
-        # torch >= 2.9 warns that this exporter is no longer the default; it is the one chosen here
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(built.module, args, buf, dynamo=False, opset_version=OPSET,
-                          input_names=list(built.inputs), output_names=[built.output],
-                          do_constant_folding=True)
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch >= 2.9: "legacy exporter"
+        torch.onnx.export(built.module, args, buf, opset_version=OPSET, input_names=list(built.inputs),
+                          output_names=[built.output], do_constant_folding=True, **choose)
     return buf.getvalue()
 
 
