@@ -78,7 +78,6 @@ def dp_partition(
     if not G.graph["order"]:
         raise ValueError("the graph has no ops")
     t0 = time.perf_counter()
-    n, m = len(G.graph["order"]), len(members)
     if objective == "latency":
         choice, last = _solve(G, members, "sum", None)
     else:
@@ -266,6 +265,8 @@ def _unfeasible(G: nx.DiGraph, members: Sequence[Member]) -> PartitionUnfeasible
             return PartitionUnfeasible(
                 f"op {order[e - 1]} needs {alone} bytes by itself and fits on no member; "
                 f"more budget needed: {_fmt_short(short)}", shortfall_bytes=short, unplaceable_op=order[e - 1])
+    if col is None:
+        raise ValueError("the graph has no ops")
     whole = int(col.peak[0])
     short = {mm.id: max(0, whole - mm.budget_bytes) for mm in members}
     return PartitionUnfeasible(
@@ -305,8 +306,9 @@ def exhaustive_partition(G: nx.DiGraph, members: Sequence[Member], *, objective:
         for cuts in itertools.combinations(range(1, n), k - 1):
             bounds = (0, *cuts, n)
             for chosen in itertools.permutations(range(len(members)), k):
-                costs = [price(bounds[s], bounds[s + 1], chosen[s]) for s in range(k)]
-                if any(c is None for c in costs):
+                priced_or_none = [price(bounds[s], bounds[s + 1], chosen[s]) for s in range(k)]
+                costs = [c for c in priced_or_none if c is not None]
+                if len(costs) < k:
                     continue
                 if objective == "latency":
                     value = sum(c[0] for c in costs)

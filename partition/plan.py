@@ -121,7 +121,7 @@ def chunk_peak_bytes(G: nx.DiGraph, ops: Sequence[str], pos: dict[str, int] | No
     for op in ops:
         for t in G.nodes[op]["outputs"]:
             last_use[t] = _last_use(uses[t], pos)
-    freeing: dict[int, int] = {}
+    freeing: dict[float, int] = {}  # last reader's position (inf: a graph output) → bytes freed
     for t, at in last_use.items():
         freeing[at] = freeing.get(at, 0) + uses[t].nbytes
     for op in ops:

@@ -26,7 +26,7 @@ SETTINGS = settings(max_examples=200, derandomize=True, deadline=None,
 
 def _members(seed: int, count: int, whole_peak: int) -> list[Member]:
     rng = np.random.default_rng(seed)
-    out = []
+    out: list[Member] = []
     for k in range(count):
         if out and rng.random() < 0.3:  # an identical twin (same GPU model): the DP collapses them
             out.append(Member(f"m{k}", out[-1].budget_bytes, out[-1].cost))
