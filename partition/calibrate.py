@@ -26,6 +26,7 @@ device UUID (:func:`~vkpool.partition.cost.calibration_path`); the host member's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -275,7 +276,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.repeat is not None:
         if args.repeat < 1:
             raise ValueError("--repeat must be at least 1")
-        sizes = Sizes(**{**sizes.__dict__, "repeat": args.repeat})
+        sizes = dataclasses.replace(sizes, repeat=args.repeat)
     pool = DevicePool.from_config(None)
     try:
         known = [m.id for m in pool.members]
