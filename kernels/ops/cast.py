@@ -1,14 +1,17 @@
 """Cast and CastLike between float32/float16 and 8- to 64-bit integers and bool (``unary.comp``'s
 conversion). Float to integer truncates toward zero; anything to bool is "not zero". From float8,
 float4 and 4-/2-bit integers to float32/float16 (and the narrow integers to 8-bit ones) through
-``cast_narrow.comp``. double, bfloat16, casts to the narrow types and strings have no kernel."""
+``cast_narrow.comp``, and back from float32/float16 (float8 e8m0fnu excepted). double,
+bfloat16 and strings have no kernel."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d
+from vkpool.kernels.base import (
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+)
 from vkpool.kernels.ops.dtypes import ELEMENT_TYPES, element_defines, require
 from vkpool.kernels.ops.unary import unary_dispatch
 
@@ -30,6 +33,19 @@ _NARROW: dict[str, dict[str, int]] = {
 }
 #: what a narrow type decodes to: floats, and the 8-bit integers for the narrow integers
 _DECODED = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.int8, np.uint8))
+#: narrow float types floats encode to: the largest finite value and its bits (sign excluded)
+_ENCODED_MAX: dict[str, tuple[str, int]] = {
+    "float8_e4m3fn": ("448.0", 0x7E), "float8_e4m3fnuz": ("240.0", 0x7F), "float8_e5m2": ("57344.0", 0x7B),
+    "float8_e5m2fnuz": ("57344.0", 0x7F), "float4_e2m1fn": ("6.0", 0x7),
+}
+_FLOATS = frozenset(np.dtype(t) for t in (np.float32, np.float16))
+
+
+def ml_finfo(dtype: np.dtype) -> Any:
+    """ml_dtypes' finfo of a narrow float type (numpy's knows only its own types)."""
+    import ml_dtypes  # installed with onnx; only the narrow types need it
+
+    return ml_dtypes.finfo(dtype)
 
 
 def _onnx_dtype(to: int) -> np.dtype:
@@ -60,8 +76,15 @@ class Cast(Op):
     def check(self) -> None:
         self.to = self.target()
         self.narrow = _NARROW.get(self.input(0).dtype.name)
+        self.encode: dict[str, int] | None = None
         if self.narrow is not None:
             require(self.op_type, self.to, _DECODED, f"{self.input(0).dtype} to")
+            return
+        self.encode = _NARROW.get(self.to.name)
+        if self.encode is not None:
+            if self.to.name not in _ENCODED_MAX and self.encode["FORMAT"] == 0:
+                raise UnsupportedOp(f"{self.op_type}: target type {self.to} has no kernel")
+            require(self.op_type, self.input(0).dtype, _FLOATS, f"to {self.to}, input")
             return
         require(self.op_type, self.input(0).dtype, _CASTABLE)
         require(self.op_type, self.to, _CASTABLE, "target")
@@ -73,16 +96,25 @@ class Cast(Op):
         x = inputs[0]
         assert x is not None
         with np.errstate(all="ignore"):
+            if self.encode is not None and self.encode["FORMAT"] == 0 and self.attr("saturate", 1):
+                info = ml_finfo(self.to)
+                x = np.clip(np.asarray(x, np.float32), float(info.min), float(info.max))
             return [np.asarray(x).astype(self.to)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         n = self.input(0).size
         if n == 0:
             return []
+        args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(n)]
         if self.narrow is not None:
-            args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(n)]
             return [Dispatch("cast_narrow", args, groups_1d(n, 256, ctx.caps),
                              {**self.narrow, **element_defines(self.to, "Y")})]
+        if self.encode is not None:
+            max_value, max_code = _ENCODED_MAX.get(self.to.name, ("0.0", 0))
+            defines = {**self.encode, "ENCODE": 1, "SATURATE": int(bool(self.attr("saturate", 1))),
+                       "MAX_VALUE": max_value, "MAX_CODE": max_code,
+                       **element_defines(self.input(0).dtype, "X")}
+            return [Dispatch("cast_narrow", args, groups_1d(n, 256, ctx.caps), defines)]
         defines = {"OP": 5, **element_defines(self.input(0).dtype, "X"), **element_defines(self.to, "Y")}
         return [unary_dispatch(ctx.inputs[0], ctx.outputs[0], n, defines, ctx.caps)]
 
