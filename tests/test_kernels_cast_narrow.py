@@ -26,7 +26,8 @@ def every_value(name: str) -> np.ndarray:
 @pytest.mark.parametrize("target", [np.float32, np.float16])
 def test_cast_from_narrow_to_float(pool, name, target):
     x = every_value(name)
-    want = x.astype(np.float32).astype(target)
+    with np.errstate(over="ignore"):  # e8m0's largest values are inf in float16
+        want = x.astype(np.float32).astype(target)
     got, _ = run_node(pool, "Cast", [x], {"to": helper.np_dtype_to_tensor_dtype(np.dtype(target))},
                       opset=25, expected=[want])
     np.testing.assert_array_equal(got[0], want)
