@@ -183,6 +183,9 @@ class Op(metaclass=ABCMeta):
     constant_inputs: ClassVar[tuple[int, ...]] = ()
     #: when not None, output 0 is a view of this input (same bytes, new shape): no dispatch
     alias_input: ClassVar[int | None] = None
+    #: the kernels read each input element many times (every workgroup of a GEMV reads the whole
+    #: vector): a model input read so is first copied to device memory, not fetched across the bus
+    rereads_inputs: ClassVar[bool] = False
 
     def __init__(
         self,

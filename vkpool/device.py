@@ -175,13 +175,6 @@ class LogicalDevice:
         if host is None:
             raise vk.VulkanUnavailable(f"{self.info.name} has no host-visible coherent memory")
         self.host_type = host
-        # Memory the host writes and the device reads at full speed (ReBAR, a BAR window, or
-        # unified memory): model inputs go there, so kernels that read an input many times
-        # (a GEMV reads its vector once per workgroup) do not fetch it across the bus each time.
-        # NOTE: on an H200 (driver 580) a 1 GiB GEMV took 675 µs reading its input from host
-        # memory and 258 µs reading it from device memory.
-        upload = pick(DL | HV | HC, heap=local_heap)
-        self.upload_type = upload if upload is not None else host
         self.memory_flags = {i: f for i, f, _ in types}
 
     def _create_layout_and_cache(self) -> None:

@@ -115,28 +115,14 @@ class VulkanMember(Member):
         # host-visible (lavapipe, integrated GPUs, ReBAR) that is the same allocator.
         self.io = self.local if device.device_type_host_visible else BlockAllocator(
             device, device.host_type, self.budget, name=member_id)
-        # Inputs, which only the host writes, prefer device memory the host can map.
-        self.inputs = self.io if device.upload_type in (device.host_type, device.device_type) else BlockAllocator(
-            device, device.upload_type, self.budget, name=member_id)
         self._staging = BlockAllocator(device, device.host_type, None, name=f"{member_id} staging")
         self._staging_lock = threading.Lock()
 
     @property
     def allocations(self) -> int:
-        return sum(a.allocations for a in self._allocators())
+        return self.local.allocations + (self.io.allocations if self.io is not self.local else 0)
 
-    def _allocators(self) -> list[BlockAllocator]:
-        distinct: list[BlockAllocator] = []
-        for a in (self.local, self.io, self.inputs):
-            if all(a is not d for d in distinct):
-                distinct.append(a)
-        return distinct
-
-    def alloc(self, nbytes: int, *, host_visible: bool = False, host_writes_only: bool = False) -> Allocation:
-        """Device memory; with ``host_visible``, memory the host maps (and reads back); with
-        ``host_writes_only`` too, mapped memory the host only writes, device memory where it can."""
-        if host_visible and host_writes_only:
-            return self.inputs.alloc(nbytes)
+    def alloc(self, nbytes: int, *, host_visible: bool = False) -> Allocation:
         return (self.io if host_visible else self.local).alloc(nbytes)
 
     def upload(self, alloc: Allocation, array: np.ndarray) -> None:
@@ -183,8 +169,9 @@ class VulkanMember(Member):
         return d
 
     def close(self) -> None:
-        for allocator in self._allocators():
-            allocator.close()
+        self.local.close()
+        if self.io is not self.local:
+            self.io.close()
         self._staging.close()
 
 

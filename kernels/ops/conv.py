@@ -28,6 +28,7 @@ _GEMM_MIN_REDUCTION = 64
 
 class Conv(Op):
     op_type = "Conv"
+    rereads_inputs = True
 
     def check(self) -> None:
         x, w = self.input(0), self.input(1)

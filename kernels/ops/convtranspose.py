@@ -15,6 +15,7 @@ from vkpool.kernels.ops.attrs import str_attr
 
 class ConvTranspose(Op):
     op_type = "ConvTranspose"
+    rereads_inputs = True
 
     def check(self) -> None:
         x, w = self.input(0), self.input(1)

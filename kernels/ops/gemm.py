@@ -239,6 +239,7 @@ class Gemm(Op):
     """``Y = alpha * A' @ B' + beta * C`` with A' = A or A^T, B' = B or B^T, C broadcast to M x N."""
 
     op_type = "Gemm"
+    rereads_inputs = True
 
     def check(self) -> None:
         a, b = self.input(0), self.input(1)

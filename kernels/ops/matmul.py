@@ -14,6 +14,7 @@ _F32 = np.dtype(np.float32)
 
 class MatMul(Op):
     op_type = "MatMul"
+    rereads_inputs = True
 
     def check(self) -> None:
         a, b = self.input(0), self.input(1)
