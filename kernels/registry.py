@@ -109,6 +109,8 @@ OPS: list[tuple[str, str, str]] = [
     ("Gather", "gather", "Gather"),
     ("Cast", "cast", "Cast"),
     ("CastLike", "cast", "CastLike"),
+    ("QuantizeLinear", "quantize", "QuantizeLinear"),
+    ("DequantizeLinear", "quantize", "DequantizeLinear"),
     ("Range", "range_op", "Range"),
     ("Shape", "shape_ops", "Shape"),
     ("ConstantOfShape", "shape_ops", "ConstantOfShape"),

@@ -1,0 +1,53 @@
+"""QuantizeLinear and DequantizeLinear on the real Vulkan device, against ONNX's reference
+evaluator: per-tensor, per-axis and blocked scales, 8-/16-bit and narrow quantized types.
+Quantized values must match exactly (ties round to even); dequantized ones to rtol 1e-6."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from onnx import helper
+
+from node_cases import run_node
+
+RNG = np.random.default_rng(99)
+X = (RNG.standard_normal((2, 6, 4)) * 40).astype(np.float32)
+X.reshape(-1)[:8] = [0.5, 1.5, 2.5, -0.5, -2.5, 1000.0, -1000.0, 0.0]  # ties and saturation
+
+
+def params(kind: str, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """Scale, zero point and attributes of a per-tensor, per-axis (axis 1) or blocked layout."""
+    shape = {"tensor": (), "axis": (6,), "blocked": (2, 3, 4)}[kind]
+    scale = RNG.uniform(0.5, 2.0, size=shape).astype(np.float32)
+    if kind == "tensor":
+        scale = np.array(1.0, np.float32)  # exact halves stay ties
+    info = ml_dtypes.iinfo(dtype) if dtype.kind in "iu" or "int" in dtype.name else None
+    zero = (RNG.integers(int(info.min) // 2, int(info.max) // 2 + 1, size=shape) if info else
+            np.zeros(shape)).astype(dtype)
+    attrs = {"axis": 1} | ({"block_size": 2} if kind == "blocked" else {})
+    return scale, zero, attrs
+
+
+TYPES = [np.uint8, np.int8, np.int16, np.uint16, ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float8_e4m3fn,
+         ml_dtypes.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize("kind", ["tensor", "axis", "blocked"])
+def test_quantize_and_dequantize(pool, dtype, kind):
+    dtype = np.dtype(dtype)
+    scale, zero, attrs = params(kind, dtype)
+    got, expected = run_node(pool, "QuantizeLinear", [X, scale, zero], attrs, opset=24)
+    assert got[0].dtype == dtype
+    np.testing.assert_array_equal(got[0].view(np.uint8) if dtype.itemsize == 1 else got[0],
+                                  expected[0].view(np.uint8) if dtype.itemsize == 1 else expected[0])
+    got, expected = run_node(pool, "DequantizeLinear", [expected[0], scale, zero], attrs, opset=24)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+
+
+def test_quantize_without_zero_point_to_output_dtype(pool):
+    scale = np.array(0.25, np.float32)
+    attrs = {"output_dtype": helper.np_dtype_to_tensor_dtype(np.dtype(np.int8))}
+    got, expected = run_node(pool, "QuantizeLinear", [X, scale], attrs, opset=24)
+    assert got[0].dtype == np.int8
+    np.testing.assert_array_equal(got[0], expected[0])
