@@ -316,3 +316,20 @@ def test_model_shapes_have_the_published_sizes(name: str, params_m: float) -> No
         G = build_graph(load_model(model, fuse=False))
         assert {G.nodes[op]["cost_source"] for op in G} == {"registry"}
         assert plan_model(G, [member("a", 1 << 40, 1e-6)]).chunks[0].ops == G.graph["order"]
+
+
+def test_compare_flags_a_row_where_greedy_wins_and_summarises_ratios() -> None:
+    from vkpool.partition.compare import dp_never_worse, summary, table
+
+    G = chain([10, 200, 10], [10, 10, 10])
+    members = [member("m0", 1000, 1e-6), member("m1", 1000, 1e-6)]
+    greedy = greedy_partition(G, [member("m0", 100, 1e-6), member("m1", 1000, 1e-6)])  # ping-pongs
+    dp_lat = dp_partition(G, members)
+    dp_thr = dp_partition(G, members, objective="throughput", replicate=False)
+    row = {"workload": "chain", "k": 2, "needs": 1, "dp_budget": 300, "greedy_budget": 1000, "budget": 1000,
+           "ops": 3, "greedy": greedy, "dp_latency": dp_lat, "dp_throughput": dp_thr}
+    assert dp_never_worse([row]) == []
+    assert "| chain | 3 | 2 |" in table([row]) and "latency greedy / DP: geometric mean" in summary([row])
+    swapped = dict(row, greedy=dp_lat, dp_latency=greedy, dp_throughput=greedy)
+    assert [bad.split(":")[1].strip() for bad in dp_never_worse([swapped])] == [
+        "greedy latency better", "greedy throughput better"]
