@@ -85,6 +85,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Conv", "conv", "Conv"),
     ("MaxPool", "pool", "MaxPool"),
     ("AveragePool", "pool", "AveragePool"),
+    ("LpPool", "pool", "LpPool"),
     ("GlobalMaxPool", "pool", "GlobalMaxPool"),
     ("GlobalAveragePool", "pool", "GlobalAveragePool"),
     ("BatchNormalization", "batchnorm", "BatchNormalization"),

@@ -1,4 +1,4 @@
-"""MaxPool (with its optional Indices), AveragePool, GlobalMaxPool and GlobalAveragePool."""
+"""MaxPool (with its optional Indices), AveragePool, LpPool, GlobalMaxPool and GlobalAveragePool."""
 from __future__ import annotations
 
 import math
@@ -23,7 +23,7 @@ def _element_defines(dtype: np.dtype) -> dict[str, str | int]:
 class Pool(Op):
     """Shared checking of the windowed pools; subclasses set ``mode`` and the dtypes."""
 
-    mode: ClassVar[int]  # shader MODE: 0 max, 1 average
+    mode: ClassVar[int]  # shader MODE: 0 max, 1 average, 2 Lp norm
     dtypes: ClassVar[tuple[np.dtype, ...]] = (_F32,)
 
     def check(self) -> None:
@@ -136,6 +136,30 @@ class AveragePool(Pool):
         n, c = x.shape[:2]
         sums = vals.reshape(n, c, math.prod(self.win.kernel), -1).sum(axis=2).reshape(self.out_shape)
         return [(sums / self._counts()).astype(np.float32)]
+
+
+class LpPool(Pool):
+    """The ``p``-norm of each window (positions inside the input; padding adds nothing)."""
+
+    op_type = "LpPool"
+    mode = 2
+
+    def check(self) -> None:
+        super().check()
+        self.p = int(self.attr("p", 2))
+        if self.p < 1:
+            raise OpError(f"LpPool: p must be positive, got {self.p}")
+
+    def defines(self) -> dict[str, int | str]:
+        return {**super().defines(), "P": self.p}
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x = inputs[0]
+        assert x is not None
+        vals = window_view(np.abs(x.astype(np.float64)) ** self.p, self.win, 0.0)
+        n, c = x.shape[:2]
+        sums = vals.reshape(n, c, math.prod(self.win.kernel), -1).sum(axis=2).reshape(self.out_shape)
+        return [(sums ** (1.0 / self.p)).astype(np.float32)]
 
 
 class GlobalPool(Op):

@@ -4,7 +4,8 @@
 // D* dilations, P* leading and Q* trailing pads. MODE 0 = max (T/TBUF element type, optional
 // int64 Indices into the flattened input, row-major or column-major per STORAGE_ORDER),
 // MODE 1 = average (float), dividing by the window positions inside the input, or with
-// COUNT_INCLUDE_PAD inside the padded input (never beyond it: ceil_mode windows).
+// COUNT_INCLUDE_PAD inside the padded input (never beyond it: ceil_mode windows),
+// MODE 2 = LpPool (float): the P-norm of the window positions inside the input.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
@@ -65,6 +66,11 @@ void main() {
                     where = off;
 #endif
                 }
+#elif MODE == 2
+                if (inside) {
+                    float v = abs(pc.x.v[base + (uint(id) * IH + uint(ih)) * IW + uint(iw)]);
+                    sum += P == 2 ? v * v : pow(v, float(P));
+                }
 #else
                 if (inside) sum += pc.x.v[base + (uint(id) * IH + uint(ih)) * IW + uint(iw)];
 #if COUNT_INCLUDE_PAD
@@ -81,6 +87,8 @@ void main() {
 #if INDICES
     pc.idx.v[i] = found ? int64_t(base + where) : int64_t(-1);
 #endif
+#elif MODE == 2
+    pc.y.v[i] = P == 2 ? sqrt(sum) : (P == 1 ? sum : pow(sum, 1.0 / float(P)));
 #else
     pc.y.v[i] = sum / float(count);
 #endif
