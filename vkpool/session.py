@@ -164,8 +164,8 @@ class Session:
 
         The planner prices memory with its own model of a chunk; the compiled chunk may need a
         little more (inputs and outputs held in their own buffers, arena alignment). When a
-        member refuses a chunk, its budget as the planner sees it is cut to 90% of what the
-        refused plan gave it, and the model is planned again.
+        member refuses a chunk, its budget as the planner sees it is cut by what the compile
+        lacked below what the refused plan gave it, and the model is planned again.
         """
         from vkpool.executor import MemberGroup, PlanExecutor
         from vkpool.partition import plan_model
@@ -205,7 +205,9 @@ class Session:
                     if refused is None:
                         raise
                     planned = chosen.memory_bytes.get(exc.member, members[refused].budget_bytes)
-                    members[refused] = members[refused].with_budget(int(planned * 0.9))
+                    # plan again as if the member had as much less room as the compile lacked
+                    lacked = max(1, exc.requested - (exc.budget - exc.used))
+                    members[refused] = members[refused].with_budget(max(0, planned - lacked))
             else:
                 raise DeviceOutOfMemory("pool", 0, 0, 0, "the compiled chunks exceed the budgets the plans "
                                         "were made for, however the plans were cut")
