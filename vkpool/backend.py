@@ -37,12 +37,18 @@ def shared_pool() -> DevicePool:
         return _pool
 
 
+#: ops whose outputs depend on their inputs' static shapes only: a value traced through them
+#: comes from no input's values
+_SHAPE_ONLY = frozenset({"Shape", "Size"})
+
+
 def shape_inputs(model: onnx.ModelProto) -> list[str]:
     """Graph inputs whose values reach a node input its kernel needs known at load time.
 
     Reshape's shape, Slice's starts, TopK's k, Resize's sizes, ... fix output shapes, and vkpool
     compiles static shapes; the backend binds these inputs from the fed values. An input counts
-    when such a value is computed from it (a window size cast and fed to Range, say).
+    when such a value is computed from its values (a window size cast and fed to Range, say),
+    not when only its shape is read (Shape, Size).
     """
     fed = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
     producer = {out: node for node in model.graph.node for out in node.output if out}
@@ -55,7 +61,7 @@ def shape_inputs(model: onnx.ModelProto) -> list[str]:
         seen.add(name)
         if name in fed:
             found.append(name)
-        elif name in producer:
+        elif name in producer and producer[name].op_type not in _SHAPE_ONLY:
             for src in producer[name].input:
                 trace(src)
 

@@ -347,8 +347,9 @@ def write_markdown(outcomes: Sequence[Outcome], *, command: str, onnx_version: s
         lines.append("None.")
     folded = sorted(o.name for o in outcomes if o.folded)
     lines += ["", f"## Passed with every node folded at load ({len(folded)})", "",
-              "Every input of these models fixes a shape and so is bound; the loader then computes the",
-              "outputs on the host, as it folds constant subgraphs of any model, and no kernel runs.", ""]
+              "The outputs of these models follow from static shapes, attributes and inputs that fix",
+              "shapes (bound as constants): the loader computes them on the host, as it folds the",
+              "constant subgraphs of any model, and no kernel runs.", ""]
     lines.append(", ".join(folded) + "." if folded else "None.")
     unsupported = Counter(_reason_kind(o.reason) for o in outcomes if o.status == UNSUPPORTED)
     lines += ["", f"## Why cases are unsupported ({sum(unsupported.values())})", ""]
