@@ -1,6 +1,9 @@
 """The conformance runner (``make conformance``) on a handful of hand-made cases, on the real device."""
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -14,6 +17,7 @@ from vkpool.conformance import (
     UNSUPPORTED,
     Case,
     Outcome,
+    Worker,
     op_under_test,
     run_case,
     run_cases,
@@ -90,6 +94,20 @@ def test_workers_isolate_cases_and_survive_a_timeout() -> None:
                          progress=lambda outcome, done, total, counts: seen.append(done))
     assert [(o.status, o.reason) for o in outcomes] == [(FAILED, "timeout")] * 2
     assert seen == [1, 2]
+
+
+def test_a_crashed_worker_fails_its_case_and_is_replaced() -> None:
+    worker = Worker(mp.get_context("spawn"))
+    try:
+        worker.submit(abs_case("test_crash"))
+        os.kill(worker.process.pid, signal.SIGKILL)  # as a segfault in the driver would end it
+        outcome = worker.receive()
+        assert (outcome.name, outcome.status, outcome.reason) == ("test_crash", FAILED,
+                                                                  "crashed (worker exit code -9)")
+        worker.submit(abs_case("test_after_crash"))
+        assert worker.receive().status == PASSED
+    finally:
+        worker.stop()
 
 
 @pytest.mark.parametrize("name, ops, expected", [
