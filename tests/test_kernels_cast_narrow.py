@@ -1,5 +1,5 @@
-"""Cast between float8, float4, 4-/2-bit integers and the wider types on the real Vulkan device,
-compared with ml_dtypes' own conversions (as the ONNX backend tests generate their data): every
+"""Cast between float8, float4, 4-/2-bit integers, bfloat16 and the wider types on the real
+Vulkan device, compared with ml_dtypes' own conversions (as the ONNX backend tests generate their data): every
 bit pattern of each narrow type decoded, and ties, overflow and subnormal edges encoded, with
 and without saturation. Results are exact; NaN matches any NaN."""
 from __future__ import annotations
@@ -84,3 +84,21 @@ def test_cast_float_to_narrow_integer(pool, name):
     got, _ = run_node(pool, "Cast", [x], {"to": helper.np_dtype_to_tensor_dtype(dtype)}, opset=25,
                       expected=[want])
     np.testing.assert_array_equal(got[0].view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("source", [np.float32, np.float16])
+def test_cast_bfloat16_both_ways(pool, source):
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    # ties to even in the dropped half, the largest finite values rounding to inf, NaN, zeros
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0xFF7F8000, 0x00000001, 0x80000000,
+                     0x7FC00000, 0x7F800000], np.uint32).view(np.float32)
+    with np.errstate(over="ignore"):
+        x = np.concatenate([bits, edge_values()[0]]).astype(source).reshape(1, -1)
+    want = x.astype(bf16)
+    got, _ = run_node(pool, "Cast", [x], {"to": helper.np_dtype_to_tensor_dtype(bf16)}, opset=25,
+                      expected=[want])
+    g, w = got[0].astype(np.float32), want.astype(np.float32)
+    assert ((g == w) | (np.isnan(g) & np.isnan(w))).all(), (x[g != w], g[g != w], w[g != w])
+    back, _ = run_node(pool, "Cast", [want], {"to": helper.np_dtype_to_tensor_dtype(np.dtype(source))},
+                       opset=25, expected=[want.astype(source)])
+    np.testing.assert_array_equal(back[0], want.astype(source))

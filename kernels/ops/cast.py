@@ -1,8 +1,8 @@
 """Cast and CastLike between float32/float16 and 8- to 64-bit integers and bool (``unary.comp``'s
 conversion). Float to integer truncates toward zero; anything to bool is "not zero". From float8,
 float4 and 4-/2-bit integers to float32/float16 (and the narrow integers to 8-bit ones) through
-``cast_narrow.comp``, and back from float32/float16 (float8 e8m0fnu excepted). double,
-bfloat16 and strings have no kernel."""
+``cast_narrow.comp``, and back from float32/float16 (float8 e8m0fnu excepted); the same for
+bfloat16. double and strings have no kernel."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -19,7 +19,7 @@ _CASTABLE = frozenset(ELEMENT_TYPES)
 
 #: types narrower than a byte's arithmetic, held one per byte (ml_dtypes), by numpy name: the
 #: defines of ``shaders/cast_narrow.comp`` that decode them
-_NARROW: dict[str, dict[str, int]] = {
+_NARROW: dict[str, dict[str, int | str]] = {
     "float8_e4m3fn": {"FORMAT": 0, "EXP_BITS": 4, "MAN_BITS": 3, "BIAS": 7, "NAN_CODE": 1},
     "float8_e4m3fnuz": {"FORMAT": 0, "EXP_BITS": 4, "MAN_BITS": 3, "BIAS": 8, "NAN_CODE": 2},
     "float8_e5m2": {"FORMAT": 0, "EXP_BITS": 5, "MAN_BITS": 2, "BIAS": 15, "NAN_CODE": 0},
@@ -30,6 +30,7 @@ _NARROW: dict[str, dict[str, int]] = {
     "uint4": {"FORMAT": 2, "INT_BITS": 4},
     "int2": {"FORMAT": 1, "INT_BITS": 2},
     "uint2": {"FORMAT": 2, "INT_BITS": 2},
+    "bfloat16": {"FORMAT": 3, "NBUF": "U16Buf", "NT": "uint16_t"},
 }
 #: what a narrow type decodes to: floats, and the 8-bit integers for the narrow integers
 _DECODED = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.int8, np.uint8))
@@ -76,7 +77,7 @@ class Cast(Op):
     def check(self) -> None:
         self.to = self.target()
         self.narrow = _NARROW.get(self.input(0).dtype.name)
-        self.encode: dict[str, int] | None = None
+        self.encode: dict[str, int | str] | None = None
         if self.narrow is not None:
             require(self.op_type, self.to, _DECODED, f"{self.input(0).dtype} to")
             return

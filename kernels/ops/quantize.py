@@ -23,7 +23,7 @@ def _quantized_defines(dtype: np.dtype) -> dict[str, Any]:
     """The Q* defines: a standard integer type, or a narrow type with narrow.glsl's defines."""
     narrow = _NARROW.get(dtype.name)
     if narrow is not None:
-        if dtype.name == "float8_e8m0fnu":
+        if dtype.name in ("float8_e8m0fnu", "bfloat16"):
             raise UnsupportedOp(f"quantized type {dtype} has no kernel")
         max_value, max_code = _ENCODED_MAX.get(dtype.name, ("0.0", 0))
         low, high = _NARROW_INT_RANGE.get(dtype.name, (0, 0))

@@ -6,15 +6,20 @@
 #include "elem_types.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
 
+#ifndef NBUF  // the narrow side's storage: one byte, or two for bfloat16
+#define NBUF U8Buf
+#define NT uint8_t
+#endif
+
 #if ENCODE
 layout(push_constant) uniform Args {
     XBUF x;
-    U8Buf y;
+    NBUF y;
     uint n;
 } pc;
 #else
 layout(push_constant) uniform Args {
-    U8Buf x;
+    NBUF x;
     YBUF y;
     uint n;
 } pc;
@@ -26,7 +31,7 @@ layout(push_constant) uniform Args {
 void main() {
     uint i = flat_index();
     if (i >= pc.n) return;
-    pc.y.v[i] = uint8_t(encode(float(pc.x.v[i])));
+    pc.y.v[i] = NT(encode(float(pc.x.v[i])));
 }
 #else
 void main() {

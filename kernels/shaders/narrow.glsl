@@ -1,7 +1,8 @@
 // Bits of the types narrower than a byte's arithmetic, held one per byte as ml_dtypes and
 // onnx.numpy_helper hold them: float8 (e4m3fn, e4m3fnuz, e5m2, e5m2fnuz, e8m0fnu), float4 e2m1fn,
-// and 4- and 2-bit integers. The including shader defines the type (kernels/ops/cast.py _NARROW):
-// FORMAT 0 float with EXP_BITS/MAN_BITS/BIAS, 1 signed integer of INT_BITS, 2 unsigned.
+// and 4- and 2-bit integers; and bfloat16, two bytes. The including shader defines the type
+// (kernels/ops/cast.py _NARROW): FORMAT 0 float with EXP_BITS/MAN_BITS/BIAS, 1 signed integer of
+// INT_BITS, 2 unsigned, 3 bfloat16.
 // NAN_CODE: 0 IEEE (all-ones exponent: inf or NaN), 1 "fn" (all-ones exponent and mantissa is
 // NaN), 2 "fnuz" (0x80 is NaN, no negative zero), 3 none, 4 e8m0 (0xFF is NaN, no sign).
 // encode() exists where MAX_VALUE, MAX_CODE and SATURATE are defined too.
@@ -10,7 +11,9 @@
 #define INF uintBitsToFloat(0x7f800000u)
 
 float decode(uint b) {
-#if FORMAT == 1
+#if FORMAT == 3  // bfloat16: the high half of a float32
+    return uintBitsToFloat(b << 16);
+#elif FORMAT == 1
     return float(int(b << (32 - INT_BITS)) >> (32 - INT_BITS));  // sign-extend
 #elif FORMAT == 2
     return float(b & ((1u << INT_BITS) - 1u));
@@ -39,7 +42,11 @@ float decode(uint b) {
 // included); otherwise a result past MAX_CODE is the format's overflow: inf for IEEE, NaN for
 // fn/fnuz, MAX_CODE for a format with neither (float4 e2m1fn, which also writes NaN as -0).
 uint encode(float v) {
-#if FORMAT != 0
+#if FORMAT == 3  // bfloat16: round the low half away to nearest even; NaN stays a quiet NaN
+    uint u = floatBitsToUint(v);
+    if (isnan(v)) return (u >> 16) | 0x40u;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+#elif FORMAT != 0
     return uint(int(v)) & ((1u << INT_BITS) - 1u);
 #else
     const uint man_mask = (1u << MAN_BITS) - 1u;
