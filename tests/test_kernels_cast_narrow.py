@@ -1,7 +1,7 @@
 """Cast between float8, float4, 4-/2-bit integers, bfloat16 and the wider types on the real
-Vulkan device, compared with ml_dtypes' own conversions (as the ONNX backend tests generate their data): every
-bit pattern of each narrow type decoded, and ties, overflow and subnormal edges encoded, with
-and without saturation. Results are exact; NaN matches any NaN."""
+Vulkan device, compared with ml_dtypes' own conversions (as the ONNX backend tests generate
+their data): every bit pattern of each narrow type decoded, and ties, overflow and subnormal
+edges encoded, with and without saturation. Results are exact; NaN matches any NaN."""
 from __future__ import annotations
 
 import ml_dtypes
