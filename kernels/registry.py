@@ -123,6 +123,7 @@ OPS: list[tuple[str, str, str]] = [
     ("ScatterND", "gather_scatter", "ScatterND"),
     ("Pad", "pad", "Pad"),
     ("Trilu", "trilu", "Trilu"),
+    ("EyeLike", "eye", "EyeLike"),
     ("OneHot", "onehot", "OneHot"),
     ("DepthToSpace", "depth_space", "DepthToSpace"),
     ("SpaceToDepth", "depth_space", "SpaceToDepth"),
