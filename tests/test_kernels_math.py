@@ -30,7 +30,8 @@ def test_odd_functions_keep_relative_precision_near_zero(pool, op):
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int32, np.int64])
+# each dtype is a shader variant to compile: a few cover the narrow, 32- and 64-bit paths
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint64, np.int8, np.int32])
 @pytest.mark.parametrize("direction", ["LEFT", "RIGHT"])
 def test_bitshift(pool, dtype, direction):
     bits = np.dtype(dtype).itemsize * 8
@@ -44,7 +45,7 @@ def test_bitshift(pool, dtype, direction):
 
 
 @pytest.mark.parametrize("op", ["BitwiseAnd", "BitwiseOr", "BitwiseXor"])
-@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int32, np.uint64])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint64])
 def test_bitwise_binary(pool, op, dtype):
     info = np.iinfo(dtype)
     a = RNG.integers(info.min, info.max, size=(2, 3, 5), dtype=dtype, endpoint=True)
@@ -53,7 +54,7 @@ def test_bitwise_binary(pool, op, dtype):
     np.testing.assert_array_equal(got[0], expected[0])
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int64, np.uint32])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint32])
 def test_bitwise_not(pool, dtype):
     info = np.iinfo(dtype)
     x = RNG.integers(info.min, info.max, size=(7, 9), dtype=dtype, endpoint=True)
@@ -61,8 +62,9 @@ def test_bitwise_not(pool, dtype):
     np.testing.assert_array_equal(got[0], expected[0])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.int64])
-@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("dtype,exclusive,reverse", [
+    (np.float32, 0, 0), (np.float32, 1, 0), (np.float32, 0, 1), (np.float32, 1, 1), (np.int64, 1, 1),
+])
 def test_cumprod(pool, dtype, exclusive, reverse):
     x = RNG.uniform(0.5, 1.5, size=(3, 6, 4)).astype(dtype) if dtype == np.float32 else \
         RNG.integers(-3, 4, size=(3, 6, 4)).astype(dtype)

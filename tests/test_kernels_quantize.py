@@ -28,8 +28,8 @@ def params(kind: str, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, dict[str
     return scale, zero, attrs
 
 
-TYPES = [np.uint8, np.int8, np.int16, np.uint16, ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float8_e4m3fn,
-         ml_dtypes.float8_e5m2]
+# each type is a shader variant per op to compile: one of each family (8-, 16-bit, narrow, float8)
+TYPES = [np.uint8, np.int16, ml_dtypes.int4, ml_dtypes.float8_e4m3fn]
 
 
 @pytest.mark.parametrize("dtype", TYPES, ids=lambda t: np.dtype(t).name)
