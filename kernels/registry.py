@@ -131,6 +131,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Size", "nonzero", "Size"),
     ("Resize", "resize", "Resize"),
     ("Upsample", "resize", "Upsample"),
+    ("GridSample", "grid_sample", "GridSample"),
     ("ConvTranspose", "convtranspose", "ConvTranspose"),
     ("Einsum", "einsum", "Einsum"),
     # -- more elementwise (math, logic, comparison) -------------------------------------------
