@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from node_cases import run_node
 from vkpool.kernels.base import TensorInfo
 from vkpool.kernels.ops.grid_sample import GridSample
