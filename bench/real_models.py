@@ -158,6 +158,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     built = em.build(name)
     ref = _ort_session(path, optimize=False).run(None, built.inputs)[0]
     result: dict[str, Any] = {
+        "load_average": os.getloadavg(),  # other work on the machine skews every runtime
         "model": str(path), "onnx_mib": round(path.stat().st_size / 2**20, 1),
         "inputs": {k: list(v.shape) for k, v in built.inputs.items()}, "output_shape": list(ref.shape),
         "runtimes": {},
@@ -174,6 +175,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 what, fn = _torch_cudagraph(built, keep)
             else:
                 what, fn = _ort_cpu(path, built, keep)
+            load_s = time.monotonic() - start
             summary, out = time_runs(fn, args.warmup, args.runs)
         except Unavailable as exc:
             result["runtimes"][rt] = {"unavailable": str(exc)}
@@ -189,7 +191,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             del keep
             gc.collect()
         err = rel_err(out, ref)
-        result["runtimes"][rt] = {"runtime": what, **summary.to_dict(), "max_rel_err": err}
+        result["runtimes"][rt] = {"runtime": what, "load_s": round(load_s, 3), **summary.to_dict(),
+                                  "max_rel_err": err}
         _log(f"{name} {rt}: median {summary.median_ms:.3f} ms, max rel err {err:.2e} "
              f"({time.monotonic() - start:.0f} s)")
     return result
@@ -259,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in args.models:
         results["models"][name] = bench_model(name, args)
-        results["load_average"] = os.getloadavg()  # other work on the machine skews every runtime
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # after each model: partial results survive
     print(render_markdown(results), end="")
