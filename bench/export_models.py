@@ -35,13 +35,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models"
 
 
-# -- transformer blocks ----------------------------------------------------------------------------
+# -- torch modules ---------------------------------------------------------------------------------
 
 
 def _modules() -> dict[str, Any]:
     """The torch module classes, defined on first use so that importing this file needs no torch."""
     import torch
     from torch import nn
+
+    # -- transformers --
 
     class SelfAttention(nn.Module):
         def __init__(self, hidden: int, heads: int, causal_len: int = 0) -> None:
