@@ -43,7 +43,7 @@ def _modules() -> dict[str, Any]:
     import torch
     from torch import nn
 
-    # -- transformers --
+    # -- transformers ----------------------------------------------------------------------------
 
     class SelfAttention(nn.Module):
         def __init__(self, hidden: int, heads: int, causal_len: int = 0) -> None:
