@@ -134,6 +134,7 @@ OPS: list[tuple[str, str, str]] = [
     ("GridSample", "grid_sample", "GridSample"),
     ("ConvTranspose", "convtranspose", "ConvTranspose"),
     ("Einsum", "einsum", "Einsum"),
+    ("DFT", "dft", "DFT"),
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
     ("ReduceSum", "reduce", "ReduceSum"),
