@@ -21,23 +21,27 @@ import numpy as np
 
 
 def _model(size: int, transposed: bool, stage_input: bool = False, softmax: bool = False,
-           stage_output: bool = False) -> bytes:
-    """y = x @ W; ``stage_input`` first adds zero to x (so the product reads device memory, not
-    the mapped input), ``softmax`` ends with a Softmax, ``stage_output`` adds zero at the end (so
-    the op before writes device memory, not the mapped output)."""
+           stage_output: bool = False, layers: int = 1) -> bytes:
+    """y = x @ W (``layers`` times, each with its own weights); ``stage_input`` first adds zero
+    to x (so the product reads device memory, not the mapped input), ``softmax`` ends with a
+    Softmax, ``stage_output`` adds zero at the end (so the op before writes device memory, not
+    the mapped output)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    w = (np.random.default_rng(0).standard_normal((size, size), dtype=np.float32) / np.sqrt(size)).astype(np.float32)
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.zeros(1, np.float32), "zero")]
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(np.zeros(1, np.float32), "zero")]
     nodes, prev = [], "x"
     if stage_input:
         nodes.append(helper.make_node("Add", ["x", "zero"], ["xs"]))
         prev = "xs"
-    if transposed:
-        nodes.append(helper.make_node("Gemm", [prev, "w"], ["p"], transB=1))
-    else:
-        nodes.append(helper.make_node("MatMul", [prev, "w"], ["p"]))
-    prev = "p"
+    for k in range(layers):
+        w = (rng.standard_normal((size, size), dtype=np.float32) / np.sqrt(size)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{k}"))
+        if transposed:
+            nodes.append(helper.make_node("Gemm", [prev, f"w{k}"], [f"p{k}"], transB=1))
+        else:
+            nodes.append(helper.make_node("MatMul", [prev, f"w{k}"], [f"p{k}"]))
+        prev = f"p{k}"
     if softmax:
         nodes.append(helper.make_node("Softmax", [prev], ["s"], axis=-1))
         prev = "s"
@@ -71,16 +75,17 @@ def main() -> None:
     ap.add_argument("--stage-input", action="store_true", help="add zero to x first (product reads device memory)")
     ap.add_argument("--softmax", action="store_true", help="end with a Softmax, as matmul_1GB_1layer does")
     ap.add_argument("--stage-output", action="store_true", help="add zero last (the op before writes device memory)")
+    ap.add_argument("--layers", type=int, default=1, help="products in a chain, each with its own weights")
     args = ap.parse_args()
     from vkpool.kernels.ops import gemm
     from vkpool.session import Session
 
-    print("| weights | layout | split | dispatches (GPU µs each) | product GPU µs | GB/s | run median µs |\n|---|---|---|---|---|---|---|")
+    print("| weights | layout | split | dispatches (GPU µs each, mean) | product GPU µs | GB/s | run median µs |\n|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             for transposed in (False, True):
                 path = Path(tmp) / f"gemv_{size}_{int(transposed)}.onnx"
-                path.write_bytes(_model(size, transposed, args.stage_input, args.softmax, args.stage_output))
+                path.write_bytes(_model(size, transposed, args.stage_input, args.softmax, args.stage_output, args.layers))
                 defaults = {name: getattr(gemm, name) for v in VARIANTS[transposed] for name in v}
                 for variant in [{}] + (VARIANTS[transposed] if args.variants else []):
                     for name, value in {**defaults, **variant}.items():
@@ -107,10 +112,14 @@ def _time(Session: type, path: Path, size: int, transposed: bool, variant: dict[
     each = [statistics.median(p[i] for p in profiles) for i in range(len(chunk.dispatch_labels))]
     gpu = sum(t for t, label in zip(each, chunk.dispatch_labels) if "gemv" in label or "gemm" in label)
     layout = "N x K (Gemm transB=1)" if transposed else "K x N (MatMul)"
-    shaders = ", ".join(f"{label.rsplit('[', 1)[-1].rstrip(']')} {t:.1f}" for label, t in zip(chunk.dispatch_labels, each))
-    gbps = size * size * 4 / (gpu * 1e-6) / 1e9
+    by_shader: dict[str, list[float]] = {}
+    for label, t in zip(chunk.dispatch_labels, each):
+        by_shader.setdefault(label.rsplit("[", 1)[-1].rstrip("]"), []).append(t)
+    shaders = ", ".join(f"{name} {statistics.mean(ts):.1f}" + (f" ×{len(ts)}" if len(ts) > 1 else "")
+                        for name, ts in by_shader.items())
+    gbps = args.layers * size * size * 4 / (gpu * 1e-6) / 1e9
     split = " ".join(f"{k.strip('_').lower()}={v}" for k, v in variant.items()) or "default"
-    print(f"| {size * size * 4 / 2**20:.0f} MiB | {layout} | {split} | {shaders} | {gpu:.1f} | {gbps:.0f} | "
+    print(f"| {args.layers} x {size * size * 4 / 2**20:.0f} MiB | {layout} | {split} | {shaders} | {gpu:.1f} | {gbps:.0f} | "
           f"{statistics.median(walls):.1f} |", flush=True)
     sess.close()
 

@@ -186,6 +186,10 @@ class Op(metaclass=ABCMeta):
     #: the kernels read each input element many times (every workgroup of a GEMV reads the whole
     #: vector): a model input read so is first copied to device memory, not fetched across the bus
     rereads_inputs: ClassVar[bool] = False
+    #: positions of 2-D constant inputs the kernels read transposed (an op sets it in ``check``):
+    #: the engine stores their transpose, e.g. a GEMV's K x N weights as N x K so that each
+    #: output's weights are contiguous
+    transposed_constants: frozenset[int] = frozenset()
 
     def __init__(
         self,

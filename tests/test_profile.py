@@ -1,4 +1,5 @@
-"""GPU timestamp profiles of a recorded model, and the barrier choice they help measure."""
+"""Recorded commands on the real Vulkan device: GPU timestamp profiles, the barrier choice, where
+inputs, outputs and weights live (copied in, copied out, stored transposed)."""
 from __future__ import annotations
 
 import numpy as np
@@ -58,3 +59,26 @@ def test_large_outputs_are_copied_out_and_small_ones_written_in_place(pool):
             x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
             for _ in range(3):
                 np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)
+
+
+def test_gemv_weights_are_stored_transposed_and_a_second_reader_keeps_the_original(pool):
+    k, n = 24, 40
+    w = np.random.default_rng(5).standard_normal((k, n)).astype(np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [k, n])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])
+    s = helper.make_tensor_value_info("s", TensorProto.FLOAT, [k, n])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["z", "w"], ["s"])]
+    g = helper.make_graph(nodes, "g", [x, z], [y, s], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    with Session(model, pool=pool) as sess:
+        chunk = sess._chunk
+        assert any("MatMul" in label and "[gemv_t]" in label for label in chunk.dispatch_labels)
+        assert list(chunk._transposed) == ["w"]
+        assert chunk.stats.weight_bytes == 2 * w.nbytes  # the GEMV's copy and the Add's
+        rng = np.random.default_rng(6)
+        xv = rng.standard_normal((1, k)).astype(np.float32)
+        zv = rng.standard_normal((k, n)).astype(np.float32)
+        got_y, got_s = sess.run(None, {"x": xv, "z": zv})
+    np.testing.assert_allclose(got_y, xv @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got_s, zv + w)

@@ -217,13 +217,29 @@ class VulkanChunk:
                 t[name] = _Tensor(t[name].info, "arena", name)
         self.tensors = t
         # Storage: constants and I/O get allocations of their own; activations share an arena.
+        # A constant is stored as its readers read it: as is, transposed (ops'
+        # transposed_constants), or both when readers differ.
+        layouts: dict[str, set[bool]] = {}
+        for op, node in zip(self.ops, self.nodes):
+            for pos, name in enumerate(node.inputs):
+                if name and t[name].kind == "const":
+                    layouts.setdefault(name, set()).add(pos in op.transposed_constants)
+        for name in self.output_names:
+            if name in t and t[name].kind == "const":
+                layouts.setdefault(name, set()).add(False)
+        self._transposed: dict[str, TensorHandle] = {}
         for name, tensor in [*t.items(), *self._staged_inputs.items()]:
             if tensor.kind == "const":
-                alloc = member.alloc(tensor.info.nbytes)
-                self._allocs.append(alloc)
-                member.upload(alloc, constants[name])
-                tensor.handle = TensorHandle(alloc, 0, tensor.info.nbytes)
-                self.stats.weight_bytes += tensor.info.nbytes
+                for transposed in sorted(layouts.get(name, {False})):
+                    alloc = member.alloc(tensor.info.nbytes)
+                    self._allocs.append(alloc)
+                    member.upload(alloc, constants[name], transpose=transposed)
+                    handle = TensorHandle(alloc, 0, tensor.info.nbytes)
+                    if transposed:
+                        self._transposed[name] = handle
+                    else:
+                        tensor.handle = handle
+                    self.stats.weight_bytes += tensor.info.nbytes
             elif tensor.kind in ("input", "output"):
                 alloc = member.alloc(tensor.info.nbytes, host_visible=True)
                 self._allocs.append(alloc)
@@ -307,7 +323,8 @@ class VulkanChunk:
             buckets.setdefault((0, 0), []).append((f"copy-in {name}", ("copy", host.handle, t[name].handle)))
         for level, op, node, ws_off in scheduled:
             ctx = DispatchContext(
-                inputs=[t[t[n].base].handle if n else None for n in node.inputs],
+                inputs=[(self._transposed[n] if pos in op.transposed_constants else t[t[n].base].handle)
+                        if n else None for pos, n in enumerate(node.inputs)],
                 outputs=[t[t[n].base].handle if n else None for n in node.outputs],
                 workspace=TensorHandle(arena, ws_off, op.workspace_bytes()) if ws_off >= 0 else None,
                 caps=caps,

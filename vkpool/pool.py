@@ -125,22 +125,33 @@ class VulkanMember(Member):
     def alloc(self, nbytes: int, *, host_visible: bool = False) -> Allocation:
         return (self.io if host_visible else self.local).alloc(nbytes)
 
-    def upload(self, alloc: Allocation, array: np.ndarray) -> None:
-        """Copies ``array`` into ``alloc``: a memcpy into mapped memory, or through staging."""
-        src = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        if src.nbytes > alloc.nbytes:
-            raise ValueError(f"{self.id}: {src.nbytes} bytes do not fit an allocation of {alloc.nbytes}")
+    def upload(self, alloc: Allocation, array: np.ndarray, *, transpose: bool = False) -> None:
+        """Copies ``array`` into ``alloc``: a memcpy into mapped memory, or through staging.
+        With ``transpose``, a 2-D array is stored transposed, converted a block of rows of the
+        result at a time so that host memory never holds a second whole copy."""
+        if array.nbytes > alloc.nbytes:
+            raise ValueError(f"{self.id}: {array.nbytes} bytes do not fit an allocation of {alloc.nbytes}")
+        if transpose:
+            rows, cols = array.shape
+            step = max(1, STAGING_CHUNK_BYTES // max(1, rows * array.itemsize))
+            parts = ((c0 * rows * array.itemsize, np.ascontiguousarray(array[:, c0:c0 + step].T))
+                     for c0 in range(0, cols, step))
+        else:
+            parts = iter([(0, np.ascontiguousarray(array))])
         if alloc.host_visible:
-            alloc.view()[: src.nbytes] = src
+            for offset, part in parts:
+                alloc.view()[offset:offset + part.nbytes] = part.reshape(-1).view(np.uint8)
             return
         with self._staging_lock:
-            stage = self._staging.alloc(min(STAGING_CHUNK_BYTES, max(src.nbytes, 1)))
+            stage = self._staging.alloc(min(STAGING_CHUNK_BYTES, max(array.nbytes, 1)))
             try:
-                for start in range(0, src.nbytes, stage.nbytes):
-                    part = src[start:start + stage.nbytes]
-                    stage.view()[: part.nbytes] = part
-                    self.device.run_once([("copy", stage.buffer, stage.offset, alloc.buffer,
-                                           alloc.offset + start, part.nbytes)])
+                for offset, part in parts:
+                    src = part.reshape(-1).view(np.uint8)
+                    for start in range(0, src.nbytes, stage.nbytes):
+                        piece = src[start:start + stage.nbytes]
+                        stage.view()[: piece.nbytes] = piece
+                        self.device.run_once([("copy", stage.buffer, stage.offset, alloc.buffer,
+                                               alloc.offset + offset + start, piece.nbytes)])
             finally:
                 stage.free()
 

@@ -264,6 +264,12 @@ class Gemm(Op):
             if self.opset < 7 and int(self.attr("broadcast", 0)) == 0 and tuple(cs) != (M, N):
                 raise OpError(f"Gemm: C must be {(M, N)} without broadcast (opset {self.opset}), got {cs}")
             sCm, sCn = broadcast_strides(cs, (M, N))
+        if M == 1 and not tb and 1 in self.constants:
+            # a GEMV by constant weights reads them stored transposed, as if transB were set:
+            # each output's weights are then contiguous, streamed by gemv_t.comp in one pass
+            # (NOTE: H200, driver 580: 1 GiB of weights at 4.3 TB/s this way, 1.6 TB/s K x N)
+            self.transposed_constants = frozenset({1})
+            tb = 1
         self.plan = MatmulPlan(MatmulProblem(
             M=M, N=N, K=K,
             sAm=1 if ta else K, sAk=M if ta else 1,

@@ -39,7 +39,12 @@ class MatMul(Op):
         if all(d == 1 for d in b2[:-2]):
             # B is one matrix: A's batch folds into its rows (A is contiguous), one product.
             rows = int(np.prod(a2[:-1], dtype=np.int64))
-            problem = MatmulProblem(M=rows, N=N, K=K, sAm=K, sAk=1, sBk=N, sBn=1)
+            if rows == 1 and len(b.shape) == 2 and 1 in self.constants:
+                # a GEMV by constant weights reads them stored transposed (see Gemm.check)
+                self.transposed_constants = frozenset({1})
+                problem = MatmulProblem(M=1, N=N, K=K, sAm=K, sAk=1, sBk=1, sBn=K)
+            else:
+                problem = MatmulProblem(M=rows, N=N, K=K, sAm=K, sAk=1, sBk=N, sBn=1)
         else:
             dims, (sa, sb) = collapse(batch, a2[:-2], b2[:-2])
             ystrides = [int(np.prod(dims[i + 1:], dtype=np.int64)) for i in range(len(dims))]
