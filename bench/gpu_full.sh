@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The full GPU benchmark in one go, on the GPU machine: every workload on every runtime
+# (python -m bench), the daemon's overhead and throughput (vkpool.daemon.bench), the five real
+# models (bench.real_models) and GPU timestamps per dispatch (bench.gpu_profile).
+#
+# Usage: bash bench/gpu_full.sh start   # set up, then run everything in the background
+#        bash bench/gpu_full.sh wait N  # wait up to N seconds; copy results to $OUT when done
+# (The machine's commands are limited to 10 minutes each; the work takes longer, so it runs
+# detached and later calls wait for it; results come back as $OUT/gpu-full.tgz.)
+# Carry .gl, .whl (with the ncnn wheel and its pure-Python needs), .glsl.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+RES=/tmp/full-out
+if [ "${1:-}" = "start" ]; then
+  bash bench/gpu_run.sh full x --devices-only > /tmp/setup.log 2>&1 || { cat /tmp/setup.log; exit 1; }
+  rm -rf /tmp/bb "$RES" && mkdir -p /tmp/bb "$RES" && cp -r bench /tmp/bb/
+  cat > /tmp/full.sh <<'EOF'
+export PYTHONPATH=/tmp/site:/tmp/vkpool-src:/tmp/bb VKPOOL_CACHE_DIR=/tmp/vkcache PYTHONUNBUFFERED=1
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+RES=/tmp/full-out
+cd /tmp
+{ nvidia-smi; python3 -c "import torch, onnxruntime, numpy; print('torch', torch.__version__, 'onnxruntime', onnxruntime.__version__, 'numpy', numpy.__version__)"; python3 -c "import ncnn; print('ncnn', ncnn.__version__)"; } > $RES/versions.txt 2>&1
+# ncnn only where its converter and a 32-bit blob index serve (the small workloads)
+python3 -m bench --out $RES/bench --runtimes vkpool vkpool_daemon ort_cpu torch_eager torch_cudagraph > $RES/bench.log 2>&1
+python3 -m bench --out $RES/bench --append --runtimes ncnn_vulkan \
+  --workloads mnist12_like mlp conv_few_15MB add_chain >> $RES/bench.log 2>&1
+python3 -m bench.workloads --out /tmp/models mnist12_like add_chain_1 > /dev/null
+python3 -m vkpool.daemon.bench /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 --seconds 5 --out $RES/daemon-overhead.json > $RES/daemon-overhead.md 2>&1
+python3 -m bench.real_models --models-dir /tmp/real-models --out $RES/real_models.json > $RES/real_models.md 2>&1
+for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1000; do
+  [ -f /tmp/models/$w.onnx ] || python3 -m bench.workloads --out /tmp/models $w > /dev/null
+  python3 -m bench.gpu_profile /tmp/models/$w.onnx --device vk0 --top 8
+done > $RES/gpu-profile.txt 2>&1
+touch $RES/done
+EOF
+  setsid nohup bash /tmp/full.sh > /tmp/full.log 2>&1 < /dev/null &
+  echo started
+  exit 0
+fi
+deadline=$(( $(date +%s) + ${2:-540} ))
+while [ ! -f $RES/done ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+tail -3 $RES/bench.log 2>/dev/null; ls $RES
+if [ -f $RES/done ]; then
+  # one archive: the transfer back takes at most 8 files
+  (cd $RES && tar czf "$OUT/gpu-full.tgz" --exclude='bench/models' --exclude='bench/work' --exclude='bench/logs' .)
+  echo finished
+fi
