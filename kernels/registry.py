@@ -110,6 +110,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Gather", "gather", "Gather"),
     ("Cast", "cast", "Cast"),
     ("CastLike", "cast", "CastLike"),
+    ("BitCast", "bitcast", "BitCast"),
     ("QuantizeLinear", "quantize", "QuantizeLinear"),
     ("DequantizeLinear", "quantize", "DequantizeLinear"),
     ("Range", "range_op", "Range"),
