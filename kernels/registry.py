@@ -133,6 +133,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Resize", "resize", "Resize"),
     ("Upsample", "resize", "Upsample"),
     ("GridSample", "grid_sample", "GridSample"),
+    ("AffineGrid", "affine_grid", "AffineGrid"),
     ("ConvTranspose", "convtranspose", "ConvTranspose"),
     ("Einsum", "einsum", "Einsum"),
     ("DFT", "dft", "DFT"),

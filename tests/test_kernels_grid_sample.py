@@ -1,6 +1,6 @@
-"""GridSample on the real Vulkan device, against ONNX's reference evaluator: every mode and
-padding, both corner alignments, 2-D and 3-D inputs, grids reaching past [-1, 1] so that the
-padding rules matter. Float32 rtol 1e-5, atol 1e-5 (cubic weights cancel)."""
+"""GridSample and AffineGrid on the real Vulkan device, against ONNX's reference evaluator:
+every mode and padding, both corner alignments, 2-D and 3-D inputs, grids reaching past [-1, 1]
+so that the padding rules matter. Float32 rtol 1e-5, atol 1e-5 (cubic weights cancel)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 
 from node_cases import run_node
 from vkpool.kernels.base import TensorInfo
+from vkpool.kernels.ops.affine_grid import AffineGrid
 from vkpool.kernels.ops.grid_sample import GridSample
 
 RNG = np.random.default_rng(21)
@@ -46,3 +47,19 @@ def test_numpy_reference_matches_onnx(pool, shape, mode, padding, align):
     op = GridSample(attrs, [TensorInfo(x.shape, x.dtype), TensorInfo(grid.shape, grid.dtype)], opset=22)
     _, expected = run_node(pool, "GridSample", [x, grid], attrs, opset=22)
     np.testing.assert_allclose(op.reference([x, grid])[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+# a one-pixel axis with align_corners sits at -1; the reference evaluator gets there through 2/0
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+@pytest.mark.parametrize("size", [(2, 3, 4, 5), (2, 1, 3, 1, 4), (1, 1, 1, 6)])
+@pytest.mark.parametrize("align", [0, 1])
+def test_affine_grid(pool, size, align):
+    nd = len(size) - 2
+    theta = RNG.standard_normal((size[0], nd, nd + 1)).astype(np.float32)
+    shape = np.array(size, np.int64)
+    got, expected = run_node(pool, "AffineGrid", [theta, shape], {"align_corners": align}, constants=(1,),
+                             opset=20)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    infos = [TensorInfo(theta.shape, theta.dtype), TensorInfo(shape.shape, shape.dtype)]
+    op = AffineGrid({"align_corners": align}, infos, {1: shape}, opset=20)
+    np.testing.assert_allclose(op.reference([theta, shape])[0], expected[0], rtol=1e-5, atol=1e-6)
