@@ -123,6 +123,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Scatter", "gather_scatter", "Scatter"),
     ("ScatterND", "gather_scatter", "ScatterND"),
     ("Pad", "pad", "Pad"),
+    ("CenterCropPad", "pad", "CenterCropPad"),
     ("Trilu", "trilu", "Trilu"),
     ("EyeLike", "eye", "EyeLike"),
     ("OneHot", "onehot", "OneHot"),

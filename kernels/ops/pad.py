@@ -87,4 +87,35 @@ class Pad(Op):
         return [Dispatch("pad", args, groups_1d(n, 64, ctx.caps), defines)]
 
 
-__all__ = ["Pad"]
+
+class CenterCropPad(Pad):
+    """Crops or zero-pads ``axes`` (all by default) to the ``shape`` input around their centres: a
+    constant Pad whose pads are negative where it crops."""
+
+    op_type = "CenterCropPad"
+    constant_inputs = (1,)
+
+    def check(self) -> None:
+        x = self.input(0)
+        rank = len(x.shape)
+        if x.dtype not in _DTYPES:
+            raise UnsupportedOp(f"CenterCropPad: element type {x.dtype} has no kernel")
+        if not 1 <= rank <= 6:
+            raise UnsupportedOp(f"CenterCropPad: rank {rank} (1 to 6 supported)")
+        shape = [int(v) for v in self.constants[1].reshape(-1)]
+        axes = normalize_axes(list(self.attr("axes", range(rank))), rank, "CenterCropPad")
+        if len(shape) != len(axes):
+            raise OpError(f"CenterCropPad: {len(shape)} sizes for {len(axes)} axes")
+        self.mode, self.value = "constant", 0.0
+        self.begin, self.end = [0] * rank, [0] * rank
+        for a, size in zip(axes, shape):
+            if size < 0:
+                raise OpError(f"CenterCropPad: size {size} is negative")
+            diff = size - x.shape[a]
+            # the odd element of a crop or a pad goes to the end
+            self.begin[a] = abs(diff) // 2 if diff > 0 else -(abs(diff) // 2)
+            self.end[a] = diff - self.begin[a]
+        self.out_shape = tuple(n + b + e for n, b, e in zip(x.shape, self.begin, self.end))
+
+
+__all__ = ["Pad", "CenterCropPad"]
