@@ -103,7 +103,9 @@ class CenterCropPad(Pad):
         if not 1 <= rank <= 6:
             raise UnsupportedOp(f"CenterCropPad: rank {rank} (1 to 6 supported)")
         shape = [int(v) for v in self.constants[1].reshape(-1)]
-        axes = normalize_axes(list(self.attr("axes", range(rank))), rank, "CenterCropPad")
+        given = [int(a) for a in self.attr("axes", range(rank))]
+        normalize_axes(given, rank, "CenterCropPad")  # range and repeats; sizes pair in given order
+        axes = [a % rank for a in given]
         if len(shape) != len(axes):
             raise OpError(f"CenterCropPad: {len(shape)} sizes for {len(axes)} axes")
         self.mode, self.value = "constant", 0.0
