@@ -166,6 +166,7 @@ OPS: list[tuple[str, str, str]] = [
     ("SwiGLU", "swiglu", "SwiGLU"),
     ("Attention", "attention", "Attention"),
     ("RotaryEmbedding", "rotary", "RotaryEmbedding"),
+    ("CausalConvWithState", "causal_conv", "CausalConvWithState"),
 ]
 
 
