@@ -9,8 +9,9 @@ import numpy as np
 from vkpool.kernels.base import (
     DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
 )
+from vkpool.kernels.ops.dtypes import element_defines
 
-_F32 = np.dtype(np.float32)
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 class SoftmaxBase(Op):
@@ -20,8 +21,8 @@ class SoftmaxBase(Op):
 
     def check(self) -> None:
         x = self.input(0)
-        if x.dtype != _F32:
-            raise UnsupportedOp(f"{self.op_type}: only float32 is supported, got {x.dtype}")
+        if x.dtype not in _FLOATS:
+            raise UnsupportedOp(f"{self.op_type}: only float32 and float16 are supported, got {x.dtype}")
         rank = len(x.shape)
         axis = int(self.attr("axis", -1 if self.opset >= 13 else 1))
         if rank == 0:
@@ -48,26 +49,26 @@ class SoftmaxBase(Op):
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x = inputs[0]
         assert x is not None
-        v = x.reshape(self.outer, self.D, self.inner)
+        v = x.astype(np.float32).reshape(self.outer, self.D, self.inner)
         shifted = v - v.max(axis=1, keepdims=True)
         e = np.exp(shifted)
         s = e.sum(axis=1, keepdims=True)
         y = e / s if self.mode == 0 else shifted - np.log(s)
-        return [y.reshape(x.shape).astype(np.float32, copy=False)]
+        return [y.reshape(x.shape).astype(x.dtype, copy=False)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         rows = self.outer * self.inner
         return [softmax_dispatch(ctx.inputs[0], ctx.outputs[0], self.D, self.inner, rows, self.mode,
-                                 ctx.caps)]
+                                 ctx.caps, self.input(0).dtype)]
 
     def flops(self) -> int:
         return 4 * self.input(0).size
 
 
 def softmax_dispatch(src: Any, dst: Any, D: int, inner: int, rows: int, mode: int,
-                     caps: DeviceCaps) -> Dispatch:
+                     caps: DeviceCaps, dtype: np.dtype = np.dtype(np.float32)) -> Dispatch:
     """One ``softmax.comp`` dispatch (``mode`` 0 Softmax, 1 LogSoftmax) over ``rows`` rows of ``D``
-    elements ``inner`` apart."""
+    elements ``inner`` apart, of ``dtype`` (float32 or float16)."""
     # long rows get wide workgroups: the lone row after a big GEMV is latency-bound
     widest = min(1024 if D >= 4096 else 256, caps.max_workgroup_invocations)
     local = min(widest, max(32, 1 << max(0, D - 1).bit_length()))
@@ -76,7 +77,7 @@ def softmax_dispatch(src: Any, dst: Any, D: int, inner: int, rows: int, mode: in
         "softmax",
         [Ptr(src), Ptr(dst), U32(D), U32(inner), U32(rows)],
         (ceil_div(max(rows, 1), gy), gy, 1),
-        {"MODE": mode, "LOCAL_SIZE": local},
+        {"MODE": mode, "LOCAL_SIZE": local, **element_defines(dtype, "X")},
     )
 
 

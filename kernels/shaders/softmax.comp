@@ -2,14 +2,21 @@
 // Softmax / LogSoftmax over one axis: one workgroup per row (all indices but the axis).
 // A row's D elements lie `inner` apart, starting at outer * D * inner + i_inner. Three
 // strided passes (max, sum of exponentials, write), each combined in shared memory.
-// MODE 0 = Softmax, 1 = LogSoftmax.
+// MODE 0 = Softmax, 1 = LogSoftmax. X* the element type (float32/float16; float32 arithmetic).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#include "elem_types.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
 
+#ifndef XT
+#define XT float
+#define XBUF F32Buf
+#endif
+#define LOAD(k) float(pc.x.v[k])
+
 layout(push_constant) uniform Args {
-    F32Buf x;
-    F32Buf y;
+    XBUF x;
+    XBUF y;
     uint D;
     uint inner;
     uint rows;
@@ -25,7 +32,7 @@ void main() {
     const uint base = (row / inner) * D * inner + row % inner;
 
     float m = -1.0 / 0.0;
-    for (uint j = t; j < D; j += LOCAL_SIZE) m = max(m, pc.x.v[base + j * inner]);
+    for (uint j = t; j < D; j += LOCAL_SIZE) m = max(m, LOAD(base + j * inner));
     part[t] = m;
     barrier();
     for (uint s = LOCAL_SIZE / 2; s > 0; s >>= 1) {
@@ -36,7 +43,7 @@ void main() {
     barrier();
 
     float sum = 0.0;
-    for (uint j = t; j < D; j += LOCAL_SIZE) sum += exp(pc.x.v[base + j * inner] - m);
+    for (uint j = t; j < D; j += LOCAL_SIZE) sum += exp(LOAD(base + j * inner) - m);
     part[t] = sum;
     barrier();
     for (uint s = LOCAL_SIZE / 2; s > 0; s >>= 1) {
@@ -49,13 +56,13 @@ void main() {
     const float scale = 1.0 / sum;
     for (uint j = t; j < D; j += LOCAL_SIZE) {
         uint k = base + j * inner;
-        pc.y.v[k] = exp(pc.x.v[k] - m) * scale;
+        pc.y.v[k] = XT(exp(LOAD(k) - m) * scale);
     }
 #else
     const float shift = m + log(sum);
     for (uint j = t; j < D; j += LOCAL_SIZE) {
         uint k = base + j * inner;
-        pc.y.v[k] = pc.x.v[k] - shift;
+        pc.y.v[k] = XT(LOAD(k) - shift);
     }
 #endif
 }
