@@ -61,4 +61,5 @@ def test_float16_softmax(pool, op):
     x = (RNG.standard_normal((3, 7, 5)) * 4).astype(np.float16)
     got, expected = run_node(pool, op, [x], {"axis": 1}, opset=13)
     assert got[0].dtype == np.float16
-    np.testing.assert_allclose(got[0].astype(np.float32), expected[0].astype(np.float32), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(got[0].astype(np.float32), expected[0].astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
