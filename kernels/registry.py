@@ -125,6 +125,7 @@ OPS: list[tuple[str, str, str]] = [
     ("Pad", "pad", "Pad"),
     ("CenterCropPad", "pad", "CenterCropPad"),
     ("Trilu", "trilu", "Trilu"),
+    ("ReverseSequence", "reverse_sequence", "ReverseSequence"),
     ("EyeLike", "eye", "EyeLike"),
     ("OneHot", "onehot", "OneHot"),
     ("DepthToSpace", "depth_space", "DepthToSpace"),

@@ -53,7 +53,10 @@ def element_defines(dtype: np.dtype, prefix: str) -> dict[str, str | int]:
 def word_defines(dtype: np.dtype) -> dict[str, str]:
     """``WT``/``WBUF``: the word type moving one element of ``dtype`` unchanged."""
     size = np.dtype(dtype).itemsize
-    if np.dtype(dtype).kind in "OUSV" or size not in WORD_TYPES:
+    kind = np.dtype(dtype).kind
+    # ml_dtypes' types (bfloat16, float8, int4 one per byte) are kind "V" to numpy: bytes to move
+    narrow = kind == "V" and np.dtype(dtype).type.__module__.startswith("ml_dtypes")
+    if kind in "OUS" or (kind == "V" and not narrow) or size not in WORD_TYPES:
         raise UnsupportedOp(f"element type {np.dtype(dtype)} cannot be stored on a device")
     storage, buf = WORD_TYPES[size]
     return {"WT": storage, "WBUF": buf}
