@@ -169,7 +169,7 @@ def device_name() -> str:
     if not members:
         return "no Vulkan member"
     info = members[0].info
-    return f"{info.name} ({info.driver_name} {info.driver_info})".strip()
+    return f"{info.name}, driver {info.driver_name} {info.driver_info}".strip()
 
 
 def _describe(conn: Connection) -> None:
