@@ -139,6 +139,7 @@ OPS: list[tuple[str, str, str]] = [
     ("ConvTranspose", "convtranspose", "ConvTranspose"),
     ("Einsum", "einsum", "Einsum"),
     ("DFT", "dft", "DFT"),
+    ("STFT", "stft", "STFT"),
     # -- more elementwise (math, logic, comparison) -------------------------------------------
     # -- reductions and normalisation layers ----------------------------------------------------
     ("ReduceSum", "reduce", "ReduceSum"),
