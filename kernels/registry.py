@@ -130,6 +130,7 @@ OPS: list[tuple[str, str, str]] = [
     ("OneHot", "onehot", "OneHot"),
     ("DepthToSpace", "depth_space", "DepthToSpace"),
     ("SpaceToDepth", "depth_space", "SpaceToDepth"),
+    ("Compress", "compress", "Compress"),
     ("NonZero", "nonzero", "NonZero"),
     ("Size", "nonzero", "Size"),
     ("Resize", "resize", "Resize"),
