@@ -113,6 +113,7 @@ OPS: list[tuple[str, str, str]] = [
     ("BitCast", "bitcast", "BitCast"),
     ("QuantizeLinear", "quantize", "QuantizeLinear"),
     ("DequantizeLinear", "quantize", "DequantizeLinear"),
+    ("DynamicQuantizeLinear", "quantize", "DynamicQuantizeLinear"),
     ("Range", "range_op", "Range"),
     ("Shape", "shape_ops", "Shape"),
     ("ConstantOfShape", "shape_ops", "ConstantOfShape"),

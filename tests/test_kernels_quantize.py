@@ -1,6 +1,7 @@
-"""QuantizeLinear and DequantizeLinear on the real Vulkan device, against ONNX's reference
-evaluator: per-tensor, per-axis and blocked scales, 8-/16-bit and narrow quantized types.
-Quantized values must match exactly (ties round to even); dequantized ones to rtol 1e-6."""
+"""QuantizeLinear, DequantizeLinear and DynamicQuantizeLinear on the real Vulkan device, against
+ONNX's reference evaluator: per-tensor, per-axis and blocked scales, 8-/16-bit and narrow
+quantized types. Quantized values must match exactly (ties round to even); dequantized ones to
+rtol 1e-6."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -50,4 +51,13 @@ def test_quantize_without_zero_point_to_output_dtype(pool):
     attrs = {"output_dtype": helper.np_dtype_to_tensor_dtype(np.dtype(np.int8))}
     got, expected = run_node(pool, "QuantizeLinear", [X, scale], attrs, opset=24)
     assert got[0].dtype == np.int8
+    np.testing.assert_array_equal(got[0], expected[0])
+
+
+@pytest.mark.parametrize("low,high", [(-3.0, 5.0), (0.5, 7.0), (-4.0, -1.0)])
+def test_dynamic_quantize(pool, low, high):
+    x = RNG.uniform(low, high, size=(3, 70)).astype(np.float32)
+    got, expected = run_node(pool, "DynamicQuantizeLinear", [x], num_outputs=3, opset=11)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-6)
+    np.testing.assert_array_equal(got[2], expected[2])
     np.testing.assert_array_equal(got[0], expected[0])

@@ -1,6 +1,7 @@
 """QuantizeLinear and DequantizeLinear (``shaders/quantize.comp``): per-tensor, per-axis and
 blocked scales and zero points; quantized types: 8-/16-/32-bit integers, and float8, float4 and
-4-/2-bit integers (held one per byte, ``shaders/narrow.glsl``); float side float32/float16."""
+4-/2-bit integers (held one per byte, ``shaders/narrow.glsl``); float side float32/float16.
+DynamicQuantizeLinear (``shaders/dynamic_quantize.comp``): float32 to uint8 on its own range."""
 from __future__ import annotations
 
 import math
@@ -157,3 +158,37 @@ class QuantizeLinear(_Linear):
         if self.input(0).size == 0:
             return []
         return [self.dispatch(ctx, 1, self.out_dtype, self.input(0).dtype)]
+
+
+class DynamicQuantizeLinear(Op):
+    """float32 to uint8 with the scale and zero point of the input's own range (0 included):
+    one reduction dispatch for them, one elementwise dispatch for the values."""
+
+    op_type = "DynamicQuantizeLinear"
+
+    def check(self) -> None:
+        if self.input(0).dtype != np.dtype(np.float32):
+            raise UnsupportedOp(f"DynamicQuantizeLinear: input type {self.input(0).dtype} has no kernel")
+
+    def output_infos(self) -> list[TensorInfo]:
+        u8 = np.dtype(np.uint8)
+        return [TensorInfo(self.input(0).shape, u8), TensorInfo((), np.dtype(np.float32)), TensorInfo((), u8)]
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        x = inputs[0]
+        assert x is not None
+        low, high = min(0.0, float(x.min(initial=0.0))), max(0.0, float(x.max(initial=0.0)))
+        scale = np.float32((high - low) / 255)
+        if scale == 0:
+            return [np.zeros(x.shape, np.uint8), np.array(scale), np.array(0, np.uint8)]
+        zero = np.clip(np.round(-low / scale), 0, 255)
+        y = np.clip(np.round(x / scale) + zero, 0, 255).astype(np.uint8)
+        return [y, np.array(scale, np.float32), np.array(zero, np.uint8)]
+
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        n = self.input(0).size
+        args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), Ptr(ctx.outputs[1]), Ptr(ctx.outputs[2]), U32(n)]
+        stats = Dispatch("dynamic_quantize", args, (1, 1, 1), {"MODE": 0})
+        if n == 0:
+            return [stats]
+        return [stats, Dispatch("dynamic_quantize", args, groups_1d(n, 256, ctx.caps), {"MODE": 1})]
