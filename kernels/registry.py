@@ -166,6 +166,10 @@ OPS: list[tuple[str, str, str]] = [
     ("InstanceNormalization", "norms", "InstanceNormalization"),
     ("MeanVarianceNormalization", "norms", "MeanVarianceNormalization"),
     ("LpNormalization", "norms", "LpNormalization"),
+    # -- recurrent ------------------------------------------------------------------------------
+    ("RNN", "recurrent", "RNN"),
+    ("GRU", "recurrent", "GRU"),
+    ("LSTM", "recurrent", "LSTM"),
     # -- attention ------------------------------------------------------------------------------
     ("SwiGLU", "swiglu", "SwiGLU"),
     ("Attention", "attention", "Attention"),

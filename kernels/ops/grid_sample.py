@@ -62,7 +62,7 @@ class GridSample(Op):
         n, c = x.shape[:2]
         vol = x.reshape(n, c, g["ID"], g["IH"], g["IW"])
         coords = grid.reshape(n, g["OD"], g["OH"], g["OW"], self.nd)
-        axes = []  # per axis (d, h, w): tap indices [n, OD, OH, OW, taps] and their weights
+        axes: list[tuple[Any, Any]] = []  # per axis (d, h, w): tap indices [n, OD, OH, OW, taps], weights
         for axis, size in ((2, g["ID"]), (1, g["IH"]), (0, g["IW"])):
             if axis >= self.nd:
                 shape = coords.shape[:-1] + (1,)
@@ -82,7 +82,7 @@ class GridSample(Op):
                     out += np.moveaxis(picked * weight, -1, 1)
         return [out.reshape(self.output_infos()[0].shape).astype(np.float32)]
 
-    def _taps(self, coord: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    def _taps(self, coord: np.ndarray, size: int) -> tuple[Any, Any]:
         lo, hi = (0.0, size - 1.0) if self.align else (-0.5, size - 0.5)
         x = (coord + 1) / 2 * (size - 1) if self.align else ((coord + 1) * size - 1) / 2
         if self.mode == 0:
@@ -102,7 +102,7 @@ class GridSample(Op):
             else:
                 first = f.astype(np.int64) - 1
                 weights = _keys(np.abs(t + 1 - np.arange(4)))
-            first = first[..., None] + np.arange(weights.shape[-1])
+            first = first[..., None] + np.arange(2 if self.mode == 1 else 4)
             return self._pixel(first, size, lo, hi), weights
         return self._pixel(first, size, lo, hi), weights
 
