@@ -82,6 +82,8 @@ OPS: list[tuple[str, str, str]] = [
     # -- linear algebra, convolution, pooling, normalisation -----------------------------------
     ("Gemm", "gemm", "Gemm"),
     ("MatMul", "matmul", "MatMul"),
+    ("MatMulInteger", "qmatmul", "MatMulInteger"),
+    ("QLinearMatMul", "qmatmul", "QLinearMatMul"),
     ("Conv", "conv", "Conv"),
     ("MaxPool", "pool", "MaxPool"),
     ("AveragePool", "pool", "AveragePool"),
