@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -117,15 +116,15 @@ def run_child(mode: str, runtime: str, result_path: Path, log_path: Path, timeou
 
 @contextmanager
 def daemon(tmp: Path, log_path: Path, timeout_s: float = 60.0) -> Iterator[tuple[str | None, str]]:
-    """Start ``vkpool serve`` on an ipc endpoint in ``tmp``; yield (endpoint or None, note)."""
-    exe = shutil.which("vkpool", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    if exe is None:
-        yield None, "the vkpool command is not installed"
-        return
+    """Start ``vkpool serve`` on an ipc endpoint in ``tmp``; yield (endpoint or None, note).
+
+    Runs ``python -m vkpool`` with this interpreter, so a package installed without its console
+    script (``pip install --target``) serves too."""
     socket = tmp / "s"
     endpoint = f"ipc://{socket}"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([exe, "serve", "--endpoint", endpoint], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "vkpool", "serve", "--endpoint", endpoint],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout_s
         while not socket.exists() and proc.poll() is None and time.monotonic() < deadline:

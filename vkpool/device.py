@@ -257,7 +257,11 @@ class LogicalDevice:
         self._cache_dirty = False
 
     # -- memory blocks ----------------------------------------------------------------------
-    def create_block(self, size: int, memory_type: int) -> tuple[Any, Any, int, np.ndarray | None]:
+    def create_block(self, size: int, memory_type: int, *, dedicated: bool = False
+                     ) -> tuple[Any, Any, int, np.ndarray | None]:
+        """A buffer with memory of its own. ``dedicated`` (one large tensor) tells the driver the
+        memory serves that buffer alone (VkMemoryDedicatedAllocateInfo), which lets it choose
+        placement and page size for it."""
         ffi, b, lib = self._ffi, self._b, self._lib
         binfo = ffi.new("VkBufferCreateInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, "size": size,
@@ -272,8 +276,12 @@ class LogicalDevice:
         if not (req.memoryTypeBits >> memory_type) & 1:
             lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
             raise vk.VulkanError("vkGetBufferMemoryRequirements", b.VK_ERROR_FEATURE_NOT_PRESENT, self.name)
+        only = ffi.new("VkMemoryDedicatedAllocateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO, "buffer": buf[0],
+        })
         flags = ffi.new("VkMemoryAllocateFlagsInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+            "pNext": only if dedicated else ffi.NULL,
             "flags": vk.MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT,
         })
         ainfo = ffi.new("VkMemoryAllocateInfo*", {

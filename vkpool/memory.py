@@ -231,7 +231,7 @@ class BlockAllocator:
 
     def _new_block(self, size: int, *, dedicated: bool) -> Block:
         try:
-            memory, buffer, address, mapped = self.device.create_block(size, self.memory_type)
+            memory, buffer, address, mapped = self.device.create_block(size, self.memory_type, dedicated=dedicated)
         except vk.VulkanError as exc:
             if exc.result_name in ("VK_ERROR_OUT_OF_DEVICE_MEMORY", "VK_ERROR_OUT_OF_HOST_MEMORY"):
                 used = self.budget.used_bytes if self.budget else 0
