@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# torch's CPU-only wheels: the tests export models with torch and need no CUDA libraries
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# The tests export models with torch (CPU is enough). pip takes torch==2.13.0 from the package
+# index or a local wheel (find-links); where that would be the CUDA build, point pip at torch's
+# CPU-only wheels: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
 .PHONY: help demo test serve conformance bench system-deps venv clean
 
@@ -21,7 +23,7 @@ system-deps:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]' --extra-index-url $(TORCH_INDEX)
+	$(PY) -m pip install -q -e '.[test,bench]' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	@touch $(STAMP)
 
 venv: system-deps $(STAMP)
