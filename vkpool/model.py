@@ -4,7 +4,8 @@
 
 1. parse without external data, then read external weights through :mod:`mmap` from inside the
    model's own folder only (no ``..``, absolute paths, links leading out, or hardlinks);
-2. ``onnx.checker.check_model`` (full check; by path so models over 2 GiB work);
+2. ``onnx.checker.check_model`` (full check) on the graph with its large weights declared as
+   typed inputs: the checker never copies the weights, so models over 2 GiB work too;
 3. bind symbolic dimensions (``dims`` by name, else ``batch`` for an input's first dimension);
 4. repeat ``onnx.shape_inference.infer_shapes(data_prop=True, strict_mode=True)`` and constant
    folding until nothing changes, so shapes computed by ``Shape → Gather → Concat → Reshape``
@@ -68,7 +69,6 @@ _NONDETERMINISTIC = frozenset(
 # propagation sees their values; larger ones are declared as typed inputs instead, which keeps
 # that proto small (a 1 GiB weight never needs its values for shape inference).
 _INLINE_CONSTANT_BYTES = 1 << 16
-_MAX_PROTO_BYTES = (1 << 31) - 1
 
 
 def load_model(
@@ -84,13 +84,9 @@ def load_model(
     if batch < 1:
         raise ModelError(f"batch must be at least 1, got {batch}")
     proto, base_dir = _parse(src)
-    if base_dir is None:
-        _check(proto, None)
-        constants = _take_initializers(proto, base_dir)
-    else:
-        # external paths are vetted before the checker touches any file they name
-        constants = _take_initializers(proto, base_dir)
-        _check(proto, src)
+    # external paths are vetted (and every weight read) before the checker sees the graph
+    constants = _take_initializers(proto, base_dir)
+    _check(_weightless(proto, constants))
     opset = _onnx_opset(proto)
     graph = proto.graph
     bound = _bind_dims(graph, batch, dict(dims or {}))
@@ -186,15 +182,25 @@ def _external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
     ]
 
 
-def _check(proto: onnx.ModelProto, path: Any) -> None:
+def _weightless(proto: onnx.ModelProto, constants: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """The graph as the checker sees it: small weights as initializers, large ones as typed
+    graph inputs. The checker serialises what it checks; a 1 GiB weight would be copied twice
+    more for a check that, for its bytes, only compares their size with the shape, which
+    reading them into arrays has done already."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)  # holds no weights: they were taken out
+    declared = {i.name for i in out.graph.input}
+    for name, value in constants.items():
+        if value.nbytes <= _INLINE_CONSTANT_BYTES and value.dtype.kind != "O":
+            out.graph.initializer.append(numpy_helper.from_array(np.array(value, order="C", copy=None), name))
+        elif name not in declared:
+            out.graph.input.append(_value_info(name, TensorInfo(value.shape, value.dtype)))
+    return out
+
+
+def _check(proto: onnx.ModelProto) -> None:
     try:
-        if path is not None:
-            # By path the checker never serializes the model, so weights over 2 GiB are fine.
-            onnx.checker.check_model(os.fspath(path), full_check=True)
-        else:
-            if proto.ByteSize() > _MAX_PROTO_BYTES:
-                raise ModelError("a model over 2 GiB must be loaded from a path, with external data")
-            onnx.checker.check_model(proto, full_check=True)
+        onnx.checker.check_model(proto, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ModelError(f"the ONNX checker rejected the model: {exc}") from exc
 
@@ -276,7 +282,10 @@ def _take_initializers(proto: onnx.ModelProto, base_dir: Path | None) -> dict[st
     graph = proto.graph
     constants: dict[str, np.ndarray] = {}
     for init in graph.initializer:
-        constants[init.name] = _tensor_to_array(init, base_dir)
+        try:
+            constants[init.name] = _tensor_to_array(init, base_dir)
+        except ValueError as exc:  # the data's size does not match the declared shape
+            raise ModelError(f"initializer {init.name!r} of shape {list(init.dims)}: {exc}") from exc
     for sparse in graph.sparse_initializer:
         constants[sparse.values.name] = _sparse_to_dense(sparse)
     del graph.initializer[:]
