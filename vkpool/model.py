@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from vkpool import inline_weights
 from vkpool.kernels.base import TensorInfo
 
 
@@ -83,9 +84,9 @@ def load_model(
     (:mod:`vkpool.fusion`)."""
     if batch < 1:
         raise ModelError(f"batch must be at least 1, got {batch}")
-    proto, base_dir = _parse(src)
+    proto, base_dir, in_place = _parse(src)
     # external paths are vetted (and every weight read) before the checker sees the graph
-    constants = _take_initializers(proto, base_dir)
+    constants = _take_initializers(proto, base_dir, in_place)
     _check(_weightless(proto, constants))
     opset = _onnx_opset(proto)
     graph = proto.graph
@@ -133,8 +134,11 @@ def load_model(
 # -- parsing and external data -------------------------------------------------------------------
 
 
-def _parse(src: str | os.PathLike[str] | bytes | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
-    """Returns the proto without external data loaded and the folder external data may come from."""
+def _parse(src: str | os.PathLike[str] | bytes | onnx.ModelProto
+           ) -> tuple[onnx.ModelProto, Path | None, dict[int, np.ndarray]]:
+    """Returns the proto without external data loaded, the folder external data may come from,
+    and, for a file, its large inline weights read in place (by initializer index)."""
+    in_place: dict[int, np.ndarray] = {}
     if isinstance(src, onnx.ModelProto):
         proto, base_dir = _copy_for_loading(src), None
         what = "the given ModelProto"
@@ -144,16 +148,18 @@ def _parse(src: str | os.PathLike[str] | bytes | onnx.ModelProto) -> tuple[onnx.
     else:
         path = Path(os.fspath(src))
         try:
-            data = path.read_bytes()
+            data, in_place = inline_weights.read(path)
         except OSError as exc:
             raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        except inline_weights.WireError as exc:
+            raise ModelError(f"not an ONNX model: {path} ({exc})") from exc
         proto, base_dir = _from_bytes(data, str(path)), path.resolve().parent
         what = str(path)
     if base_dir is None and _external_tensors(proto):
         raise ModelError(
             f"{what} references external data files; load it from its path so they can be read"
         )
-    return proto, base_dir
+    return proto, base_dir, in_place
 
 
 def _copy_for_loading(src: onnx.ModelProto) -> onnx.ModelProto:
@@ -277,11 +283,16 @@ _PACKED_TYPES = frozenset(
 )
 
 
-def _take_initializers(proto: onnx.ModelProto, base_dir: Path | None) -> dict[str, np.ndarray]:
-    """Moves initializers out of the proto into arrays (the proto keeps only their names)."""
+def _take_initializers(proto: onnx.ModelProto, base_dir: Path | None,
+                       in_place: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
+    """Moves initializers out of the proto into arrays (the proto keeps only their names);
+    ``in_place`` holds those already read from the file, by index."""
     graph = proto.graph
     constants: dict[str, np.ndarray] = {}
-    for init in graph.initializer:
+    for index, init in enumerate(graph.initializer):
+        if index in in_place:
+            constants[init.name] = in_place[index]
+            continue
         try:
             constants[init.name] = _tensor_to_array(init, base_dir)
         except ValueError as exc:  # the data's size does not match the declared shape

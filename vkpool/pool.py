@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from vkpool.config.loader import Config, ConfigError, DeviceRule, load_config
+from vkpool import inline_weights
 from vkpool.discovery import PhysicalDeviceInfo, discover
 from vkpool.memory import Allocation, BlockAllocator, Budget, DeviceOutOfMemory
 from vkpool.units import format_size, parse_size
@@ -141,6 +142,7 @@ class VulkanMember(Member):
         if alloc.host_visible:
             for offset, part in parts:
                 alloc.view()[offset:offset + part.nbytes] = part.reshape(-1).view(np.uint8)
+            inline_weights.release(array)
             return
         with self._staging_lock:
             stage = self._staging.alloc(min(STAGING_CHUNK_BYTES, max(array.nbytes, 1)))
@@ -154,6 +156,7 @@ class VulkanMember(Member):
                                                alloc.offset + offset + start, piece.nbytes)])
             finally:
                 stage.free()
+        inline_weights.release(array)
 
     def download(self, alloc: Allocation, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         dtype = np.dtype(dtype)
