@@ -3,6 +3,7 @@ inputs, outputs and weights live (copied in, copied out, stored transposed)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from vkpool.device import _barriers_near_copies
@@ -82,3 +83,28 @@ def test_gemv_weights_are_stored_transposed_and_a_second_reader_keeps_the_origin
         got_y, got_s = sess.run(None, {"x": xv, "z": zv})
     np.testing.assert_allclose(got_y, xv @ w, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got_s, zv + w)
+
+
+class _DeviceOnly:
+    """An allocation presented as memory the host cannot map, so that uploads take the staging
+    path (vkCmdCopyBuffer on the real device) even where all device memory is mapped."""
+
+    def __init__(self, alloc) -> None:
+        self.alloc = alloc
+        self.buffer, self.offset, self.nbytes = alloc.buffer, alloc.offset, alloc.nbytes
+        self.host_visible = False
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_staged_upload_copies_blocks_of_rows(pool, vk_member, monkeypatch, transpose):
+    import vkpool.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "STAGING_CHUNK_BYTES", 4096)  # several blocks, and a short last one
+    array = np.random.default_rng(9).standard_normal((37, 50)).astype(np.float32)
+    alloc = vk_member.alloc(array.nbytes)
+    try:
+        vk_member.upload(_DeviceOnly(alloc), array, transpose=transpose)
+        expected = array.T if transpose else array
+        np.testing.assert_array_equal(alloc.view()[: array.nbytes].view(np.float32).reshape(expected.shape), expected)
+    finally:
+        alloc.free()

@@ -333,6 +333,8 @@ class LogicalDevice:
                query_pool: Any = None) -> None:
         """Records ``commands`` into ``cmd``: ('dispatch', pipeline, push_bytes, groups),
         ('barrier',), ('copy', src_buffer, src_offset, dst_buffer, dst_offset, size),
+        ('copy_regions', src_buffer, dst_buffer, regions) with regions a C-contiguous uint64 array
+        of (src offset, dst offset, size) rows,
         ('host_barrier',) making results visible to host reads.
 
         A barrier whose neighbouring commands (back to the previous barrier and on to the next)
@@ -398,6 +400,10 @@ class LogicalDevice:
                     _, src, soff, dst, doff, size = c
                     region.srcOffset, region.dstOffset, region.size = soff, doff, size
                     lib.vkCmdCopyBuffer(cmd, src, dst, 1, region)
+                elif kind == "copy_regions":  # regions: uint64 rows of (src offset, dst offset, size)
+                    _, src, dst, regions = c
+                    lib.vkCmdCopyBuffer(cmd, src, dst, len(regions),
+                                        ffi.cast("VkBufferCopy*", ffi.from_buffer(regions)))
                 else:
                     raise ValueError(f"unknown command {kind!r}")
             vk.call("vkEndCommandBuffer", cmd, member=self.name)

@@ -165,6 +165,8 @@ def release(array: np.ndarray) -> None:
     base = array
     while isinstance(base, np.ndarray):
         base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
     if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
         return
     start = array.__array_interface__["data"][0] - np.frombuffer(base, np.uint8).__array_interface__["data"][0]

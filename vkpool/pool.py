@@ -128,35 +128,50 @@ class VulkanMember(Member):
 
     def upload(self, alloc: Allocation, array: np.ndarray, *, transpose: bool = False) -> None:
         """Copies ``array`` into ``alloc``: a memcpy into mapped memory, or through staging.
-        With ``transpose``, a 2-D array is stored transposed, converted a block of rows of the
-        result at a time so that host memory never holds a second whole copy."""
+        With ``transpose``, a 2-D array is stored transposed. Either way the source is read a
+        block of its rows at a time and each block's pages are released once copied, so host
+        memory holds no second copy of a weight and a weight read in place from its file
+        (:mod:`vkpool.inline_weights`) never becomes resident as a whole."""
         if array.nbytes > alloc.nbytes:
             raise ValueError(f"{self.id}: {array.nbytes} bytes do not fit an allocation of {alloc.nbytes}")
-        if transpose:
-            rows, cols = array.shape
-            step = max(1, STAGING_CHUNK_BYTES // max(1, rows * array.itemsize))
-            parts = ((c0 * rows * array.itemsize, np.ascontiguousarray(array[:, c0:c0 + step].T))
-                     for c0 in range(0, cols, step))
-        else:
-            parts = iter([(0, np.ascontiguousarray(array))])
+        src = np.ascontiguousarray(array) if not transpose else array
+        rows = src.shape[0] if src.ndim else 1
+        row_bytes = src.nbytes // max(1, rows)
+        step = max(1, STAGING_CHUNK_BYTES // max(1, row_bytes))
         if alloc.host_visible:
-            for offset, part in parts:
-                alloc.view()[offset:offset + part.nbytes] = part.reshape(-1).view(np.uint8)
-            inline_weights.release(array)
+            if transpose:
+                out = alloc.view()[: src.nbytes].view(src.dtype).reshape(src.shape[1], rows)
+            else:
+                out = alloc.view()[: src.nbytes].view(src.dtype).reshape(src.shape)
+            for r0 in range(0, rows, step):
+                if transpose:
+                    out[:, r0:r0 + step] = src[r0:r0 + step].T
+                else:
+                    out[r0:r0 + step] = src[r0:r0 + step]
+                inline_weights.release(src[r0:r0 + step])
             return
         with self._staging_lock:
-            stage = self._staging.alloc(min(STAGING_CHUNK_BYTES, max(array.nbytes, 1)))
+            stage = self._staging.alloc(max(1, min(step * row_bytes, src.nbytes)))
             try:
-                for offset, part in parts:
-                    src = part.reshape(-1).view(np.uint8)
-                    for start in range(0, src.nbytes, stage.nbytes):
-                        piece = src[start:start + stage.nbytes]
-                        stage.view()[: piece.nbytes] = piece
+                for r0 in range(0, rows, step):
+                    block = src[r0:r0 + step] if src.ndim else src.reshape(1)
+                    n = block.shape[0]
+                    if transpose:  # block.T lands as n-element pieces of every row of the result
+                        cols = src.shape[1]
+                        stage.view()[: block.nbytes] = np.ascontiguousarray(block.T).reshape(-1).view(np.uint8)
+                        regions = np.empty((cols, 3), np.uint64)
+                        item = src.itemsize
+                        regions[:, 0] = stage.offset + np.arange(cols, dtype=np.uint64) * (n * item)
+                        regions[:, 1] = alloc.offset + (np.arange(cols, dtype=np.uint64) * rows + r0) * item
+                        regions[:, 2] = n * item
+                        self.device.run_once([("copy_regions", stage.buffer, alloc.buffer, regions)])
+                    else:
+                        stage.view()[: block.nbytes] = block.reshape(-1).view(np.uint8)
                         self.device.run_once([("copy", stage.buffer, stage.offset, alloc.buffer,
-                                               alloc.offset + offset + start, piece.nbytes)])
+                                               alloc.offset + r0 * row_bytes, block.nbytes)])
+                    inline_weights.release(block)
             finally:
                 stage.free()
-        inline_weights.release(array)
 
     def download(self, alloc: Allocation, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         dtype = np.dtype(dtype)
