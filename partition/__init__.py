@@ -8,14 +8,25 @@ oracle; needs scipy), :mod:`.render`.
 """
 from __future__ import annotations
 
-from vkpool.partition.api import plan_model
-from vkpool.partition.algorithms import dp_partition, exhaustive_partition, greedy_partition
-from vkpool.partition.cost import Member, MemberCost, load_device_spec
-from vkpool.partition.graph import build_graph
-from vkpool.partition.plan import Chunk, PartitionUnfeasible, Plan, Transfer, is_valid_plan
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "Chunk", "Member", "MemberCost", "PartitionUnfeasible", "Plan", "Transfer", "build_graph",
-    "dp_partition", "exhaustive_partition", "greedy_partition", "is_valid_plan", "load_device_spec",
-    "plan_model",
-]
+#: name → submodule; loaded on first use, so that ``vkpool run`` (whose parser registers
+#: ``vkpool plan``) does not import networkx
+_EXPORTS = {
+    "plan_model": "api",
+    "dp_partition": "algorithms", "exhaustive_partition": "algorithms", "greedy_partition": "algorithms",
+    "Member": "cost", "MemberCost": "cost", "load_device_spec": "cost",
+    "build_graph": "graph",
+    "Chunk": "plan", "PartitionUnfeasible": "plan", "Plan": "plan", "Transfer": "plan", "is_valid_plan": "plan",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

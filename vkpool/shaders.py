@@ -57,10 +57,24 @@ def glslang_path() -> str:
 
 @lru_cache(maxsize=1)
 def glslang_version() -> str:
-    lib = str(Path(glslang_path()).resolve().parent.parent / "lib")
+    """The compiler's version text, part of every SPIR-V cache key. Running the compiler costs a
+    tenth of a second at each start, so the answer is kept on disk next to the SPIR-V, keyed by
+    the binary's path, size and modification time."""
+    binary = Path(glslang_path()).resolve()
+    st = binary.stat()
+    key = hashlib.sha256(f"{binary}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    memo = cache_dir("spirv") / f"glslang-version-{key}.txt"
+    try:
+        return memo.read_text()
+    except OSError:
+        pass
+    lib = str(binary.parent.parent / "lib")
     env = dict(os.environ, LD_LIBRARY_PATH=lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
-    out = subprocess.run([glslang_path(), "--version"], capture_output=True, text=True, check=False, env=env)
-    return out.stdout.strip()
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False, env=env)
+    version = out.stdout.strip()
+    if out.returncode == 0 and version:
+        write_atomic(memo, version.encode())
+    return version
 
 
 @lru_cache(maxsize=None)
