@@ -33,21 +33,10 @@ import numpy as np
 
 from vkpool.engine import ChunkStats, HostChunk, VulkanChunk
 from vkpool.model import LoadedModel, Node
+from vkpool.partition.plan import Transfer  # one tensor staged device → host → device
 
 #: requests whose chunk timings :meth:`PlanExecutor.trace` keeps (oldest dropped first)
 TRACE_REQUESTS = 4096
-
-
-@dataclass(frozen=True)
-class ExecutedTransfer:
-    """A tensor one chunk wrote and a chunk on another member read, staged through the host."""
-
-    tensor: str
-    nbytes: int
-    src: str
-    dst: str
-    src_chunk: int
-    dst_chunk: int
 
 
 @dataclass(frozen=True)
@@ -87,7 +76,7 @@ class _Stage:
     outputs: list[str]
     preds: list[int] = field(default_factory=list)
     succs: list[int] = field(default_factory=list)
-    transfers: list[ExecutedTransfer] = field(default_factory=list)  # what it receives from other members
+    transfers: list[Transfer] = field(default_factory=list)  # what it receives from other members
     chunk: Any = None
 
 
@@ -146,7 +135,7 @@ def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
         for name in stage.inputs:
             src = produced_by.get(name)
             if src is not None and stages[src].member.id != stage.member.id:
-                stage.transfers.append(ExecutedTransfer(name, model.tensors[name].nbytes,
+                stage.transfers.append(Transfer(name, model.tensors[name].nbytes,
                                                         stages[src].member.id, stage.member.id, src, stage.index))
     return stages
 
@@ -204,7 +193,7 @@ class PlanExecutor:
         return list(dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages))
 
     @property
-    def planned_transfers(self) -> list[ExecutedTransfer]:
+    def planned_transfers(self) -> list[Transfer]:
         """The cross-member stagings one request on the plan's own lane performs."""
         return [t for stage in self.lanes[0].stages for t in stage.transfers]
 
@@ -337,4 +326,4 @@ class PlanExecutor:
                     stage.chunk = None
 
 
-__all__ = ["PlanExecutor", "MemberGroup", "ChunkEvent", "ExecutedTransfer", "stage_nodes", "TRACE_REQUESTS"]
+__all__ = ["PlanExecutor", "MemberGroup", "ChunkEvent", "stage_nodes", "TRACE_REQUESTS"]
