@@ -7,7 +7,13 @@
 #        bash bench/gpu_full.sh wait N  # wait up to N seconds; copy results to $OUT when done
 # (The machine's commands are limited to 10 minutes each; the work takes longer, so it runs
 # detached and later calls wait for it; results come back as $OUT/gpu-full.tgz.)
-# Carry .gl, .whl (with the ncnn wheel and its pure-Python needs), .glsl.
+# Carry .gl, .whl and .glsl (see bench/gpu_run.sh); for the ncnn runtime .whl also holds, for
+# Python 3.12: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#   --platform manylinux2014_x86_64 -d .whl ncnn tqdm portalocker requests urllib3 idna certifi \
+#   charset_normalizer
+# The machine is given back 30 s after a call ends, detached work included: call `wait` again
+# at once.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RES=/tmp/full-out
