@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 
-class UnsupportedOp(NotImplementedError):
+class UnsupportedOp(Exception):
     """A node whose op type (or attribute combination) vkpool has no kernel for."""
 
 
@@ -216,14 +216,17 @@ class Op(metaclass=ABCMeta):
     def check(self) -> None:
         """Validates attributes and input infos; raises OpError or UnsupportedOp."""
 
+    @abstractmethod
     def output_infos(self) -> list[TensorInfo]:
-        raise NotImplementedError
+        """Shapes and dtypes of the outputs, from the static input infos."""
 
+    @abstractmethod
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
-        raise NotImplementedError
+        """The outputs computed with numpy: the tests' reference and the ``cpu`` member's kernel."""
 
+    @abstractmethod
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
-        raise NotImplementedError
+        """The compute dispatches that produce the outputs, in order, for tensors at ``ctx``."""
 
     # -- costs (defaults suit elementwise ops) ---------------------------------------------
     def flops(self) -> int:

@@ -85,7 +85,6 @@ def test_child_gate_marks_wrong_runtime_and_times_right_one(
 
 
 def test_run_child_reports_a_real_measurement(tmp_path: Path) -> None:
-    pytest.importorskip("onnxruntime")
     model = harness.ensure_model("add_chain_10", tmp_path)
     ref = harness.ensure_reference("add_chain_10", model, tmp_path)
     args = ["--workload", "add_chain_10", "--model", str(model), "--ref", str(ref), "--warmup", "2", "--runs", "5"]
@@ -134,7 +133,6 @@ def test_markdown_table_ratios_fits_and_problems() -> None:
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     files = report.plot(_doc(), tmp_path)
     assert [f.name for f in files] == ["bench-latency.png", "bench-add-chain.png"]
     assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files)

@@ -104,7 +104,7 @@ class ModelError(ValueError):
     pass
 
 
-class UnsupportedOp(NotImplementedError):
+class UnsupportedOp(Exception):
     pass
 
 

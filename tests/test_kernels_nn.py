@@ -59,7 +59,7 @@ def _check(pool: Any, op_type: str, inputs: list[np.ndarray | None], attrs: dict
 
     model, feeds = _model(op_type, inputs, n_out, attrs or {}, opset, weights)
     if oracle == "onnxruntime":
-        ort = pytest.importorskip("onnxruntime")
+        import onnxruntime as ort
         sess_ort = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         expected = sess_ort.run(None, feeds)
     else:

@@ -9,12 +9,11 @@ from collections import Counter
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
+import torch
 
 from bench import export_models as em
-
-torch = pytest.importorskip("torch", reason="torch exports the models (pip install torch, CPU wheel)")
-ort = pytest.importorskip("onnxruntime")
 
 #: max|vkpool - ort| / max|ort|, FP32
 MAX_REL_ERR = 1e-4

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from bench import workloads as wl
-
-ort = pytest.importorskip("onnxruntime")
 
 SMALL = ["mnist12_like", "mlp", "conv_few_15MB", "conv_many_255MB"]
 
