@@ -8,7 +8,7 @@ from __future__ import annotations
 from abc import abstractmethod
 
 import math
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
@@ -49,7 +49,8 @@ class Unary(Op):
 
     @abstractmethod
     def compute(self, x: np.ndarray) -> np.ndarray:
-        """numpy ``f``; float inputs arrive as float32 (float16 is widened, as the shader does)."""
+        """numpy ``f``; float inputs arrive as float32 (float16 is widened, as the shader does).
+        An op whose reference is one numpy function sets ``compute = staticmethod(np.f)``."""
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x = inputs[0]
@@ -115,8 +116,7 @@ class Sigmoid(Unary):
     code = 2
     cost = 4
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return _sigmoid(x)
+    compute = staticmethod(_sigmoid)
 
 
 class Tanh(Unary):
@@ -124,16 +124,14 @@ class Tanh(Unary):
     code = 3
     cost = 4
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.tanh(x)
+    compute = staticmethod(np.tanh)
 
 
 class Sqrt(Unary):
     op_type = "Sqrt"
     code = 6
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.sqrt(x)
+    compute = staticmethod(np.sqrt)
 
 
 class Exp(Unary):
@@ -141,8 +139,7 @@ class Exp(Unary):
     code = 7
     cost = 2
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.exp(x)
+    compute = staticmethod(np.exp)
 
 
 class Log(Unary):
@@ -150,8 +147,7 @@ class Log(Unary):
     code = 8
     cost = 2
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.log(x)
+    compute = staticmethod(np.log)
 
 
 class Abs(Unary):
@@ -159,8 +155,7 @@ class Abs(Unary):
     code = 9
     input_types = NUMERIC_TYPES
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.abs(x)
+    compute = staticmethod(np.abs)
 
 
 class Neg(Unary):
@@ -168,40 +163,35 @@ class Neg(Unary):
     code = 10
     input_types = _SIGNED_AND_FLOAT
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.negative(x)
+    compute = staticmethod(np.negative)
 
 
 class Reciprocal(Unary):
     op_type = "Reciprocal"
     code = 11
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.reciprocal(x)
+    compute = staticmethod(np.reciprocal)
 
 
 class Floor(Unary):
     op_type = "Floor"
     code = 12
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.floor(x)
+    compute = staticmethod(np.floor)
 
 
 class Ceil(Unary):
     op_type = "Ceil"
     code = 13
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.ceil(x)
+    compute = staticmethod(np.ceil)
 
 
 class Round(Unary):
     op_type = "Round"
     code = 14
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.round(x)  # numpy rounds half to even, as ONNX does
+    compute = staticmethod(np.round)  # numpy rounds half to even, as ONNX does
 
 
 class Sign(Unary):
@@ -209,8 +199,7 @@ class Sign(Unary):
     code = 15
     input_types = NUMERIC_TYPES
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.sign(x)
+    compute = staticmethod(np.sign)
 
 
 class Sin(Unary):
@@ -218,8 +207,7 @@ class Sin(Unary):
     code = 16
     cost = 4
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.sin(x)
+    compute = staticmethod(np.sin)
 
 
 class Cos(Unary):
@@ -227,8 +215,7 @@ class Cos(Unary):
     code = 17
     cost = 4
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.cos(x)
+    compute = staticmethod(np.cos)
 
 
 class Erf(Unary):
@@ -236,8 +223,7 @@ class Erf(Unary):
     code = 18
     cost = 12
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return _erf(x)
+    compute = staticmethod(_erf)
 
 
 class Gelu(Unary):
@@ -327,8 +313,7 @@ class Softplus(Unary):
     code = 26
     cost = 4
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return _softplus(x)
+    compute = staticmethod(_softplus)
 
 
 class Softsign(Unary):
@@ -392,8 +377,7 @@ class IsNaN(Unary):
     code = 32
     output_type = BOOL
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.isnan(x)
+    compute = staticmethod(np.isnan)
 
 
 class IsInf(Unary):
@@ -414,8 +398,7 @@ class Not(Unary):
     code = 34
     input_types = frozenset({BOOL})
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.logical_not(x)
+    compute = staticmethod(np.logical_not)
 
 
 class BitwiseNot(Unary):
@@ -423,69 +406,64 @@ class BitwiseNot(Unary):
     code = 35
     input_types = INT_TYPES
 
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return np.invert(x)
+    compute = staticmethod(np.invert)
 
 
 class _Trig(Unary):
-    """Trigonometric and hyperbolic functions and their inverses: ``numpy_op`` is the reference."""
+    """Trigonometric and hyperbolic functions and their inverses."""
 
-    numpy_op: ClassVar[Callable[[np.ndarray], np.ndarray]]
     cost = 8
-
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return type(self).numpy_op(x)
 
 
 class Tan(_Trig):
     op_type = "Tan"
     code = 36
-    numpy_op = np.tan
+    compute = staticmethod(np.tan)
 
 
 class Asin(_Trig):
     op_type = "Asin"
     code = 37
-    numpy_op = np.arcsin
+    compute = staticmethod(np.arcsin)
 
 
 class Acos(_Trig):
     op_type = "Acos"
     code = 38
-    numpy_op = np.arccos
+    compute = staticmethod(np.arccos)
 
 
 class Atan(_Trig):
     op_type = "Atan"
     code = 39
-    numpy_op = np.arctan
+    compute = staticmethod(np.arctan)
 
 
 class Sinh(_Trig):
     op_type = "Sinh"
     code = 40
-    numpy_op = np.sinh
+    compute = staticmethod(np.sinh)
 
 
 class Cosh(_Trig):
     op_type = "Cosh"
     code = 41
-    numpy_op = np.cosh
+    compute = staticmethod(np.cosh)
 
 
 class Asinh(_Trig):
     op_type = "Asinh"
     code = 42
-    numpy_op = np.arcsinh
+    compute = staticmethod(np.arcsinh)
 
 
 class Acosh(_Trig):
     op_type = "Acosh"
     code = 43
-    numpy_op = np.arccosh
+    compute = staticmethod(np.arccosh)
 
 
 class Atanh(_Trig):
     op_type = "Atanh"
     code = 44
-    numpy_op = np.arctanh
+    compute = staticmethod(np.arctanh)
