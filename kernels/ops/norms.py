@@ -61,6 +61,23 @@ class RowNorm(Op):
     def setup(self) -> None:
         """Sets the op's row layout and affine parameters."""
 
+    # -- checks the subclasses share
+    def require_float32_stash(self) -> None:
+        if int(self.attr("stash_type", 1)) != 1:
+            raise UnsupportedOp(f"{self.op_type}: stash_type {self.attr('stash_type')} (only float32: 1)")
+
+    def channels_first(self) -> tuple[int, int]:
+        """N and C of an input laid out [N, C, ...]."""
+        x = self.input(0)
+        if len(x.shape) < 2:
+            raise OpError(f"{self.op_type}: input must be [N, C, ...], got {x.shape}")
+        return x.shape[0], x.shape[1]
+
+    def require_values(self, named: tuple[tuple[int, str], ...], want: int) -> None:
+        for pos, what in named:
+            if self.input(pos).size != want:
+                raise OpError(f"{self.op_type}: {what} has {self.input(pos).size} values, expected {want}")
+
     def output_infos(self) -> list[TensorInfo]:
         return [self.input(0)]
 
@@ -104,8 +121,7 @@ class LayerNormalization(RowNorm):
         x = self.input(0)
         rank = len(x.shape)
         self.axis = normalize_axes([self.attr("axis", -1)], rank, self.op_type)[0]
-        if int(self.attr("stash_type", 1)) != 1:
-            raise UnsupportedOp(f"{self.op_type}: stash_type {self.attr('stash_type')} (only float32: 1)")
+        self.require_float32_stash()
         self.view_shape = x.shape
         self.axes = list(range(self.axis, rank))
         norm_shape = x.shape[self.axis:]
@@ -141,8 +157,7 @@ class RMSNormalization(RowNorm):
         x = self.input(0)
         rank = len(x.shape)
         self.axis = normalize_axes([self.attr("axis", -1)], rank, self.op_type)[0]
-        if int(self.attr("stash_type", 1)) != 1:
-            raise UnsupportedOp(f"{self.op_type}: stash_type {self.attr('stash_type')} (only float32: 1)")
+        self.require_float32_stash()
         self.view_shape = x.shape
         self.axes = list(range(self.axis, rank))
         self.smod = tail_broadcast_size(self.input(1).shape, x.shape[self.axis:], "scale")
@@ -162,11 +177,8 @@ class GroupNormalization(RowNorm):
 
     def setup(self) -> None:
         x = self.input(0)
-        if len(x.shape) < 2:
-            raise OpError(f"{self.op_type}: input must be [N, C, ...], got {x.shape}")
-        if int(self.attr("stash_type", 1)) != 1:
-            raise UnsupportedOp(f"{self.op_type}: stash_type {self.attr('stash_type')} (only float32: 1)")
-        n, c = x.shape[0], x.shape[1]
+        n, c = self.channels_first()
+        self.require_float32_stash()
         g = int(self.attr("num_groups"))
         if g <= 0 or c % g:
             raise OpError(f"{self.op_type}: {c} channels do not split into {g} groups")
@@ -174,9 +186,7 @@ class GroupNormalization(RowNorm):
         self.groups = g
         self.per_group = self.opset < 21
         want = g if self.per_group else c
-        for pos, what in ((1, "scale"), (2, "bias")):
-            if self.input(pos).size != want:
-                raise OpError(f"{self.op_type}: {what} has {self.input(pos).size} values, expected {want}")
+        self.require_values(((1, "scale"), (2, "bias")), want)
         self.view_shape = (n * g, (c // g) * spatial)
         self.axes = [1]
         self.sdiv = spatial * (c // g) if self.per_group else spatial
@@ -203,12 +213,8 @@ class InstanceNormalization(RowNorm):
 
     def setup(self) -> None:
         x = self.input(0)
-        if len(x.shape) < 2:
-            raise OpError(f"{self.op_type}: input must be [N, C, ...], got {x.shape}")
-        n, c = x.shape[0], x.shape[1]
-        for pos, what in ((1, "scale"), (2, "B")):
-            if self.input(pos).size != c:
-                raise OpError(f"{self.op_type}: {what} has {self.input(pos).size} values, expected {c}")
+        n, c = self.channels_first()
+        self.require_values(((1, "scale"), (2, "B")), c)
         spatial = math.prod(x.shape[2:])
         self.view_shape = (n * c, spatial)
         self.axes = [1]
