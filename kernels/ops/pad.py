@@ -16,17 +16,23 @@ _MODES = {"constant": 0, "reflect": 1, "edge": 2, "wrap": 3}
 _DTYPES = (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.bool_))
 
 
+def _padded_rank(op: Op) -> int:
+    """The rank of input 0, which pad.comp takes in its element types and up to rank 6."""
+    x = op.input(0)
+    if x.dtype not in _DTYPES:
+        raise UnsupportedOp(f"{op.op_type}: element type {x.dtype} has no kernel")
+    if not 1 <= len(x.shape) <= 6:
+        raise UnsupportedOp(f"{op.op_type}: rank {len(x.shape)} (1 to 6 supported)")
+    return len(x.shape)
+
+
 class Pad(Op):
     op_type = "Pad"
     constant_inputs = (1, 3)
 
     def check(self) -> None:
         x = self.input(0)
-        rank = len(x.shape)
-        if x.dtype not in _DTYPES:
-            raise UnsupportedOp(f"Pad: element type {x.dtype} has no kernel")
-        if not 1 <= rank <= 6:
-            raise UnsupportedOp(f"Pad: rank {rank} (1 to 6 supported)")
+        rank = _padded_rank(self)
         self.mode = str_attr(self, "mode", "constant")
         if self.mode not in _MODES:
             raise OpError(f"Pad: unknown mode {self.mode!r}")
@@ -97,11 +103,7 @@ class CenterCropPad(Pad):
 
     def check(self) -> None:
         x = self.input(0)
-        rank = len(x.shape)
-        if x.dtype not in _DTYPES:
-            raise UnsupportedOp(f"CenterCropPad: element type {x.dtype} has no kernel")
-        if not 1 <= rank <= 6:
-            raise UnsupportedOp(f"CenterCropPad: rank {rank} (1 to 6 supported)")
+        rank = _padded_rank(self)
         shape = [int(v) for v in self.constants[1].reshape(-1)]
         given = [int(a) for a in self.attr("axes", range(rank))]
         normalize_axes(given, rank, "CenterCropPad")  # range and repeats; sizes pair in given order

@@ -20,6 +20,16 @@ def _element_defines(dtype: np.dtype) -> dict[str, str | int]:
     return {**type_defines(dtype), "BYTE_T": int(np.dtype(dtype).itemsize == 1)}
 
 
+def _spatial_input(op: Op) -> TensorInfo:
+    """Input 0 of a pool: N x C x spatial, of one of the op's ``dtypes``."""
+    x = op.input(0)
+    if x.dtype not in op.dtypes:  # type: ignore[attr-defined]
+        raise UnsupportedOp(f"{op.op_type}: element type {x.dtype} has no kernel")
+    if len(x.shape) < 3:
+        raise OpError(f"{op.op_type}: X must be N x C x spatial, got {x.shape}")
+    return x
+
+
 class Pool(Op):
     """Shared checking of the windowed pools; subclasses set ``mode`` and the dtypes."""
 
@@ -27,11 +37,7 @@ class Pool(Op):
     dtypes: ClassVar[tuple[np.dtype, ...]] = (_F32,)
 
     def check(self) -> None:
-        x = self.input(0)
-        if x.dtype not in self.dtypes:
-            raise UnsupportedOp(f"{self.op_type}: element type {x.dtype} has no kernel")
-        if len(x.shape) < 3:
-            raise OpError(f"{self.op_type}: X must be N x C x spatial, got {x.shape}")
+        x = _spatial_input(self)
         kernel = self.attr("kernel_shape")
         if kernel is None:
             raise OpError(f"{self.op_type}: kernel_shape is required")
@@ -167,11 +173,7 @@ class GlobalPool(Op):
     dtypes: ClassVar[tuple[np.dtype, ...]] = (_F32,)
 
     def check(self) -> None:
-        x = self.input(0)
-        if x.dtype not in self.dtypes:
-            raise UnsupportedOp(f"{self.op_type}: element type {x.dtype} has no kernel")
-        if len(x.shape) < 3:
-            raise OpError(f"{self.op_type}: X must be N x C x spatial, got {x.shape}")
+        x = _spatial_input(self)
         self.rows = x.shape[0] * x.shape[1]
         self.spatial = math.prod(x.shape[2:])
 
