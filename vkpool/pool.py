@@ -134,15 +134,15 @@ class VulkanMember(Member):
         (:mod:`vkpool.inline_weights`) never becomes resident as a whole."""
         if array.nbytes > alloc.nbytes:
             raise ValueError(f"{self.id}: {array.nbytes} bytes do not fit an allocation of {alloc.nbytes}")
-        src = np.ascontiguousarray(array) if not transpose else array
-        rows = src.shape[0] if src.ndim else 1
-        row_bytes = src.nbytes // max(1, rows)
+        # rows of the source: a 2-D array's to transpose, else single elements of the flat array
+        src = array if transpose else np.ascontiguousarray(array).reshape(-1)
+        rows = src.shape[0]
+        row_bytes = src.itemsize * (src.shape[1] if transpose else 1)
         step = max(1, STAGING_CHUNK_BYTES // max(1, row_bytes))
         if alloc.host_visible:
+            out = alloc.view()[: src.nbytes].view(src.dtype)
             if transpose:
-                out = alloc.view()[: src.nbytes].view(src.dtype).reshape(src.shape[1], rows)
-            else:
-                out = alloc.view()[: src.nbytes].view(src.dtype).reshape(src.shape)
+                out = out.reshape(src.shape[1], rows)
             for r0 in range(0, rows, step):
                 if transpose:
                     out[:, r0:r0 + step] = src[r0:r0 + step].T
@@ -154,7 +154,7 @@ class VulkanMember(Member):
             stage = self._staging.alloc(max(1, min(step * row_bytes, src.nbytes)))
             try:
                 for r0 in range(0, rows, step):
-                    block = src[r0:r0 + step] if src.ndim else src.reshape(1)
+                    block = src[r0:r0 + step]
                     n = block.shape[0]
                     if transpose:  # block.T lands as n-element pieces of every row of the result
                         cols = src.shape[1]
