@@ -27,21 +27,29 @@ def greedy_partition(G: nx.DiGraph, members: Sequence[Member], *, objective: str
     """VKML's first-fit allocator (Baker et al., *VKML*, §4): in topological order, each op goes to
     the first member, in the given priority order, with enough budget left for what the op adds:
     the weights and input tensors not yet on that member, its outputs and its workspace. Nothing
-    is ever freed (every tensor is charged for the whole run). O(ops · members + reads).
+    is ever freed (every tensor is charged for the whole run). The engine's staging copies are
+    charged too: an input an op re-reads is held twice, and so is a large output, which may be
+    sent to another member later (charged whether it is or not). O(ops · members + reads).
     """
     t0 = time.perf_counter()
     uses = G.graph["tensors"]
     left = {m.id: m.budget_bytes for m in members}
     resident: dict[str, set[str]] = {m.id: set() for m in members}
+    copied: dict[str, set[str]] = {m.id: set() for m in members}
+    staged = G.graph.get("staged_output_bytes")
     member_of: dict[str, str] = {}
     for op in G.graph["order"]:
         attrs = G.nodes[op]
+        big_outputs = [t for t in attrs["outputs"] if staged is not None and uses[t].nbytes >= staged]
         needs = {}
         for m in members:
             have = resident[m.id]
             extra = sum(b for t, b in attrs["weights"].items() if t not in have)
             extra += sum(uses[t].nbytes for t in attrs["inputs"] if t not in have)
+            if attrs.get("rereads_inputs"):
+                extra += sum(uses[t].nbytes for t in attrs["inputs"] if t not in copied[m.id])
             extra += sum(uses[t].nbytes for t in attrs["outputs"]) + attrs["workspace_bytes"]
+            extra += sum(uses[t].nbytes for t in big_outputs)
             needs[m.id] = extra
         chosen = next((m.id for m in members if needs[m.id] <= left[m.id]), None)
         if chosen is None:
@@ -51,6 +59,9 @@ def greedy_partition(G: nx.DiGraph, members: Sequence[Member], *, objective: str
                 shortfall_bytes=short, unplaceable_op=op)
         left[chosen] -= needs[chosen]
         resident[chosen].update(attrs["weights"], attrs["inputs"], attrs["outputs"])
+        copied[chosen].update(big_outputs)
+        if attrs.get("rereads_inputs"):
+            copied[chosen].update(attrs["inputs"])
         member_of[op] = chosen
     return build_plan(G, member_of, members, objective=objective, algorithm="greedy",
                       solve_time_s=time.perf_counter() - t0)

@@ -63,10 +63,11 @@ def _fits(G: nx.DiGraph, template: Member, count: int, budget: int, algorithm: s
 
 def smallest_budget(G: nx.DiGraph, template: Member, k: int, algorithm: str = "dp") -> int:
     """The smallest budget (within 1 %) at which ``algorithm`` fits ``G`` on ``k`` members, by
-    bisection between the largest single op and everything the model touches, never freed."""
+    bisection between the largest single op and twice everything the model touches, never freed
+    (greedy charges a staging copy of every large output and re-read input, sent or not)."""
     order = G.graph["order"]
     lo = max(chunk_peak_bytes(G, [op]) for op in order) - 1
-    hi = _never_freed_bytes(G, order)
+    hi = 2 * _never_freed_bytes(G, order)
     while hi - lo > max(1, hi // 100):
         mid = (lo + hi) // 2
         if _fits(G, template, k, mid, algorithm):

@@ -74,8 +74,10 @@ def build_graph(model: LoadedModel) -> nx.DiGraph:
             uses[t] = TensorUse(model.tensors[t].nbytes, producer=key)
     for name, _ in model.outputs:
         uses[name].is_output = True
+    from vkpool.engine import STAGED_OUTPUT_BYTES
+
     G.graph.update(order=order, tensors=uses, inputs=[n for n, _ in model.inputs],
-                   outputs=[n for n, _ in model.outputs])
+                   outputs=[n for n, _ in model.outputs], staged_output_bytes=STAGED_OUTPUT_BYTES)
     return G
 
 
@@ -91,7 +93,7 @@ def op_cost(node: Node, model: LoadedModel) -> dict[str, Any]:
                                 opset=model.opset, num_outputs=len(node.outputs))
         return {"flops": int(op.flops()), "bytes_read": int(op.bytes_read()),
                 "bytes_written": int(op.bytes_written()), "workspace_bytes": int(op.workspace_bytes()),
-                "cost_source": "registry"}
+                "rereads_inputs": bool(op.rereads_inputs), "cost_source": "registry"}
     except Exception:  # no class yet, or one that rejects this node: price it by formula instead
         outs = [model.tensors[t] for t in node.outputs if t]
         return {**estimate_cost(node.op_type, node.attrs, infos, outs), "cost_source": "estimate"}
@@ -160,7 +162,7 @@ def random_dag(n_ops: int, seed: int, *, max_bytes: int = 1 << 20) -> nx.DiGraph
         G.add_node(op, op_type="Random", index=k, weights=weights, inputs=reads, outputs=[out],
                    flops=int(rng.integers(1, 10**9)), bytes_read=sum(uses[t].nbytes for t in reads),
                    bytes_written=uses[out].nbytes, workspace_bytes=int(rng.integers(0, max_bytes // 4)),
-                   cost_source="estimate")
+                   rereads_inputs=bool(rng.random() < 0.3), cost_source="estimate")
         for t in reads:
             uses[t].consumers.append(op)
             producer = uses[t].producer
@@ -172,5 +174,5 @@ def random_dag(n_ops: int, seed: int, *, max_bytes: int = 1 << 20) -> nx.DiGraph
     outputs = [t for t, u in uses.items() if u.producer is not None and not u.consumers]
     for t in outputs:
         uses[t].is_output = True
-    G.graph.update(order=order, tensors=uses, inputs=["x"], outputs=outputs)
+    G.graph.update(order=order, tensors=uses, inputs=["x"], outputs=outputs, staged_output_bytes=max_bytes // 2)
     return G

@@ -101,12 +101,19 @@ class Plan:
 
 
 def chunk_peak_bytes(G: nx.DiGraph, ops: Sequence[str], pos: dict[str, int] | None = None) -> int:
-    """Peak memory of a chunk running ``ops`` (consecutive in the order) on one member; O(reads)."""
+    """Peak memory of a chunk running ``ops`` (consecutive in the order) on one member; O(reads).
+
+    Besides weights, received tensors, live activations and workspace it counts the engine's
+    staging copies: a received tensor that an op re-reading its inputs reads (node attribute
+    ``rereads_inputs``) is held twice, in mapped memory and copied into device memory, and so is
+    a sent tensor of at least ``G.graph["staged_output_bytes"]`` (computed in device memory and
+    copied out)."""
     pos = pos or positions(G)
     uses = G.graph["tensors"]
     inside = set(ops)
     weights: dict[str, int] = {}
     received: dict[str, int] = {}
+    reread: dict[str, int] = {}
     workspace = 0
     for op in ops:
         attrs = G.nodes[op]
@@ -115,6 +122,8 @@ def chunk_peak_bytes(G: nx.DiGraph, ops: Sequence[str], pos: dict[str, int] | No
         for t in attrs["inputs"]:
             if uses[t].producer not in inside:
                 received[t] = uses[t].nbytes
+                if attrs.get("rereads_inputs"):
+                    reread[t] = uses[t].nbytes
     live = 0
     peak = 0
     last_use = {}
@@ -129,18 +138,32 @@ def chunk_peak_bytes(G: nx.DiGraph, ops: Sequence[str], pos: dict[str, int] | No
         live += sum(uses[t].nbytes for t in G.nodes[op]["outputs"])
         peak = max(peak, live)
         live -= freeing.get(p, 0)
-    return sum(weights.values()) + sum(received.values()) + workspace + peak
+    staged = G.graph.get("staged_output_bytes")
+    end = pos[ops[-1]] if ops else -1
+    sent_copies = 0 if staged is None else sum(
+        uses[t].nbytes for t, at in last_use.items() if at > end and uses[t].nbytes >= staged)
+    return sum(weights.values()) + sum(received.values()) + sum(reread.values()) + sent_copies + workspace + peak
 
 
 def _never_freed_bytes(G: nx.DiGraph, ops: Sequence[str]) -> int:
     uses = G.graph["tensors"]
+    inside = set(ops)
+    staged = G.graph.get("staged_output_bytes")
     weights: dict[str, int] = {}
     tensors: set[str] = set()
+    copies: set[str] = set()  # staging copies, as chunk_peak_bytes counts them
     for op in ops:
-        weights.update(G.nodes[op]["weights"])
-        tensors.update(G.nodes[op]["inputs"], G.nodes[op]["outputs"])
+        attrs = G.nodes[op]
+        weights.update(attrs["weights"])
+        tensors.update(attrs["inputs"], attrs["outputs"])
+        if attrs.get("rereads_inputs"):
+            copies.update(t for t in attrs["inputs"] if uses[t].producer not in inside)
+        if staged is not None:
+            copies.update(t for t in attrs["outputs"] if uses[t].nbytes >= staged
+                          and (uses[t].is_output or any(c not in inside for c in uses[t].consumers)))
     workspace = max(G.nodes[op]["workspace_bytes"] for op in ops)
-    return sum(weights.values()) + sum(uses[t].nbytes for t in tensors) + workspace
+    return (sum(weights.values()) + sum(uses[t].nbytes for t in tensors) + sum(uses[t].nbytes for t in copies)
+            + workspace)
 
 
 def _last_use(use, pos: dict[str, int]) -> float:

@@ -53,12 +53,15 @@ def columns(G: nx.DiGraph, members: Sequence[Member]) -> Iterator[Column]:
     up = np.zeros(n, np.int64)
     cross = np.zeros(n, np.int64)
     down = np.zeros(n, np.int64)
+    staged = G.graph.get("staged_output_bytes")
+    copies = np.zeros(n, np.int64)  # the engine's staging copies (see plan.chunk_peak_bytes)
+    last_reread: dict[str, int] = {}  # tensor → its latest re-reading reader so far
     workspace = np.zeros(n, np.int64)
     live = np.zeros(n, np.int64)
     act = np.zeros(n, np.int64)
     last_seen: dict[str, int] = {}  # tensor → its latest reader so far
     freed_at: dict[int, list[tuple[int, int]]] = {}  # position → (producer pos, bytes) freed after it
-    down_ends: dict[int, list[tuple[int, int]]] = {}  # last reader → (producer pos, bytes)
+    down_ends: dict[int, list[tuple[int, int, bool]]] = {}  # last reader → (producer pos, bytes, copied)
     prefix = []
     for cost in cost_groups(members)[0]:
         times = [cost.op_ps(G.nodes[op]["flops"], G.nodes[op]["bytes_read"] + G.nodes[op]["bytes_written"])
@@ -78,17 +81,25 @@ def columns(G: nx.DiGraph, members: Sequence[Member]) -> Iterator[Column]:
             up[start:j + 1] += use.nbytes
             if use.producer is not None:
                 cross[start:j + 1] += use.nbytes
+            if attrs.get("rereads_inputs"):
+                copies[max(p, last_reread.get(t, -1)) + 1:j + 1] += use.nbytes
+                last_reread[t] = j
             last_seen[t] = j
         # tensors whose last reader is j stop leaving segments that end after j
-        for p, b in down_ends.pop(j, ()):
+        for p, b, copied in down_ends.pop(j, ()):
             down[:p + 1] -= b
+            if copied:
+                copies[:p + 1] -= b
         for t in attrs["outputs"]:
             use = uses[t]
             last = max((pos[c] for c in use.consumers), default=j)
             if use.is_output or last > j:
                 down[:j + 1] += use.nbytes
+                copied = staged is not None and use.nbytes >= staged
+                if copied:
+                    copies[:j + 1] += use.nbytes
                 if not use.is_output:
-                    down_ends.setdefault(last, []).append((j, use.nbytes))
+                    down_ends.setdefault(last, []).append((j, use.nbytes, copied))
             live[:j + 1] += use.nbytes
             if not use.is_output:
                 freed_at.setdefault(last, []).append((j, use.nbytes))
@@ -97,6 +108,6 @@ def columns(G: nx.DiGraph, members: Sequence[Member]) -> Iterator[Column]:
         for p, b in freed_at.pop(j, ()):
             live[:p + 1] -= b
         e = j + 1
-        peak = weights[:e] + up[:e] + act[:e] + workspace[:e]
+        peak = weights[:e] + up[:e] + copies[:e] + act[:e] + workspace[:e]
         yield Column(e, peak, up[:e].copy(), cross[:e].copy(), down[:e].copy(),
                      [pre[e] - pre[:e] for pre in prefix])
