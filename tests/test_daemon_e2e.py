@@ -195,9 +195,15 @@ def test_cli_load_binds_dims_and_devices_name_the_device(shared: Daemon) -> None
     assert bad.returncode != 0 and "NAME=VALUE" in bad.stderr
     x = np.random.default_rng(3).standard_normal((3, 4, 2)).astype(np.float32)
     with shared.client() as client:
+        # the CLI's reference leaves with its connection, which the daemon sees a moment later
+        model_id = done.stdout.split()[0]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                m["id"] == model_id and m["refs"] for m in client.list_models()):
+            time.sleep(0.05)
         session = client.session(path, batch=3, dims={"T": 2})
-        # the CLI's reference left with it; the kept-alive model is shared, not loaded again
-        assert session.model_id == done.stdout.split()[0] and session.info["refs"] == 1
+        # the kept-alive model is shared, not loaded again
+        assert session.model_id == model_id and session.info["refs"] == 1
         with Session(str(path), batch=3, dims={"T": 2}) as local:
             np.testing.assert_array_equal(session.run(None, {"x": x})[0], local.run(None, {"x": x})[0])
         names = {m["id"]: m["name"] for m in client.devices()}
