@@ -149,8 +149,11 @@ def test_a_client_killed_mid_job_leaves_the_daemon_serving_and_releases_its_mode
         proc.wait()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
+            # the model leaves the list first, then the admin thread frees its memory
             status = watcher.status()
-            if status["counters"]["in_flight"] == 1 and not any(m["name"] == "killed.onnx" for m in status["models"]):
+            used = {m["id"]: m["used_bytes"] for m in watcher.devices()}
+            if (status["counters"]["in_flight"] == 1 and used == used_before
+                    and not any(m["name"] == "killed.onnx" for m in status["models"])):
                 break
             time.sleep(0.1)
         c = status["counters"]
