@@ -227,11 +227,7 @@ class Session:
         if self._closed:
             raise RuntimeError("the session is closed")
         feeds = self._check_feeds(input_feed)
-        names = [n for n, _ in self.model.outputs] if output_names is None else list(output_names)
-        known = {n for n, _ in self.model.outputs}
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are {sorted(known)}")
+        names = self._output_list(output_names)
         if self._executor is not None:
             produced = self._executor.run(feeds)
         else:
@@ -269,8 +265,11 @@ class Session:
         return result
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
-        names = [n for n, _ in self.model.outputs] if output_names is None else list(output_names)
-        known = {n for n, _ in self.model.outputs}
+        all_outputs = [n for n, _ in self.model.outputs]
+        if output_names is None:
+            return all_outputs
+        names = list(output_names)
+        known = set(all_outputs)
         unknown = [n for n in names if n not in known]
         if unknown:
             raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are {sorted(known)}")
