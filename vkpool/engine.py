@@ -195,6 +195,7 @@ class VulkanChunk:
                 if not name:
                     continue
                 info = tensors[name]
+                # in device memory: an activation, or an output large enough to be copied out
                 staged = name not in outputs or info.nbytes >= STAGED_OUTPUT_BYTES
                 if pos == 0 and op.alias_input is not None and staged:  # the final copy reads its base
                     t[name] = _Tensor(info, "view", t[node.inputs[op.alias_input]].base)
@@ -203,12 +204,11 @@ class VulkanChunk:
                     # kernel writing straight across the bus is slow when few workgroups write
                     # (NOTE: H200, driver 580: a 64 KiB Softmax row took 28 µs writing host
                     # memory, 7.5 µs writing device memory)
-                    direct = name in outputs and info.nbytes < STAGED_OUTPUT_BYTES
-                    t[name] = _Tensor(info, "output" if direct else "arena", name)
+                    t[name] = _Tensor(info, "arena" if staged else "output", name)
         # inputs that a product reads (through views too) are copied into the arena first: a
         # kernel that reads its input many times would fetch it across the bus each time
-        # (NOTE: H200, driver 580: a 1 GiB GEMV took 675 µs reading its vector from mapped host
-        # memory, 258 µs reading it from device memory)
+        # (NOTE: H200, driver 580, bench/gemv_probe.py: a 1 GiB GEMV took 675 µs reading its
+        # vector from mapped host memory, 258 µs reading it from device memory)
         reread = {t[n].base for op, node in zip(self.ops, self.nodes) if op.rereads_inputs for n in node.inputs if n}
         self._staged_inputs: dict[str, _Tensor] = {}
         for name in self.input_names:
