@@ -50,12 +50,14 @@ class DeviceRule:
     budget: list[str | int] | None = None
     exclude: bool = False
     key: str = ""  # e.g. "devices[1]": for error messages
+    cost: dict[str, float] = field(default_factory=dict)  # planner speeds that replace calibration's
 
 
 @dataclass
 class HostSettings:
     enabled: bool = True
     budget: str | int = "2GiB"
+    cost: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,8 +124,8 @@ def _device_rules(raw: Any, where: Where) -> list[DeviceRule]:
     for i, item in enumerate(raw):
         key = f"devices[{i}]"
         if not isinstance(item, dict):
-            raise where.error(key, "a device rule is a mapping with match, split, budget, exclude")
-        _only(item, ("match", "split", "budget", "exclude"), key, where)
+            raise where.error(key, "a device rule is a mapping with match, split, budget, exclude, cost")
+        _only(item, ("match", "split", "budget", "exclude", "cost"), key, where)
         match = item.get("match")
         if not isinstance(match, dict) or not match:
             raise where.error(f"{key}.match", f"needs a mapping with one of {', '.join(SELECTOR_KEYS)}")
@@ -147,20 +149,45 @@ def _device_rules(raw: Any, where: Where) -> list[DeviceRule]:
                 raise where.error(f"{key}.budget", f"give one budget or one per split member ({split})")
             for j, b in enumerate(budgets):
                 _check_size(b, f"{key}.budget", where, allow_percent=True)
-        rules.append(DeviceRule(dict(match), split, budgets, exclude, key))
+        rules.append(DeviceRule(dict(match), split, budgets, exclude, key, _cost(item.get("cost"), f"{key}.cost", where)))
     return rules
 
 
 def _host(raw: Any, where: Where) -> HostSettings:
     if not isinstance(raw, dict):
-        raise where.error("host", "must be a mapping with enabled, budget")
-    _only(raw, ("enabled", "budget"), "host", where)
+        raise where.error("host", "must be a mapping with enabled, budget, cost")
+    _only(raw, ("enabled", "budget", "cost"), "host", where)
     enabled = raw.get("enabled", True)
     if not isinstance(enabled, bool):
         raise where.error("host.enabled", "must be true or false")
     budget = raw.get("budget", "2GiB")
     _check_size(budget, "host.budget", where, allow_percent=False)
-    return HostSettings(enabled, budget)
+    return HostSettings(enabled, budget, _cost(raw.get("cost"), "host.cost", where))
+
+
+#: the planner's speeds a config may set (vkpool.partition.cost.MemberCost, SI units)
+COST_KEYS = ("flops_per_s", "bytes_per_s", "dispatch_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
+             "transfer_latency_s")
+
+
+def _cost(raw: Any, key: str, where: Where) -> dict[str, float]:
+    """Speeds that override the member's calibration (``vkpool calibrate``) for the planner."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise where.error(key, f"must be a mapping of {', '.join(COST_KEYS)}")
+    _only(raw, COST_KEYS, key, where)
+    out = {}
+    for name, value in raw.items():
+        try:  # YAML reads 1.5e12 (no sign in the exponent) as a string
+            number = float(value) if not isinstance(value, bool) else float("nan")
+        except (TypeError, ValueError):
+            number = float("nan")
+        if not 0 <= number < float("inf") or (name.endswith("per_s") and number == 0):
+            raise where.error(f"{key}.{name}", f"must be a number {'> 0' if name.endswith('per_s') else '>= 0'} "
+                              f"in SI units (e.g. 5.0e13 FLOP/s, 2.0e-6 s), got {value!r}")
+        out[name] = number
+    return out
 
 
 def _check_size(value: Any, key: str, where: Where, *, allow_percent: bool) -> None:

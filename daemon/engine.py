@@ -48,15 +48,13 @@ class Engine:
     def what_if(self, session: Any, budgets: Mapping[str, int]) -> Any:
         """The partitioner's plan for a loaded model under other budgets; allocates nothing."""
         from vkpool.partition import plan_model
-        from vkpool.partition.cost import DEFAULT_COSTS, Member, load_calibration
+        from vkpool.partition.cost import Member, pool_member_cost
         from vkpool.partition.render import to_json_dict, to_text
 
         members = []
         for m in self.pool.members:
-            info = getattr(m, "info", None)
-            cost = (load_calibration(info.uuid) if info is not None else None) or DEFAULT_COSTS[m.kind]
-            members.append(Member(m.id, int(budgets.get(m.id, m.budget_bytes)), cost, m.kind,
-                                  getattr(info, "name", "")))
+            members.append(Member(m.id, int(budgets.get(m.id, m.budget_bytes)), pool_member_cost(m), m.kind,
+                                  getattr(getattr(m, "info", None), "name", "")))
         plan = plan_model(session.model, members)
         return _RenderedPlan(to_text(plan), to_json_dict(plan))
 

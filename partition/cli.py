@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vkpool.partition.cost import DEFAULT_COSTS, Member, host_calibration_key, load_calibration, load_device_spec
+from vkpool.partition.cost import Member, load_device_spec, pool_member_cost
 
 FORMATS = ("text", "json", "dot", "svg")
 
@@ -95,12 +95,7 @@ def pool_members() -> list[Member]:
 
     pool = DevicePool.from_config(None)
     try:
-        out = []
-        for m in pool.members:
-            info = getattr(m, "info", None)
-            key = info.uuid if info is not None else host_calibration_key()
-            cost = load_calibration(key) or DEFAULT_COSTS[m.kind]
-            out.append(Member(m.id, m.budget_bytes, cost, m.kind, getattr(info, "name", "")))
-        return out
+        return [Member(m.id, m.budget_bytes, pool_member_cost(m), m.kind, getattr(getattr(m, "info", None), "name", ""))
+                for m in pool.members]
     finally:
         pool.close()

@@ -119,6 +119,17 @@ def calibration_path(device_uuid: str) -> Path:
     return cache_dir("calibration") / f"{safe}.json"
 
 
+def pool_member_cost(member: Any) -> MemberCost:
+    """The planner's speeds of a pool member: its cached calibration (``vkpool calibrate``; by
+    device UUID, or ``host-<hostname>`` for the host member), else its kind's default; then the
+    config's ``cost:`` values for it, which win."""
+    info = getattr(member, "info", None)
+    key = info.uuid if info is not None else host_calibration_key()
+    cost = load_calibration(key) or DEFAULT_COSTS[member.kind]
+    override = getattr(member, "cost_override", None)
+    return dataclasses.replace(cost, **override) if override else cost
+
+
 def host_calibration_key() -> str:
     """The cache key of this machine's host member, which has no Vulkan UUID: ``host-<hostname>``."""
     import socket

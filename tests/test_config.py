@@ -41,6 +41,10 @@ def test_example_config_parses():
     ("host:\n  budget: 12 parsecs\n", 2, "host.budget", "not a size"),
     ("devices:\n  - match: {index: 0}\n    split: 2\n    budget: [1MiB, 2MiB, 3MiB]\n", 4, "devices[0].budget",
      "one per split member"),
+    ("devices:\n  - match: {index: 0}\n    cost: {flops: 1}\n", 3, "devices[0].cost.flops", "unknown key"),
+    ("devices:\n  - match: {index: 0}\n    cost:\n      flops_per_s: 0\n", 4, "devices[0].cost.flops_per_s",
+     "> 0"),
+    ("host:\n  cost:\n    dispatch_s: fast\n", 3, "host.cost.dispatch_s", "SI units"),
 ])
 def test_bad_config_names_file_line_and_key(text, line, key, words):
     with pytest.raises(ConfigError) as err:
@@ -82,3 +86,25 @@ def test_missing_file_is_a_config_error(tmp_path):
 def test_default_config_loads():
     cfg = load_config(None)
     assert cfg.host.enabled
+
+
+def test_config_cost_overrides_the_planner_speeds_of_its_members():
+    from vkpool.partition.cost import DEFAULT_COSTS, pool_member_cost
+    from vkpool.pool import DevicePool
+    from vkpool.vk import VulkanUnavailable
+
+    cfg = parse_config("devices:\n  - match: {index: 0}\n    split: 2\n    cost:\n      flops_per_s: 1.5e12\n"
+                       "      dispatch_s: 4.0e-6\nhost:\n  cost: {bytes_per_s: 3.0e9}\n", "cost.yaml")
+    try:
+        pool = DevicePool.from_config(cfg)
+    except VulkanUnavailable as exc:  # a missing resource, not a failing feature
+        pytest.skip(f"no Vulkan device: {exc}")
+    try:
+        for member in (pool.member("vk0.0"), pool.member("vk0.1")):
+            cost = pool_member_cost(member)
+            assert (cost.flops_per_s, cost.dispatch_s) == (1.5e12, 4.0e-6)
+        host = pool_member_cost(pool.member("cpu"))
+        assert host.bytes_per_s == 3.0e9
+    finally:
+        pool.close()
+    assert DEFAULT_COSTS["vulkan"].flops_per_s != 1.5e12  # the override, not the default, was read

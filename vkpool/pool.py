@@ -46,6 +46,8 @@ class Member:
     def __init__(self, member_id: str, budget_bytes: int) -> None:
         self.id = member_id
         self.budget = Budget(member_id, budget_bytes)
+        #: the config's planner speeds for this member (``cost:``), over its calibration
+        self.cost_override: dict[str, float] = {}
 
     @property
     def budget_bytes(self) -> int:
@@ -229,8 +231,11 @@ class DevicePool:
             if info.index not in devices:
                 devices[info.index] = LogicalDevice(info)
             members.append(VulkanMember(member_id, info, devices[info.index], budget, split_index))
+            rule = next((r for r in cfg.devices if matches(info, r.match)), None)
+            members[-1].cost_override = dict(rule.cost) if rule is not None else {}
         if cfg.host.enabled:
             members.append(HostMember(parse_size(cfg.host.budget)))
+            members[-1].cost_override = dict(cfg.host.cost)
         return cls(members, devices, cfg)
 
     def member(self, member_id: str) -> Member:

@@ -147,16 +147,15 @@ class Session:
         )
 
     def _planner_members(self, ids: Sequence[str]) -> list[Any]:
-        """The partitioner's view of pool members: free budget and calibrated (else default) speeds."""
-        from vkpool.partition.cost import DEFAULT_COSTS, Member as PlanMember, load_calibration
+        """The partitioner's view of pool members: free budget and their speeds
+        (:func:`vkpool.partition.cost.pool_member_cost`)."""
+        from vkpool.partition.cost import Member as PlanMember, pool_member_cost
 
         out = []
         for member_id in ids:
             member = self.pool.member(member_id)
-            info = getattr(member, "info", None)
-            cost = (load_calibration(info.uuid) if info is not None else None) or DEFAULT_COSTS[member.kind]
-            out.append(PlanMember(member.id, member.budget.free_bytes, cost, member.kind,
-                                  getattr(info, "name", "")))
+            out.append(PlanMember(member.id, member.budget.free_bytes, pool_member_cost(member), member.kind,
+                                  getattr(getattr(member, "info", None), "name", "")))
         return out
 
     def _compile_plan(self, devices: Sequence[str] | None, plan: Any, objective: str) -> None:
