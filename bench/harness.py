@@ -215,8 +215,12 @@ def _maybe_daemon(cfg: Config, tmp: Path, logs_dir: Path) -> Iterator[tuple[str 
 
 def _measure(cfg: Config, runtime: str, workload: str, model: Path, ref: Path, common: list[str],
              work_dir: Path, logs_dir: Path, progress: Progress) -> dict[str, Any]:
-    prepared = RUNNERS[runtime](RunnerOptions(device=cfg.device)).prepare(model, workload)
     tag = f"{runtime}-{workload}"
+    try:
+        prepared = RUNNERS[runtime](RunnerOptions(device=cfg.device)).prepare(model, workload)
+    except Exception as exc:  # noqa: BLE001 - a failed conversion is this row's result, not the run's
+        return {"runtime": runtime, "workload": workload, "status": "failed",
+                "reason": f"conversion: {type(exc).__name__}: {exc}"}
     progress.step(f"latency   {runtime:<16} {workload}")
     args = [*common, "--workload", workload, "--model", str(prepared), "--ref", str(ref)]
     lat = run_child("latency", runtime, work_dir / "latency.json", logs_dir / f"latency-{tag}.log", cfg.timeout_s,

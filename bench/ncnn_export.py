@@ -1,22 +1,22 @@
-"""Write an ncnn ``.param``/``.bin`` pair for the benchmark workloads' ONNX graphs.
+"""The benchmark workloads in ncnn's ``.param``/``.bin`` format.
 
-pnnx converts through torch, which the benchmark machines may lack and whose graph rewrites we can't
-pin; these workloads use eight ONNX ops, so they are written directly in ncnn's text format,
-layer for layer, FP32 weights:
+Every workload but the add chain is converted by pnnx (its PyPI wheel; the ``pnnx`` executable
+reads ONNX directly, no torch needed) with FP32 weights (``fp16=0``), as the VKML paper ran ncnn.
+pnnx folds ``Add(x, 0)`` away, so an add chain would become an empty net; the add chain is written
+here instead, one ncnn ``BinaryOp`` layer (add, scalar) per ONNX ``Add``, which is the dispatch
+work the benchmark measures.
 
-- ``Conv`` followed by ``Add`` of a [1,C,1,1] constant -> one ``Convolution`` with ``bias_term=1``
-  (what pnnx emits for a torch ``Conv2d``, whose bias the ONNX graph spells as the Add);
-- ``MatMul`` (+ ``Add`` of an [N] constant) and ``Gemm`` -> ``InnerProduct``;
-- ``Relu`` -> ``ReLU``; ``MaxPool`` -> ``Pooling`` (max, valid padding = floor, as ONNX);
-  ``Reshape`` to [1, K] -> ``Flatten``; ``Softmax(axis=-1)`` on [1, K] -> ``Softmax`` axis 0;
-- ``Add(prev, [1] zero)`` (the add chain) -> ``BinaryOp`` add with the scalar, one layer per node.
-
-ncnn blobs drop the batch axis: [1,C,H,W] is ncnn's (c, h, w) and [1,K] or [K] its 1-D ``w``.
+Both paths name the input blob ``in0`` and the output blob ``out0``. ncnn blobs drop the batch
+axis: [1,C,H,W] is ncnn's (c, h, w) and [1] its 1-D ``w``.
 """
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass, field
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,147 +28,102 @@ INPUT_BLOB = "in0"
 OUTPUT_BLOB = "out0"
 
 
-class UnsupportedGraph(ValueError):
-    """The graph uses an op or pattern this exporter does not write."""
+class ConversionError(RuntimeError):
+    """pnnx is missing or could not convert the model; the message says why."""
 
 
-@dataclass
-class _Writer:
-    layers: list[str] = field(default_factory=list)
-    blobs: int = 0
-    weights: list[bytes] = field(default_factory=list)
-
-    def layer(self, kind: str, name: str, inputs: list[str], outputs: list[str], params: str = "") -> None:
-        self.blobs += len(outputs)
-        line = f"{kind:<16} {name:<24} {len(inputs)} {len(outputs)} {' '.join(inputs + outputs)}"
-        self.layers.append(f"{line} {params}".rstrip())
-
-    def weight(self, array: np.ndarray) -> None:
-        # A weight blob starts with a 4-byte tag; 0 means raw float32 follows.
-        self.weights.append(struct.pack("<I", 0) + np.ascontiguousarray(array, dtype="<f4").tobytes())
-
-    def raw(self, array: np.ndarray) -> None:  # biases are read without a tag
-        self.weights.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+def pnnx_executable() -> Path:
+    """The ``pnnx`` converter: ``$PNNX``, else the one inside the installed ``pnnx`` wheel (found
+    without importing the package, whose Python side imports torch), else one on ``PATH``."""
+    if os.environ.get("PNNX"):
+        return Path(os.environ["PNNX"])
+    spec = importlib.util.find_spec("pnnx")
+    if spec is not None and spec.submodule_search_locations:
+        exe = Path(next(iter(spec.submodule_search_locations))) / "pnnx"
+        if exe.exists():
+            return exe
+    found = shutil.which("pnnx")
+    if found:
+        return Path(found)
+    raise ConversionError("pnnx is not installed: pip install pnnx (or set PNNX to its executable)")
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+def pnnx_version() -> str:
+    try:
+        return importlib.metadata.version("pnnx")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
-def export(model: onnx.ModelProto, param_path: Path, bin_path: Path) -> None:
-    """Write ``model`` as ncnn files; input blob ``in0``, output blob ``out0``."""
-    graph = model.graph
-    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-
-    in_shape = [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim]
-    w = _Writer()
-    if len(in_shape) == 4:
-        _, c, h, wd = in_shape
-        w.layer("Input", "input", [], [INPUT_BLOB], f"0={wd} 1={h} 2={c}")
+def convert(onnx_path: Path, param_path: Path, bin_path: Path, add_chain: bool) -> None:
+    """Write ``onnx_path`` as ncnn files: pnnx for the networks, BinaryOp layers for an add chain."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    if add_chain:
+        write_add_chain(model, param_path, bin_path)
     else:
-        w.layer("Input", "input", [], [INPUT_BLOB], f"0={int(np.prod(in_shape))}")
-
-    blob = {graph.input[0].name: INPUT_BLOB}
-    fused: set[str] = set()
-
-    def bias_add_after(out: str) -> onnx.NodeProto | None:
-        users = consumers.get(out, [])
-        if len(users) == 1 and users[0].op_type == "Add" and users[0].input[1] in consts:
-            return users[0]
-        return None
-
-    for node in graph.node:
-        if node.name in fused:
-            continue
-        src = blob.get(node.input[0]) if node.input else None
-        if src is None:
-            raise UnsupportedGraph(f"node {node.name}: input {node.input[0]!r} comes from no written layer")
-        op, attrs = node.op_type, _attrs(node)
-        out = node.output[0]
-        if op == "Conv":
-            weight = consts[node.input[1]]
-            kh, kw = weight.shape[2:]
-            pads = list(attrs.get("pads", [0, 0, 0, 0]))
-            strides = list(attrs.get("strides", [1, 1]))
-            if len(set(pads)) != 1 or strides[0] != strides[1] or attrs.get("group", 1) != 1:
-                raise UnsupportedGraph(f"Conv {node.name}: only symmetric pads, square strides, group 1")
-            bias = consts[node.input[2]] if len(node.input) > 2 else None
-            add = bias_add_after(out) if bias is None else None
-            if add is not None:
-                bias, out = consts[add.input[1]].reshape(-1), add.output[0]
-                fused.add(add.name)
-            params = (f"0={weight.shape[0]} 1={kw} 11={kh} 3={strides[0]} 4={pads[0]} "
-                      f"5={int(bias is not None)} 6={weight.size}")
-            w.layer("Convolution", node.name, [src], [out], params)
-            w.weight(weight)
-            if bias is not None:
-                w.raw(bias)
-        elif op in ("MatMul", "Gemm"):
-            weight = consts[node.input[1]]
-            if op == "Gemm":
-                if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
-                    raise UnsupportedGraph(f"Gemm {node.name}: only alpha=beta=1, transA=0")
-                if not attrs.get("transB", 0):
-                    weight = weight.T
-                bias = consts[node.input[2]] if len(node.input) > 2 else None
-            else:
-                weight = weight.T  # ONNX [K, N] -> ncnn [N, K]
-                add = bias_add_after(out)
-                bias = None
-                if add is not None:
-                    bias, out = consts[add.input[1]], add.output[0]
-                    fused.add(add.name)
-            w.layer("InnerProduct", node.name, [src], [out],
-                    f"0={weight.shape[0]} 1={int(bias is not None)} 2={weight.size}")
-            w.weight(weight)
-            if bias is not None:
-                w.raw(bias.reshape(-1))
-        elif op == "Relu":
-            w.layer("ReLU", node.name, [src], [out])
-        elif op == "MaxPool":
-            k, s = attrs["kernel_shape"], attrs.get("strides", [1, 1])
-            if any(attrs.get("pads", [0])):
-                raise UnsupportedGraph(f"MaxPool {node.name}: padding not written")
-            w.layer("Pooling", node.name, [src], [out], f"0=0 1={k[1]} 11={k[0]} 2={s[1]} 12={s[0]} 5=1")
-        elif op == "Reshape":
-            shape = consts[node.input[1]].tolist()
-            if len(shape) != 2 or shape[0] != 1:
-                raise UnsupportedGraph(f"Reshape {node.name}: only to [1, K]")
-            w.layer("Flatten", node.name, [src], [out])
-        elif op == "Softmax":
-            if attrs.get("axis", -1) not in (-1, 1):
-                raise UnsupportedGraph(f"Softmax {node.name}: only the last axis of [1, K]")
-            w.layer("Softmax", node.name, [src], [out], "0=0 1=1")
-        elif op == "Add":
-            const = consts.get(node.input[1])
-            if const is None or const.size != 1:
-                raise UnsupportedGraph(f"Add {node.name}: only Add(x, scalar constant) outside fused biases")
-            w.layer("BinaryOp", node.name, [src], [out], f"0=0 1=1 2={float(const.reshape(-1)[0]):.9g}")
-        else:
-            raise UnsupportedGraph(f"op {op} ({node.name}) is not written by this exporter")
-        blob[out] = out
-
-    final = graph.output[0].name
-    # Rename the graph output's blob to the fixed output name.
-    last = w.layers[-1].split()
-    if last[-1 - _param_count(last)] != final:
-        raise UnsupportedGraph(f"the last written layer does not produce the graph output {final!r}")
-    w.layers[-1] = _rename_last_output(w.layers[-1], final, OUTPUT_BLOB)
-    param_path.write_text("\n".join([str(MAGIC), f"{len(w.layers)} {w.blobs}", *w.layers]) + "\n")
-    bin_path.write_bytes(b"".join(w.weights))
+        _run_pnnx(onnx_path, model, param_path, bin_path)
 
 
-def _param_count(tokens: list[str]) -> int:
-    return sum(1 for t in tokens if "=" in t)
+def _input_shape(model: onnx.ModelProto) -> list[int]:
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        raise ConversionError(f"expected one graph input, found {len(inputs)}")
+    dims = [d.dim_value for d in inputs[0].type.tensor_type.shape.dim]
+    if not dims or any(d <= 0 for d in dims):
+        raise ConversionError(f"input {inputs[0].name!r} needs a static shape, got {dims}")
+    return dims
 
 
-def _rename_last_output(line: str, old: str, new: str) -> str:
-    tokens = line.split()
-    idx = len(tokens) - 1 - _param_count(tokens)
-    assert tokens[idx] == old
-    tokens[idx] = new
-    return " ".join(tokens)
+def _run_pnnx(onnx_path: Path, model: onnx.ModelProto, param_path: Path, bin_path: Path) -> None:
+    shape = ",".join(str(d) for d in _input_shape(model))
+    exe = pnnx_executable()
+    # pnnx also writes its own graph, a simplified ONNX copy and two Python scripts; the
+    # weights-sized ones go to a scratch folder next to the outputs and are deleted.
+    with tempfile.TemporaryDirectory(dir=param_path.parent, prefix=".pnnx-") as scratch:
+        s = Path(scratch)
+        args = [str(exe), str(onnx_path), f"inputshape=[{shape}]f32", "fp16=0",
+                f"ncnnparam={param_path}", f"ncnnbin={bin_path}", f"ncnnpy={s / 'model_ncnn.py'}",
+                f"pnnxparam={s / 'model.pnnx.param'}", f"pnnxbin={s / 'model.pnnx.bin'}",
+                f"pnnxpy={s / 'model_pnnx.py'}", f"pnnxonnx={s / 'model.pnnx.onnx'}"]
+        try:
+            done = subprocess.run(args, cwd=s, capture_output=True, text=True, timeout=1800)
+        finally:
+            # pnnx writes its simplified ONNX copy beside the input, whatever the options say
+            onnx_path.with_suffix(".pnnxsim.onnx").unlink(missing_ok=True)
+    if done.returncode != 0 or not param_path.exists() or not bin_path.exists():
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+        raise ConversionError(f"pnnx failed on {onnx_path.name} (exit {done.returncode}):\n{tail}")
+    _check_blob_names(param_path)
+
+
+def _check_blob_names(param_path: Path) -> None:
+    layers = [line.split() for line in param_path.read_text().splitlines()[2:] if line.strip()]
+    produced = {blob for tokens in layers for blob in _outputs(tokens)}
+    if INPUT_BLOB not in produced or OUTPUT_BLOB not in produced:
+        raise ConversionError(f"{param_path.name}: expected blobs {INPUT_BLOB!r} and {OUTPUT_BLOB!r}")
+    if len(layers) < 2:
+        raise ConversionError(f"{param_path.name}: pnnx wrote no compute layer (the graph folded away)")
+
+
+def _outputs(tokens: list[str]) -> list[str]:
+    n_in, n_out = int(tokens[2]), int(tokens[3])
+    return tokens[4 + n_in:4 + n_in + n_out]
+
+
+def write_add_chain(model: onnx.ModelProto, param_path: Path, bin_path: Path) -> None:
+    """One ``BinaryOp`` (op 0 = add, ``1=1`` with scalar ``2=b``) per ``Add(prev, scalar constant)``."""
+    consts = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    n_in = int(np.prod(_input_shape(model)))
+    lines = [f"Input input 0 1 {INPUT_BLOB} 0={n_in}"]
+    prev_onnx, prev_blob = model.graph.input[0].name, INPUT_BLOB
+    nodes = list(model.graph.node)
+    for i, node in enumerate(nodes):
+        const = consts.get(node.input[1]) if len(node.input) == 2 else None
+        if node.op_type != "Add" or node.input[0] != prev_onnx or const is None or const.size != 1:
+            raise ConversionError(f"node {node.name or i}: an add chain is Add(previous, scalar constant)")
+        blob = OUTPUT_BLOB if i == len(nodes) - 1 else f"b{i}"
+        lines.append(f"BinaryOp add{i} 1 1 {prev_blob} {blob} 0=0 1=1 2={float(const.reshape(-1)[0]):.9g}")
+        prev_onnx, prev_blob = node.output[0], blob
+    param_path.write_text("\n".join([str(MAGIC), f"{len(lines)} {len(lines)}", *lines]) + "\n")
+    bin_path.write_bytes(b"")  # the chain's scalars live in the .param

@@ -154,3 +154,27 @@ def test_append_keeps_pairs_not_rerun() -> None:
     assert by_key[("mlp", "vkpool")]["latency"]["median_ms"] == 0.5
     assert len(merged["results"]) == len(old["results"])  # type: ignore[arg-type]
     assert merged["unavailable"] == {"ort_cuda": "no CUDA"}
+
+
+@pytest.mark.parametrize("workload", ["mnist12_like", "mlp", "add_chain_10"])
+def test_ncnn_runner_converts_and_matches_onnxruntime(tmp_path: Path, workload: str) -> None:
+    """pnnx converts the networks, the add chain is written as BinaryOp layers (pnnx folds
+    Add(x, 0) away), and ncnn's Vulkan backend (on lavapipe here) matches ORT within 1e-4."""
+    import onnxruntime as ort
+
+    from bench.ncnn_export import OUTPUT_BLOB
+
+    onnx_path = wl.save(workload, tmp_path)
+    runner = RUNNERS["ncnn_vulkan"]()
+    runner.probe()
+    param = runner.prepare(onnx_path, workload)
+    layers = [line.split()[0] for line in param.read_text().splitlines()[2:]]
+    if workload.startswith("add_chain_"):
+        assert layers == ["Input"] + ["BinaryOp"] * 10
+    else:
+        assert "InnerProduct" in layers and OUTPUT_BLOB in param.read_text()
+    assert not list(tmp_path.glob("*.pnnx*")) and not list(tmp_path.glob(".pnnx-*"))  # scratch removed
+    feed = wl.input_for(workload)
+    got = runner.load(param, workload)(feed)
+    want = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4, atol=1e-5)

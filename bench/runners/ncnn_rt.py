@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.ncnn_export import INPUT_BLOB, OUTPUT_BLOB, export
-from bench.runners.base import Runner, RunFn, Unavailable
+from bench.ncnn_export import INPUT_BLOB, OUTPUT_BLOB, ConversionError, convert, pnnx_executable, pnnx_version
+from bench.runners.base import Runner, RunFn, Unavailable, is_add_chain
 
 #: Off, as the paper set them, so that every path is FP32 (flags absent in a build are skipped).
 _FP32_ONLY = (
@@ -25,15 +25,18 @@ class NcnnVulkan(Runner):
             raise Unavailable(f"the ncnn wheel is not installed ({exc})") from exc
         if ncnn.get_gpu_count() < 1:
             raise Unavailable("ncnn sees no Vulkan device")
-        return f"ncnn {ncnn.__version__}, Vulkan device 0: {ncnn.get_gpu_info(0).device_name()}"
+        try:
+            pnnx_executable()
+        except ConversionError as exc:
+            raise Unavailable(str(exc)) from exc
+        return (f"ncnn {ncnn.__version__}, models by pnnx {pnnx_version()}, "
+                f"Vulkan device 0: {ncnn.get_gpu_info(0).device_name()}")
 
     def prepare(self, onnx_path: Path, workload: str) -> Path:
-        import onnx
-
         param = onnx_path.with_suffix(".ncnn.param")
         weights = onnx_path.with_suffix(".ncnn.bin")
         if not (param.exists() and weights.exists() and param.stat().st_mtime >= onnx_path.stat().st_mtime):
-            export(onnx.load(str(onnx_path)), param, weights)
+            convert(onnx_path, param, weights, add_chain=is_add_chain(workload))
         return param
 
     def load(self, model_path: Path, workload: str) -> RunFn:
