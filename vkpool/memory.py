@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 ALIGNMENT = 256  # covers minStorageBufferOffsetAlignment and 16-byte vector loads on every device seen
 DEFAULT_BLOCK_BYTES = 64 << 20
+#: Blocks of host memory (inputs, outputs, staging) are small: drivers pin and populate host-visible
+#: memory when it is allocated, so every byte of a block counts in the process's resident memory
+#: whether or not a tensor uses it. Requests above half a block get an allocation of their own.
+HOST_BLOCK_BYTES = 1 << 20
 
 
 class DeviceOutOfMemory(MemoryError):

@@ -14,7 +14,7 @@ import numpy as np
 from vkpool.config.loader import Config, ConfigError, DeviceRule, load_config
 from vkpool import inline_weights
 from vkpool.discovery import PhysicalDeviceInfo, discover
-from vkpool.memory import Allocation, BlockAllocator, Budget, DeviceOutOfMemory
+from vkpool.memory import HOST_BLOCK_BYTES, Allocation, BlockAllocator, Budget, DeviceOutOfMemory
 from vkpool.units import format_size, parse_size
 
 #: default budget of a device no rule budgets: this fraction of its device-local heap's budget
@@ -117,8 +117,9 @@ class VulkanMember(Member):
         # Inputs and outputs live in host-visible memory; where device memory is itself
         # host-visible (lavapipe, integrated GPUs, ReBAR) that is the same allocator.
         self.io = self.local if device.device_type_host_visible else BlockAllocator(
-            device, device.host_type, self.budget, name=member_id)
-        self._staging = BlockAllocator(device, device.host_type, None, name=f"{member_id} staging")
+            device, device.host_type, self.budget, block_bytes=HOST_BLOCK_BYTES, name=member_id)
+        self._staging = BlockAllocator(device, device.host_type, None, block_bytes=HOST_BLOCK_BYTES,
+                                       name=f"{member_id} staging")
         self._staging_lock = threading.Lock()
 
     @property
