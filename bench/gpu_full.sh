@@ -10,7 +10,7 @@
 # Carry .gl, .whl and .glsl (see bench/gpu_run.sh); for the ncnn runtime .whl also holds, for
 # Python 3.12: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#   --platform manylinux2014_x86_64 -d .whl ncnn tqdm portalocker requests urllib3 idna certifi \
+#   --platform manylinux2014_x86_64 -d .whl ncnn pnnx tqdm portalocker requests urllib3 idna certifi \
 #   charset_normalizer
 # The machine is given back 30 s after a call ends, detached work included: call `wait` again
 # at once.
@@ -26,12 +26,11 @@ export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 RES=/tmp/full-out
 cd /tmp
 { nvidia-smi; python3 -c "import torch, onnxruntime, numpy; print('torch', torch.__version__, 'onnxruntime', onnxruntime.__version__, 'numpy', numpy.__version__)"; python3 -c "import ncnn; print('ncnn', ncnn.__version__)"; } > $RES/versions.txt 2>&1
-# ncnn only where its converter and a 32-bit blob index serve (the small workloads)
-python3 -m bench --out $RES/bench --runtimes vkpool vkpool_daemon ort_cpu torch_eager torch_cudagraph > $RES/bench.log 2>&1
-python3 -m bench --out $RES/bench --append --runtimes ncnn_vulkan \
-  --workloads mnist12_like mlp conv_few_15MB add_chain >> $RES/bench.log 2>&1
+chmod +x /tmp/site/pnnx/pnnx  # ncnn's models are converted by pnnx (its wheel is in .whl)
+python3 -m bench --out $RES/bench > $RES/bench.log 2>&1
 python3 -m bench.workloads --out /tmp/models mnist12_like add_chain_1 > /dev/null
 python3 -m vkpool.daemon.bench /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 --seconds 5 --out $RES/daemon-overhead.json > $RES/daemon-overhead.md 2>&1
+python3 -m bench.startup_probe /tmp/models/mnist12_like.onnx --runs 4 > $RES/startup.txt 2>&1
 python3 -m bench.real_models --models-dir /tmp/real-models --out $RES/real_models.json > $RES/real_models.md 2>&1
 for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1000; do
   [ -f /tmp/models/$w.onnx ] || python3 -m bench.workloads --out /tmp/models $w > /dev/null

@@ -29,6 +29,9 @@ from vkpool.model import Node
 
 #: chunk outputs of at least this size are written to device memory and copied out at the end
 STAGED_OUTPUT_BYTES = 16 * 1024
+#: a single-threaded run polls its completion fence this long before blocking in the driver:
+#: short jobs end within tens of microseconds, and polling sees that sooner than a blocking wait
+POLL_SECONDS = 0.0002
 
 
 @dataclass(eq=False)
@@ -166,6 +169,9 @@ class VulkanChunk:
         self.input_names = list(inputs)
         self.output_names = list(outputs)
         self.stats = ChunkStats()
+        #: how long a run polls its fence before blocking (LogicalDevice.wait); 0 where several
+        #: threads run chunks at once, since a polling loop holds the GIL the others need
+        self.poll_seconds = POLL_SECONDS
         self._lock = threading.Lock()
         self._allocs: list[Any] = []
         self.submission = None
@@ -392,7 +398,7 @@ class VulkanChunk:
             for name, view in self._in_views.items():
                 np.copyto(view, feeds[name], casting="no")
             self.device.submit(self.submission)
-            self.device.wait(self.submission)
+            self.device.wait(self.submission, spin_seconds=self.poll_seconds)
             return {name: view.copy() for name, view in self._out_views.items()}
 
     def close(self) -> None:

@@ -170,7 +170,13 @@ class PlanExecutor:
             for lane in self.lanes:
                 for stage in lane.stages:
                     stage.chunk = self._build(stage)
-            for member_id in dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages):
+            workers = list(dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages))
+            if len(workers) > 1:  # workers run chunks at once: none may hold the GIL polling a fence
+                for lane in self.lanes:
+                    for stage in lane.stages:
+                        if isinstance(stage.chunk, VulkanChunk):
+                            stage.chunk.poll_seconds = 0.0
+            for member_id in workers:
                 q: queue.SimpleQueue = queue.SimpleQueue()
                 t = threading.Thread(target=self._worker, args=(q,), name=f"vkpool-{member_id}", daemon=True)
                 self._queues[member_id] = q
