@@ -34,6 +34,7 @@ import numpy as np
 
 from bench import workloads
 
+PARTS = ("split", "replicated", "mixed")
 SMOKE_CONFIG = ("devices:\n  - match: {index: 0}\n    split: 3\n    budget: [600MiB, 600MiB, 600MiB]\n"
                 "host:\n  enabled: true\n  budget: 1GiB\n")
 
@@ -207,25 +208,33 @@ def gpu_and_host(pool: Any, gpu: str, host: str, name: str, smoke: bool, runs: i
 def markdown(result: dict) -> str:
     lines = [f"# Multi-member execution ({result['device']})", "",
              f"GPUs: {', '.join(result['gpus'])}; host side: {result['host']}" + (" (smoke)" if result["smoke"] else ""),
-             "", "## (a) Split over two GPUs by budgets", "",
-             "| workload | members | identical | 1 GPU latency | split latency | 1 GPU req/s (8 in flight) | split req/s |",
-             "|---|---|---|---|---|---|---|"]
-    for r in result["split"]:
-        lines.append(f"| {r['workload']} | {'+'.join(r['members'])} | {r['identical']} | {r['one_gpu_ms']:.3f} ms | "
-                     f"{r['split_ms']:.3f} ms | {r['one_gpu_per_s']:.1f} | {r['split_per_s']:.1f} |")
-    lines += ["", "## (b) Replicated on both GPUs", "",
-              "| workload | replicas | identical | 1 GPU req/s (8 in flight) | replicated req/s | requests per copy |",
-              "|---|---|---|---|---|---|"]
-    for r in result["replicated"]:
-        lines.append(f"| {r['workload']} | {', '.join(r['replicas']) or 'none'} | {r['identical']} | "
-                     f"{r['one_gpu_per_s']:.1f} | {r['replicated_per_s']:.1f} | {r['requests_per_lane']} |")
-    c = result["gpu_and_host"]
-    lines += ["", f"## (c) One GPU + {result['host']} in one plan: {c['workload']}", "",
-              f"max |vkpool − ONNX Runtime CPU| = {c['max_abs_diff_vs_onnxruntime']:.3g} "
-              f"(allclose rtol 1e-3, atol 1e-5: {c['allclose']})", "",
-              "| chunk | member | ops | median ms |", "|---|---|---|---|"]
-    for row in c["chunks"]:
-        lines.append(f"| {row['chunk']} | {row['member']} | {row['ops']} | {row['ms']:.3f} |")
+             ""]
+    if "split" in result:
+        lines += ["## (a) Split over two GPUs by budgets", "",
+                  "| workload | members | identical | 1 GPU latency | split latency | 1 GPU req/s (8 in flight) "
+                  "| split req/s | ratio |", "|---|---|---|---|---|---|---|---|"]
+        for r in result["split"]:
+            lines.append(f"| {r['workload']} | {'+'.join(r['members'])} | {r['identical']} | "
+                         f"{r['one_gpu_ms']:.3f} ms | {r['split_ms']:.3f} ms | {r['one_gpu_per_s']:.1f} | "
+                         f"{r['split_per_s']:.1f} | {r['split_per_s'] / r['one_gpu_per_s']:.2f}× |")
+        lines.append("")
+    if "replicated" in result:
+        lines += ["## (b) Replicated on both GPUs", "",
+                  "| workload | replicas | identical | 1 GPU req/s (8 in flight) | replicated req/s | ratio "
+                  "| requests per copy |", "|---|---|---|---|---|---|---|"]
+        for r in result["replicated"]:
+            lines.append(f"| {r['workload']} | {', '.join(r['replicas']) or 'none'} | {r['identical']} | "
+                         f"{r['one_gpu_per_s']:.1f} | {r['replicated_per_s']:.1f} | "
+                         f"{r['replicated_per_s'] / r['one_gpu_per_s']:.2f}× | {r['requests_per_lane']} |")
+        lines.append("")
+    if "gpu_and_host" in result:
+        c = result["gpu_and_host"]
+        lines += [f"## (c) One GPU + {result['host']} in one plan: {c['workload']}", "",
+                  f"max |vkpool − ONNX Runtime CPU| = {c['max_abs_diff_vs_onnxruntime']:.3g} "
+                  f"(allclose rtol 1e-3, atol 1e-5: {c['allclose']})", "",
+                  "| chunk | member | ops | median ms |", "|---|---|---|---|"]
+        for row in c["chunks"]:
+            lines.append(f"| {row['chunk']} | {row['member']} | {row['ops']} | {row['ms']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -236,25 +245,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="one device split in three members, large workloads scaled down")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per latency (default 50; smoke 5)")
     parser.add_argument("--requests", type=int, default=None,
-                        help="requests per throughput figure (default 200; smoke 16)")
+                        help="requests per throughput figure (default 2000; smoke 16)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="which figures: split (a), replicated (b), mixed (c); default all")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     from vkpool.config.loader import parse_config
     from vkpool.pool import DevicePool
 
     runs = args.runs or (5 if args.smoke else 50)
-    requests = args.requests or (16 if args.smoke else 200)
+    requests = args.requests or (16 if args.smoke else 2000)
     pool = DevicePool.from_config(parse_config(SMOKE_CONFIG) if args.smoke else args.config)
     try:
         gpus, host = roles(pool)
         device = ", ".join(sorted({pool.member(g).info.name for g in gpus}))
         result: dict[str, Any] = {"device": device, "gpus": gpus, "host": host, "smoke": args.smoke,
                                   "runs": runs, "requests": requests, "in_flight": 8}
-        result["split"] = [split_by_budgets(pool, gpus, n, args.smoke, runs, requests)
-                           for n in ("conv_many_255MB", "matmul_1GB_16layers")]
-        result["replicated"] = [replicated(pool, gpus, n, args.smoke, requests)
-                                for n in ("mnist12_like", "conv_few_15MB")]
-        result["gpu_and_host"] = gpu_and_host(pool, gpus[0], host, "conv_few_15MB", args.smoke, runs)
+        if "split" in args.parts:
+            result["split"] = [split_by_budgets(pool, gpus, n, args.smoke, runs, requests)
+                               for n in ("conv_many_255MB", "matmul_1GB_16layers")]
+        if "replicated" in args.parts:
+            result["replicated"] = [replicated(pool, gpus, n, args.smoke, requests)
+                                    for n in ("mnist12_like", "conv_few_15MB")]
+        if "mixed" in args.parts:
+            result["gpu_and_host"] = gpu_and_host(pool, gpus[0], host, "conv_few_15MB", args.smoke, runs)
     finally:
         pool.close()
     sys.stdout.write(markdown(result))
