@@ -133,6 +133,8 @@ class DeviceCaps:
     int8: bool = False
     int64: bool = True
     cooperative_matrix: bool = False
+    #: (M, N, K) of subgroup-scope cooperative matrices multiplying float16 into float32
+    cooperative_matrix_f16: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass

@@ -75,6 +75,7 @@ class LogicalDevice:
             int8=info.capabilities.get("int8", False),
             int64=info.capabilities.get("int64", False),
             cooperative_matrix=info.capabilities.get("cooperative_matrix", False),
+            cooperative_matrix_f16=tuple(info.cooperative_matrix_f16),
         )
         self._closed = False
         atexit.register(self.save_pipeline_cache)
@@ -110,6 +111,8 @@ class LogicalDevice:
             "storageBuffer8BitAccess": 1,
             "shaderInt8": int(caps.get("int8", False)),
             "shaderFloat16": int(caps.get("fp16", False)),
+            # cooperative-matrix shaders use the Vulkan memory model (glslang emits it for them)
+            "vulkanMemoryModel": int(caps.get("vulkan_memory_model", False)),
         })
         f11.pNext = f12
         f2 = ffi.new("VkPhysicalDeviceFeatures2*", {"sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2})

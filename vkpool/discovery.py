@@ -78,6 +78,8 @@ class PhysicalDeviceInfo:
     capabilities: dict[str, bool] = field(default_factory=dict)
     usable: bool = True
     unusable_reason: str = ""
+    #: (M, N, K) of the subgroup-scope cooperative matrices multiplying float16 into float32
+    cooperative_matrix_f16: list[tuple[int, int, int]] = field(default_factory=list)
     handle: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -218,11 +220,13 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
         "storage_16bit": bool(f11.storageBuffer16BitAccess),
         "storage_8bit": bool(f12.storageBuffer8BitAccess),
         "timeline_semaphores": bool(f12.timelineSemaphore),
+        "vulkan_memory_model": bool(f12.vulkanMemoryModel),
         "buffer_device_address": bool(f12.bufferDeviceAddress),
     }
     for cap, ext in EXTENSIONS.items():
         caps[cap] = ext in exts
     caps["cooperative_matrix"] = caps["cooperative_matrix"] and bool(fcm.cooperativeMatrix)
+    coop_f16 = _cooperative_matrix_f16(pd, instance) if caps["cooperative_matrix"] else []
     if usable:
         missing = [c for c in ("timeline_semaphores", "buffer_device_address", "storage_8bit") if not caps[c]]
         if missing:
@@ -273,8 +277,30 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
         capabilities=caps,
         usable=usable,
         unusable_reason=reason,
+        cooperative_matrix_f16=coop_f16,
         handle=pd,
     )
+
+
+def _cooperative_matrix_f16(pd: Any, instance: Instance) -> list[tuple[int, int, int]]:
+    """Shapes (M, N, K) the device multiplies float16 A and B into a float32 accumulator at
+    subgroup scope (``vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR``)."""
+    get = instance._get_coop
+    if get is None:
+        return []
+    ffi, b = vk.ffi(), vk.binding()
+    count = ffi.new("uint32_t*")
+    vk.check("vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", get(pd, count, ffi.NULL))
+    props = ffi.new("VkCooperativeMatrixPropertiesKHR[]", count[0])
+    for i in range(count[0]):
+        props[i].sType = b.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+    vk.check("vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", get(pd, count, props))
+    f16, f32 = b.VK_COMPONENT_TYPE_FLOAT16_KHR, b.VK_COMPONENT_TYPE_FLOAT32_KHR
+    return sorted({
+        (int(p.MSize), int(p.NSize), int(p.KSize)) for p in (props[i] for i in range(count[0]))
+        if p.AType == f16 and p.BType == f16 and p.CType == f32 and p.ResultType == f32
+        and p.scope == b.VK_SCOPE_SUBGROUP_KHR
+    })
 
 
 def _driver_rank(info: PhysicalDeviceInfo) -> tuple[int, int, str]:
