@@ -1,4 +1,7 @@
-"""MatMul with numpy semantics: batched, broadcast batch dimensions, 1-D operands."""
+"""MatMul with numpy semantics: batched, broadcast batch dimensions, 1-D operands.
+
+float32 through ``MatmulPlan`` (``gemm.py``); float16 through ``HalfMatmulPlan`` (``gemm_f16.py``:
+cooperative matrices where the device has them), accumulated in float32 and rounded once."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -8,8 +11,10 @@ import numpy as np
 from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.broadcast import broadcast_shape, collapse
 from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem
+from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan
 
 _F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
 
 
 class MatMul(Op):
@@ -18,8 +23,10 @@ class MatMul(Op):
 
     def check(self) -> None:
         a, b = self.input(0), self.input(1)
-        if a.dtype != _F32 or b.dtype != _F32:
-            raise UnsupportedOp(f"MatMul: only float32 is supported, got {a.dtype} and {b.dtype}")
+        if a.dtype != b.dtype or a.dtype not in (_F32, _F16):
+            raise UnsupportedOp(f"MatMul: only float32 and float16 are supported, got {a.dtype} and {b.dtype}")
+        self.dtype = a.dtype
+        half = a.dtype == _F16
         if not a.shape or not b.shape:
             raise OpError("MatMul: operands must have at least one dimension")
         # numpy: a 1-D A is a row (1 x K), a 1-D B a column (K x 1); the added axis is dropped
@@ -39,7 +46,7 @@ class MatMul(Op):
         if all(d == 1 for d in b2[:-2]):
             # B is one matrix: A's batch folds into its rows (A is contiguous), one product.
             rows = int(np.prod(a2[:-1], dtype=np.int64))
-            if rows == 1 and len(b.shape) == 2 and 1 in self.constants:
+            if rows == 1 and len(b.shape) == 2 and 1 in self.constants and not half:
                 # a GEMV by constant weights reads them stored transposed (see Gemm.check)
                 self.transposed_constants = frozenset({1})
                 problem = MatmulProblem(M=1, N=N, K=K, sAm=K, sAk=1, sBk=1, sBn=K)
@@ -53,24 +60,29 @@ class MatMul(Op):
                 batch=[BatchDim(d, x * M * K, w * K * N, 0, v * M * N)
                        for d, x, w, v in zip(dims, sa, sb, ystrides)],
             )
-        self.plan = MatmulPlan(problem)
+        self.plan: MatmulPlan | HalfMatmulPlan = HalfMatmulPlan(problem) if half else MatmulPlan(problem)
 
     def output_infos(self) -> list[TensorInfo]:
-        return [TensorInfo(self.out_shape, _F32)]
+        return [TensorInfo(self.out_shape, self.dtype)]
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         a, b = inputs[0], inputs[1]
         assert a is not None and b is not None
-        return [np.matmul(a, b).astype(np.float32, copy=False).reshape(self.out_shape)]
+        # float16 as the kernels do it: a float32 product of the halves, rounded once
+        y = np.matmul(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
+        return [y.astype(self.dtype, copy=False).reshape(self.out_shape)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
-        return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], None, ctx.outputs[0], ctx.workspace)
+        a, b, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
+        if isinstance(self.plan, HalfMatmulPlan):
+            return self.plan.dispatches(a, b, y, ctx.caps)
+        return self.plan.dispatches(a, b, None, y, ctx.workspace)
 
     def flops(self) -> int:
         return self.plan.flops()
 
     def workspace_bytes(self) -> int:
-        return self.plan.workspace_bytes()
+        return self.plan.workspace_bytes() if isinstance(self.plan, MatmulPlan) else 0
 
 
 __all__ = ["MatMul"]

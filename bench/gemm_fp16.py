@@ -1,0 +1,236 @@
+"""FP16 GEMM throughput: vkpool's float16 MatMul against torch.matmul on float16 CUDA tensors.
+
+Usage: python -m bench.gemm_fp16 [--sizes 8192 4096] [--device vk0] [--reps 20]
+                                 [--variants default|all|TILE,TILE...] [--no-torch] [--json FILE]
+
+For each size S (M = N = K = S) it builds a one-node ONNX model, ``y = MatMul(a, b)`` with
+float16 a, b and y, and runs it through ``vkpool.Session``: the output's accuracy on a sample
+of rows against numpy's float32 product of the same halves, the host-measured latency of a
+whole run (inputs copied in and the output copied out, for reference only) and, from Vulkan
+timestamps, the GPU time of the session's own GEMM dispatch replayed ``--reps`` times (median).
+torch.matmul runs on the same inputs as CUDA float16 tensors in the same process, timed
+with CUDA events (median of ``--reps``), its accuracy measured the same way.
+
+``--variants`` also times workgroup tiles of the cooperative-matrix kernel other than the
+planner's choice (``CoopTile`` names such as ``128x256x32_w2x4_p1_z8``; ``all``: the list
+below), each on the same device buffers, each checked on the sample rows.
+
+Accuracy: the largest |y - ref| over the sampled rows divided by the largest |ref| there
+("max error / max |ref|"), and the largest elementwise |y - ref| / |ref| over elements with
+|ref| at least 1 % of the largest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+#: tiles tried with ``--variants all``: 64 x 64 (or 32 x 64, 64 x 48) accumulators per subgroup,
+#: one or two slices in flight, L2 bands of 0, 4, 8 or 16 tile-rows
+CANDIDATES = (
+    "128x256x32_w2x4_p1_z8", "128x256x32_w2x4_p2_z8", "128x256x32_w2x4_p1_z0", "128x256x32_w2x4_p1_z4",
+    "128x256x32_w2x4_p1_z16", "128x256x16_w2x4_p2_z8", "128x256x32_w4x4_p2_z8", "256x128x32_w4x2_p1_z8",
+    "256x128x32_w4x2_p2_z8", "128x192x64_w2x4_p1_z8", "128x192x64_w2x4_p2_z8", "128x128x64_w2x2_p1_z8",
+    "128x128x64_w2x4_p1_z8", "64x64x32_w2x2_p1_z8",
+)
+SAMPLE_ROWS = 64
+
+
+def _model(size: int) -> bytes:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["y"])], "gemm_fp16",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT16, [size, size]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT16, [size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [size, size])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def accuracy(y_rows: np.ndarray, ref: np.ndarray) -> dict[str, float]:
+    """Errors of ``y_rows`` (the sampled rows of a result) against the float32 ``ref``."""
+    err = np.abs(y_rows.astype(np.float32) - ref)
+    peak = float(np.max(np.abs(ref)))
+    big = np.abs(ref) >= 0.01 * peak
+    return {"max_err_over_max_ref": float(err.max()) / peak,
+            "max_rel_err": float(np.max(err[big] / np.abs(ref[big])))}
+
+
+def tflops(size: int, us: float) -> float:
+    return 2.0 * size ** 3 / (us * 1e-6) / 1e12
+
+
+def _replayed(device: Any, dispatch: tuple[Any, ...], reps: int) -> float:
+    """Median GPU microseconds of ``dispatch`` replayed ``reps`` times, a barrier between each
+    (every replay writes the same output)."""
+    commands: list[tuple[Any, ...]] = []
+    for i in range(reps):
+        if i:
+            commands.append(("barrier",))
+        commands.append(dispatch)
+    device.profile(commands)  # warm-up: clocks up, caches filled
+    return statistics.median(device.profile(commands))
+
+
+def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
+                 device_id: str | None, reps: int, variants: list[str]) -> dict[str, Any]:
+    from vkpool.kernels.base import pack_push_constants
+    from vkpool.kernels.ops.gemm import MatmulProblem
+    from vkpool.kernels.ops.gemm_f16 import CoopTile, HalfMatmulPlan, coop_shape
+    from vkpool.session import Session
+
+    out: dict[str, Any] = {}
+    sess = Session(_model(size), device=device_id)
+    try:
+        chunk = sess._chunk
+        device = chunk.device
+        caps = device.caps
+        (y,) = sess.run(None, {"a": a, "b": b})
+        out["device"] = device.info.name
+        out["driver"] = device.info.driver_version
+        out["kernel"] = [label for label in chunk.dispatch_labels]
+        out["coop_shape"] = list(caps.cooperative_matrix_f16)
+        out["accuracy"] = accuracy(y[rows], ref)
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            sess.run(None, {"a": a, "b": b})
+            walls.append((time.perf_counter() - t0) * 1e6)
+        out["session_run_us"] = statistics.median(walls)
+        gemm = [c for c in chunk.commands if c[0] == "dispatch"]
+        if len(gemm) != 1:
+            raise RuntimeError(f"expected one GEMM dispatch, found {len(gemm)}")
+        out["gpu_us"] = _replayed(device, gemm[0], reps)
+        out["tflops"] = tflops(size, out["gpu_us"])
+        if variants and coop_shape(caps) is None:
+            out["variants"] = {name: {"error": "the device has no cooperative matrices"} for name in variants}
+        elif variants:
+            member = sess.member
+            plan = HalfMatmulPlan(MatmulProblem(M=size, N=size, K=size, sAm=size, sAk=1, sBk=size, sBn=1))
+            bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(a.nbytes)]
+            try:
+                member.upload(bufs[0], a)
+                member.upload(bufs[1], b)
+                out["variants"] = {}
+                for name in variants:
+                    tile = CoopTile.parse(name)
+                    try:
+                        (d,) = plan.dispatches(*bufs, caps, tile)
+                        dispatch = ("dispatch", device.pipeline(d.shader, d.defines),
+                                    pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)
+                        us = _replayed(device, dispatch, reps)
+                        yv = member.download(bufs[2], (size, size), np.float16)
+                        out["variants"][name] = {"gpu_us": us, "tflops": tflops(size, us),
+                                                 "accuracy": accuracy(yv[rows], ref)}
+                    except Exception as exc:  # a tile the device rejects is reported, not fatal
+                        out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                for buf in bufs:
+                    buf.free()
+    finally:
+        sess.close()
+    return out
+
+
+def bench_torch(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
+                reps: int) -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError:
+        return {"error": "torch is not installed"}
+    if not torch.cuda.is_available():
+        return {"error": "torch sees no CUDA device"}
+    ta, tb = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
+    y = torch.matmul(ta, tb)
+    for _ in range(3):
+        torch.matmul(ta, tb, out=y)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(ta, tb, out=y)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    us = statistics.median(times)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_us": us,
+              "tflops": tflops(size, us), "accuracy": accuracy(y[torch.from_numpy(rows).cuda()].cpu().numpy(), ref),
+              "fp16_reduced_precision_reduction": bool(torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)}
+    del ta, tb, y
+    torch.cuda.empty_cache()
+    return result
+
+
+def run_size(size: int, args: argparse.Namespace, variants: list[str]) -> dict[str, Any]:
+    rng = np.random.default_rng(size)
+    a = rng.uniform(-1.0, 1.0, size=(size, size)).astype(np.float16)
+    b = rng.uniform(-1.0, 1.0, size=(size, size)).astype(np.float16)
+    rows = np.sort(rng.choice(size, size=min(SAMPLE_ROWS, size), replace=False))
+    ref = a[rows].astype(np.float32) @ b.astype(np.float32)
+    result: dict[str, Any] = {"size": size, "reps": args.reps, "sample_rows": len(rows)}
+    result["vkpool"] = bench_vkpool(size, a, b, rows, ref, args.device, args.reps, variants)
+    if not args.no_torch:
+        result["torch"] = bench_torch(size, a, b, rows, ref, args.reps)
+        if "tflops" in result["torch"]:
+            result["ratio"] = result["vkpool"]["tflops"] / result["torch"]["tflops"]
+    return result
+
+
+def report(r: dict[str, Any]) -> str:
+    v, t = r["vkpool"], r.get("torch", {})
+    lines = [f"== M = N = K = {r['size']} ({r['reps']} replays, median; accuracy on {r['sample_rows']} rows)",
+             f"vkpool: {v['device']} (driver {v['driver']}), cooperative-matrix shapes {v['coop_shape']}",
+             f"  kernel: {', '.join(v['kernel'])}",
+             f"  GPU {v['gpu_us']:.1f} us  {v['tflops']:.1f} TFLOP/s  "
+             f"max err / max |ref| {v['accuracy']['max_err_over_max_ref']:.2e}  "
+             f"max rel err {v['accuracy']['max_rel_err']:.2e}",
+             f"  Session.run (inputs in, output out, host clock): {v['session_run_us'] / 1000:.2f} ms"]
+    if "tflops" in t:
+        lines += [f"torch {t['torch']}: {t['device']}",
+                  f"  GPU {t['gpu_us']:.1f} us  {t['tflops']:.1f} TFLOP/s  "
+                  f"max err / max |ref| {t['accuracy']['max_err_over_max_ref']:.2e}  "
+                  f"max rel err {t['accuracy']['max_rel_err']:.2e}",
+                  f"vkpool / torch throughput: {r['ratio']:.3f}"]
+    elif t:
+        lines.append(f"torch: {t['error']}")
+    for name, res in v.get("variants", {}).items():
+        if "error" in res:
+            lines.append(f"  tile {name:24s} {res['error']}")
+        else:
+            lines.append(f"  tile {name:24s} {res['gpu_us']:9.1f} us  {res['tflops']:6.1f} TFLOP/s  "
+                         f"max err / max |ref| {res['accuracy']['max_err_over_max_ref']:.2e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 4096])
+    ap.add_argument("--device", help="member id (default: the first Vulkan member that fits)")
+    ap.add_argument("--reps", type=int, default=20, help="timed replays per kernel (median)")
+    ap.add_argument("--variants", default="default",
+                    help="'default' (the planner's tile only), 'all' (the candidate list) or tile names, comma-separated")
+    ap.add_argument("--no-torch", action="store_true", help="skip torch")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    variants = [] if args.variants == "default" else list(CANDIDATES) if args.variants == "all" \
+        else [v for v in args.variants.split(",") if v]
+    results = []
+    for size in args.sizes:
+        r = run_size(size, args, variants)
+        results.append(r)
+        print(report(r), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

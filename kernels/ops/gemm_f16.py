@@ -1,0 +1,163 @@
+"""The float16 matrix product: float16 operands and result, float32 accumulation.
+
+Two kernels, chosen per device when the dispatches are built:
+
+- ``gemm_coopmat.comp`` where the device has ``VK_KHR_cooperative_matrix`` with a
+  float16 x float16 -> float32 subgroup shape and ``shaderFloat16``: tensor cores on NVIDIA,
+  matrix cores elsewhere. The matrix shape (LM x LN x LK) comes from the device's list;
+  the workgroup tile (``CoopTile``) from ``COOP_TILES``, the first that fits the device's
+  shared memory and invocations, with a smaller one when large tiles would leave the device
+  short of workgroups;
+- ``gemm_f16.comp`` everywhere else (lavapipe, older GPUs): the scalar tiling of
+  ``gemm.comp`` over float16 storage.
+
+Both take row-major operands (what MatMul gives: A is ``[..., M, K]``, B ``[..., K, N]``),
+batches by strides, and any M, N, K (edges are bounds-checked).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from vkpool.kernels.base import Dispatch, DeviceCaps, Ptr, U32, UnsupportedOp, ceil_div
+from vkpool.kernels.ops.gemm import BatchDim, MatmulProblem
+
+_MAX_GROUPS = 65535
+#: below this many workgroups of the preferred tile, a smaller tile is taken (more workgroups)
+_TARGET_GROUPS = 512
+_HALF = 2  # bytes
+
+
+@dataclass(frozen=True)
+class CoopTile:
+    """A workgroup tile of ``gemm_coopmat.comp``: BM x BN outputs over WM x WN subgroups,
+    BK-deep slices, PREFETCH slices in flight (1 or 2), SWIZZLE tile-rows per L2 band (0: none)."""
+
+    BM: int
+    BN: int
+    BK: int
+    WM: int
+    WN: int
+    PREFETCH: int = 1
+    SWIZZLE: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.BM}x{self.BN}x{self.BK}_w{self.WM}x{self.WN}_p{self.PREFETCH}_z{self.SWIZZLE}"
+
+    def shared_bytes(self) -> int:
+        """Shared memory: an A slice of BM rows and a B slice of BK rows, rows padded by 8 halves."""
+        return (self.BM * (self.BK + 8) + self.BK * (self.BN + 8)) * _HALF
+
+    def fits(self, caps: DeviceCaps, shape: tuple[int, int, int]) -> bool:
+        lm, ln, lk = shape
+        threads = self.WM * self.WN * caps.subgroup_size
+        return (
+            self.BM % (self.WM * lm) == 0 and self.BN % (self.WN * ln) == 0 and self.BK % lk == 0
+            and self.BK % 8 == 0 and self.PREFETCH in (1, 2)
+            and threads <= caps.max_workgroup_invocations
+            and (self.BM * self.BK // 8) % threads == 0 and (self.BK * self.BN // 8) % threads == 0
+            and self.shared_bytes() <= caps.shared_memory_bytes
+            # the edge-tile scratch (one LM x LN half tile per subgroup) reuses the A slice
+            and self.WM * self.WN * lm * ln <= self.BM * (self.BK + 8)
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> CoopTile:
+        """``CoopTile.name``'s format back into a tile (``bench/gemm_fp16.py --variants``)."""
+        dims, warps, prefetch, swizzle = text.split("_")
+        bm, bn, bk = (int(v) for v in dims.split("x"))
+        wm, wn = (int(v) for v in warps[1:].split("x"))
+        return cls(bm, bn, bk, wm, wn, int(prefetch[1:]), int(swizzle[1:]))
+
+
+#: preferred first; each subgroup holds a 64 x 64 (or 32 x 32) block of accumulators
+COOP_TILES = (
+    CoopTile(128, 256, 32, 2, 4),
+    CoopTile(128, 128, 64, 2, 2),
+    CoopTile(64, 64, 32, 2, 2),
+)
+
+
+def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
+    """The cooperative-matrix shape the kernel uses on ``caps``' device, or None where it has
+    none fit for it (rows of B and of Y must be whole 16-byte vectors: LN, LK multiples of 8)."""
+    if not (caps.cooperative_matrix and caps.float16):
+        return None
+    usable = [s for s in caps.cooperative_matrix_f16 if s[1] % 8 == 0 and s[2] % 8 == 0 and s[0] % 8 == 0]
+    # the largest product per instruction; a 16 x 16 x 16 where listed
+    return max(usable, key=lambda s: (s[0] * s[1] * s[2], s == (16, 16, 16)), default=None)
+
+
+class HalfMatmulPlan:
+    """The float16 product of one ``MatmulProblem`` with row-major operands and no bias."""
+
+    def __init__(self, p: MatmulProblem) -> None:
+        if p.sAk != 1 or p.sAm != p.K or p.sBn != 1 or p.sBk != p.N or p.has_bias or p.relu:
+            raise UnsupportedOp("float16 product: only row-major A and B without bias or activation")
+        if p.batch and p.batch[-1].count > _MAX_GROUPS:
+            raise UnsupportedOp(f"matrix product with an inner batch of {p.batch[-1].count} > {_MAX_GROUPS}")
+        self.p = p
+
+    def kernel(self, caps: DeviceCaps) -> str:
+        return "gemm_coopmat" if coop_shape(caps) is not None else "gemm_f16"
+
+    def choose_tile(self, caps: DeviceCaps) -> CoopTile:
+        shape = coop_shape(caps)
+        assert shape is not None
+        fitting = [t for t in COOP_TILES if t.fits(caps, shape)]
+        if not fitting:
+            raise UnsupportedOp(f"no cooperative-matrix tile fits {caps.shared_memory_bytes} B of shared memory")
+        p = self.p
+        for tile in fitting:
+            if ceil_div(p.M, tile.BM) * ceil_div(p.N, tile.BN) * p.batch_count >= _TARGET_GROUPS:
+                return tile
+        return fitting[-1]
+
+    def dispatches(self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None) -> list[Dispatch]:
+        """The dispatches computing Y on a device with ``caps``; ``tile`` overrides the
+        cooperative-matrix tile (benchmarks compare tiles with it)."""
+        p = self.p
+        if p.M == 0 or p.N == 0 or p.batch_count == 0:
+            return []
+        shape = coop_shape(caps)
+        if shape is not None:
+            tile = tile or self.choose_tile(caps)
+            if not tile.fits(caps, shape):
+                raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
+            lm, ln, lk = shape
+            vec_a, vec_b = p.K % 8 == 0, p.N % 8 == 0
+            full = p.M % tile.BM == 0 and p.N % tile.BN == 0 and p.K % tile.BK == 0 and p.K > 0
+            shader = "gemm_coopmat"
+            defines: dict[str, Any] = {
+                "LM": lm, "LN": ln, "LK": lk, "BM": tile.BM, "BN": tile.BN, "BK": tile.BK,
+                "WM": tile.WM, "WN": tile.WN, "SG": caps.subgroup_size, "PREFETCH": tile.PREFETCH,
+                "SWIZZLE": tile.SWIZZLE, "A_VEC": int(vec_a), "B_VEC": int(vec_b),
+                "EDGES": int(not (full and vec_a and vec_b)), "STORE_DIRECT": int(vec_b),
+            }
+            bm, bn = tile.BM, tile.BN
+        else:
+            small = ceil_div(p.M, 64) * ceil_div(p.N, 64) * p.batch_count < 128
+            bm = bn = 32 if small else 64
+            shader = "gemm_f16"
+            defines = {"BM": bm, "BN": bn, "BK": 16, "TM": bm // 16, "TN": bn // 16}
+        outer = p.batch[:-1]
+        inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
+        groups = (ceil_div(p.N, bn), ceil_div(p.M, bm), inner.count)
+        if groups[0] > _MAX_GROUPS or groups[1] > _MAX_GROUPS:
+            raise UnsupportedOp(f"matrix product of {p.M} x {p.N} exceeds the workgroup grid")
+        out: list[Dispatch] = []
+        for idx in itertools.product(*(range(d.count) for d in outer)):
+            oa = sum(i * d.a for i, d in zip(idx, outer)) * _HALF
+            ob = sum(i * d.b for i, d in zip(idx, outer)) * _HALF
+            oy = sum(i * d.y for i, d in zip(idx, outer)) * _HALF
+            args = [Ptr(a, oa), Ptr(b, ob), Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K), U32(inner.a), U32(inner.b)]
+            out.append(Dispatch(shader, args, groups, defines))
+        return out
+
+    def flops(self) -> int:
+        return 2 * self.p.M * self.p.N * self.p.K * self.p.batch_count
+
+
+__all__ = ["COOP_TILES", "CoopTile", "HalfMatmulPlan", "coop_shape"]
