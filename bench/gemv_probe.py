@@ -76,9 +76,17 @@ def main() -> None:
     ap.add_argument("--softmax", action="store_true", help="end with a Softmax, as matmul_1GB_1layer does")
     ap.add_argument("--stage-output", action="store_true", help="add zero last (the op before writes device memory)")
     ap.add_argument("--layers", type=int, default=1, help="products in a chain, each with its own weights")
+    ap.add_argument("--file", type=Path,
+                    help="instead: profile this one-MatMul model (matmul_1GB_1layer) as loaded from its file "
+                         "(weights transposed while uploaded) against the same weights given as Gemm "
+                         "transB=1 (uploaded as they are), alternately, in this process")
     args = ap.parse_args()
     from vkpool.kernels.ops import gemm
     from vkpool.session import Session
+
+    if args.file:
+        _compare_file(Session, args)
+        return
 
     print("| weights | layout | split | dispatches (GPU µs each, mean) | product GPU µs | GB/s | run median µs |\n|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,6 +102,33 @@ def main() -> None:
                 for name, value in defaults.items():
                     setattr(gemm, name, value)
                 path.unlink()
+
+
+def _compare_file(Session: type, args: argparse.Namespace) -> None:
+    """matmul_1GB_*'s product runs far slower in its own process than the probe's: is it the
+    upload (transposed by copy regions from the file's K x N) or the weights' placement?"""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(args.file))
+    (w,) = [numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) == 2]
+    size = w.shape[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        alt = Path(tmp) / "gemm_t.onnx"
+        inits = [numpy_helper.from_array(np.ascontiguousarray(w.T), "wt")]
+        del w
+        g = helper.make_graph(
+            [helper.make_node("Gemm", ["x", "wt"], ["p"], transB=1),
+             helper.make_node("Softmax", ["p"], ["y"], axis=-1)], "gemm_t",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, size])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, size])], inits)
+        alt.write_bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+                        .SerializeToString())
+        del inits, g
+        for label, path in (("file, MatMul K x N", args.file), ("Gemm transB=1 N x K", alt),
+                            ("file, MatMul K x N", args.file), ("Gemm transB=1 N x K", alt)):
+            print(f"{label}: ", end="")
+            _time(Session, path, size, True, {}, args)
 
 
 def _time(Session: type, path: Path, size: int, transposed: bool, variant: dict[str, int],
@@ -117,7 +152,7 @@ def _time(Session: type, path: Path, size: int, transposed: bool, variant: dict[
         by_shader.setdefault(label.rsplit("[", 1)[-1].rstrip("]"), []).append(t)
     shaders = ", ".join(f"{name} {statistics.mean(ts):.1f}" + (f" ×{len(ts)}" if len(ts) > 1 else "")
                         for name, ts in by_shader.items())
-    gbps = args.layers * size * size * 4 / (gpu * 1e-6) / 1e9
+    gbps = getattr(args, "layers", 1) * size * size * 4 / (gpu * 1e-6) / 1e9
     split = " ".join(f"{k.strip('_').lower()}={v}" for k, v in variant.items()) or "default"
     print(f"| {args.layers} x {size * size * 4 / 2**20:.0f} MiB | {layout} | {split} | {shaders} | {gpu:.1f} | {gbps:.0f} | "
           f"{statistics.median(walls):.1f} |", flush=True)

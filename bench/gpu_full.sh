@@ -36,6 +36,7 @@ for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matm
   [ -f /tmp/models/$w.onnx ] || python3 -m bench.workloads --out /tmp/models $w > /dev/null
   python3 -m bench.gpu_profile /tmp/models/$w.onnx --device vk0 --top 8
 done > $RES/gpu-profile.txt 2>&1
+python3 -m bench.gemv_probe --file /tmp/models/matmul_1GB_1layer.onnx --device vk0 > $RES/gemv-file.txt 2>&1
 touch $RES/done
 EOF
   setsid nohup bash /tmp/full.sh > /tmp/full.log 2>&1 < /dev/null &
