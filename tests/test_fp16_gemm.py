@@ -107,7 +107,8 @@ def coop_member(pool):
         if coop_shape(caps) is not None:
             return member
     names = ", ".join(m.device.info.name for m in pool.vulkan_members)
-    pytest.skip(f"no member has VK_KHR_cooperative_matrix with a float16 -> float32 shape and shaderFloat16 ({names})")
+    pytest.skip(f"no member has VK_KHR_cooperative_matrix with a float16 -> float32 shape and "
+                f"shaderFloat16 ({names})")
 
 
 @pytest.mark.parametrize("a_shape,b_shape", [
@@ -122,14 +123,20 @@ def test_coopmat_kernel(pool, a_shape, b_shape):
     assert_mean_error_fp16(got, a, b)
 
 
+#: beside the planner's tiles, each pipelining mode of the kernel
+MODES = (CoopTile(64, 64, 32, 2, 2, PREFETCH=2), CoopTile(64, 64, 32, 2, 2, SWIZZLE=0),
+         CoopTile(128, 128, 48, 2, 4, PREFETCH=2, SWIZZLE=4))
+
+
 def test_coopmat_every_tile(pool):
-    # every tile of the list, on a product with edges in M, N and K
+    # every tile of the list and every pipelining mode, on a product with edges in M, N and K
+    # and an odd number of K slices
     member = coop_member(pool)
     caps = member.device.caps
     shape = coop_shape(caps)
     assert shape is not None
     a, b = halves(300, 264), halves(264, 136)
-    for tile in [t for t in COOP_TILES if t.fits(caps, shape)]:
+    for tile in [t for t in (*COOP_TILES, *MODES) if t.fits(caps, shape)]:
         y = _run_tile(member, a, b, tile)
         assert_close_fp16(y, a, b)
 
@@ -158,10 +165,10 @@ def test_coop_shape_choice():
     caps = DeviceCaps(float16=True, cooperative_matrix=True,
                       cooperative_matrix_f16=((16, 8, 8), (16, 8, 16), (16, 16, 16)))
     assert coop_shape(caps) == (16, 16, 16)
-    assert coop_shape(DeviceCaps(float16=True, cooperative_matrix=True, cooperative_matrix_f16=((16, 8, 8),))) \
-        == (16, 8, 8)
-    assert coop_shape(DeviceCaps(float16=False, cooperative_matrix=True, cooperative_matrix_f16=((16, 16, 16),))) \
-        is None
+    only_small = DeviceCaps(float16=True, cooperative_matrix=True, cooperative_matrix_f16=((16, 8, 8),))
+    assert coop_shape(only_small) == (16, 8, 8)
+    no_fp16 = DeviceCaps(float16=False, cooperative_matrix=True, cooperative_matrix_f16=((16, 16, 16),))
+    assert coop_shape(no_fp16) is None
     assert coop_shape(DeviceCaps(float16=True, cooperative_matrix=False)) is None
     tile = COOP_TILES[0]
     assert CoopTile.parse(tile.name) == tile

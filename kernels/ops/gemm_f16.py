@@ -55,7 +55,7 @@ class CoopTile:
         threads = self.WM * self.WN * caps.subgroup_size
         return (
             self.BM % (self.WM * lm) == 0 and self.BN % (self.WN * ln) == 0 and self.BK % lk == 0
-            and self.BK % 8 == 0 and self.PREFETCH in (1, 2)
+            and self.PREFETCH in (1, 2)
             and threads <= caps.max_workgroup_invocations
             and (self.BM * self.BK // 8) % threads == 0 and (self.BK * self.BN // 8) % threads == 0
             and self.shared_bytes() <= caps.shared_memory_bytes
@@ -72,10 +72,13 @@ class CoopTile:
         return cls(bm, bn, bk, wm, wn, int(prefetch[1:]), int(swizzle[1:]))
 
 
-#: preferred first; each subgroup holds a 64 x 64 (or 32 x 32) block of accumulators
+#: preferred first. NOTE: H200, driver 580, M = N = K = 8192 (bench/gemm_fp16.py --variants):
+#: 128 x 256 with two slices in flight 291 TFLOP/s, 128 x 128 (two workgroups per
+#: multiprocessor) 285, 64 x 64 168; 64 x 32 blocks per subgroup, deeper slices (48, 64) and
+#: two shared buffers were all slower
 COOP_TILES = (
-    CoopTile(128, 256, 32, 2, 4),
-    CoopTile(128, 128, 64, 2, 2),
+    CoopTile(128, 256, 32, 2, 4, PREFETCH=2),
+    CoopTile(128, 128, 32, 2, 2, PREFETCH=2),
     CoopTile(64, 64, 32, 2, 2),
 )
 
@@ -108,14 +111,17 @@ class HalfMatmulPlan:
         assert shape is not None
         fitting = [t for t in COOP_TILES if t.fits(caps, shape)]
         if not fitting:
-            raise UnsupportedOp(f"no cooperative-matrix tile fits {caps.shared_memory_bytes} B of shared memory")
+            raise UnsupportedOp(
+                f"no cooperative-matrix tile fits {caps.shared_memory_bytes} B of shared memory")
         p = self.p
         for tile in fitting:
             if ceil_div(p.M, tile.BM) * ceil_div(p.N, tile.BN) * p.batch_count >= _TARGET_GROUPS:
                 return tile
         return fitting[-1]
 
-    def dispatches(self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None) -> list[Dispatch]:
+    def dispatches(
+        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None,
+    ) -> list[Dispatch]:
         """The dispatches computing Y on a device with ``caps``; ``tile`` overrides the
         cooperative-matrix tile (benchmarks compare tiles with it)."""
         p = self.p
@@ -152,7 +158,8 @@ class HalfMatmulPlan:
             oa = sum(i * d.a for i, d in zip(idx, outer)) * _HALF
             ob = sum(i * d.b for i, d in zip(idx, outer)) * _HALF
             oy = sum(i * d.y for i, d in zip(idx, outer)) * _HALF
-            args = [Ptr(a, oa), Ptr(b, ob), Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K), U32(inner.a), U32(inner.b)]
+            args = [Ptr(a, oa), Ptr(b, ob), Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
+                    U32(inner.a), U32(inner.b)]
             out.append(Dispatch(shader, args, groups, defines))
         return out
 

@@ -24,7 +24,8 @@ class MatMul(Op):
     def check(self) -> None:
         a, b = self.input(0), self.input(1)
         if a.dtype != b.dtype or a.dtype not in (_F32, _F16):
-            raise UnsupportedOp(f"MatMul: only float32 and float16 are supported, got {a.dtype} and {b.dtype}")
+            raise UnsupportedOp(
+                f"MatMul: only float32 and float16 are supported, got {a.dtype} and {b.dtype}")
         self.dtype = a.dtype
         half = a.dtype == _F16
         if not a.shape or not b.shape:

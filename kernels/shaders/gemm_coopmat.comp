@@ -8,7 +8,9 @@
 // lists for float16 x float16 -> float32). BK-deep slices of A and B are staged through shared
 // memory, rows padded by 8 halves (16 bytes) so that a subgroup's row reads spread over all
 // banks. While one slice is multiplied, the next PREFETCH slices (1 or 2) are on their way from
-// global memory into registers.
+// global memory into registers. (NOTE: H200, driver 580: two shared buffers, one barrier per
+// slice, ran at about half the speed of one buffer with the same tiles; 48 KiB of shared memory
+// leaves no room for two buffers of the fastest tile anyway.)
 //
 // A_VEC / B_VEC: K (resp. N) is a multiple of 8 and the operands are 16-byte aligned, so tiles
 // move in 16-byte vectors; otherwise element by element. Out-of-range rows and columns read as
@@ -48,9 +50,9 @@ layout(push_constant) uniform Args {
 // rows of BN halves)
 #define AROW ((BK + 8) / 8)
 #define BROW ((BN + 8) / 8)
-#define A_STAGE (BM * AROW)
-#define B_STAGE (BK * BROW)
-shared uvec4 smem[A_STAGE + B_STAGE];
+#define A_SIZE (BM * AROW)
+#define B_SIZE (BK * BROW)
+shared uvec4 smem[A_SIZE + B_SIZE];
 
 // per invocation and slice: 16-byte vectors of A and of B
 #define A_LOADS (BM * BK / 8 / NT)
@@ -101,7 +103,7 @@ void stash(uvec4 a_regs[A_LOADS], uvec4 b_regs[B_LOADS]) {
     }
     [[unroll]] for (uint i = 0; i < B_LOADS; ++i) {
         uint v = tid + i * NT;
-        smem[A_STAGE + (v / (BN / 8)) * BROW + v % (BN / 8)] = b_regs[i];
+        smem[A_SIZE + (v / (BN / 8)) * BROW + v % (BN / 8)] = b_regs[i];
     }
 }
 
@@ -114,7 +116,7 @@ void multiply(uint sm, uint sn) {
             coopMatLoad(ma[i], smem, (sm + i * LM) * AROW + kk / 8, AROW, gl_CooperativeMatrixLayoutRowMajor);
         [[unroll]] for (uint j = 0; j < TN; ++j) {
             coopmat<float16_t, gl_ScopeSubgroup, LK, LN, gl_MatrixUseB> mb;
-            coopMatLoad(mb, smem, A_STAGE + kk * BROW + (sn + j * LN) / 8, BROW,
+            coopMatLoad(mb, smem, A_SIZE + kk * BROW + (sn + j * LN) / 8, BROW,
                         gl_CooperativeMatrixLayoutRowMajor);
             [[unroll]] for (uint i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(ma[i], mb, acc[i][j]);
         }
@@ -147,11 +149,11 @@ void main() {
         [[unroll]] for (uint j = 0; j < TN; ++j)
             acc[i][j] = coopmat<float, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator>(0.0);
 
-    // one shared buffer: fill it, barrier, multiply, barrier; the loads of later slices are
-    // issued before each multiply and land in registers while it runs
     const uint slices = (pc.K + BK - 1) / BK;
     uvec4 a0[A_LOADS], b0[B_LOADS];
     fetch(a0, b0, aBase, bBase, row0, col0, 0);
+    // one shared buffer: fill it, barrier, multiply, barrier; the loads of the next PREFETCH
+    // slices are in flight during each multiply
 #if PREFETCH == 2
     uvec4 a1[A_LOADS], b1[B_LOADS];
     if (slices > 1) fetch(a1, b1, aBase, bBase, row0, col0, BK);
