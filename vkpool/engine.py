@@ -394,12 +394,28 @@ class VulkanChunk:
 
     # -- running ---------------------------------------------------------------------------
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        with self._lock:
+        self.start(feeds)
+        return self.finish()
+
+    def start(self, feeds: dict[str, np.ndarray]) -> None:
+        """Writes the inputs and submits the recorded commands; :meth:`finish` (from any
+        thread) waits and returns the outputs. The chunk holds one run at a time: a second
+        ``start`` waits for the first run's ``finish``."""
+        self._lock.acquire()
+        try:
             for name, view in self._in_views.items():
                 np.copyto(view, feeds[name], casting="no")
             self.device.submit(self.submission)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def finish(self) -> dict[str, np.ndarray]:
+        try:
             self.device.wait(self.submission, spin_seconds=self.poll_seconds)
             return {name: view.copy() for name, view in self._out_views.items()}
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         if self.submission is not None:
@@ -427,6 +443,16 @@ class HostChunk:
         self._charge = self.stats.weight_bytes + max(
             (sum(tensors[o].nbytes for o in node.outputs if o) for node in self.nodes), default=0)
         member.budget.reserve(self._charge)
+        self._feeds: dict[str, np.ndarray] = {}
+
+    def start(self, feeds: dict[str, np.ndarray]) -> None:
+        """Keeps the inputs; the work happens in :meth:`finish` (the executor calls it from the
+        member's own thread, so numpy's time is never spent in a submitting thread)."""
+        self._feeds = feeds
+
+    def finish(self) -> dict[str, np.ndarray]:
+        feeds, self._feeds = self._feeds, {}
+        return self.run(feeds)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values: dict[str, np.ndarray] = dict(self.constants)

@@ -4,9 +4,12 @@ A :class:`PlanExecutor` builds, for every chunk of a :class:`~vkpool.partition.p
 :class:`~vkpool.engine.VulkanChunk` (recorded once) or a :class:`~vkpool.engine.HostChunk` on
 its member, and for every replica member one whole-model chunk. Requests then flow like this:
 
-- each member has one worker thread and a FIFO of chunk runs; a request's chunk is queued on
-  its member as soon as every chunk it reads from has finished, so independent chunks on
-  different members run at once, and member A runs request k+1 while member B runs request k;
+- each member runs one chunk run at a time, in the order they become ready; a request's chunk
+  is offered to its member as soon as every chunk it reads from has finished, so independent
+  chunks on different members run at once, and member A runs request k+1 while member B runs
+  request k. A run is submitted by the thread that makes it ready when the member is idle, and
+  by the member's own thread right after the run before it otherwise; that thread waits for
+  the device and completes runs (see :class:`_MemberRunner`);
 - a tensor crossing chunks is staged through host memory: the producer's chunk output lives in
   host-visible mapped memory, is copied into the request's own host array when the chunk
   finishes, and written into the consumer chunk's mapped input when that chunk starts. Each
@@ -21,7 +24,6 @@ with host ``perf_counter_ns`` start and end, per request.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections import Counter, deque
@@ -140,6 +142,90 @@ def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
     return stages
 
 
+class _MemberRunner:
+    """Runs one member's chunk runs one at a time, in the order they become ready.
+
+    A run *starts* (inputs written, recorded commands submitted) in whichever thread offers it
+    while the member is idle (the submitting thread, or the thread that finished the chunk it
+    waited for), else in the member's own thread the moment the run before it ends. The
+    member's thread waits for each run (in the driver, GIL released) and completes it: outputs
+    copied out, the next queued run started before anything else so the device stays busy,
+    then the request moved on. A thread handing work over thus never waits for another to
+    wake before the device can start; the waking happens while the device computes.
+    """
+
+    def __init__(self, executor: PlanExecutor, member_id: str) -> None:
+        self.executor = executor
+        self.member_id = member_id
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[_Request, _Stage]] = deque()
+        self._current: tuple[_Request, _Stage, int] | None = None  # started, not yet completed
+        self._busy = False  # a run is being started or is in flight
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"vkpool-{member_id}", daemon=True)
+        self._thread.start()
+
+    def offer(self, request: _Request, stage: _Stage) -> None:
+        with self._cond:
+            if self._busy or self._stopping:
+                self._queue.append((request, stage))
+                return
+            self._busy = True
+        self._start(request, stage)
+
+    def _start(self, request: _Request, stage: _Stage) -> None:
+        """Starts this run, or the next startable one; leaves the member idle if none is."""
+        item: tuple[_Request, _Stage] | None = (request, stage)
+        while item is not None:
+            request, stage = item
+            if not request.failed:
+                start = time.perf_counter_ns()
+                try:
+                    stage.chunk.start({name: request.values[name] for name in stage.inputs})
+                except BaseException as exc:  # the request fails; the member serves the next one
+                    self.executor._fail(request, exc)
+                else:
+                    with self._cond:
+                        self._current = (request, stage, start)
+                        self._cond.notify()
+                    return
+            with self._cond:
+                item = self._queue.popleft() if self._queue and not self._stopping else None
+                if item is None:
+                    self._busy = False
+                    self._cond.notify()  # a stopping thread waits for the member to be idle
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._current is None:
+                    if self._stopping and not self._busy:
+                        return
+                    self._cond.wait()
+                request, stage, start = self._current
+                self._current = None
+            try:
+                produced: dict[str, np.ndarray] | BaseException = stage.chunk.finish()
+            except BaseException as exc:
+                produced = exc
+            with self._cond:
+                nxt = self._queue.popleft() if self._queue and not self._stopping else None
+                if nxt is None:
+                    self._busy = False
+            if nxt is not None:
+                self._start(*nxt)
+            self.executor._completed(request, stage, start, produced)
+
+    def stop(self) -> None:
+        """Lets the run in flight end, drops the queued ones (their requests are failed by
+        :meth:`PlanExecutor.close`) and ends the thread."""
+        with self._cond:
+            self._stopping = True
+            self._queue.clear()
+            self._cond.notify()
+        self._thread.join()
+
+
 class PlanExecutor:
     """Builds a plan's chunks on pool members and runs requests through them (see module doc)."""
 
@@ -153,9 +239,8 @@ class PlanExecutor:
         self._trace_lock = threading.Lock()
         self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
         self._count_lock = threading.Lock()
-        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._runners: dict[str, _MemberRunner] = {}
         self._pending: dict[int, _Request] = {}
-        self._threads: list[threading.Thread] = []
         index_of = {op: int(graph.nodes[op]["index"]) for op in graph.nodes}
         self._input_names = [name for name, _ in model.inputs]
         self._output_names = [name for name, _ in model.outputs if name not in model.constants]
@@ -177,11 +262,7 @@ class PlanExecutor:
                         if isinstance(stage.chunk, VulkanChunk):
                             stage.chunk.poll_seconds = 0.0
             for member_id in workers:
-                q: queue.SimpleQueue = queue.SimpleQueue()
-                t = threading.Thread(target=self._worker, args=(q,), name=f"vkpool-{member_id}", daemon=True)
-                self._queues[member_id] = q
-                self._threads.append(t)
-                t.start()
+                self._runners[member_id] = _MemberRunner(self, member_id)
         except BaseException:
             self.close()
             raise
@@ -247,32 +328,21 @@ class PlanExecutor:
             self._pending[request.id] = request
         for stage in lane.stages:
             if not stage.preds:
-                self._queues[stage.member.id].put((request, stage))
+                self._runners[stage.member.id].offer(request, stage)
         return future
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.submit(feeds).result()
 
-    def _worker(self, q: queue.SimpleQueue) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            request, stage = item
-            if request.failed:
-                continue
-            try:
-                self._run_stage(request, stage)
-            except BaseException as exc:  # the request fails; the worker serves the next one
-                self._fail(request, exc)
-
-    def _run_stage(self, request: _Request, stage: _Stage) -> None:
-        start = time.perf_counter_ns()
-        feeds = {name: request.values[name] for name in stage.inputs}
-        produced = stage.chunk.run(feeds)
-        end = time.perf_counter_ns()
+    def _completed(self, request: _Request, stage: _Stage, start: int,
+                   produced: dict[str, np.ndarray] | BaseException) -> None:
+        """A chunk run ended (in its member's thread): record it, offer the request's chunks
+        that became ready to their members, and end the request after its last chunk."""
+        if isinstance(produced, BaseException):
+            self._fail(request, produced)
+            return
         event = ChunkEvent(request.id, request.lane.index, stage.index, stage.member.id, len(stage.nodes),
-                           start, end)
+                           start, time.perf_counter_ns())
         if stage.transfers:
             with self._count_lock:
                 for t in stage.transfers:
@@ -288,7 +358,7 @@ class PlanExecutor:
             request.left -= 1
             finished = request.left == 0
         for nxt in ready:
-            self._queues[nxt.member.id].put((request, nxt))
+            self._runners[nxt.member.id].offer(request, nxt)
         if finished:
             self._finish(request)
 
@@ -318,10 +388,8 @@ class PlanExecutor:
         if self._closed:
             return
         self._closed = True
-        for q in self._queues.values():
-            q.put(None)
-        for t in self._threads:
-            t.join()
+        for runner in self._runners.values():
+            runner.stop()
         # a request whose next chunk was queued after its member's worker stopped never ends: fail it
         for request in list(self._pending.values()):
             self._fail(request, RuntimeError("the session was closed before this request finished"))
