@@ -8,9 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
-from vkpool.backend import shape_inputs
 from vkpool.conformance import (
     FAILED,
     PASSED,
@@ -142,17 +141,3 @@ def test_markdown_report() -> None:
     assert "| test_abs_example | Abs | Mismatched elements: 1 / 3 (33.3%) |" in lines
     assert "| the model uses ops vkpool does not support: Acos | 1 |" in lines
     assert "test_range" in text.split("## Passed with every node folded")[1]
-
-
-def test_shape_inputs_follow_values_not_shapes() -> None:
-    # Reshape(data, Shape(x)) reads only x's static shape; Reshape(data, Cast(s)) reads s's values
-    nodes = [helper.make_node("Shape", ["x"], ["x_shape"]),
-             helper.make_node("Reshape", ["data", "x_shape"], ["a"]),
-             helper.make_node("Cast", ["s"], ["s64"], to=TensorProto.INT64),
-             helper.make_node("Reshape", ["data", "s64"], ["b"])]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
-              helper.make_tensor_value_info("data", TensorProto.FLOAT, [6]),
-              helper.make_tensor_value_info("s", TensorProto.INT32, [2])]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b")]
-    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs))
-    assert shape_inputs(model) == ["s"]

@@ -4,8 +4,9 @@ The ONNX project's backend node tests (``onnx.backend.test``) run against vkpool
 ONNX's device names map to pool members: ``"CPU"`` (what the test suite asks for) is the
 default Vulkan member, so the Vulkan kernels are what the tests exercise; ``"VK"``/``"GPU"``
 are accepted too. A model with an op vkpool lacks is "not compatible" (the suite skips it).
-Inputs that fix output shapes are bound from the fed values before the model loads
-(``shape_inputs``), since vkpool compiles static shapes.
+Inputs whose values fix output shapes (Reshape's shape, TopK's k, ...) need nothing of the
+backend: :class:`vkpool.Session` cuts the model where such values are needed and compiles the
+rest per value (:mod:`vkpool.dynamic`).
 """
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from typing import Any, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep
 from onnx.backend.test.runner import BackendIsNotSupposedToImplementIt
 
 from vkpool.kernels.base import UnsupportedOp
-from vkpool.kernels.registry import op_class, unsupported_in
+from vkpool.kernels.registry import unsupported_in
 from vkpool.pool import DevicePool
 from vkpool.session import Session
 
@@ -37,56 +37,6 @@ def shared_pool() -> DevicePool:
         return _pool
 
 
-#: ops whose outputs depend on their inputs' static shapes only: a value traced through them
-#: comes from no input's values
-_SHAPE_ONLY = frozenset({"Shape", "Size"})
-
-
-def shape_inputs(model: onnx.ModelProto) -> list[str]:
-    """Graph inputs whose values reach a node input its kernel needs known at load time.
-
-    Reshape's shape, Slice's starts, TopK's k, Resize's sizes, ... fix output shapes, and vkpool
-    compiles static shapes; the backend binds these inputs from the fed values. An input counts
-    when such a value is computed from its values (a window size cast and fed to Range, say),
-    not when only its shape is read (Shape, Size).
-    """
-    fed = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
-    producer = {out: node for node in model.graph.node for out in node.output if out}
-    found: list[str] = []
-    seen: set[str] = set()
-
-    def trace(name: str) -> None:
-        if not name or name in seen:
-            return
-        seen.add(name)
-        if name in fed:
-            found.append(name)
-        elif name in producer and producer[name].op_type not in _SHAPE_ONLY:
-            for src in producer[name].input:
-                trace(src)
-
-    for node in model.graph.node:
-        try:
-            positions = op_class(node.op_type, node.domain).constant_inputs
-        except UnsupportedOp:
-            continue
-        for pos in positions:
-            if pos < len(node.input):
-                trace(node.input[pos])
-    return found
-
-
-def bind_inputs(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """A copy of ``model`` whose inputs named in ``values`` are initializers holding them."""
-    bound = onnx.ModelProto()
-    bound.CopyFrom(model)
-    kept = [i for i in bound.graph.input if i.name not in values]
-    del bound.graph.input[:]
-    bound.graph.input.extend(kept)
-    bound.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), name) for name, v in values.items())
-    return bound
-
-
 def _open(model: onnx.ModelProto, member: str | None) -> Session:
     try:
         return Session(model.SerializeToString(), pool=shared_pool(), device=member)
@@ -96,36 +46,20 @@ def _open(model: onnx.ModelProto, member: str | None) -> Session:
 
 
 class VkpoolRep(BackendRep):
-    """A prepared model. Where inputs fix shapes (``shape_inputs``), the session is built on the
-    first run from their values, and rebuilt when a later run feeds other values."""
+    """A prepared model: one :class:`vkpool.Session`, also for a model whose shapes depend on
+    the fed values (the session compiles the dependent part per value on its first runs)."""
 
     def __init__(self, model: onnx.ModelProto, member: str | None = None) -> None:
         self.model = model
         self.member = member
         init_names = {t.name for t in model.graph.initializer}
         self.input_names = [i.name for i in model.graph.input if i.name not in init_names]
-        self.bound = shape_inputs(model)
-        self._bound_key: tuple[bytes, ...] | None = None
-        self._session: Session | None = None if self.bound else _open(model, member)
+        self._session: Session | None = _open(model, member)
 
     @property
     def session(self) -> Session:
         if self._session is None:
-            raise RuntimeError(f"the model is built on its first run, from the values of {self.bound}")
-        return self._session
-
-    def _session_for(self, feeds: dict[str, Any]) -> Session:
-        if not self.bound:
-            return self.session
-        missing = [n for n in self.bound if n not in feeds]
-        if missing:
-            raise ValueError(f"inputs {missing} fix output shapes and must be fed")
-        values = {n: np.asarray(feeds[n]) for n in self.bound}
-        key = tuple(f"{v.dtype}{v.shape}".encode() + v.tobytes() for v in values.values())
-        if self._session is None or key != self._bound_key:
-            self.close()
-            self._session = _open(bind_inputs(self.model, values), self.member)
-            self._bound_key = key
+            raise RuntimeError("the prepared model is closed")
         return self._session
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
@@ -135,9 +69,11 @@ class VkpoolRep(BackendRep):
             if isinstance(inputs, np.ndarray):
                 inputs = [inputs]
             feeds = dict(zip(self.input_names, inputs))
-        session = self._session_for(feeds)
         try:
-            return tuple(session.run(None, {k: v for k, v in feeds.items() if k not in self.bound}))
+            return tuple(self.session.run(None, feeds))
+        except UnsupportedOp as exc:
+            # the part compiled for the fed values needs a kernel vkpool lacks: "not supported"
+            raise BackendIsNotSupposedToImplementIt(str(exc)) from None
         finally:
             if kwargs.get("close", False):
                 self.close()
@@ -153,21 +89,24 @@ class VkpoolBackend(Backend):
     def is_compatible(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> bool:
         """Whether vkpool has kernels for every node as this model uses it (op, types, attributes).
 
-        A model with inputs that fix shapes is judged on its ops alone: its kernels are chosen once
-        those values are fed.
+        Of a model whose shapes depend on run-time values, the part before the cut is judged by
+        its kernels and the rest by its ops alone: those kernels are chosen once the values are known.
         """
         if not cls.supports_device(device):
             return False
         if unsupported_in([(n.op_type, n.domain) for n in model.graph.node]):
             return False
-        if shape_inputs(model):
-            return True
+        from vkpool.dynamic import Graph, find_cut
         from vkpool.engine import build_ops
         from vkpool.model import ModelError, load_model
 
         try:
-            loaded = load_model(model.SerializeToString())
-            build_ops(loaded.nodes, dict(loaded.tensors), loaded.constants, loaded.opset)
+            loaded = load_model(model.SerializeToString(), partial=True)
+            split = find_cut(Graph.of(loaded))
+            if split is None and loaded.unresolved:
+                return False
+            nodes = loaded.nodes if split is None else split.prefix
+            build_ops(nodes, dict(loaded.tensors), loaded.constants, loaded.opset)
         except (UnsupportedOp, ModelError):
             return False
         return True

@@ -118,6 +118,7 @@ def run_case(case: Case) -> Outcome:
     from onnx.backend.test.runner import BackendIsNotSupposedToImplementIt, Runner
 
     from vkpool import backend
+    from vkpool.dynamic import kernel_nodes
     from vkpool.kernels.base import UnsupportedOp
 
     start = time.perf_counter()
@@ -137,10 +138,10 @@ def run_case(case: Case) -> Outcome:
             try:
                 got = list(rep.run(inputs))
             except (BackendIsNotSupposedToImplementIt, UnsupportedOp) as exc:
-                # a model whose shape inputs are bound from the feeds loads on its first run
+                # the part of a model after a cut at fed values is compiled on its first run
                 return outcome(UNSUPPORTED, short_reason(exc).removeprefix(f"{type(exc).__name__}: "))
             Runner.assert_similar_outputs(expected, got, rtol=case.rtol, atol=case.atol)
-        folded = not rep.session.model.nodes
+        folded = kernel_nodes(rep.session) == 0
     except Exception as exc:
         return outcome(FAILED, short_reason(exc))
     finally:
@@ -327,8 +328,9 @@ def write_markdown(outcomes: Sequence[Outcome], *, command: str, onnx_version: s
         f"rtol {rtol:g} and atol {atol:g}.",
         "*Unsupported*: vkpool refused the model at load (an op, element type or attribute without a",
         "kernel). *Failed*: a wrong result, an error while running, or a crash or timeout of the",
-        "case's worker process. Inputs that fix output shapes (Reshape's shape, Slice's starts, ...)",
-        "are bound as constants before the model loads, as vkpool compiles static shapes.",
+        "case's worker process. Inputs whose values fix output shapes (Reshape's shape, Slice's",
+        "starts, ...) cut the model there: the rest is compiled once those values are fed",
+        "(docs/dynamic-shapes.md).",
         "",
         "## Per op",
         "",
@@ -348,8 +350,8 @@ def write_markdown(outcomes: Sequence[Outcome], *, command: str, onnx_version: s
     folded = sorted(o.name for o in outcomes if o.folded)
     lines += ["", f"## Passed with every node folded at load ({len(folded)})", "",
               "The outputs of these models follow from static shapes, attributes and inputs that fix",
-              "shapes (bound as constants): the loader computes them on the host, as it folds the",
-              "constant subgraphs of any model, and no kernel runs.", ""]
+              "shapes: vkpool computes them on the host (at load, or once those inputs are fed), as it",
+              "folds the constant subgraphs of any model, and no kernel runs.", ""]
     lines.append(", ".join(folded) + "." if folded else "None.")
     unsupported = Counter(_reason_kind(o.reason) for o in outcomes if o.status == UNSUPPORTED)
     lines += ["", f"## Why cases are unsupported ({sum(unsupported.values())})", ""]

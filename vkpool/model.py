@@ -10,7 +10,9 @@
 4. repeat ``onnx.shape_inference.infer_shapes(data_prop=True, strict_mode=True)`` and constant
    folding until nothing changes, so shapes computed by ``Shape → Gather → Concat → Reshape``
    chains become static;
-5. fail with :class:`ModelError` naming any tensor whose shape or dtype is still unknown.
+5. fail with :class:`ModelError` naming any tensor whose shape or dtype is still unknown (with
+   ``partial=True``, list them in ``LoadedModel.unresolved`` instead: their shapes depend on
+   values known only at run time, and :mod:`vkpool.dynamic` cuts the model there).
 
 Folding evaluates one node at a time with ``onnx.reference.ReferenceEvaluator``; it runs once at
 load, so its speed matters little next to never doing that work per inference.
@@ -56,6 +58,9 @@ class LoadedModel:
     constants: dict[str, np.ndarray]
     tensors: dict[str, TensorInfo]
     opset: int
+    #: tensors whose shape inference left unknown (``load_model(partial=True)`` only); they are
+    #: not in ``tensors``, and an output among them is in ``outputs`` with -1 for each unknown dim
+    unresolved: list[str] = field(default_factory=list)
 
     def op_types(self) -> list[tuple[str, str]]:
         """``(op_type, domain)`` of every node, in node order."""
@@ -78,10 +83,12 @@ def load_model(
     batch: int = 1,
     dims: dict[str, int] | None = None,
     fuse: bool = True,
+    partial: bool = False,
 ) -> LoadedModel:
     """Loads, checks, binds and folds an ONNX model; see the module docstring. With ``fuse``
     (the default), biases and Relus are folded into the products before them
-    (:mod:`vkpool.fusion`)."""
+    (:mod:`vkpool.fusion`). With ``partial``, a tensor of unknown shape is listed in
+    ``unresolved`` instead of failing the load (an output needs its dtype and rank known)."""
     if batch < 1:
         raise ModelError(f"batch must be at least 1, got {batch}")
     proto, base_dir, in_place = _parse(src)
@@ -96,8 +103,9 @@ def load_model(
     input_names = [i.name for i in graph.input if i.name not in constants]
     output_names = [o.name for o in graph.output]
     types: dict[str, TensorInfo] = {}
+    ranked: dict[str, TensorInfo] = {}  # dtype and rank known, -1 for each unknown dim
     while True:
-        types = _infer(proto, nodes, bound, constants, types)
+        types = _infer(proto, nodes, bound, constants, types, ranked)
         nodes, changed = _fold(nodes, constants, types, proto)
         if not changed:
             break
@@ -108,21 +116,32 @@ def load_model(
     tensors: dict[str, TensorInfo] = {}
     for name, value in constants.items():
         tensors[name] = TensorInfo(value.shape, value.dtype)
+    unresolved: list[str] = []
+    skipped: set[str] = set()
     every_name = [*input_names, *output_names] + [t for n in kept_nodes for t in (*n.inputs, *n.outputs)]
     for name in every_name:
-        if not name or name in tensors:
+        if not name or name in tensors or name in skipped:
             continue
         info = types.get(name)
         if info is None:
-            raise ModelError(f"tensor {name!r}: shape or dtype is still unknown after binding symbolic dims")
+            if not partial:
+                raise ModelError(
+                    f"tensor {name!r}: shape or dtype is still unknown after binding symbolic dims")
+            if name in output_names and name not in ranked:
+                raise ModelError(f"output {name!r}: its dtype or rank stays unknown until run time; "
+                                 "vkpool needs both known at load")
+            unresolved.append(name)
+            skipped.add(name)
+            continue
         tensors[name] = info
     model = LoadedModel(
         inputs=[(n, tensors[n]) for n in input_names],
-        outputs=[(n, tensors[n]) for n in output_names],
+        outputs=[(n, tensors[n] if n in tensors else ranked[n]) for n in output_names],
         nodes=kept_nodes,
         constants=constants,
         tensors=tensors,
         opset=opset,
+        unresolved=unresolved,
     )
     if fuse:
         from vkpool.fusion import fuse as fuse_epilogues
@@ -373,8 +392,10 @@ def _infer(
     bound: dict[str, int],
     constants: dict[str, np.ndarray],
     known: dict[str, TensorInfo],
+    ranked: dict[str, TensorInfo],
 ) -> dict[str, TensorInfo]:
-    """Static infos of every tensor the inference can reach, for the current (folded) nodes."""
+    """Static infos of every tensor the inference can reach, for the current (folded) nodes;
+    ``ranked`` gets those of known dtype and rank only, with -1 for each unknown dim."""
     src = proto.graph
     needed = {t for n in nodes for t in n.input} | {o.name for o in src.output}
     inputs = [i for i in src.input if i.name not in constants]
@@ -401,6 +422,10 @@ def _infer(
         info = _static_info(value)
         if info is not None:
             infos[value.name] = info
+        else:
+            rank_only = _ranked_info(value)
+            if rank_only is not None:
+                ranked[value.name] = rank_only
     for name, value in constants.items():
         infos[name] = TensorInfo(value.shape, value.dtype)
     return infos
@@ -415,6 +440,14 @@ def _static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
     if any(not d.HasField("dim_value") for d in ttype.shape.dim):
         return None
     return TensorInfo(tuple(d.dim_value for d in ttype.shape.dim),
+                      helper.tensor_dtype_to_np_dtype(ttype.elem_type))
+
+
+def _ranked_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
+    ttype = value.type.tensor_type if value.type.HasField("tensor_type") else None
+    if ttype is None or ttype.elem_type == onnx.TensorProto.UNDEFINED or not ttype.HasField("shape"):
+        return None
+    return TensorInfo(tuple(d.dim_value if d.HasField("dim_value") else -1 for d in ttype.shape.dim),
                       helper.tensor_dtype_to_np_dtype(ttype.elem_type))
 
 

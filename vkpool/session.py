@@ -12,7 +12,7 @@ import numpy as np
 from vkpool.kernels.base import UnsupportedOp
 from vkpool.kernels.registry import unsupported_in
 from vkpool.memory import DeviceOutOfMemory
-from vkpool.model import LoadedModel, load_model
+from vkpool.model import LoadedModel, ModelError, load_model
 from vkpool.pool import DevicePool, HostMember, Member, VulkanMember
 
 ORT_TYPES = {
@@ -33,7 +33,7 @@ class NodeArg:
     """An input or output of the model, as ONNX Runtime describes it."""
 
     name: str
-    shape: list[int]
+    shape: list[int | None]  # None: a dim known only once the model runs (a cut model's outputs)
     dtype: np.dtype
 
     @property
@@ -55,6 +55,12 @@ class Session:
     ``budgets``: member id → size (``"512MiB"`` or bytes) applied to the pool before placing.
     ``config``: a config path for the pool this session creates; ``pool``: an existing pool to
     share. ``batch``/``dims`` bind symbolic dimensions (the batch dimension defaults to 1).
+
+    A model whose shapes depend on run-time values (NonZero of a computed tensor, TopK with a
+    computed k, a Range of computed bounds, ...) is cut there (:mod:`vkpool.dynamic`): the part
+    before is recorded once, the rest compiled per distinct value and kept in a cache of
+    ``suffix_cache`` entries (:data:`vkpool.dynamic.SUFFIX_CACHE_SIZE` by default).
+    ``dynamic`` is then the :class:`~vkpool.dynamic.DynamicModel` (None for a static model).
     """
 
     def __init__(
@@ -70,32 +76,83 @@ class Session:
         devices: Sequence[str] | None = None,
         plan: Any = None,
         objective: str = "latency",
+        suffix_cache: int | None = None,
     ) -> None:
         self._own_pool = pool is None
         self.pool = pool if pool is not None else DevicePool.from_config(None if config is None else str(config))
-        self._chunk: Any = None
-        self._executor: Any = None
-        self._closed = False
-        self._lock = threading.Lock()
+        self._reset()
         try:
             for member_id, size in (budgets or {}).items():
                 self.pool.set_budget(member_id, size)
-            self.model: LoadedModel = load_model(model, batch=batch, dims=dict(dims or {}))
-            missing = unsupported_in(self.model.op_types())
-            if missing:
-                raise UnsupportedOp(
-                    f"the model uses ops vkpool does not support: {', '.join(missing)}. "
-                    "`vkpool ops` lists the supported ops."
-                )
-            if device is not None and (devices is not None or plan is not None):
-                raise ValueError("give one of device (one member), devices (a plan over them) or plan")
+            loaded = load_model(model, batch=batch, dims=dict(dims or {}), partial=True)
+            self._setup(loaded, device, devices, plan, objective, suffix_cache)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def _part(cls, model: LoadedModel, pool: DevicePool, device: str | None, devices: Sequence[str] | None,
+              objective: str, suffix_cache: int | None) -> Session:
+        """A session on ``model``, a part of a cut model (:mod:`vkpool.dynamic`), on the same pool
+        and placed as the whole model's session was asked to be."""
+        self = cls.__new__(cls)
+        self._own_pool = False
+        self.pool = pool
+        self._reset()
+        try:
+            self._setup(model, device, devices, None, objective, suffix_cache)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _reset(self) -> None:
+        self._chunk: Any = None
+        self._executor: Any = None
+        self.dynamic: Any = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _setup(self, loaded: LoadedModel, device: str | None, devices: Sequence[str] | None, plan: Any,
+               objective: str, suffix_cache: int | None) -> None:
+        from vkpool.dynamic import SUFFIX_CACHE_SIZE, DynamicModel, Graph, find_cut
+
+        self.model: LoadedModel = loaded
+        missing = unsupported_in(loaded.op_types())
+        if missing:
+            raise UnsupportedOp(
+                f"the model uses ops vkpool does not support: {', '.join(missing)}. "
+                "`vkpool ops` lists the supported ops."
+            )
+        if device is not None and (devices is not None or plan is not None):
+            raise ValueError("give one of device (one member), devices (a plan over them) or plan")
+        graph = Graph.of(loaded)
+        split = find_cut(graph)
+        if split is None:
+            if loaded.unresolved:
+                raise ModelError(f"tensor {loaded.unresolved[0]!r}: shape or dtype is still unknown after "
+                                 "binding symbolic dims")
             if devices is not None or plan is not None:
                 self._compile_plan(devices, plan, objective)
             else:
                 self._compile(device)
-        except BaseException:
-            self.close()
-            raise
+            return
+        if plan is not None:
+            where = "; ".join(dict.fromkeys(p.describe() for p in split.points))
+            raise ValueError(f"the model's shapes depend on run-time values ({where}), so it is compiled in "
+                             "parts and a plan made for the whole graph cannot apply; give devices=[...] "
+                             "to plan each part over those members")
+        size = SUFFIX_CACHE_SIZE if suffix_cache is None else int(suffix_cache)
+        pool = self.pool  # not self: the parts must not keep this session alive
+
+        def compile_static(part: LoadedModel) -> Session:
+            return Session._part(part, pool, device, devices, objective, size)
+
+        self.dynamic = DynamicModel(graph, split, compile_static, size)
+        if self.dynamic.prefix is not None:
+            self.member = self.dynamic.prefix.member
+        else:
+            self.member = self._candidates(device if devices is None else devices[0])[0]
 
     # -- placement -------------------------------------------------------------------------
     def _candidates(self, device: str | None) -> list[Member]:
@@ -218,7 +275,8 @@ class Session:
         return [NodeArg(n, list(i.shape), i.dtype) for n, i in self.model.inputs]
 
     def get_outputs(self) -> list[NodeArg]:
-        return [NodeArg(n, list(i.shape), i.dtype) for n, i in self.model.outputs]
+        """The outputs; a dim known only at run time (an output after a cut) is None."""
+        return [NodeArg(n, [d if d >= 0 else None for d in i.shape], i.dtype) for n, i in self.model.outputs]
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: Any = None) -> list[np.ndarray]:
@@ -227,7 +285,9 @@ class Session:
             raise RuntimeError("the session is closed")
         feeds = self._check_feeds(input_feed)
         names = self._output_list(output_names)
-        if self._executor is not None:
+        if self.dynamic is not None:
+            produced = self.dynamic.run(feeds)
+        elif self._executor is not None:
             produced = self._executor.run(feeds)
         else:
             produced = self._chunk.run({n: feeds[n] for n in self._chunk_inputs})
@@ -238,7 +298,7 @@ class Session:
 
         On a plan over several members, requests submitted back to back are pipelined: one
         member runs a later request's chunk while another runs an earlier one's. On one
-        member the run happens before this returns.
+        member, and for a cut model, the run happens before this returns.
         """
         if self._closed:
             raise RuntimeError("the session is closed")
@@ -304,7 +364,11 @@ class Session:
     # -- what it holds ----------------------------------------------------------------------------
     @property
     def plan(self) -> Any:
-        """Where the model runs: a SingleMemberPlan, or the partition Plan as a MultiMemberPlan."""
+        """Where the model runs: a SingleMemberPlan, the partition Plan as a MultiMemberPlan, or
+        for a cut model a :class:`~vkpool.dynamic.CutPlan` (where it is cut, the prefix's plan
+        and the plan of the suffix the last run used)."""
+        if self.dynamic is not None:
+            return self.dynamic.plan
         if self._executor is not None:
             return self._chunk_plan
         from vkpool.placement import SingleMemberPlan
@@ -312,6 +376,8 @@ class Session:
         return SingleMemberPlan(self.model, self.member.id, self._chunk.stats)
 
     def memory_by_member(self) -> dict[str, int]:
+        if self.dynamic is not None:
+            return self.dynamic.memory_by_member()
         if self._executor is not None:
             return self._executor.memory_by_member()
         stats = self._chunk.stats
@@ -319,6 +385,11 @@ class Session:
 
     @property
     def stats(self) -> Any:
+        """The compiled chunks' statistics; for a cut model, its prefix's (empty without one)."""
+        if self.dynamic is not None:
+            from vkpool.engine import ChunkStats
+
+            return self.dynamic.prefix.stats if self.dynamic.prefix is not None else ChunkStats()
         return self._executor.stats() if self._executor is not None else self._chunk.stats
 
     @property
@@ -342,6 +413,9 @@ class Session:
             if self._executor is not None:
                 self._executor.close()
                 self._executor = None
+            if self.dynamic is not None:
+                self.dynamic.close()
+                self.dynamic = None
             if self._own_pool and getattr(self, "pool", None) is not None:
                 self.pool.close()
 

@@ -1,8 +1,12 @@
-"""NonZero and Size: ops whose output depends on values or shapes known only at load time.
+"""NonZero and Size: ops whose output depends on values or shapes.
 
-NonZero's output shape is the count of non-zeros, so vkpool runs it only when its input is a
-constant (the loader usually folds such a node away; a chunk that still holds one gets a
-serial kernel). A NonZero of a run-time tensor is refused with :class:`UnsupportedOp`.
+NonZero's output shape is the count of non-zeros, so its input is one of the op's
+``constant_inputs``: the kernel runs only on a tensor whose values are known when the op is
+built (an initializer or a folded constant; the loader usually folds such a node away, and a
+chunk that still holds one gets a serial kernel). A NonZero of a run-time tensor is a point
+where :class:`vkpool.Session` cuts the model (:mod:`vkpool.dynamic`): the part before it runs
+on the device, its input is read back, :func:`nonzero_indices` computes the indices on the
+host, and the rest of the model is compiled with them as a constant, once per distinct result.
 """
 from __future__ import annotations
 
@@ -17,15 +21,21 @@ from vkpool.kernels.base import (
 _DTYPES = (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.bool_))
 
 
+def nonzero_indices(x: np.ndarray) -> np.ndarray:
+    """ONNX NonZero: the indices of the non-zero elements, one row per axis ([1, n] for a scalar)."""
+    x = np.asarray(x)
+    if x.ndim == 0:
+        return np.zeros((1, int(x != 0)), dtype=np.int64)
+    return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
+
+
 class NonZero(Op):
     op_type = "NonZero"
+    #: the input's values fix the output's shape
+    constant_inputs = (0,)
 
     def check(self) -> None:
         x = self.input(0)
-        if 0 not in self.constants:
-            raise UnsupportedOp(
-                "NonZero: the output shape depends on the input's values, so vkpool runs NonZero only "
-                "on a tensor known at load time (an initializer or a folded constant)")
         if x.dtype not in _DTYPES:
             raise UnsupportedOp(f"NonZero: element type {x.dtype} has no kernel")
         if len(x.shape) > 6:
@@ -38,9 +48,7 @@ class NonZero(Op):
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x = inputs[0]
         assert x is not None
-        if x.ndim == 0:
-            return [np.zeros((1, int(x != 0)), dtype=np.int64)]
-        return [np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)]
+        return [nonzero_indices(x)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         x = self.input(0)
@@ -71,4 +79,4 @@ class Size(Op):
         return 0
 
 
-__all__ = ["NonZero", "Size"]
+__all__ = ["NonZero", "Size", "nonzero_indices"]

@@ -1,4 +1,9 @@
-"""TopK (``shaders/topk.comp``): k must be known at load time since it fixes the output shape."""
+"""TopK (``shaders/topk.comp``): k fixes the output shape, so the kernel is built with k known.
+
+A k computed at run time (opset 10's input) is where :class:`vkpool.Session` cuts the model
+(:mod:`vkpool.dynamic`): the part that computes k runs first, k is read back, and the rest,
+this TopK included, is compiled for that k.
+"""
 from __future__ import annotations
 
 from typing import Sequence

@@ -1,0 +1,587 @@
+"""Data-dependent output shapes: a model cut where run-time values fix a shape.
+
+vkpool compiles static shapes and records each chunk once. Some shapes depend on the *values*
+of a tensor: an input an op lists in ``constant_inputs`` (Reshape's shape, TopK's k, Range's
+start/limit/delta, Slice's starts, Expand's shape, Tile's repeats, Resize's sizes,
+ConstantOfShape's input, OneHot's depth, Compress's condition, ...), NonZero's input among
+them (its output has one column per non-zero). Where such a tensor is known only at run time,
+:class:`vkpool.Session` cuts the model there instead of refusing it:
+
+- **prefix**: the nodes that depend on no such point, compiled and recorded once like any
+  static model (on one member or planned over several);
+- **points**: the tensors whose values fix shapes right after the prefix. After the prefix runs
+  they are read back (NonZero: its input is read back and the indices are computed on the host
+  with numpy);
+- **suffix**: the rest of the graph with those values bound as constants and the prefix's other
+  boundary tensors as inputs. Bound, the values fold (NonZero becomes a constant, TopK's k is
+  known, a Range of constants is evaluated on the host, ...) and the shapes follow from the
+  kernels' own ``output_infos``. A suffix is compiled per distinct set of values and kept in a
+  least-recently-used cache of :data:`SUFFIX_CACHE_SIZE` entries (``Session(suffix_cache=)``).
+  A suffix that still holds such points (one depending on another) is cut the same way.
+
+A model without such points is not touched: the check is one pass over the nodes at load.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
+from vkpool.kernels.ops.nonzero import nonzero_indices
+from vkpool.kernels.registry import create_op, op_class
+from vkpool.memory import DeviceOutOfMemory
+from vkpool.model import LoadedModel, ModelError, Node
+
+#: compiled suffixes kept per cut, one per distinct set of bound values; the least recently
+#: used is closed (its device memory freed) when a new one would exceed this
+SUFFIX_CACHE_SIZE = 8
+#: once values are bound, a suffix node whose inputs are all constants is evaluated on the host
+#: when its outputs take at most this many bytes; a larger one runs on the device
+FOLD_BYTES = 16 << 20
+# ops whose results are not a function of their inputs are never folded
+_UNFOLDABLE = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                         "Multinomial", "Bernoulli", "Dropout"})
+
+
+@dataclass(frozen=True)
+class CutPoint:
+    """Input ``position`` of node ``node``: a tensor whose values fix a shape."""
+
+    node: str
+    op_type: str
+    position: int
+    tensor: str
+    input_name: str  # the input's name in the op's schema: K, shape, limit, ...
+    output: str  # the node's first output
+
+    def describe(self) -> str:
+        return f"{self.input_name} of {self.op_type} '{self.node}'"
+
+
+@dataclass
+class Graph:
+    """A model or part of one: a :class:`~vkpool.model.LoadedModel` whose ``tensors`` hold infos
+    only for the tensors whose shapes are known."""
+
+    inputs: list[tuple[str, TensorInfo]]
+    outputs: list[str]
+    nodes: list[Node]
+    constants: dict[str, np.ndarray]
+    tensors: dict[str, TensorInfo]
+    opset: int
+
+    @classmethod
+    def of(cls, model: LoadedModel) -> Graph:
+        return cls(list(model.inputs), [n for n, _ in model.outputs], list(model.nodes), model.constants,
+                   model.tensors, model.opset)
+
+    def static(self) -> LoadedModel:
+        """This graph as a static model; every tensor's info must be known."""
+        return LoadedModel(inputs=list(self.inputs), outputs=[(n, self.tensors[n]) for n in self.outputs],
+                           nodes=list(self.nodes), constants=self.constants, tensors=dict(self.tensors),
+                           opset=self.opset)
+
+
+@dataclass
+class Split:
+    """Where a graph is cut: ``prefix`` (no dependence on a point), the ``points`` right after
+    it, and the ``suffix`` (every other node, in graph order)."""
+
+    prefix: list[Node]
+    suffix: list[Node]
+    points: list[CutPoint]
+    #: suffix nodes that need values the suffix computes: it is cut again once compiled
+    later: int
+
+
+@dataclass
+class CutCounters:
+    """What a cut did so far: the prefix is compiled (recorded) once; suffixes per values."""
+
+    prefix_compiles: int = 0
+    suffix_compiles: int = 0
+    suffix_reuses: int = 0
+    suffix_evictions: int = 0
+
+
+def node_label(node: Node) -> str:
+    return node.name or f"{node.op_type}:{next((o for o in node.outputs if o), '?')}"
+
+
+def missing_constants(node: Node, constants: dict[str, np.ndarray]) -> list[int]:
+    """Input positions whose values the node's kernel needs and ``constants`` lacks."""
+    positions = op_class(node.op_type, node.domain).constant_inputs
+    inputs = node.inputs
+    return [p for p in positions if p < len(inputs) and inputs[p] and inputs[p] not in constants]
+
+
+def _input_name(node: Node, position: int, opset: int) -> str:
+    import onnx.defs
+
+    try:
+        formal = onnx.defs.get_schema(node.op_type, opset, node.domain).inputs
+    except onnx.defs.SchemaError:
+        formal = []
+    if position < len(formal):
+        return str(formal[position].name)
+    return f"input {position}"
+
+
+def find_cut(graph: Graph) -> Split | None:
+    """The cut of ``graph`` at the points whose values are not known, or None where there is
+    none. One pass over the nodes: a node is in the suffix when it needs such a value or reads a
+    tensor the suffix produces. Every such value the prefix (or an input) provides is a point; a
+    value the suffix computes waits for the suffix's own cut. Raises :class:`ModelError` when a
+    prefix tensor's shape is unknown."""
+    dependent: set[str] = set()
+    prefix: list[Node] = []
+    suffix: list[Node] = []
+    points: list[CutPoint] = []
+    later = 0
+    for node in graph.nodes:
+        missing = missing_constants(node, graph.constants)
+        blocked = any(t in dependent for t in node.inputs if t)
+        if not missing and not blocked:
+            prefix.append(node)
+            continue
+        ready = [p for p in missing if node.inputs[p] not in dependent]
+        later += len(ready) < len(missing)
+        points += [CutPoint(node_label(node), node.op_type, pos, node.inputs[pos],
+                            _input_name(node, pos, graph.opset), next((o for o in node.outputs if o), ""))
+                   for pos in ready]
+        suffix.append(node)
+        dependent.update(o for o in node.outputs if o)
+    if not points:
+        return None
+    names = [n for n, _ in graph.inputs] + [t for node in prefix for t in (*node.inputs, *node.outputs)]
+    unknown = next((n for n in names if n and n not in graph.tensors and n not in graph.constants), None)
+    if unknown is not None:
+        raise ModelError(f"tensor {unknown!r}: shape or dtype is still unknown after binding symbolic dims")
+    return Split(prefix, suffix, points, later)
+
+
+def resolve(graph: Graph) -> Graph:
+    """``graph`` with what its constants now fix: the infos of every tensor whose shape is known,
+    nodes whose inputs are all constants folded on the host (up to :data:`FOLD_BYTES`), Shape and
+    Size of known shapes folded. Nodes that depend on a still unknown value are kept as they are."""
+    infos = dict(graph.tensors)
+    constants = dict(graph.constants)
+    for name, value in constants.items():
+        infos[name] = TensorInfo(value.shape, value.dtype)
+    blocked: set[str] = set()
+    kept: list[Node] = []
+    for node in graph.nodes:
+        if any(t in blocked for t in node.inputs if t) or missing_constants(node, constants):
+            blocked.update(o for o in node.outputs if o)
+            kept.append(node)
+            continue
+        try:
+            op = create_op(node.op_type, node.attrs, [infos[t] if t else None for t in node.inputs],
+                           {i: constants[t] for i, t in enumerate(node.inputs) if t and t in constants},
+                           domain=node.domain, opset=graph.opset, num_outputs=len(node.outputs))
+        except UnsupportedOp:
+            # no kernel for these types, but the values are all known: evaluated as the loader folds
+            folded = _fold_with_onnx(node, constants, graph.opset)
+            if folded is None:
+                raise
+            for name, value in zip(node.outputs, folded):
+                if name:
+                    constants[name] = value
+                    infos[name] = TensorInfo(value.shape, value.dtype)
+            continue
+        outs = op.output_infos()
+        for name, info in zip(node.outputs, outs):
+            if name and any(d < 0 for d in info.shape):
+                raise OpError(f"node {node_label(node)}: output {name!r} would have shape {list(info.shape)}")
+        values = _fold(node, op, outs, constants)
+        if values is None:
+            kept.append(node)
+        for name, info, value in zip(node.outputs, outs, values or [None] * len(outs)):
+            if name:
+                infos[name] = info
+                if value is not None:
+                    constants[name] = value
+    used = {t for node in kept for t in node.inputs if t} | set(graph.outputs)
+    kept_constants = {k: v for k, v in constants.items() if k in used}
+    return Graph(list(graph.inputs), list(graph.outputs), kept, kept_constants, infos, graph.opset)
+
+
+def _fold(node: Node, op: Any, outs: list[TensorInfo], constants: dict[str, np.ndarray]) -> list[Any] | None:
+    present = [t for t in node.inputs if t]
+    if node.op_type in _UNFOLDABLE or sum(o.nbytes for o in outs) > FOLD_BYTES:
+        return None
+    if node.op_type not in ("Shape", "Size") and not all(t in constants for t in present):
+        return None
+    try:
+        results = op.reference([constants.get(t) if t else None for t in node.inputs])
+    except Exception:  # a reference that cannot evaluate these values leaves the node to its kernel
+        return None
+    values = []
+    for info, result in zip(outs, results):
+        value = np.asarray(result)
+        if value.shape != info.shape:
+            return None
+        values.append(value.astype(info.dtype, copy=False))
+    return values
+
+
+def _fold_with_onnx(node: Node, constants: dict[str, np.ndarray], opset: int) -> list[np.ndarray] | None:
+    """The outputs of a node whose inputs are all constants, by onnx's ReferenceEvaluator (as
+    :mod:`vkpool.model` folds at load); None where that cannot evaluate it."""
+    present = [t for t in node.inputs if t]
+    if node.op_type in _UNFOLDABLE or not all(t in constants for t in present):
+        return None
+    import onnx
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+        attrs = []
+        for key, value in node.attrs.items():
+            if isinstance(value, np.ndarray):
+                value = numpy_helper.from_array(value)
+            elif isinstance(value, list) and value and isinstance(value[0], np.ndarray):
+                value = [numpy_helper.from_array(v) for v in value]
+            kind = int(schema.attributes[key].type.value) if isinstance(value, list) and not value else None
+            attrs.append(helper.make_attribute(key, value, attr_type=kind))
+        proto = helper.make_node(node.op_type, node.inputs, node.outputs, domain=node.domain)
+        proto.attribute.extend(attrs)
+        inputs = [helper.make_tensor_value_info(t, helper.np_dtype_to_tensor_dtype(constants[t].dtype),
+                                                constants[t].shape) for t in dict.fromkeys(present)]
+        outputs = [helper.make_empty_tensor_value_info(o) for o in node.outputs if o]
+        model = helper.make_model(helper.make_graph([proto], "fold", inputs, outputs),
+                                  opset_imports=[helper.make_opsetid(node.domain, opset)])
+        results = iter(ReferenceEvaluator(model).run(None, {t: constants[t] for t in present}))
+        return [np.asarray(next(results)) if o else np.zeros(0) for o in node.outputs]
+    except Exception:  # anything the reference cannot do stays the kernel's refusal
+        return None
+
+
+def compile_part(graph: Graph, compile_static: Callable[[LoadedModel], Any], cache_size: int) -> Any:
+    """A static part compiled by ``compile_static``, or a :class:`DynamicModel` where it is cut."""
+    split = find_cut(graph)
+    if split is None:
+        return compile_static(graph.static())
+    return DynamicModel(graph, split, compile_static, cache_size)
+
+
+def run_part(part: Any, names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if isinstance(part, DynamicModel):
+        produced = part.run(feeds)
+        return {n: produced[n] for n in names}
+    return dict(zip(names, part.run(names, feeds)))
+
+
+def kernel_nodes(part: Any) -> int:
+    """Nodes left to kernels in what ``part`` (a Session or a DynamicModel) compiled: for a cut
+    model, its prefix and the suffix the last run used (0 when everything folded on the host)."""
+    cut = part if isinstance(part, DynamicModel) else part.dynamic
+    if cut is None:
+        return len(part.model.nodes)
+    return sum(kernel_nodes(p) for p in (cut.prefix, cut.latest) if p is not None)
+
+
+def _summary(value: np.ndarray) -> str:
+    if value.size <= 8:
+        return np.array2string(value.reshape(-1) if value.ndim > 1 else value, separator=", ")
+    return f"{value.dtype} {list(value.shape)}"
+
+
+class _Entry:
+    def __init__(self, part: Any, what: str) -> None:
+        self.part = part
+        self.what = what
+        self.users = 0
+        self.retired = False
+
+    def close_when_idle(self) -> None:
+        self.retired = True
+        if self.users == 0:
+            self.part.close()
+
+
+class DynamicModel:
+    """A graph cut at ``split``: the prefix compiled once, the suffix per value (see the module
+    docstring). ``compile_static`` compiles a static part (a :class:`~vkpool.model.LoadedModel`)
+    into something with ``run(names, feeds)``, ``plan``, ``memory_by_member()`` and ``close()``:
+    a :class:`vkpool.Session` with the session's placement."""
+
+    def __init__(self, graph: Graph, split: Split, compile_static: Callable[[LoadedModel], Any],
+                 cache_size: int = SUFFIX_CACHE_SIZE) -> None:
+        if cache_size < 1:
+            raise ValueError(f"the suffix cache must keep at least one suffix, got {cache_size}")
+        self.graph, self.split, self.points = graph, split, split.points
+        self.cache_size = cache_size
+        self.counters = CutCounters()
+        self._compile_static = compile_static
+        self._cache: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self._latest: _Entry | None = None
+        self._lock = threading.Lock()
+        self.prefix: Any = None
+        self._prepare_suffix()
+        self._prepare_prefix()
+
+    # -- construction -----------------------------------------------------------------------
+    def _prepare_suffix(self) -> None:
+        graph = self.graph
+        taken = set(graph.tensors) | set(graph.constants)
+        taken |= {t for n in graph.nodes for t in (*n.inputs, *n.outputs)}
+        #: tensor read back -> the constant that holds its value in the suffix
+        self._binding: dict[str, str] = {}
+        #: output of a NonZero evaluated on the host -> the tensor it reads
+        self._nonzero: dict[str, str] = {}
+        for point in self.points:
+            if point.op_type == "NonZero":
+                self._nonzero[point.output] = point.tensor
+            elif point.tensor not in self._binding:
+                name, k = f"{point.tensor}@value", 1
+                while name in taken:
+                    k += 1
+                    name = f"{point.tensor}@value{k}"
+                taken.add(name)
+                self._binding[point.tensor] = name
+        made = {o for n in self.split.suffix for o in n.outputs if o}
+        nodes: list[Node] = []
+        for node in self.split.suffix:
+            if node.op_type == "NonZero" and node.outputs and node.outputs[0] in self._nonzero:
+                continue
+            fixed = set(op_class(node.op_type, node.domain).constant_inputs)
+            inputs = [self._binding.get(t, t) if i in fixed else t for i, t in enumerate(node.inputs)]
+            nodes.append(node if inputs == node.inputs else replace(node, inputs=inputs))
+        self._suffix_nodes = nodes
+        skip = set(graph.constants) | set(self._binding.values()) | set(self._nonzero)
+        made_here = {o for n in nodes for o in n.outputs if o}
+        self._suffix_inputs = list(dict.fromkeys(
+            t for n in nodes for t in n.inputs if t and t not in skip and t not in made_here))
+        self._suffix_outputs = list(dict.fromkeys(n for n in graph.outputs if n in made))
+        self._suffix_constants = {t: graph.constants[t] for n in nodes for t in n.inputs
+                                  if t in graph.constants}
+
+    def _prepare_prefix(self) -> None:
+        graph, prefix = self.graph, self.split.prefix
+        made = {o for n in prefix for o in n.outputs if o}
+        wanted = [*self._suffix_inputs, *self._binding, *self._nonzero.values(), *graph.outputs]
+        self._prefix_outputs = list(dict.fromkeys(t for t in wanted if t in made))
+        read = {t for n in prefix for t in n.inputs if t}
+        self._prefix_inputs = [n for n, _ in graph.inputs if n in read]
+        if not self._prefix_outputs:
+            return
+        names = set(self._prefix_inputs) | read | made
+        model = LoadedModel(
+            inputs=[(n, i) for n, i in graph.inputs if n in read],
+            outputs=[(n, graph.tensors[n]) for n in self._prefix_outputs],
+            nodes=list(prefix),
+            constants={k: v for k, v in graph.constants.items() if k in read},
+            tensors={n: graph.tensors[n] for n in names if n in graph.tensors},
+            opset=graph.opset,
+        )
+        self.prefix = self._compile_static(model)
+        self.counters.prefix_compiles += 1
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every output of the graph, by name, for ``feeds`` (every graph input)."""
+        values = dict(feeds)
+        if self.prefix is not None:
+            values.update(run_part(self.prefix, self._prefix_outputs,
+                                   {n: feeds[n] for n in self._prefix_inputs}))
+        bound = {name: np.asarray(values[t]) for t, name in self._binding.items()}
+        bound.update({out: nonzero_indices(values[t]) for out, t in self._nonzero.items()})
+        entry = self._acquire(bound)
+        try:
+            values.update(run_part(entry.part, self._suffix_outputs,
+                                   {n: values[n] for n in self._suffix_inputs}))
+        finally:
+            self._release(entry)
+        return {n: values[n] if n in values else np.array(self.graph.constants[n], copy=True)
+                for n in self.graph.outputs}
+
+    def _acquire(self, bound: dict[str, np.ndarray]) -> _Entry:
+        key = tuple((n, v.dtype.str, v.shape, v.tobytes()) for n, v in sorted(bound.items()))
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                self.counters.suffix_reuses += 1
+            else:
+                entry = _Entry(self._compile_suffix(bound), self._what(bound))
+                self.counters.suffix_compiles += 1
+                self._cache[key] = entry
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)[1].close_when_idle()
+                    self.counters.suffix_evictions += 1
+            entry.users += 1
+            self._latest = entry
+            return entry
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.users -= 1
+            if entry.retired and entry.users == 0:
+                entry.part.close()
+
+    def _compile_suffix(self, bound: dict[str, np.ndarray]) -> Any:
+        graph = self.graph
+        part_graph = Graph(
+            inputs=[(n, graph.tensors[n]) for n in self._suffix_inputs],
+            outputs=self._suffix_outputs,
+            nodes=self._suffix_nodes,
+            constants={**self._suffix_constants, **bound},
+            tensors={n: graph.tensors[n] for n in self._suffix_inputs},
+            opset=graph.opset,
+        )
+        try:
+            resolved = resolve(part_graph)
+        except (OpError, UnsupportedOp, ModelError) as exc:
+            raise type(exc)(f"{exc} (in the part of the model after {self._what(bound)})") from exc
+        for attempt in range(2):
+            try:
+                return compile_part(resolved, self._compile_static, self.cache_size)
+            except DeviceOutOfMemory:
+                idle = [k for k, e in self._cache.items() if e.users == 0]
+                if attempt or not idle:
+                    raise
+                for k in idle:  # make room: the suffixes of other values are compiled again when needed
+                    evicted = self._cache.pop(k)
+                    if evicted is self._latest:
+                        self._latest = None
+                    evicted.close_when_idle()
+                    self.counters.suffix_evictions += 1
+            except (OpError, UnsupportedOp, ModelError) as exc:
+                raise type(exc)(f"{exc} (in the part of the model after {self._what(bound)})") from exc
+        raise AssertionError("unreachable")
+
+    def _what(self, bound: dict[str, np.ndarray]) -> str:
+        parts = []
+        for point in self.points:
+            if point.op_type == "NonZero":
+                count = bound[point.output].shape[1]
+                parts.append(f"{point.describe()} ({count} non-zero{'s' if count != 1 else ''})")
+            else:
+                parts.append(f"{point.describe()} = {_summary(bound[self._binding[point.tensor]])}")
+        return "; ".join(dict.fromkeys(parts))
+
+    # -- what it holds ------------------------------------------------------------------------
+    @property
+    def suffixes(self) -> int:
+        """Suffixes compiled and kept now."""
+        return len(self._cache)
+
+    @property
+    def latest(self) -> Any:
+        """The suffix the last run used (a compiled part), or None before the first run."""
+        return None if self._latest is None else self._latest.part
+
+    def parts(self) -> Iterable[Any]:
+        """The prefix (if any) and every suffix kept."""
+        if self.prefix is not None:
+            yield self.prefix
+        with self._lock:
+            entries = list(self._cache.values())
+        yield from (e.part for e in entries)
+
+    def memory_by_member(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for part in self.parts():
+            for member, nbytes in part.memory_by_member().items():
+                total[member] = total.get(member, 0) + nbytes
+        return total
+
+    def summary(self) -> list[str]:
+        """What is cut where, in a few lines."""
+        points = "; ".join(dict.fromkeys(f"tensor '{p.tensor}' ({p.describe()})" for p in self.points))
+        c = self.counters
+        lines = [
+            f"prefix: {len(self.split.prefix)} ops recorded once",
+            f"suffix: {len(self.split.suffix)} ops compiled per value of {points}",
+        ]
+        if self.split.later:
+            lines.append(f"  {self.split.later} op(s) of the suffix depend on those values for their own "
+                         "shapes: the suffix is cut again")
+        lines.append(f"  {self.suffixes} suffix(es) kept of at most {self.cache_size}; {c.suffix_compiles} "
+                     f"compiled, {c.suffix_reuses} reused, {c.suffix_evictions} evicted")
+        return lines
+
+    @property
+    def plan(self) -> CutPlan:
+        return CutPlan(self)
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._cache.values())
+            self._cache.clear()
+            self._latest = None
+        for entry in entries:
+            entry.close_when_idle()
+        if self.prefix is not None:
+            self.prefix.close()
+            self.prefix = None
+
+
+class CutPlan:
+    """``Session.plan`` of a cut model: where it is cut, the prefix's plan and the plan of the
+    suffix the last run used."""
+
+    def __init__(self, model: DynamicModel) -> None:
+        self.model = model
+        self.prefix = None if model.prefix is None else model.prefix.plan
+        latest = model._latest
+        self.suffix = None if latest is None else latest.part.plan
+        self.suffix_values = None if latest is None else latest.what
+
+    @property
+    def assignment(self) -> dict[str, str]:
+        """Node name (or op type and index) → member id, of the prefix and the latest suffix."""
+        out: dict[str, str] = {}
+        for plan in (self.prefix, self.suffix):
+            if plan is not None:
+                out.update(plan.assignment)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.model
+        return {
+            "cut": {
+                "prefix_ops": len(m.split.prefix),
+                "suffix_ops": len(m.split.suffix),
+                "points": [{"tensor": p.tensor, "node": p.node, "op_type": p.op_type, "input": p.input_name}
+                           for p in m.points],
+                "cut_again": m.split.later,
+                "suffixes_kept": m.suffixes,
+                "cache_size": m.cache_size,
+                "counters": vars(m.counters).copy(),
+            },
+            "prefix": None if self.prefix is None else self.prefix.to_dict(),
+            "suffix": None if self.suffix is None else self.suffix.to_dict(),
+            "suffix_values": self.suffix_values,
+        }
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def to_text(self) -> str:
+        lines = ["cut model: shapes depend on run-time values", *("  " + s for s in self.model.summary())]
+        if self.prefix is not None:
+            lines += ["prefix:", *("  " + s for s in self.prefix.to_text().rstrip("\n").splitlines())]
+        else:
+            lines.append("prefix: none (the values come straight from the inputs)")
+        if self.suffix is not None:
+            lines += [f"suffix for {self.suffix_values}:",
+                      *("  " + s for s in self.suffix.to_text().rstrip("\n").splitlines())]
+        else:
+            lines.append("suffix: compiled on the first run")
+        return "\n".join(lines) + "\n"
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+__all__ = ["CutCounters", "CutPlan", "CutPoint", "DynamicModel", "Graph", "Split", "SUFFIX_CACHE_SIZE",
+           "find_cut", "kernel_nodes", "resolve"]
