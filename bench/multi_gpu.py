@@ -35,8 +35,6 @@ import numpy as np
 from bench import workloads
 
 PARTS = ("split", "replicated", "mixed")
-#: --compare-polling: also time multi-member runs with polled fences
-COMPARE_POLLING = False
 SMOKE_CONFIG = ("devices:\n  - match: {index: 0}\n    split: 3\n    budget: [600MiB, 600MiB, 600MiB]\n"
                 "host:\n  enabled: true\n  budget: 1GiB\n")
 
@@ -119,22 +117,6 @@ def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_fli
     return requests / elapsed
 
 
-def polled_per_s(session: Any, feeds: dict[str, np.ndarray], requests: int) -> float:
-    """Throughput with the executor's chunks polling their fences (the single-member default)
-    instead of blocking, to compare the two waits."""
-    from vkpool.engine import POLL_SECONDS, VulkanChunk
-
-    chunks = [s.chunk for lane in session.executor.lanes for s in lane.stages if isinstance(s.chunk, VulkanChunk)]
-    saved = [c.poll_seconds for c in chunks]
-    for c in chunks:
-        c.poll_seconds = POLL_SECONDS
-    try:
-        return throughput(session, feeds, requests)
-    finally:
-        for c, v in zip(chunks, saved):
-            c.poll_seconds = v
-
-
 def _graph(session: Any) -> Any:
     from vkpool.partition.graph import build_graph
 
@@ -172,8 +154,6 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
                 split_ms=latency_ms(split, feeds, runs),
                 split_per_s=throughput(split, feeds, requests),
             )
-            if COMPARE_POLLING:
-                row["split_polled_per_s"] = polled_per_s(split, feeds, requests)
     finally:
         for m in gpus:
             pool.set_budget(m, saved[m])
@@ -192,8 +172,6 @@ def replicated(pool: Any, gpus: list[str], name: str, smoke: bool, requests: int
         row.update(replicas=list(both.plan.replicas), lanes=len(both.executor.lanes),
                    identical=all(np.array_equal(a, b) for a, b in zip(out, expected)),
                    replicated_per_s=throughput(both, feeds, requests))
-        if COMPARE_POLLING:
-            row["replicated_polled_per_s"] = polled_per_s(both, feeds, requests)
         row["requests_per_lane"] = {lane: sum(1 for e in both.trace() if e.lane == lane and e.chunk == 0)
                                     for lane in range(len(both.executor.lanes))}
     return row
@@ -238,8 +216,7 @@ def markdown(result: dict) -> str:
         for r in result["split"]:
             lines.append(f"| {r['workload']} | {'+'.join(r['members'])} | {r['identical']} | "
                          f"{r['one_gpu_ms']:.3f} ms | {r['split_ms']:.3f} ms | {r['one_gpu_per_s']:.1f} | "
-                         f"{r['split_per_s']:.1f} | {r['split_per_s'] / r['one_gpu_per_s']:.2f}× |"
-                         + (f" polled fences: {r['split_polled_per_s']:.1f}" if "split_polled_per_s" in r else ""))
+                         f"{r['split_per_s']:.1f} | {r['split_per_s'] / r['one_gpu_per_s']:.2f}× |")
         lines.append("")
     if "replicated" in result:
         lines += ["## (b) Replicated on both GPUs", "",
@@ -248,8 +225,7 @@ def markdown(result: dict) -> str:
         for r in result["replicated"]:
             lines.append(f"| {r['workload']} | {', '.join(r['replicas']) or 'none'} | {r['identical']} | "
                          f"{r['one_gpu_per_s']:.1f} | {r['replicated_per_s']:.1f} | "
-                         f"{r['replicated_per_s'] / r['one_gpu_per_s']:.2f}× | {r['requests_per_lane']} |"
-                         + (f" polled fences: {r['replicated_polled_per_s']:.1f}" if "replicated_polled_per_s" in r else ""))
+                         f"{r['replicated_per_s'] / r['one_gpu_per_s']:.2f}× | {r['requests_per_lane']} |")
         lines.append("")
     if "gpu_and_host" in result:
         c = result["gpu_and_host"]
@@ -272,12 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per throughput figure (default 2000; smoke 16)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="which figures: split (a), replicated (b), mixed (c); default all")
-    parser.add_argument("--compare-polling", action="store_true",
-                        help="also time split and replicated runs with the chunks polling their fences")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    global COMPARE_POLLING
-    COMPARE_POLLING = args.compare_polling
     from vkpool.config.loader import parse_config
     from vkpool.pool import DevicePool
 

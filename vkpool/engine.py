@@ -29,9 +29,6 @@ from vkpool.model import Node
 
 #: chunk outputs of at least this size are written to device memory and copied out at the end
 STAGED_OUTPUT_BYTES = 16 * 1024
-#: a single-threaded run polls its completion fence this long before blocking in the driver:
-#: short jobs end within tens of microseconds, and polling sees that sooner than a blocking wait
-POLL_SECONDS = 0.0002
 
 
 @dataclass(eq=False)
@@ -169,9 +166,6 @@ class VulkanChunk:
         self.input_names = list(inputs)
         self.output_names = list(outputs)
         self.stats = ChunkStats()
-        #: how long a run polls its fence before blocking (LogicalDevice.wait); 0 where several
-        #: threads run chunks at once, since a polling loop holds the GIL the others need
-        self.poll_seconds = POLL_SECONDS
         self._lock = threading.Lock()
         self._allocs: list[Any] = []
         self.submission = None
@@ -412,7 +406,7 @@ class VulkanChunk:
 
     def finish(self) -> dict[str, np.ndarray]:
         try:
-            self.device.wait(self.submission, spin_seconds=self.poll_seconds)
+            self.device.wait(self.submission)
             return {name: view.copy() for name, view in self._out_views.items()}
         finally:
             self._lock.release()

@@ -255,13 +255,7 @@ class PlanExecutor:
             for lane in self.lanes:
                 for stage in lane.stages:
                     stage.chunk = self._build(stage)
-            workers = list(dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages))
-            if len(workers) > 1:  # workers run chunks at once: none may hold the GIL polling a fence
-                for lane in self.lanes:
-                    for stage in lane.stages:
-                        if isinstance(stage.chunk, VulkanChunk):
-                            stage.chunk.poll_seconds = 0.0
-            for member_id in workers:
+            for member_id in dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages):
                 self._runners[member_id] = _MemberRunner(self, member_id)
         except BaseException:
             self.close()
