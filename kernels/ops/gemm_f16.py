@@ -103,9 +103,6 @@ class HalfMatmulPlan:
             raise UnsupportedOp(f"matrix product with an inner batch of {p.batch[-1].count} > {_MAX_GROUPS}")
         self.p = p
 
-    def kernel(self, caps: DeviceCaps) -> str:
-        return "gemm_coopmat" if coop_shape(caps) is not None else "gemm_f16"
-
     def choose_tile(self, caps: DeviceCaps) -> CoopTile:
         shape = coop_shape(caps)
         assert shape is not None
@@ -133,6 +130,10 @@ class HalfMatmulPlan:
             if not tile.fits(caps, shape):
                 raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
             lm, ln, lk = shape
+            # NOTE: the shader lays its WM x WN subgroups out by gl_SubgroupID, so it relies on the
+            # driver running it with the subgroup size the device reports (32 on NVIDIA, seen on
+            # the H200 with driver 580); a driver that picks another size per pipeline would need
+            # VK_EXT_subgroup_size_control's required size.
             vec_a, vec_b = p.K % 8 == 0, p.N % 8 == 0
             full = p.M % tile.BM == 0 and p.N % tile.BN == 0 and p.K % tile.BK == 0 and p.K > 0
             shader = "gemm_coopmat"
