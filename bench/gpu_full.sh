@@ -28,15 +28,15 @@ cd /tmp
 { nvidia-smi; python3 -c "import torch, onnxruntime, numpy; print('torch', torch.__version__, 'onnxruntime', onnxruntime.__version__, 'numpy', numpy.__version__)"; python3 -c "import ncnn; print('ncnn', ncnn.__version__)"; } > $RES/versions.txt 2>&1
 chmod +x /tmp/site/pnnx/pnnx  # ncnn's models are converted by pnnx (its wheel is in .whl)
 python3 -m bench --out $RES/bench > $RES/bench.log 2>&1
-python3 -m bench.workloads --out /tmp/models mnist12_like add_chain_1 > /dev/null
-python3 -m vkpool.daemon.bench /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 --seconds 5 --out $RES/daemon-overhead.json > $RES/daemon-overhead.md 2>&1
+python3 -m bench.workloads --out /tmp/models mnist12_like add_chain_1 matmul_1GB_1layer > /dev/null
 python3 -m bench.startup_probe /tmp/models/mnist12_like.onnx --runs 4 > $RES/startup.txt 2>&1
+python3 -m bench.gemv_probe --file /tmp/models/matmul_1GB_1layer.onnx --device vk0 > $RES/gemv-file.txt 2>&1
+python3 -m vkpool.daemon.bench /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 --seconds 5 --out $RES/daemon-overhead.json > $RES/daemon-overhead.md 2>&1
 python3 -m bench.real_models --models-dir /tmp/real-models --out $RES/real_models.json > $RES/real_models.md 2>&1
 for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1000; do
   [ -f /tmp/models/$w.onnx ] || python3 -m bench.workloads --out /tmp/models $w > /dev/null
   python3 -m bench.gpu_profile /tmp/models/$w.onnx --device vk0 --top 8
 done > $RES/gpu-profile.txt 2>&1
-python3 -m bench.gemv_probe --file /tmp/models/matmul_1GB_1layer.onnx --device vk0 > $RES/gemv-file.txt 2>&1
 touch $RES/done
 EOF
   setsid nohup bash /tmp/full.sh > /tmp/full.log 2>&1 < /dev/null &
