@@ -148,6 +148,20 @@ def _address(handle: TensorHandle) -> int:
     return handle.address
 
 
+def _copy(src: TensorHandle, dst: TensorHandle, caps: Any) -> list[Any]:
+    """Work copying ``dst.nbytes`` bytes within a chunk: a copy shader moving 32-bit words where
+    both ends are word-aligned (it keeps the chunk's barriers compute-to-compute; a transfer
+    command between dispatches needs barriers over the transfer stage too, which cost far
+    more on NVIDIA), else a transfer command ``("copy", src, dst)``."""
+    from vkpool.kernels.ops.movement import strided_copy
+
+    words, rest = divmod(dst.nbytes, 4)
+    aligned = (src.alloc.offset + src.offset) % 4 == 0 and (dst.alloc.offset + dst.offset) % 4 == 0
+    if rest or not aligned or words >= 2**31:
+        return [("copy", src, dst)]
+    return strided_copy(src, dst, [words], [1], np.dtype(np.uint32), caps)
+
+
 def _view(tensor: _Tensor) -> np.ndarray:
     assert tensor.handle is not None
     raw = tensor.handle.alloc.view(np.uint8)[tensor.handle.offset:tensor.handle.offset + tensor.info.nbytes]
@@ -320,7 +334,8 @@ class VulkanChunk:
         caps = self.device.caps
         buckets: dict[tuple[int, int], list[Any]] = {}
         for name, host in self._staged_inputs.items():
-            buckets.setdefault((0, 0), []).append((f"copy-in {name}", ("copy", host.handle, t[name].handle)))
+            for item in _copy(host.handle, t[name].handle, caps):
+                buckets.setdefault((0, 0), []).append((f"copy-in {name}", item))
         for level, op, node, ws_off in scheduled:
             ctx = DispatchContext(
                 inputs=[(self._transposed[n] if pos in op.transposed_constants else t[t[n].base].handle)
@@ -333,7 +348,7 @@ class VulkanChunk:
             work: list[Any] = []
             if op.alias_input is not None:
                 if t[node.outputs[0]].kind == "output":  # a view that is a chunk output: copy its bytes
-                    work.append(("copy", ctx.inputs[op.alias_input], ctx.outputs[0]))
+                    work.extend(_copy(ctx.inputs[op.alias_input], ctx.outputs[0], caps))
                 if sum(1 for n in node.outputs if n) > 1:  # e.g. Dropout's mask
                     work.extend(op.dispatches(ctx))
             else:
@@ -342,24 +357,28 @@ class VulkanChunk:
                 buckets.setdefault((level, k), []).append((f"{node.op_type} {node.name}", item))
         commands: list[tuple[Any, ...]] = []
         labels: list[str] = []  # one per dispatch, for GPU timestamp profiles
+
+        def emit(label: str, item: Any) -> None:
+            if isinstance(item, tuple):
+                _, src, dst = item
+                commands.append(("copy", src.alloc.buffer, src.alloc.offset + src.offset,
+                                 dst.alloc.buffer, dst.alloc.offset + dst.offset, dst.nbytes))
+                return
+            pipe = self.device.pipeline(item.shader, item.defines)
+            push = pack_push_constants(item.args, _address)
+            if len(push) > self.device.push_constant_bytes:
+                raise OpError(f"{item.shader}: {len(push)} bytes of push constants exceed the "
+                              f"device's {self.device.push_constant_bytes}")
+            commands.append(("dispatch", pipe, push, item.groups))
+            labels.append(f"{label} [{item.shader}]")
+            self.stats.dispatches += 1
+
         for key in sorted(buckets):
             if commands:
                 commands.append(("barrier",))
                 self.stats.barriers += 1
             for label, item in buckets[key]:
-                if isinstance(item, tuple):
-                    _, src, dst = item
-                    commands.append(("copy", src.alloc.buffer, src.alloc.offset + src.offset,
-                                     dst.alloc.buffer, dst.alloc.offset + dst.offset, dst.nbytes))
-                else:
-                    pipe = self.device.pipeline(item.shader, item.defines)
-                    push = pack_push_constants(item.args, _address)
-                    if len(push) > self.device.push_constant_bytes:
-                        raise OpError(f"{item.shader}: {len(push)} bytes of push constants exceed the "
-                                      f"device's {self.device.push_constant_bytes}")
-                    commands.append(("dispatch", pipe, push, item.groups))
-                    labels.append(f"{label} [{item.shader}]")
-                    self.stats.dispatches += 1
+                emit(label, item)
         self.stats.levels = len(buckets)
         self._in_views = {n: _view(self._staged_inputs.get(n, t[n])) for n in self.input_names}
         # chunk outputs in device memory (large ones, and those no node writes: a chunk
@@ -375,9 +394,10 @@ class VulkanChunk:
             if barrier_before_copies:
                 commands.append(("barrier",))
                 barrier_before_copies = False
-            commands.append(("copy", src.alloc.buffer, src.alloc.offset + src.offset, alloc.buffer,
-                             alloc.offset, tensor.info.nbytes))
-            t[name] = _Tensor(tensor.info, "output", name, TensorHandle(alloc, 0, tensor.info.nbytes))
+            dst = TensorHandle(alloc, 0, tensor.info.nbytes)
+            for item in _copy(src, dst, caps):
+                emit(f"copy-out {name}", item)
+            t[name] = _Tensor(tensor.info, "output", name, dst)
         commands.append(("host_barrier",))
         cmd = self.device.allocate_command_buffer()
         self.submission = self.device.submission(cmd)
