@@ -1,5 +1,3 @@
-import sys
+from vkpool.cli import program
 
-from vkpool.cli import main
-
-sys.exit(main())
+program()
