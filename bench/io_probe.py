@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 
@@ -20,6 +19,7 @@ def main() -> None:
     ap.add_argument("--device")
     ap.add_argument("--runs", type=int, default=100)
     args = ap.parse_args()
+    from bench.stats import median_run_s
     from vkpool import engine
     from vkpool.cli import random_inputs
     from vkpool.pool import DevicePool
@@ -34,18 +34,12 @@ def main() -> None:
             engine.STAGED_OUTPUT_BYTES = staged_default if staged else 1 << 62
             sess = Session(model, pool=pool, device=member.id)
             feeds = random_inputs(sess.get_inputs())
-            for _ in range(20):
-                sess.run(None, feeds)
-            walls = []
-            for _ in range(args.runs):
-                t0 = time.perf_counter()
-                sess.run(None, feeds)
-                walls.append((time.perf_counter() - t0) * 1e6)
+            wall_us = median_run_s(lambda: sess.run(None, feeds), args.runs) * 1e6
             chunk = sess._chunk
             gpu = statistics.median(sum(chunk.device.profile(chunk.commands)) for _ in range(5))
             sess.close()
             out = "copied out" if staged else "written across the bus"
-            print(f"| {Path(model).stem} | {out} | {statistics.median(walls):.1f} | {gpu:.1f} |", flush=True)
+            print(f"| {Path(model).stem} | {out} | {wall_us:.1f} | {gpu:.1f} |", flush=True)
     engine.STAGED_OUTPUT_BYTES = staged_default
     pool.close()
 

@@ -9,8 +9,6 @@ of it), and after that session is deleted.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 
 def main() -> None:
@@ -21,6 +19,7 @@ def main() -> None:
     args = ap.parse_args()
     import onnxruntime as ort
 
+    from bench.stats import median_run_s
     from vkpool.cli import random_inputs
     from vkpool.session import Session
 
@@ -28,14 +27,7 @@ def main() -> None:
     feeds = random_inputs(sess.get_inputs())
 
     def median_ms() -> float:
-        for _ in range(20):
-            sess.run(None, feeds)
-        times = []
-        for _ in range(args.runs):
-            t0 = time.perf_counter()
-            sess.run(None, feeds)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        return median_run_s(lambda: sess.run(None, feeds), args.runs) * 1e3
 
     print(f"{args.model}: before onnxruntime {median_ms():.3f} ms", flush=True)
     ref = ort.InferenceSession(args.model, providers=["CPUExecutionProvider"])

@@ -1,6 +1,9 @@
 """Numbers of the protocol: latency summaries, the dispatch-overhead fit, the correctness gate."""
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -25,6 +28,18 @@ class LatencySummary:
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+
+def median_run_s(run: Callable[[], object], runs: int, warmup: int = 20) -> float:
+    """Median wall time of ``run()`` in seconds over ``runs`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def summarize(samples_ns: list[int] | np.ndarray) -> LatencySummary:
