@@ -21,11 +21,6 @@ from vkpool.discovery import PhysicalDeviceInfo
 from vkpool.kernels.base import DeviceCaps
 
 
-#: how long a wait polls its fence before blocking: jobs up to about this long (the benchmark's
-#: workloads, 20 µs to 1 ms on an H200) are seen done at once; longer ones pay one wake-up
-POLL_SECONDS = 0.002
-
-
 @dataclass
 class Counters:
     """What the device did: tests prove a steady-state run records, writes and allocates nothing."""
@@ -474,11 +469,10 @@ class LogicalDevice:
             vk.check("vkQueueSubmit", self._lib.vkQueueSubmit(self.queue, 1, sub.info, sub.fence), self.name)
         self.counters.submissions += 1
 
-    def wait(self, sub: Submission, *, spin_seconds: float = POLL_SECONDS) -> None:
-        """Waits for ``fence`` then resets it: polls it for up to ``spin_seconds``, then blocks
-        in the driver with the GIL released. Polling answers within a microsecond or two; a
-        blocking wait's wake-up took from 20 µs to over half a millisecond on an NVIDIA H200,
-        depending on what else the CPUs were doing."""
+    def wait(self, sub: Submission, *, spin_seconds: float = 0.0002) -> None:
+        """Waits for ``fence`` then resets it. Polls briefly (short jobs finish within a few
+        tens of microseconds, and polling answers sooner than a blocking wait), then blocks
+        in the driver with the GIL released."""
         lib = self._lib
         fence, fence_array = sub.fence, sub.fence_array
         deadline = time.perf_counter() + spin_seconds
