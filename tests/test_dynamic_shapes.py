@@ -13,7 +13,8 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from vkpool.dynamic import DynamicModel, Graph, find_cut
+from vkpool.cut import Graph, find_cut
+from vkpool.dynamic import DynamicModel
 from vkpool.kernels.base import OpError
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import load_model

@@ -96,7 +96,7 @@ class VkpoolBackend(Backend):
             return False
         if unsupported_in([(n.op_type, n.domain) for n in model.graph.node]):
             return False
-        from vkpool.dynamic import Graph, find_cut
+        from vkpool.cut import Graph, find_cut
         from vkpool.engine import build_ops
         from vkpool.model import ModelError, load_model
 

@@ -115,7 +115,8 @@ class Session:
 
     def _setup(self, loaded: LoadedModel, device: str | None, devices: Sequence[str] | None, plan: Any,
                objective: str, suffix_cache: int | None) -> None:
-        from vkpool.dynamic import SUFFIX_CACHE_SIZE, DynamicModel, Graph, find_cut
+        from vkpool.cut import Graph, find_cut
+        from vkpool.dynamic import SUFFIX_CACHE_SIZE, DynamicModel
 
         self.model: LoadedModel = loaded
         missing = unsupported_in(loaded.op_types())
