@@ -4,11 +4,15 @@ Usage: python -m bench.ort_in_process MODEL.onnx [--device vk0] [--runs 200]
 
 Times ``Session.run`` (median of ``--runs`` after 20 warm-up runs) three times in one process:
 before any onnxruntime session exists, with a CPU session of the same model alive (after one run
-of it), and after that session is deleted.
+of it), and after that session is deleted. Each phase also reports the GPU time of the recorded
+commands (timestamps, median of 5) and, where ``nvidia-smi`` exists, the GPU's SM clock and
+performance state sampled right after the timed runs: whether a slow phase is slow on the GPU.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
 
 
 def main() -> None:
@@ -26,16 +30,29 @@ def main() -> None:
     sess = Session(args.model, device=args.device)
     feeds = random_inputs(sess.get_inputs())
 
-    def median_ms() -> float:
-        return median_run_s(lambda: sess.run(None, feeds), args.runs) * 1e3
+    def phase(label: str) -> None:
+        wall = median_run_s(lambda: sess.run(None, feeds), args.runs) * 1e3
+        clocks = _gpu_clocks()
+        chunk = sess._chunk
+        gpu = statistics.median(sum(chunk.device.profile(chunk.commands)) for _ in range(5)) / 1e3
+        print(f"{args.model}: {label} {wall:.3f} ms; GPU {gpu:.3f} ms{clocks}", flush=True)
 
-    print(f"{args.model}: before onnxruntime {median_ms():.3f} ms", flush=True)
+    phase("before onnxruntime")
     ref = ort.InferenceSession(args.model, providers=["CPUExecutionProvider"])
     ref.run(None, feeds)
-    print(f"{args.model}: with an onnxruntime session alive {median_ms():.3f} ms", flush=True)
+    phase("with an onnxruntime session alive")
     del ref
-    print(f"{args.model}: after it is deleted {median_ms():.3f} ms", flush=True)
+    phase("after it is deleted")
     sess.close()
+
+
+def _gpu_clocks() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,pstate,power.draw",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return f"; nvidia-smi: {out.strip().splitlines()[0]}" if out.strip() else ""
 
 
 if __name__ == "__main__":
