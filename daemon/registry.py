@@ -78,7 +78,9 @@ def _inside(base: Path, location: str) -> Path:
 
 
 def describe_values(values: Any) -> list[dict[str, Any]]:
-    return [{"name": v.name, "shape": [d if isinstance(d, int) else str(d) for d in v.shape],
+    # ints as they are, a symbolic dim by its name, a dim known only at run time (a cut model's
+    # outputs, vkpool.dynamic) as None, as the in-process Session gives them
+    return [{"name": v.name, "shape": [d if d is None or isinstance(d, int) else str(d) for d in v.shape],
              "type": v.type, "dtype": str(v.dtype)} for v in values]
 
 

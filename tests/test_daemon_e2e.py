@@ -214,6 +214,31 @@ def test_cli_load_binds_dims_and_devices_name_the_device(shared: Daemon) -> None
         assert client.request("unload_model", {"model": session.model_id, "now": True})[0]["unloaded"]
 
 
+def test_a_model_cut_at_a_data_dependent_shape_runs_through_the_daemon(shared: Daemon) -> None:
+    """NonZero of a run-time tensor (vkpool.dynamic): the output's description is the in-process
+    session's (its column count known only at run time), and each run matches onnx's reference."""
+    from vkpool.session import Session
+
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("NonZero", ["r"], ["y"])], "nz",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [2, "nnz"])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    ref = ReferenceEvaluator(model)
+    with shared.client() as client:
+        session = client.session(model.SerializeToString())
+        with Session(model.SerializeToString()) as local:
+            assert list(session.get_outputs()[0].shape) == list(local.get_outputs()[0].shape)
+            assert local.dynamic is not None
+        for seed in range(3):
+            x = np.random.default_rng(seed).standard_normal((2, 3)).astype(np.float32)
+            np.testing.assert_array_equal(session.run(None, {"x": x})[0], ref.run(None, {"x": x})[0])
+        assert client.request("unload_model", {"model": session.model_id, "now": True})[0]["unloaded"]
+
+
 def test_a_frame_over_the_size_limit_drops_only_that_connection(folder: Path) -> None:
     import zmq
 
