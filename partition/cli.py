@@ -41,7 +41,6 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from vkpool.model import load_model
     from vkpool.partition.api import plan_model
     from vkpool.partition.graph import build_graph
     from vkpool.partition.render import render
@@ -50,7 +49,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_remote_plan(args)
     members = load_device_spec(args.devices) if args.devices else pool_members()
     members = apply_budgets(members, args.budget)
-    G = build_graph(load_model(args.model, batch=args.batch or 1))
+    G = build_graph(_static_model(args.model, args.batch or 1))
     plan = plan_model(G, members, objective=args.objective or "latency", algorithm=args.algorithm or "dp")
     text = render(G, plan, args.format)
     if args.output:
@@ -58,6 +57,25 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _static_model(path: str, batch: int) -> Any:
+    """The model to plan; a model cut where run-time values fix shapes is refused with where."""
+    from vkpool.cut import Graph, find_cut
+    from vkpool.model import load_model
+
+    loaded = load_model(path, batch=batch, partial=True)
+    split = find_cut(Graph.of(loaded))
+    if split is not None:
+        points = "; ".join(dict.fromkeys(f"{p.describe()}" for p in split.points))
+        raise ValueError(
+            f"{path}: shapes depend on run-time values ({points}), so the part after them is "
+            "compiled per value when the model runs and cannot be planned ahead. `vkpool run MODEL` "
+            "runs it; `vkpool.Session(MODEL).plan` shows the plan of the part before the cut and of "
+            "the last part compiled after it (docs/dynamic-shapes.md)")
+    if loaded.unresolved:
+        return load_model(path, batch=batch)  # the loader's own error names the tensor
+    return loaded
 
 
 def run_remote_plan(args: argparse.Namespace) -> int:

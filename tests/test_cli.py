@@ -79,3 +79,17 @@ def test_ops_lists_kernels():
     res = vkpool("ops", "--json")
     ops = json.loads(res.stdout)
     assert "Relu" in ops and "Add" in ops
+
+
+def test_plan_of_a_model_cut_at_run_time_values_says_why_and_what_to_do(tmp_path):
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("NonZero", ["r"], ["y"])],
+                          "nz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, [2, "n"])])
+    path = tmp_path / "nz.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
+    res = vkpool("plan", str(path))
+    assert res.returncode == 1
+    assert "depend on run-time values" in res.stderr and "NonZero" in res.stderr and "vkpool run" in res.stderr
+    ran = vkpool("run", str(path))
+    assert ran.returncode == 0, ran.stderr
+    assert "y: shape [2, " in ran.stdout
