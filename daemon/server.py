@@ -34,6 +34,7 @@ log = logging.getLogger("vkpool.daemon")
 
 _PROBE_DELAY_S = 0.3     # a disconnect is seen before the ROUTER drops the peer's pipe
 _TICK_S = 0.05
+_REPLY_GRACE_S = 10.0      # after the drain deadline: time for the replies of running jobs to go out
 _REPLAY_BYTES = 64 << 20  # replies kept for retried request ids
 _COMPACT_MIN = 4096       # deadline entries before finished jobs are swept out
 
@@ -67,6 +68,7 @@ class Server:
         self._lock: EndpointLock | None = None
         self._stop = threading.Event()
         self._drain_until: float | None = None
+        self._drain_answered = False
         self.fd_limit = raise_fd_limit()
         self.max_connections = connection_cap(settings.max_connections, self.fd_limit)
         self._router = self._bind()
@@ -342,13 +344,20 @@ class Server:
             log.info("stopping: draining %d job(s) within %.1f s", self.service.scheduler.in_flight(),
                      self.settings.drain_deadline)
         pending = self.service.scheduler.pending(lambda j: True)
-        if not pending and self.service.admin_idle() and not self._inbox.poll(0):
+        # a worker takes its job out of the scheduler just before handing its reply over, so
+        # only an empty set of unanswered requests says that every reply has been sent
+        if not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0):
             return True
         if now >= self._drain_until:
+            if self._drain_answered:
+                log.warning("stopping with %d request(s) unanswered %.0f s after the drain deadline",
+                            len(self._in_progress), _REPLY_GRACE_S)
+                return True
             self.service.scheduler.drop_queued(lambda j: True)
             for job in pending:
                 job.fail("ShuttingDown", "the daemon stopped before this job could run")
-            self._drain_until = now + 3600  # answered; the next steps only flush the replies
+            self._drain_answered = True
+            self._drain_until = now + _REPLY_GRACE_S  # answered; the next steps flush the replies
         return False
 
     def _shutdown(self) -> None:

@@ -403,3 +403,34 @@ def test_load_binds_batch_and_named_dims_and_each_binding_is_its_own_model(inpro
         assert len(client.list_models()) == 2
         members = client.devices()
         assert members[0]["name"] == "host CPU"
+
+
+def test_a_stop_waits_for_the_reply_of_a_job_its_worker_just_finished(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker takes its job out of the scheduler just before handing the reply over; a stop
+    in between must still send that reply (here the gap is widened to 0.3 s)."""
+    from vkpool.daemon.scheduler import Scheduler
+
+    settle = Scheduler.settle
+    settled = threading.Event()
+
+    def slow_settle(self: Scheduler, job: Any) -> None:
+        settle(self, job)
+        settled.set()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(Scheduler, "settle", slow_settle)
+    daemon = InprocDaemon(inline_run_max=0)
+    try:
+        with daemon.client() as client:
+            model = client.load_model(add_model(8), keep_alive=-1)["id"]
+            metas, frames = P.tensor_frames([("x", X)])
+            future = client.submit("infer", {"model": model, "inputs": metas}, frames)
+            assert settled.wait(10)
+            daemon.server.request_stop()
+            header, content, out = future.result(10)
+            assert header["status"] == "ok", content
+    finally:
+        daemon.server.request_stop()
+        daemon.thread.join(30)
+        assert not daemon.thread.is_alive()
+        daemon.ctx.term()
