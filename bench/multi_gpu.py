@@ -205,36 +205,37 @@ def gpu_and_host(pool: Any, gpu: str, host: str, name: str, smoke: bool, runs: i
                 "chunks": table}
 
 
+def _table(title: str, header: list[str], rows: list[list[Any]], note: str = "") -> list[str]:
+    return [title, "", *([note, ""] if note else []), "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Multi-member execution ({result['device']})", "",
              f"GPUs: {', '.join(result['gpus'])}; host side: {result['host']}" + (" (smoke)" if result["smoke"] else ""),
              ""]
     if "split" in result:
-        lines += ["## (a) Split over two GPUs by budgets", "",
-                  "| workload | members | identical | 1 GPU latency | split latency | 1 GPU req/s (8 in flight) "
-                  "| split req/s | ratio |", "|---|---|---|---|---|---|---|---|"]
-        for r in result["split"]:
-            lines.append(f"| {r['workload']} | {'+'.join(r['members'])} | {r['identical']} | "
-                         f"{r['one_gpu_ms']:.3f} ms | {r['split_ms']:.3f} ms | {r['one_gpu_per_s']:.1f} | "
-                         f"{r['split_per_s']:.1f} | {r['split_per_s'] / r['one_gpu_per_s']:.2f}× |")
-        lines.append("")
+        lines += _table("## (a) Split over two GPUs by budgets",
+                        ["workload", "members", "identical", "1 GPU latency", "split latency",
+                         "1 GPU req/s (8 in flight)", "split req/s", "ratio"],
+                        [[r["workload"], "+".join(r["members"]), r["identical"], f"{r['one_gpu_ms']:.3f} ms",
+                          f"{r['split_ms']:.3f} ms", f"{r['one_gpu_per_s']:.1f}", f"{r['split_per_s']:.1f}",
+                          f"{r['split_per_s'] / r['one_gpu_per_s']:.2f}×"] for r in result["split"]])
     if "replicated" in result:
-        lines += ["## (b) Replicated on both GPUs", "",
-                  "| workload | replicas | identical | 1 GPU req/s (8 in flight) | replicated req/s | ratio "
-                  "| requests per copy |", "|---|---|---|---|---|---|---|"]
-        for r in result["replicated"]:
-            lines.append(f"| {r['workload']} | {', '.join(r['replicas']) or 'none'} | {r['identical']} | "
-                         f"{r['one_gpu_per_s']:.1f} | {r['replicated_per_s']:.1f} | "
-                         f"{r['replicated_per_s'] / r['one_gpu_per_s']:.2f}× | {r['requests_per_lane']} |")
-        lines.append("")
+        lines += _table("## (b) Replicated on both GPUs",
+                        ["workload", "replicas", "identical", "1 GPU req/s (8 in flight)", "replicated req/s",
+                         "ratio", "requests per copy"],
+                        [[r["workload"], ", ".join(r["replicas"]) or "none", r["identical"],
+                          f"{r['one_gpu_per_s']:.1f}", f"{r['replicated_per_s']:.1f}",
+                          f"{r['replicated_per_s'] / r['one_gpu_per_s']:.2f}×", r["requests_per_lane"]]
+                         for r in result["replicated"]])
     if "gpu_and_host" in result:
         c = result["gpu_and_host"]
-        lines += [f"## (c) One GPU + {result['host']} in one plan: {c['workload']}", "",
-                  f"max |vkpool − ONNX Runtime CPU| = {c['max_abs_diff_vs_onnxruntime']:.3g} "
-                  f"(allclose rtol 1e-3, atol 1e-5: {c['allclose']})", "",
-                  "| chunk | member | ops | median ms |", "|---|---|---|---|"]
-        for row in c["chunks"]:
-            lines.append(f"| {row['chunk']} | {row['member']} | {row['ops']} | {row['ms']:.3f} |")
+        lines += _table(f"## (c) One GPU + {result['host']} in one plan: {c['workload']}",
+                        ["chunk", "member", "ops", "median ms"],
+                        [[row["chunk"], row["member"], row["ops"], f"{row['ms']:.3f}"] for row in c["chunks"]],
+                        note=f"max |vkpool − ONNX Runtime CPU| = {c['max_abs_diff_vs_onnxruntime']:.3g} "
+                             f"(allclose rtol 1e-3, atol 1e-5: {c['allclose']})")
     return "\n".join(lines) + "\n"
 
 
