@@ -76,6 +76,14 @@ class _Linear(Op):
         so, sa, sk = self.strides
         return (o * so + (a // self.block) * sa + k * sk).reshape(x.shape)
 
+    def reference_operands(self, inputs: Sequence[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray, Any]:
+        """x, each element's scale and its zero point (0.0 when absent), as float32."""
+        x, scale, zero = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
+        assert x is not None and scale is not None
+        p = self.parameter_index()
+        z = zero.astype(np.float32).reshape(-1)[p] if zero is not None else 0.0
+        return x.astype(np.float32), scale.astype(np.float32).reshape(-1)[p], z
+
     def dispatch(self, ctx: DispatchContext, mode: int, quantized: np.dtype,
                  float_side: np.dtype) -> Dispatch:
         n = self.input(0).size
@@ -107,12 +115,8 @@ class DequantizeLinear(_Linear):
         self.layout()
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
-        x, scale, zero = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
-        assert x is not None and scale is not None
-        p = self.parameter_index()
-        z = zero.astype(np.float32).reshape(-1)[p] if zero is not None else 0.0
-        y = (x.astype(np.float32) - z) * scale.astype(np.float32).reshape(-1)[p]
-        return [y.astype(self.out_dtype)]
+        x, scale, z = self.reference_operands(inputs)
+        return [((x - z) * scale).astype(self.out_dtype)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         if self.input(0).size == 0:
@@ -137,11 +141,8 @@ class QuantizeLinear(_Linear):
         self.layout()
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
-        x, scale, zero = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
-        assert x is not None and scale is not None
-        p = self.parameter_index()
-        z = zero.astype(np.float32).reshape(-1)[p] if zero is not None else 0.0
-        v = x.astype(np.float32) / scale.astype(np.float32).reshape(-1)[p]
+        x, scale, z = self.reference_operands(inputs)
+        v = x / scale
         name = self.out_dtype.name
         if name in _ENCODED_MAX:
             if self.attr("saturate", 1):
