@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.stats import median_run_s
 
 
 def _model(size: int, transposed: bool, stage_input: bool = False, softmax: bool = False,
@@ -135,13 +136,7 @@ def _time(Session: type, path: Path, size: int, transposed: bool, variant: dict[
           args: argparse.Namespace) -> None:
     sess = Session(str(path), device=args.device)
     x = np.random.default_rng(1).standard_normal((1, size), dtype=np.float32)
-    for _ in range(20):
-        sess.run(None, {"x": x})
-    walls = []
-    for _ in range(args.runs):
-        t0 = time.perf_counter()
-        sess.run(None, {"x": x})
-        walls.append((time.perf_counter() - t0) * 1e6)
+    wall_us = median_run_s(lambda: sess.run(None, {"x": x}), args.runs) * 1e6
     chunk = sess._chunk
     profiles = [chunk.device.profile(chunk.commands) for _ in range(5)]
     each = [statistics.median(p[i] for p in profiles) for i in range(len(chunk.dispatch_labels))]
@@ -155,7 +150,7 @@ def _time(Session: type, path: Path, size: int, transposed: bool, variant: dict[
     gbps = getattr(args, "layers", 1) * size * size * 4 / (gpu * 1e-6) / 1e9
     split = " ".join(f"{k.strip('_').lower()}={v}" for k, v in variant.items()) or "default"
     print(f"| {args.layers} x {size * size * 4 / 2**20:.0f} MiB | {layout} | {split} | {shaders} | {gpu:.1f} | {gbps:.0f} | "
-          f"{statistics.median(walls):.1f} |", flush=True)
+          f"{wall_us:.1f} |", flush=True)
     sess.close()
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
+
+from bench.stats import median_run_s
 
 
 def main() -> None:
@@ -30,19 +31,13 @@ def main() -> None:
     chunk = sess._chunk
     device = chunk.device
     feeds = random_inputs(sess.get_inputs())
-    for _ in range(20):
-        sess.run(None, feeds)
-    walls = []
-    for _ in range(100):
-        t0 = time.perf_counter()
-        sess.run(None, feeds)
-        walls.append((time.perf_counter() - t0) * 1e6)
+    wall_us = median_run_s(lambda: sess.run(None, feeds), 100) * 1e6
     profiles = [device.profile(chunk.commands) for _ in range(args.runs)]
     per_dispatch = [statistics.median(p[i] for p in profiles) for i in range(len(chunk.dispatch_labels))]
     total = sum(per_dispatch)
     print(f"{args.model} on {sess.member.id} ({device.info.name}): {len(per_dispatch)} dispatches, "
           f"{chunk.stats.barriers} barriers")
-    print(f"host-measured run: median {statistics.median(walls):.1f} µs; "
+    print(f"host-measured run: median {wall_us:.1f} µs; "
           f"GPU timestamps: first to last {total:.1f} µs, {total / max(1, len(per_dispatch)):.2f} µs per dispatch")
     by_shader: dict[str, list[float]] = defaultdict(list)
     for label, us in zip(chunk.dispatch_labels, per_dispatch):
@@ -50,7 +45,7 @@ def main() -> None:
     print("\n| shader | dispatches | GPU µs | share |\n|---|---|---|---|")
     for shader, times in sorted(by_shader.items(), key=lambda kv: -sum(kv[1])):
         print(f"| {shader} | {len(times)} | {sum(times):.1f} | {100 * sum(times) / max(total, 1e-9):.0f} % |")
-    print(f"\n| costliest dispatches | GPU µs |\n|---|---|")
+    print("\n| costliest dispatches | GPU µs |\n|---|---|")
     ranked = sorted(zip(chunk.dispatch_labels, per_dispatch), key=lambda lt: -lt[1])
     for label, us in ranked[: args.top]:
         print(f"| {label} | {us:.1f} |")

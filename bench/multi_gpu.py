@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from bench import workloads
+from bench.stats import median_run_s
 
 PARTS = ("split", "replicated", "mixed")
 SMOKE_CONFIG = ("devices:\n  - match: {index: 0}\n    split: 3\n    budget: [600MiB, 600MiB, 600MiB]\n"
@@ -76,14 +77,7 @@ def roles(pool: Any) -> tuple[list[str], str]:
 
 
 def latency_ms(session: Any, feeds: dict[str, np.ndarray], runs: int) -> float:
-    for _ in range(min(3, runs)):
-        session.run(None, feeds)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        session.run(None, feeds)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_run_s(lambda: session.run(None, feeds), runs, warmup=min(3, runs)) * 1e3
 
 
 def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int = 8) -> float:
