@@ -12,18 +12,26 @@ os.environ.setdefault("VKPOOL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "v
 os.environ.pop("VKPOOL_CONFIG", None)
 
 
-@pytest.fixture(scope="session")
-def pool():
-    """The default pool: every Vulkan device, one member each, plus the host member."""
+def vulkan_pool(config=None):
+    """A DevicePool on ``config`` (None: the default), or the test skipped when this machine has
+    no Vulkan device: the only skip of this suite, a missing resource, never a failing feature."""
     from vkpool.pool import DevicePool
     from vkpool.vk import VulkanUnavailable
 
     try:
-        p = DevicePool.from_config(None)
-    except VulkanUnavailable as exc:  # a missing resource, not a failing feature
+        p = DevicePool.from_config(config)
+    except VulkanUnavailable as exc:
         pytest.skip(f"no Vulkan device: {exc}")
     if not p.vulkan_members:
+        p.close()
         pytest.skip("no usable Vulkan device")
+    return p
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """The default pool: every Vulkan device, one member each, plus the host member."""
+    p = vulkan_pool()
     yield p
     p.close()
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conftest import vulkan_pool
 from vkpool.config.loader import ConfigError, load_config, parse_config
 from vkpool.discovery import discover
 from vkpool.pool import resolve_members
@@ -90,15 +91,9 @@ def test_default_config_loads():
 
 def test_config_cost_overrides_the_planner_speeds_of_its_members():
     from vkpool.partition.cost import DEFAULT_COSTS, pool_member_cost
-    from vkpool.pool import DevicePool
-    from vkpool.vk import VulkanUnavailable
-
     cfg = parse_config("devices:\n  - match: {index: 0}\n    split: 2\n    cost:\n      flops_per_s: 1.5e12\n"
                        "      dispatch_s: 4.0e-6\nhost:\n  cost: {bytes_per_s: 3.0e9}\n", "cost.yaml")
-    try:
-        pool = DevicePool.from_config(cfg)
-    except VulkanUnavailable as exc:  # a missing resource, not a failing feature
-        pytest.skip(f"no Vulkan device: {exc}")
+    pool = vulkan_pool(cfg)
     try:
         for member in (pool.member("vk0.0"), pool.member("vk0.1")):
             cost = pool_member_cost(member)

@@ -17,6 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from bench import workloads
+from conftest import vulkan_pool
 from vkpool.config.loader import parse_config
 from vkpool.partition.graph import build_graph
 from vkpool.partition.plan import chunk_peak_bytes
@@ -83,15 +84,8 @@ _cache: dict[str, tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]] = {}
 
 @pytest.fixture(scope="module")
 def split_pool():
-    from vkpool.pool import DevicePool
-    from vkpool.vk import VulkanUnavailable
-
-    cfg = parse_config("devices:\n  - match: {index: 0}\n    split: 4\n    budget: 512MiB\n"
-                       f"host:\n  enabled: true\n  budget: {HOST_BUDGET}\n")
-    try:
-        pool = DevicePool.from_config(cfg)
-    except VulkanUnavailable as exc:  # a missing resource, not a failing feature
-        pytest.skip(f"no Vulkan device: {exc}")
+    pool = vulkan_pool(parse_config("devices:\n  - match: {index: 0}\n    split: 4\n    budget: 512MiB\n"
+                                    f"host:\n  enabled: true\n  budget: {HOST_BUDGET}\n"))
     yield pool
     pool.close()
 
