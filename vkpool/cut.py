@@ -14,14 +14,14 @@ import numpy as np
 
 from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.registry import create_op, op_class
-from vkpool.model import LoadedModel, ModelError, Node
+from vkpool.model import NONDETERMINISTIC, LoadedModel, ModelError, Node, evaluate_node
 
 #: once values are bound, a suffix node whose inputs are all constants is evaluated on the host
 #: when its outputs take at most this many bytes; a larger one runs on the device
 FOLD_BYTES = 16 << 20
-# ops whose results are not a function of their inputs are never folded
-_UNFOLDABLE = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
-                         "Multinomial", "Bernoulli", "Dropout"})
+# never folded: ops whose results are not a function of their inputs, and Dropout (whose
+# training mode draws a mask)
+_UNFOLDABLE = NONDETERMINISTIC | {"Dropout"}
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,6 @@ def _fold_with_onnx(node: Node, constants: dict[str, np.ndarray], opset: int) ->
         return None
     import onnx
     from onnx import helper, numpy_helper
-    from onnx.reference import ReferenceEvaluator
 
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
@@ -218,12 +217,7 @@ def _fold_with_onnx(node: Node, constants: dict[str, np.ndarray], opset: int) ->
             attrs.append(helper.make_attribute(key, value, attr_type=kind))
         proto = helper.make_node(node.op_type, node.inputs, node.outputs, domain=node.domain)
         proto.attribute.extend(attrs)
-        inputs = [helper.make_tensor_value_info(t, helper.np_dtype_to_tensor_dtype(constants[t].dtype),
-                                                constants[t].shape) for t in dict.fromkeys(present)]
-        outputs = [helper.make_empty_tensor_value_info(o) for o in node.outputs if o]
-        model = helper.make_model(helper.make_graph([proto], "fold", inputs, outputs),
-                                  opset_imports=[helper.make_opsetid(node.domain, opset)])
-        results = iter(ReferenceEvaluator(model).run(None, {t: constants[t] for t in present}))
-        return [np.asarray(next(results)) if o else np.zeros(0) for o in node.outputs]
+        results = evaluate_node(proto, constants, [helper.make_opsetid(node.domain, opset)])
+        return [np.asarray(r) if o else np.zeros(0) for o, r in zip(node.outputs, results)]
     except Exception:  # anything the reference cannot do stays the kernel's refusal
         return None

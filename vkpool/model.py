@@ -68,7 +68,7 @@ class LoadedModel:
 
 
 # Ops whose result is not a function of their inputs: folding would freeze one random draw.
-_NONDETERMINISTIC = frozenset(
+NONDETERMINISTIC = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 )
 # Constants up to this size go into the proto handed to shape inference so that data
@@ -482,7 +482,7 @@ def _fold_node(
     infos: dict[str, TensorInfo],
     proto: onnx.ModelProto,
 ) -> list[np.ndarray] | None:
-    if node.domain not in ("", "ai.onnx") or node.op_type in _NONDETERMINISTIC:
+    if node.domain not in ("", "ai.onnx") or node.op_type in NONDETERMINISTIC:
         return None
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
         return None  # subgraphs may read outer-scope values the single-node model lacks
@@ -492,7 +492,7 @@ def _fold_node(
     if not all(t in constants for t in present):
         return None
     try:
-        values = _evaluate(node, constants, proto)
+        values = evaluate_node(node, constants, list(proto.opset_import), proto.ir_version, proto.functions)
     except Exception:  # an op the reference cannot evaluate stays a node; the runtime runs it
         return None
     out: list[np.ndarray] = []
@@ -518,15 +518,20 @@ def _shape_or_size(node: onnx.NodeProto, info: TensorInfo) -> np.ndarray:
     return np.array(info.shape[start:end], dtype=np.int64)
 
 
-def _evaluate(node: onnx.NodeProto, constants: dict[str, np.ndarray], proto: onnx.ModelProto) -> list[Any]:
+def evaluate_node(node: onnx.NodeProto, constants: dict[str, np.ndarray], opset_imports: list[Any],
+                  ir_version: int | None = None, functions: Any = ()) -> list[Any]:
+    """The outputs of ``node`` on the values in ``constants``, by onnx's ReferenceEvaluator (None
+    for an omitted optional output); raises whatever the evaluator raises."""
     from onnx.reference import ReferenceEvaluator  # imported on first fold: it is slow to import
 
-    names = [t for t in node.input if t]
+    names = list(dict.fromkeys(t for t in node.input if t))
     inputs = [_value_info(n, TensorInfo(constants[n].shape, constants[n].dtype)) for n in names]
     outputs = [helper.make_empty_tensor_value_info(o) for o in node.output if o]
     graph = helper.make_graph([node], "fold", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
-    model.functions.extend(proto.functions)
+    model = helper.make_model(graph, opset_imports=opset_imports)
+    if ir_version is not None:
+        model.ir_version = ir_version
+    model.functions.extend(functions)
     results = iter(ReferenceEvaluator(model).run(None, {n: constants[n] for n in names}))
     # omitted optional outputs ('') get no value; _fold skips them by name
     return [next(results) if o else None for o in node.output]
