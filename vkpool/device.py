@@ -88,12 +88,10 @@ class LogicalDevice:
         self._lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, count, ffi.NULL)
         fams = ffi.new("VkQueueFamilyProperties[]", count[0])
         self._lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, count, fams)
-        compute = [i for i in range(count[0]) if fams[i].queueFlags & b.VK_QUEUE_COMPUTE_BIT]
-        if not compute:
+        family = choose_queue_family([fams[i].queueFlags for i in range(count[0])])
+        if family is None:
             raise vk.VulkanUnavailable(f"{info.name} has no compute queue")
-        # A compute family without graphics is usually the async-compute engine: prefer a
-        # family that has graphics too (the main engine) for lowest latency on NVIDIA.
-        self.queue_family = compute[0]
+        self.queue_family = family
         priority = ffi.new("float[]", [1.0])
         qinfo = ffi.new("VkDeviceQueueCreateInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
@@ -518,6 +516,13 @@ class LogicalDevice:
         lib.vkDestroyCommandPool(self.handle, self.command_pool, ffi.NULL)
         lib.vkDestroyDevice(self.handle, ffi.NULL)
         self._closed = True
+
+
+def choose_queue_family(flags: list[int]) -> int | None:
+    """The queue family runs use: the first with compute (on NVIDIA, AMD and Intel the main
+    engine's graphics + compute family comes first), None when no family has compute."""
+    compute_bit = vk.binding().VK_QUEUE_COMPUTE_BIT
+    return next((i for i, f in enumerate(flags) if f & compute_bit), None)
 
 
 def _barriers_near_copies(commands: list[tuple[Any, ...]]) -> set[int]:
