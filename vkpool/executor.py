@@ -24,12 +24,13 @@ with host ``perf_counter_ns`` start and end, per request.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -99,8 +100,10 @@ class _Request:
     waiting: list[int]  # per stage, how many of its preds have not finished
     future: Future
     left: int
+    shape: Callable[[dict[str, np.ndarray]], Any] | None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    events: list[ChunkEvent] = field(default_factory=list)
+    # (chunk, member, ops, start ns, end ns) per chunk run; ChunkEvents are built when asked for
+    events: list[tuple[int, str, int, int, int]] = field(default_factory=list)
     failed: bool = False
 
 
@@ -148,27 +151,29 @@ class _MemberRunner:
     A run *starts* (inputs written, recorded commands submitted) in whichever thread offers it
     while the member is idle (the submitting thread, or the thread that finished the chunk it
     waited for), else in the member's own thread the moment the run before it ends. The
-    member's thread waits for each run (in the driver, GIL released) and completes it: outputs
-    copied out, the next queued run started before anything else so the device stays busy,
-    then the request moved on. A thread handing work over thus never waits for another to
-    wake before the device can start; the waking happens while the device computes.
+    member's thread takes started runs from a queue, waits for each (in the driver, GIL
+    released) and completes it: outputs copied out, the next queued run started before
+    anything else so the device stays busy, then the request moved on. A thread handing work
+    over thus never waits for another to wake before the device can start; the waking happens
+    while the device computes. Hand-overs use plain locks and a C queue: on small models the
+    host's cost per request, not the devices, bounds throughput.
     """
 
     def __init__(self, executor: PlanExecutor, member_id: str) -> None:
         self.executor = executor
         self.member_id = member_id
-        self._cond = threading.Condition()
-        self._queue: deque[tuple[_Request, _Stage]] = deque()
-        self._current: tuple[_Request, _Stage, int] | None = None  # started, not yet completed
+        self._lock = threading.Lock()
+        self._waiting: deque[tuple[_Request, _Stage]] = deque()  # ready, not yet started
+        self._started: queue.SimpleQueue[tuple[_Request, _Stage, int] | None] = queue.SimpleQueue()
         self._busy = False  # a run is being started or is in flight
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=f"vkpool-{member_id}", daemon=True)
         self._thread.start()
 
     def offer(self, request: _Request, stage: _Stage) -> None:
-        with self._cond:
+        with self._lock:
             if self._busy or self._stopping:
-                self._queue.append((request, stage))
+                self._waiting.append((request, stage))
                 return
             self._busy = True
         self._start(request, stage)
@@ -185,31 +190,25 @@ class _MemberRunner:
                 except BaseException as exc:  # the request fails; the member serves the next one
                     self.executor._fail(request, exc)
                 else:
-                    with self._cond:
-                        self._current = (request, stage, start)
-                        self._cond.notify()
+                    self._started.put((request, stage, start))
                     return
-            with self._cond:
-                item = self._queue.popleft() if self._queue and not self._stopping else None
+            with self._lock:
+                item = self._waiting.popleft() if self._waiting and not self._stopping else None
                 if item is None:
                     self._busy = False
-                    self._cond.notify()  # a stopping thread waits for the member to be idle
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while self._current is None:
-                    if self._stopping and not self._busy:
-                        return
-                    self._cond.wait()
-                request, stage, start = self._current
-                self._current = None
+            item = self._started.get()
+            if item is None:
+                return
+            request, stage, start = item
             try:
                 produced: dict[str, np.ndarray] | BaseException = stage.chunk.finish()
             except BaseException as exc:
                 produced = exc
-            with self._cond:
-                nxt = self._queue.popleft() if self._queue and not self._stopping else None
+            with self._lock:
+                nxt = self._waiting.popleft() if self._waiting and not self._stopping else None
                 if nxt is None:
                     self._busy = False
             if nxt is not None:
@@ -219,10 +218,15 @@ class _MemberRunner:
     def stop(self) -> None:
         """Lets the run in flight end, drops the queued ones (their requests are failed by
         :meth:`PlanExecutor.close`) and ends the thread."""
-        with self._cond:
+        with self._lock:
             self._stopping = True
-            self._queue.clear()
-            self._cond.notify()
+            self._waiting.clear()
+        while True:  # a run being started or in flight ends on its own; closing is rare
+            with self._lock:
+                if not self._busy:
+                    break
+            time.sleep(0.001)
+        self._started.put(None)
         self._thread.join()
 
 
@@ -235,8 +239,8 @@ class PlanExecutor:
         self._closed = False
         self._ids = itertools.count()
         self._lane_lock = threading.Lock()
-        self._trace: deque[list[ChunkEvent]] = deque(maxlen=TRACE_REQUESTS)
-        self._trace_lock = threading.Lock()
+        # (request id, lane, chunk runs) of the last requests; guarded by _lane_lock
+        self._trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]] = deque(maxlen=TRACE_REQUESTS)
         self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
         self._count_lock = threading.Lock()
         self._runners: dict[str, _MemberRunner] = {}
@@ -303,22 +307,24 @@ class PlanExecutor:
 
     def trace(self) -> list[ChunkEvent]:
         """Chunk runs of the last requests, in the order they ended."""
-        with self._trace_lock:
-            return [e for events in self._trace for e in events]
+        with self._lane_lock:
+            done = list(self._trace)
+        return [ChunkEvent(rid, lane, *e) for rid, lane, events in done for e in events]
 
     # -- running -------------------------------------------------------------------------------
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:
-        """Starts one request; the future's result is ``{output name: array}``."""
+    def submit(self, feeds: Mapping[str, np.ndarray],
+               shape: Callable[[dict[str, np.ndarray]], Any] | None = None) -> Future:
+        """Starts one request; the future's result is ``{output name: array}``, or what
+        ``shape`` makes of it (called once, in the thread that completes the request)."""
         if self._closed:
             raise RuntimeError("the executor is closed")
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
         with self._lane_lock:
             lane = min(self.lanes, key=lambda ln: (ln.in_flight, ln.index))
             lane.in_flight += 1
-        future: Future = Future()
-        future.set_running_or_notify_cancel()
-        request = _Request(next(self._ids), lane, dict(feeds), [len(s.preds) for s in lane.stages], future,
-                           len(lane.stages))
-        with self._lane_lock:
+            request = _Request(next(self._ids), lane, dict(feeds), [len(s.preds) for s in lane.stages], future,
+                               len(lane.stages), shape)
             self._pending[request.id] = request
         for stage in lane.stages:
             if not stage.preds:
@@ -335,12 +341,17 @@ class PlanExecutor:
         if isinstance(produced, BaseException):
             self._fail(request, produced)
             return
-        event = ChunkEvent(request.id, request.lane.index, stage.index, stage.member.id, len(stage.nodes),
-                           start, time.perf_counter_ns())
+        event = (stage.index, stage.member.id, len(stage.nodes), start, time.perf_counter_ns())
         if stage.transfers:
             with self._count_lock:
                 for t in stage.transfers:
                     self.transfers_executed[(t.tensor, t.src, t.dst)] += 1
+        if request.left == 1 and not stage.succs and len(request.lane.stages) == 1:
+            # a one-chunk lane (a replica, a whole-model plan): nothing else touches the request
+            request.values.update(produced)
+            request.events.append(event)
+            self._finish(request)
+            return
         ready: list[_Stage] = []
         with request.lock:
             request.values.update(produced)
@@ -360,13 +371,17 @@ class PlanExecutor:
         with self._lane_lock:
             request.lane.in_flight -= 1
             self._pending.pop(request.id, None)
-        with self._trace_lock:
-            self._trace.append(request.events)
+            self._trace.append((request.id, request.lane.index, request.events))
         out = {}
         for name in self._output_names:
             value = request.values[name]
             out[name] = value.copy() if name in self._input_names else value
-        request.future.set_result(out)
+        try:
+            result = out if request.shape is None else request.shape(out)
+        except BaseException as exc:
+            request.future.set_exception(exc)
+            return
+        request.future.set_result(result)
 
     def _fail(self, request: _Request, exc: BaseException) -> None:
         with request.lock:

@@ -312,17 +312,7 @@ class Session:
             return done
         feeds = self._check_feeds(input_feed)
         names = self._output_list(output_names)
-        result: Future = Future()
-        inner = self._executor.submit(feeds)
-
-        def finish(f: Future) -> None:
-            exc = f.exception()
-            if exc is not None:
-                result.set_exception(exc)
-            else:
-                result.set_result(self._select(names, f.result()))
-        inner.add_done_callback(finish)
-        return result
+        return self._executor.submit(feeds, lambda produced: self._select(names, produced))
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
         all_outputs = [n for n, _ in self.model.outputs]
