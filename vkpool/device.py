@@ -31,6 +31,11 @@ class Counters:
     submissions: int = 0
 
 
+#: how long before a run's usual end :meth:`LogicalDevice.wait` stops sleeping and starts polling
+#: (Linux wakes a sleeper up to about 60 µs late; the rest absorbs run-to-run spread)
+WAIT_SLEEP_MARGIN_S = 0.00015
+
+
 @dataclass(eq=False)
 class Submission:
     """A recorded command buffer with its prebuilt VkSubmitInfo and fence."""
@@ -41,6 +46,10 @@ class Submission:
     cmd_array: Any
     fence: Any
     fence_array: Any
+    #: when the last submit happened (``perf_counter``) and how long this command buffer's runs
+    #: take until the host sees them done (seconds): what :meth:`LogicalDevice.wait` plans by
+    submitted_at: float = 0.0
+    typical_s: float = 0.0
 
     def release(self) -> None:
         self.device.destroy_fence(self.fence)
@@ -465,15 +474,26 @@ class LogicalDevice:
     def submit(self, sub: Submission) -> None:
         with self.queue_lock:
             vk.check("vkQueueSubmit", self._lib.vkQueueSubmit(self.queue, 1, sub.info, sub.fence), self.name)
+            sub.submitted_at = time.perf_counter()
         self.counters.submissions += 1
 
     def wait(self, sub: Submission, *, spin_seconds: float = 0.0002) -> None:
-        """Waits for ``fence`` then resets it. Polls briefly (short jobs finish within a few
-        tens of microseconds, and polling answers sooner than a blocking wait), then blocks
-        in the driver with the GIL released."""
+        """Waits for ``fence`` then resets it.
+
+        A run that usually takes longer than ``spin_seconds`` is first slept through (GIL
+        released) up to ``WAIT_SLEEP_MARGIN_S`` before its usual end; then the fence is polled
+        for up to ``spin_seconds`` past that point, since polling answers tens of microseconds
+        sooner than the driver's blocking wait; only then does the wait block in the driver."""
         lib = self._lib
         fence, fence_array = sub.fence, sub.fence_array
-        deadline = time.perf_counter() + spin_seconds
+        now = time.perf_counter()
+        typical = sub.typical_s
+        if typical > spin_seconds:
+            nap = sub.submitted_at + typical - WAIT_SLEEP_MARGIN_S - now
+            if nap > 0:
+                time.sleep(nap)
+                now = time.perf_counter()
+        deadline = now + spin_seconds
         while True:
             r = lib.vkGetFenceStatus(self.handle, fence)
             if r == vk.VK_SUCCESS:
@@ -488,6 +508,10 @@ class LogicalDevice:
                     if r != vk.VK_TIMEOUT:
                         vk.check("vkWaitForFences", r, self.name)
                 break
+        took = time.perf_counter() - sub.submitted_at
+        # follows a faster run at once and a slower one slowly: sleeping past the end costs more
+        # than polling a little longer
+        sub.typical_s = took if typical == 0.0 or took < typical else 0.9 * typical + 0.1 * took
         vk.check("vkResetFences", lib.vkResetFences(self.handle, 1, fence_array), self.name)
 
     def run_once(self, commands: list[tuple[Any, ...]]) -> None:
