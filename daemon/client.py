@@ -7,6 +7,12 @@
 A :class:`Client` owns one DEALER socket, driven by a background thread so that any number of
 threads can have requests in flight at once (zmq sockets are not thread-safe). Error replies
 raise the exception class named by their type (:mod:`vkpool.daemon.errors`).
+
+When the daemon offers a local lane (an ipc:// daemon on this host), ``infer`` and
+``RemoteSession.run`` travel on it instead (:mod:`vkpool.daemon.lane`): one lane connection per
+thread running jobs at once, up to :data:`~vkpool.daemon.lane.CLIENT_MAX_LANES`, others over
+ZeroMQ. ``Client(local_lane=False)`` or ``VKPOOL_LOCAL_LANE=0`` keeps everything on ZeroMQ; a
+lane that cannot be opened falls back to ZeroMQ.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import zmq
 from vkpool.daemon import protocol as P
 from vkpool.daemon.endpoint import default_endpoint, ipc_path
 from vkpool.daemon.errors import DaemonUnavailable, from_reply
+from vkpool.daemon.lane import CLIENT_MAX_LANES, ClientLane, LaneRefused, lane_wanted
 
 HELLO_TIMEOUT_S = 5.0
 _POLL_SLICE_MS = 100  # how often a waiting thread looks at the clock and at close()
@@ -91,7 +98,7 @@ def result_of(reply: tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]]) -> 
 
 def infer_content(model: str, feeds: Mapping[str, Any], outputs: Iterable[str] | None,
                   priority: int, timeout: float | None) -> tuple[dict[str, Any], list[Any]]:
-    metas, frames = P.tensor_frames([(name, np.asarray(value)) for name, value in feeds.items()])
+    metas, frames = P.tensor_frames(feeds.items())
     content: dict[str, Any] = {"model": model, "inputs": metas, "priority": priority, "timeout": timeout,
                                "outputs": None if outputs is None else list(outputs)}
     return content, frames
@@ -137,17 +144,28 @@ class Client:
     handed its reply or the lead. With one thread, a request is a send and a receive on the
     caller's thread: no hop between threads. Futures from :meth:`submit` are driven by a
     background thread while any is unanswered.
+
+    ``infer`` (and ``RemoteSession.run``) use the daemon's local lane when it offers one and
+    ``local_lane`` (default: ``$VKPOOL_LOCAL_LANE``, on unless 0) allows it; see the module's doc.
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = None,
                  hello_timeout: float = HELLO_TIMEOUT_S, curve: tuple[bytes, bytes, bytes] | None = None,
-                 name: str | None = None, context: zmq.Context | None = None) -> None:
+                 name: str | None = None, context: zmq.Context | None = None,
+                 local_lane: bool | None = None) -> None:
         self.endpoint = resolve_endpoint(endpoint)
         self.timeout = timeout
         check_endpoint(self.endpoint)
         self._own_ctx = context is None  # inproc:// endpoints need the daemon's context
         self._ctx = context or zmq.Context()
         self._sock = make_socket(self._ctx, self.endpoint, curve)
+        self._routing_id: bytes = self._sock.routing_id
+        self._lane_offer: dict[str, Any] | None = None
+        self._lanes_idle: list[ClientLane] = []
+        self._lanes: set[ClientLane] = set()
+        self._lanes_max = CLIENT_MAX_LANES
+        self._lane_lock = threading.Lock()
+        self._packed: dict[tuple[Any, ...], bytes] = {}  # infer contents for the lane, see _lane_infer
         self._outbox_addr = f"inproc://vkpool-client-{id(self)}-{uuid.uuid4().hex[:8]}"
         self._outbox_pull = self._ctx.socket(zmq.PULL)
         self._outbox_pull.bind(self._outbox_addr)
@@ -174,7 +192,18 @@ class Client:
         except BaseException:
             self.close()
             raise
+        offer = self.info.get("local_lane")
+        if isinstance(offer, dict) and lane_wanted(local_lane):
+            self._lane_offer = offer
+        self._lane_timeout = hello_timeout
+        limits = self.info.get("limits") or {}
+        self._max_frames = int(limits.get("max_frames") or 1 << 30)
+        self._max_bytes = int(limits.get("max_message_bytes") or 1 << 62)
 
+    @property
+    def local_lane(self) -> bool:
+        """Whether ``infer`` travels on the local lane (offered, allowed, and not given up)."""
+        return self._lane_offer is not None
     # -- transport ----------------------------------------------------------------------------
     def _pump(self, done: Any, deadline: float | None) -> None:
         """As the leader: forward queued requests and hand out replies until ``done()``, the
@@ -306,10 +335,132 @@ class Client:
         self._driver_wake.set()
         return future
 
+    # -- the local lane -----------------------------------------------------------------------
+    def _take_lane(self) -> ClientLane | None:
+        """An idle lane connection of this client, a new one, or None (use ZeroMQ)."""
+        try:
+            return self._lanes_idle.pop()
+        except IndexError:
+            pass
+        with self._lane_lock:
+            offer = self._lane_offer
+            if offer is None or len(self._lanes) >= self._lanes_max or self._closed.is_set():
+                return None
+            try:
+                lane = ClientLane(offer, self._routing_id, self._lane_timeout)
+            except LaneRefused:
+                self._lanes_max = len(self._lanes)  # the daemon is at its cap: no more from this client
+                return None
+            except OSError:
+                self._lane_offer = None  # the lane cannot be reached from here: ZeroMQ only
+                return None
+            self._lanes.add(lane)
+            return lane
+
+    def _drop_lane(self, lane: ClientLane) -> None:
+        with self._lane_lock:
+            self._lanes.discard(lane)
+        lane.close()
+
+    def _lane_infer(self, model_id: str, feeds: Mapping[str, Any], outputs: Iterable[str] | None,
+                    priority: int, timeout: float | None, wait: float | None) -> list[np.ndarray] | None:
+        """``infer`` on the local lane; None when it must go over ZeroMQ instead.
+
+        The packed content is remembered per model, output names, options and input
+        names/dtypes/shapes, so running one model on same-shaped inputs packs only the header.
+        The daemon, for its part, checks a content it has seen before only against the frames."""
+        outputs = None if outputs is None else list(outputs)
+        frames: list[Any] = []
+        key: list[Any] = [model_id, priority, timeout, outputs if outputs is None else tuple(outputs)]
+        for name, value in feeds.items():
+            array = value if type(value) is np.ndarray else np.asarray(value)
+            dtype = P._NAME_OF.get(array.dtype)
+            if dtype is None or not array.flags.c_contiguous:  # to be converted: the general path
+                content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
+                packed = P.pack(content)
+                break
+            frames.append(memoryview(array).cast("B") if array.size else b"")
+            key += (name, dtype, array.shape)
+        else:
+            packed = self._packed.get(tuple(key))
+            if packed is None:
+                packed = P.pack(infer_content(model_id, feeds, outputs, priority, timeout)[0])
+                if len(self._packed) >= 64:
+                    self._packed.clear()
+                self._packed[tuple(key)] = packed
+        reply = self._lane_request("infer", packed, frames, wait)
+        if reply is None:
+            return None
+        header, content, raw = reply
+        if header["status"] != "ok":
+            raise from_reply(content)
+        try:  # the daemon's own tensors: read without the checks a request gets
+            metas = content["outputs"]
+            if len(metas) == len(raw):
+                results = []
+                for meta, frame in zip(metas, raw):
+                    array = np.frombuffer(frame, P._DTYPE_OF[meta["dtype"]]).reshape(meta["shape"])
+                    results.append(array if array.flags.writeable else array.copy())
+                return results
+        except (KeyError, TypeError, ValueError):
+            pass
+        return outputs_of(content, raw)  # raises, naming what is wrong
+
+    def _lane_request(self, action: str, packed_content: bytes, frames: Sequence[Any],
+                      timeout: float | None) -> tuple[dict[str, Any], dict[str, Any], list[Any]] | None:
+        """One request on the local lane: the raw reply, or None when it must go over ZeroMQ
+        instead (no lane to be had, the request is over the daemon's limits, or the lane was
+        closed before the request went out)."""
+        if len(frames) + 2 > self._max_frames:
+            return None
+        lane = self._take_lane()
+        if lane is None:
+            return None
+        rid = f"{self._prefix}-{next(self._ids)}"
+        parts = [P.packed_header(f"{action}_request", rid), packed_content, *frames]
+        if sum(map(len, parts)) > self._max_bytes:
+            self._lanes_idle.append(lane)
+            return None
+        try:
+            lane.send(parts)
+        except OSError:
+            # the daemon closed the lane (it stopped, or restarted): nothing was accepted
+            self._drop_lane(lane)
+            self._lane_offer = None
+            return None
+        wait = timeout if timeout is not None else self.timeout
+        try:
+            reply = lane.receive(wait)
+        except TimeoutError:
+            self._drop_lane(lane)
+            raise TimeoutError(f"no {action}_reply from {self.endpoint} within {wait:g} s") from None
+        except OSError as exc:
+            self._drop_lane(lane)
+            if self._closed.is_set():
+                raise DaemonUnavailable("this client was closed while waiting for a reply") from None
+            raise DaemonUnavailable(f"the daemon at {self.endpoint} closed the local lane before answering "
+                                    f"{action} request {rid} ({exc})") from None
+        if reply[0].get("id") != rid or "status" not in reply[0]:
+            self._drop_lane(lane)
+            raise DaemonUnavailable(f"the local lane of {self.endpoint} answered request {reply[0].get('id')!r} "
+                                    f"instead of {rid}")
+        if self._closed.is_set():
+            self._drop_lane(lane)
+        else:
+            self._lanes_idle.append(lane)
+        return reply
+
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
+        with self._lane_lock:
+            for lane in self._lanes:
+                lane.shutdown()  # a thread waiting on one wakes up and closes it
+            while self._lanes_idle:
+                lane = self._lanes_idle.pop()
+                self._lanes.discard(lane)
+                lane.close()
         self._driver_wake.set()
         if self._driver is not None and self._driver is not threading.current_thread():
             self._driver.join()
@@ -347,8 +498,14 @@ class Client:
 
     def infer(self, model_id: str, feeds: Mapping[str, Any], outputs: Iterable[str] | None = None, *,
               priority: int = 0, timeout: float | None = None) -> list[np.ndarray]:
-        content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
         wait = None if timeout is None else timeout + 5.0  # the daemon answers Timeout itself
+        if self._lane_offer is not None:
+            if self._closed.is_set():
+                raise DaemonUnavailable("this client is closed")
+            results = self._lane_infer(model_id, feeds, outputs, priority, timeout, wait)
+            if results is not None:
+                return results
+        content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
         return outputs_of(*self.request("infer", content, frames, timeout=wait))
 
     def cancel(self, request_id: str) -> dict[str, Any]:

@@ -7,6 +7,9 @@
   file present) is removed.
 - libzmq's ipc listener aborts the whole process when ``accept`` fails with EMFILE, so the
   daemon raises its open-file limit at start and caps connections well below it.
+- The local lane's Unix socket is ``<socket>.lane`` in the same directory, created 0600 under
+  the same lock, and removed with the ipc socket (at stop, or at start when a crashed daemon
+  left it).
 """
 from __future__ import annotations
 
@@ -38,6 +41,16 @@ def default_endpoint() -> str:
 
 def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+def lane_path(socket_path: Path) -> Path:
+    """The local lane's socket beside the daemon's ipc socket."""
+    return socket_path.with_name(socket_path.name + ".lane")
+
+
+def lane_fits(socket_path: Path) -> bool:
+    """False when the lane's path is too long for a Unix socket address."""
+    return len(str(lane_path(socket_path))) <= _MAX_IPC_PATH
 
 
 class EndpointLock:
@@ -74,14 +87,15 @@ class EndpointLock:
         handle.write(f"{os.getpid()}\n")
         handle.flush()
         self._file = handle
-        if self.socket_path.exists() or self.socket_path.is_symlink():
-            # The lock was free, so whoever made this socket is gone: a crashed daemon.
-            self.socket_path.unlink()
+        for stale in (self.socket_path, lane_path(self.socket_path)):
+            if stale.exists() or stale.is_symlink():
+                # The lock was free, so whoever made this socket is gone: a crashed daemon.
+                stale.unlink()
 
     def release(self) -> None:
         if self._file is None:
             return
-        for path in (self.socket_path, self.path):
+        for path in (self.socket_path, lane_path(self.socket_path), self.path):
             try:
                 path.unlink()
             except FileNotFoundError:

@@ -14,12 +14,20 @@ Every message is a ZeroMQ multipart message (the layout follows jupyter_client's
   msgpack: a tensor is described in the content by ``{name, dtype, shape}`` and its bytes are
   the raw frame at the same position.
 
+An ipc:// daemon also offers a *local lane* (``hello``'s ``local_lane``): a Unix stream socket
+next to the ipc socket on which the same messages (header, content, raw frames; no routing
+frames, no delimiter) travel length-prefixed (:func:`lane_send`, :class:`LaneReader`). Only the
+messages marked ``transport="both"`` or ``"lane"`` may use it.
+
 ``docs/protocol.md`` embeds :func:`render_markdown`; a test keeps the two identical.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import socket
+import struct
+import threading
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
@@ -54,6 +62,7 @@ class Message:
     request_frames: str = "none"
     reply_frames: str = "none"
     control: bool = False  # answered by the I/O thread, never queued behind compute
+    transport: str = "zmq"  # zmq | both (ZeroMQ or the local lane) | lane (the local lane only)
 
 
 def _f(name: str, kind: str, doc: str, *, required: bool = True, nullable: bool = False) -> Field:
@@ -73,7 +82,9 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
             reply=(_f("server_version", "str", "vkpool version of the daemon"),
                    _f("protocol_version", "int", "the daemon's protocol version"),
                    _f("pid", "int", "daemon process id"),
-                   _f("limits", "map", "`{max_message_bytes, max_frames, queue_limit}`")),
+                   _f("limits", "map", "`{max_message_bytes, max_frames, queue_limit}`"),
+                   _f("local_lane", "map", "`{path, token}` of the local lane (see *Local lane*) on an "
+                      "ipc:// daemon that offers one; null over TCP or when disabled", nullable=True)),
             control=True),
     Message("devices", "The pool members with their budgets and use.",
             request=(),
@@ -116,12 +127,12 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
             reply=(_f("outputs", "list", _TENSOR_LIST),
                    _f("queue_s", "float", "seconds spent queued"),
                    _f("run_s", "float", "seconds spent running")),
-            request_frames="one per input tensor", reply_frames="one per output tensor"),
+            request_frames="one per input tensor", reply_frames="one per output tensor", transport="both"),
     Message("cancel", "Cancels a queued or running infer of this client.",
             request=(_f("request_id", "str", "id of the infer request"),),
             reply=(_f("cancelled", "bool", "true when the infer was answered `Cancelled`"),
                    _f("state", "str", "`queued`, `running` or `unknown` (finished or never seen)")),
-            control=True),
+            control=True, transport="both"),
     Message("unload_model", "Drops this client's reference; the model is freed once unused for its "
             "keep-alive.",
             request=(_f("model", "str", "model id"),
@@ -144,7 +155,8 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                    _f("models", "list", "as in `list_models`"),
                    _f("queues", "map", "`{model id: queued jobs}`"),
                    _f("counters", "map", "`{accepted, ok, error, client_gone, in_flight, dropped, "
-                      "busy, connections}`; accepted = ok + error + client_gone + in_flight"),
+                      "busy, retries, connections, lanes}`; accepted = ok + error + client_gone + in_flight; "
+                      "`lanes`: local lane connections open"),
                    _f("jobs_per_s", "float", "infer replies per second over the last minute"),
                    _f("latency_ms", "map", "`{p50, p90, p99}` of infer latency over the last 1000 jobs"),
                    _f("draining", "bool", "true once shutdown began")),
@@ -154,6 +166,13 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
             reply=(_f("draining", "bool", "always true"),
                    _f("in_flight", "int", "jobs being drained")),
             control=True),
+    Message("open_lane", "The first message on a local lane connection: binds it to the ZeroMQ client "
+            "that was given the token. Refused with `TooManyConnections` when the daemon has "
+            "`max_lane_connections` lanes open; the daemon then closes the connection.",
+            request=(_f("client", "str", "the client's ZeroMQ routing id, hex"),
+                     _f("token", "str", "`local_lane.token` from this client's `hello` reply")),
+            reply=(),
+            control=True, transport="lane"),
 )}
 
 _ACTION_OF: dict[str, str] = {f"{action}_{side}": action for action in MESSAGES for side in ("request", "reply")}
@@ -198,8 +217,15 @@ class ProtocolViolation(Exception):
 # ---------------------------------------------------------------------------------------------
 # Packing.
 
+_packers = threading.local()  # msgpack.packb builds a Packer per call; each thread keeps one
+
+
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)
 
 
 def unpack(data: bytes | memoryview) -> Any:
@@ -365,11 +391,12 @@ def tensor_meta(name: str, array: np.ndarray) -> dict[str, Any]:
     return {"name": name, "dtype": array.dtype.name, "shape": list(array.shape)}
 
 
-def tensor_frames(named: Sequence[tuple[str, np.ndarray]]) -> tuple[list[dict[str, Any]], list[Any]]:
+def tensor_frames(named: Iterable[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """Metadata and zero-copy frames; non-contiguous arrays are made contiguous once, here."""
     metas, frames = [], []
     for name, array in named:
-        array = np.asarray(array)
+        if type(array) is not np.ndarray:
+            array = np.asarray(array)
         dtype = _NAME_OF.get(array.dtype)
         if dtype is None:
             native = array.dtype.newbyteorder("<")
@@ -380,7 +407,7 @@ def tensor_frames(named: Sequence[tuple[str, np.ndarray]]) -> tuple[list[dict[st
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
         metas.append({"name": name, "dtype": dtype, "shape": list(array.shape)})
-        frames.append(memoryview(array.reshape(-1).view(np.uint8)) if array.size else b"")
+        frames.append(memoryview(array).cast("B") if array.size else b"")
     return metas, frames
 
 
@@ -418,7 +445,157 @@ def decode_tensors(metas: Any, frames: Sequence[Any], what: str) -> dict[str, np
 
 
 # ---------------------------------------------------------------------------------------------
+# The local lane: the same messages on a Unix stream socket, length-prefixed.
+#
+#     u32 n | u64 length[0] ... u64 length[n-1] | frame[0] ... frame[n-1]      (little-endian)
+#
+# frame[0] is the header, frame[1] the content, the rest the raw frames of the message.
+
+#: requests that may travel on the local lane; everything else goes over ZeroMQ.
+LANE_ACTIONS = frozenset(a for a, m in MESSAGES.items() if m.transport != "zmq")
+#: actions that never travel over ZeroMQ.
+LANE_ONLY = frozenset(a for a, m in MESSAGES.items() if m.transport == "lane")
+LANE_CHUNK = 1 << 16       # bytes asked of one recv; a larger message is read straight into its buffer
+_IOV_MAX = 512             # buffers per sendmsg call (the kernel takes at most 1024)
+_LANE_COUNT = struct.Struct("<I")
+_LANE_HEADS: dict[int, struct.Struct] = {}
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+def _lane_head(n: int) -> struct.Struct:
+    head = _LANE_HEADS.get(n)
+    if head is None:
+        head = _LANE_HEADS[n] = struct.Struct(f"<I{n}Q")
+    return head
+
+
+class LaneError(Exception):
+    """The lane's byte stream is broken (or a message is over the limits): the connection must
+    be closed. ``violation`` is the error to answer with when it can be; ``header`` the message's
+    packed header when it could be read (to answer with the request id)."""
+
+    def __init__(self, violation: ProtocolViolation | None, header: bytes | None = None) -> None:
+        super().__init__(violation.message if violation else "connection closed in the middle of a message")
+        self.violation = violation
+        self.header = header
+
+
+def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0) -> None:
+    """Send ``parts[start:]`` as one message: 1-D byte buffers (bytes, or memoryviews of uint8 as
+    :func:`tensor_frames` makes them), gathered by the kernel without copying."""
+    if start:
+        parts = parts[start:]
+    n = len(parts)
+    sizes = list(map(len, parts))
+    buffers = [_lane_head(n).pack(n, *sizes), *parts]
+    sent = 0
+    if n < _IOV_MAX:
+        sent = sock.sendmsg(buffers, (), _NOSIGNAL)
+        if sent == 4 + 8 * n + sum(sizes):
+            return
+    _send_rest(sock, buffers, sent)
+
+
+def _send_rest(sock: socket.socket, buffers: list[Any], sent: int) -> None:
+    """Finish a message after a partial (or no) ``sendmsg``."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if not views:
+            return
+        views[0] = views[0][sent:]
+        sent = sock.sendmsg(views[:_IOV_MAX], (), _NOSIGNAL)
+
+
+class LaneReader:
+    """Reads lane messages from a stream socket: each as a list of memoryviews (header,
+    content, raw frames). A small message costs one ``recv``; bytes of the next message that
+    came with it are kept for the next read. A message larger than :data:`LANE_CHUNK` is read
+    into a ``bytearray`` of its own, so its frames are writable."""
+
+    __slots__ = ("sock", "rest", "max_frames", "max_bytes")
+
+    def __init__(self, sock: socket.socket, max_frames: int = 1 << 20, max_bytes: int = 1 << 62) -> None:
+        self.sock = sock
+        self.rest: bytes = b""
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+
+    def read(self) -> list[memoryview] | None:
+        """The next message; None when the peer closed the connection between messages.
+        Raises :class:`LaneError` for a broken stream, ``OSError`` for a failed socket."""
+        data = self.rest
+        if len(data) < 4:
+            data = self._more(data, 4)
+            if data is None:
+                return None
+        (n,) = _LANE_COUNT.unpack_from(data)
+        if n < 2:
+            raise LaneError(ProtocolViolation("ProtocolError", f"a lane message has {n} frame(s); it needs "
+                                              "at least a header and a content frame"))
+        if n > self.max_frames:
+            raise LaneError(ProtocolViolation("MessageTooLarge", f"request of {n} frames exceeds max_frames "
+                                              f"{self.max_frames}", {"frames": n}))
+        head = 4 + 8 * n
+        if len(data) < head:
+            data = self._more(data, head)
+        sizes = _lane_head(n).unpack_from(data)[1:]
+        body = sum(sizes)
+        if body > self.max_bytes:
+            header = None
+            if sizes[0] <= LANE_CHUNK:
+                data = self._more(data, head + sizes[0])
+                header = bytes(data[head:head + sizes[0]])
+            raise LaneError(ProtocolViolation("MessageTooLarge", f"request of {n} frames and {body} bytes "
+                                              f"exceeds max_message_bytes {self.max_bytes}",
+                                              {"frames": n, "bytes": body}), header)
+        total = head + body
+        if len(data) < total:
+            data = self._fill(data, total)
+        if len(data) > total:
+            self.rest = data[total:]
+        else:
+            self.rest = b""
+        view = memoryview(data)
+        frames = []
+        at = head
+        for size in sizes:
+            frames.append(view[at:at + size])
+            at += size
+        return frames
+
+    def _more(self, data: Any, need: int) -> Any:
+        while len(data) < need:
+            chunk = self.sock.recv(max(LANE_CHUNK, need - len(data)))
+            if not chunk:
+                if not data:
+                    return None
+                raise LaneError(None)
+            data = data + chunk if data else chunk
+        return data
+
+    def _fill(self, data: Any, total: int) -> Any:
+        if total - len(data) <= LANE_CHUNK:
+            return self._more(data, total)
+        buf = bytearray(total)
+        at = len(data)
+        buf[:at] = data
+        view = memoryview(buf)
+        while at < total:
+            got = self.sock.recv_into(view[at:])
+            if not got:
+                raise LaneError(None)
+            at += got
+        return buf
+
+
+# ---------------------------------------------------------------------------------------------
 # Documentation.
+
+_TRANSPORT_NOTE = {"zmq": "", "both": " Travels over ZeroMQ or on the local lane.",
+                   "lane": " Travels on the local lane only."}
+
 
 def render_markdown() -> str:
     """The reference part of ``docs/protocol.md``: every message, its fields, every error type."""
@@ -426,7 +603,8 @@ def render_markdown() -> str:
              "Tensor dtypes: " + ", ".join(f"`{d}`" for d in DTYPES) + ".", ""]
     for m in MESSAGES.values():
         lines += [f"### `{m.action}`", "", m.doc + (" Control: answered while compute is busy."
-                                                   if m.control else ""), ""]
+                                                   if m.control else "")
+                  + _TRANSPORT_NOTE[m.transport], ""]
         for side, fields, frames in (("request", m.request, m.request_frames),
                                      ("reply", m.reply, m.reply_frames)):
             lines.append(f"`{m.action}_{side}` content:")

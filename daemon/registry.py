@@ -209,6 +209,11 @@ class Registry:
                 entry.last_used = time.monotonic()
             return held
 
+    def current(self, entry: ModelEntry, client: bytes) -> bool:
+        """True when ``entry`` is still the loaded model of its id and ``client`` holds it."""
+        with self._lock:
+            return self._models.get(entry.id) is entry and entry.refs.get(client, 0) > 0
+
     def holds(self, entry: ModelEntry, client: bytes) -> bool:
         with self._lock:
             return entry.refs.get(client, 0) > 0

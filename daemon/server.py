@@ -8,6 +8,12 @@ Clients that leave are found through the socket monitor: a disconnect names a fi
 descriptor; each message's source descriptor maps it to the clients that used it, and those
 are probed (a send with ROUTER_MANDATORY fails for a departed peer). What a departed client
 held is released and its queued jobs are dropped, counted as ``client_gone``.
+
+An ipc:// daemon also listens on a local lane (:mod:`vkpool.daemon.lane`): the I/O thread
+accepts its connections and gives each a thread of its own, which receives requests, answers
+the bad ones and hands the rest to :meth:`Service.handle` as the I/O thread does; replies to a
+lane request are written on the lane by whichever thread produces them. The bookkeeping shared
+with the ZeroMQ side (requests in progress, the replay window) is guarded by one lock.
 """
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from vkpool.daemon import protocol as P
-from vkpool.daemon.endpoint import EndpointError, EndpointLock, connection_cap, ipc_path, raise_fd_limit
+from vkpool.daemon.endpoint import (FD_RESERVE, EndpointError, EndpointLock, connection_cap, ipc_path, lane_fits,
+                                    lane_path, raise_fd_limit)
+from vkpool.daemon.lane import LaneConnection, LaneListener
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.scheduler import Job
 from vkpool.daemon.service import Service, _error
@@ -49,6 +57,7 @@ class Server:
         self.service = Service(engine, settings, self._reply_from_thread, self.stats)
         self.service.watch = self._watch  # type: ignore[method-assign]
         self.service.inline_allowed = self._nothing_waiting  # type: ignore[method-assign]
+        self.service.lane_offer = self._lane_offer  # type: ignore[method-assign]
         self._push_lock = threading.Lock()
         self._inbox_addr = f"inproc://vkpool-replies-{id(self)}"
         self._inbox = self.ctx.socket(zmq.PULL)
@@ -63,6 +72,11 @@ class Server:
         self._in_progress: set[tuple[bytes, str]] = set()
         self._replay: OrderedDict[tuple[bytes, str], list[Any]] = OrderedDict()
         self._replay_bytes = 0
+        self._book = threading.Lock()  # _in_progress, _replay and _lanes_closed: the I/O and lane threads
+        self._lane_routes: dict[tuple[bytes, str], LaneConnection] = {}  # lane requests in progress
+        self._lanes: set[LaneConnection] = set()
+        self._lanes_closed = False
+        self._lane_listener: LaneListener | None = None
         self._io_ident: int | None = None
         self._connections = 0
         self._lock: EndpointLock | None = None
@@ -70,8 +84,11 @@ class Server:
         self._drain_until: float | None = None
         self._drain_answered = False
         self.fd_limit = raise_fd_limit()
-        self.max_connections = connection_cap(settings.max_connections, self.fd_limit)
+        # lane connections hold a descriptor each: what they may use is kept from the ZeroMQ cap
+        self.max_lanes = min(settings.max_lane_connections, max(0, (self.fd_limit - FD_RESERVE) // 2))
+        self.max_connections = connection_cap(settings.max_connections, self.fd_limit - self.max_lanes)
         self._router = self._bind()
+        self._bind_lane()
 
     # -- sockets ------------------------------------------------------------------------------
     def _bind(self) -> zmq.Socket:
@@ -102,6 +119,23 @@ class Server:
                  self.max_connections)
         return router
 
+    def _bind_lane(self) -> None:
+        path = ipc_path(self.endpoint)
+        if path is None or self.max_lanes == 0:
+            return
+        if not lane_fits(path):
+            log.warning("no local lane: %s is too long for a Unix socket", lane_path(path))
+            return
+        try:
+            self._lane_listener = LaneListener(lane_path(path))
+        except OSError as exc:
+            log.warning("no local lane: cannot bind %s: %s", lane_path(path), exc)
+            return
+        log.info("local lane on %s (max %d connections)", self._lane_listener.path, self.max_lanes)
+
+    def _lane_offer(self, client: bytes) -> dict[str, Any] | None:
+        return None if self._lane_listener is None else self._lane_listener.offer(client)
+
     def _setup_curve(self, router: zmq.Socket) -> None:
         import zmq.auth
         from zmq.auth.thread import ThreadAuthenticator
@@ -124,6 +158,11 @@ class Server:
     # -- replies ------------------------------------------------------------------------------
     def _reply_from_thread(self, client: bytes, rid: str, action: str | None, status: str,
                            content: dict[str, Any], frames: list[Any]) -> None:
+        if self._lane_routes:
+            lane = self._lane_routes.pop((client, rid), None)
+            if lane is not None:
+                self._lane_reply(lane, (client, rid), action, status, content, frames)
+                return
         body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
                 P.pack(content), *frames]
         if threading.get_ident() == self._io_ident:
@@ -138,7 +177,8 @@ class Server:
 
     def _send_reply(self, client: bytes, rid: str, status: str, body: list[Any]) -> None:
         key = (client, rid)
-        self._in_progress.discard(key)
+        with self._book:
+            self._in_progress.discard(key)
         try:
             P.send_parts(self._router, [client, *body])
         except zmq.ZMQError as exc:
@@ -147,11 +187,13 @@ class Server:
             self.stats.count("client_gone")
             return
         self.stats.count(status)
-        self._remember(key, body)
+        with self._book:
+            self._remember(key, body)
 
     def _remember(self, key: tuple[bytes, str], frames: list[Any]) -> None:
-        """Keep the reply for a retry of the same request id, within a count and a byte bound."""
-        size = sum(len(f) for f in frames)
+        """Keep the reply for a retry of the same request id, within a count and a byte bound
+        (call with ``_book`` held)."""
+        size = sum(map(len, frames))
         if size > _REPLAY_BYTES // 16:
             header = {**P.unpack(_b(frames[1])), "status": "error"}
             frames = P.encode(header, {
@@ -204,13 +246,16 @@ class Server:
                                         {"frames": len(raw), "bytes": size})
             header = _peek_header(body)
             rid = header.get("id")
-            if isinstance(rid, str) and ((client, rid) in self._in_progress or (client, rid) in self._replay):
-                self.stats.count("retries")
-                replay = self._replay.get((client, rid))
-                if replay is not None:  # answered before: send the same reply again, run nothing
+            if isinstance(rid, str) and (replay := self._retried((client, rid))) is not None:
+                if replay:  # answered before: send the same reply again, run nothing
                     P.send_parts(self._router, [client, *replay])
                 return
-            header, content, frames = P.decode_request(body, header)
+            raw_content = _infer_content(header, body)
+            plan = None if raw_content is None else self.service.cached_plan(raw_content, client)
+            if plan is None:
+                header, content, frames = P.decode_request(body, header)
+                if P.action_of(header) in P.LANE_ONLY:
+                    raise ProtocolViolation("InvalidRequest", f"{header['type']} travels on the local lane only")
         except ProtocolViolation as exc:
             rid = header.get("id") if isinstance(header.get("id"), str) else None
             self.stats.count("accepted")
@@ -218,19 +263,210 @@ class Server:
             return
         self.stats.count("accepted")
         action = P.action_of(header)
-        self._in_progress.add((client, rid))
+        with self._book:
+            self._in_progress.add((client, rid))
         try:
-            if action == "shutdown":
+            if plan is not None:
+                self.service.infer_planned(client, rid, plan, body[2:], None)
+            elif action == "shutdown":
                 self._reply_from_thread(client, rid, action, "ok",
                                         {"draining": True, "in_flight": self.service.scheduler.in_flight()}, [])
                 self.request_stop()
             else:
-                self.service.handle(client, header, content, frames, self._connections)
+                self.service.handle(client, header, content, frames, self._connections, raw_content=raw_content)
         except ProtocolViolation as exc:
             self._error_now(client, rid, action, exc)
         except Exception as exc:
             log.exception("%s request %s failed", action, rid)
             self._error_now(client, rid, action, ProtocolViolation("InternalError", f"{type(exc).__name__}: {exc}"))
+
+    def _retried(self, key: tuple[bytes, str]) -> list[Any] | None:
+        """For a request id in progress or answered: the reply to send again ([] when none is to be
+        sent now, the request being still in progress); None for a new request id."""
+        with self._book:
+            if key in self._in_progress:
+                replay: list[Any] | None = []
+            else:
+                replay = self._replay.get(key)
+            if replay is not None:
+                self.stats.count("retries")
+            return replay
+
+    # -- the local lane -----------------------------------------------------------------------
+    def _accept_lanes(self) -> None:
+        listener = self._lane_listener
+        assert listener is not None
+        while (sock := listener.accept()) is not None:
+            conn = LaneConnection(sock)
+            if len(self._lanes) >= self.max_lanes:  # refused at once, without a thread
+                self._lane_error(conn, b"", {}, ProtocolViolation(
+                    "TooManyConnections", f"the daemon has {len(self._lanes)} local lane connections "
+                    f"(max_lane_connections {self.max_lanes}); use ZeroMQ"))
+                conn.close()
+                continue
+            self._lanes.add(conn)
+            self.stats.lanes = len(self._lanes)
+            conn.thread = threading.Thread(target=self._lane_loop, args=(conn,), daemon=True,
+                                           name=f"vkpool-lane-{sock.fileno()}")
+            conn.thread.start()
+
+    def _lane_loop(self, conn: LaneConnection) -> None:
+        """The thread of one lane connection: ``open_lane``, then requests until end of file."""
+        reader = P.LaneReader(conn.sock, self.settings.max_frames, self.settings.max_message_bytes)
+        try:
+            first = reader.read()
+            if first is None or not self._open_lane(conn, first):
+                return
+            while (parts := reader.read()) is not None:
+                try:
+                    self._on_lane_request(conn, parts, not reader.rest)
+                except Exception:  # never let one message take the lane down
+                    log.exception("unexpected failure handling a lane message; dropped")
+                    self.stats.count("dropped")
+        except P.LaneError as exc:
+            self._lane_broken(conn, exc)
+        except OSError:
+            pass  # reset by the client, or shut down at stop
+        except Exception:
+            log.exception("unexpected failure on a local lane; closing it")
+            self.stats.count("dropped")
+        finally:
+            self._lane_closed(conn)
+
+    def _open_lane(self, conn: LaneConnection, parts: list[Any]) -> bool:
+        """Bind the connection to its ZeroMQ client; False (answered, to be closed) when refused."""
+        header: dict[str, Any] = {}
+        try:
+            header = _peek_header(parts)
+            header, content, _ = P.decode_request(parts, header)
+            if P.action_of(header) != "open_lane":
+                raise ProtocolViolation("InvalidRequest", f"the first message on a local lane must be "
+                                        f"open_lane_request, not {header['type']}")
+            try:
+                client = bytes.fromhex(content["client"])
+            except ValueError:
+                client = b""
+            assert self._lane_listener is not None
+            if not client or not self._lane_listener.check(client, content["token"]):
+                raise ProtocolViolation("InvalidRequest", "open_lane: the token is not the one this daemon "
+                                        "gave this client in its hello reply")
+        except ProtocolViolation as exc:
+            self._lane_error(conn, b"", header, exc)
+            return False
+        conn.client = client
+        self.stats.count("accepted")
+        self._lane_reply(conn, None, "open_lane", "ok", {}, [])
+        return True
+
+    def _on_lane_request(self, conn: LaneConnection, parts: list[Any], idle: bool) -> None:
+        """One request on a lane (the lane's thread). ``idle``: nothing more has arrived on the
+        connection, so a short job may run right here."""
+        client = conn.client
+        assert client is not None
+        header: dict[str, Any] = {}
+        try:
+            header = _peek_header(parts)
+            rid = header.get("id")
+            raw_content = _infer_content(header, parts)
+            plan = None if raw_content is None else self.service.cached_plan(raw_content, client)
+            if plan is None:
+                if isinstance(rid, str) and (replay := self._retried((client, rid))) is not None:
+                    if replay:
+                        conn.send(replay)
+                    return
+                header, content, frames = P.decode_request(parts, header)
+                action = P.action_of(header)
+                if action not in P.LANE_ACTIONS or action in P.LANE_ONLY:
+                    raise ProtocolViolation("InvalidRequest", f"{header['type']} does not travel on the local "
+                                            "lane; send it over ZeroMQ")
+        except ProtocolViolation as exc:
+            self._lane_error(conn, client, header, exc)
+            return
+        key = (client, rid)
+        replay = None
+        with self._book:
+            retried = plan is not None and (key in self._in_progress or key in self._replay)
+            accepted = not retried and not self._lanes_closed
+            if retried:  # on the fast path the retry check is made here, with the acceptance
+                self.stats.count("retries")
+                replay = self._replay.get(key)
+            elif accepted:
+                self._in_progress.add(key)
+                self._lane_routes[key] = conn
+                self.stats.count("accepted")
+        if not accepted:
+            if replay:
+                conn.send(replay)
+            elif not retried:  # the daemon is stopping: not accepted, and the lane closes
+                conn.shutdown()
+            return
+        try:
+            if plan is not None:
+                self.service.infer_planned(client, rid, plan, parts[2:], idle)
+            else:
+                self.service.handle(client, header, content, frames, inline=idle, raw_content=raw_content)
+        except ProtocolViolation as exc:
+            self._reply_from_thread(client, rid, action if plan is None else "infer", "error", _error(exc), [])
+        except Exception as exc:
+            log.exception("lane request %s failed", rid)
+            self._reply_from_thread(client, rid, action if plan is None else "infer", "error",
+                                    _error(ProtocolViolation("InternalError", f"{type(exc).__name__}: {exc}")), [])
+
+    def _lane_error(self, conn: LaneConnection, client: bytes, header: dict[str, Any],
+                    violation: ProtocolViolation) -> None:
+        """Answer a request refused before it was accepted."""
+        rid = header.get("id") if isinstance(header.get("id"), str) else None
+        with self._book:
+            if self._lanes_closed:
+                conn.shutdown()
+                return
+            self.stats.count("accepted")
+        self._lane_reply(conn, (client, rid or ""), P.action_of(header), "error", _error(violation), [])
+
+    def _lane_broken(self, conn: LaneConnection, exc: P.LaneError) -> None:
+        """The stream cannot be read on: answer when the error can be, then the lane closes."""
+        if exc.violation is None:
+            log.info("a local lane closed in the middle of a message")
+            self.stats.count("dropped")
+            return
+        header: dict[str, Any] = {}
+        if exc.header is not None:
+            try:
+                header = _peek_header([exc.header])
+            except ProtocolViolation:
+                pass
+        log.info("closing a local lane: %s", exc.violation.message)
+        self._lane_error(conn, conn.client or b"", header, exc.violation)
+
+    def _lane_reply(self, conn: LaneConnection, key: tuple[bytes, str] | None, action: str | None, status: str,
+                    content: dict[str, Any], frames: list[Any]) -> None:
+        """Write a reply on a lane. Counted before it is written (a client reading its reply sees
+        the counters balance); the request stays in progress until it is written, so a stop waits
+        for it. ``key`` None: not remembered for retries (``open_lane``)."""
+        rid = None if key is None else key[1]
+        body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
+                P.pack(content), *frames]
+        self.stats.count(status)
+        sent = conn.send(body)
+        if not sent:
+            self.stats.count(status, -1)
+            self.stats.count("client_gone")
+        if key is not None:
+            with self._book:
+                self._in_progress.discard(key)
+                if sent:
+                    self._remember(key, body)
+
+    def _lane_closed(self, conn: LaneConnection) -> None:
+        """A lane connection ended: its queued jobs are dropped (``client_gone``); the replies of
+        its running jobs will find it closed."""
+        conn.close()
+        self._lanes.discard(conn)
+        self.stats.lanes = len(self._lanes)
+        mine = {key for key, lane in self._lane_routes.copy().items() if lane is conn}
+        if mine:
+            for job in self.service.scheduler.drop_queued(lambda j: (j.client, j.request_id) in mine):
+                job.fail("Cancelled", "client left")  # the write fails and counts client_gone
 
     def _nothing_waiting(self) -> bool:
         """True when no further request is waiting on the socket (a short job may then run here)."""
@@ -301,10 +537,16 @@ class Server:
         poller = zmq.Poller()
         for sock in (router, inbox, monitor):
             poller.register(sock, zmq.POLLIN)
+        lane_fd = -1
+        if self._lane_listener is not None:
+            lane_fd = self._lane_listener.fileno()
+            poller.register(lane_fd, zmq.POLLIN)
         last_sweep = 0.0
         try:
             while True:
                 ready = [sock for sock, _ in poller.poll(_TICK_S * 1000)]
+                if lane_fd in ready:
+                    self._accept_lanes()
                 if monitor in ready:
                     while monitor.poll(0):
                         self._on_monitor()
@@ -346,12 +588,16 @@ class Server:
         pending = self.service.scheduler.pending(lambda j: True)
         # a worker takes its job out of the scheduler just before handing its reply over, so
         # only an empty set of unanswered requests says that every reply has been sent
-        if not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0):
-            return True
+        with self._book:  # and from here on, a lane accepts nothing more
+            if not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0):
+                self._lanes_closed = True
+                return True
         if now >= self._drain_until:
             if self._drain_answered:
-                log.warning("stopping with %d request(s) unanswered %.0f s after the drain deadline",
-                            len(self._in_progress), _REPLY_GRACE_S)
+                with self._book:
+                    self._lanes_closed = True
+                    log.warning("stopping with %d request(s) unanswered %.0f s after the drain deadline",
+                                len(self._in_progress), _REPLY_GRACE_S)
                 return True
             self.service.scheduler.drop_queued(lambda j: True)
             for job in pending:
@@ -363,6 +609,16 @@ class Server:
     def _shutdown(self) -> None:
         while self._inbox.get(zmq.EVENTS) & zmq.POLLIN:  # flush replies handed over by workers
             self._send_handed_over(self._inbox.recv_multipart(copy=False))
+        with self._book:
+            self._lanes_closed = True
+        if self._lane_listener is not None:
+            self._lane_listener.close()
+        lanes = list(self._lanes)
+        for conn in lanes:
+            conn.shutdown()
+        for conn in lanes:
+            if conn.thread is not None:
+                conn.thread.join(1.0)
         self.service.close()
         self.close_sockets(self._router)
         if self._lock is not None:
@@ -385,8 +641,18 @@ def _source_fd(frame: zmq.Frame) -> int:
         return -1
 
 
-def _b(frame: Any) -> bytes:
-    return frame if isinstance(frame, bytes) else frame.bytes
+def _b(frame: Any) -> bytes | memoryview:
+    return frame if isinstance(frame, (bytes, memoryview)) else frame.bytes
+
+
+def _infer_content(header: dict[str, Any], body: list[Any]) -> bytes | None:
+    """The packed content of what looks like a well-formed infer request (the key of its cached
+    plan); None for anything else."""
+    if (header.get("type") == "infer_request" and header.get("v") == P.PROTOCOL_VERSION
+            and type(header.get("id")) is str and header["id"] and len(body) >= 2):
+        content = body[1]
+        return content if type(content) is bytes else bytes(_b(content))
+    return None
 
 
 def _peek_header(body: list[Any]) -> dict[str, Any]:

@@ -24,6 +24,40 @@ from vkpool.daemon.stats import Stats
 log = logging.getLogger("vkpool.daemon")
 
 Reply = Callable[[bytes, str, str, str, dict[str, Any], list[Any]], None]
+_PLANS_MAX = 256  # remembered infer contents; the cache is emptied when it is full
+
+
+class InferPlan:
+    """An ``infer`` content checked against the model it names, once: its fields, its tensor
+    descriptions, the model's inputs and outputs. A later request with the same content bytes
+    (a client running one model on same-shaped inputs sends the same bytes each time) only has
+    its frames checked (:meth:`feeds`)."""
+
+    __slots__ = ("entry", "inputs", "metas", "outputs", "priority", "timeout")
+
+    def __init__(self, entry: ModelEntry, feeds: dict[str, np.ndarray], content: dict[str, Any],
+                 outputs: list[str] | None, timeout: float | None) -> None:
+        self.entry = entry
+        self.inputs = [(name, a.dtype, a.shape, a.nbytes) for name, a in feeds.items()]
+        self.metas = content["inputs"]
+        self.outputs = outputs
+        self.priority = int(content.get("priority") or 0)
+        self.timeout = timeout
+
+    def feeds(self, frames: list[Any]) -> dict[str, np.ndarray]:
+        """Read-only arrays over the frames; raises the same InvalidTensor as a first request would."""
+        inputs = self.inputs
+        if len(frames) == len(inputs):
+            feeds = {}
+            for (name, dtype, shape, nbytes), frame in zip(inputs, frames):
+                buffer = frame if type(frame) is memoryview or type(frame) is bytes else P._buffer(frame)
+                if len(buffer) != nbytes:
+                    break
+                feeds[name] = np.frombuffer(buffer, dtype).reshape(shape)
+            else:
+                return feeds
+        P.decode_tensors(self.metas, frames, "inputs")  # raises, naming the problem
+        raise ProtocolViolation("InvalidTensor", "the frames do not match the tensor descriptions")
 
 
 class Service:
@@ -40,18 +74,23 @@ class Service:
         self._admin_thread = threading.Thread(target=self._admin_loop, name="vkpool-admin", daemon=True)
         self._admin_thread.start()
         self.draining = False
+        self._plans: dict[bytes, InferPlan] = {}
 
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, client: bytes, header: dict[str, Any], content: dict[str, Any], frames: list[Any],
-               connections: int = 0) -> None:
-        """Answer (now or later) one decoded request; raises ProtocolViolation for a bad one."""
+               connections: int = 0, inline: bool | None = None, raw_content: bytes | None = None) -> None:
+        """Answer (now or later) one decoded request; raises ProtocolViolation for a bad one.
+        ``inline``: whether a short job may run on the calling thread (None: ask
+        :meth:`inline_allowed`). ``raw_content``: the packed content of an ``infer``, under which
+        its checked plan is remembered (see :meth:`cached_plan`)."""
         action = P.action_of(header)
         assert action is not None
         rid = header["id"]
         if action == "infer":
             if self.draining:
                 raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
-            self._infer(client, rid, content, frames)
+            plan, feeds = self._plan_infer(client, content, frames, raw_content)
+            self._infer(client, rid, plan, feeds, inline)
         elif action in ("hello", "devices", "list_models", "status", "cancel"):
             if frames:
                 raise ProtocolViolation("InvalidRequest", f"{action}_request takes no raw frames, got {len(frames)}")
@@ -99,7 +138,8 @@ class Service:
 
         return {"server_version": __version__, "protocol_version": P.PROTOCOL_VERSION, "pid": os.getpid(),
                 "limits": {"max_message_bytes": self.settings.max_message_bytes,
-                           "max_frames": self.settings.max_frames, "queue_limit": self.settings.queue_limit}}
+                           "max_frames": self.settings.max_frames, "queue_limit": self.settings.queue_limit},
+                "local_lane": None if self.draining else self.lane_offer(client)}
 
     def _devices(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         return {"members": self.engine.members()}
@@ -135,8 +175,9 @@ class Service:
                                     "send load_model first", {"model": model_id})
         return entry
 
-    def _infer(self, client: bytes, rid: str, content: dict[str, Any], frames: list[Any]) -> None:
-        accepted = time.monotonic()
+    def _plan_infer(self, client: bytes, content: dict[str, Any], frames: list[Any], raw_content: bytes | None
+                    ) -> tuple[InferPlan, dict[str, np.ndarray]]:
+        """Check an infer request in full; its plan (remembered under ``raw_content``) and feeds."""
         entry = self._model_for(client, content["model"])
         feeds = P.decode_tensors(content["inputs"], frames, "inputs")
         _check_feeds(entry, feeds)
@@ -151,12 +192,39 @@ class Service:
             timeout = self.settings.job_timeout
         elif timeout <= 0:
             raise ProtocolViolation("InvalidRequest", f"timeout must be positive, got {timeout}")
-        deadline = None if timeout is None else accepted + timeout
-        if (entry.run_s is not None and entry.run_s <= self.settings.inline_run_max
-                and self.inline_allowed() and self._run_inline(client, rid, entry, outputs, feeds, accepted, deadline)):
+        plan = InferPlan(entry, feeds, content, outputs, timeout)
+        if raw_content is not None:
+            if len(self._plans) >= _PLANS_MAX:
+                self._plans.clear()
+            self._plans[raw_content] = plan
+        return plan, feeds
+
+    def cached_plan(self, raw_content: bytes, client: bytes) -> InferPlan | None:
+        """The plan of an infer content seen before, when its model is still loaded and held by
+        ``client``; None otherwise (the request then takes the full path, errors included)."""
+        plan = self._plans.get(raw_content)
+        if plan is not None and self.registry.current(plan.entry, client):
+            return plan
+        return None
+
+    def infer_planned(self, client: bytes, rid: str, plan: InferPlan, frames: list[Any], inline: bool | None) -> None:
+        """:meth:`handle` for an infer whose content has a cached plan."""
+        if self.draining:
+            raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
+        self._infer(client, rid, plan, plan.feeds(frames), inline)
+
+    def _infer(self, client: bytes, rid: str, plan: InferPlan, feeds: dict[str, np.ndarray],
+               inline: bool | None) -> None:
+        accepted = time.monotonic()
+        entry, outputs = plan.entry, plan.outputs
+        deadline = None if plan.timeout is None else accepted + plan.timeout
+        run_s = entry.run_s
+        if (run_s is not None and run_s <= self.settings.inline_run_max
+                and (self.inline_allowed() if inline is None else inline)
+                and self._run_inline(client, rid, entry, outputs, feeds, accepted, deadline)):
             return
         job = Job(client=client, request_id=rid, model_id=entry.id, feeds=feeds, outputs=outputs,
-                  priority=int(content.get("priority") or 0), finish_cb=self._job_finished,
+                  priority=plan.priority, finish_cb=self._job_finished,
                   deadline=deadline, accepted_at=accepted)
         try:
             self.scheduler.submit(job)
@@ -172,10 +240,15 @@ class Service:
         """Overridden by the server: True when nothing else waits for the I/O thread."""
         return False
 
+    def lane_offer(self, client: bytes) -> dict[str, Any] | None:
+        """Overridden by the server: ``hello``'s ``local_lane`` for this client."""
+        return None
+
     def _run_inline(self, client: bytes, rid: str, entry: ModelEntry, outputs: list[str] | None,
                     feeds: dict[str, np.ndarray], accepted: float, deadline: float | None) -> bool:
-        """Run a short job on the calling (I/O) thread when its model is idle: no queue, no thread
-        hop. False when it must be queued instead (the model is busy or being re-planned)."""
+        """Run a short job on the calling thread (the I/O thread, or a lane's) when its model is
+        idle: no queue, no thread hop. False when it must be queued instead (the model is busy or
+        being re-planned)."""
         queue = self.scheduler.claim_idle(entry.id)
         if queue is None:
             return False
@@ -205,7 +278,7 @@ class Service:
         try:
             results = entry.session.run(names, feeds)
             finished = time.monotonic()
-            metas, frames = P.tensor_frames(list(zip(names, (np.asarray(r) for r in results))))
+            metas, frames = P.tensor_frames(zip(names, results))
         except Exception as exc:
             entry.last_used = time.monotonic()
             violation = classify(exc)
@@ -214,7 +287,7 @@ class Service:
         entry.last_used = finished
         run_s = finished - started
         entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
-        return "ok", {"outputs": metas, "queue_s": round(queued_s, 6), "run_s": round(run_s, 6)}, frames
+        return "ok", {"outputs": metas, "queue_s": queued_s, "run_s": run_s}, frames
 
     def _run_job(self, job: Job) -> None:
         entry = self.registry.get(job.model_id)

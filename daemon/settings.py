@@ -27,6 +27,7 @@ class CurveSettings:
 class DaemonSettings:
     endpoint: str | None = None          # None: ipc:// socket in the user's runtime directory
     max_connections: int = 4096          # clients beyond this get TooManyConnections
+    max_lane_connections: int = 256      # local lane connections (a thread each); 0 = offer no lane
     queue_limit: int = 256               # queued jobs per model before Busy
     max_queued_jobs: int = 4096          # queued jobs over all models before Busy
     max_message_bytes: int = 256 << 20   # total size of one request
@@ -88,6 +89,12 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _non_negative_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
 def _size(value: Any) -> int:
     from vkpool.units import parse_size
 
@@ -145,6 +152,7 @@ def _curve(value: Any) -> CurveSettings | None:
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "endpoint": _endpoint,
     "max_connections": _positive_int,
+    "max_lane_connections": _non_negative_int,
     "queue_limit": _positive_int,
     "max_queued_jobs": _positive_int,
     "max_message_bytes": _size,

@@ -21,6 +21,7 @@ class Stats:
         self.dropped = 0        # frames that could not be answered (no routing frame)
         self.busy = 0
         self.retries = 0        # repeated request ids, answered from the replay window
+        self.lanes = 0          # local lane connections open
         self._latencies: deque[float] = deque(maxlen=self.LATENCY_WINDOW)
         self._finished_at: deque[float] = deque()
 
@@ -47,7 +48,7 @@ class Stats:
                         "client_gone": self.client_gone,
                         "in_flight": self.accepted - self.ok - self.error - self.client_gone,
                         "dropped": self.dropped, "busy": self.busy, "retries": self.retries,
-                        "connections": connections}
+                        "connections": connections, "lanes": self.lanes}
             rate = len(self._finished_at) / span if span > 0 else 0.0
 
         def pct(p: float) -> float:

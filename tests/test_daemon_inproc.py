@@ -49,7 +49,7 @@ def test_every_request_gets_a_reply_with_every_documented_field(inproc: InprocDa
         replies["status"] = client.request("status")[0]
         replies["unload_model"] = client.request("unload_model", {"model": model["id"]})[0]
         replies["shutdown"] = client.request("shutdown")[0]
-    assert set(replies) == set(P.MESSAGES)
+    assert set(replies) == set(P.MESSAGES) - P.LANE_ONLY  # open_lane: tests/test_daemon_lane.py
     for action, reply in replies.items():
         P.validate(P.MESSAGES[action].reply, reply, action)
         assert set(reply) == {f.name for f in P.MESSAGES[action].reply}, action
