@@ -1,15 +1,18 @@
 """What the daemon costs: latency through it against in-process, and jobs/s with many clients.
 
-    python -m vkpool.daemon.bench [MODEL ...] [--runs 2000] [--seconds 5] [--clients 1 4 16] [--out FILE.json]
+    python -m vkpool.daemon.bench [MODEL ...] [--runs 2000] [--seconds 5] [--clients 1 4 16]
+                                  [--transport zmq|lane|both] [--out FILE.json]
 
 MODEL is an ONNX file or a workload name of ``bench/workloads.py`` (run from the repository root
 for those; default: ``mnist12_like add_chain_1``). The bench starts its own daemon on a temporary
 ipc socket with the same config as the in-process sessions (``--config``, else the default), so
-both run on the same member. Latency is measured by one client thread in rounds that alternate
-in-process and daemon runs, so that a change of machine load hits both alike; *added* is the
-daemon's median minus the in-process median. Throughput counts the jobs that N client processes,
-started together, complete in ``--seconds``. The markdown table goes to stdout; ``--out`` also
-writes the figures as JSON (and the table beside it, as ``.md``).
+both run on the same member. Jobs reach the daemon over ZeroMQ (``zmq``), on the local lane
+(``lane``), or both (the default), each through a client of its own. Latency is measured by one
+client thread in rounds that alternate in-process and daemon runs, so that a change of machine
+load hits all alike; *added* is a transport's median minus the in-process median. Throughput
+counts the jobs that N client processes, started together, complete in ``--seconds``. The
+markdown table goes to stdout; ``--out`` also writes the figures as JSON (and the table beside
+it, as ``.md``).
 """
 from __future__ import annotations
 
@@ -28,13 +31,16 @@ from typing import Any, Callable
 import numpy as np
 
 DEFAULT_MODELS = ("mnist12_like", "add_chain_1")
+TRANSPORTS = ("zmq", "lane")
 _ROUNDS = 10
 
 _CLIENT = """
 import sys, time, numpy as np
 from vkpool.daemon.client import Client
-endpoint, model, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-with Client(endpoint) as client:
+endpoint, model, seconds, lane = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "lane"
+with Client(endpoint, local_lane=lane) as client:
+    if client.local_lane != lane:
+        raise SystemExit("the daemon offers no local lane")
     session = client.session(model)
     rng = np.random.default_rng(0)
     feeds = {i.name: rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(i.dtype)
@@ -95,9 +101,9 @@ def interleaved_latency(runs: dict[str, Callable[[], Any]], total: int, warmup: 
     return times
 
 
-def throughput(endpoint: str, model: Path, clients: int, seconds: float) -> float:
-    """Jobs per second completed by ``clients`` processes running together."""
-    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoint, str(model), str(seconds)],
+def throughput(endpoint: str, model: Path, clients: int, seconds: float, transport: str = "zmq") -> float:
+    """Jobs per second completed by ``clients`` processes running together over ``transport``."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoint, str(model), str(seconds), transport],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(clients)]
     try:
         for p in procs:
@@ -128,14 +134,14 @@ class BenchDaemon:
                "serve", "--endpoint", self.endpoint]
         self.proc = subprocess.Popen(cmd, stderr=self.log)
 
-    def client(self) -> Any:
+    def client(self, local_lane: bool | None = None) -> Any:
         from vkpool.daemon.client import Client
         from vkpool.daemon.errors import DaemonUnavailable
 
         deadline = time.monotonic() + 60
         while True:
             try:
-                return Client(self.endpoint, hello_timeout=2)
+                return Client(self.endpoint, hello_timeout=2, local_lane=local_lane)
             except DaemonUnavailable:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.log.flush()
@@ -151,30 +157,40 @@ class BenchDaemon:
 
 
 def measure(models: list[Path], *, config: str | None, runs: int, seconds: float,
-            clients: list[int]) -> dict[str, Any]:
+            clients: list[int], transports: tuple[str, ...] = TRANSPORTS) -> dict[str, Any]:
+    """Per model: the in-process latency, each transport's latency and added time, and jobs/s."""
+    from contextlib import ExitStack
+
     from vkpool.session import Session
 
     daemon = BenchDaemon(config)
     results: dict[str, Any] = {}
     try:
-        with daemon.client() as client:
-            names = {m["id"]: m.get("name", "") for m in client.devices()}
+        with ExitStack() as stack:
+            via = {t: stack.enter_context(daemon.client(local_lane=t == "lane")) for t in transports}
+            if "lane" in via and not via["lane"].local_lane:
+                raise RuntimeError("the bench daemon offers no local lane")
+            names = {m["id"]: m.get("name", "") for m in next(iter(via.values())).devices()}
             for path in models:
                 with Session(str(path), config=config) as local:
                     feeds = feeds_for(local.get_inputs())
-                    remote = client.session(path)
-                    times = interleaved_latency({"in_process": lambda: local.run(None, feeds),
-                                                 "daemon": lambda: remote.run(None, feeds)}, runs)
+                    remote = {t: client.session(path) for t, client in via.items()}
+                    runners = {"in_process": lambda: local.run(None, feeds)}
+                    for t, session in remote.items():
+                        runners[t] = lambda session=session: session.run(None, feeds)
+                    times = interleaved_latency(runners, runs)
                     member = local.member.id
-                    remote.close()
-                entry: dict[str, Any] = {"member": member, "device": names.get(member, ""),
-                                         "in_process": summary_us(times["in_process"]),
-                                         "daemon": summary_us(times["daemon"])}
-                entry["added_us"] = round(entry["daemon"]["median_us"] - entry["in_process"]["median_us"], 1)
-                entry["jobs_per_s"] = {str(n): round(throughput(daemon.endpoint, path, n, seconds), 1)
-                                       for n in clients}
+                    for session in remote.values():
+                        session.close()
+                base = summary_us(times["in_process"])
+                entry: dict[str, Any] = {"member": member, "device": names.get(member, ""), "in_process": base}
+                for t in transports:
+                    entry[t] = summary_us(times[t])
+                entry["added_us"] = {t: round(entry[t]["median_us"] - base["median_us"], 1) for t in transports}
+                entry["jobs_per_s"] = {t: {str(n): round(throughput(daemon.endpoint, path, n, seconds, t), 1)
+                                           for n in clients} for t in transports}
                 results[path.stem] = entry
-                print(f"{path.stem}: added {entry['added_us']} us at the median; jobs/s {entry['jobs_per_s']}",
+                print(f"{path.stem}: added at the median (us) {entry['added_us']}; jobs/s {entry['jobs_per_s']}",
                       file=sys.stderr)
     finally:
         daemon.stop()
@@ -191,24 +207,35 @@ def environment() -> dict[str, Any]:
             "system": f"{platform.system()} {platform.release()}"}
 
 
+_NAMES = {"zmq": "ZeroMQ", "lane": "local lane"}
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     env = report["environment"]
+    transports = report["transports"]
+    cells = "".join(f" {_NAMES[t]} median / p05 / p95 (µs) | added, {_NAMES[t]} (µs) |" for t in transports)
     lines = [f"`{report['command']}`", "",
              f"vkpool {env['vkpool']}, Python {env['python']}, pyzmq {env['pyzmq']} (libzmq {env['libzmq']}), "
              f"{env['cpus']} CPUs; {report['runs']} runs per latency, {report['seconds']:g} s per throughput "
              "figure.", "",
-             "| model | device | in-process median / p05 / p95 (µs) | daemon median / p05 / p95 (µs) | added (µs) |",
-             "|---|---|---|---|---|"]
+             "| model | device | in-process median / p05 / p95 (µs) |" + cells,
+             "|---|---|---|" + "---|---|" * len(transports)]
     for name, r in report["models"].items():
-        a, d = r["in_process"], r["daemon"]
+        a = r["in_process"]
         device = f"{r['member']} ({r['device']})" if r["device"] else r["member"]
-        lines.append(f"| {name} | {device} | {a['median_us']:.0f} / {a['p05_us']:.0f} / {a['p95_us']:.0f} | "
-                     f"{d['median_us']:.0f} / {d['p05_us']:.0f} / {d['p95_us']:.0f} | {r['added_us']:.0f} |")
+        row = f"| {name} | {device} | {a['median_us']:.0f} / {a['p05_us']:.0f} / {a['p95_us']:.0f} |"
+        for t in transports:
+            d = r[t]
+            row += f" {d['median_us']:.0f} / {d['p05_us']:.0f} / {d['p95_us']:.0f} | {r['added_us'][t]:.0f} |"
+        lines.append(row)
     counts = report["clients"]
-    lines += ["", "| model | " + " | ".join(f"jobs/s, {n} client{'s' if n > 1 else ''}" for n in counts) + " |",
-              "|---|" + "---|" * len(counts)]
+    lines += ["", "| model | transport | " + " | ".join(f"jobs/s, {n} client{'s' if n > 1 else ''}"
+                                                      for n in counts) + " |",
+              "|---|---|" + "---|" * len(counts)]
     for name, r in report["models"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{r['jobs_per_s'][str(n)]:.0f}" for n in counts) + " |")
+        for t in transports:
+            lines.append(f"| {name} | {_NAMES[t]} | " + " | ".join(f"{r['jobs_per_s'][t][str(n)]:.0f}"
+                                                                  for n in counts) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -221,17 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=2000, help="latency samples per path and model")
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput figure")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="client process counts")
+    parser.add_argument("--transport", choices=[*TRANSPORTS, "both"], default="both",
+                        help="how jobs reach the daemon: ZeroMQ, the local lane, or both (default)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON (and the table as .md)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="vkpool-bench-"))
     try:
         models = [resolve_model(m, work) for m in args.models]
-        figures = measure(models, config=args.config, runs=args.runs, seconds=args.seconds, clients=args.clients)
+        transports = TRANSPORTS if args.transport == "both" else (args.transport,)
+        figures = measure(models, config=args.config, runs=args.runs, seconds=args.seconds, clients=args.clients,
+                          transports=transports)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     command = "python -m vkpool.daemon.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"command": command.strip(), "environment": environment(), "runs": args.runs,
-              "seconds": args.seconds, "clients": args.clients, "models": figures}
+              "seconds": args.seconds, "clients": args.clients, "transports": list(transports), "models": figures}
     table = to_markdown(report)
     sys.stdout.write(table)
     if args.out is not None:
