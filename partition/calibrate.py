@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
-from vkpool.partition.cost import MemberCost, host_calibration_key, save_calibration
+if TYPE_CHECKING:
+    import onnx
+
+    from vkpool.partition.cost import MemberCost
+
+# onnx, statistics and the cost model are imported where they are used: `vkpool run` builds the
+# parser that registers `vkpool calibrate`, and must not pay for them
 
 OPSET = 17
 _MIN_SECONDS = 1e-9  # a difference of medians at or below zero is noise: floor it, and say so
@@ -73,6 +76,8 @@ FULL = Sizes(tiny_layers=(4, 64), stream_elems=1 << 24, stream_layers=(2, 10), g
 
 def _model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto],
            initializers: list[onnx.TensorProto], name: str) -> bytes:
+    from onnx import helper
+
     graph = helper.make_graph(nodes, name, inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 8
@@ -81,6 +86,8 @@ def _model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outpu
 
 def add_chain_model(elems: int, layers: int) -> bytes:
     """``x + c`` applied ``layers`` times to a float vector of ``elems`` (one shared constant)."""
+    from onnx import TensorProto, helper, numpy_helper
+
     c = numpy_helper.from_array(np.full(elems, 1e-3, np.float32), "c")
     names = ["x"] + [f"a{k}" for k in range(layers)]
     nodes = [helper.make_node("Add", [names[k], "c"], [names[k + 1]]) for k in range(layers)]
@@ -91,6 +98,8 @@ def add_chain_model(elems: int, layers: int) -> bytes:
 
 def matmul_chain_model(dim: int, layers: int, seed: int = 0) -> bytes:
     """``x @ W`` applied ``layers`` times, ``x`` and ``W`` square ``dim × dim``."""
+    from onnx import TensorProto, helper, numpy_helper
+
     rng = np.random.default_rng(seed)
     w = numpy_helper.from_array((rng.standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32), "w")
     names = ["x"] + [f"m{k}" for k in range(layers)]
@@ -102,6 +111,8 @@ def matmul_chain_model(dim: int, layers: int, seed: int = 0) -> bytes:
 
 def upload_model(elems: int) -> bytes:
     """The first element of a float vector of ``elems``: the run moves ``elems`` floats in, 1 out."""
+    from onnx import TensorProto, helper, numpy_helper
+
     consts = [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (("s", 0), ("e", 1))]
     nodes = [helper.make_node("Slice", ["x", "s", "e"], ["y"])]
     return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elems])],
@@ -111,6 +122,8 @@ def upload_model(elems: int) -> bytes:
 def download_model(elems: int, *, read_back: bool) -> bytes:
     """One float expanded to ``elems``; with ``read_back`` that vector is the output, else only
     its first element is (a ``Slice`` more): the two differ by the read-back of ``elems`` floats."""
+    from onnx import TensorProto, helper, numpy_helper
+
     consts = [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (("shape", elems), ("s", 0), ("e", 1))]
     nodes = [helper.make_node("Expand", ["x", "shape"], ["y"])]
     out = "y"
@@ -144,6 +157,8 @@ class Timer:
         self.repeat = repeat
 
     def median_s(self, model: bytes) -> float:
+        import statistics
+
         from vkpool.session import Session
 
         session = Session(model, pool=self.pool, device=self.member_id)
@@ -183,6 +198,8 @@ class Timer:
 
 def measure(pool: Any, member_id: str, sizes: Sizes, out: TextIO | None = None) -> MemberCost:
     """Measures one member; prints each figure as it comes (to ``out``, default stdout)."""
+    from vkpool.partition.cost import MemberCost
+
     out = out or sys.stdout
     timer = Timer(pool, member_id, sizes.repeat)
     noisy: list[str] = []
@@ -270,6 +287,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from vkpool.partition.cost import host_calibration_key, save_calibration
     from vkpool.pool import DevicePool
 
     sizes = QUICK if args.quick else FULL

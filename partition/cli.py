@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vkpool.partition.cost import Member, load_device_spec, pool_member_cost
+if TYPE_CHECKING:
+    from vkpool.partition.cost import Member
 
+# the cost model is imported by the commands: `vkpool run` builds this parser too
 FORMATS = ("text", "json", "dot", "svg")
 
 
@@ -42,6 +44,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from vkpool.partition.api import plan_model
+    from vkpool.partition.cost import load_device_spec
     from vkpool.partition.graph import build_graph
     from vkpool.partition.render import render
 
@@ -109,6 +112,7 @@ def apply_budgets(members: list[Member], overrides: list[str]) -> list[Member]:
 def pool_members() -> list[Member]:
     """This machine's pool members, priced by their cached calibration (``vkpool calibrate``; else the
     kind's default)."""
+    from vkpool.partition.cost import Member, pool_member_cost
     from vkpool.pool import DevicePool
 
     pool = DevicePool.from_config(None)

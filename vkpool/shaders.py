@@ -10,7 +10,6 @@ import hashlib
 import os
 import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 import threading
@@ -68,6 +67,8 @@ def glslang_version() -> str:
         return memo.read_text()
     except OSError:
         pass
+    import subprocess  # only when a shader is compiled: a start with every SPIR-V cached runs nothing
+
     lib = str(binary.parent.parent / "lib")
     env = dict(os.environ, LD_LIBRARY_PATH=lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
     out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False, env=env)
@@ -115,6 +116,8 @@ def spirv(shader: str, defines: Mapping[str, Any] | None = None) -> bytes:
 
 
 def _compile(shader: str, defs: list[tuple[str, str]]) -> bytes:
+    import subprocess
+
     src = _shader_dir() / f"{shader}.comp"
     if not src.exists():
         raise ShaderCompileError(f"no shader named {shader!r} in {_shader_dir()}")
