@@ -4,18 +4,26 @@ The schema is documented in ``docs/config.md``. Unknown keys, duplicate keys, ma
 negative sizes and zero splits are refused here; what needs the devices (a selector that
 matches nothing, a budget above the heap) is refused when the pool is built, still naming
 the file and line.
+
+Importing ``yaml`` costs 10 to 20 ms, a good part of a short-lived process's start, so the
+values a config's YAML stands for and the line of each key are kept as JSON in
+``$VKPOOL_CACHE_DIR/config``, by a hash of the text (and of this file's size and mtime): a
+process whose config has not changed reads that instead of importing yaml. The checks above run
+on those values every time, so an error reads the same either way.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from vkpool.units import parse_size
+
+if TYPE_CHECKING:
+    import yaml
 
 SELECTOR_KEYS = ("index", "name", "vendor", "type", "uuid")
 DEVICE_TYPES = ("discrete", "integrated", "virtual", "cpu", "other")
@@ -73,7 +81,7 @@ class Config:
 
 
 def default_config_text() -> str:
-    return resources.files("vkpool.config").joinpath("default.yaml").read_text()
+    return Path(__file__).with_name("default.yaml").read_text()
 
 
 def load_config(path: str | os.PathLike | None = None) -> Config:
@@ -92,13 +100,7 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
 
 def parse_config(text: str, source: str = "<config>") -> Config:
     where = Where(source)
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{source}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    data = _to_python(root, "", where) if root is not None else {}
+    data = _values(text, where)
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a mapping with keys devices, host, daemon")
     _only(data, ("devices", "host", "daemon"), "", where)
@@ -197,8 +199,74 @@ def _check_size(value: Any, key: str, where: Where, *, allow_percent: bool) -> N
         raise where.error(key, str(exc)) from None
 
 
+# -- YAML, and the cache of what it stands for --------------------------------------------------
+
+
+def _values(text: str, where: Where) -> Any:
+    """The Python values of the YAML ``text``, each key's line recorded in ``where``; from the
+    cache when this text was parsed before, else parsed and, when JSON holds them exactly,
+    cached."""
+    entry = _cache_entry(text)
+    if entry is not None:
+        try:
+            cached = json.loads(entry.read_text())
+            lines = cached["lines"]
+            if isinstance(lines, dict) and all(type(v) is int for v in lines.values()):
+                where.lines.update(lines)
+                return cached["data"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # missing or damaged: parse again, and write it anew
+    data = _parse_yaml(text, where)
+    if entry is not None:
+        try:
+            encoded = json.dumps({"data": data, "lines": where.lines})
+            if _same(json.loads(encoded)["data"], data):  # a date, a set or an int key would not be
+                from vkpool.cache import write_atomic
+
+                write_atomic(entry, encoded.encode())
+        except (OSError, ValueError, TypeError):
+            pass
+    return data
+
+
+def _cache_entry(text: str) -> Path | None:
+    try:
+        from vkpool.cache import cache_dir
+
+        st = os.stat(__file__)
+        key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}\n{text}".encode()).hexdigest()[:32]
+        return cache_dir("config") / f"{key}.json"
+    except OSError:
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, and of the same types all the way down (``1 == 1.0 == True`` is not enough)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _parse_yaml(text: str, where: Where) -> Any:
+    import yaml
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{where.path}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    return _to_python(root, "", where) if root is not None else {}
+
+
 def _to_python(node: yaml.Node, path: str, where: Where) -> Any:
     """Builds Python values from YAML nodes, recording each key's line, refusing duplicates."""
+    import yaml
+
     where.lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}

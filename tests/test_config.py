@@ -1,6 +1,7 @@
 """Config loading: every kind of bad config is refused with file, line and key, never a traceback."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -103,3 +104,52 @@ def test_config_cost_overrides_the_planner_speeds_of_its_members():
     finally:
         pool.close()
     assert DEFAULT_COSTS["vulkan"].flops_per_s != 1.5e12  # the override, not the default, was read
+
+
+# -- the cache of parsed configs ------------------------------------------------------------------
+
+
+def _config_entries(folder):
+    return sorted((folder / "config").glob("*.json")) if (folder / "config").exists() else []
+
+
+def test_parsed_config_is_cached_and_reads_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path))
+    first = parse_config(GOOD, "good.yaml")
+    [entry] = _config_entries(tmp_path)
+    again = parse_config(GOOD, "other.yaml")
+    assert (again.devices, again.host, again.daemon) == (first.devices, first.host, first.daemon)
+    assert again.where.lines == first.where.lines and again.path == "other.yaml"
+    # an error found on the cached values names the same line as on freshly parsed ones
+    bad = "devices:\n  - match: {index: 0}\n    split: 2\n    budget: [1MiB, 2MiB, 3MiB]\n"
+    messages = []
+    for _ in range(2):
+        with pytest.raises(ConfigError) as err:
+            parse_config(bad, "bad.yaml")
+        messages.append(str(err.value))
+    assert len(_config_entries(tmp_path)) == 2
+    assert messages[0] == messages[1] and messages[0].startswith("bad.yaml:4: devices[0].budget:")
+    # a damaged entry is parsed again and rewritten
+    entry.write_text("{not json")
+    assert parse_config(GOOD, "good.yaml").devices == first.devices
+    assert entry.read_text().startswith("{\"data\"")
+
+
+def test_config_values_json_cannot_hold_are_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path))
+    text = "daemon:\n  since: 2024-01-02\n  1: one\n"
+    for _ in range(2):
+        cfg = parse_config(text, "odd.yaml")
+        assert set(cfg.daemon) == {"since", 1} and type(cfg.daemon["since"]).__name__ == "date"
+    assert _config_entries(tmp_path) == []
+
+
+def test_unchanged_config_does_not_import_yaml(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(GOOD)
+    script = ("import sys; from vkpool.config.loader import load_config; load_config(sys.argv[1]); "
+              "print('yaml' in sys.modules)")
+    env = {**os.environ, "VKPOOL_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", script, str(config)], capture_output=True, text=True,
+                           timeout=120, env=env, check=True).stdout.strip() for _ in range(2)]
+    assert runs == ["True", "False"]
