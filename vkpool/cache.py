@@ -1,8 +1,10 @@
-"""Where vkpool keeps what it can rebuild: SPIR-V, pipeline caches, calibration."""
+"""Where vkpool keeps what it can rebuild: SPIR-V, pipeline caches, calibration, loaded models."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Any, Iterable
 
 
 def cache_dir(*parts: str) -> Path:
@@ -18,8 +20,16 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Writes ``data`` so that a concurrent reader sees the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def write_atomic(path: Path, data: bytes | Iterable[Any]) -> None:
+    """Writes ``data`` (bytes, or buffers written one after the other) so that a concurrent
+    reader sees the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -19,7 +19,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-from onnx import helper
 
 _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
 _TENSOR_DIMS, _TENSOR_DATA_TYPE, _TENSOR_RAW_DATA = 1, 2, 9
@@ -106,6 +105,8 @@ def _in_place(buf: mmap.mmap, start: int, end: int) -> tuple[np.ndarray, bytes] 
             raw = (tag_start, pos, value_end)
     if raw is None or raw[2] - raw[1] < MIN_IN_PLACE_BYTES:
         return None
+    from onnx import helper  # only a load from the file gets here, and it parses with onnx next
+
     try:
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(data_type))
     except (KeyError, ValueError, TypeError):
@@ -158,18 +159,28 @@ def read(path: Path) -> tuple[bytes, dict[int, np.ndarray]]:
     return b"".join(out), weights
 
 
-def release(array: np.ndarray) -> None:
-    """Drops the resident pages of a weight read in place (after its upload): they are clean
-    file pages, read again from the file should the weight be needed once more. Does nothing
-    for an array that is not a view of a mapped file."""
+def mapped(array: np.ndarray) -> tuple[mmap.mmap, int] | None:
+    """The memory map ``array`` is a view of and the byte offset of its first element in it, or
+    None for an array that is not a view of a mapped file."""
     base = array
     while isinstance(base, np.ndarray):
         base = base.base
     if isinstance(base, memoryview):
         base = base.obj
-    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
-        return
+    if not isinstance(base, mmap.mmap):
+        return None
     start = array.__array_interface__["data"][0] - np.frombuffer(base, np.uint8).__array_interface__["data"][0]
+    return base, start
+
+
+def release(array: np.ndarray) -> None:
+    """Drops the resident pages of a weight read in place (after its upload): they are clean
+    file pages, read again from the file should the weight be needed once more. Does nothing
+    for an array that is not a view of a mapped file."""
+    found = mapped(array)
+    if found is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    base, start = found
     first = start - start % mmap.PAGESIZE
     last = min(len(base), start + array.nbytes)
     if last > first:

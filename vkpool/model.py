@@ -16,6 +16,9 @@
 
 Folding evaluates one node at a time with ``onnx.reference.ReferenceEvaluator``; it runs once at
 load, so its speed matters little next to never doing that work per inference.
+
+What a load from a file gives is cached on disk (:mod:`vkpool.model_cache`): loading the same
+file again with the same arguments reads the entry and imports neither onnx nor protobuf.
 """
 from __future__ import annotations
 
@@ -25,14 +28,19 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
 from vkpool import inline_weights
 from vkpool.kernels.base import TensorInfo
+
+if TYPE_CHECKING:
+    import onnx
+
+# ``onnx`` is imported by the functions that parse, check, infer and fold, never at import: a
+# model found in the loaded-model cache (:mod:`vkpool.model_cache`) needs none of them, and
+# importing onnx is the largest single cost of a process's start.
 
 
 class ModelError(ValueError):
@@ -84,20 +92,62 @@ def load_model(
     dims: dict[str, int] | None = None,
     fuse: bool = True,
     partial: bool = False,
+    cache: bool = True,
 ) -> LoadedModel:
     """Loads, checks, binds and folds an ONNX model; see the module docstring. With ``fuse``
     (the default), biases and Relus are folded into the products before them
     (:mod:`vkpool.fusion`). With ``partial``, a tensor of unknown shape is listed in
-    ``unresolved`` instead of failing the load (an output needs its dtype and rank known)."""
+    ``unresolved`` instead of failing the load (an output needs its dtype and rank known).
+
+    A model loaded from a path is looked up in, and else written to, the loaded-model cache
+    (:mod:`vkpool.model_cache`); ``cache=False`` or ``VKPOOL_NO_MODEL_CACHE=1`` skip it."""
     if batch < 1:
         raise ModelError(f"batch must be at least 1, got {batch}")
+    dims = dict(dims or {})
+    trace = LoadTrace()
+    if not cache or not isinstance(src, (str, os.PathLike)):
+        return _load(src, batch, dims, fuse, partial, trace)
+    from vkpool import model_cache
+
+    if not model_cache.enabled():
+        return _load(src, batch, dims, fuse, partial, trace)
+    args = model_cache.LoadArgs(batch, tuple(sorted((str(k), int(v)) for k, v in dims.items())), fuse, partial)
+    found = model_cache.load(src, args)
+    if found is not None:
+        return found
+    before = model_cache.file_stat(src)
+    model = _load(src, batch, dims, fuse, partial, trace)
+    if before is not None:
+        model_cache.store(src, args, model, trace, before)
+    return model
+
+
+@dataclass
+class LoadTrace:
+    """What a load from a file read besides the file, for :mod:`vkpool.model_cache`."""
+
+    #: memory maps constants may be views of, by ``id``: the map and the external data location
+    #: it is of, as the model names it (None: the model file itself)
+    maps: dict[int, tuple[mmap.mmap, str | None]] = field(default_factory=dict)
+    #: every external data file read, by location: its (size, mtime_ns, inode) when opened, None
+    #: if that differed from one opening to the next
+    external: dict[str, tuple[int, int, int] | None] = field(default_factory=dict)
+
+
+def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dims: dict[str, int],
+          fuse: bool, partial: bool, trace: LoadTrace) -> LoadedModel:
+    """The load itself, without the cache; ``trace`` gets the files it read."""
     proto, base_dir, in_place = _parse(src)
+    for array in in_place.values():
+        found = inline_weights.mapped(array)
+        if found is not None:
+            trace.maps[id(found[0])] = (found[0], None)
     # external paths are vetted (and every weight read) before the checker sees the graph
-    constants = _take_initializers(proto, base_dir, in_place)
+    constants = _take_initializers(proto, base_dir, in_place, trace)
     _check(_weightless(proto, constants))
     opset = _onnx_opset(proto)
     graph = proto.graph
-    bound = _bind_dims(graph, batch, dict(dims or {}))
+    bound = _bind_dims(graph, batch, dims)
 
     nodes = list(graph.node)
     input_names = [i.name for i in graph.input if i.name not in constants]
@@ -157,6 +207,8 @@ def _parse(src: str | os.PathLike[str] | bytes | onnx.ModelProto
            ) -> tuple[onnx.ModelProto, Path | None, dict[int, np.ndarray]]:
     """Returns the proto without external data loaded, the folder external data may come from,
     and, for a file, its large inline weights read in place (by initializer index)."""
+    import onnx
+
     in_place: dict[int, np.ndarray] = {}
     if isinstance(src, onnx.ModelProto):
         proto, base_dir = _copy_for_loading(src), None
@@ -184,12 +236,16 @@ def _parse(src: str | os.PathLike[str] | bytes | onnx.ModelProto
 def _copy_for_loading(src: onnx.ModelProto) -> onnx.ModelProto:
     """A copy the loader may rewrite, sharing nothing with ``src``; weights are copied once here
     and then moved out of the copy, so the caller's proto is never modified."""
+    import onnx
+
     out = onnx.ModelProto()
     out.CopyFrom(src)
     return out
 
 
 def _from_bytes(data: bytes, what: str) -> onnx.ModelProto:
+    import onnx
+
     try:
         proto = onnx.load_model_from_string(data)
     except Exception as exc:  # protobuf raises DecodeError, or RuntimeWarning-like errors
@@ -201,6 +257,8 @@ def _from_bytes(data: bytes, what: str) -> onnx.ModelProto:
 
 
 def _external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    import onnx
+
     return [
         t for t in onnx.external_data_helper._get_all_tensors(proto)
         if t.HasField("data_location") and t.data_location == onnx.TensorProto.EXTERNAL
@@ -212,6 +270,9 @@ def _weightless(proto: onnx.ModelProto, constants: dict[str, np.ndarray]) -> onn
     graph inputs. The checker serialises what it checks; a 1 GiB weight would be copied twice
     more for a check that, for its bytes, only compares their size with the shape, which
     reading them into arrays has done already."""
+    import onnx
+    from onnx import numpy_helper
+
     out = onnx.ModelProto()
     out.CopyFrom(proto)  # holds no weights: they were taken out
     declared = {i.name for i in out.graph.input}
@@ -224,6 +285,8 @@ def _weightless(proto: onnx.ModelProto, constants: dict[str, np.ndarray]) -> onn
 
 
 def _check(proto: onnx.ModelProto) -> None:
+    import onnx
+
     try:
         onnx.checker.check_model(proto, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
@@ -246,28 +309,41 @@ def _safe_external_path(base_dir: Path, location: str, tensor: str) -> Path:
     return resolved
 
 
-def _read_external(tensor: onnx.TensorProto, base_dir: Path, dtype: np.dtype) -> np.ndarray:
+def open_external(base_dir: Path, location: str, tensor: str) -> tuple[int, os.stat_result, Path]:
+    """An open descriptor of an external data file, its stat and its path, after the checks:
+    inside ``base_dir``, no link, a regular file with one hard link."""
+    path = _safe_external_path(base_dir, location, tensor)
+    try:
+        # O_NOFOLLOW: the resolved path has no link left; one appearing now is refused
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ModelError(f"tensor {tensor!r}: cannot open external data {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelError(f"tensor {tensor!r}: external data {path} is not a regular file")
+        if st.st_nlink > 1:
+            # a hardlink may share its inode with a file anywhere on the volume
+            raise ModelError(f"tensor {tensor!r}: external data {path} has {st.st_nlink} hard links; refused")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st, path
+
+
+def _read_external(tensor: onnx.TensorProto, base_dir: Path, dtype: np.dtype, trace: LoadTrace) -> np.ndarray:
     info = {e.key: e.value for e in tensor.external_data}
-    path = _safe_external_path(base_dir, info.get("location", ""), tensor.name)
+    location = info.get("location", "")
     offset = int(info.get("offset", 0) or 0)
     count = int(np.prod(tensor.dims, dtype=np.int64))
     nbytes = count * dtype.itemsize
     if "length" in info and int(info["length"]) != nbytes:
         raise ModelError(f"tensor {tensor.name!r}: external length {info['length']} != {nbytes} bytes")
+    fd, st, path = open_external(base_dir, location, tensor.name)
+    stat_key = (st.st_size, st.st_mtime_ns, st.st_ino)
+    if trace.external.setdefault(location, stat_key) != stat_key:
+        trace.external[location] = None
     try:
-        # O_NOFOLLOW: the resolved path has no link left; one appearing now is refused
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        raise ModelError(f"tensor {tensor.name!r}: cannot open external data {path}: {exc.strerror}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ModelError(f"tensor {tensor.name!r}: external data {path} is not a regular file")
-        if st.st_nlink > 1:
-            # a hardlink may share its inode with a file anywhere on the volume
-            raise ModelError(
-                f"tensor {tensor.name!r}: external data {path} has {st.st_nlink} hard links; refused"
-            )
         if offset < 0 or offset + nbytes > st.st_size:
             raise ModelError(
                 f"tensor {tensor.name!r}: external data {path} has {st.st_size} bytes, "
@@ -279,16 +355,20 @@ def _read_external(tensor: onnx.TensorProto, base_dir: Path, dtype: np.dtype) ->
         mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
+    trace.maps[id(mapped)] = (mapped, location)
     return np.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(tuple(tensor.dims))
 
 
-def _tensor_to_array(tensor: onnx.TensorProto, base_dir: Path | None) -> np.ndarray:
+def _tensor_to_array(tensor: onnx.TensorProto, base_dir: Path | None, trace: LoadTrace) -> np.ndarray:
+    import onnx
+    from onnx import helper, numpy_helper
+
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
-    simple = dtype.kind in "biufc" and tensor.data_type not in _PACKED_TYPES and sys.byteorder == "little"
+    simple = dtype.kind in "biufc" and tensor.data_type not in _packed_types() and sys.byteorder == "little"
     if tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL:
         if not simple or base_dir is None:
             raise ModelError(f"tensor {tensor.name!r}: external data of this dtype is not supported")
-        return _read_external(tensor, base_dir, dtype)
+        return _read_external(tensor, base_dir, dtype, trace)
     if simple and tensor.HasField("raw_data"):
         raw = tensor.raw_data
         tensor.ClearField("raw_data")  # the proto's copy goes; the array keeps the only one
@@ -296,14 +376,16 @@ def _tensor_to_array(tensor: onnx.TensorProto, base_dir: Path | None) -> np.ndar
     return numpy_helper.to_array(tensor)
 
 
-_PACKED_TYPES = frozenset(
-    getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
-    if hasattr(onnx.TensorProto, n)
-)
+def _packed_types() -> frozenset[int]:
+    """ONNX types of less than a byte per element, packed two or four to a byte."""
+    from onnx import TensorProto
+
+    return frozenset(getattr(TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+                     if hasattr(TensorProto, n))
 
 
-def _take_initializers(proto: onnx.ModelProto, base_dir: Path | None,
-                       in_place: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
+def _take_initializers(proto: onnx.ModelProto, base_dir: Path | None, in_place: dict[int, np.ndarray],
+                       trace: LoadTrace) -> dict[str, np.ndarray]:
     """Moves initializers out of the proto into arrays (the proto keeps only their names);
     ``in_place`` holds those already read from the file, by index."""
     graph = proto.graph
@@ -313,7 +395,7 @@ def _take_initializers(proto: onnx.ModelProto, base_dir: Path | None,
             constants[init.name] = in_place[index]
             continue
         try:
-            constants[init.name] = _tensor_to_array(init, base_dir)
+            constants[init.name] = _tensor_to_array(init, base_dir, trace)
         except ValueError as exc:  # the data's size does not match the declared shape
             raise ModelError(f"initializer {init.name!r} of shape {list(init.dims)}: {exc}") from exc
     for sparse in graph.sparse_initializer:
@@ -324,6 +406,8 @@ def _take_initializers(proto: onnx.ModelProto, base_dir: Path | None,
 
 
 def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    from onnx import numpy_helper
+
     values = numpy_helper.to_array(sparse.values)
     indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
     shape = tuple(sparse.dims)
@@ -383,6 +467,8 @@ def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int]) -> dict
 
 
 def _value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
+    from onnx import helper
+
     return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(info.dtype), info.shape)
 
 
@@ -396,6 +482,9 @@ def _infer(
 ) -> dict[str, TensorInfo]:
     """Static infos of every tensor the inference can reach, for the current (folded) nodes;
     ``ranked`` gets those of known dtype and rank only, with -1 for each unknown dim."""
+    import onnx
+    from onnx import helper, numpy_helper
+
     src = proto.graph
     needed = {t for n in nodes for t in n.input} | {o.name for o in src.output}
     inputs = [i for i in src.input if i.name not in constants]
@@ -432,6 +521,9 @@ def _infer(
 
 
 def _static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
+    import onnx
+    from onnx import helper
+
     if not value.type.HasField("tensor_type"):
         return None
     ttype = value.type.tensor_type
@@ -444,6 +536,9 @@ def _static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
 
 
 def _ranked_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
+    import onnx
+    from onnx import helper
+
     ttype = value.type.tensor_type if value.type.HasField("tensor_type") else None
     if ttype is None or ttype.elem_type == onnx.TensorProto.UNDEFINED or not ttype.HasField("shape"):
         return None
@@ -482,6 +577,8 @@ def _fold_node(
     infos: dict[str, TensorInfo],
     proto: onnx.ModelProto,
 ) -> list[np.ndarray] | None:
+    import onnx
+
     if node.domain not in ("", "ai.onnx") or node.op_type in NONDETERMINISTIC:
         return None
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -508,6 +605,8 @@ def _fold_node(
 
 
 def _shape_or_size(node: onnx.NodeProto, info: TensorInfo) -> np.ndarray:
+    from onnx import helper
+
     if node.op_type == "Size":
         return np.array(info.size, dtype=np.int64)
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -522,6 +621,7 @@ def evaluate_node(node: onnx.NodeProto, constants: dict[str, np.ndarray], opset_
                   ir_version: int | None = None, functions: Any = ()) -> list[Any]:
     """The outputs of ``node`` on the values in ``constants``, by onnx's ReferenceEvaluator (None
     for an omitted optional output); raises whatever the evaluator raises."""
+    from onnx import helper
     from onnx.reference import ReferenceEvaluator  # imported on first fold: it is slow to import
 
     names = list(dict.fromkeys(t for t in node.input if t))
@@ -538,6 +638,9 @@ def evaluate_node(node: onnx.NodeProto, constants: dict[str, np.ndarray], opset_
 
 
 def _to_node(node: onnx.NodeProto) -> Node:
+    import onnx
+    from onnx import helper, numpy_helper
+
     attrs: dict[str, Any] = {}
     for attr in node.attribute:
         value = helper.get_attribute_value(attr)
