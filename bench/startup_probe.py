@@ -2,11 +2,14 @@
 
 Two views, both of fresh processes:
 
-1. ``vkpool run MODEL`` itself, run ``--runs`` times in a row (the first may compile pipelines; the
-   later ones find them in the disk cache): wall time and peak RSS of each process.
+1. ``vkpool run MODEL`` itself, run ``--runs`` times in a row (the first may compile pipelines and
+   load the model from its file; the later ones find both in the disk caches): wall time and
+   peak RSS of each process, and the median of all but the first.
 2. The same steps in one process with a checkpoint after each (imports, Vulkan instance and
    physical devices, the pool's logical devices, model load and compile, first run): time since
-   the previous checkpoint, resident memory (VmRSS) and peak (VmHWM).
+   the previous checkpoint, resident memory (VmRSS) and peak (VmHWM); the load of the model is
+   also timed on its own, and the heavy packages the process imported are listed (a warm start
+   imports neither ``onnx`` nor ``networkx``).
 
     python -m bench.startup_probe MODEL.onnx [--device vk0] [--runs 3]
 """
@@ -15,9 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+
+#: packages a plain `vkpool run` of a cached model needs none of
+HEAVY = ("onnx", "networkx", "yaml", "onnxruntime", "torch")
 
 
 def _status_kib(key: str) -> int:
@@ -28,9 +35,9 @@ def _status_kib(key: str) -> int:
     return 0
 
 
-def staged(model: str, device: str | None) -> list[dict[str, float | str]]:
+def staged(model: str, device: str | None) -> list[dict[str, float | str | None]]:
     """Runs the steps of ``vkpool run`` with a checkpoint after each (call in a fresh process)."""
-    rows: list[dict[str, float | str]] = []
+    rows: list[dict[str, float | str | None]] = []
     last = time.perf_counter()
 
     def mark(step: str) -> None:
@@ -41,18 +48,27 @@ def staged(model: str, device: str | None) -> list[dict[str, float | str]]:
         last = now
 
     mark("interpreter")
-    import numpy  # noqa: F401
+    __import__("numpy")
 
     mark("import numpy")
-    import onnx  # noqa: F401
-
-    mark("import onnx")
-    import vulkan  # noqa: F401
+    __import__("vulkan")  # the cffi binding, before vkpool imports it
 
     mark("import vulkan (cffi)")
+    import vkpool.session
     from vkpool.session import Session
 
     mark("import vkpool.session")
+    load_s: list[float] = []
+    load_model = vkpool.session.load_model
+
+    def timed_load(*args: object, **kwargs: object) -> object:
+        t = time.perf_counter()
+        try:
+            return load_model(*args, **kwargs)
+        finally:
+            load_s.append(time.perf_counter() - t)
+
+    vkpool.session.load_model = timed_load  # type: ignore[assignment]
     from vkpool.discovery import discover
 
     infos = discover()
@@ -63,6 +79,7 @@ def staged(model: str, device: str | None) -> list[dict[str, float | str]]:
     mark("pool: logical devices")
     sess = Session(model, device=device, pool=pool)
     mark(f"load + compile on {sess.member.id}")
+    rows.append({"step": "  of which load_model", "ms": sum(load_s) * 1e3, "rss_mib": None, "peak_mib": None})
     from vkpool.cli import _load_feeds
 
     feeds = _load_feeds([], sess.get_inputs(), 0)
@@ -71,6 +88,9 @@ def staged(model: str, device: str | None) -> list[dict[str, float | str]]:
     sess.close()
     pool.close()
     mark("close")
+    heavy = sorted(m for m in sys.modules if m in HEAVY)
+    rows.append({"step": f"imported: {', '.join(heavy) or 'none of ' + ', '.join(HEAVY)}", "ms": None,
+                 "rss_mib": None, "peak_mib": None})
     return rows
 
 
@@ -110,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"`vkpool run {args.model}`, fresh processes:")
     for i, r in enumerate(runs, 1):
         print(f"  run {i}: {r['wall_s']:.3f} s wall, peak RSS {r['peak_rss_mib']:.0f} MiB")
+    if len(runs) > 1:
+        later = "run 2" if len(runs) == 2 else f"runs 2-{len(runs)}"
+        print(f"  {later}: median {statistics.median(r['wall_s'] for r in runs[1:]):.3f} s")
     print("\nthe same steps in one process:")
     print(f"  {'step':<40} {'ms':>9} {'RSS MiB':>9} {'peak MiB':>9}")
     for s in steps:
-        print(f"  {s['step']:<40} {s['ms']:>9.1f} {s['rss_mib']:>9.1f} {s['peak_mib']:>9.1f}")
+        cells = "".join(f" {'' if v is None else f'{v:.1f}':>9}" for v in (s["ms"], s["rss_mib"], s["peak_mib"]))
+        print(f"  {s['step']:<40}{cells}".rstrip())
     return 0
 
 
