@@ -49,8 +49,16 @@ def ml_finfo(dtype: np.dtype) -> Any:
     return ml_dtypes.finfo(dtype)
 
 
+# TensorProto.DataType numbers of numpy's own types (fixed by the ONNX spec): a model loaded from
+# the model cache runs its Casts without importing onnx; the narrow types still ask onnx
+_NUMPY_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
+                9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
+
+
 def _onnx_dtype(to: int) -> np.dtype:
-    from onnx import helper  # the loader has imported onnx already; keep it off this module's import
+    if to in _NUMPY_TYPES:
+        return np.dtype(_NUMPY_TYPES[to])
+    from onnx import helper  # imported only for the narrow types
 
     try:
         return np.dtype(helper.tensor_dtype_to_np_dtype(int(to)))
