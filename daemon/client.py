@@ -32,7 +32,7 @@ import zmq
 from vkpool.daemon import protocol as P
 from vkpool.daemon.endpoint import default_endpoint, ipc_path
 from vkpool.daemon.errors import DaemonUnavailable, from_reply
-from vkpool.daemon.lane import CLIENT_MAX_LANES, ClientLane, LaneRefused, lane_wanted
+from vkpool.daemon.lane import CLIENT_MAX_LANES, POLL_MAX_S, ClientLane, LaneRefused, Poller, lane_wanted
 
 HELLO_TIMEOUT_S = 5.0
 _POLL_SLICE_MS = 100  # how often a waiting thread looks at the clock and at close()
@@ -165,6 +165,7 @@ class Client:
         self._lanes: set[ClientLane] = set()
         self._lanes_max = CLIENT_MAX_LANES
         self._lane_lock = threading.Lock()
+        self._lane_poller = Poller(POLL_MAX_S)
         self._packed: dict[tuple[Any, ...], bytes] = {}  # infer contents for the lane, see _lane_infer
         self._outbox_addr = f"inproc://vkpool-client-{id(self)}-{uuid.uuid4().hex[:8]}"
         self._outbox_pull = self._ctx.socket(zmq.PULL)
@@ -347,7 +348,7 @@ class Client:
             if offer is None or len(self._lanes) >= self._lanes_max or self._closed.is_set():
                 return None
             try:
-                lane = ClientLane(offer, self._routing_id, self._lane_timeout)
+                lane = ClientLane(offer, self._routing_id, self._lane_timeout, self._lane_poller)
             except LaneRefused:
                 self._lanes_max = len(self._lanes)  # the daemon is at its cap: no more from this client
                 return None
@@ -409,8 +410,7 @@ class Client:
     def _lane_request(self, action: str, packed_content: bytes, frames: Sequence[Any],
                       timeout: float | None) -> tuple[dict[str, Any], dict[str, Any], list[Any]] | None:
         """One request on the local lane: the raw reply, or None when it must go over ZeroMQ
-        instead (no lane to be had, the request is over the daemon's limits, or the lane was
-        closed before the request went out)."""
+        instead (no lane to be had, or the request is over the daemon's limits)."""
         if len(frames) + 2 > self._max_frames:
             return None
         lane = self._take_lane()
@@ -423,11 +423,13 @@ class Client:
             return None
         try:
             lane.send(parts)
-        except OSError:
-            # the daemon closed the lane (it stopped, or restarted): nothing was accepted
+        except OSError as exc:
+            # the daemon closed the lane, as it does when it stops: nothing was accepted. Later
+            # requests go over ZeroMQ (a daemon started again offers a lane to new clients).
             self._drop_lane(lane)
             self._lane_offer = None
-            return None
+            raise DaemonUnavailable(f"the daemon at {self.endpoint} closed the local lane ({exc}); it is "
+                                    "stopping or was restarted") from None
         wait = timeout if timeout is not None else self.timeout
         try:
             reply = lane.receive(wait)

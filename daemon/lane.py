@@ -22,6 +22,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,38 @@ SEND_TIMEOUT_S = 10.0
 #: at once); further threads use ZeroMQ.
 CLIENT_MAX_LANES = 8
 _OFF = {"0", "false", "no", "off"}
+#: a client thread polls for its reply for up to twice the lane's usual reply time before it
+#: sleeps in recv, when that time is under this (and no other thread of the client is polling);
+#: 0 = never poll. ``$VKPOOL_LANE_POLL_US`` sets it in microseconds.
+POLL_MAX_S = float(os.environ.get("VKPOOL_LANE_POLL_US", "200")) * 1e-6
+
+
+class Poller:
+    """Polling for a lane message (:meth:`vkpool.daemon.protocol.LaneReader.poll`) for up to twice
+    the usual wait, when that is under ``max_s``, by one thread at a time: a busy CPU per process,
+    and no threads taking the GIL from each other while they poll."""
+
+    __slots__ = ("max_s", "_token")
+
+    def __init__(self, max_s: float) -> None:
+        self.max_s = max_s
+        self._token = threading.Lock()
+
+    def wait(self, reader: P.LaneReader, usual_s: float, since: float) -> None:
+        """Poll until ``since + 2 * usual_s`` (a ``time.perf_counter`` value) when worth it."""
+        if usual_s < self.max_s and not reader.rest and self._token.acquire(False):
+            try:
+                reader.poll(since + 2.0 * usual_s - time.perf_counter())
+            finally:
+                self._token.release()
+
+
+def _timeval(seconds: float | None) -> bytes:
+    """A ``struct timeval`` for SO_RCVTIMEO/SO_SNDTIMEO; None = no limit."""
+    if seconds is None:
+        return struct.pack("ll", 0, 0)
+    whole = int(seconds)
+    return struct.pack("ll", whole, max(1 if whole == 0 else 0, int((seconds - whole) * 1e6)))
 
 
 def lane_wanted(flag: bool | None) -> bool:
@@ -86,9 +119,7 @@ class LaneListener:
         except (BlockingIOError, InterruptedError):
             return None
         conn.setblocking(True)
-        seconds = int(SEND_TIMEOUT_S)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", seconds, int((SEND_TIMEOUT_S - seconds) * 1e6)))
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_S))
         return conn
 
     def close(self) -> None:
@@ -151,17 +182,23 @@ class LaneRefused(Exception):
 
 
 class ClientLane:
-    """One lane connection of a client, used by one thread at a time: a request, then its reply."""
+    """One lane connection of a client, used by one thread at a time: a request, then its reply.
 
-    __slots__ = ("sock", "reader", "timeout")
+    The socket stays in blocking mode (a Python-level timeout would add a ``poll`` before every
+    ``recv``); a reply timeout is the kernel's SO_RCVTIMEO."""
 
-    def __init__(self, offer: dict[str, Any], client: bytes, timeout: float) -> None:
+    __slots__ = ("sock", "reader", "timeout", "sent_at", "reply_s", "poller")
+
+    def __init__(self, offer: dict[str, Any], client: bytes, timeout: float, poller: Poller) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock, self.reader = sock, P.LaneReader(sock)
-        self.timeout: float | None = timeout
+        self.sock, self.reader, self.poller = sock, P.LaneReader(sock), poller
+        self.timeout: float | None = None
+        self.sent_at = 0.0
+        self.reply_s = poller.max_s / 2  # moving average of the time from request to reply
         try:
             sock.settimeout(timeout)
             sock.connect(str(offer["path"]))
+            sock.settimeout(None)
             self.send([P.packed_header("open_lane_request", "lane"),
                        P.pack({"client": client.hex(), "token": offer["token"]})])
             header, content, _ = self.receive(timeout)
@@ -175,20 +212,26 @@ class ClientLane:
     def send(self, parts: list[Any]) -> None:
         """Write one request (``OSError`` when the daemon closed the lane: nothing was accepted)."""
         P.lane_send(self.sock, parts)
+        self.sent_at = time.perf_counter()
 
     def receive(self, timeout: float | None) -> tuple[dict[str, Any], dict[str, Any], list[memoryview]]:
         """Read one reply: header, content, raw frames. ``TimeoutError`` when none came within
         ``timeout``; ``ConnectionError`` when the daemon closed the lane; other ``OSError`` for a
         failed socket. After any exception the lane must be closed."""
         if timeout != self.timeout:
-            self.sock.settimeout(timeout)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
             self.timeout = timeout
+        reader = self.reader
+        self.poller.wait(reader, self.reply_s, self.sent_at)
         try:
-            frames = self.reader.read()
+            frames = reader.read()
         except P.LaneError:
             frames = None
+        except BlockingIOError:  # SO_RCVTIMEO expired
+            raise TimeoutError(f"no reply within {timeout:g} s") from None
         if frames is None:
             raise ConnectionResetError("the daemon closed the local lane")
+        self.reply_s = 0.8 * self.reply_s + 0.2 * (time.perf_counter() - self.sent_at)
         try:
             header, content = P.unpack(frames[0]), P.unpack(frames[1])
         except P.ProtocolViolation:

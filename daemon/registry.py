@@ -122,7 +122,8 @@ class SharedGate:
     """A readers-writer lock: many jobs run at once; a re-plan waits for them and excludes them."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly where nothing waits or is notified: cheaper
+        self._cond = threading.Condition(self._lock)
         self._readers = 0
         self._writer = False
 
@@ -134,16 +135,17 @@ class SharedGate:
 
     def try_acquire_shared(self) -> bool:
         """Take a shared hold without waiting; False while a re-plan holds or waits for the gate."""
-        with self._cond:
+        with self._lock:
             if self._writer:
                 return False
             self._readers += 1
             return True
 
     def release_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             self._readers -= 1
-            self._cond.notify_all()
+            if self._writer and not self._readers:  # only a re-plan waits for the readers
+                self._cond.notify_all()
 
     def acquire_exclusive(self) -> None:
         with self._cond:

@@ -28,6 +28,7 @@ class DaemonSettings:
     endpoint: str | None = None          # None: ipc:// socket in the user's runtime directory
     max_connections: int = 4096          # clients beyond this get TooManyConnections
     max_lane_connections: int = 256      # local lane connections (a thread each); 0 = offer no lane
+    lane_poll: float = 0.0001            # a lane thread polls this long at most for a client's next job; 0 = never
     queue_limit: int = 256               # queued jobs per model before Busy
     max_queued_jobs: int = 4096          # queued jobs over all models before Busy
     max_message_bytes: int = 256 << 20   # total size of one request
@@ -153,6 +154,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "endpoint": _endpoint,
     "max_connections": _positive_int,
     "max_lane_connections": _non_negative_int,
+    "lane_poll": lambda v: _non_negative(parse_duration(v)),
     "queue_limit": _positive_int,
     "max_queued_jobs": _positive_int,
     "max_message_bytes": _size,

@@ -29,6 +29,16 @@ class Stats:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
+    def infer_ok(self, latency_s: float) -> None:
+        """An infer answered ``ok``: :meth:`count` ``ok`` and :meth:`infer_done` at once."""
+        now = time.monotonic()
+        with self._lock:
+            self.ok += 1
+            self._latencies.append(latency_s)
+            self._finished_at.append(now)
+            while self._finished_at[0] < now - self.RATE_WINDOW_S:
+                self._finished_at.popleft()
+
     def infer_done(self, latency_s: float) -> None:
         now = time.monotonic()
         with self._lock:

@@ -1,0 +1,496 @@
+"""The local lane: a real ``vkpool serve`` subprocess (lavapipe, or the stand-in engine where a job
+must be slow on purpose), real client processes, jobs on the daemon's Unix stream socket."""
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from test_daemon_e2e import Daemon, run_clients
+from test_daemon_support import add_model, daemon_env, mlp_model
+from vkpool.daemon import errors as E
+from vkpool.daemon import protocol as P
+from vkpool.daemon.client import Client
+
+pytestmark = pytest.mark.timeout(180)
+X = np.arange(8, dtype=np.float32).reshape(1, 8)
+
+
+@pytest.fixture
+def folder() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="vkl", dir="/tmp"))  # short: ipc paths are limited to 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Daemon]:
+    path = Path(tempfile.mkdtemp(prefix="vkl", dir="/tmp"))
+    daemon = Daemon(path, daemon={"max_frames": 16, "max_message_bytes": "1MiB"})
+    yield daemon
+    assert daemon.stop() == 0
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def balanced(client: Client) -> dict[str, int]:
+    c = client.status()["counters"]
+    assert c["accepted"] == c["ok"] + c["error"] + c["client_gone"] + c["in_flight"], c
+    return c
+
+
+def settled(client: Client, timeout: float = 10.0) -> dict[str, int]:
+    """Counters once nothing but this status request is in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        c = balanced(client)
+        if c["in_flight"] == 1 or time.monotonic() > deadline:
+            return c
+        time.sleep(0.05)
+
+
+class RawLane:
+    """A lane connection spoken to byte by byte, on behalf of ``client`` (its ZeroMQ identity)."""
+
+    def __init__(self, client: Client, *, token: str | None = None, open_lane: bool = True) -> None:
+        offer = client.info["local_lane"]
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(offer["path"])
+        self.reader = P.LaneReader(self.sock)
+        if open_lane:
+            header, content, _ = self.request("open_lane", "open", {"client": client._routing_id.hex(),
+                                                                   "token": token or offer["token"]})
+            self.opened = header["status"] == "ok"
+
+    def send(self, parts: list[Any]) -> None:
+        P.lane_send(self.sock, parts)
+
+    def reply(self) -> tuple[dict[str, Any], dict[str, Any], list[memoryview]]:
+        parts = self.reader.read()
+        assert parts is not None, "the daemon closed the lane instead of answering"
+        return P.unpack(parts[0]), P.unpack(parts[1]), parts[2:]
+
+    def request(self, action: str, rid: str, content: dict[str, Any], frames: list[Any] = ()
+                ) -> tuple[dict[str, Any], dict[str, Any], list[memoryview]]:
+        self.send([P.pack(P.request_header(action, rid)), P.pack(content), *frames])
+        return self.reply()
+
+    def closed_by_daemon(self) -> bool:
+        try:
+            return self.reader.read() is None
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+LANE_JOBS = """
+import sys, threading, numpy as np
+from vkpool.daemon.client import Client
+endpoint, out, seed, jobs, threads, *models = sys.argv[1:]
+results = {}
+def work(t):
+    rng = np.random.default_rng(int(seed) * 100 + t)
+    sessions = [client.session(m) for m in models]
+    for j in range(int(jobs)):
+        s = sessions[j % len(sessions)]
+        x = rng.standard_normal(s.get_inputs()[0].shape).astype(np.float32)
+        results[f"x{t}_{j}"] = x
+        for k, y in enumerate(s.run(None, {"x": x})):
+            assert y.flags.writeable
+            results[f"y{t}_{j}_{k}"] = y
+with Client(endpoint) as client:
+    assert client.local_lane, client.info
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(int(threads))]
+    for p in pool: p.start()
+    for p in pool: p.join()
+    assert len(client._lanes) >= 1, "no job went on the lane"
+    assert client.status()["counters"]["lanes"] >= 1
+np.savez(out, **results)
+"""
+
+
+def test_lane_jobs_from_several_processes_and_threads_match_in_process_runs(shared: Daemon) -> None:
+    from vkpool.session import Session
+
+    models = [shared.folder / "a.onnx", shared.folder / "b.onnx"]
+    models[0].write_bytes(mlp_model(8, 16, seed=1))
+    models[1].write_bytes(mlp_model(16, 32, seed=2))
+    jobs, threads = 60, [1, 3, 2]
+    with shared.client() as watcher:
+        before = watcher.status()["counters"]
+        run_clients(LANE_JOBS, [[shared.endpoint, str(shared.folder / f"lane{i}.npz"), str(i), str(jobs),
+                                 str(n), *map(str, models)] for i, n in enumerate(threads)])
+        after = settled(watcher)
+    assert after["ok"] - before["ok"] >= sum(threads) * jobs
+    assert after["lanes"] == 0  # the clients' lanes closed with them
+    sessions = [Session(str(m)) for m in models]
+    try:
+        for i, n in enumerate(threads):
+            data = np.load(shared.folder / f"lane{i}.npz")
+            for t in range(n):
+                for j in range(jobs):
+                    want = sessions[j % 2].run(None, {"x": data[f"x{t}_{j}"]})
+                    for k, w in enumerate(want):
+                        np.testing.assert_array_equal(data[f"y{t}_{j}_{k}"], w)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def _infer_parts(rid: str, model: str, metas: list[dict[str, Any]], frames: list[Any]) -> list[Any]:
+    return [P.pack(P.request_header("infer", rid)), P.pack({"model": model, "inputs": metas}), *frames]
+
+
+def test_bad_input_on_the_lane_is_answered_or_closes_the_lane_and_the_daemon_keeps_serving(shared: Daemon) -> None:
+    from vkpool.session import Session
+
+    path = shared.folder / "bad.onnx"
+    path.write_bytes(mlp_model(8, 16, seed=3))
+    with shared.client() as client:
+        model = client.load_model(path)["id"]
+        before = settled(client)
+        metas, frames = P.tensor_frames([("x", X)])
+
+        # open_lane must come first, with this client's token
+        stranger = RawLane(client, token="0" * 64)
+        assert not stranger.opened and stranger.closed_by_daemon()
+        first = RawLane(client, open_lane=False)
+        header, content, _ = first.request("infer", "early", {"model": model, "inputs": metas}, frames)
+        assert content["type"] == "InvalidRequest" and "open_lane" in content["message"]
+        assert first.closed_by_daemon()
+
+        lane = RawLane(client)
+        assert lane.opened
+        cases = [
+            ([P.pack({"v": 1, "id": "d", "type": "infer_request"}),
+              P.pack({"model": model, "inputs": [{"name": "x", "dtype": "float64", "shape": [1, 8]}]}), b"\0" * 64],
+             "InvalidTensor"),
+            ([P.pack({"v": 1, "id": "s", "type": "infer_request"}),
+              P.pack({"model": model, "inputs": [{"name": "x", "dtype": "float32", "shape": [8, 1]}]}), b"\0" * 32],
+             "InvalidTensor"),
+            (_infer_parts("f", model, metas, [*frames, b"\0" * 32]), "InvalidTensor"),  # frame count
+            (_infer_parts("b", model, metas, [b"\0" * 31]), "InvalidTensor"),           # byte count
+            ([b"\xc1\xc1", P.pack({})], "ProtocolError"),                               # not msgpack
+            ([P.pack({"v": 9, "id": "v", "type": "infer_request"}), P.pack({})], "VersionMismatch"),
+            ([P.pack({"v": 1, "id": "u", "type": "format_disk_request"}), P.pack({})], "UnknownRequest"),
+            ([P.pack({"v": 1, "id": "m", "type": "infer_request"}), P.pack({"inputs": []})], "InvalidRequest"),
+            ([P.pack({"v": 1, "id": "t", "type": "status_request"}), P.pack({})], "InvalidRequest"),  # zmq only
+            ([P.pack({"v": 1, "id": "o", "type": "open_lane_request"}),
+              P.pack({"client": "00", "token": "00"})], "InvalidRequest"),                 # opened already
+            (_infer_parts("k", "f" * 64, metas, frames), "UnknownModel"),
+        ]
+        for parts, error in cases:
+            lane.send(parts)
+            header, content, _ = lane.reply()
+            assert header["status"] == "error" and content["type"] == error, (parts[:2], content)
+
+        # after all that, the same lane runs jobs; the second is checked only against its frames
+        with Session(str(path)) as local:
+            for i in range(3):
+                x = X * (i + 1)
+                m, f = P.tensor_frames([("x", x)])
+                header, content, out = lane.request("infer", f"good-{i}", {"model": model, "inputs": m}, f)
+                assert header == {"v": 1, "id": f"good-{i}", "type": "infer_reply", "status": "ok"}, content
+                got = P.decode_tensors(content["outputs"], out, "outputs")
+                for name, want in zip(("y", "z"), local.run(None, {"x": x})):
+                    np.testing.assert_array_equal(got[name], want)
+            # a cached plan still checks the frames: a short frame is refused, not read past
+            lane.send(_infer_parts("short", model, m, [bytes(f[0])[:-4]]))
+            assert lane.reply()[1]["type"] == "InvalidTensor"
+
+        # a retried id is answered from the replay window, not run again
+        done = next(m["done"] for m in client.list_models() if m["id"] == model)
+        header, content, again = lane.request("infer", "good-2", {"model": model, "inputs": m}, f)
+        assert header["status"] == "ok" and bytes(again[0]) == bytes(out[0])
+        assert next(m["done"] for m in client.list_models() if m["id"] == model) == done
+
+        # broken framing: answered when the request id can be read, then the lane is closed
+        lane.send([P.pack(P.request_header("infer", "many")), P.pack({}), *[b""] * 20])  # max_frames 16
+        header, content, _ = lane.reply()
+        assert content["type"] == "MessageTooLarge" and header["id"] is None
+        assert lane.closed_by_daemon()
+        big = RawLane(client)
+        try:  # the daemon reads the header, answers and closes: the rest may not go out
+            big.send(_infer_parts("big", model, metas, [b"\0" * (2 << 20)]))  # max_message_bytes 1MiB
+        except OSError:
+            pass
+        header, content, _ = big.reply()
+        assert content["type"] == "MessageTooLarge" and header["id"] == "big"
+        assert big.closed_by_daemon()
+        one = RawLane(client)
+        one.sock.sendall(P._lane_head(1).pack(1, 3) + b"abc")
+        assert one.reply()[1]["type"] == "ProtocolError" and one.closed_by_daemon()
+        cut = RawLane(client)
+        cut.sock.sendall(P._lane_head(2).pack(2, 100, 100) + b"x" * 50)  # then the client leaves
+        cut.close()
+        for raw in (stranger, first, lane, big, one):
+            raw.close()
+
+        deadline = time.monotonic() + 10
+        while client.status()["counters"]["dropped"] <= before["dropped"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = settled(client)
+        assert after["dropped"] == before["dropped"] + 1  # the message cut short
+        assert after["retries"] == before["retries"] + 1
+        assert after["lanes"] == 0
+        # the cases, and: a stranger's open_lane, an infer before open_lane, the short frame, 3 framings
+        assert after["error"] - before["error"] == len(cases) + 6
+        np.testing.assert_array_equal(client.session(path).run(None, {"x": X})[0],
+                                      Session(str(path)).run(None, {"x": X})[0])
+        assert client.local_lane
+
+
+KILLED_ON_THE_LANE = """
+import sys, threading, numpy as np
+from vkpool.daemon.client import Client
+client = Client(sys.argv[1])
+assert client.local_lane
+session = client.session(sys.argv[2], keep_alive=0)
+def work():
+    while True:
+        session.run(None, {"x": np.ones((1, 8), np.float32)})
+for _ in range(int(sys.argv[3])):
+    threading.Thread(target=work, daemon=True).start()
+threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("stand_in, threads", [("delay_s=0.3", 3), (None, 6)])
+def test_a_client_killed_mid_job_on_the_lane_leaves_the_daemon_serving(folder: Path, stand_in: str | None,
+                                                                       threads: int) -> None:
+    """Stand-in: each job takes 0.3 s on one worker, so the kill finds one running and the others
+    queued behind it, all on lanes. Lavapipe: six threads running jobs back to back."""
+    daemon = Daemon(folder, stand_in=stand_in, daemon={"workers_per_model": 1})
+    path = folder / "m.onnx"
+    path.write_bytes(mlp_model(8, 24, seed=5))
+    try:
+        with daemon.client() as watcher:
+            used = {m["id"]: m["used_bytes"] for m in watcher.devices()}
+            before = settled(watcher)
+            proc = subprocess.Popen([sys.executable, "-c", KILLED_ON_THE_LANE, daemon.endpoint, str(path),
+                                     str(threads)], env=daemon_env())
+            deadline = time.monotonic() + 60
+            while True:  # wait until jobs are in flight on lanes: then kill
+                c = watcher.status()["counters"]
+                if c["lanes"] >= 1 and c["in_flight"] >= threads + 1:  # + this status request
+                    break
+                assert time.monotonic() < deadline and proc.poll() is None, c
+                time.sleep(0.02)
+            proc.kill()
+            proc.wait()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # its jobs answered (undeliverable), its model freed
+                status = watcher.status()
+                if (status["counters"]["in_flight"] == 1 and not status["models"]
+                        and {m["id"]: m["used_bytes"] for m in watcher.devices()} == used):
+                    break
+                time.sleep(0.05)
+            c = balanced(watcher)
+            assert c["in_flight"] == 1 and c["lanes"] == 0, c
+            assert c["client_gone"] - before["client_gone"] >= (threads if stand_in else 0), c
+            assert not watcher.list_models()
+            assert {m["id"]: m["used_bytes"] for m in watcher.devices()} == used
+            session = watcher.session(path)
+            assert session.run(None, {"x": X})[0].shape == (1, 8)
+            assert watcher.local_lane and len(watcher._lanes) == 1
+    finally:
+        assert daemon.stop() == 0
+
+
+FALLBACK = """
+import sys, numpy as np
+from vkpool.daemon.client import Client
+with Client(sys.argv[1]) as client:
+    session = client.session(sys.argv[2])
+    y = session.run(None, {"x": np.ones((1, 8), np.float32)})[0]
+    print(client.local_lane, len(client._lanes), float(y.sum()), flush=True)
+"""
+
+
+def test_zmq_carries_the_jobs_when_the_lane_is_off_refused_or_not_offered(folder: Path) -> None:
+    from vkpool.session import Session
+
+    path = folder / "m.onnx"
+    path.write_bytes(mlp_model())
+    with Session(str(path)) as local:
+        want = float(local.run(None, {"x": np.ones((1, 8), np.float32)})[0].sum())
+        expected = local.run(None, {"x": X})
+    daemon = Daemon(folder, daemon={"max_lane_connections": 1})
+    try:
+        with daemon.client(local_lane=False) as off, daemon.client() as first, daemon.client() as second:
+            assert not off.local_lane and off.info["local_lane"] is not None
+            for client in (off, first, second):
+                # one lane is the daemon's cap: the second client is refused and stays on ZeroMQ
+                for got, w in zip(client.session(path).run(None, {"x": X}), expected):
+                    np.testing.assert_array_equal(got, w)
+            assert len(off._lanes) == 0 and len(first._lanes) == 1
+            assert len(second._lanes) == 0 and second.local_lane
+            c = settled(second)
+            assert c["lanes"] == 1
+        env = dict(daemon_env(), VKPOOL_LOCAL_LANE="0")
+        done = subprocess.run([sys.executable, "-c", FALLBACK, daemon.endpoint, str(path)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        lane, lanes, total = done.stdout.split()
+        assert (lane, lanes) == ("False", "0") and float(total) == pytest.approx(want)
+    finally:
+        assert daemon.stop() == 0
+    daemon = Daemon(folder, daemon={"max_lane_connections": 0})
+    try:
+        assert not (folder / "d.sock.lane").exists()
+        done = subprocess.run([sys.executable, "-c", FALLBACK, daemon.endpoint, str(path)], env=daemon_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        lane, lanes, total = done.stdout.split()
+        assert (lane, lanes) == ("False", "0") and float(total) == pytest.approx(want)
+        with daemon.client() as client:
+            assert client.info["local_lane"] is None
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_the_lane_socket_is_0600_beside_the_ipc_socket_and_removed_at_stop_or_when_stale(folder: Path) -> None:
+    lane = folder / "d.sock.lane"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(lane))  # left by a crashed daemon: nobody listens
+    stale.close()
+    daemon = Daemon(folder, stand_in="")
+    try:
+        assert stat.S_ISSOCK(lane.stat().st_mode) and stat.S_IMODE(lane.stat().st_mode) == 0o600
+        with daemon.client() as client:
+            assert client.info["local_lane"]["path"] == str(lane)
+            session = client.session(add_model())
+            assert session.run(None, {"x": np.ones((1, 4), np.float32)})[0].sum() == 8
+            assert len(client._lanes) == 1
+    finally:
+        assert daemon.stop() == 0
+    assert not lane.exists() and not (folder / "d.sock").exists()
+
+
+def test_cancel_and_timeout_reach_jobs_on_the_lane(folder: Path) -> None:
+    """A lane job queued behind a slow one is cancelled over ZeroMQ by its request id, another
+    one times out: each is answered on its lane."""
+    daemon = Daemon(folder, stand_in="delay_s=1.0", daemon={"workers_per_model": 1})
+    try:
+        with daemon.client() as client, daemon.client() as watcher:
+            session = client.session(add_model())
+            taken: list[int] = []
+            counter = client._ids
+
+            class Spy:  # notes the request ids the client hands out
+                def __next__(self) -> int:
+                    taken.append(next(counter))
+                    return taken[-1]
+            client._ids = Spy()  # type: ignore[assignment]
+            outcomes: dict[str, Any] = {}
+            threads: list[threading.Thread] = []
+
+            def run(name: str, **kwargs: Any) -> None:
+                try:
+                    outcomes[name] = float(session.run(None, {"x": np.ones((1, 4), np.float32)}, **kwargs)[0].sum())
+                except E.DaemonError as exc:
+                    outcomes[name] = exc.type
+
+            def start(name: str, **kwargs: Any) -> str:
+                seen, busy = len(taken), watcher.status()["counters"]["in_flight"]
+                threads.append(threading.Thread(target=run, args=(name,), kwargs=kwargs))
+                threads[-1].start()
+                deadline = time.monotonic() + 10
+                while watcher.status()["counters"]["in_flight"] <= busy:  # accepted
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                return f"{client._prefix}-{taken[seen]}"
+            start("first")
+            queued = start("cancelled")
+            assert client.cancel(queued) == {"cancelled": True, "state": "queued"}
+            start("timed", timeout=0.2)
+            for t in threads:
+                t.join(30)
+            assert outcomes == {"first": 8.0, "cancelled": "Cancelled", "timed": "Timeout"}, outcomes
+            assert len(client._lanes) == 2  # the cancelled job's lane was free again for the timed one
+            c = settled(watcher)
+            assert c["client_gone"] == 0
+    finally:
+        assert daemon.stop() == 0
+
+
+DRAIN_ON_THE_LANE = """
+import sys, threading, time, numpy as np
+from vkpool.daemon.client import Client
+from vkpool.daemon.errors import DaemonError, DaemonUnavailable
+client = Client(sys.argv[1])
+session = client.session(sys.argv[2])
+outcomes, lock, stop = {}, threading.Lock(), threading.Event()
+def work():
+    while not stop.is_set():
+        try:
+            session.run(None, {"x": np.ones((1, 8), np.float32)}); key = "ok"
+        except DaemonError as exc:
+            key = exc.type
+        except DaemonUnavailable:
+            key = "unavailable"  # the lane closed before the job was accepted
+        with lock:
+            outcomes[key] = outcomes.get(key, 0) + 1
+        if key != "ok":
+            return
+threads = [threading.Thread(target=work) for _ in range(6)]
+for t in threads: t.start()
+time.sleep(1.0)
+print("running", flush=True)
+for t in threads: t.join(60)
+print(outcomes, flush=True)
+"""
+
+
+def test_sigterm_answers_every_accepted_lane_job_before_exit(folder: Path) -> None:
+    path = folder / "m.onnx"
+    path.write_bytes(mlp_model())
+    daemon = Daemon(folder, stand_in="delay_s=0.05", daemon={"workers_per_model": 1, "drain_deadline": 30})
+    proc = subprocess.Popen([sys.executable, "-c", DRAIN_ON_THE_LANE, daemon.endpoint, str(path)],
+                            env=daemon_env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "running"
+    daemon.proc.send_signal(signal.SIGTERM)
+    outcomes = ast.literal_eval(proc.stdout.readline())
+    assert proc.wait(60) == 0
+    assert daemon.proc.wait(60) == 0
+    log = daemon.proc.stderr.read().decode()
+    final = ast.literal_eval(log.split("stopped: ", 1)[1].splitlines()[0])
+    # every request the daemon accepted was answered before it exited, lane jobs included
+    assert final["accepted"] == final["ok"] + final["error"] + final["client_gone"], final
+    assert final["in_flight"] == 0 and final["client_gone"] == 0, final
+    assert outcomes.get("ok", 0) > 6 and set(outcomes) <= {"ok", "ShuttingDown", "unavailable"}, outcomes
+    assert not (folder / "d.sock.lane").exists()
+
+
+def test_the_bench_reports_both_transports(folder: Path) -> None:
+    path = folder / "m.onnx"
+    path.write_bytes(mlp_model())
+    out = folder / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "vkpool.daemon.bench", str(path), "--runs", "60", "--seconds",
+                           "0.3", "--clients", "1", "--out", str(out)], env=daemon_env(), capture_output=True,
+                          text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    entry = report["models"]["m"]
+    assert report["transports"] == ["zmq", "lane"]
+    for transport in ("zmq", "lane"):
+        assert entry[transport]["runs"] == 60 and entry[transport]["median_us"] > 0
+        assert entry["added_us"][transport] == pytest.approx(
+            entry[transport]["median_us"] - entry["in_process"]["median_us"], abs=0.2)
+        assert entry["jobs_per_s"][transport]["1"] > 0
+    assert "| local lane |" in done.stdout and "added, ZeroMQ" in done.stdout
