@@ -126,3 +126,25 @@ def test_arena_planner_reuses_freed_ranges_and_remembers_levels():
     p.release(c, 500, level=4)
     d, level = p.alloc(2048)
     assert d == 0 and level == 5
+
+
+def test_a_wait_learns_how_long_its_runs_take(pool):
+    import time
+
+    with Session(_model(), pool=pool) as sess:
+        sub = sess._chunk.submission
+        assert sub.typical_s == 0.0
+        x = np.ones((3, 16), np.float32)
+        t0 = time.perf_counter()
+        sess.run(None, {"x": x})
+        first = time.perf_counter() - t0
+        # from submission to the host seeing the fence: inside the run's own wall time
+        assert 0.0 < sub.typical_s <= first
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            (out,) = sess.run(None, {"x": x})
+            times.append(time.perf_counter() - t0)
+        # a blend of runs seen (a faster one replaces it outright): within their wall times
+        assert 0.0 < sub.typical_s <= max(*times, first)
+        np.testing.assert_allclose(out, _reference(x), rtol=1e-6, atol=1e-6)
