@@ -5,7 +5,7 @@ Usage: python -m bench.barrier_probe [--device vk0] [--family K] [--lengths 100 
 Takes the recorded commands of ``add_chain_N`` (one 1-element Add per dispatch, each reading the
 one before) and records them again with each kind of synchronisation between the dispatches:
 
-- ``compute``: what the engine records, a pipeline barrier compute → compute, shader write → read;
+- ``compute``: a pipeline barrier between the compute stages, as the engine records one;
 - ``all-commands``: the same barrier over every stage;
 - ``event``: a set/wait event pair with the same memory barrier instead of the pipeline barrier;
 - ``none``: no synchronisation at all (wrong results; the floor of dispatching alone).
@@ -33,17 +33,7 @@ def _record(device: Any, cmd: Any, commands: list[tuple], kind: str, query_pool:
     ffi, b, lib = device._ffi, device._b, device._lib
     compute = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
     every = b.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT
-    mb = ffi.new("VkMemoryBarrier*", {
-        "sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-        "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT,
-        "dstAccessMask": (b.VK_ACCESS_SHADER_READ_BIT | b.VK_ACCESS_SHADER_WRITE_BIT
-                          | b.VK_ACCESS_TRANSFER_READ_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT),
-    })
-    host_mb = ffi.new("VkMemoryBarrier*", {
-        "sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-        "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT,
-        "dstAccessMask": b.VK_ACCESS_HOST_READ_BIT,
-    })
+    mb, host_mb, _ = device.memory_barriers()  # the engine's barriers around copies and for the host
     begin = ffi.new("VkCommandBufferBeginInfo*", {"sType": b.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO})
     lib.vkBeginCommandBuffer(cmd, begin)
     lib.vkCmdResetQueryPool(cmd, query_pool, 0, 2)

@@ -358,23 +358,8 @@ class LogicalDevice:
             "flags": b.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT if one_time else 0,
         })
         all_stages = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | b.VK_PIPELINE_STAGE_TRANSFER_BIT
-        mb = ffi.new("VkMemoryBarrier*", {
-            "sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-            "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT,
-            "dstAccessMask": (b.VK_ACCESS_SHADER_READ_BIT | b.VK_ACCESS_SHADER_WRITE_BIT
-                              | b.VK_ACCESS_TRANSFER_READ_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT),
-        })
-        host_mb = ffi.new("VkMemoryBarrier*", {
-            "sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-            "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT,
-            "dstAccessMask": b.VK_ACCESS_HOST_READ_BIT,
-        })
+        mb, host_mb, compute_mb = self.memory_barriers()
         compute = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
-        compute_mb = ffi.new("VkMemoryBarrier*", {
-            "sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-            "srcAccessMask": b.VK_ACCESS_SHADER_WRITE_BIT,
-            "dstAccessMask": b.VK_ACCESS_SHADER_READ_BIT | b.VK_ACCESS_SHADER_WRITE_BIT,
-        })
         near_copy = _barriers_near_copies(commands)
         region = ffi.new("VkBufferCopy*")
         with self._record_lock:
@@ -418,6 +403,22 @@ class LogicalDevice:
                     raise ValueError(f"unknown command {kind!r}")
             vk.call("vkEndCommandBuffer", cmd, member=self.name)
         self.counters.recordings += 1
+
+    def memory_barriers(self) -> tuple[Any, Any, Any]:
+        """The three memory barriers :meth:`record` uses: shader or transfer writes before any
+        shader or transfer access; those writes before host reads; shader writes before shader
+        access (between dispatches only)."""
+        ffi, b = self._ffi, self._b
+        writes = b.VK_ACCESS_SHADER_WRITE_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT
+
+        def barrier(src: int, dst: int) -> Any:
+            return ffi.new("VkMemoryBarrier*", {"sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                                                "srcAccessMask": src, "dstAccessMask": dst})
+
+        return (barrier(writes, b.VK_ACCESS_SHADER_READ_BIT | b.VK_ACCESS_SHADER_WRITE_BIT
+                        | b.VK_ACCESS_TRANSFER_READ_BIT | b.VK_ACCESS_TRANSFER_WRITE_BIT),
+                barrier(writes, b.VK_ACCESS_HOST_READ_BIT),
+                barrier(b.VK_ACCESS_SHADER_WRITE_BIT, b.VK_ACCESS_SHADER_READ_BIT | b.VK_ACCESS_SHADER_WRITE_BIT))
 
     def profile(self, commands: list[tuple[Any, ...]]) -> list[float]:
         """Runs ``commands`` once with a GPU timestamp after every dispatch and returns each
