@@ -167,6 +167,7 @@ class Client:
         self._lane_lock = threading.Lock()
         self._lane_poller = Poller(POLL_MAX_S)
         self._packed: dict[tuple[Any, ...], bytes] = {}  # infer contents for the lane, see _lane_infer
+        self._outputs = P.InferOutputs()
         self._outbox_addr = f"inproc://vkpool-client-{id(self)}-{uuid.uuid4().hex[:8]}"
         self._outbox_pull = self._ctx.socket(zmq.PULL)
         self._outbox_pull.bind(self._outbox_addr)
@@ -205,6 +206,7 @@ class Client:
     def local_lane(self) -> bool:
         """Whether ``infer`` travels on the local lane (offered, allowed, and not given up)."""
         return self._lane_offer is not None
+
     # -- transport ----------------------------------------------------------------------------
     def _pump(self, done: Any, deadline: float | None) -> None:
         """As the leader: forward queued requests and hand out replies until ``done()``, the
@@ -363,14 +365,13 @@ class Client:
             self._lanes.discard(lane)
         lane.close()
 
-    def _lane_infer(self, model_id: str, feeds: Mapping[str, Any], outputs: Iterable[str] | None,
+    def _lane_infer(self, model_id: str, feeds: Mapping[str, Any], outputs: list[str] | None,
                     priority: int, timeout: float | None, wait: float | None) -> list[np.ndarray] | None:
         """``infer`` on the local lane; None when it must go over ZeroMQ instead.
 
         The packed content is remembered per model, output names, options and input
         names/dtypes/shapes, so running one model on same-shaped inputs packs only the header.
         The daemon, for its part, checks a content it has seen before only against the frames."""
-        outputs = None if outputs is None else list(outputs)
         frames: list[Any] = []
         key: list[Any] = [model_id, priority, timeout, outputs if outputs is None else tuple(outputs)]
         for name, value in feeds.items():
@@ -394,23 +395,16 @@ class Client:
             return None
         header, content, raw = reply
         if header["status"] != "ok":
-            raise from_reply(content)
-        try:  # the daemon's own tensors: read without the checks a request gets
-            metas = content["outputs"]
-            if len(metas) == len(raw):
-                results = []
-                for meta, frame in zip(metas, raw):
-                    array = np.frombuffer(frame, P._DTYPE_OF[meta["dtype"]]).reshape(meta["shape"])
-                    results.append(array if array.flags.writeable else array.copy())
-                return results
-        except (KeyError, TypeError, ValueError):
-            pass
-        return outputs_of(content, raw)  # raises, naming what is wrong
+            error = P.unpack(content)
+            raise from_reply(error if isinstance(error, dict) else {"message": "an error reply without content"})
+        # writable, like the in-process session's results (a large reply's frames are already)
+        return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
 
     def _lane_request(self, action: str, packed_content: bytes, frames: Sequence[Any],
-                      timeout: float | None) -> tuple[dict[str, Any], dict[str, Any], list[Any]] | None:
-        """One request on the local lane: the raw reply, or None when it must go over ZeroMQ
-        instead (no lane to be had, or the request is over the daemon's limits)."""
+                      timeout: float | None) -> tuple[dict[str, Any], memoryview, list[Any]] | None:
+        """One request on the local lane: the reply's header, packed content and raw frames, or
+        None when it must go over ZeroMQ instead (no lane to be had, or the request is over the
+        daemon's limits)."""
         if len(frames) + 2 > self._max_frames:
             return None
         lane = self._take_lane()
@@ -501,6 +495,7 @@ class Client:
     def infer(self, model_id: str, feeds: Mapping[str, Any], outputs: Iterable[str] | None = None, *,
               priority: int = 0, timeout: float | None = None) -> list[np.ndarray]:
         wait = None if timeout is None else timeout + 5.0  # the daemon answers Timeout itself
+        outputs = None if outputs is None else list(outputs)
         if self._lane_offer is not None:
             if self._closed.is_set():
                 raise DaemonUnavailable("this client is closed")

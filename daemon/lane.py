@@ -35,10 +35,22 @@ SEND_TIMEOUT_S = 10.0
 #: at once); further threads use ZeroMQ.
 CLIENT_MAX_LANES = 8
 _OFF = {"0", "false", "no", "off"}
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: polling keeps a CPU busy: on a machine with fewer CPUs than this, neither side polls by
+#: default (the daemon, its device's driver and the client need them all)
+POLL_MIN_CPUS = 4
 #: a client thread polls for its reply for up to twice the lane's usual reply time before it
 #: sleeps in recv, when that time is under this (and no other thread of the client is polling);
 #: 0 = never poll. ``$VKPOOL_LANE_POLL_US`` sets it in microseconds.
-POLL_MAX_S = float(os.environ.get("VKPOOL_LANE_POLL_US", "200")) * 1e-6
+POLL_MAX_S = float(os.environ.get("VKPOOL_LANE_POLL_US", "200" if usable_cpus() >= POLL_MIN_CPUS else "0")) * 1e-6
 
 
 class Poller:
@@ -207,15 +219,19 @@ class ClientLane:
             raise
         if header.get("status") != "ok":
             sock.close()
-            raise LaneRefused(content)
+            try:
+                refusal = P.unpack(content)
+            except P.ProtocolViolation:
+                refusal = None
+            raise LaneRefused(refusal if isinstance(refusal, dict) else {})
 
     def send(self, parts: list[Any]) -> None:
         """Write one request (``OSError`` when the daemon closed the lane: nothing was accepted)."""
         P.lane_send(self.sock, parts)
         self.sent_at = time.perf_counter()
 
-    def receive(self, timeout: float | None) -> tuple[dict[str, Any], dict[str, Any], list[memoryview]]:
-        """Read one reply: header, content, raw frames. ``TimeoutError`` when none came within
+    def receive(self, timeout: float | None) -> tuple[dict[str, Any], memoryview, list[memoryview]]:
+        """Read one reply: header, packed content, raw frames. ``TimeoutError`` when none came within
         ``timeout``; ``ConnectionError`` when the daemon closed the lane; other ``OSError`` for a
         failed socket. After any exception the lane must be closed."""
         if timeout != self.timeout:
@@ -233,12 +249,12 @@ class ClientLane:
             raise ConnectionResetError("the daemon closed the local lane")
         self.reply_s = 0.8 * self.reply_s + 0.2 * (time.perf_counter() - self.sent_at)
         try:
-            header, content = P.unpack(frames[0]), P.unpack(frames[1])
+            header = P.unpack(frames[0])
         except P.ProtocolViolation:
-            header = content = None
-        if not isinstance(header, dict) or not isinstance(content, dict):
+            header = None
+        if not isinstance(header, dict):
             raise ConnectionResetError("the daemon sent something that is no reply on the local lane")
-        return header, content, frames[2:]
+        return header, frames[1], frames[2:]
 
     def shutdown(self) -> None:
         """Wake a thread waiting on this lane (safe from any thread)."""

@@ -413,6 +413,76 @@ def tensor_frames(named: Iterable[tuple[str, Any]]) -> tuple[list[dict[str, Any]
     return metas, frames
 
 
+# An infer_reply content, ``{"outputs": metas, "queue_s": q, "run_s": r}``, packed: everything up
+# to q's 8 bytes depends only on the outputs' names, dtypes and shapes, so it is packed once per
+# such layout (on both sides: the daemon to write it, the client to read it).
+_F64 = struct.Struct(">d")
+_QUEUE_S = b"\xa7queue_s\xcb"    # the packed key "queue_s" and the float64 marker
+_RUN_S = b"\xa5run_s\xcb"        # the same for "run_s"
+_LAYOUTS_MAX = 64
+
+
+class InferReplies:
+    """Packs infer_reply contents, keeping the packed head of each outputs layout seen."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple[Any, ...], bytes] = {}
+
+    def pack(self, names: Sequence[str], results: Sequence[Any], queue_s: float, run_s: float
+             ) -> tuple[bytes, list[Any]]:
+        """The packed content and the raw frames of an ok reply (see :func:`tensor_frames`)."""
+        frames: list[Any] = []
+        layout = []
+        for name, array in zip(names, results):
+            dtype = _NAME_OF.get(array.dtype) if type(array) is np.ndarray else None
+            if dtype is None or not array.flags.c_contiguous:
+                metas, frames = tensor_frames(zip(names, results))
+                return pack({"outputs": metas, "queue_s": queue_s, "run_s": run_s}), frames
+            frames.append(memoryview(array).cast("B") if array.size else b"")
+            layout.append((name, dtype, array.shape))
+        key = tuple(layout)
+        head = self._heads.get(key)
+        if head is None:
+            metas = [{"name": n, "dtype": d, "shape": list(shape)} for n, d, shape in layout]
+            head = b"\x83" + pack("outputs") + pack(metas) + _QUEUE_S
+            if len(self._heads) >= _LAYOUTS_MAX:
+                self._heads.clear()
+            self._heads[key] = head
+        return head + _F64.pack(queue_s) + _RUN_S + _F64.pack(run_s), frames
+
+
+class InferOutputs:
+    """Reads the outputs of ok infer replies: a content whose head was read before (same outputs
+    layout) is not unpacked again; its frames are still checked against it."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[bytes, list[tuple[np.dtype, tuple[int, ...], int]]] = {}
+
+    def read(self, content: Any, frames: Sequence[Any]) -> list[np.ndarray]:
+        """Arrays over the frames (read-only where the frames are); raises ProtocolViolation for a
+        reply whose frames do not match its description."""
+        n = len(content)
+        head = bytes(content[:n - 23]) if n > 23 and content[n - 15:n - 8] == _RUN_S else None
+        layout = None if head is None else self._layouts.get(head)
+        if layout is None:
+            reply = unpack(content)
+            arrays = decode_tensors(reply.get("outputs") if isinstance(reply, dict) else None, frames, "outputs")
+            if head is not None and head.endswith(_QUEUE_S):
+                if len(self._layouts) >= _LAYOUTS_MAX:
+                    self._layouts.clear()
+                self._layouts[head] = [(a.dtype, a.shape, a.nbytes) for a in arrays.values()]
+            return list(arrays.values())
+        if len(layout) == len(frames):
+            out = []
+            for (dtype, shape, nbytes), frame in zip(layout, frames):
+                if len(frame) != nbytes:
+                    break
+                out.append(np.frombuffer(frame, dtype).reshape(shape))
+            else:
+                return out
+        raise ProtocolViolation("InvalidTensor", "the reply's frames do not match its output descriptions")
+
+
 def decode_tensors(metas: Any, frames: Sequence[Any], what: str) -> dict[str, np.ndarray]:
     """Zero-copy (read-only) arrays over the raw frames, checked against their metadata."""
     if not isinstance(metas, list):

@@ -212,9 +212,10 @@ class Registry:
             return held
 
     def current(self, entry: ModelEntry, client: bytes) -> bool:
-        """True when ``entry`` is still the loaded model of its id and ``client`` holds it."""
-        with self._lock:
-            return self._models.get(entry.id) is entry and entry.refs.get(client, 0) > 0
+        """True when ``entry`` is still the loaded model of its id and ``client`` holds it. Two
+        reads, each atomic, without the lock: a change racing with them is one that the same
+        check under the lock could have seen either before or after."""
+        return self._models.get(entry.id) is entry and entry.refs.get(client, 0) > 0
 
     def holds(self, entry: ModelEntry, client: bytes) -> bool:
         with self._lock:

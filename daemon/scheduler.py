@@ -39,7 +39,7 @@ class Job:
     outputs: list[str] | None
     priority: int
     deadline: float | None          # time.monotonic() value
-    finish_cb: Callable[["Job", str, dict[str, Any], list[Any]], None]
+    finish_cb: Callable[["Job", str, Any, list[Any]], None]
     accepted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     state: str = "queued"           # queued -> running -> done
@@ -47,8 +47,8 @@ class Job:
     settled: bool = False           # counted as done by the scheduler
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def finish(self, status: str, content: dict[str, Any], frames: list[Any] | None = None) -> bool:
-        """Reply once; returns False when the job was already answered."""
+    def finish(self, status: str, content: dict[str, Any] | bytes, frames: list[Any] | None = None) -> bool:
+        """Reply once (``content`` a map, or packed already); False when the job was already answered."""
         with self._lock:
             if self.state == "done":
                 return False

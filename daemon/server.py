@@ -159,14 +159,14 @@ class Server:
 
     # -- replies ------------------------------------------------------------------------------
     def _reply_from_thread(self, client: bytes, rid: str, action: str | None, status: str,
-                           content: dict[str, Any], frames: list[Any]) -> None:
+                           content: dict[str, Any] | bytes, frames: list[Any]) -> None:
         if self._lane_routes:
             lane = self._lane_routes.pop((client, rid), None)
             if lane is not None:
                 self._lane_reply(lane, (client, rid), action, status, content, frames)
                 return
         body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
-                P.pack(content), *frames]
+                content if type(content) is bytes else P.pack(content), *frames]
         if threading.get_ident() == self._io_ident:
             self._send_reply(client, rid, status, body)
             return
@@ -423,7 +423,7 @@ class Server:
         if plan.timeout is not None and finished - started > plan.timeout:
             status, content, frames = "error", {"type": "Timeout", "message": "job did not finish within its "
                                                 f"timeout ({plan.timeout:.3g} s)", "details": {"state": "running"}}, []
-        body = [P.DELIMITER, P.packed_header("infer_reply", rid, status), P.pack(content), *frames]
+        body = [P.DELIMITER, P.packed_header("infer_reply", rid, status), content if type(content) is bytes else P.pack(content), *frames]
         if status == "ok":
             self.stats.infer_ok(finished - started)
         else:
@@ -524,13 +524,13 @@ class Server:
         self._lane_error(conn, conn.client or b"", header, exc.violation)
 
     def _lane_reply(self, conn: LaneConnection, key: tuple[bytes, str] | None, action: str | None, status: str,
-                    content: dict[str, Any], frames: list[Any]) -> None:
+                    content: dict[str, Any] | bytes, frames: list[Any]) -> None:
         """Write a reply on a lane. Counted before it is written (a client reading its reply sees
         the counters balance); the request stays in progress until it is written, so a stop waits
         for it. ``key`` None: not remembered for retries (``open_lane``, a request without an id)."""
         rid = None if key is None else key[1]
         body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
-                P.pack(content), *frames]
+                content if type(content) is bytes else P.pack(content), *frames]
         self.stats.count(status)
         sent = conn.send(body)
         if not sent:

@@ -23,7 +23,7 @@ from vkpool.daemon.stats import Stats
 
 log = logging.getLogger("vkpool.daemon")
 
-Reply = Callable[[bytes, str, str, str, dict[str, Any], list[Any]], None]
+Reply = Callable[[bytes, str, str, str, "dict[str, Any] | bytes", list[Any]], None]  # content packed or not
 _PLANS_MAX = 256  # remembered infer contents; the cache is emptied when it is full
 
 
@@ -75,6 +75,7 @@ class Service:
         self._admin_thread.start()
         self.draining = False
         self._plans: dict[bytes, InferPlan] = {}
+        self._replies = P.InferReplies()
 
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, client: bytes, header: dict[str, Any], content: dict[str, Any], frames: list[Any],
@@ -271,14 +272,15 @@ class Service:
         return True
 
     def _execute(self, entry: ModelEntry, outputs: list[str] | None, feeds: dict[str, np.ndarray],
-                 queued_s: float) -> tuple[str, dict[str, Any], list[Any]]:
-        """Run a job on its model (the caller holds the model's gate): status, content, frames."""
+                 queued_s: float) -> tuple[str, dict[str, Any] | bytes, list[Any]]:
+        """Run a job on its model (the caller holds the model's gate): status, content (packed
+        already when ok), frames."""
         names = outputs if outputs is not None else entry.output_names
         started = time.monotonic()
         try:
-            results = entry.session.run(names, feeds)
+            results = entry.session.run(outputs, feeds)  # None: all, as the in-process session is asked
             finished = time.monotonic()
-            metas, frames = P.tensor_frames(zip(names, results))
+            content, frames = self._replies.pack(names, results, queued_s, finished - started)
         except Exception as exc:
             entry.last_used = time.monotonic()
             violation = classify(exc)
@@ -287,7 +289,7 @@ class Service:
         entry.last_used = finished
         run_s = finished - started
         entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
-        return "ok", {"outputs": metas, "queue_s": queued_s, "run_s": run_s}, frames
+        return "ok", content, frames
 
     def _run_job(self, job: Job) -> None:
         entry = self.registry.get(job.model_id)

@@ -6,7 +6,7 @@ the file for error messages (``"vkpool.yaml: daemon.queue_limit"``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -28,7 +28,7 @@ class DaemonSettings:
     endpoint: str | None = None          # None: ipc:// socket in the user's runtime directory
     max_connections: int = 4096          # clients beyond this get TooManyConnections
     max_lane_connections: int = 256      # local lane connections (a thread each); 0 = offer no lane
-    lane_poll: float = 0.0001            # a lane thread polls this long at most for a client's next job; 0 = never
+    lane_poll: float = field(default_factory=lambda: _default_lane_poll())  # see docs/daemon.md; 0 = never
     queue_limit: int = 256               # queued jobs per model before Busy
     max_queued_jobs: int = 4096          # queued jobs over all models before Busy
     max_message_bytes: int = 256 << 20   # total size of one request
@@ -66,6 +66,13 @@ class DaemonSettings:
                 "and daemon.curve.authorized_keys_dir): plain TCP would let anyone on the network "
                 "load files and run jobs as this user")
         return settings
+
+
+def _default_lane_poll() -> float:
+    """100 µs, or 0 (no polling) on a machine with fewer than 4 CPUs."""
+    from vkpool.daemon.lane import POLL_MIN_CPUS, usable_cpus
+
+    return 0.0001 if usable_cpus() >= POLL_MIN_CPUS else 0.0
 
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")

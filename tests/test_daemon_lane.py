@@ -39,7 +39,8 @@ def folder() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def shared() -> Iterator[Daemon]:
     path = Path(tempfile.mkdtemp(prefix="vkl", dir="/tmp"))
-    daemon = Daemon(path, daemon={"max_frames": 16, "max_message_bytes": "1MiB"})
+    # both sides poll for messages here whatever the machine's CPUs (the default on 4 or more)
+    daemon = Daemon(path, daemon={"max_frames": 16, "max_message_bytes": "1MiB", "lane_poll": "0.2ms"})
     yield daemon
     assert daemon.stop() == 0
     shutil.rmtree(path, ignore_errors=True)
@@ -99,7 +100,8 @@ class RawLane:
 
 
 LANE_JOBS = """
-import sys, threading, numpy as np
+import os, sys, threading, numpy as np
+os.environ["VKPOOL_LANE_POLL_US"] = "300"
 from vkpool.daemon.client import Client
 endpoint, out, seed, jobs, threads, *models = sys.argv[1:]
 results = {}
@@ -115,6 +117,7 @@ def work(t):
             results[f"y{t}_{j}_{k}"] = y
 with Client(endpoint) as client:
     assert client.local_lane, client.info
+    assert client._lane_poller.max_s == 300e-6
     pool = [threading.Thread(target=work, args=(t,)) for t in range(int(threads))]
     for p in pool: p.start()
     for p in pool: p.join()
@@ -494,3 +497,40 @@ def test_the_bench_reports_both_transports(folder: Path) -> None:
             entry[transport]["median_us"] - entry["in_process"]["median_us"], abs=0.2)
         assert entry["jobs_per_s"][transport]["1"] > 0
     assert "| local lane |" in done.stdout and "added, ZeroMQ" in done.stdout
+
+
+def test_lane_framing_carries_big_tensors_many_frames_and_pipelined_messages() -> None:
+    """The framing alone, over a socket pair: a message larger than one read arrives whole (and
+    writable), more frames than one sendmsg takes, two messages in one read, polling."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        reader = P.LaneReader(b)
+        big = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+        many = [bytes([i % 256]) * (i % 7) for i in range(700)]
+        sender = threading.Thread(target=lambda: (P.lane_send(a, [b"h", b"c", *P.tensor_frames([("x", big)])[1]]),
+                                                  P.lane_send(a, [b"h2", b"c2", *many]),
+                                                  P.lane_send(a, [b"x", b"y"]), P.lane_send(a, [b"z", b"w"])))
+        sender.start()
+        first = reader.read()
+        assert [bytes(f) for f in first[:2]] == [b"h", b"c"]
+        got = np.frombuffer(first[2], np.float32).reshape(big.shape)
+        np.testing.assert_array_equal(got, big)
+        assert got.flags.writeable  # read into a buffer of its own
+        second = reader.read()
+        assert [bytes(f) for f in second] == [b"h2", b"c2", *many]
+        sender.join()
+        reader.poll(1.0)  # both small messages are there: one read holds them
+        assert [bytes(f) for f in reader.read()] == [b"x", b"y"] and reader.rest
+        assert [bytes(f) for f in reader.read()] == [b"z", b"w"] and not reader.rest
+        started = time.perf_counter()
+        reader.poll(0.002)  # nothing comes: gives up after its time
+        assert not reader.rest and 0.002 <= time.perf_counter() - started < 1.0
+        a.sendall(P._lane_head(2).pack(2, 1, 1) + b"pq")
+        reader.poll(1.0)
+        assert [bytes(f) for f in reader.read()] == [b"p", b"q"]
+        a.close()
+        reader.poll(1.0)  # end of file
+        assert reader.read() is None
+    finally:
+        a.close()
+        b.close()
