@@ -80,7 +80,8 @@ def render_status(status: dict[str, Any]) -> str:
     c = status["counters"]
     lat = status["latency_ms"]
     lines = [f"vkpool daemon up {status['uptime_s']:.0f} s{' (draining)' if status['draining'] else ''}: "
-             f"{c['connections']} connection(s), {status['jobs_per_s']:.1f} jobs/s, latency p50 {lat['p50']:.2f} ms "
+             f"{c['connections']} connection(s), {c.get('lanes', 0)} local lane(s), {status['jobs_per_s']:.1f} jobs/s, "
+             f"latency p50 {lat['p50']:.2f} ms "
              f"p90 {lat['p90']:.2f} ms p99 {lat['p99']:.2f} ms",
              f"requests: {c['accepted']} accepted = {c['ok']} ok + {c['error']} error + {c['client_gone']} "
              f"client gone + {c['in_flight']} in flight; {c['busy']} busy, {c['dropped']} dropped", "",
