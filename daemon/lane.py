@@ -64,6 +64,12 @@ class Poller:
         self.max_s = max_s
         self._token = threading.Lock()
 
+    def average(self, usual_s: float, seen_s: float) -> float:
+        """The moving average of a wait, each sample capped at twice ``max_s``: one long pause
+        (a client busy elsewhere for a while) does not stop the polling for the waits after it,
+        while waits that stay long take the average over ``max_s`` within a few samples."""
+        return 0.8 * usual_s + 0.2 * min(seen_s, 2.0 * self.max_s)
+
     def wait(self, reader: P.LaneReader, usual_s: float, since: float) -> None:
         """Poll until ``since + 2 * usual_s`` (a ``time.perf_counter`` value) when worth it."""
         if usual_s < self.max_s and not reader.rest and self._token.acquire(False):
@@ -247,7 +253,7 @@ class ClientLane:
             raise TimeoutError(f"no reply within {timeout:g} s") from None
         if frames is None:
             raise ConnectionResetError("the daemon closed the local lane")
-        self.reply_s = 0.8 * self.reply_s + 0.2 * (time.perf_counter() - self.sent_at)
+        self.reply_s = self.poller.average(self.reply_s, time.perf_counter() - self.sent_at)
         try:
             header = P.unpack(frames[0])
         except P.ProtocolViolation:

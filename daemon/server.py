@@ -328,7 +328,7 @@ class Server:
                 parts = reader.read()
                 if parts is None:
                     break
-                gap = 0.8 * gap + 0.2 * (clock() - done)
+                gap = poller.average(gap, clock() - done)
                 try:
                     self._on_lane_request(conn, parts, not reader.rest)
                 except Exception:  # never let one message take the lane down
