@@ -355,7 +355,7 @@ class Client:
                 self._lanes_max = len(self._lanes)  # the daemon is at its cap: no more from this client
                 return None
             except OSError:
-                self._lane_offer = None  # the lane cannot be reached from here: ZeroMQ only
+                self._lane_offer = None  # the lane cannot be connected from here: ZeroMQ only
                 return None
             self._lanes.add(lane)
             return lane

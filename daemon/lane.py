@@ -215,11 +215,18 @@ class ClientLane:
         self.reply_s = poller.max_s / 2  # moving average of the time from request to reply
         try:
             sock.settimeout(timeout)
-            sock.connect(str(offer["path"]))
+            sock.connect(str(offer["path"]))  # OSError: no lane to be had from here
             sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        try:
             self.send([P.packed_header("open_lane_request", "lane"),
                        P.pack({"client": client.hex(), "token": offer["token"]})])
             header, content, _ = self.receive(timeout)
+        except OSError as exc:  # a daemon at its cap answers and closes at once: a refusal too
+            sock.close()
+            raise LaneRefused({"message": f"the daemon closed the lane before opening it ({exc})"}) from None
         except BaseException:
             sock.close()
             raise
