@@ -53,6 +53,14 @@ POLL_MIN_CPUS = 4
 POLL_MAX_S = float(os.environ.get("VKPOOL_LANE_POLL_US", "200" if usable_cpus() >= POLL_MIN_CPUS else "0")) * 1e-6
 
 
+
+def wake(sock: socket.socket) -> None:
+    """Ends both directions of ``sock``, so a thread blocked in its ``recv`` returns end of file."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
 class Poller:
     """Polling for a lane message (:meth:`vkpool.daemon.protocol.LaneReader.poll`) for up to twice
     the usual wait, when that is under ``max_s``, by one thread at a time: a busy CPU per process,
@@ -177,10 +185,7 @@ class LaneConnection:
 
     def shutdown(self) -> None:
         """Wake the connection's thread (its ``recv`` returns end of file); safe from any thread."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        wake(self.sock)
 
     def close(self) -> None:
         with self.send_lock:
@@ -271,10 +276,7 @@ class ClientLane:
 
     def shutdown(self) -> None:
         """Wake a thread waiting on this lane (safe from any thread)."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        wake(self.sock)
 
     def close(self) -> None:
         self.sock.close()
