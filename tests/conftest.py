@@ -14,7 +14,9 @@ os.environ.pop("VKPOOL_CONFIG", None)
 
 def vulkan_pool(config=None):
     """A DevicePool on ``config`` (None: the default), or the test skipped when this machine has
-    no Vulkan device: the only skip of this suite, a missing resource, never a failing feature."""
+    no Vulkan device. Skips are for missing resources only, never a failing feature: this one,
+    and the cooperative-matrix GEMM tests on a device without ``VK_KHR_cooperative_matrix``
+    (``test_fp16_gemm.coop_member``)."""
     from vkpool.pool import DevicePool
     from vkpool.vk import VulkanUnavailable
 

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 from test_daemon_support import (add_model, batched_model, big_model, daemon_env, external_outside_model,
-                                 mlp_model, spawn_daemon, unsupported_model, wait_ready)
+                                 mlp_model, short_folder, spawn_daemon, unsupported_model, wait_ready)
 from vkpool.daemon import errors as E
 from vkpool.daemon.client import Client
 
@@ -46,19 +45,17 @@ class Daemon:
 
 @pytest.fixture
 def folder() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vkd", dir="/tmp"))  # short: ipc paths are limited to 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_folder("vkd") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
 def shared() -> Iterator[Daemon]:
-    path = Path(tempfile.mkdtemp(prefix="vkd", dir="/tmp"))
-    daemon = Daemon(path, daemon={"queue_limit": 4096, "max_message_bytes": "64MiB"},
-                    extra="devices:\n  - match: {name: 'llvmpipe*'}\n    budget: 32MiB\nhost:\n  budget: 32MiB\n")
-    yield daemon
-    assert daemon.stop() == 0
-    shutil.rmtree(path, ignore_errors=True)
+    with short_folder("vkd") as path:
+        daemon = Daemon(path, daemon={"queue_limit": 4096, "max_message_bytes": "64MiB"},
+                        extra="devices:\n  - match: {name: 'llvmpipe*'}\n    budget: 32MiB\nhost:\n  budget: 32MiB\n")
+        yield daemon
+        assert daemon.stop() == 0
 
 
 def run_clients(code: str, args: list[list[str]], timeout: float = 120) -> list[subprocess.CompletedProcess]:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import ast
 import json
-import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ import numpy as np
 import pytest
 
 from test_daemon_e2e import Daemon, run_clients
-from test_daemon_support import add_model, daemon_env, mlp_model
+from test_daemon_support import add_model, daemon_env, mlp_model, short_folder
 from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
 from vkpool.daemon.client import Client
@@ -31,19 +29,17 @@ X = np.arange(8, dtype=np.float32).reshape(1, 8)
 
 @pytest.fixture
 def folder() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vkl", dir="/tmp"))  # short: ipc paths are limited to 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_folder("vkl") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
 def shared() -> Iterator[Daemon]:
-    path = Path(tempfile.mkdtemp(prefix="vkl", dir="/tmp"))
-    # both sides poll for messages here whatever the machine's CPUs (the default on 4 or more)
-    daemon = Daemon(path, daemon={"max_frames": 16, "max_message_bytes": "1MiB", "lane_poll": "0.2ms"})
-    yield daemon
-    assert daemon.stop() == 0
-    shutil.rmtree(path, ignore_errors=True)
+    with short_folder("vkl") as path:
+        # both sides poll for messages here whatever the machine's CPUs (the default on 4 or more)
+        daemon = Daemon(path, daemon={"max_frames": 16, "max_message_bytes": "1MiB", "lane_poll": "0.2ms"})
+        yield daemon
+        assert daemon.stop() == 0
 
 
 def balanced(client: Client) -> dict[str, int]:

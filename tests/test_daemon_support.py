@@ -8,10 +8,13 @@ engine on the Vulkan device instead.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -250,6 +253,16 @@ class InprocDaemon:
         self.thread.join(30)
         assert not self.thread.is_alive(), "daemon did not stop"
         self.ctx.term()
+
+
+@contextmanager
+def short_folder(prefix: str = "vkd") -> Iterator[Path]:
+    """A fresh folder under /tmp, removed afterwards: short, since ipc paths are limited to 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def daemon_env() -> dict[str, str]:
