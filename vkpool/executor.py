@@ -346,7 +346,7 @@ class PlanExecutor:
             with self._count_lock:
                 for t in stage.transfers:
                     self.transfers_executed[(t.tensor, t.src, t.dst)] += 1
-        if request.left == 1 and not stage.succs and len(request.lane.stages) == 1:
+        if len(request.lane.stages) == 1:
             # a one-chunk lane (a replica, a whole-model plan): nothing else touches the request
             request.values.update(produced)
             request.events.append(event)
