@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
 import threading
@@ -85,6 +86,144 @@ class Poller:
                 reader.poll(since + 2.0 * usual_s - time.perf_counter())
             finally:
                 self._token.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring: shared memory beside the socket.
+
+#: bytes of each of a ring's two slots (request, reply); a message larger than its slot travels
+#: on the socket.
+RING_SLOT = 256 << 10
+_RING_HEAD = 4096
+#: ring words, 8-byte aligned, each on a cache line of its own: 0 request sequence (written by the
+#: client), 8 reply sequence (the daemon), 16 "the daemon sleeps in recv" (the daemon), 24 "the
+#: client sleeps in recv" (the client)
+_REQ, _REP, _DAEMON_ASLEEP, _CLIENT_ASLEEP = 0, 8, 16, 24
+_FENCE = threading.Lock()
+#: ring checks between two ``poll(0)`` of the socket while spinning (each poll lets the process's
+#: other threads take the GIL, and sees a message or end of file on the socket)
+_SPINS = 64
+
+
+def fence() -> None:
+    """A full memory barrier: taking and releasing an uncontended lock is a locked read-modify-
+    write instruction (CPython's locks are futexes or semaphores), which x86-64 orders against
+    every load and store. A store followed by a load of another word may otherwise be reordered,
+    and the "sleeping" handshake of :class:`Ring` relies on that order."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def ring_supported() -> bool:
+    """Whether this side may use a ring: x86-64 Linux, and ``$VKPOOL_LANE_RING`` not 0/false/no/off."""
+    if os.environ.get("VKPOOL_LANE_RING", "1").strip().lower() in _OFF:
+        return False
+    return hasattr(os, "memfd_create") and hasattr(socket, "SCM_RIGHTS") and os.uname().machine in (
+        "x86_64", "AMD64")
+
+
+class Ring:
+    """A lane's shared memory: one request slot written by the client, one reply slot written by
+    the daemon, each followed by a sequence number that says a new message is there. A lane's
+    client sends one request at a time and reads its reply before the next one, so each slot has
+    one message in flight at most. Messages are framed as on the socket
+    (:func:`vkpool.daemon.protocol.lane_pack_into`).
+
+    Ordering: the writer stores the message, then its sequence number; the reader loads the
+    sequence number, then the message. x86-64 keeps stores in program order and loads in program
+    order, so a reader that sees the new sequence number sees the whole message (the stores are
+    separate Python operations, which the compiler cannot reorder either): no barrier needed.
+    The only barrier is in the wake-up handshake: a side about to sleep in ``recv`` stores its
+    "asleep" word, :func:`fence`, loads the other side's sequence number; a writer stores its
+    sequence number, :func:`fence`, loads the other side's "asleep" word and, when set, sends
+    :data:`~vkpool.daemon.protocol.LANE_WAKE` on the socket. Without the fences each side could
+    load before its own store is visible, and both miss each other.
+
+    Only offered on x86-64 Linux (memfd, SCM_RIGHTS, that ordering)."""
+
+    __slots__ = ("mm", "words", "request", "reply", "slot")
+
+    def __init__(self, fd: int, slot: int) -> None:
+        import mmap
+
+        self.slot = slot
+        self.mm = mmap.mmap(fd, _RING_HEAD + 2 * slot)
+        view = memoryview(self.mm)
+        self.words = view[:_RING_HEAD].cast("Q")
+        self.request = view[_RING_HEAD:_RING_HEAD + slot]
+        self.reply = view[_RING_HEAD + slot:_RING_HEAD + 2 * slot]
+
+    @classmethod
+    def create(cls, slot: int = RING_SLOT) -> tuple["Ring", int]:
+        """A new ring and its file descriptor (the caller passes it on and closes it)."""
+        fd = os.memfd_create("vkpool-lane", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, _RING_HEAD + 2 * slot)
+            return cls(fd, slot), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def post(self, parts: list[Any], which: int) -> bool:
+        """Write a message into the request (``_REQ``) or reply (``_REP``) slot and publish it;
+        False when it does not fit (nothing written)."""
+        if not P.lane_pack_into(self.request if which == _REQ else self.reply, parts):
+            return False
+        self.words[which] += 1  # after the message: see the class's doc
+        return True
+
+    def close(self) -> None:
+        """Unmap now when nothing uses the memory any more, else when the last view goes."""
+        try:
+            for view in (self.words, self.request, self.reply):
+                view.release()
+            self.mm.close()
+        except BufferError:  # frames of a request still in use (a queued job): freed with them
+            pass
+
+
+def ring_wait(words: memoryview, which: int, seen: int, reader: P.LaneReader, until: float) -> bool:
+    """Spin until ``words[which]`` differs from ``seen`` (True), or until ``until`` (a
+    ``time.perf_counter`` value) or a message on the socket (False)."""
+    if reader._poll is None:
+        reader._poll = select.poll()
+        reader._poll.register(reader.sock.fileno(), select.POLLIN)
+    ready, clock = reader._poll.poll, time.perf_counter
+    spins = range(_SPINS)
+    while True:
+        for _ in spins:
+            if words[which] != seen:
+                return True
+        if ready(0) or clock() > until:
+            return words[which] != seen
+
+
+def ring_sleep(words: memoryview, which: int, seen: int, asleep: int, reader: P.LaneReader
+               ) -> list[memoryview] | None:
+    """Sleep in ``recv`` until the other side publishes (``words[which]`` differs from ``seen``:
+    returns []), a message comes on the socket (returned) or the socket ends (None)."""
+    while True:
+        words[asleep] = 1
+        fence()
+        if words[which] != seen:
+            words[asleep] = 0
+            return []
+        try:
+            parts = reader.read()
+        finally:
+            words[asleep] = 0
+        if parts is None or parts or words[which] != seen:
+            return parts
+
+
+def ring_wake(sock: socket.socket, words: memoryview, asleep: int) -> None:
+    """After publishing: wake the other side when it sleeps in ``recv``."""
+    fence()
+    if words[asleep]:
+        try:
+            sock.send(P.LANE_WAKE, P._NOSIGNAL)
+        except OSError:
+            pass  # the other side is gone: it will not read the ring either
 
 
 def _timeval(seconds: float | None) -> bytes:
@@ -158,9 +297,11 @@ class LaneListener:
 
 class LaneConnection:
     """One accepted lane connection; ``client`` is set by ``open_lane``. Replies are written from
-    whichever thread finishes the job, one at a time; the connection's own thread closes it."""
+    whichever thread finishes the job, one at a time; the connection's own thread closes it.
+    ``ring``: its :class:`Ring` when one was granted; ``ring_reply``: the request being answered
+    came in the ring, so its reply goes there too."""
 
-    __slots__ = ("sock", "client", "send_lock", "open", "thread")
+    __slots__ = ("sock", "client", "send_lock", "open", "thread", "ring", "ring_reply", "ring_seen")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -168,15 +309,27 @@ class LaneConnection:
         self.send_lock = threading.Lock()
         self.open = True
         self.thread: threading.Thread | None = None
+        self.ring: Ring | None = None
+        self.ring_reply = False
+        self.ring_seen = 0
 
-    def send(self, body: list[Any], start: int = 1) -> bool:
+    def send(self, body: list[Any], start: int = 1, fds: tuple[int, ...] = ()) -> bool:
         """Write ``body[start:]`` (body as the server builds it: delimiter first); False when the
         connection is closed or the write fails, which then shuts the connection down."""
         with self.send_lock:
             if not self.open:
                 return False
             try:
-                P.lane_send(self.sock, body, start)
+                ring = self.ring
+                if ring is not None and self.ring_reply:
+                    self.ring_reply = False
+                    if not ring.post(body[start:] if start else body, _REP):
+                        # too large for the slot: on the socket, and in the ring a pointer to it
+                        P.lane_send(self.sock, body, start)
+                        ring.post([], _REP)
+                    ring_wake(self.sock, ring.words, _CLIENT_ASLEEP)
+                else:
+                    P.lane_send(self.sock, body, start, fds)
                 return True
             except OSError:
                 self.open = False
@@ -191,6 +344,9 @@ class LaneConnection:
         with self.send_lock:
             self.open = False
             self.sock.close()
+            ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,9 +364,11 @@ class ClientLane:
     """One lane connection of a client, used by one thread at a time: a request, then its reply.
 
     The socket stays in blocking mode (a Python-level timeout would add a ``poll`` before every
-    ``recv``); a reply timeout is the kernel's SO_RCVTIMEO."""
+    ``recv``); a reply timeout is the kernel's SO_RCVTIMEO. When the client polls (``poller.max_s``
+    above 0) it asks for a :class:`Ring`: requests and replies that fit then travel in shared
+    memory, and the socket only wakes a side that sleeps."""
 
-    __slots__ = ("sock", "reader", "timeout", "sent_at", "reply_s", "poller")
+    __slots__ = ("sock", "reader", "timeout", "sent_at", "reply_s", "poller", "ring", "on_ring", "rep_seen")
 
     def __init__(self, offer: dict[str, Any], client: bytes, timeout: float, poller: Poller) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -218,6 +376,9 @@ class ClientLane:
         self.timeout: float | None = None
         self.sent_at = 0.0
         self.reply_s = poller.max_s / 2  # moving average of the time from request to reply
+        self.ring: Ring | None = None
+        self.on_ring = False  # the request in flight went in the ring
+        self.rep_seen = 0
         try:
             sock.settimeout(timeout)
             sock.connect(str(offer["path"]))  # OSError: no lane to be had from here
@@ -225,27 +386,54 @@ class ClientLane:
         except BaseException:
             sock.close()
             raise
+        fds: list[int] = []
         try:
-            self.send([P.packed_header("open_lane_request", "lane"),
-                       P.pack({"client": client.hex(), "token": offer["token"]})])
+            opening = {"client": client.hex(), "token": offer["token"]}
+            if poller.max_s > 0 and ring_supported():
+                opening["ring"] = True
+            self.send([P.packed_header("open_lane_request", "lane"), P.pack(opening)])
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
+            self.timeout = timeout
+            first, fds, _, _ = socket.recv_fds(sock, P.LANE_CHUNK, 1)  # the ring's descriptor comes with it
+            if not first:
+                raise ConnectionResetError("end of file")
+            self.reader.rest = first
             header, content, _ = self.receive(timeout)
         except OSError as exc:  # a daemon at its cap answers and closes at once: a refusal too
             sock.close()
+            for fd in fds:
+                os.close(fd)
             raise LaneRefused({"message": f"the daemon closed the lane before opening it ({exc})"}) from None
         except BaseException:
             sock.close()
+            for fd in fds:
+                os.close(fd)
             raise
-        if header.get("status") != "ok":
-            sock.close()
-            try:
-                refusal = P.unpack(content)
-            except P.ProtocolViolation:
-                refusal = None
-            raise LaneRefused(refusal if isinstance(refusal, dict) else {})
+        try:
+            reply = P.unpack(content)
+        except P.ProtocolViolation:
+            reply = None
+        try:
+            if header.get("status") != "ok":
+                sock.close()
+                raise LaneRefused(reply if isinstance(reply, dict) else {})
+            slot = reply.get("ring") if isinstance(reply, dict) else None
+            if fds and type(slot) is int and slot > 0:
+                self.ring = Ring(fds[0], slot)
+                self.reader.wakes = True
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def send(self, parts: list[Any]) -> None:
         """Write one request (``OSError`` when the daemon closed the lane: nothing was accepted)."""
-        P.lane_send(self.sock, parts)
+        ring = self.ring
+        if ring is not None and ring.post(parts, _REQ):
+            self.on_ring = True
+            ring_wake(self.sock, ring.words, _DAEMON_ASLEEP)
+        else:
+            self.on_ring = False
+            P.lane_send(self.sock, parts)
         self.sent_at = time.perf_counter()
 
     def receive(self, timeout: float | None) -> tuple[dict[str, Any], memoryview, list[memoryview]]:
@@ -256,9 +444,14 @@ class ClientLane:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
             self.timeout = timeout
         reader = self.reader
-        self.poller.wait(reader, self.reply_s, self.sent_at)
         try:
-            frames = reader.read()
+            if self.on_ring:
+                frames = self._from_ring()
+            else:
+                self.poller.wait(reader, self.reply_s, self.sent_at)
+                frames = reader.read()
+                while frames == []:  # a wake-up left over from the ring
+                    frames = reader.read()
         except P.LaneError:
             frames = None
         except BlockingIOError:  # SO_RCVTIMEO expired
@@ -274,9 +467,35 @@ class ClientLane:
             raise ConnectionResetError("the daemon sent something that is no reply on the local lane")
         return header, frames[1], frames[2:]
 
+    def _from_ring(self) -> list[memoryview] | None:
+        """The reply to a request sent in the ring: copied out of the ring (the lane may carry the
+        next request before the caller is done with this reply), or read from the socket."""
+        ring = self.ring
+        assert ring is not None
+        words, seen, poller = ring.words, self.rep_seen, self.poller
+        if words[_REP] == seen:
+            if self.reply_s < poller.max_s and poller._token.acquire(False):
+                try:
+                    ring_wait(words, _REP, seen, self.reader, self.sent_at + 2.0 * self.reply_s)
+                finally:
+                    poller._token.release()
+            if words[_REP] == seen:
+                parts = ring_sleep(words, _REP, seen, _CLIENT_ASLEEP, self.reader)
+                if parts is None or parts:  # end of file, or a reply on the socket
+                    return parts
+        self.rep_seen = words[_REP]
+        frames = P.lane_parse(ring.reply, copy=True)
+        if not frames:  # the reply was too large for the ring: it is on the socket
+            frames = self.reader.read()
+            while frames == []:
+                frames = self.reader.read()
+        return frames
+
     def shutdown(self) -> None:
         """Wake a thread waiting on this lane (safe from any thread)."""
         wake(self.sock)
 
     def close(self) -> None:
         self.sock.close()
+        if self.ring is not None:
+            self.ring.close()

@@ -172,8 +172,11 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
             "that was given the token. Refused with `TooManyConnections` when the daemon has "
             "`max_lane_connections` lanes open; the daemon then closes the connection.",
             request=(_f("client", "str", "the client's ZeroMQ routing id, hex"),
-                     _f("token", "str", "`local_lane.token` from this client's `hello` reply")),
-            reply=(),
+                     _f("token", "str", "`local_lane.token` from this client's `hello` reply"),
+                     _f("ring", "bool", "ask for a shared-memory ring beside the socket (see *Ring*)",
+                        required=False)),
+            reply=(_f("ring", "int", "bytes of each of the ring's two slots when one was granted (its "
+                      "file descriptor travels with this reply), else null", nullable=True),),
             control=True, transport="lane"),
 )}
 
@@ -552,16 +555,26 @@ class LaneError(Exception):
         self.header = header
 
 
-def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0) -> None:
+#: a message of no frames: on a lane with a ring (see :class:`vkpool.daemon.lane.Ring`), a
+#: wake-up for a side asleep in ``recv``; in a ring slot, "this reply travels on the socket".
+LANE_WAKE = _LANE_COUNT.pack(0)
+
+
+def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0, fds: Sequence[int] = ()) -> None:
     """Send ``parts[start:]`` as one message: 1-D byte buffers (bytes, or memoryviews of uint8 as
-    :func:`tensor_frames` makes them), gathered by the kernel without copying."""
+    :func:`tensor_frames` makes them), gathered by the kernel without copying. ``fds``: file
+    descriptors passed with the message's first byte (SCM_RIGHTS)."""
     if start:
         parts = parts[start:]
     n = len(parts)
     sizes = list(map(len, parts))
     buffers = [_lane_head(n).pack(n, *sizes), *parts]
     sent = 0
-    if n < _IOV_MAX:
+    if fds:
+        import array
+
+        sent = sock.sendmsg(buffers, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], _NOSIGNAL)
+    elif n < _IOV_MAX:
         sent = sock.sendmsg(buffers, (), _NOSIGNAL)
         if sent == 4 + 8 * n + sum(sizes):
             return
@@ -580,30 +593,80 @@ def _send_rest(sock: socket.socket, buffers: list[Any], sent: int) -> None:
         sent = sock.sendmsg(views[:_IOV_MAX], (), _NOSIGNAL)
 
 
+def lane_pack_into(slot: memoryview, parts: Sequence[Any]) -> bool:
+    """Write ``parts`` framed as on the socket into ``slot`` (a writable byte view); False, having
+    written nothing, when they do not fit."""
+    n = len(parts)
+    sizes = list(map(len, parts))
+    head = 4 + 8 * n
+    if head + sum(sizes) > len(slot):
+        return False
+    _lane_head(n).pack_into(slot, 0, n, *sizes)
+    at = head
+    for part, size in zip(parts, sizes):
+        slot[at:at + size] = part
+        at += size
+    return True
+
+
+def lane_parse(slot: memoryview, max_frames: int = 1 << 20, max_bytes: int = 1 << 62,
+               copy: bool = False) -> list[memoryview]:
+    """The frames of a message framed in ``slot`` by :func:`lane_pack_into`: views into it, or
+    with ``copy`` into a writable copy of the message; [] for :data:`LANE_WAKE`. Raises
+    :class:`LaneError` when the framing does not hold."""
+    size = len(slot)
+    (n,) = _LANE_COUNT.unpack_from(slot) if size >= 4 else (1,)
+    if n == 0:
+        return []
+    head = 4 + 8 * n
+    if n < 2 or n > max_frames or head > size:
+        raise LaneError(ProtocolViolation("ProtocolError", f"a ring message of {n} frame(s) does not fit its "
+                                          f"slot or the limits (max_frames {max_frames})", {"frames": n}))
+    sizes = _lane_head(n).unpack_from(slot)[1:]
+    body = sum(sizes)
+    if body > max_bytes or head + body > size:
+        raise LaneError(ProtocolViolation("MessageTooLarge", f"a ring message of {body} bytes exceeds its slot "
+                                          f"({size - head} bytes) or max_message_bytes {max_bytes}",
+                                          {"frames": n, "bytes": body}))
+    if copy:
+        slot = memoryview(bytearray(slot[:head + body]))
+    frames = []
+    at = head
+    for length in sizes:
+        frames.append(slot[at:at + length])
+        at += length
+    return frames
+
+
 class LaneReader:
     """Reads lane messages from a stream socket: each as a list of memoryviews (header,
     content, raw frames). A small message costs one ``recv``; bytes of the next message that
     came with it are kept for the next read. A message larger than :data:`LANE_CHUNK` is read
     into a ``bytearray`` of its own, so its frames are writable."""
 
-    __slots__ = ("sock", "rest", "max_frames", "max_bytes", "_poll")
+    __slots__ = ("sock", "rest", "max_frames", "max_bytes", "wakes", "_poll")
 
     def __init__(self, sock: socket.socket, max_frames: int = 1 << 20, max_bytes: int = 1 << 62) -> None:
         self.sock = sock
         self.rest: bytes = b""
         self.max_frames = max_frames
         self.max_bytes = max_bytes
+        self.wakes = False  # a lane with a ring: a message of no frames is a wake-up, read as []
         self._poll: Any = None
 
     def read(self) -> list[memoryview] | None:
-        """The next message; None when the peer closed the connection between messages.
-        Raises :class:`LaneError` for a broken stream, ``OSError`` for a failed socket."""
+        """The next message; None when the peer closed the connection between messages; [] for
+        a wake-up (:data:`LANE_WAKE`, when ``wakes``). Raises :class:`LaneError` for a broken
+        stream, ``OSError`` for a failed socket."""
         data = self.rest
         if len(data) < 4:
             data = self._more(data, 4)
             if data is None:
                 return None
         (n,) = _LANE_COUNT.unpack_from(data)
+        if n == 0 and self.wakes:
+            self.rest = data[4:]
+            return []
         if n < 2:
             raise LaneError(ProtocolViolation("ProtocolError", f"a lane message has {n} frame(s); it needs "
                                               "at least a header and a content frame"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import signal
 import threading
 import time
@@ -32,7 +33,8 @@ from zmq.utils.monitor import parse_monitor_message
 from vkpool.daemon import protocol as P
 from vkpool.daemon.endpoint import (FD_RESERVE, EndpointError, EndpointLock, connection_cap, ipc_path, lane_fits,
                                     lane_path, raise_fd_limit)
-from vkpool.daemon.lane import LaneConnection, LaneListener, Poller
+from vkpool.daemon.lane import (_DAEMON_ASLEEP, _REQ, LaneConnection, LaneListener, Poller, Ring, ring_sleep,
+                               ring_supported, ring_wait)
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.scheduler import Job
 from vkpool.daemon.service import Service, _error
@@ -107,8 +109,6 @@ class Server:
             self._lock.acquire()
         self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         try:
-            import os
-
             old = os.umask(0o177)  # the socket file is created 0600: no window where others connect
             try:
                 router.bind(self.endpoint)
@@ -320,17 +320,22 @@ class Server:
             first = reader.read()
             if first is None or not self._open_lane(conn, first):
                 return
+            reader.wakes = conn.ring is not None
             done = clock()
             gap = poller.max_s  # moving average of the time from one request's end to the next one
             while True:
-                # a client running jobs back to back sends the next one soon: poll for it a while
-                poller.wait(reader, gap, done)
-                parts = reader.read()
+                if conn.ring is None:
+                    # a client running jobs back to back sends the next one soon: poll for it a while
+                    poller.wait(reader, gap, done)
+                    parts = reader.read()
+                    idle = not reader.rest
+                else:
+                    parts, idle = self._lane_next(conn, reader, gap, done)
                 if parts is None:
                     break
                 gap = poller.average(gap, clock() - done)
                 try:
-                    self._on_lane_request(conn, parts, not reader.rest)
+                    self._on_lane_request(conn, parts, idle)
                 except Exception:  # never let one message take the lane down
                     log.exception("unexpected failure handling a lane message; dropped")
                     self.stats.count("dropped")
@@ -344,6 +349,43 @@ class Server:
             self.stats.count("dropped")
         finally:
             self._lane_closed(conn)
+
+    def _lane_next(self, conn: LaneConnection, reader: P.LaneReader, gap: float, done: float
+                   ) -> tuple[list[Any] | None, bool]:
+        """The next request on a lane with a ring, from the ring or the socket, and whether
+        nothing more has arrived (``idle``); (None, False) at end of file. Spins on the ring for
+        up to twice the usual gap (as :meth:`Poller.wait` polls the socket), then sleeps in
+        ``recv`` until the client's wake-up."""
+        ring = conn.ring
+        assert ring is not None
+        words, poller = ring.words, self._lane_poller
+        spun = False
+        while True:
+            seen = conn.ring_seen
+            if words[_REQ] != seen:
+                conn.ring_seen = words[_REQ]
+                conn.ring_reply = True  # set first: an error about the message is answered in the ring too
+                parts = P.lane_parse(ring.request, self.settings.max_frames, self.settings.max_message_bytes)
+                if not parts:
+                    raise P.LaneError(ProtocolViolation("ProtocolError", "a ring message of no frames"))
+                return parts, True
+            if reader.rest:
+                parts = reader.read()
+            else:
+                if not spun and gap < poller.max_s and poller._token.acquire(False):
+                    try:
+                        ring_wait(words, _REQ, seen, reader, done + 2.0 * gap)
+                    finally:
+                        poller._token.release()
+                spun = True
+                if words[_REQ] != seen:
+                    continue
+                parts = ring_sleep(words, _REQ, seen, _DAEMON_ASLEEP, reader)
+            if parts is None:
+                return None, False
+            if parts:  # a request on the socket (one too large for the ring)
+                conn.ring_reply = False
+                return parts, not reader.rest
 
     def _open_lane(self, conn: LaneConnection, parts: list[Any]) -> bool:
         """Bind the connection to its ZeroMQ client; False (answered, to be closed) when refused."""
@@ -366,8 +408,20 @@ class Server:
             self._lane_error(conn, b"", header, exc)
             return False
         conn.client = client
+        ring, fd = None, -1
+        if content.get("ring") and self.settings.lane_poll > 0 and ring_supported():
+            try:
+                ring, fd = Ring.create()
+            except OSError as exc:
+                log.info("no ring for a local lane: %s", exc)
         self.stats.count("accepted")
-        self._lane_reply(conn, None, "open_lane", "ok", {}, [])
+        try:
+            self._lane_reply(conn, None, "open_lane", "ok", {"ring": None if ring is None else ring.slot}, [],
+                             () if ring is None else (fd,))
+        finally:
+            if ring is not None:
+                os.close(fd)
+        conn.ring = ring
         return True
 
     def _lane_inline(self, conn: LaneConnection, client: bytes, header: dict[str, Any], parts: list[Any]) -> bool:
@@ -524,7 +578,7 @@ class Server:
         self._lane_error(conn, conn.client or b"", header, exc.violation)
 
     def _lane_reply(self, conn: LaneConnection, key: tuple[bytes, str] | None, action: str | None, status: str,
-                    content: dict[str, Any] | bytes, frames: list[Any]) -> None:
+                    content: dict[str, Any] | bytes, frames: list[Any], fds: tuple[int, ...] = ()) -> None:
         """Write a reply on a lane. Counted before it is written (a client reading its reply sees
         the counters balance); the request stays in progress until it is written, so a stop waits
         for it. ``key`` None: not remembered for retries (``open_lane``, a request without an id)."""
@@ -532,7 +586,7 @@ class Server:
         body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
                 content if type(content) is bytes else P.pack(content), *frames]
         self.stats.count(status)
-        sent = conn.send(body)
+        sent = conn.send(body, 1, fds)
         if not sent:
             self.stats.count(status, -1)
             self.stats.count("client_gone")

@@ -151,6 +151,46 @@ def test_lane_jobs_from_several_processes_and_threads_match_in_process_runs(shar
             s.close()
 
 
+def test_the_ring_carries_small_jobs_the_socket_large_ones_and_wakes_a_sleeping_side(shared: Daemon) -> None:
+    """A client that polls gets a ring (the shared daemon polls too): small requests and replies
+    travel in shared memory, one over the ring's slot on the socket; pauses between jobs let the
+    daemon's lane thread fall asleep, so the wake-up on the socket is needed, and a job slower
+    than the client's polling makes the client sleep and be woken."""
+    from vkpool.daemon.lane import RING_SLOT
+
+    small, large = shared.folder / "ring_small.onnx", shared.folder / "ring_large.onnx"
+    small.write_bytes(mlp_model(8, 16, seed=3))
+    n = RING_SLOT // 4 + 1000  # float32 input and output each over the slot
+    large.write_bytes(add_model(n, 2.0))
+    with shared.client() as client:
+        before = settled(client)
+        client._lane_poller.max_s = 300e-6  # this process's default on 2 CPUs: no polling, so no ring
+        s_small, s_large = client.session(small), client.session(large)
+        x = np.arange(8, dtype=np.float32).reshape(1, 8)
+        want = s_small.run(None, {"x": x})
+        [lane] = client._lanes
+        assert lane.ring is not None, "the daemon granted no ring"
+        ring_before = lane.ring.words[0]
+        rng = np.random.default_rng(0)
+        for j in range(60):
+            if j % 10 == 9:
+                time.sleep(0.02)  # the daemon's lane thread sleeps in recv: the next request wakes it
+            xs = rng.standard_normal((1, 8)).astype(np.float32)
+            got = s_small.run(None, {"x": xs})
+            ref = s_small.run(None, {"x": x})
+            for a, b in zip(ref, want):
+                np.testing.assert_array_equal(a, b)
+            assert all(g.flags.writeable for g in got)
+            if j % 20 == 0:
+                big = rng.standard_normal((1, n)).astype(np.float32)
+                (y,) = s_large.run(None, {"x": big})
+                np.testing.assert_array_equal(y, big + 2.0)
+        assert lane.ring.words[0] - ring_before == 120  # every small request went in the ring
+        assert [lane] == list(client._lanes)  # one lane throughout
+        after = settled(client)
+        assert after["error"] == before["error"] and after["ok"] - before["ok"] >= 123
+
+
 def _infer_parts(rid: str, model: str, metas: list[dict[str, Any]], frames: list[Any]) -> list[Any]:
     return [P.pack(P.request_header("infer", rid)), P.pack({"model": model, "inputs": metas}), *frames]
 
