@@ -83,58 +83,6 @@ COOP_TILES = (
 )
 
 
-@dataclass(frozen=True)
-class WgTile:
-    """A workgroup tile of ``gemm_coopmat_wg.comp``: one BM x BN workgroup-scope accumulator,
-    BK-deep steps, the blocks loaded from memory (STAGE 0) or through shared memory (STAGE 1),
-    SWIZZLE tile-rows per L2 band, THREADS invocations (one of the device's size classes; 0:
-    the largest the tile is a multiple of)."""
-
-    BM: int
-    BN: int
-    BK: int
-    STAGE: int = 0
-    SWIZZLE: int = 8
-    THREADS: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"wg{self.BM}x{self.BN}x{self.BK}_s{self.STAGE}_z{self.SWIZZLE}_t{self.THREADS}"
-
-    def shared_bytes(self) -> int:
-        return (self.BM * (self.BK + 8) + self.BK * (self.BN + 8)) * _HALF if self.STAGE else 0
-
-    def size_class(self, caps: DeviceCaps) -> tuple[int, int, int, int] | None:
-        """The device's workgroup-scope size class (M, N, K granularity, invocations) this tile
-        runs as: the one with the most invocations that the tile is a multiple of, or THREADS'."""
-        if not (caps.float16 and self.STAGE in (0, 1) and self.BK % 8 == 0 and self.BN % 8 == 0):
-            return None
-        if self.shared_bytes() + caps.cooperative_matrix_workgroup_reserved_shared > caps.shared_memory_bytes:
-            return None
-        classes = [c for c in caps.cooperative_matrix_workgroup_f16
-                   if self.BM % c[0] == 0 and self.BN % c[1] == 0 and self.BK % c[2] == 0
-                   and c[3] <= caps.max_workgroup_invocations and self.THREADS in (0, c[3])]
-        return max(classes, key=lambda c: c[3], default=None)
-
-    @classmethod
-    def parse(cls, text: str) -> WgTile:
-        dims, stage, swizzle, *threads = text[2:].split("_")
-        bm, bn, bk = (int(v) for v in dims.split("x"))
-        return cls(bm, bn, bk, int(stage[1:]), int(swizzle[1:]), int(threads[0][1:]) if threads else 0)
-
-
-#: preferred first (VK_NV_cooperative_matrix2 devices)
-WG_TILES = (
-    WgTile(128, 256, 32),
-    WgTile(128, 128, 32),
-)
-
-
-def parse_tile(text: str) -> CoopTile | WgTile:
-    """A tile name of either kernel (``bench/gemm_fp16.py --variants``)."""
-    return WgTile.parse(text) if text.startswith("wg") else CoopTile.parse(text)
-
-
 def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
     """The cooperative-matrix shape the kernel uses on ``caps``' device, or None where it has
     none fit for it (rows of B and of Y must be whole 16-byte vectors: LN, LK multiples of 8)."""
@@ -168,22 +116,8 @@ class HalfMatmulPlan:
                 return tile
         return fitting[-1]
 
-    def whole_tiles(self, tile: WgTile) -> bool:
-        p = self.p
-        return p.M % tile.BM == 0 and p.N % tile.BN == 0 and p.K % tile.BK == 0 and p.K > 0
-
-    def choose_wg_tile(self, caps: DeviceCaps) -> WgTile | None:
-        """The workgroup-scope tile for this product, where the device has one and the product
-        is made of whole tiles of it."""
-        p = self.p
-        fitting = [t for t in WG_TILES if t.size_class(caps) is not None and self.whole_tiles(t)]
-        for tile in fitting:
-            if (p.M // tile.BM) * (p.N // tile.BN) * p.batch_count >= _TARGET_GROUPS:
-                return tile
-        return fitting[-1] if fitting else None
-
     def dispatches(
-        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | WgTile | None = None,
+        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None,
     ) -> list[Dispatch]:
         """The dispatches computing Y on a device with ``caps``; ``tile`` overrides the
         cooperative-matrix tile (benchmarks compare tiles with it)."""
@@ -191,17 +125,7 @@ class HalfMatmulPlan:
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
         shape = coop_shape(caps)
-        wg = tile if isinstance(tile, WgTile) else self.choose_wg_tile(caps) if tile is None else None
-        if wg is not None:
-            size_class = wg.size_class(caps)
-            if size_class is None or not self.whole_tiles(wg):
-                raise UnsupportedOp(f"workgroup-scope tile {wg.name} does not fit this device or product")
-            shader = "gemm_coopmat_wg"
-            defines = {"BM": wg.BM, "BN": wg.BN, "BK": wg.BK, "STAGE": wg.STAGE, "SWIZZLE": wg.SWIZZLE,
-                       "WG": size_class[3]}
-            bm, bn = wg.BM, wg.BN
-        elif shape is not None:
-            assert not isinstance(tile, WgTile)
+        if shape is not None:
             tile = tile or self.choose_tile(caps)
             if not tile.fits(caps, shape):
                 raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
@@ -244,4 +168,4 @@ class HalfMatmulPlan:
         return 2 * self.p.M * self.p.N * self.p.K * self.p.batch_count
 
 
-__all__ = ["COOP_TILES", "WG_TILES", "CoopTile", "HalfMatmulPlan", "WgTile", "coop_shape", "parse_tile"]
+__all__ = ["COOP_TILES", "CoopTile", "HalfMatmulPlan", "coop_shape"]
