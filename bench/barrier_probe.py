@@ -7,6 +7,8 @@ one before) and records them again with each kind of synchronisation between the
 
 - ``compute``: a pipeline barrier between the compute stages, as the engine records one;
 - ``all-commands``: the same barrier over every stage;
+- ``execution``: the compute-to-compute barrier without its memory barrier (an execution
+  dependency only: what the driver charges for ordering alone, not a correct recording);
 - ``event``: a set/wait event pair with the same memory barrier instead of the pipeline barrier;
 - ``none``: no synchronisation at all (wrong results; the floor of dispatching alone).
 
@@ -26,7 +28,7 @@ import numpy as np
 from bench import workloads
 from bench.stats import median_run_s
 
-KINDS = ("compute", "all-commands", "event", "none")
+KINDS = ("compute", "all-commands", "execution", "event", "none")
 
 
 def _record(device: Any, cmd: Any, commands: list[tuple], kind: str, query_pool: Any, events: list[Any]) -> None:
@@ -54,6 +56,8 @@ def _record(device: Any, cmd: Any, commands: list[tuple], kind: str, query_pool:
         elif c[0] == "barrier":
             if kind == "compute":
                 lib.vkCmdPipelineBarrier(cmd, compute, compute, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+            elif kind == "execution":
+                lib.vkCmdPipelineBarrier(cmd, compute, compute, 0, 0, ffi.NULL, 0, ffi.NULL, 0, ffi.NULL)
             elif kind == "all-commands":
                 lib.vkCmdPipelineBarrier(cmd, every, every, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
             elif kind == "event":

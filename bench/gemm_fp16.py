@@ -104,9 +104,11 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
             sess.run(None, {"a": a, "b": b})
             walls.append((time.perf_counter() - t0) * 1e6)
         out["session_run_us"] = statistics.median(walls)
-        gemm = [c for c in chunk.commands if c[0] == "dispatch"]
+        # the inputs' copies into device memory come first; the product is the one MatMul dispatch
+        dispatches = [c for c in chunk.commands if c[0] == "dispatch"]
+        gemm = [c for c, label in zip(dispatches, chunk.dispatch_labels) if label.startswith("MatMul")]
         if len(gemm) != 1:
-            raise RuntimeError(f"expected one GEMM dispatch, found {len(gemm)}")
+            raise RuntimeError(f"expected one GEMM dispatch, found {chunk.dispatch_labels}")
         out["gpu_us"] = _replayed(device, gemm[0], reps)
         out["tflops"] = tflops(size, out["gpu_us"])
         if variants and coop_shape(caps) is None:
@@ -131,6 +133,7 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
                                                  "accuracy": accuracy(yv[rows], ref)}
                     except Exception as exc:  # a tile the device rejects is reported, not fatal
                         out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+                    print(f"  tile {name}: {out['variants'][name]}", file=sys.stderr, flush=True)
             finally:
                 for buf in bufs:
                     buf.free()
