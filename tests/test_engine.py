@@ -148,3 +148,36 @@ def test_a_wait_learns_how_long_its_runs_take(pool):
         # a blend of runs seen (a faster one replaces it outright): within their wall times
         assert 0.0 < sub.typical_s <= max(*times, first)
         np.testing.assert_allclose(out, _reference(x), rtol=1e-6, atol=1e-6)
+
+
+def _matmul_model() -> bytes:
+    """y = Relu(x @ W): the product reads its input many times."""
+    w = np.random.default_rng(3).standard_normal((32, 24)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 24])], [numpy_helper.from_array(w, "w")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def test_inputs_in_mapped_device_memory_need_no_copy_in(pool, monkeypatch):
+    """Where the member has device memory the host maps (lavapipe's is all of it), a product reads
+    its input there; without it the input is copied into device memory first. Both give the
+    same result, exactly."""
+    x = np.random.default_rng(4).standard_normal((5, 32)).astype(np.float32)
+    w = np.random.default_rng(3).standard_normal((32, 24)).astype(np.float32)
+    results, labels = {}, {}
+    for mapped in (True, False):
+        with Session(_matmul_model(), pool=pool) as probe:
+            member = probe.member
+        assert member.device_local_inputs  # lavapipe: device memory is host-visible
+        if not mapped:
+            monkeypatch.setattr(member, "inputs", None)
+        with Session(_matmul_model(), pool=pool) as sess:
+            (results[mapped],) = sess.run(None, {"x": x})
+            labels[mapped] = sess._chunk.dispatch_labels
+        monkeypatch.undo()
+    assert not any(label.startswith("copy-in") for label in labels[True])
+    assert any(label.startswith("copy-in x") for label in labels[False])
+    np.testing.assert_array_equal(results[True], results[False])
+    np.testing.assert_allclose(results[True], np.maximum(x @ w, 0), rtol=1e-5, atol=1e-5)

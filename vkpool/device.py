@@ -181,6 +181,10 @@ class LogicalDevice:
         assert local is not None
         self.device_type = local
         self.device_type_host_visible = bool(types[local][1] & HV)
+        # device memory the host can write through a mapping (all of it on lavapipe and integrated
+        # GPUs; on a discrete GPU with a resizable BAR, a type of the same heap): inputs written
+        # there are read by kernels at device speed with no copy on the device
+        self.mapped_device_type = local if self.device_type_host_visible else pick(DL | HV | HC, heap=local_heap)
         host = pick(HV | HC, HCA)
         if host is None:
             raise vk.VulkanUnavailable(f"{self.info.name} has no host-visible coherent memory")

@@ -219,16 +219,20 @@ class VulkanChunk:
                     # (NOTE: H200, driver 580: a 64 KiB Softmax row took 28 µs writing host
                     # memory, 7.5 µs writing device memory)
                     t[name] = _Tensor(info, "arena" if staged else "output", name)
-        # inputs that a product reads (through views too) are copied into the arena first: a
-        # kernel that reads its input many times would fetch it across the bus each time
-        # (NOTE: H200, driver 580, bench/gemv_probe.py: a 1 GiB GEMV took 675 µs reading its
-        # vector from mapped host memory, 258 µs reading it from device memory)
-        reread = {t[n].base for op, node in zip(self.ops, self.nodes) if op.rereads_inputs for n in node.inputs if n}
+        # Inputs live in device memory the host writes through a mapping where the member has
+        # it; elsewhere they live in host memory, and those that a product reads (through views
+        # too) are copied into the arena first: a kernel that reads its input many times would
+        # fetch it across the bus each time (NOTE: H200, driver 580, bench/gemv_probe.py: a
+        # 1 GiB GEMV took 675 µs reading its vector from mapped host memory, 258 µs reading it
+        # from device memory)
         self._staged_inputs: dict[str, _Tensor] = {}
-        for name in self.input_names:
-            if name in reread and t[name].kind == "input":
-                self._staged_inputs[name] = t[name]
-                t[name] = _Tensor(t[name].info, "arena", name)
+        if not member.device_local_inputs:
+            reread = {t[n].base for op, node in zip(self.ops, self.nodes) if op.rereads_inputs
+                      for n in node.inputs if n}
+            for name in self.input_names:
+                if name in reread and t[name].kind == "input":
+                    self._staged_inputs[name] = t[name]
+                    t[name] = _Tensor(t[name].info, "arena", name)
         self.tensors = t
         # Storage: constants and I/O get allocations of their own; activations share an arena.
         # A constant is stored as its readers read it: as is, transposed (ops'
@@ -255,7 +259,7 @@ class VulkanChunk:
                         tensor.handle = handle
                     self.stats.weight_bytes += tensor.info.nbytes
             elif tensor.kind in ("input", "output"):
-                alloc = member.alloc(tensor.info.nbytes, host_visible=True)
+                alloc = member.alloc(tensor.info.nbytes, host_visible=True, input=tensor.kind == "input")
                 self._allocs.append(alloc)
                 tensor.handle = TensorHandle(alloc, 0, tensor.info.nbytes)
                 self.stats.io_bytes += tensor.info.nbytes

@@ -118,15 +118,33 @@ class VulkanMember(Member):
         # host-visible (lavapipe, integrated GPUs, ReBAR) that is the same allocator.
         self.io = self.local if device.device_type_host_visible else BlockAllocator(
             device, device.host_type, self.budget, block_bytes=HOST_BLOCK_BYTES, name=member_id)
+        # Inputs go to device memory the host can write where the device has it: kernels then
+        # read them at device speed, with no copy on the device first.
+        mapped = device.mapped_device_type
+        self.inputs: BlockAllocator | None = (
+            self.local if mapped == device.device_type else None if mapped is None else BlockAllocator(
+                device, mapped, self.budget, block_bytes=HOST_BLOCK_BYTES, name=member_id))
         self._staging = BlockAllocator(device, device.host_type, None, block_bytes=HOST_BLOCK_BYTES,
                                        name=f"{member_id} staging")
         self._staging_lock = threading.Lock()
 
     @property
-    def allocations(self) -> int:
-        return self.local.allocations + (self.io.allocations if self.io is not self.local else 0)
+    def device_local_inputs(self) -> bool:
+        """Whether :meth:`alloc` with ``input=True`` gives host-writable device memory."""
+        return self.inputs is not None
 
-    def alloc(self, nbytes: int, *, host_visible: bool = False) -> Allocation:
+    def _allocators(self) -> list[BlockAllocator]:
+        return list({id(a): a for a in (self.local, self.io, self.inputs) if a is not None}.values())
+
+    @property
+    def allocations(self) -> int:
+        return sum(a.allocations for a in self._allocators())
+
+    def alloc(self, nbytes: int, *, host_visible: bool = False, input: bool = False) -> Allocation:
+        """Device memory; with ``host_visible`` memory the host maps (inputs and outputs); with
+        ``input`` too, device memory the host maps where the device has it."""
+        if host_visible and input and self.inputs is not None:
+            return self.inputs.alloc(nbytes)
         return (self.io if host_visible else self.local).alloc(nbytes)
 
     def upload(self, alloc: Allocation, array: np.ndarray, *, transpose: bool = False) -> None:
@@ -201,9 +219,8 @@ class VulkanMember(Member):
         return d
 
     def close(self) -> None:
-        self.local.close()
-        if self.io is not self.local:
-            self.io.close()
+        for allocator in self._allocators():
+            allocator.close()
         self._staging.close()
 
 
