@@ -63,7 +63,10 @@ VARIANTS: dict[bool, list[dict[str, int]]] = {
             {"_GEMV_TARGET_GROUPS": 16384, "_GEMV_MIN_ROWS_PER_SPLIT": 32}],
     True: [{"_GEMV_T_ROWS": 1, "_GEMV_T_THREADS_PER_ROW": 256},
            {"_GEMV_T_ROWS": 2, "_GEMV_T_THREADS_PER_ROW": 128},
-           {"_GEMV_T_ROWS": 4, "_GEMV_T_THREADS_PER_ROW": 64}],
+           {"_GEMV_T_ROWS": 4, "_GEMV_T_THREADS_PER_ROW": 64},
+           {"_GEMV_T_ROWS": 8, "_GEMV_T_THREADS_PER_ROW": 64},
+           {"_GEMV_T_ROWS": 4, "_GEMV_T_THREADS_PER_ROW": 32},
+           {"_GEMV_T_ROWS": 16, "_GEMV_T_THREADS_PER_ROW": 32}],
 }
 
 

@@ -30,9 +30,12 @@ _MAX_GROUPS = 65535
 #: workgroups a GEMV should spread over so that every multiprocessor of a large GPU streams
 _GEMV_TARGET_GROUPS = 1024
 _GEMV_MIN_ROWS_PER_SPLIT = 128
-#: gemv_t: output rows per workgroup and invocations sharing one row
-_GEMV_T_ROWS = 8
-_GEMV_T_THREADS_PER_ROW = 32
+#: gemv_t: output rows per workgroup and invocations sharing one row. NOTE: H200, driver 580,
+#: bench/gemv_probe.py --variants --softmax: one row of 256 invocations per workgroup streamed
+#: 1 GiB in 235.9 µs (4.55 TB/s) and 16 chained 64 MiB products in 325.0 µs, against 243.3 and
+#: 327.2 µs for 8 rows of 32; 2, 4 and 8 rows of 64 or 128 were slower still
+_GEMV_T_ROWS = 1
+_GEMV_T_THREADS_PER_ROW = 256
 #: workgroups below which a tiled product splits its reduction, and the least K per split
 _GEMM_TARGET_GROUPS = 256
 _GEMM_MIN_K_PER_SPLIT = 128
