@@ -36,7 +36,6 @@ layout(push_constant) uniform Args {
     uint shape[6];
     uint astride[6];
     uint bstride[6];
-    DEP_ARGS
 } pc;
 
 #define NAN uintBitsToFloat(0x7fc00000u)
@@ -177,4 +176,3 @@ void main() {
     }
     pc.y.v[i] = YT(apply(ACT(pc.a.v[ia]), BCT(pc.b.v[ib])));
 }
-#include "dep_main.glsl"
