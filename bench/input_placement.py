@@ -1,12 +1,18 @@
 """Inputs in mapped device memory against inputs in host memory copied in, on the same device.
 
 Usage: python -m bench.input_placement MODEL.onnx [MODEL.onnx ...] [--device vk0] [--runs 2000]
+                                     [--staged-output-bytes N]
 
 For each model it builds two sessions on the member: one as vkpool places inputs (in device
 memory the host writes through a mapping, where the device has such memory), one with that
 memory taken away (inputs in host memory; those a product reads are copied into device memory
 by a dispatch first). The two are timed in alternating rounds (median of ``--runs`` each) and
 their outputs compared. It prints the memory types the device offers first.
+
+With ``--staged-output-bytes N`` the second session instead keeps vkpool's input placement and
+copies out only outputs of at least N bytes (``vkpool.engine.STAGED_OUTPUT_BYTES``, whose
+default the first session uses): the kernel producing a smaller output writes it to host memory
+itself.
 """
 from __future__ import annotations
 
@@ -39,7 +45,9 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--runs", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--staged-output-bytes", type=int, default=None)
     args = ap.parse_args()
+    from vkpool import engine
     from vkpool.pool import DevicePool
     from vkpool.session import Session
 
@@ -57,19 +65,24 @@ def main() -> None:
         print(f"memory type {i}: heap {t.heapIndex}, {flags}")
     print(f"{member.id}: device memory {device.device_type}, inputs in type {device.mapped_device_type}, "
           f"host memory {device.host_type}\n")
-    if not member.device_local_inputs:
+    if args.staged_output_bytes is None and not member.device_local_inputs:
         print("the device has no mapped device memory: both sessions would be the same")
         return
-    print("| model | mapped device memory (µs) | host memory, copied in (µs) | ratio | outputs equal |")
+    other = ("host memory, copied in" if args.staged_output_bytes is None
+             else f"outputs under {args.staged_output_bytes} B written by their kernel")
+    print(f"| model | as placed (µs) | {other} (µs) | ratio | outputs equal |")
     print("|---|---|---|---|---|")
-    kept = member.inputs
+    kept, threshold = member.inputs, engine.STAGED_OUTPUT_BYTES
     for path in args.models:
         mapped = Session(path, pool=pool, device=member.id)
-        member.inputs = None
+        if args.staged_output_bytes is None:
+            member.inputs = None
+        else:
+            engine.STAGED_OUTPUT_BYTES = args.staged_output_bytes
         try:
             staged = Session(path, pool=pool, device=member.id)
         finally:
-            member.inputs = kept
+            member.inputs, engine.STAGED_OUTPUT_BYTES = kept, threshold
         feeds = _feeds(mapped)
         equal = all(np.array_equal(a, c) for a, c in zip(mapped.run(None, feeds), staged.run(None, feeds)))
         for s in (mapped, staged):

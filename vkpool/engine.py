@@ -27,8 +27,11 @@ from vkpool.kernels.registry import create_op
 from vkpool.model import Node
 
 
-#: chunk outputs of at least this size are written to device memory and copied out at the end
-STAGED_OUTPUT_BYTES = 16 * 1024
+#: chunk outputs of at least this size are written to device memory and copied out at the end.
+#: NOTE: H200, driver 580, bench/input_placement.py --staged-output-bytes: a 64 KiB Softmax row
+#: and a 16 KiB one written straight to host memory ran matmul_1GB_1layer in 275.5 µs and
+#: matmul_1GB_16layers in 337.5 µs, against 280.0 and 339.8 µs copied out after a barrier
+STAGED_OUTPUT_BYTES = 128 * 1024
 
 
 @dataclass(eq=False)
@@ -216,8 +219,6 @@ class VulkanChunk:
                 else:
                     # a large output is computed in device memory and copied out at the end: a
                     # kernel writing straight across the bus is slow when few workgroups write
-                    # (NOTE: H200, driver 580: a 64 KiB Softmax row took 28 µs writing host
-                    # memory, 7.5 µs writing device memory)
                     t[name] = _Tensor(info, "arena" if staged else "output", name)
         # Inputs live in device memory the host writes through a mapping where the member has
         # it; elsewhere they live in host memory, and those that a product reads (through views
