@@ -1,7 +1,7 @@
 """Inputs in mapped device memory against inputs in host memory copied in, on the same device.
 
 Usage: python -m bench.input_placement MODEL.onnx [MODEL.onnx ...] [--device vk0] [--runs 2000]
-                                     [--staged-output-bytes N]
+                                     [--staged-output-bytes N | --no-subgroup-reduce]
 
 For each model it builds two sessions on the member: one as vkpool places inputs (in device
 memory the host writes through a mapping, where the device has such memory), one with that
@@ -12,7 +12,8 @@ their outputs compared. It prints the memory types the device offers first.
 With ``--staged-output-bytes N`` the second session instead keeps vkpool's input placement and
 copies out only outputs of at least N bytes (``vkpool.engine.STAGED_OUTPUT_BYTES``, whose
 default the first session uses): the kernel producing a smaller output writes it to host memory
-itself.
+itself. With ``--no-subgroup-reduce`` it keeps both placements and builds its kernels as for a
+device without subgroup arithmetic (reductions through shared memory only).
 """
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--staged-output-bytes", type=int, default=None)
+    ap.add_argument("--no-subgroup-reduce", action="store_true")
     args = ap.parse_args()
+    import dataclasses
+
     from vkpool import engine
     from vkpool.pool import DevicePool
     from vkpool.session import Session
@@ -65,24 +69,27 @@ def main() -> None:
         print(f"memory type {i}: heap {t.heapIndex}, {flags}")
     print(f"{member.id}: device memory {device.device_type}, inputs in type {device.mapped_device_type}, "
           f"host memory {device.host_type}\n")
-    if args.staged_output_bytes is None and not member.device_local_inputs:
+    if args.staged_output_bytes is None and not args.no_subgroup_reduce and not member.device_local_inputs:
         print("the device has no mapped device memory: both sessions would be the same")
         return
-    other = ("host memory, copied in" if args.staged_output_bytes is None
+    other = ("reductions through shared memory only" if args.no_subgroup_reduce
+             else "host memory, copied in" if args.staged_output_bytes is None
              else f"outputs under {args.staged_output_bytes} B written by their kernel")
     print(f"| model | as placed (µs) | {other} (µs) | ratio | outputs equal |")
     print("|---|---|---|---|---|")
-    kept, threshold = member.inputs, engine.STAGED_OUTPUT_BYTES
+    kept, threshold, caps = member.inputs, engine.STAGED_OUTPUT_BYTES, device.caps
     for path in args.models:
         mapped = Session(path, pool=pool, device=member.id)
-        if args.staged_output_bytes is None:
+        if args.no_subgroup_reduce:
+            device.caps = dataclasses.replace(caps, subgroup_arithmetic=False)
+        elif args.staged_output_bytes is None:
             member.inputs = None
         else:
             engine.STAGED_OUTPUT_BYTES = args.staged_output_bytes
         try:
             staged = Session(path, pool=pool, device=member.id)
         finally:
-            member.inputs, engine.STAGED_OUTPUT_BYTES = kept, threshold
+            member.inputs, engine.STAGED_OUTPUT_BYTES, device.caps = kept, threshold, caps
         feeds = _feeds(mapped)
         equal = all(np.array_equal(a, c) for a, c in zip(mapped.run(None, feeds), staged.run(None, feeds)))
         for s in (mapped, staged):

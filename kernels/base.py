@@ -132,6 +132,8 @@ class DeviceCaps:
     float16: bool = False
     int8: bool = False
     int64: bool = True
+    #: subgroupAdd/subgroupMax in compute shaders (reductions within a subgroup first)
+    subgroup_arithmetic: bool = False
     cooperative_matrix: bool = False
     #: (M, N, K) of subgroup-scope cooperative matrices multiplying float16 into float32
     cooperative_matrix_f16: tuple[tuple[int, int, int], ...] = ()

@@ -83,6 +83,7 @@ class LogicalDevice:
             float16=info.capabilities.get("fp16", False),
             int8=info.capabilities.get("int8", False),
             int64=info.capabilities.get("int64", False),
+            subgroup_arithmetic=info.capabilities.get("subgroup_arithmetic", False),
             cooperative_matrix=info.capabilities.get("cooperative_matrix", False),
             cooperative_matrix_f16=tuple(info.cooperative_matrix_f16),
         )

@@ -222,6 +222,9 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
         "timeline_semaphores": bool(f12.timelineSemaphore),
         "vulkan_memory_model": bool(f12.vulkanMemoryModel),
         "buffer_device_address": bool(f12.bufferDeviceAddress),
+        # subgroupAdd/subgroupMax in compute shaders
+        "subgroup_arithmetic": bool(p11.subgroupSupportedStages & b.VK_SHADER_STAGE_COMPUTE_BIT
+                                    and p11.subgroupSupportedOperations & b.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT),
     }
     for cap, ext in EXTENSIONS.items():
         caps[cap] = ext in exts

@@ -92,7 +92,7 @@ class Conv(Op):
         if self.plan is not None:
             extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
-            return self.plan.dispatches(w, x, b, y, ctx.workspace, extra)
+            return self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)
         total = math.prod(self.out_shape)
         return [Dispatch(
             "conv",

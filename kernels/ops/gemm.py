@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div, groups_1d,
+    F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
+    groups_1d,
 )
 from vkpool.kernels.broadcast import broadcast_strides
 
@@ -155,12 +156,14 @@ class MatmulPlan:
     # -- dispatches ----------------------------------------------------------------------
     def dispatches(
         self, a: Any, b: Any, c: Any, y: Any, ws: Any, extra_defines: dict[str, Any] | None = None,
+        caps: DeviceCaps | None = None,
     ) -> list[Dispatch]:
-        """Dispatches computing Y; ``c`` may be None when the problem has no bias."""
+        """Dispatches computing Y; ``c`` may be None when the problem has no bias. ``caps``: the
+        device's, where kernels may use what it offers beyond the baseline."""
         p = self.p
         c_or_y = c if p.has_bias else y  # an unused pointer still needs a valid address
         if self.kind == "gemv_t":
-            return [self._gemv_t(a, b, c_or_y, y)]
+            return [self._gemv_t(a, b, c_or_y, y, caps)]
         if self.kind == "gemv":
             return self._gemv(a, b, c_or_y, y, ws)
         out: list[Dispatch] = []
@@ -208,7 +211,7 @@ class MatmulPlan:
             return [first]
         return [first, self._reduce(ws, c, y)]
 
-    def _gemv_t(self, a: Any, b: Any, c: Any, y: Any) -> Dispatch:
+    def _gemv_t(self, a: Any, b: Any, c: Any, y: Any, caps: DeviceCaps | None) -> Dispatch:
         p = self.p
         vec = 4 if p.K % 4 == 0 and p.sBn % 4 == 0 and p.sAk == 1 else 1
         if vec == 1 and p.sAk != 1:
@@ -221,7 +224,7 @@ class MatmulPlan:
             [Ptr(a), Ptr(b), Ptr(c), Ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
             (ceil_div(groups, gy), gy, 1), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
-             "RELU": int(p.relu)},
+             "RELU": int(p.relu), "SUBGROUP_REDUCE": int(rows == 1 and caps is not None and caps.subgroup_arithmetic)},
         )
 
     def flops(self) -> int:
@@ -300,7 +303,7 @@ class Gemm(Op):
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
-        return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], c, ctx.outputs[0], ctx.workspace)
+        return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], c, ctx.outputs[0], ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
         return self.plan.flops() + (self.M * self.N if self.plan.p.has_bias else 0)

@@ -77,7 +77,7 @@ class MatMul(Op):
         a, b, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
         if isinstance(self.plan, HalfMatmulPlan):
             return self.plan.dispatches(a, b, y, ctx.caps)
-        return self.plan.dispatches(a, b, None, y, ctx.workspace)
+        return self.plan.dispatches(a, b, None, y, ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
         return self.plan.flops()

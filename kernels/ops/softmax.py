@@ -77,7 +77,8 @@ def softmax_dispatch(src: Any, dst: Any, D: int, inner: int, rows: int, mode: in
         "softmax",
         [Ptr(src), Ptr(dst), U32(D), U32(inner), U32(rows)],
         (ceil_div(max(rows, 1), gy), gy, 1),
-        {"MODE": mode, "LOCAL_SIZE": local, **element_defines(dtype, "X")},
+        {"MODE": mode, "LOCAL_SIZE": local, "SUBGROUP_REDUCE": int(caps.subgroup_arithmetic),
+         **element_defines(dtype, "X")},
     )
 
 

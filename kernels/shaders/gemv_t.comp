@@ -5,6 +5,15 @@
 // so a row is streamed in contiguous chunks; partial dots are combined in shared memory.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+// SUBGROUP_REDUCE (one row per workgroup only): the partial dots are summed within each subgroup
+// first, so one barrier replaces the shared-memory tree's log2(TPR)
+#ifndef SUBGROUP_REDUCE
+#define SUBGROUP_REDUCE 0
+#endif
+#if SUBGROUP_REDUCE
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 
 #ifndef TPR
 #define TPR 32
@@ -57,6 +66,17 @@ void main() {
         }
         for (; k < kv; k += TPR) acc0 += pc.x.v[k] * pc.b.v[rowBase + k];
     }
+#if SUBGROUP_REDUCE
+    const float part = subgroupAdd(hsum((acc0 + acc1) + (acc2 + acc3)));
+    if (subgroupElect()) red[0][gl_SubgroupID] = part;
+    barrier();
+    if (gl_SubgroupID != 0u) return;
+    float total = 0.0;
+    for (uint i = gl_SubgroupInvocationID; i < gl_NumSubgroups; i += gl_SubgroupSize) total += red[0][i];
+    total = subgroupAdd(total);
+    if (!subgroupElect() || n >= pc.N) return;
+    float v = pc.alpha * total;
+#else
     red[r][t] = hsum((acc0 + acc1) + (acc2 + acc3));
     barrier();
     for (uint s = TPR / 2; s > 0; s >>= 1) {
@@ -65,6 +85,7 @@ void main() {
     }
     if (t != 0 || n >= pc.N) return;
     float v = pc.alpha * red[r][0];
+#endif
 #if HAS_BIAS
     v += pc.beta * pc.c.v[n * pc.sCn];
 #endif

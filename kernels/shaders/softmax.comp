@@ -7,6 +7,15 @@
 #include "common.glsl"
 #include "elem_types.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
+// SUBGROUP_REDUCE: maximum and sum are taken within each subgroup first, so each costs two
+// barriers instead of the shared-memory tree's log2(LOCAL_SIZE)
+#ifndef SUBGROUP_REDUCE
+#define SUBGROUP_REDUCE 0
+#endif
+#if SUBGROUP_REDUCE
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 
 #ifndef XT
 #define XT float
@@ -33,6 +42,20 @@ void main() {
 
     float m = -1.0 / 0.0;
     for (uint j = t; j < D; j += LOCAL_SIZE) m = max(m, LOAD(base + j * inner));
+#if SUBGROUP_REDUCE
+    m = subgroupMax(m);
+    if (subgroupElect()) part[gl_SubgroupID] = m;
+    barrier();
+    if (gl_SubgroupID == 0u) {
+        float v = -1.0 / 0.0;
+        for (uint i = gl_SubgroupInvocationID; i < gl_NumSubgroups; i += gl_SubgroupSize) v = max(v, part[i]);
+        v = subgroupMax(v);
+        if (subgroupElect()) part[LOCAL_SIZE - 1] = v;
+    }
+    barrier();
+    m = part[LOCAL_SIZE - 1];
+    barrier();
+#else
     part[t] = m;
     barrier();
     for (uint s = LOCAL_SIZE / 2; s > 0; s >>= 1) {
@@ -41,9 +64,23 @@ void main() {
     }
     m = part[0];
     barrier();
+#endif
 
     float sum = 0.0;
     for (uint j = t; j < D; j += LOCAL_SIZE) sum += exp(LOAD(base + j * inner) - m);
+#if SUBGROUP_REDUCE
+    sum = subgroupAdd(sum);
+    if (subgroupElect()) part[gl_SubgroupID] = sum;
+    barrier();
+    if (gl_SubgroupID == 0u) {
+        float v = 0.0;
+        for (uint i = gl_SubgroupInvocationID; i < gl_NumSubgroups; i += gl_SubgroupSize) v += part[i];
+        v = subgroupAdd(v);
+        if (subgroupElect()) part[LOCAL_SIZE - 1] = v;
+    }
+    barrier();
+    sum = part[LOCAL_SIZE - 1];
+#else
     part[t] = sum;
     barrier();
     for (uint s = LOCAL_SIZE / 2; s > 0; s >>= 1) {
@@ -51,6 +88,7 @@ void main() {
         barrier();
     }
     sum = part[0];
+#endif
 
 #if MODE == 0
     const float scale = 1.0 / sum;
