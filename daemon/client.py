@@ -35,6 +35,8 @@ from vkpool.daemon.errors import DaemonUnavailable, from_reply
 from vkpool.daemon.lane import CLIENT_MAX_LANES, POLL_MAX_S, ClientLane, LaneRefused, Poller, lane_wanted
 
 HELLO_TIMEOUT_S = 5.0
+_INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id
+_INFER_OK = P.header_parts("infer_reply", "ok")
 _POLL_SLICE_MS = 100  # how often a waiting thread looks at the clock and at close()
 
 
@@ -371,47 +373,57 @@ class Client:
 
         The packed content is remembered per model, output names, options and input
         names/dtypes/shapes, so running one model on same-shaped inputs packs only the header.
-        The daemon, for its part, checks a content it has seen before only against the frames."""
+        The daemon, for its part, checks a content it has seen before only against the frames.
+        Small tensors travel as copies of their bytes (see :data:`~vkpool.daemon.protocol.SMALL_FRAME`)."""
         frames: list[Any] = []
         key: list[Any] = [model_id, priority, timeout, outputs if outputs is None else tuple(outputs)]
+        small = P.SMALL_FRAME
         for name, value in feeds.items():
             array = value if type(value) is np.ndarray else np.asarray(value)
             dtype = P._NAME_OF.get(array.dtype)
-            if dtype is None or not array.flags.c_contiguous:  # to be converted: the general path
+            if dtype is not None and array.nbytes < small:
+                frames.append(array.tobytes())  # C order, whatever the array's strides
+            elif dtype is not None and array.flags.c_contiguous:
+                frames.append(memoryview(array).cast("B"))
+            else:  # to be converted: the general path
                 content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
                 packed = P.pack(content)
                 break
-            frames.append(memoryview(array).cast("B") if array.size else b"")
             key += (name, dtype, array.shape)
         else:
-            packed = self._packed.get(tuple(key))
+            key = tuple(key)
+            packed = self._packed.get(key)
             if packed is None:
                 packed = P.pack(infer_content(model_id, feeds, outputs, priority, timeout)[0])
                 if len(self._packed) >= 64:
                     self._packed.clear()
-                self._packed[tuple(key)] = packed
-        reply = self._lane_request("infer", packed, frames, wait)
+                self._packed[key] = packed
+        reply = self._lane_infer_request(packed, frames, wait)
         if reply is None:
             return None
-        header, content, raw = reply
-        if header["status"] != "ok":
+        ok, content, raw = reply
+        if not ok:
             error = P.unpack(content)
             raise from_reply(error if isinstance(error, dict) else {"message": "an error reply without content"})
-        # writable, like the in-process session's results (a large reply's frames are already)
+        # writable, like the in-process session's results (a reply read from the ring, or a large
+        # one, is already)
         return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
 
-    def _lane_request(self, action: str, packed_content: bytes, frames: Sequence[Any],
-                      timeout: float | None) -> tuple[dict[str, Any], memoryview, list[Any]] | None:
-        """One request on the local lane: the reply's header, packed content and raw frames, or
-        None when it must go over ZeroMQ instead (no lane to be had, or the request is over the
-        daemon's limits)."""
+    def _lane_infer_request(self, packed_content: bytes, frames: Sequence[Any], timeout: float | None
+                            ) -> tuple[bool, memoryview, list[Any]] | None:
+        """One infer request on the local lane: whether the reply is ``ok``, its packed content
+        and raw frames; or None when it must go over ZeroMQ instead (no lane to be had, or the
+        request is over the daemon's limits). An ``ok`` reply's header is known in advance (see
+        :func:`~vkpool.daemon.protocol.packed_header`): one that matches it is not unpacked."""
         if len(frames) + 2 > self._max_frames:
             return None
         lane = self._take_lane()
         if lane is None:
             return None
         rid = f"{self._prefix}-{next(self._ids)}"
-        parts = [P.packed_header(f"{action}_request", rid), packed_content, *frames]
+        packed_rid = P.pack_id(rid)
+        prefix, suffix = _INFER_REQUEST
+        parts = [prefix + packed_rid + suffix, packed_content, *frames]
         if sum(map(len, parts)) > self._max_bytes:
             self._lanes_idle.append(lane)
             return None
@@ -426,25 +438,34 @@ class Client:
                                     "stopping or was restarted") from None
         wait = timeout if timeout is not None else self.timeout
         try:
-            reply = lane.receive(wait)
+            reply = lane.receive_frames(wait)
         except TimeoutError:
             self._drop_lane(lane)
-            raise TimeoutError(f"no {action}_reply from {self.endpoint} within {wait:g} s") from None
+            raise TimeoutError(f"no infer_reply from {self.endpoint} within {wait:g} s") from None
         except OSError as exc:
             self._drop_lane(lane)
             if self._closed.is_set():
                 raise DaemonUnavailable("this client was closed while waiting for a reply") from None
             raise DaemonUnavailable(f"the daemon at {self.endpoint} closed the local lane before answering "
-                                    f"{action} request {rid} ({exc})") from None
-        if reply[0].get("id") != rid or "status" not in reply[0]:
-            self._drop_lane(lane)
-            raise DaemonUnavailable(f"the local lane of {self.endpoint} answered request {reply[0].get('id')!r} "
-                                    f"instead of {rid}")
+                                    f"infer request {rid} ({exc})") from None
+        prefix, suffix = _INFER_OK
+        ok = reply[0] == prefix + packed_rid + suffix
+        if not ok:
+            try:
+                header = P.unpack(reply[0])
+            except P.ProtocolViolation:
+                header = None
+            if not isinstance(header, dict) or header.get("id") != rid or "status" not in header:
+                self._drop_lane(lane)
+                raise DaemonUnavailable(f"the local lane of {self.endpoint} answered "
+                                        + (f"request {header.get('id')!r} instead of {rid}"
+                                           if isinstance(header, dict) else "with something that is no reply"))
+            ok = header["status"] == "ok"
         if self._closed.is_set():
             self._drop_lane(lane)
         else:
             self._lanes_idle.append(lane)
-        return reply
+        return ok, reply[1], reply[2:]
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -164,13 +164,13 @@ class Ring:
             os.close(fd)
             raise
 
-    def post(self, parts: list[Any], which: int) -> bool:
-        """Write a message into the request (``_REQ``) or reply (``_REP``) slot and publish it;
-        False when it does not fit (nothing written)."""
-        if not P.lane_pack_into(self.request if which == _REQ else self.reply, parts):
-            return False
-        self.words[which] += 1  # after the message: see the class's doc
-        return True
+    def post(self, parts: list[Any], which: int, start: int = 0) -> int | None:
+        """Write a message (``parts[start:]``) into the request (``_REQ``) or reply (``_REP``) slot
+        and publish it: the bytes of its frames, or None when it does not fit (nothing written)."""
+        size = P.lane_pack_into(self.request if which == _REQ else self.reply, parts, start)
+        if size is not None:
+            self.words[which] += 1  # after the message: see the class's doc
+        return size
 
     def close(self) -> None:
         """Unmap now when nothing uses the memory any more, else when the last view goes."""
@@ -313,28 +313,30 @@ class LaneConnection:
         self.ring_reply = False
         self.ring_seen = 0
 
-    def send(self, body: list[Any], start: int = 1, fds: tuple[int, ...] = ()) -> bool:
-        """Write ``body[start:]`` (body as the server builds it: delimiter first); False when the
-        connection is closed or the write fails, which then shuts the connection down."""
+    def send(self, body: list[Any], start: int = 1, fds: tuple[int, ...] = ()) -> int:
+        """Write ``body[start:]`` (body as the server builds it: delimiter first): the bytes of its
+        frames, or 0 when the connection is closed or the write fails, which then shuts the
+        connection down."""
         with self.send_lock:
             if not self.open:
-                return False
+                return 0
             try:
                 ring = self.ring
                 if ring is not None and self.ring_reply:
                     self.ring_reply = False
-                    if not ring.post(body[start:] if start else body, _REP):
+                    size = ring.post(body, _REP, start)
+                    if size is None:
                         # too large for the slot: on the socket, and in the ring a pointer to it
-                        P.lane_send(self.sock, body, start)
+                        size = P.lane_send(self.sock, body, start)
                         ring.post([], _REP)
                     ring_wake(self.sock, ring.words, _CLIENT_ASLEEP)
                 else:
-                    P.lane_send(self.sock, body, start, fds)
-                return True
+                    size = P.lane_send(self.sock, body, start, fds)
+                return size
             except OSError:
                 self.open = False
         self.shutdown()
-        return False
+        return 0
 
     def shutdown(self) -> None:
         """Wake the connection's thread (its ``recv`` returns end of file); safe from any thread."""
@@ -428,7 +430,7 @@ class ClientLane:
     def send(self, parts: list[Any]) -> None:
         """Write one request (``OSError`` when the daemon closed the lane: nothing was accepted)."""
         ring = self.ring
-        if ring is not None and ring.post(parts, _REQ):
+        if ring is not None and ring.post(parts, _REQ) is not None:
             self.on_ring = True
             ring_wake(self.sock, ring.words, _DAEMON_ASLEEP)
         else:
@@ -440,6 +442,17 @@ class ClientLane:
         """Read one reply: header, packed content, raw frames. ``TimeoutError`` when none came within
         ``timeout``; ``ConnectionError`` when the daemon closed the lane; other ``OSError`` for a
         failed socket. After any exception the lane must be closed."""
+        frames = self.receive_frames(timeout)
+        try:
+            header = P.unpack(frames[0])
+        except P.ProtocolViolation:
+            header = None
+        if not isinstance(header, dict):
+            raise ConnectionResetError("the daemon sent something that is no reply on the local lane")
+        return header, frames[1], frames[2:]
+
+    def receive_frames(self, timeout: float | None) -> list[memoryview]:
+        """:meth:`receive`, the header left packed: the reply's frames (at least two)."""
         if timeout != self.timeout:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
             self.timeout = timeout
@@ -459,13 +472,7 @@ class ClientLane:
         if frames is None:
             raise ConnectionResetError("the daemon closed the local lane")
         self.reply_s = self.poller.average(self.reply_s, time.perf_counter() - self.sent_at)
-        try:
-            header = P.unpack(frames[0])
-        except P.ProtocolViolation:
-            header = None
-        if not isinstance(header, dict):
-            raise ConnectionResetError("the daemon sent something that is no reply on the local lane")
-        return header, frames[1], frames[2:]
+        return frames
 
     def _from_ring(self) -> list[memoryview] | None:
         """The reply to a request sent in the ring: copied out of the ring (the lane may carry the

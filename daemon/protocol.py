@@ -256,14 +256,11 @@ def encode(header: Mapping[str, Any], content: Mapping[str, Any],
 
 
 _HEADER_PARTS: dict[tuple[str, str | None], tuple[bytes, bytes]] = {}
+_FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]  # msgpack's marker of a string of n < 32 bytes
 
 
-def packed_header(kind: str, request_id: str | None, status: str | None = None) -> bytes:
-    """``pack(header)`` for a request (``status`` None) or a reply, from cached packed parts.
-
-    The bytes equal ``pack`` of :func:`request_header` / :func:`reply_header` (same keys, same
-    order); only the request id is packed per message.
-    """
+def header_parts(kind: str, status: str | None = None) -> tuple[bytes, bytes]:
+    """What comes before and after the packed request id in :func:`packed_header`'s bytes."""
     parts = _HEADER_PARTS.get((kind, status))
     if parts is None:
         head = {"v": PROTOCOL_VERSION, "id": None, "type": kind}
@@ -273,13 +270,48 @@ def packed_header(kind: str, request_id: str | None, status: str | None = None) 
         prefix = pack({"v": PROTOCOL_VERSION, "id": None})[:-1]  # the map length is patched below
         prefix = bytes([0x80 | len(head)]) + prefix[1:]
         parts = _HEADER_PARTS[(kind, status)] = (prefix, whole[len(prefix) + 1:])
-    prefix, suffix = parts
-    return prefix + pack(request_id) + suffix
+    return parts
+
+
+def packed_header(kind: str, request_id: str | None, status: str | None = None) -> bytes:
+    """``pack(header)`` for a request (``status`` None) or a reply, from cached packed parts.
+
+    The bytes equal ``pack`` of :func:`request_header` / :func:`reply_header` (same keys, same
+    order); only the request id is packed per message.
+    """
+    prefix, suffix = _HEADER_PARTS.get((kind, status)) or header_parts(kind, status)
+    return prefix + pack_id(request_id) + suffix
+
+
+def pack_id(request_id: str | None) -> bytes:
+    """``pack(request_id)``, without a call to msgpack for a string of fewer than 32 bytes."""
+    if type(request_id) is str:
+        raw = request_id.encode()
+        if len(raw) < 32:
+            return _FIXSTR[len(raw)] + raw
+    return pack(request_id)
+
+
+def packed_id(header: bytes, prefix: bytes, suffix: bytes) -> bytes | None:
+    """The packed request id of a header packed as :func:`packed_header` packs one from
+    ``prefix`` and ``suffix`` (see :func:`header_parts`), when that id is a string of 1 to 31
+    bytes: a header with these bytes unpacks to the map they were packed from. None for any
+    other header (which may still be valid: it is then unpacked)."""
+    start = len(prefix)
+    n = len(header) - start - len(suffix) - 1
+    if 0 < n < 32 and header[start] == 0xA0 | n and header.startswith(prefix) and header.endswith(suffix):
+        return header[start:start + 1 + n]
+    return None
 
 
 #: frames at least this large travel zero-copy; smaller ones are copied, which pyzmq does faster
 #: than it builds the Frame object a zero-copy send or receive needs.
 ZERO_COPY_MIN = 1 << 16
+
+
+#: a tensor smaller than this travels as a copy of its bytes (``tobytes``), which costs less than
+#: the byte view of the array (:func:`tensor_frames`) that larger ones travel as.
+SMALL_FRAME = 1 << 12
 
 
 def send_parts(sock: Any, parts: Sequence[Any]) -> None:
@@ -419,9 +451,9 @@ def tensor_frames(named: Iterable[tuple[str, Any]]) -> tuple[list[dict[str, Any]
 # An infer_reply content, ``{"outputs": metas, "queue_s": q, "run_s": r}``, packed: everything up
 # to q's 8 bytes depends only on the outputs' names, dtypes and shapes, so it is packed once per
 # such layout (on both sides: the daemon to write it, the client to read it).
-_F64 = struct.Struct(">d")
 _QUEUE_S = b"\xa7queue_s\xcb"    # the packed key "queue_s" and the float64 marker
 _RUN_S = b"\xa5run_s\xcb"        # the same for "run_s"
+_TAIL = struct.Struct(f">d{len(_RUN_S)}sd")  # queue_s's value, "run_s" and its marker, run_s's value
 _LAYOUTS_MAX = 64
 
 
@@ -438,10 +470,13 @@ class InferReplies:
         layout = []
         for name, array in zip(names, results):
             dtype = _NAME_OF.get(array.dtype) if type(array) is np.ndarray else None
-            if dtype is None or not array.flags.c_contiguous:
+            if dtype is not None and array.nbytes < SMALL_FRAME:
+                frames.append(array.tobytes())
+            elif dtype is not None and array.flags.c_contiguous:
+                frames.append(memoryview(array).cast("B"))
+            else:
                 metas, frames = tensor_frames(zip(names, results))
                 return pack({"outputs": metas, "queue_s": queue_s, "run_s": run_s}), frames
-            frames.append(memoryview(array).cast("B") if array.size else b"")
             layout.append((name, dtype, array.shape))
         key = tuple(layout)
         head = self._heads.get(key)
@@ -451,7 +486,7 @@ class InferReplies:
             if len(self._heads) >= _LAYOUTS_MAX:
                 self._heads.clear()
             self._heads[key] = head
-        return head + _F64.pack(queue_s) + _RUN_S + _F64.pack(run_s), frames
+        return head + _TAIL.pack(queue_s, _RUN_S, run_s), frames
 
 
 class InferOutputs:
@@ -480,7 +515,7 @@ class InferOutputs:
             for (dtype, shape, nbytes), frame in zip(layout, frames):
                 if len(frame) != nbytes:
                     break
-                out.append(np.frombuffer(frame, dtype).reshape(shape))
+                out.append(np.ndarray(shape, dtype, frame))
             else:
                 return out
         raise ProtocolViolation("InvalidTensor", "the reply's frames do not match its output descriptions")
@@ -560,14 +595,15 @@ class LaneError(Exception):
 LANE_WAKE = _LANE_COUNT.pack(0)
 
 
-def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0, fds: Sequence[int] = ()) -> None:
+def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0, fds: Sequence[int] = ()) -> int:
     """Send ``parts[start:]`` as one message: 1-D byte buffers (bytes, or memoryviews of uint8 as
-    :func:`tensor_frames` makes them), gathered by the kernel without copying. ``fds``: file
-    descriptors passed with the message's first byte (SCM_RIGHTS)."""
+    :func:`tensor_frames` makes them), gathered by the kernel without copying; the bytes of its
+    frames. ``fds``: file descriptors passed with the message's first byte (SCM_RIGHTS)."""
     if start:
         parts = parts[start:]
     n = len(parts)
     sizes = list(map(len, parts))
+    body = sum(sizes)
     buffers = [_lane_head(n).pack(n, *sizes), *parts]
     sent = 0
     if fds:
@@ -576,9 +612,10 @@ def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0, fds: Se
         sent = sock.sendmsg(buffers, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], _NOSIGNAL)
     elif n < _IOV_MAX:
         sent = sock.sendmsg(buffers, (), _NOSIGNAL)
-        if sent == 4 + 8 * n + sum(sizes):
-            return
+        if sent == 4 + 8 * n + body:
+            return body
     _send_rest(sock, buffers, sent)
+    return body
 
 
 def _send_rest(sock: socket.socket, buffers: list[Any], sent: int) -> None:
@@ -593,20 +630,31 @@ def _send_rest(sock: socket.socket, buffers: list[Any], sent: int) -> None:
         sent = sock.sendmsg(views[:_IOV_MAX], (), _NOSIGNAL)
 
 
-def lane_pack_into(slot: memoryview, parts: Sequence[Any]) -> bool:
-    """Write ``parts`` framed as on the socket into ``slot`` (a writable byte view); False, having
-    written nothing, when they do not fit."""
+#: a message up to this size is joined into one bytes object and copied into a ring slot at once
+_JOIN_MAX = 1 << 14
+
+
+def lane_pack_into(slot: Any, parts: Sequence[Any], start: int = 0) -> int | None:
+    """Write ``parts[start:]`` framed as on the socket into ``slot`` (a writable byte buffer: a
+    memoryview, or the mmap itself); the bytes of its frames, or None, having written nothing,
+    when they do not fit."""
+    if start:
+        parts = parts[start:]
     n = len(parts)
     sizes = list(map(len, parts))
+    body = sum(sizes)
     head = 4 + 8 * n
-    if head + sum(sizes) > len(slot):
-        return False
+    if head + body > len(slot):
+        return None
+    if body <= _JOIN_MAX:  # small: one copy into the slot
+        slot[:head + body] = _lane_head(n).pack(n, *sizes) + b"".join(parts)
+        return body
     _lane_head(n).pack_into(slot, 0, n, *sizes)
     at = head
     for part, size in zip(parts, sizes):
         slot[at:at + size] = part
         at += size
-    return True
+    return body
 
 
 def lane_parse(slot: memoryview, max_frames: int = 1 << 20, max_bytes: int = 1 << 62,

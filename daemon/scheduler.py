@@ -173,17 +173,23 @@ class Scheduler:
             return 0 if queue is None else queue.size + queue.running
 
     # -- jobs ---------------------------------------------------------------------------------
-    def claim_idle(self, model_id: str) -> ModelQueue | None:
+    def claim_idle(self, model_id: str, gate: Any = None) -> ModelQueue | None:
         """Count one job as running on a model with nothing queued or running, for a caller that
-        runs it itself; None when the model is busy. Pair with :meth:`release_claim`."""
+        runs it itself; None when the model is busy. ``gate``: the model's
+        :class:`~vkpool.daemon.registry.SharedGate`, taken shared in the same call (None when a
+        re-plan holds it or waits for it). Pair with :meth:`release_claim`, given the same gate."""
         with self._lock:
             queue = self._queues.get(model_id)
             if queue is None or queue.size or queue.running or model_id in self._closing:
                 return None
+            if gate is not None and not gate.try_acquire_shared():  # the gate's lock nests in ours
+                return None
             queue.running += 1
             return queue
 
-    def release_claim(self, queue: ModelQueue, *, ran: bool) -> None:
+    def release_claim(self, queue: ModelQueue, *, ran: bool, gate: Any = None) -> None:
+        if gate is not None:
+            gate.release_shared()
         with self._lock:
             queue.running -= 1
             queue.done += ran

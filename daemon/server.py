@@ -37,7 +37,7 @@ from vkpool.daemon.lane import (_DAEMON_ASLEEP, _REQ, LaneConnection, LaneListen
                                ring_supported, ring_wait)
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.scheduler import Job
-from vkpool.daemon.service import Service, _error
+from vkpool.daemon.service import Service, _error, _timeout
 from vkpool.daemon.settings import DaemonSettings
 from vkpool.daemon.stats import Stats
 
@@ -48,6 +48,8 @@ _TICK_S = 0.05
 _REPLY_GRACE_S = 10.0      # after the drain deadline: time for the replies of running jobs to go out
 _REPLAY_BYTES = 64 << 20  # replies kept for retried request ids
 _COMPACT_MIN = 4096       # deadline entries before finished jobs are swept out
+_INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id (P.packed_id)
+_INFER_REPLY = {status: P.header_parts("infer_reply", status) for status in ("ok", "error")}
 
 
 class Server:
@@ -73,7 +75,7 @@ class Server:
         self._peers: dict[bytes, int] = {}              # client -> source fd of its last message
         self._probes: list[tuple[float, int]] = []      # (when, fd)
         self._in_progress: set[tuple[bytes, str]] = set()
-        self._replay: OrderedDict[tuple[bytes, str], list[Any]] = OrderedDict()
+        self._replay: OrderedDict[tuple[bytes, str], tuple[list[Any], int]] = OrderedDict()  # reply, bytes
         self._replay_bytes = 0
         self._book = threading.Lock()  # _in_progress, _replay and _lanes_closed: the I/O and lane threads
         self._lane_routes: dict[tuple[bytes, str], LaneConnection] = {}  # lane requests in progress
@@ -192,21 +194,22 @@ class Server:
         with self._book:
             self._remember(key, body)
 
-    def _remember(self, key: tuple[bytes, str], frames: list[Any]) -> None:
+    def _remember(self, key: tuple[bytes, str], frames: list[Any], size: int | None = None) -> None:
         """Keep the reply for a retry of the same request id, within a count and a byte bound
-        (call with ``_book`` held)."""
-        size = sum(map(len, frames))
+        (call with ``_book`` held). ``size``: the frames' bytes, when the caller has counted them."""
+        if size is None:
+            size = sum(map(len, frames))
         if size > _REPLAY_BYTES // 16:
             header = {**P.unpack(_b(frames[1])), "status": "error"}
             frames = P.encode(header, {
                 "type": "ReplayUnavailable", "message": "the reply was sent once and is too large to replay",
                 "details": {"bytes": size}})
-            size = sum(len(f) for f in frames)
-        self._replay[key] = frames
+            size = sum(map(len, frames))
+        replay = self._replay
+        replay[key] = (frames, size)
         self._replay_bytes += size
-        while len(self._replay) > self.settings.replay_window or self._replay_bytes > _REPLAY_BYTES:
-            _, old = self._replay.popitem(last=False)
-            self._replay_bytes -= sum(len(f) for f in old)
+        while len(replay) > self.settings.replay_window or self._replay_bytes > _REPLAY_BYTES:
+            self._replay_bytes -= replay.popitem(last=False)[1][1]
 
     def _error_now(self, client: bytes, rid: str | None, action: str | None, violation: ProtocolViolation) -> None:
         body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, "error"),
@@ -289,7 +292,8 @@ class Server:
             if key in self._in_progress:
                 replay: list[Any] | None = []
             else:
-                replay = self._replay.get(key)
+                kept = self._replay.get(key)
+                replay = None if kept is None else kept[0]
             if replay is not None:
                 self.stats.count("retries")
             return replay
@@ -424,15 +428,26 @@ class Server:
         conn.ring = ring
         return True
 
-    def _lane_inline(self, conn: LaneConnection, client: bytes, header: dict[str, Any], parts: list[Any]) -> bool:
-        """The common case on a lane, in one piece: an infer whose content has a cached plan, of
-        a short job on an idle model held by this client, with frames that fit, run here and
-        answered here. False, having done nothing visible, for anything else: the general path
-        then takes the request (and gives the errors, retries and queueing their usual handling).
+    def _lane_inline(self, conn: LaneConnection, client: bytes, parts: list[Any]) -> bool:
+        """The common case on a lane, in one piece: an infer whose header is packed as
+        :func:`~vkpool.daemon.protocol.packed_header` packs one and whose content has a cached
+        plan, of a short job on an idle model held by this client, with frames that fit, run here
+        and answered here. False, having done nothing visible, for anything else: the general
+        path then takes the request (and gives the errors, retries and queueing their usual
+        handling).
 
         The same steps as :meth:`_on_lane_request` → :meth:`Service.handle` →
-        :meth:`Service._run_inline`, with fewer calls and locks: this is most of what a small
-        job pays for going through the daemon."""
+        :meth:`Service._run_inline`, with fewer calls, locks and clock reads: this is most of
+        what a small job pays for going through the daemon. The header is matched as bytes
+        (those bytes can only unpack to an infer request of this protocol version), and the
+        reply's header is made of the request id's packed bytes. ``accepted`` is counted with
+        the outcome, just before the reply is written: the counters balance at every instant
+        (between acceptance and that point the job is simply not counted yet), and the request
+        is in progress from acceptance until its reply is written, as on the general path."""
+        head = parts[0]
+        packed = P.packed_id(head if type(head) is bytes else bytes(head), *_INFER_REQUEST)
+        if packed is None:
+            return False
         service = self.service
         raw = parts[1]
         plan = service._plans.get(raw if type(raw) is bytes else bytes(raw))
@@ -445,43 +460,43 @@ class Server:
                 or not service.registry.current(entry, client)):
             return False
         feeds = {}
-        for (name, dtype, shape, nbytes), frame in zip(inputs, parts[2:]):
+        at = 2
+        for name, dtype, shape, nbytes in inputs:
+            frame = parts[at]
             if len(frame) != nbytes:
                 return False
-            feeds[name] = np.frombuffer(frame, dtype).reshape(shape)
-        scheduler = service.scheduler
-        queue = scheduler.claim_idle(entry.id)
+            feeds[name] = np.ndarray(shape, dtype, frame)
+            at += 1
+        try:
+            rid = packed[1:].decode()
+        except UnicodeDecodeError:
+            return False
+        scheduler, gate = service.scheduler, entry.gate
+        queue = scheduler.claim_idle(entry.id, gate)
         if queue is None:
             return False
-        if not entry.gate.try_acquire_shared():
-            scheduler.release_claim(queue, ran=False)
-            return False
-        rid = header["id"]
         key = (client, rid)
         with self._book:
             accepted = not (key in self._in_progress or key in self._replay or self._lanes_closed)
             if accepted:
                 self._in_progress.add(key)
-                self.stats.count("accepted")
         if not accepted:
-            entry.gate.release_shared()
-            scheduler.release_claim(queue, ran=False)
+            scheduler.release_claim(queue, ran=False, gate=gate)
             return False
         started = time.monotonic()
         try:
-            status, content, frames = service._execute(entry, plan.outputs, feeds, 0.0)
+            status, content, frames, finished = service._execute(entry, plan.outputs, feeds, 0.0, started)
         finally:
-            entry.gate.release_shared()
-            scheduler.release_claim(queue, ran=True)
-        finished = time.monotonic()
+            scheduler.release_claim(queue, ran=True, gate=gate)
         if plan.timeout is not None and finished - started > plan.timeout:
-            status, content, frames = "error", {"type": "Timeout", "message": "job did not finish within its "
-                                                f"timeout ({plan.timeout:.3g} s)", "details": {"state": "running"}}, []
-        body = [P.DELIMITER, P.packed_header("infer_reply", rid, status), content if type(content) is bytes else P.pack(content), *frames]
+            status, content, frames = "error", _timeout(plan.timeout), []
+        prefix, suffix = _INFER_REPLY[status]
+        body = [P.DELIMITER, prefix + packed + suffix, content if type(content) is bytes else P.pack(content),
+                *frames]
         if status == "ok":
-            self.stats.infer_ok(finished - started)
+            self.stats.infer_ok(finished - started, finished, accepted=True)
         else:
-            self.stats.count(status)
+            self.stats.count2("accepted", status)
         sent = conn.send(body)
         if not sent:
             self.stats.count(status, -1)
@@ -489,7 +504,7 @@ class Server:
         with self._book:
             self._in_progress.discard(key)
             if sent:
-                self._remember(key, body)
+                self._remember(key, body, sent + len(P.DELIMITER))
         return True
 
     def _on_lane_request(self, conn: LaneConnection, parts: list[Any], idle: bool) -> None:
@@ -497,13 +512,11 @@ class Server:
         connection, so a short job may run right here."""
         client = conn.client
         assert client is not None
+        if idle and self._lane_inline(conn, client, parts):
+            return
         header: dict[str, Any] = {}
         try:
             header = _peek_header(parts)
-            if (idle and header.get("type") == "infer_request" and header.get("v") == P.PROTOCOL_VERSION
-                    and type(header.get("id")) is str and header["id"]
-                    and self._lane_inline(conn, client, header, parts)):
-                return
             rid = header.get("id")
             raw_content = _infer_content(header, parts)
             plan = None if raw_content is None else self.service.cached_plan(raw_content, client)
@@ -527,7 +540,8 @@ class Server:
             accepted = not retried and not self._lanes_closed
             if retried:  # on the fast path the retry check is made here, with the acceptance
                 self.stats.count("retries")
-                replay = self._replay.get(key)
+                kept = self._replay.get(key)
+                replay = None if kept is None else kept[0]
             elif accepted:
                 self._in_progress.add(key)
                 self._lane_routes[key] = conn
@@ -594,7 +608,7 @@ class Server:
             with self._book:
                 self._in_progress.discard(key)
                 if sent:
-                    self._remember(key, body)
+                    self._remember(key, body, sent + len(P.DELIMITER))
 
     def _lane_closed(self, conn: LaneConnection) -> None:
         """A lane connection ended: its queued jobs are dropped (``client_gone``); the replies of

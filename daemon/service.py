@@ -250,46 +250,39 @@ class Service:
         """Run a short job on the calling thread (the I/O thread, or a lane's) when its model is
         idle: no queue, no thread hop. False when it must be queued instead (the model is busy or
         being re-planned)."""
-        queue = self.scheduler.claim_idle(entry.id)
+        queue = self.scheduler.claim_idle(entry.id, entry.gate)
         if queue is None:
             return False
-        if not entry.gate.try_acquire_shared():
-            self.scheduler.release_claim(queue, ran=False)
-            return False
         try:
-            status, content, frames = self._execute(entry, outputs, feeds, 0.0)
+            status, content, frames, finished = self._execute(entry, outputs, feeds, 0.0, time.monotonic())
         finally:
-            entry.gate.release_shared()
-            self.scheduler.release_claim(queue, ran=True)
-        finished = time.monotonic()
+            self.scheduler.release_claim(queue, ran=True, gate=entry.gate)
         if deadline is not None and finished > deadline:
-            status, content, frames = "error", {"type": "Timeout", "message": "job did not finish within its "
-                                                f"timeout ({deadline - accepted:.3g} s)",
-                                                "details": {"state": "running"}}, []
+            status, content, frames = "error", _timeout(deadline - accepted), []
         if status == "ok":
             self.stats.infer_done(finished - accepted)
         self.reply(client, rid, "infer", status, content, frames)
         return True
 
     def _execute(self, entry: ModelEntry, outputs: list[str] | None, feeds: dict[str, np.ndarray],
-                 queued_s: float) -> tuple[str, dict[str, Any] | bytes, list[Any]]:
+                 queued_s: float, started: float) -> tuple[str, dict[str, Any] | bytes, list[Any], float]:
         """Run a job on its model (the caller holds the model's gate): status, content (packed
-        already when ok), frames."""
-        names = outputs if outputs is not None else entry.output_names
-        started = time.monotonic()
+        already when ok), frames, and the ``time.monotonic()`` at which the run ended (``started``:
+        the one read just before the call; the two are the only clock reads of a run)."""
         try:
             results = entry.session.run(outputs, feeds)  # None: all, as the in-process session is asked
             finished = time.monotonic()
-            content, frames = self._replies.pack(names, results, queued_s, finished - started)
+            content, frames = self._replies.pack(entry.output_names if outputs is None else outputs, results,
+                                                 queued_s, finished - started)
         except Exception as exc:
-            entry.last_used = time.monotonic()
+            finished = entry.last_used = time.monotonic()
             violation = classify(exc)
             log.warning("job on %s failed: %s", entry.id[:12], violation.message)
-            return "error", _error(violation), []
+            return "error", _error(violation), [], finished
         entry.last_used = finished
         run_s = finished - started
         entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
-        return "ok", content, frames
+        return "ok", content, frames, finished
 
     def _run_job(self, job: Job) -> None:
         entry = self.registry.get(job.model_id)
@@ -300,8 +293,9 @@ class Service:
         try:
             if job.state == "done":  # timed out or cancelled while waiting for a re-plan
                 return
-            queued = (job.started_at or time.monotonic()) - job.accepted_at
-            status, content, frames = self._execute(entry, job.outputs, job.feeds, queued)
+            started = time.monotonic()
+            queued = (job.started_at or started) - job.accepted_at
+            status, content, frames, _ = self._execute(entry, job.outputs, job.feeds, queued, started)
         finally:
             entry.gate.release_shared()
         self.scheduler.settle(job)
@@ -438,6 +432,12 @@ class Service:
 
 def _error(v: ProtocolViolation) -> dict[str, Any]:
     return {"type": v.type, "message": v.message, "details": v.details}
+
+
+def _timeout(seconds: float) -> dict[str, Any]:
+    """The error content of a job that ran inline past its timeout."""
+    return {"type": "Timeout", "message": f"job did not finish within its timeout ({seconds:.3g} s)",
+            "details": {"state": "running"}}
 
 
 def _check_feeds(entry: ModelEntry, feeds: dict[str, np.ndarray]) -> None:

@@ -29,15 +29,26 @@ class Stats:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
-    def infer_ok(self, latency_s: float) -> None:
-        """An infer answered ``ok``: :meth:`count` ``ok`` and :meth:`infer_done` at once."""
-        now = time.monotonic()
+    def count2(self, first: str, second: str) -> None:
+        """:meth:`count` two counters under one hold of the lock (``accepted`` with an outcome:
+        the counters balance whenever they can be read)."""
+        with self._lock:
+            setattr(self, first, getattr(self, first) + 1)
+            setattr(self, second, getattr(self, second) + 1)
+
+    def infer_ok(self, latency_s: float, now: float | None = None, accepted: bool = False) -> None:
+        """An infer answered ``ok``: :meth:`count` ``ok`` (and ``accepted`` too when ``accepted``)
+        and :meth:`infer_done` at once. ``now``: ``time.monotonic()`` when the caller has it."""
+        if now is None:
+            now = time.monotonic()
         with self._lock:
             self.ok += 1
+            self.accepted += accepted
             self._latencies.append(latency_s)
-            self._finished_at.append(now)
-            while self._finished_at[0] < now - self.RATE_WINDOW_S:
-                self._finished_at.popleft()
+            finished = self._finished_at
+            finished.append(now)
+            while finished[0] < now - self.RATE_WINDOW_S:  # ``now`` itself stays
+                finished.popleft()
 
     def infer_done(self, latency_s: float) -> None:
         now = time.monotonic()
