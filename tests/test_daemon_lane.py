@@ -257,6 +257,13 @@ def test_bad_input_on_the_lane_is_answered_or_closes_the_lane_and_the_daemon_kee
         header, content, again = lane.request("infer", "good-2", {"model": model, "inputs": m}, f)
         assert header["status"] == "ok" and bytes(again[0]) == bytes(out[0])
         assert next(m["done"] for m in client.list_models() if m["id"] == model) == done
+        # a job run at once is counted (accepted and ok) before its reply is written: in flight,
+        # only the status request itself
+        assert client.status()["counters"]["in_flight"] == 1
+        # a header packed with its keys in another order takes the general path: the same answer
+        lane.send([P.pack({"type": "infer_request", "id": "odd", "v": 1}), P.pack({"model": model, "inputs": m}), *f])
+        header, content, again = lane.reply()
+        assert header["id"] == "odd" and header["status"] == "ok" and bytes(again[0]) == bytes(out[0])
 
         # broken framing: answered when the request id can be read, then the lane is closed
         lane.send([P.pack(P.request_header("infer", "many")), P.pack({}), *[b""] * 20])  # max_frames 16

@@ -135,3 +135,46 @@ def test_docs_embed_the_generated_reference() -> None:
         "docs/protocol.md is out of date: paste `python -m vkpool.daemon.protocol` between the markers")
     for name in P.ERROR_TYPES:
         assert f"`{name}`" in doc
+
+
+@pytest.mark.parametrize("rid", ["a", "abcdef12-123456", "x" * 31, "é" * 15, "x" * 32, "é" * 16, "", None])
+@pytest.mark.parametrize("kind, status", [("infer_request", None), ("infer_reply", "ok"), ("error_reply", "error")])
+def test_packed_headers_equal_msgpack_and_their_id_is_found_only_where_it_is_short(
+        rid: str | None, kind: str, status: str | None) -> None:
+    header = {"v": P.PROTOCOL_VERSION, "id": rid, "type": kind}
+    if status is not None:
+        header["status"] = status
+    packed = P.packed_header(kind, rid, status)
+    assert packed == P.pack(header) and P.pack_id(rid) == P.pack(rid)
+    found = P.packed_id(packed, *P.header_parts(kind, status))
+    short = isinstance(rid, str) and 0 < len(rid.encode()) < 32
+    assert (found is not None) == short
+    if short:
+        assert P.unpack(found) == rid
+    # another kind, status or key order is not taken for this one
+    assert P.packed_id(packed, *P.header_parts("cancel_request")) is None
+    assert P.packed_id(P.pack(dict(reversed(header.items()))), *P.header_parts(kind, status)) is None
+
+
+def test_infer_reply_contents_unpack_and_are_read_back_by_layout() -> None:
+    small, large = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((64, 64), np.float32)
+    strided = np.arange(16, dtype=np.int32).reshape(4, 4)[:, ::2]
+    replies, outputs = P.InferReplies(), P.InferOutputs()
+    for _ in range(2):  # the second time from the remembered heads and layouts
+        content, frames = replies.pack(["s", "l", "t"], [small, large, strided], 0.25, 0.5)
+        assert P.unpack(content) == {"outputs": [P.tensor_meta("s", small), P.tensor_meta("l", large),
+                                                 P.tensor_meta("t", strided)], "queue_s": 0.25, "run_s": 0.5}
+        for got, want in zip(outputs.read(content, frames), [small, large, strided]):
+            np.testing.assert_array_equal(got, want)
+        with pytest.raises(P.ProtocolViolation, match="do not match"):
+            outputs.read(content, [frames[0], frames[1], b"\0" * 4])
+
+
+def test_lane_pack_into_writes_what_lane_parse_reads_or_nothing_when_it_does_not_fit() -> None:
+    slot = memoryview(bytearray(1 << 16))
+    big = np.arange(8192, dtype=np.float32)
+    for parts in ([b"h", b"", b"raw"], [b"h", b"c", memoryview(big).cast("B")]):
+        assert P.lane_pack_into(slot, [b"skipped", *parts], 1) == sum(map(len, parts))
+        assert [bytes(f) for f in P.lane_parse(slot)] == [bytes(p) for p in parts]
+    before = bytes(slot)
+    assert P.lane_pack_into(slot, [b"h", b"c", bytes(1 << 16)]) is None and bytes(slot) == before
