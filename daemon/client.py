@@ -417,9 +417,13 @@ class Client:
         :func:`~vkpool.daemon.protocol.packed_header`): one that matches it is not unpacked."""
         if len(frames) + 2 > self._max_frames:
             return None
-        lane = self._take_lane()
-        if lane is None:
-            return None
+        idle = self._lanes_idle
+        try:
+            lane = idle.pop()
+        except IndexError:
+            lane = self._take_lane()
+            if lane is None:
+                return None
         rid = f"{self._prefix}-{next(self._ids)}"
         packed_rid = P.pack_id(rid)
         prefix, suffix = _INFER_REQUEST

@@ -604,7 +604,7 @@ def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0, fds: Se
     n = len(parts)
     sizes = list(map(len, parts))
     body = sum(sizes)
-    buffers = [_lane_head(n).pack(n, *sizes), *parts]
+    buffers = [(_LANE_HEADS.get(n) or _lane_head(n)).pack(n, *sizes), *parts]
     sent = 0
     if fds:
         import array
@@ -647,9 +647,9 @@ def lane_pack_into(slot: Any, parts: Sequence[Any], start: int = 0) -> int | Non
     if head + body > len(slot):
         return None
     if body <= _JOIN_MAX:  # small: one copy into the slot
-        slot[:head + body] = _lane_head(n).pack(n, *sizes) + b"".join(parts)
+        slot[:head + body] = (_LANE_HEADS.get(n) or _lane_head(n)).pack(n, *sizes) + b"".join(parts)
         return body
-    _lane_head(n).pack_into(slot, 0, n, *sizes)
+    (_LANE_HEADS.get(n) or _lane_head(n)).pack_into(slot, 0, n, *sizes)
     at = head
     for part, size in zip(parts, sizes):
         slot[at:at + size] = part
@@ -670,7 +670,7 @@ def lane_parse(slot: memoryview, max_frames: int = 1 << 20, max_bytes: int = 1 <
     if n < 2 or n > max_frames or head > size:
         raise LaneError(ProtocolViolation("ProtocolError", f"a ring message of {n} frame(s) does not fit its "
                                           f"slot or the limits (max_frames {max_frames})", {"frames": n}))
-    sizes = _lane_head(n).unpack_from(slot)[1:]
+    sizes = (_LANE_HEADS.get(n) or _lane_head(n)).unpack_from(slot)[1:]
     body = sum(sizes)
     if body > max_bytes or head + body > size:
         raise LaneError(ProtocolViolation("MessageTooLarge", f"a ring message of {body} bytes exceeds its slot "
@@ -724,7 +724,7 @@ class LaneReader:
         head = 4 + 8 * n
         if len(data) < head:
             data = self._more(data, head)
-        sizes = _lane_head(n).unpack_from(data)[1:]
+        sizes = (_LANE_HEADS.get(n) or _lane_head(n)).unpack_from(data)[1:]
         body = sum(sizes)
         if body > self.max_bytes:
             header = None
