@@ -32,6 +32,11 @@ python3 -m bench.workloads --out /tmp/models mnist12_like add_chain_1 matmul_1GB
 python3 -m bench.startup_probe /tmp/models/mnist12_like.onnx --runs 4 > $RES/startup.txt 2>&1
 python3 -m bench.gemv_probe --file /tmp/models/matmul_1GB_1layer.onnx --device vk0 > $RES/gemv-file.txt 2>&1
 python3 -m vkpool.daemon.bench /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 --seconds 5 --out $RES/daemon-overhead.json > $RES/daemon-overhead.md 2>&1
+# the lane's added time moves by several µs between runs: five more, the lane alone, and where it goes
+for i in 1 2 3 4 5; do
+  python3 -m vkpool.daemon.bench /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 --seconds 1 --clients 1 --transport lane 2>&1 | grep -E '^\| (mnist|add)'
+done > $RES/daemon-lane-repeats.md
+python3 -m bench.daemon_run_time /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 > $RES/daemon-run-time.txt 2>&1
 python3 -m bench.real_models --models-dir /tmp/real-models --out $RES/real_models.json > $RES/real_models.md 2>&1
 for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1000; do
   [ -f /tmp/models/$w.onnx ] || python3 -m bench.workloads --out /tmp/models $w > /dev/null
