@@ -678,11 +678,15 @@ def lane_parse(slot: memoryview, max_frames: int = 1 << 20, max_bytes: int = 1 <
                                           {"frames": n, "bytes": body}))
     if copy:
         slot = memoryview(bytearray(slot[:head + body]))
+    return _split(slot, head, sizes)
+
+
+def _split(view: memoryview, at: int, sizes: Sequence[int]) -> list[memoryview]:
+    """The frames of a lane message: ``sizes`` bytes each, one after another from ``at``."""
     frames = []
-    at = head
-    for length in sizes:
-        frames.append(slot[at:at + length])
-        at += length
+    for size in sizes:
+        frames.append(view[at:at + size])
+        at += size
     return frames
 
 
@@ -741,13 +745,7 @@ class LaneReader:
             self.rest = data[total:]
         else:
             self.rest = b""
-        view = memoryview(data)
-        frames = []
-        at = head
-        for size in sizes:
-            frames.append(view[at:at + size])
-            at += size
-        return frames
+        return _split(memoryview(data), head, sizes)
 
     def poll(self, seconds: float) -> None:
         """Poll the socket for up to ``seconds`` when nothing is buffered; what arrives is kept
