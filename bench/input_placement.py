@@ -19,25 +19,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from typing import Any
 
 import numpy as np
-
-
-def _feeds(sess: Any) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {i.name: rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in i.shape]).astype(i.dtype)
-            for i in sess.get_inputs()}
-
-
-def _median_us(sess: Any, feeds: dict[str, np.ndarray], runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        sess.run(None, feeds)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -51,7 +34,9 @@ def main() -> None:
     args = ap.parse_args()
     import dataclasses
 
+    from bench.stats import median_run_s
     from vkpool import engine
+    from vkpool.cli import random_inputs
     from vkpool.pool import DevicePool
     from vkpool.session import Session
 
@@ -90,14 +75,12 @@ def main() -> None:
             staged = Session(path, pool=pool, device=member.id)
         finally:
             member.inputs, engine.STAGED_OUTPUT_BYTES, device.caps = kept, threshold, caps
-        feeds = _feeds(mapped)
+        feeds = random_inputs(mapped.get_inputs())
         equal = all(np.array_equal(a, c) for a, c in zip(mapped.run(None, feeds), staged.run(None, feeds)))
-        for s in (mapped, staged):
-            _median_us(s, feeds, 200)
         fast, slow = [], []
         for _ in range(args.rounds):
-            fast.append(_median_us(mapped, feeds, args.runs))
-            slow.append(_median_us(staged, feeds, args.runs))
+            fast.append(median_run_s(lambda: mapped.run(None, feeds), args.runs, warmup=200) * 1e6)
+            slow.append(median_run_s(lambda: staged.run(None, feeds), args.runs, warmup=200) * 1e6)
         f, s = statistics.median(fast), statistics.median(slow)
         name = path.rsplit("/", 1)[-1].removesuffix(".onnx")
         print(f"| {name} | {f:.1f} | {s:.1f} | {f / s:.3f} | {equal} |", flush=True)

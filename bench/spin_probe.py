@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import statistics
 import time
 
-import numpy as np
 
 
 def _spin(cpu: int, stop: mp.Event) -> None:  # type: ignore[valid-type]
@@ -46,6 +44,8 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--runs", type=int, default=3000)
     args = ap.parse_args()
+    from bench.stats import median_run_s
+    from vkpool.cli import random_inputs
     from vkpool.session import Session
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -54,18 +54,10 @@ def main() -> None:
     sibling = [c for c in _siblings(me) if c != me]
     other = [c for c in cpus if c != me and c not in _siblings(me)]
     sess = Session(args.model, device=args.device)
-    feeds = {i.name: np.random.default_rng(0).standard_normal(
-        [d if isinstance(d, int) and d > 0 else 1 for d in i.shape]).astype(i.dtype) for i in sess.get_inputs()}
+    feeds = random_inputs(sess.get_inputs())
 
     def median_us() -> float:
-        for _ in range(200):
-            sess.run(None, feeds)
-        times = []
-        for _ in range(args.runs):
-            t0 = time.perf_counter()
-            sess.run(None, feeds)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6
+        return median_run_s(lambda: sess.run(None, feeds), args.runs, warmup=200) * 1e6
 
     print(f"measuring on CPU {me}; its hardware-thread siblings {sibling or 'none'}", flush=True)
     rows = [("alone", None), ("spinner on the sibling thread", sibling[0] if sibling else None),
