@@ -150,9 +150,13 @@ def test_a_wait_learns_how_long_its_runs_take(pool):
         np.testing.assert_allclose(out, _reference(x), rtol=1e-6, atol=1e-6)
 
 
+def _matmul_weight() -> np.ndarray:
+    return np.random.default_rng(3).standard_normal((32, 24)).astype(np.float32)
+
+
 def _matmul_model() -> bytes:
     """y = Relu(x @ W): the product reads its input many times."""
-    w = np.random.default_rng(3).standard_normal((32, 24)).astype(np.float32)
+    w = _matmul_weight()
     g = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 32])],
@@ -165,7 +169,7 @@ def test_inputs_in_mapped_device_memory_need_no_copy_in(pool, monkeypatch):
     its input there; without it the input is copied into device memory first. Both give the
     same result, exactly."""
     x = np.random.default_rng(4).standard_normal((5, 32)).astype(np.float32)
-    w = np.random.default_rng(3).standard_normal((32, 24)).astype(np.float32)
+    w = _matmul_weight()
     results, labels = {}, {}
     for mapped in (True, False):
         with Session(_matmul_model(), pool=pool) as probe:
@@ -181,3 +185,77 @@ def test_inputs_in_mapped_device_memory_need_no_copy_in(pool, monkeypatch):
     assert any(label.startswith("copy-in x") for label in labels[False])
     np.testing.assert_array_equal(results[True], results[False])
     np.testing.assert_allclose(results[True], np.maximum(x @ w, 0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["inputs-mapped", "inputs-copied-in"])
+def test_two_run_slots_hold_two_runs_on_the_device_at_once(vk_member, monkeypatch, mapped):
+    """A chunk with two run slots has two runs submitted before either is waited for: the
+    second is the recording that starts with a barrier behind the first (they share the
+    arena), each reads and writes its own mapped inputs and outputs, and waiting for them in
+    either order gives each its own result, equal to a one-slot chunk's bit for bit."""
+    from vkpool.engine import VulkanChunk
+
+    if not mapped:
+        monkeypatch.setattr(vk_member, "inputs", None)
+    args = _matmul_chunk_args(vk_member)
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((5, 32)).astype(np.float32) for _ in range(6)]
+    one = VulkanChunk(*args)
+    two = VulkanChunk(*args, slots=2)
+    try:
+        assert (one.slots, two.slots) == (1, 2)
+        assert two.stats.io_bytes == 2 * one.stats.io_bytes
+        assert two.stats.dispatches == one.stats.dispatches
+        assert one._slots[0].chained is None
+        assert two._slots[0].chained.cmd != two._slots[1].chained.cmd
+        assert any(label.startswith("copy-in") for label in two.dispatch_labels) == (not mapped)
+        want = [one.run({"x": x})["y"] for x in xs]
+        for x, w in zip(xs, want):  # tolerance: float32 sums of 32 products
+            np.testing.assert_allclose(w, np.maximum(x @ _matmul_weight(), 0), rtol=1e-5, atol=1e-5)
+        for a, b in [(0, 1), (2, 3), (4, 5)]:
+            first = two.start({"x": xs[a]})
+            second = two.start({"x": xs[b]})
+            assert first != second
+            assert two._slots[first].submitted is two._slots[first].alone
+            assert two._slots[second].submitted is two._slots[second].chained
+            got_b = two.finish(second, spin=False)["y"]  # the later run first
+            got_a = two.finish(first)["y"]
+            np.testing.assert_array_equal(got_a, want[a])
+            np.testing.assert_array_equal(got_b, want[b])
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_second_run_slot_is_left_out_where_the_budget_has_no_room(pool):
+    """Slots beyond the first are an overlap, not a need: a budget with room for one run's
+    inputs and outputs gets a one-slot chunk, not a refusal."""
+    from vkpool.engine import VulkanChunk
+
+    member = pool.vulkan_members[0]
+    args = _matmul_chunk_args(member)
+    before = member.used_bytes
+    probe = VulkanChunk(*args)
+    need = member.used_bytes - before
+    probe.close()
+    saved = member.budget_bytes
+    pool.set_budget(member.id, before + need)
+    try:
+        chunk = VulkanChunk(*args, slots=2)
+        try:
+            assert chunk.slots == 1
+            assert member.used_bytes == before + need
+            x = np.ones((5, 32), np.float32)
+            np.testing.assert_allclose(chunk.run({"x": x})["y"], np.maximum(x @ _matmul_weight(), 0),
+                                       rtol=1e-5, atol=1e-5)
+        finally:
+            chunk.close()
+    finally:
+        pool.set_budget(member.id, saved)
+
+
+def _matmul_chunk_args(member) -> tuple:
+    from vkpool.model import load_model
+
+    model = load_model(_matmul_model())
+    return member, model.nodes, dict(model.tensors), model.constants, ["x"], ["y"], model.opset

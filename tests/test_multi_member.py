@@ -222,6 +222,10 @@ def test_four_requests_in_flight_pipeline_over_two_stages(pool4) -> None:
         overlaps = [(a, b) for a in stage2 for b in stage1
                     if b > a and stage1[b].start_ns < stage2[a].end_ns and stage2[a].start_ns < stage1[b].end_ns]
         assert overlaps, events  # stage 2 of request k ran while stage 1 of a later request did
+        # each stage holds two runs: a later request's stage 1 was on the device before an
+        # earlier one's was seen done (its inputs in the chunk's second slot)
+        assert [s.chunk.slots for s in session.executor.lanes[0].stages] == [2, 2]
+        assert any(stage1[b].start_ns < stage1[a].end_ns for a in stage1 for b in stage1 if b > a), events
         # several threads calling run() at once also pipeline, each getting its own result
         got: dict[int, np.ndarray] = {}
         threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, session.run(None, inputs[i])[0]))

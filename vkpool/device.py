@@ -350,7 +350,9 @@ class LogicalDevice:
         ('barrier',), ('copy', src_buffer, src_offset, dst_buffer, dst_offset, size),
         ('copy_regions', src_buffer, dst_buffer, regions) with regions a C-contiguous uint64 array
         of (src offset, dst offset, size) rows,
-        ('host_barrier',) making results visible to host reads.
+        ('host_barrier',) making results visible to host reads,
+        ('run_barrier',) ordering everything after it behind all work submitted before it
+        (transfers and dispatches alike: a run after another run of the same recording).
 
         A barrier whose neighbouring commands (back to the previous barrier and on to the next)
         are all dispatches orders compute against compute only: leaving the transfer stage out
@@ -393,6 +395,8 @@ class LogicalDevice:
                         lib.vkCmdPipelineBarrier(cmd, all_stages, all_stages, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
                     else:
                         lib.vkCmdPipelineBarrier(cmd, compute, compute, 0, 1, compute_mb, 0, ffi.NULL, 0, ffi.NULL)
+                elif kind == "run_barrier":
+                    lib.vkCmdPipelineBarrier(cmd, all_stages, all_stages, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
                 elif kind == "host_barrier":
                     lib.vkCmdPipelineBarrier(cmd, all_stages, b.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, host_mb,
                                              0, ffi.NULL, 0, ffi.NULL)
@@ -563,7 +567,7 @@ def _barriers_near_copies(commands: list[tuple[Any, ...]]) -> set[int]:
     for i, c in enumerate(commands):
         if c[0] == "copy":
             segment_has_copy = True
-        elif c[0] in ("barrier", "host_barrier"):
+        elif c[0] in ("barrier", "host_barrier", "run_barrier"):
             if segment_has_copy:
                 near.update(j for j in (previous_barrier, i) if j >= 0)
             segment_has_copy = False

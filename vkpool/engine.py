@@ -24,6 +24,7 @@ import numpy as np
 
 from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, pack_push_constants
 from vkpool.kernels.registry import create_op
+from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import Node
 
 
@@ -165,10 +166,10 @@ def _copy(src: TensorHandle, dst: TensorHandle, caps: Any) -> list[Any]:
     return strided_copy(src, dst, [words], [1], np.dtype(np.uint32), caps)
 
 
-def _view(tensor: _Tensor) -> np.ndarray:
-    assert tensor.handle is not None
-    raw = tensor.handle.alloc.view(np.uint8)[tensor.handle.offset:tensor.handle.offset + tensor.info.nbytes]
-    return raw.view(tensor.info.dtype).reshape(tensor.info.shape)
+def _io_view(handle: TensorHandle, info: TensorInfo) -> np.ndarray:
+    """A mapped allocation's bytes as the tensor ``info`` describes."""
+    raw = handle.alloc.view(np.uint8)[handle.offset:handle.offset + info.nbytes]
+    return raw.view(info.dtype).reshape(info.shape)
 
 
 class VulkanChunk:
@@ -176,16 +177,23 @@ class VulkanChunk:
 
     def __init__(self, member: Any, nodes: Sequence[Node], tensors: dict[str, TensorInfo],
                  constants: dict[str, np.ndarray], inputs: Sequence[str], outputs: Sequence[str],
-                 opset: int) -> None:
+                 opset: int, *, slots: int = 1) -> None:
+        if slots < 1:
+            raise ValueError(f"a chunk needs at least one run slot, not {slots}")
         self.member = member
         self.device = member.device
         self.nodes = list(nodes)
         self.input_names = list(inputs)
         self.output_names = list(outputs)
+        self.slots = slots
         self.stats = ChunkStats()
         self._lock = threading.Lock()
         self._allocs: list[Any] = []
-        self.submission = None
+        self._slots: list[_Slot] = []
+        self._idle: list[int] = []  # slots with no run in flight
+        self._subs: list[Any] = []
+        self._arena: Any = None
+        self._in_flight = 0
         try:
             self.ops = build_ops(self.nodes, tensors, constants, opset)
             self._place(tensors, constants)
@@ -247,7 +255,7 @@ class VulkanChunk:
             if name in t and t[name].kind == "const":
                 layouts.setdefault(name, set()).add(False)
         self._transposed: dict[str, TensorHandle] = {}
-        for name, tensor in [*t.items(), *self._staged_inputs.items()]:
+        for name, tensor in t.items():
             if tensor.kind == "const":
                 for transposed in sorted(layouts.get(name, {False})):
                     alloc = member.alloc(tensor.info.nbytes)
@@ -259,11 +267,6 @@ class VulkanChunk:
                     else:
                         tensor.handle = handle
                     self.stats.weight_bytes += tensor.info.nbytes
-            elif tensor.kind in ("input", "output"):
-                alloc = member.alloc(tensor.info.nbytes, host_visible=True, input=tensor.kind == "input")
-                self._allocs.append(alloc)
-                tensor.handle = TensorHandle(alloc, 0, tensor.info.nbytes)
-                self.stats.io_bytes += tensor.info.nbytes
         for index, node in enumerate(self.nodes):
             for name in node.inputs:
                 if name:
@@ -329,23 +332,67 @@ class VulkanChunk:
                 planner.release(tensor.offset, tensor.info.nbytes, tensor.access_level)
                 live -= tensor.info.nbytes
         self.stats.arena_bytes = planner.end
-        arena = self.member.alloc(planner.end) if planner.end else None
+        arena = self._arena = self.member.alloc(planner.end) if planner.end else None
         if arena is not None:
             self._allocs.append(arena)
         for tensor in t.values():
             if tensor.kind == "arena":
                 tensor.handle = TensorHandle(arena, tensor.offset, tensor.info.nbytes)
 
-        caps = self.device.caps
+        self._scheduled = scheduled
+        self._add_slot()
+        for _ in range(1, self.slots):
+            try:
+                self._add_slot()
+            except DeviceOutOfMemory:  # more slots only where the budget has room for their I/O
+                break
+        self.slots = len(self._slots)
+        self._free = threading.Semaphore(self.slots)
+        self._idle = list(range(self.slots))
+        self.device.save_pipeline_cache()
+        first = self._slots[0]
+        self.commands, self.dispatch_labels = first.commands, first.labels
+        self.submission = first.alone
+        self._in_views, self._out_views = first.in_views, first.out_views
+
+    def _add_slot(self) -> None:
+        """One run slot: the chunk's inputs and outputs in host-visible memory of its own, and
+        its recorded commands reading and writing them. Slots share weights and the arena, so a
+        slot's second recording starts with a barrier after all earlier work on the queue: the
+        one submitted while another run of this chunk is in flight."""
+        t, member, caps = self.tensors, self.member, self.device.caps
+        io: dict[tuple[str, str], TensorHandle] = {}
+        try:
+            for key, info, is_input in ([(("in", n), t[n].info, True) for n in self.input_names]
+                                        + [(("out", n), t[n].info, False) for n in self.output_names]):
+                io[key] = TensorHandle(member.alloc(info.nbytes, host_visible=True, input=is_input), 0, info.nbytes)
+        except BaseException:
+            for h in io.values():
+                h.alloc.free()
+            raise
+        for h in io.values():
+            self._allocs.append(h.alloc)
+            self.stats.io_bytes += h.nbytes
+
+        def handle(name: str) -> TensorHandle:
+            base = t[t[name].base]
+            if base.kind == "input":
+                return io[("in", base.base)]
+            if base.kind == "output":
+                return io[("out", base.base)]
+            assert base.handle is not None
+            return base.handle
+
+        arena = self._arena
         buckets: dict[tuple[int, int], list[Any]] = {}
-        for name, host in self._staged_inputs.items():
-            for item in _copy(host.handle, t[name].handle, caps):
+        for name in self._staged_inputs:
+            for item in _copy(io[("in", name)], handle(name), caps):
                 buckets.setdefault((0, 0), []).append((f"copy-in {name}", item))
-        for level, op, node, ws_off in scheduled:
+        for level, op, node, ws_off in self._scheduled:
             ctx = DispatchContext(
-                inputs=[(self._transposed[n] if pos in op.transposed_constants else t[t[n].base].handle)
+                inputs=[(self._transposed[n] if pos in op.transposed_constants else handle(n))
                         if n else None for pos, n in enumerate(node.inputs)],
-                outputs=[t[t[n].base].handle if n else None for n in node.outputs],
+                outputs=[handle(n) if n else None for n in node.outputs],
                 workspace=TensorHandle(arena, ws_off, op.workspace_bytes()) if ws_off >= 0 else None,
                 caps=caps,
                 constants=op.constants,
@@ -362,6 +409,7 @@ class VulkanChunk:
                 buckets.setdefault((level, k), []).append((f"{node.op_type} {node.name}", item))
         commands: list[tuple[Any, ...]] = []
         labels: list[str] = []  # one per dispatch, for GPU timestamp profiles
+        counting = not self._slots  # the statistics describe one run
 
         def emit(label: str, item: Any) -> None:
             if isinstance(item, tuple):
@@ -376,73 +424,111 @@ class VulkanChunk:
                               f"device's {self.device.push_constant_bytes}")
             commands.append(("dispatch", pipe, push, item.groups))
             labels.append(f"{label} [{item.shader}]")
-            self.stats.dispatches += 1
+            if counting:
+                self.stats.dispatches += 1
 
         for key in sorted(buckets):
             if commands:
                 commands.append(("barrier",))
-                self.stats.barriers += 1
+                if counting:
+                    self.stats.barriers += 1
             for label, item in buckets[key]:
                 emit(label, item)
-        self.stats.levels = len(buckets)
-        self._in_views = {n: _view(self._staged_inputs.get(n, t[n])) for n in self.input_names}
+        if counting:
+            self.stats.levels = len(buckets)
         # chunk outputs in device memory (large ones, and those no node writes: a chunk
         # input, a constant, a view of one) are copied to mapped memory after one barrier
         barrier_before_copies = bool(commands)
         for name in self.output_names:
-            tensor = t[name]
-            if tensor.kind == "output":
+            if t[name].kind == "output":
                 continue
-            src = t[tensor.base].handle
-            alloc = self.member.alloc(tensor.info.nbytes, host_visible=True)
-            self._allocs.append(alloc)
             if barrier_before_copies:
                 commands.append(("barrier",))
                 barrier_before_copies = False
-            dst = TensorHandle(alloc, 0, tensor.info.nbytes)
-            for item in _copy(src, dst, caps):
+            for item in _copy(handle(name), io[("out", name)], caps):
                 emit(f"copy-out {name}", item)
-            t[name] = _Tensor(tensor.info, "output", name, dst)
         commands.append(("host_barrier",))
+        slot = _Slot(commands, labels, {n: _io_view(io[("in", n)], t[n].info) for n in self.input_names},
+                     {n: _io_view(io[("out", n)], t[n].info) for n in self.output_names})
+        self._slots.append(slot)
+        slot.alone = self._recorded(commands)
+        if self.slots > 1:
+            slot.chained = self._recorded([("run_barrier",), *commands])
+
+    def _recorded(self, commands: list[tuple[Any, ...]]) -> Any:
         cmd = self.device.allocate_command_buffer()
-        self.submission = self.device.submission(cmd)
+        try:
+            sub = self.device.submission(cmd)
+        except BaseException:
+            self.device.free_command_buffer(cmd)
+            raise
+        self._subs.append(sub)
         self.device.record(cmd, commands)
-        self.commands, self.dispatch_labels = commands, labels
-        self.device.save_pipeline_cache()
-        self._out_views = {n: _view(t[n]) for n in self.output_names}
+        return sub
 
     # -- running ---------------------------------------------------------------------------
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.start(feeds)
-        return self.finish()
+        return self.finish(self.start(feeds))
 
-    def start(self, feeds: dict[str, np.ndarray]) -> None:
-        """Writes the inputs and submits the recorded commands; :meth:`finish` (from any
-        thread) waits and returns the outputs. The chunk holds one run at a time: a second
-        ``start`` waits for the first run's ``finish``."""
-        self._lock.acquire()
+    def start(self, feeds: dict[str, np.ndarray]) -> int:
+        """Writes the inputs into a free run slot and submits its recorded commands; returns
+        the slot, which :meth:`finish` (from any thread) waits for. With every slot in flight,
+        ``start`` waits for a ``finish``. Runs of one chunk execute in the order they start."""
+        self._free.acquire()
+        with self._lock:
+            index = self._idle.pop()
+        slot = self._slots[index]
         try:
-            for name, view in self._in_views.items():
+            for name, view in slot.in_views.items():
                 np.copyto(view, feeds[name], casting="no")
-            self.device.submit(self.submission)
+            with self._lock:  # a run submitted after another that is in flight waits for it
+                slot.submitted = slot.chained if self._in_flight else slot.alone
+                self.device.submit(slot.submitted)
+                self._in_flight += 1
         except BaseException:
-            self._lock.release()
+            self._release(index)
             raise
+        return index
 
-    def finish(self) -> dict[str, np.ndarray]:
+    def finish(self, slot: int = 0, *, spin: bool = True) -> dict[str, np.ndarray]:
+        """Waits for the run in ``slot`` and returns copies of its outputs. ``spin`` polls
+        the device first (:meth:`~vkpool.device.LogicalDevice.wait`); a caller with another run
+        queued behind this one can sleep in the driver instead, the interpreter lock free."""
+        s = self._slots[slot]
         try:
-            self.device.wait(self.submission)
-            return {name: view.copy() for name, view in self._out_views.items()}
+            self.device.wait(s.submitted, spin_seconds=None if spin else 0.0)
+            return {name: view.copy() for name, view in s.out_views.items()}
         finally:
-            self._lock.release()
+            with self._lock:
+                self._in_flight -= 1
+            self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            self._idle.append(slot)
+        self._free.release()
 
     def close(self) -> None:
-        if self.submission is not None:
-            self.submission.release()
-            self.submission = None
+        for sub in self._subs:
+            sub.release()
+        self._subs = []
+        self.submission = None
         for alloc in self._allocs:
             alloc.free()
         self._allocs = []
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One run slot of a :class:`VulkanChunk`: its commands, I/O views and submissions."""
+
+    commands: list[tuple[Any, ...]]
+    labels: list[str]
+    in_views: dict[str, np.ndarray]
+    out_views: dict[str, np.ndarray]
+    alone: Any = None  # the recording submitted when no other run of the chunk is in flight
+    chained: Any = None  # the same after a barrier (slots > 1 only)
+    submitted: Any = None
 
 
 class HostChunk:
@@ -464,12 +550,16 @@ class HostChunk:
         member.budget.reserve(self._charge)
         self._feeds: dict[str, np.ndarray] = {}
 
-    def start(self, feeds: dict[str, np.ndarray]) -> None:
+    #: runs held at once (one: the work happens in :meth:`finish`)
+    slots = 1
+
+    def start(self, feeds: dict[str, np.ndarray]) -> int:
         """Keeps the inputs; the work happens in :meth:`finish` (the executor calls it from the
         member's own thread, so numpy's time is never spent in a submitting thread)."""
         self._feeds = feeds
+        return 0
 
-    def finish(self) -> dict[str, np.ndarray]:
+    def finish(self, slot: int = 0, *, spin: bool = True) -> dict[str, np.ndarray]:
         feeds, self._feeds = self._feeds, {}
         return self.run(feeds)
 

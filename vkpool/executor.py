@@ -4,17 +4,19 @@ A :class:`PlanExecutor` builds, for every chunk of a :class:`~vkpool.partition.p
 :class:`~vkpool.engine.VulkanChunk` (recorded once) or a :class:`~vkpool.engine.HostChunk` on
 its member, and for every replica member one whole-model chunk. Requests then flow like this:
 
-- each member runs one chunk run at a time, in the order they become ready; a request's chunk
-  is offered to its member as soon as every chunk it reads from has finished, so independent
-  chunks on different members run at once, and member A runs request k+1 while member B runs
-  request k. A run is submitted by the thread that makes it ready when the member is idle, and
-  by the member's own thread right after the run before it otherwise; that thread waits for
-  the device and completes runs (see :class:`_MemberRunner`);
+- each member takes chunk runs in the order they become ready, with up to two on its device
+  at once (one executing, the next queued behind it); a request's chunk is offered to its
+  member as soon as every chunk it reads from has finished, so independent chunks on
+  different members run at once, and member A runs request k+1 while member B runs request k.
+  A run is submitted by the thread that makes it ready when the member has room, and by the
+  member's own thread right after a run before it ends otherwise; that thread waits for the
+  device and completes runs (see :class:`_MemberRunner`);
 - a tensor crossing chunks is staged through host memory: the producer's chunk output lives in
   host-visible mapped memory, is copied into the request's own host array when the chunk
-  finishes, and written into the consumer chunk's mapped input when that chunk starts. Each
-  request owns its boundary tensors, so a chunk instance is free for the next request the
-  moment its outputs are copied out; nothing in flight is ever overwritten;
+  finishes, and written into the consumer chunk's mapped input when that chunk starts. A
+  Vulkan chunk has two run slots, each with its own mapped inputs and outputs (boundary
+  tensors double-buffered), and each request owns its host copies, so nothing in flight is
+  ever overwritten;
 - with replicas, a request goes to the lane (the plan's chunks, or one replica) with the
   fewest requests in flight.
 
@@ -38,6 +40,8 @@ from vkpool.engine import ChunkStats, HostChunk, VulkanChunk
 from vkpool.model import LoadedModel, Node
 from vkpool.partition.plan import Transfer  # one tensor staged device → host → device
 
+#: runs a member's Vulkan chunk may have on the device at once: one executing, one queued
+RUN_SLOTS = 2
 #: requests whose chunk timings :meth:`PlanExecutor.trace` keeps (oldest dropped first)
 TRACE_REQUESTS = 4096
 
@@ -146,84 +150,89 @@ def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
 
 
 class _MemberRunner:
-    """Runs one member's chunk runs one at a time, in the order they become ready.
+    """Runs one member's chunk runs in the order they become ready, up to ``depth`` at a time.
 
     A run *starts* (inputs written, recorded commands submitted) in whichever thread offers it
-    while the member is idle (the submitting thread, or the thread that finished the chunk it
-    waited for), else in the member's own thread the moment the run before it ends. The
-    member's thread takes started runs from a queue, waits for each (in the driver, GIL
-    released) and completes it: outputs copied out, the next queued run started before
-    anything else so the device stays busy, then the request moved on. A thread handing work
-    over thus never waits for another to wake before the device can start; the waking happens
-    while the device computes. Hand-overs use plain locks and a C queue: on small models the
-    host's cost per request, not the devices, bounds throughput.
+    while the member has room (the submitting thread, or the thread that finished the chunk it
+    waited for), else in the member's own thread the moment a run before it ends. With a depth
+    of two (Vulkan chunks hold two run slots) the next run is queued on the device behind the
+    one executing, so the device never idles while the host reads one run's outputs and writes
+    the next one's inputs: a pipeline stage stays busy. The member's thread takes started runs
+    from a queue, waits for each and completes it: outputs copied out, the next queued run
+    started before anything else, then the request moved on. It polls the device only when no
+    other run is queued behind the one it waits for (the device would idle until it is seen
+    done); otherwise it sleeps in the driver with the interpreter lock free, which the threads
+    of other members and the submitting thread need. Hand-overs use plain locks and a C queue:
+    on small models the host's cost per request, not the devices, bounds throughput.
     """
 
-    def __init__(self, executor: PlanExecutor, member_id: str) -> None:
+    def __init__(self, executor: PlanExecutor, member_id: str, depth: int) -> None:
         self.executor = executor
         self.member_id = member_id
+        self.depth = depth
         self._lock = threading.Lock()
         self._waiting: deque[tuple[_Request, _Stage]] = deque()  # ready, not yet started
-        self._started: queue.SimpleQueue[tuple[_Request, _Stage, int] | None] = queue.SimpleQueue()
-        self._busy = False  # a run is being started or is in flight
+        self._started: queue.SimpleQueue[tuple[_Request, _Stage, int, Any] | None] = queue.SimpleQueue()
+        self._running = 0  # runs being started or in flight
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=f"vkpool-{member_id}", daemon=True)
         self._thread.start()
 
     def offer(self, request: _Request, stage: _Stage) -> None:
         with self._lock:
-            if self._busy or self._stopping:
+            if self._running >= self.depth or self._stopping:
                 self._waiting.append((request, stage))
                 return
-            self._busy = True
+            self._running += 1
         self._start(request, stage)
 
     def _start(self, request: _Request, stage: _Stage) -> None:
-        """Starts this run, or the next startable one; leaves the member idle if none is."""
+        """Starts this run, or the next startable one; gives its place back if none is."""
         item: tuple[_Request, _Stage] | None = (request, stage)
         while item is not None:
             request, stage = item
             if not request.failed:
                 start = time.perf_counter_ns()
                 try:
-                    stage.chunk.start({name: request.values[name] for name in stage.inputs})
+                    token = stage.chunk.start({name: request.values[name] for name in stage.inputs})
                 except BaseException as exc:  # the request fails; the member serves the next one
                     self.executor._fail(request, exc)
                 else:
-                    self._started.put((request, stage, start))
+                    self._started.put((request, stage, start, token))
                     return
             with self._lock:
                 item = self._waiting.popleft() if self._waiting and not self._stopping else None
                 if item is None:
-                    self._busy = False
+                    self._running -= 1
 
     def _loop(self) -> None:
         while True:
             item = self._started.get()
             if item is None:
                 return
-            request, stage, start = item
+            request, stage, start, token = item
             try:
-                produced: dict[str, np.ndarray] | BaseException = stage.chunk.finish()
+                produced: dict[str, np.ndarray] | BaseException = stage.chunk.finish(
+                    token, spin=self._running < 2)
             except BaseException as exc:
                 produced = exc
             with self._lock:
                 nxt = self._waiting.popleft() if self._waiting and not self._stopping else None
                 if nxt is None:
-                    self._busy = False
+                    self._running -= 1
             if nxt is not None:
                 self._start(*nxt)
             self.executor._completed(request, stage, start, produced)
 
     def stop(self) -> None:
-        """Lets the run in flight end, drops the queued ones (their requests are failed by
+        """Lets the runs in flight end, drops the queued ones (their requests are failed by
         :meth:`PlanExecutor.close`) and ends the thread."""
         with self._lock:
             self._stopping = True
             self._waiting.clear()
         while True:  # a run being started or in flight ends on its own; closing is rare
             with self._lock:
-                if not self._busy:
+                if not self._running:
                     break
             time.sleep(0.001)
         self._started.put(None)
@@ -260,7 +269,8 @@ class PlanExecutor:
                 for stage in lane.stages:
                     stage.chunk = self._build(stage)
             for member_id in dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages):
-                self._runners[member_id] = _MemberRunner(self, member_id)
+                depth = min(s.chunk.slots for lane in self.lanes for s in lane.stages if s.member.id == member_id)
+                self._runners[member_id] = _MemberRunner(self, member_id, depth)
         except BaseException:
             self.close()
             raise
@@ -269,8 +279,10 @@ class PlanExecutor:
         from vkpool.pool import VulkanMember
 
         m = self.model
-        cls = VulkanChunk if isinstance(stage.member, VulkanMember) else HostChunk
-        return cls(stage.member, stage.nodes, dict(m.tensors), m.constants, stage.inputs, stage.outputs, m.opset)
+        args = (stage.member, stage.nodes, dict(m.tensors), m.constants, stage.inputs, stage.outputs, m.opset)
+        if isinstance(stage.member, VulkanMember):
+            return VulkanChunk(*args, slots=RUN_SLOTS)
+        return HostChunk(*args)
 
     # -- what it holds -------------------------------------------------------------------------
     @property
@@ -409,4 +421,4 @@ class PlanExecutor:
                     stage.chunk = None
 
 
-__all__ = ["PlanExecutor", "MemberGroup", "ChunkEvent", "stage_nodes", "TRACE_REQUESTS"]
+__all__ = ["PlanExecutor", "MemberGroup", "ChunkEvent", "stage_nodes", "TRACE_REQUESTS", "RUN_SLOTS"]
