@@ -136,7 +136,39 @@ def _graph(session: Any) -> Any:
     return build_graph(session.model)
 
 
-def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: int, requests: int) -> dict:
+def _gpu_us(chunk: Any) -> float | None:
+    """A Vulkan chunk's GPU time (timestamps around its dispatches, median of five), µs."""
+    commands = getattr(chunk, "commands", None)
+    if commands is None:  # a host chunk
+        return None
+    return statistics.median(sum(chunk.device.profile(commands)) for _ in range(5))
+
+
+def _split_row(split: Any, feeds: dict[str, np.ndarray], expected: list[np.ndarray], runs: int,
+               requests: int) -> dict[str, Any]:
+    out = split.run(None, feeds)
+    row: dict[str, Any] = dict(
+        members=sorted({c.member for c in split.plan.chunks}),
+        chunks=[{"member": c.member, "ops": len(c.ops)} for c in split.plan.chunks],
+        transfers=[{"tensor": t.tensor, "bytes": t.nbytes, "src": t.src, "dst": t.dst}
+                   for t in split.plan.transfers],
+        identical=all(np.array_equal(a, b) for a, b in zip(out, expected)),
+        split_ms=latency_ms(split, feeds, runs),
+    )
+    # each chunk's time in those one-at-a-time runs (inputs written to outputs read), and its
+    # GPU time: the slower stage bounds what the pipeline can give
+    row["stage_ms"] = [statistics.median(e.ms for e in split.trace() if e.chunk == c.index)
+                       for c in split.plan.chunks]
+    row["stage_gpu_us"] = [_gpu_us(stage.chunk) for stage in split.executor.lanes[0].stages]
+    row["split_per_s"] = throughput(split, feeds, requests)
+    return row
+
+
+def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: int, requests: int,
+                     cut: str | None = None) -> dict:
+    """The split the planner makes under budgets that each hold about half the model; with
+    ``cut``, also the plan that puts the ops before ``cut`` (graph order) on the first GPU and
+    the rest on the second, given, without budgets."""
     from vkpool.partition.plan import chunk_peak_bytes
     from vkpool.placement import balanced_cut
     from vkpool.session import Session
@@ -146,6 +178,7 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
     with Session(model, pool=pool, device=gpus[0]) as one:
         expected = one.run(None, feeds)
         row: dict[str, Any] = {"workload": _label(name, smoke), "one_gpu_ms": latency_ms(one, feeds, runs),
+                               "one_gpu_gpu_us": _gpu_us(one._chunk),
                                **one_gpu_throughput(pool, gpus[0], model, feeds, requests, one)}
         whole = sum(one.memory_by_member().values())
         graph = _graph(one)
@@ -156,24 +189,16 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
         for m in gpus:
             pool.set_budget(m, budget)
         with Session(model, pool=pool, devices=gpus) as split:
-            out = split.run(None, feeds)
-            row.update(
-                budget_bytes=budget, whole_bytes=whole,
-                members=sorted({c.member for c in split.plan.chunks}),
-                chunks=[{"member": c.member, "ops": len(c.ops)} for c in split.plan.chunks],
-                transfers=[{"tensor": t.tensor, "bytes": t.nbytes, "src": t.src, "dst": t.dst}
-                           for t in split.plan.transfers],
-                identical=all(np.array_equal(a, b) for a, b in zip(out, expected)),
-                split_ms=latency_ms(split, feeds, runs),
-            )
-            # each chunk's time in those one-at-a-time runs (inputs written to outputs read):
-            # the slower one bounds what the pipeline can give
-            row["stage_ms"] = [statistics.median(e.ms for e in split.trace() if e.chunk == c.index)
-                               for c in split.plan.chunks]
-            row["split_per_s"] = throughput(split, feeds, requests)
+            row.update(budget_bytes=budget, whole_bytes=whole, **_split_row(split, feeds, expected, runs, requests))
     finally:
         for m in gpus:
             pool.set_budget(m, saved[m])
+    if cut is not None:
+        order = graph.graph["order"]
+        at = order.index(cut)
+        assignment = {op: gpus[0] if i < at else gpus[1] for i, op in enumerate(order)}
+        with Session(model, pool=pool, plan=assignment) as given:
+            row["given_cut"] = {"op": cut, **_split_row(given, feeds, expected, runs, requests)}
     return row
 
 
@@ -227,6 +252,10 @@ def _table(title: str, header: list[str], rows: list[list[Any]], note: str = "")
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
 
 
+def _us(value: float | None) -> str:
+    return "host" if value is None else f"{value:.1f}"
+
+
 def _one_gpu(row: dict) -> str:
     """The baseline, with the other way of running one GPU beside it."""
     return (f"{row['one_gpu_per_s']:.1f} (direct {row['one_gpu_direct_per_s']:.0f}, "
@@ -238,13 +267,18 @@ def markdown(result: dict) -> str:
              f"GPUs: {', '.join(result['gpus'])}; host side: {result['host']}" + (" (smoke)" if result["smoke"] else ""),
              ""]
     if "split" in result:
-        lines += _table("## (a) Split over two GPUs by budgets",
-                        ["workload", "members", "identical", "1 GPU latency", "split latency",
-                         "stage ms", "1 GPU req/s (8 in flight)", "split req/s", "ratio"],
-                        [[r["workload"], "+".join(r["members"]), r["identical"], f"{r['one_gpu_ms']:.3f} ms",
-                          f"{r['split_ms']:.3f} ms", " + ".join(f"{t:.3f}" for t in r["stage_ms"]), _one_gpu(r),
-                          f"{r['split_per_s']:.1f}",
-                          f"{r['split_per_s'] / r['one_gpu_per_s']:.2f}×"] for r in result["split"]])
+        rows = []
+        for r in result["split"]:
+            for how, x in [("budgets", r), *([(f"given, cut at {r['given_cut']['op']}", r["given_cut"])]
+                                               if "given_cut" in r else [])]:
+                rows.append([r["workload"], how, "+".join(x["members"]), x["identical"], f"{r['one_gpu_ms']:.3f} ms",
+                             f"{x['split_ms']:.3f} ms", _us(r.get("one_gpu_gpu_us")),
+                             " + ".join(_us(t) for t in x["stage_gpu_us"]), _one_gpu(r), f"{x['split_per_s']:.1f}",
+                             f"{x['split_per_s'] / r['one_gpu_per_s']:.2f}×"])
+        lines += _table("## (a) Split over two GPUs",
+                        ["workload", "plan", "members", "identical", "1 GPU latency", "split latency",
+                         "1 GPU, GPU µs", "stages, GPU µs", "1 GPU req/s (8 in flight)", "split req/s", "ratio"],
+                        rows)
     if "replicated" in result:
         lines += _table("## (b) Replicated on both GPUs",
                         ["workload", "replicas", "identical", "1 GPU req/s (8 in flight)", "replicated req/s",
@@ -287,8 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {"device": device, "gpus": gpus, "host": host, "smoke": args.smoke,
                                   "runs": runs, "requests": requests, "in_flight": 8}
         if "split" in args.parts:
-            result["split"] = [split_by_budgets(pool, gpus, n, args.smoke, runs, requests)
-                               for n in ("conv_many_255MB", "matmul_1GB_16layers")]
+            # conv_many_255MB: also cut after its convolutions, where GPU time splits evenly
+            # (the budgets' split puts the convolutions with the largest dense layer)
+            result["split"] = [split_by_budgets(pool, gpus, "conv_many_255MB", args.smoke, runs, requests,
+                                                cut="Reshape33"),
+                               split_by_budgets(pool, gpus, "matmul_1GB_16layers", args.smoke, runs, requests)]
         if "replicated" in args.parts:
             result["replicated"] = [replicated(pool, gpus, n, args.smoke, requests)
                                     for n in ("mnist12_like", "conv_few_15MB")]
