@@ -12,6 +12,7 @@ a software device (llvmpipe) if the pool has one, else the ``cpu`` member, is "t
   model on one GPU, and throughput with 8 requests in flight against one GPU;
 - (b) ``mnist12_like`` and ``conv_few_15MB`` replicated on both GPUs (the throughput objective):
   throughput with 8 requests in flight against one GPU;
+- every throughput figure follows a second of the same load, unmeasured (``WARMUP_S``);
 - one GPU's throughput is the better of a session on it (each request run as it is submitted)
   and the executor running the whole model as one chunk there (two runs on the device at once);
 - (c) one GPU + the host side in one plan: outputs against ONNX Runtime (CPU), and the time of
@@ -38,6 +39,10 @@ from bench import workloads
 from bench.stats import median_run_s
 
 PARTS = ("split", "replicated", "mixed")
+#: seconds of the same load run before each throughput figure: the GPUs' clocks rise under a
+#: sustained load and fall while they idle (see docs/benchmarks.md, "the GPU's clock"), and one
+#: GPU and the split must be measured in the same state
+WARMUP_S = 1.0
 SMOKE_CONFIG = ("devices:\n  - match: {index: 0}\n    split: 3\n    budget: [600MiB, 600MiB, 600MiB]\n"
                 "host:\n  enabled: true\n  budget: 1GiB\n")
 
@@ -82,9 +87,18 @@ def latency_ms(session: Any, feeds: dict[str, np.ndarray], runs: int) -> float:
     return median_run_s(lambda: session.run(None, feeds), runs, warmup=min(3, runs)) * 1e3
 
 
-def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int = 8) -> float:
+def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int = 8,
+               warmup_s: float | None = None) -> float:
     """Requests per second with ``in_flight`` requests kept outstanding (futures, refilled as
-    each completes)."""
+    each completes), after ``warmup_s`` (default ``WARMUP_S``) of the same load unmeasured."""
+    deadline = time.perf_counter() + (WARMUP_S if warmup_s is None else warmup_s)
+    _requests_per_s(session, feeds, in_flight, in_flight)
+    while time.perf_counter() < deadline:
+        _requests_per_s(session, feeds, max(in_flight, requests // 4), in_flight)
+    return _requests_per_s(session, feeds, requests, in_flight)
+
+
+def _requests_per_s(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int) -> float:
     slots = threading.Semaphore(in_flight)
     done = threading.Event()
     left = [requests]
@@ -97,8 +111,6 @@ def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_fli
             if left[0] == 0:
                 done.set()
 
-    for _ in range(in_flight):
-        session.run(None, feeds)
     t0 = time.perf_counter()
     futures = []
     for _ in range(requests):
@@ -298,6 +310,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global WARMUP_S
     parser = argparse.ArgumentParser(prog="python -m bench.multi_gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="pool config (default: $VKPOOL_CONFIG or the packaged default)")
     parser.add_argument("--smoke", action="store_true",
@@ -307,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per throughput figure (default 2000; smoke 16)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="which figures: split (a), replicated (b), mixed (c); default all")
+    parser.add_argument("--warmup-s", type=float, default=None,
+                        help=f"seconds of load before each throughput figure (default {WARMUP_S}; smoke 0)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    WARMUP_S = args.warmup_s if args.warmup_s is not None else 0.0 if args.smoke else WARMUP_S
     from vkpool.config.loader import parse_config
     from vkpool.pool import DevicePool
 
