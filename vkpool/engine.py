@@ -16,6 +16,7 @@ A :class:`HostChunk` runs the same nodes with the ops' numpy references (the ``c
 from __future__ import annotations
 
 import bisect
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -190,7 +191,7 @@ class VulkanChunk:
         self._lock = threading.Lock()
         self._allocs: list[Any] = []
         self._slots: list[_Slot] = []
-        self._idle: list[int] = []  # slots with no run in flight
+        self._idle: queue.SimpleQueue[int] = queue.SimpleQueue()  # slots with no run in flight
         self._subs: list[Any] = []
         self._arena: Any = None
         self._in_flight = 0
@@ -347,8 +348,8 @@ class VulkanChunk:
             except DeviceOutOfMemory:  # more slots only where the budget has room for their I/O
                 break
         self.slots = len(self._slots)
-        self._free = threading.Semaphore(self.slots)
-        self._idle = list(range(self.slots))
+        for index in range(self.slots):
+            self._idle.put(index)
         self.device.save_pipeline_cache()
         first = self._slots[0]
         self.commands, self.dispatch_labels = first.commands, first.labels
@@ -474,9 +475,7 @@ class VulkanChunk:
         """Writes the inputs into a free run slot and submits its recorded commands; returns
         the slot, which :meth:`finish` (from any thread) waits for. With every slot in flight,
         ``start`` waits for a ``finish``. Runs of one chunk execute in the order they start."""
-        self._free.acquire()
-        with self._lock:
-            index = self._idle.pop()
+        index = self._idle.get()
         slot = self._slots[index]
         try:
             for name, view in slot.in_views.items():
@@ -504,9 +503,7 @@ class VulkanChunk:
             self._release(slot)
 
     def _release(self, slot: int) -> None:
-        with self._lock:
-            self._idle.append(slot)
-        self._free.release()
+        self._idle.put(slot)
 
     def close(self) -> None:
         for sub in self._subs:
