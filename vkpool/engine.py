@@ -194,7 +194,6 @@ class VulkanChunk:
         self._idle: queue.SimpleQueue[int] = queue.SimpleQueue()  # slots with no run in flight
         self._subs: list[Any] = []
         self._arena: Any = None
-        self._in_flight = 0
         try:
             self.ops = build_ops(self.nodes, tensors, constants, opset)
             self._place(tensors, constants)
@@ -480,12 +479,15 @@ class VulkanChunk:
         try:
             for name, view in slot.in_views.items():
                 np.copyto(view, feeds[name], casting="no")
-            with self._lock:  # a run submitted after another that is in flight waits for it
-                slot.submitted = slot.chained if self._in_flight else slot.alone
-                self.device.submit(slot.submitted)
-                self._in_flight += 1
+            if slot.chained is None:  # one slot: no other run of the chunk can be in flight
+                slot.submitted = slot.alone
+                self.device.submit(slot.alone)
+            else:
+                with self._lock:  # a slot out of the queue is a run in flight: go behind it
+                    slot.submitted = slot.chained if self._idle.qsize() < self.slots - 1 else slot.alone
+                    self.device.submit(slot.submitted)
         except BaseException:
-            self._release(index)
+            self._idle.put(index)
             raise
         return index
 
@@ -498,12 +500,7 @@ class VulkanChunk:
             self.device.wait(s.submitted, spin_seconds=None if spin else 0.0)
             return {name: view.copy() for name, view in s.out_views.items()}
         finally:
-            with self._lock:
-                self._in_flight -= 1
-            self._release(slot)
-
-    def _release(self, slot: int) -> None:
-        self._idle.put(slot)
+            self._idle.put(slot)
 
     def close(self) -> None:
         for sub in self._subs:
