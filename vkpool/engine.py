@@ -353,7 +353,6 @@ class VulkanChunk:
         first = self._slots[0]
         self.commands, self.dispatch_labels = first.commands, first.labels
         self.submission = first.alone
-        self._in_views, self._out_views = first.in_views, first.out_views
 
     def _add_slot(self) -> None:
         """One run slot: the chunk's inputs and outputs in host-visible memory of its own, and
@@ -491,7 +490,7 @@ class VulkanChunk:
             raise
         return index
 
-    def finish(self, slot: int = 0, *, spin: bool = True) -> dict[str, np.ndarray]:
+    def finish(self, slot: int, *, spin: bool = True) -> dict[str, np.ndarray]:
         """Waits for the run in ``slot`` and returns copies of its outputs. ``spin`` polls
         the device first (:meth:`~vkpool.device.LogicalDevice.wait`); a caller with another run
         queued behind this one can sleep in the driver instead, the interpreter lock free."""
@@ -553,7 +552,7 @@ class HostChunk:
         self._feeds = feeds
         return 0
 
-    def finish(self, slot: int = 0, *, spin: bool = True) -> dict[str, np.ndarray]:
+    def finish(self, slot: int, *, spin: bool = True) -> dict[str, np.ndarray]:
         feeds, self._feeds = self._feeds, {}
         return self.run(feeds)
 
