@@ -11,10 +11,12 @@ a software device (llvmpipe) if the pool has one, else the ``cpu`` member, is "t
   budget holds about half the model, so neither GPU holds it alone): latency against the whole
   model on one GPU, and throughput with 8 requests in flight against one GPU;
 - (b) ``mnist12_like`` and ``conv_few_15MB`` replicated on both GPUs (the throughput objective):
-  throughput with 8 requests in flight against one GPU;
+  throughput with 8 requests in flight against one GPU, with the replicas run by threads of
+  this process and by one worker process each (``Session(processes=...)``);
 - every throughput figure follows a second of the same load, unmeasured (``WARMUP_S``);
-- one GPU's throughput is the better of a session on it (each request run as it is submitted)
-  and the executor running the whole model as one chunk there (two runs on the device at once);
+- one GPU's throughput is the best of a session on it (each request run as it is submitted),
+  the executor running the whole model as one chunk there (two runs on the device at once)
+  and, for (b), that chunk in a worker process;
 - (c) one GPU + the host side in one plan: outputs against ONNX Runtime (CPU), and the time of
   each chunk (member, ops, median ms).
 
@@ -126,20 +128,24 @@ def _requests_per_s(session: Any, feeds: dict[str, np.ndarray], requests: int, i
 
 
 def one_gpu_throughput(pool: Any, gpu: str, model: bytes, feeds: dict[str, np.ndarray], requests: int,
-                       one: Any) -> dict[str, float]:
-    """One GPU's throughput both ways it can run: ``one`` (a session on the GPU, whose
-    ``submit`` runs each request before returning) and the executor with the whole model as
-    one chunk on it (two runs on the device at once, as each stage of a split has). The
-    better of the two is the baseline the ratios use."""
+                       one: Any, process: bool = False) -> dict[str, float]:
+    """One GPU's throughput every way it can run: ``one`` (a session on the GPU, whose
+    ``submit`` runs each request before returning), the executor with the whole model as one
+    chunk on it (two runs on the device at once, as each stage of a split has) and, with
+    ``process``, that chunk in a worker process (as each replica runs with ``processes``).
+    The best of them is the baseline the ratios use."""
     from vkpool.partition.graph import build_graph
     from vkpool.session import Session
 
-    direct = throughput(one, feeds, requests)
+    out = {"one_gpu_direct_per_s": throughput(one, feeds, requests)}
     whole = {op: gpu for op in build_graph(one.model).nodes}
-    with Session(model, pool=pool, plan=whole) as queued:
-        pipelined = throughput(queued, feeds, requests)
-    return {"one_gpu_direct_per_s": direct, "one_gpu_queued_per_s": pipelined,
-            "one_gpu_per_s": max(direct, pipelined)}
+    with Session(model, pool=pool, plan=whole, processes=False) as queued:
+        out["one_gpu_queued_per_s"] = throughput(queued, feeds, requests)
+    if process:
+        with Session(model, pool=pool, plan=whole, processes=True) as worker:
+            out["one_gpu_process_per_s"] = throughput(worker, feeds, requests)
+    out["one_gpu_per_s"] = max(out.values())
+    return out
 
 
 def _graph(session: Any) -> Any:
@@ -220,14 +226,16 @@ def replicated(pool: Any, gpus: list[str], name: str, smoke: bool, requests: int
     model, feeds = _model(name, smoke)
     with Session(model, pool=pool, device=gpus[0]) as one:
         expected = one.run(None, feeds)
-        row: dict[str, Any] = {"workload": name, **one_gpu_throughput(pool, gpus[0], model, feeds, requests, one)}
-    with Session(model, pool=pool, devices=gpus, objective="throughput") as both:
-        out = both.run(None, feeds)
-        row.update(replicas=list(both.plan.replicas), lanes=len(both.executor.lanes),
-                   identical=all(np.array_equal(a, b) for a, b in zip(out, expected)),
-                   replicated_per_s=throughput(both, feeds, requests))
-        row["requests_per_lane"] = {lane: sum(1 for e in both.trace() if e.lane == lane and e.chunk == 0)
-                                    for lane in range(len(both.executor.lanes))}
+        row: dict[str, Any] = {"workload": name,
+                               **one_gpu_throughput(pool, gpus[0], model, feeds, requests, one, process=True)}
+    for processes, key in ((False, "threads"), (True, "processes")):
+        with Session(model, pool=pool, devices=gpus, objective="throughput", processes=processes) as both:
+            out = both.run(None, feeds)
+            row[key] = dict(replicas=list(both.plan.replicas), lanes=len(both.executor.lanes),
+                            identical=all(np.array_equal(a, b) for a, b in zip(out, expected)),
+                            per_s=throughput(both, feeds, requests))
+            row[key]["requests_per_lane"] = {lane: sum(1 for e in both.trace() if e.lane == lane and e.chunk == 0)
+                                             for lane in range(len(both.executor.lanes))}
     return row
 
 
@@ -269,9 +277,10 @@ def _us(value: float | None) -> str:
 
 
 def _one_gpu(row: dict) -> str:
-    """The baseline, with the other way of running one GPU beside it."""
-    return (f"{row['one_gpu_per_s']:.1f} (direct {row['one_gpu_direct_per_s']:.0f}, "
-            f"queued {row['one_gpu_queued_per_s']:.0f})")
+    """The baseline, with each way of running one GPU beside it."""
+    ways = [(k[len("one_gpu_"):-len("_per_s")], v) for k, v in row.items()
+            if k.startswith("one_gpu_") and k.endswith("_per_s") and k != "one_gpu_per_s"]
+    return f"{row['one_gpu_per_s']:.1f} (" + ", ".join(f"{k} {v:.0f}" for k, v in ways) + ")"
 
 
 def markdown(result: dict) -> str:
@@ -293,12 +302,12 @@ def markdown(result: dict) -> str:
                         rows)
     if "replicated" in result:
         lines += _table("## (b) Replicated on both GPUs",
-                        ["workload", "replicas", "identical", "1 GPU req/s (8 in flight)", "replicated req/s",
-                         "ratio", "requests per copy"],
-                        [[r["workload"], ", ".join(r["replicas"]) or "none", r["identical"],
-                          _one_gpu(r), f"{r['replicated_per_s']:.1f}",
-                          f"{r['replicated_per_s'] / r['one_gpu_per_s']:.2f}×", r["requests_per_lane"]]
-                         for r in result["replicated"]])
+                        ["workload", "replicas run in", "replicas", "identical", "1 GPU req/s (8 in flight)",
+                         "replicated req/s", "ratio", "requests per copy"],
+                        [[r["workload"], how, ", ".join(r[how]["replicas"]) or "none", r[how]["identical"],
+                          _one_gpu(r), f"{r[how]['per_s']:.1f}",
+                          f"{r[how]['per_s'] / r['one_gpu_per_s']:.2f}×", r[how]["requests_per_lane"]]
+                         for r in result["replicated"] for how in ("threads", "processes")])
     if "gpu_and_host" in result:
         c = result["gpu_and_host"]
         lines += _table(f"## (c) One GPU + {result['host']} in one plan: {c['workload']}",

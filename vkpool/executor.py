@@ -149,6 +149,18 @@ def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
     return stages
 
 
+def build_chunk(model: LoadedModel, stage: _Stage) -> Any:
+    """The stage's chunk on its member: a :class:`VulkanChunk` with ``RUN_SLOTS`` run slots,
+    or a :class:`HostChunk` on the ``cpu`` member."""
+    from vkpool.pool import VulkanMember
+
+    args = (stage.member, stage.nodes, dict(model.tensors), model.constants, stage.inputs, stage.outputs,
+            model.opset)
+    if isinstance(stage.member, VulkanMember):
+        return VulkanChunk(*args, slots=RUN_SLOTS)
+    return HostChunk(*args)
+
+
 class _MemberRunner:
     """Runs one member's chunk runs in the order they become ready, up to ``depth`` at a time.
 
@@ -267,22 +279,13 @@ class PlanExecutor:
                 self.lanes.append(_Lane(k, stage_nodes(model, [everything], [pool.member(replica)])))
             for lane in self.lanes:
                 for stage in lane.stages:
-                    stage.chunk = self._build(stage)
+                    stage.chunk = build_chunk(self.model, stage)
             for member_id in dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages):
                 depth = min(s.chunk.slots for lane in self.lanes for s in lane.stages if s.member.id == member_id)
                 self._runners[member_id] = _MemberRunner(self, member_id, depth)
         except BaseException:
             self.close()
             raise
-
-    def _build(self, stage: _Stage) -> Any:
-        from vkpool.pool import VulkanMember
-
-        m = self.model
-        args = (stage.member, stage.nodes, dict(m.tensors), m.constants, stage.inputs, stage.outputs, m.opset)
-        if isinstance(stage.member, VulkanMember):
-            return VulkanChunk(*args, slots=RUN_SLOTS)
-        return HostChunk(*args)
 
     # -- what it holds -------------------------------------------------------------------------
     @property
@@ -421,4 +424,4 @@ class PlanExecutor:
                     stage.chunk = None
 
 
-__all__ = ["PlanExecutor", "MemberGroup", "ChunkEvent", "stage_nodes", "TRACE_REQUESTS", "RUN_SLOTS"]
+__all__ = ["PlanExecutor", "MemberGroup", "ChunkEvent", "stage_nodes", "build_chunk", "TRACE_REQUESTS", "RUN_SLOTS"]

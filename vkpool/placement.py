@@ -95,8 +95,8 @@ class MultiMemberPlan:
         for lane in self._executor.lanes:
             for stage in lane.stages:
                 s = stage.chunk.stats
-                where = "chunk" if lane.index == 0 else f"replica {lane.index}"
-                lines.append(f"  {where} {stage.index} on {stage.member.id}: {len(stage.nodes)} ops, "
+                where = f"chunk {stage.index}" if lane.index == 0 else f"replica {lane.index}"
+                lines.append(f"  {where} on {stage.member.id}: {len(stage.nodes)} ops, "
                              f"{s.dispatches} dispatches; weights {format_size(s.weight_bytes)}, "
                              f"activations {format_size(s.arena_bytes)}, inputs/outputs {format_size(s.io_bytes)}")
         return "\n".join(lines) + "\n"

@@ -55,6 +55,11 @@ class Session:
     ``budgets``: member id → size (``"512MiB"`` or bytes) applied to the pool before placing.
     ``config``: a config path for the pool this session creates; ``pool``: an existing pool to
     share. ``batch``/``dims`` bind symbolic dimensions (the batch dimension defaults to 1).
+    ``processes``: run a plan that has the whole model on each of its members (a replicated
+    plan) with one worker process per member (:mod:`vkpool.replicas`), so the replicas' host
+    work runs in parallel; by default (None) that happens when the plan replicates the model
+    and every replica is a hardware GPU, True asks for it on any Vulkan members (one member
+    included), False keeps every replica in this process.
 
     A model whose shapes depend on run-time values (NonZero of a computed tensor, TopK with a
     computed k, a Range of computed bounds, ...) is cut there (:mod:`vkpool.dynamic`): the part
@@ -77,8 +82,11 @@ class Session:
         plan: Any = None,
         objective: str = "latency",
         suffix_cache: int | None = None,
+        processes: bool | None = None,
     ) -> None:
         self._own_pool = pool is None
+        self._source = (model if isinstance(model, (bytes, bytearray)) else os.fspath(model), batch, dict(dims or {}))
+        self._processes = processes
         self.pool = pool if pool is not None else DevicePool.from_config(None if config is None else str(config))
         self._reset()
         try:
@@ -97,6 +105,7 @@ class Session:
         and placed as the whole model's session was asked to be."""
         self = cls.__new__(cls)
         self._own_pool = False
+        self._source, self._processes = None, False  # a part is compiled from the loaded graph
         self.pool = pool
         self._reset()
         try:
@@ -224,7 +233,7 @@ class Session:
         member refuses a chunk, its budget as the planner sees it is cut by what the compile
         lacked below what the refused plan gave it, and the model is planned again.
         """
-        from vkpool.executor import MemberGroup, PlanExecutor
+        from vkpool.executor import MemberGroup
         from vkpool.partition import plan_model
         from vkpool.partition.graph import build_graph
         from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan, plan_problems
@@ -244,7 +253,7 @@ class Session:
             unknown = set(given.member_of) ^ set(graph.nodes)
             if unknown:
                 raise ValueError(f"the plan was made for another model: ops {sorted(unknown)[:5]} differ")
-            self._executor = PlanExecutor(self.pool, self.model, given, graph)
+            self._executor = self._run_plan(given, graph)
         else:
             if not devices:
                 raise ValueError("devices must name at least one pool member")
@@ -255,7 +264,7 @@ class Session:
                 if problems:
                     raise PartitionUnfeasible("; ".join(problems), shortfall_bytes={})
                 try:
-                    self._executor = PlanExecutor(self.pool, self.model, chosen, graph)
+                    self._executor = self._run_plan(chosen, graph)
                     break
                 except DeviceOutOfMemory as exc:
                     refused = next((k for k, mm in enumerate(members) if mm.id == exc.member), None)
@@ -270,6 +279,30 @@ class Session:
                                         "were made for, however the plans were cut")
         self._chunk_plan = MultiMemberPlan(self._executor.plan, graph, self._executor)
         self.member = MemberGroup([self.pool.member(i) for i in self._executor.members])
+
+    def _run_plan(self, plan: Any, graph: Any) -> Any:
+        """The executor of ``plan``: worker processes for a replicated plan when ``processes``
+        asks for them (see the class doc), else a :class:`~vkpool.executor.PlanExecutor`."""
+        from vkpool.executor import PlanExecutor
+        from vkpool.replicas import ReplicaProcesses
+
+        whole = len(plan.chunks) == 1
+        if self._processes and not whole:
+            raise ValueError("processes=True runs a plan that has the whole model on each of its members; "
+                             "this plan splits it (plan with objective='throughput' over members that each "
+                             "hold the model)")
+        members = [self.pool.member(m) for m in [plan.chunks[0].member, *plan.replicas]] if whole else []
+        vulkan = all(isinstance(m, VulkanMember) for m in members)
+        if self._processes and not vulkan:
+            raise ValueError("processes=True needs every replica on a Vulkan member; "
+                             f"this plan has {', '.join(m.id for m in members)}")
+        chosen = self._processes if self._processes is not None else (
+            whole and bool(plan.replicas) and vulkan and self._source is not None
+            and all(m.info.type in ("discrete", "integrated", "virtual") for m in members))
+        if chosen and self._source is not None:
+            source, batch, dims = self._source
+            return ReplicaProcesses(self.pool, self.model, plan, source, batch, dims)
+        return PlanExecutor(self.pool, self.model, plan, graph)
 
     # -- ONNX Runtime-shaped API ----------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:

@@ -1,0 +1,142 @@
+"""Replicas in worker processes (``vkpool.replicas``) on lavapipe: one process per member of a
+two-way split of the device, each with its own logical device, serving requests through
+shared memory. Outputs are compared bit for bit with a one-member session in this process
+(the same shaders run on the same device)."""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from bench import workloads
+from conftest import vulkan_pool
+from vkpool.config.loader import parse_config
+from vkpool.session import Session
+
+MEMBERS = ["vk0.0", "vk0.1"]
+BUDGET = 256 << 20
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    pool = vulkan_pool(parse_config(f"devices:\n  - match: {{index: 0}}\n    split: 2\n    budget: {BUDGET}\n"
+                                    "host:\n  enabled: false\n"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def mnist(pool2) -> tuple[bytes, list[dict[str, np.ndarray]], list[np.ndarray]]:
+    model = workloads.build("mnist12_like").SerializeToString()
+    rng = np.random.default_rng(11)
+    feeds = [{"x": rng.standard_normal((1, 1, 28, 28)).astype(np.float32)} for _ in range(6)]
+    with Session(model, pool=pool2, device="vk0.0") as one:
+        expected = [one.run(None, f)[0] for f in feeds]
+    return model, feeds, expected
+
+
+@pytest.fixture(scope="module")
+def replicated(pool2, mnist):
+    model = mnist[0]
+    used = {m: pool2.member(m).used_bytes for m in MEMBERS}
+    with Session(model, pool=pool2, devices=MEMBERS, objective="throughput", processes=True) as session:
+        yield session, used
+
+
+def test_each_replica_runs_in_its_own_process_and_results_match_their_requests(pool2, mnist, replicated) -> None:
+    _, feeds, expected = mnist
+    session, _ = replicated
+    assert session.plan.replicas and len(session.executor.lanes) == 2
+    pids = {w.proc.pid for w in session.executor.workers}
+    assert len(pids) == 2 and os.getpid() not in pids
+    futures = [session.submit(feeds[k % len(feeds)]) for k in range(24)]  # more than the 2 x 4 slots
+    for k, f in enumerate(futures):
+        np.testing.assert_array_equal(f.result(timeout=120)[0], expected[k % len(feeds)])
+    lanes = {e.lane for e in session.trace()}
+    assert lanes == {0, 1}  # the least-loaded replica took the requests the other could not
+    np.testing.assert_array_equal(session.run(None, feeds[0])[0], expected[0])
+
+
+def test_worker_memory_is_charged_to_the_members_budgets(pool2, replicated) -> None:
+    session, before = replicated
+    held = session.memory_by_member()
+    assert set(held) == set(MEMBERS)
+    for m in MEMBERS:
+        assert held[m] > 0
+        assert pool2.member(m).used_bytes == before[m] + held[m]
+    text = session.plan.to_text()
+    assert "replica 1 on vk0.1" in text and "dispatches" in text
+
+
+def test_bad_input_is_refused_before_it_reaches_a_worker(replicated) -> None:
+    session, _ = replicated
+    from vkpool.session import InvalidInput
+
+    with pytest.raises(InvalidInput, match="shape"):
+        session.submit({"x": np.zeros((1, 1, 27, 28), np.float32)})
+
+
+def test_closing_returns_the_budget_and_ends_the_workers(pool2, mnist) -> None:
+    model, feeds, expected = mnist
+    before = {m: pool2.member(m).used_bytes for m in MEMBERS}
+    session = Session(model, pool=pool2, devices=MEMBERS, objective="throughput", processes=True)
+    procs = [w.proc for w in session.executor.workers]
+    futures = [session.submit(feeds[0]) for _ in range(10)]
+    session.close()  # what was accepted is served before the workers exit
+    for f in futures:
+        np.testing.assert_array_equal(f.result(timeout=60)[0], expected[0])
+    assert all(p.returncode == 0 for p in procs)
+    assert {m: pool2.member(m).used_bytes for m in MEMBERS} == before
+    with pytest.raises(RuntimeError, match="closed"):
+        session.run(None, feeds[0])
+
+
+def test_a_dead_worker_fails_its_requests_and_the_other_replica_serves_on(pool2, mnist) -> None:
+    model, feeds, expected = mnist
+    with Session(model, pool=pool2, devices=MEMBERS, objective="throughput", processes=True) as session:
+        victim = session.executor.workers[1]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(timeout=30)
+        victim.thread.join(timeout=30)
+        assert not victim.alive
+        for k in range(6):  # every request goes to the live replica
+            np.testing.assert_array_equal(session.run(None, feeds[k])[0], expected[k])
+        assert "exited with status -9" in victim.why_ended()
+
+
+def test_a_budget_too_small_for_a_worker_is_a_clear_error(pool2, mnist) -> None:
+    from vkpool.memory import DeviceOutOfMemory
+    from vkpool.partition.plan import build_plan
+    from vkpool.partition.graph import build_graph
+    from vkpool.session import Session as S
+
+    model = mnist[0]
+    with S(model, pool=pool2, device="vk0.0") as one:
+        graph = build_graph(one.model)
+        members = one._planner_members(MEMBERS)
+    plan = build_plan(graph, {op: "vk0.0" for op in graph.graph["order"]}, members, objective="throughput",
+                      algorithm="given", replicas=["vk0.1"])
+    before = {m: pool2.member(m).used_bytes for m in MEMBERS}
+    pool2.set_budget("vk0.1", pool2.member("vk0.1").used_bytes + 4096)
+    try:
+        with pytest.raises(DeviceOutOfMemory, match="vk0.1"):
+            S(model, pool=pool2, plan=plan, processes=True)
+    finally:
+        pool2.set_budget("vk0.1", BUDGET)
+    assert {m: pool2.member(m).used_bytes for m in MEMBERS} == before
+
+
+def test_processes_on_a_split_plan_is_refused(pool2, mnist) -> None:
+    model = mnist[0]
+    with pytest.raises(ValueError, match="replicates the whole model"):
+        Session(model, pool=pool2, plan={op: m for op, m in _halves(model, pool2)}, processes=True)
+
+
+def _halves(model: bytes, pool) -> list[tuple[str, str]]:
+    from vkpool.partition.graph import build_graph
+
+    with Session(model, pool=pool, device="vk0.0") as one:
+        order = build_graph(one.model).graph["order"]
+    return [(op, MEMBERS[0] if i < len(order) // 2 else MEMBERS[1]) for i, op in enumerate(order)]
