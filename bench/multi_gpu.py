@@ -30,8 +30,8 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -91,8 +91,8 @@ def latency_ms(session: Any, feeds: dict[str, np.ndarray], runs: int) -> float:
 
 def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int = 8,
                warmup_s: float | None = None) -> float:
-    """Requests per second with ``in_flight`` requests kept outstanding (futures, refilled as
-    each completes), after ``warmup_s`` (default ``WARMUP_S``) of the same load unmeasured."""
+    """Requests per second with ``in_flight`` requests kept outstanding (futures; a new one as
+    the oldest completes), after ``warmup_s`` (default ``WARMUP_S``) of the same load unmeasured."""
     deadline = time.perf_counter() + (WARMUP_S if warmup_s is None else warmup_s)
     _requests_per_s(session, feeds, in_flight, in_flight)
     while time.perf_counter() < deadline:
@@ -101,30 +101,17 @@ def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_fli
 
 
 def _requests_per_s(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int) -> float:
-    slots = threading.Semaphore(in_flight)
-    done = threading.Event()
-    left = [requests]
-    lock = threading.Lock()
-
-    def finished(_: Any) -> None:
-        slots.release()
-        with lock:
-            left[0] -= 1
-            if left[0] == 0:
-                done.set()
-
+    """A closed loop: ``in_flight`` requests outstanding, the next submitted as soon as the
+    oldest one's result is in (each ``result()`` waited for by this one thread)."""
+    window: deque = deque()
     t0 = time.perf_counter()
-    futures = []
     for _ in range(requests):
-        slots.acquire()
-        f = session.submit(feeds)
-        f.add_done_callback(finished)
-        futures.append(f)
-    done.wait()
-    elapsed = time.perf_counter() - t0
-    for f in futures:
-        f.result()
-    return requests / elapsed
+        if len(window) >= in_flight:
+            window.popleft().result()
+        window.append(session.submit(feeds))
+    while window:
+        window.popleft().result()
+    return requests / (time.perf_counter() - t0)
 
 
 def one_gpu_throughput(pool: Any, gpu: str, model: bytes, feeds: dict[str, np.ndarray], requests: int,

@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -60,6 +60,9 @@ from vkpool.model import LoadedModel
 PROCESS_SLOTS = 4
 #: seconds a worker may take to load and record the model before the session gives up
 START_TIMEOUT_S = 600.0
+#: seconds a waiting thread reads answers before it looks at its future again; the reader
+#: thread leaves answers alone while a waiting thread has read within this time
+HELP_SLICE_S = 0.001
 #: seconds ``close`` waits for the requests accepted before it to be served
 CLOSE_WAIT_S = 60.0
 CLOSE = 0xFF  # caller → worker: finish what you hold and exit
@@ -125,7 +128,8 @@ class _Worker:
         self.busy: dict[int, tuple[Any, ...]] = {}  # slot → (feeds, shape, future, request id, start ns)
         self.alive = True
         self.charged = 0
-        self.thread: threading.Thread | None = None
+        self.serving = False  # loaded the model and answering requests
+        self.buf = b""  # answers read but not yet whole
 
     def unlink(self) -> None:
         if self.path is not None:
@@ -138,6 +142,24 @@ class _Worker:
         tail = self.stderr.read()[-_STDERR_TAIL:].decode(errors="replace").strip()
         status = "is still running" if code is None else f"exited with status {code}"
         return f"the replica process on {self.member.id} {status}" + (f"; its last output:\n{tail}" if tail else "")
+
+
+class _Answer(Future):
+    """The future of one request. A thread that waits for it (``result``, ``exception``) reads
+    the workers' answers itself while no other thread does, instead of sleeping until the
+    reader thread wakes it: each hand-over between threads costs more than the answer."""
+
+    def __init__(self, owner: ReplicaProcesses) -> None:
+        super().__init__()
+        self._owner = owner
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._owner._help(self, timeout)
+        return super().result(timeout=0 if self.done() else timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._owner._help(self, timeout)
+        return super().exception(timeout=0 if self.done() else timeout)
 
 
 class ReplicaProcesses:
@@ -161,6 +183,10 @@ class ReplicaProcesses:
         self._output_names = [name for name, _ in model.outputs if name not in model.constants]
         self.workers: list[_Worker] = []
         self.lanes: list[_Lane] = []
+        self._reader: threading.Thread | None = None
+        # one thread at a time reads the workers' answers (re-entered by a callback that waits)
+        self._drain_lock = threading.RLock()
+        self._helped = 0.0  # when a waiting thread last read answers (time.monotonic)
         everything = list(range(len(model.nodes)))
         for index, member_id in enumerate([plan.chunks[0].member, *plan.replicas]):
             self.lanes.append(_Lane(index, stage_nodes(model, [everything], [pool.member(member_id)])))
@@ -184,9 +210,10 @@ class ReplicaProcesses:
             for worker in self.workers:
                 self._await_ready(worker)
             for worker in self.workers:
-                worker.thread = threading.Thread(target=self._read_answers, args=(worker,),
-                                                 name=f"vkpool-replica-{worker.member.id}", daemon=True)
-                worker.thread.start()
+                os.set_blocking(worker.from_fd, False)
+                worker.serving = True
+            self._reader = threading.Thread(target=self._read_answers, name="vkpool-replicas", daemon=True)
+            self._reader.start()
         except BaseException:
             self.close()
             raise
@@ -303,7 +330,7 @@ class ReplicaProcesses:
                shape: Callable[[dict[str, np.ndarray]], Any] | None = None) -> Future:
         """Starts one request on the least-loaded replica; the future's result is
         ``{output name: array}``, or what ``shape`` makes of it."""
-        future: Future = Future()
+        future = _Answer(self)
         future.set_running_or_notify_cancel()
         with self._lock:
             if self._closed:
@@ -317,6 +344,13 @@ class ReplicaProcesses:
             slot = worker.free.pop()
             worker.busy[slot] = (feeds, shape, future, next(self._ids), time.perf_counter_ns())
         self._send(worker, slot, feeds)
+        # complete what has been answered meanwhile here, in the submitting thread: handing each
+        # answer to the reader thread and back costs more than the answer itself
+        if self._drain_lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._drain_lock.release()
         return future
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -330,24 +364,68 @@ class ReplicaProcesses:
         except BaseException as exc:  # the request fails, and its slot serves the next one
             self._answered(worker, slot, exc)
 
-    def _read_answers(self, worker: _Worker) -> None:
-        buf = b""
+    def _help(self, future: Future, timeout: float | None) -> None:
+        """Reads answers in this thread until ``future`` is done or ``timeout`` passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not future.done():
+            left = HELP_SLICE_S if deadline is None else min(HELP_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                return
+            self._helped = time.monotonic()
+            if self._drain_lock.acquire(blocking=False):
+                try:
+                    fds = [w.from_fd for w in self.workers if w.alive and w.serving]
+                    if not fds:
+                        return
+                    select.select(fds, [], [], left)
+                    self._drain()
+                finally:
+                    self._drain_lock.release()
+            else:  # another thread reads: it completes this future or frees the lock soon
+                try:
+                    Future.exception(future, timeout=left)
+                except (TimeoutError, FutureTimeout):
+                    pass
+
+    def _read_answers(self) -> None:
+        """The reader thread: completes answers nobody waits for (futures with callbacks). It
+        sleeps until a worker answers (or ends), and leaves the answers to a waiting thread
+        that has read in the last ``HELP_SLICE_S``."""
         while True:
+            fds = [w.from_fd for w in self.workers if w.alive]
+            if not fds:
+                return
+            select.select(fds, [], [])
+            while time.monotonic() - self._helped < HELP_SLICE_S:
+                time.sleep(HELP_SLICE_S)
+            with self._drain_lock:
+                self._drain()
+
+    def _drain(self) -> None:
+        """Completes every answer the workers have written so far (``_drain_lock`` held)."""
+        for worker in self.workers:
+            if not worker.alive or not worker.serving:
+                continue
             try:
                 data = os.read(worker.from_fd, 65536)
+            except BlockingIOError:
+                continue
             except OSError:
                 data = b""
             if not data:
                 self._ended(worker)
-                return
-            buf += data
+                continue
+            buf = worker.buf + data
+            answers = []
             while True:
                 frame = _frame(buf)
                 if frame is None:
                     break
                 slot, status, body, buf = frame
-                error = None if status == _OK else RuntimeError(
-                    f"{worker.member.id}: {body.decode(errors='replace')}")
+                answers.append((slot, None if status == _OK else RuntimeError(
+                    f"{worker.member.id}: {body.decode(errors='replace')}")))
+            worker.buf = buf  # before completing: a callback may read further answers
+            for slot, error in answers:
                 self._answered(worker, slot, error)
 
     def _answered(self, worker: _Worker, slot: int, error: BaseException | None) -> None:
@@ -415,11 +493,11 @@ class ReplicaProcesses:
         deadline = time.monotonic() + CLOSE_WAIT_S
         while time.monotonic() < deadline:
             with self._lock:
-                if not any(w.alive and w.thread is not None and w.busy for w in self.workers):
+                if not any(w.alive and w.serving and w.busy for w in self.workers):
                     break
             time.sleep(0.001)
         for worker in self.workers:
-            if worker.thread is None:  # still loading (another worker failed): no need to wait for it
+            if not worker.serving:  # still loading (another worker failed): no need to wait for it
                 worker.proc.kill()
             elif worker.alive:
                 try:
@@ -432,10 +510,12 @@ class ReplicaProcesses:
             except subprocess.TimeoutExpired:
                 worker.proc.kill()
                 worker.proc.wait()
-            if worker.thread is not None:
-                worker.thread.join()
-            else:
-                self._ended(worker)
+        if self._reader is not None:
+            self._reader.join()  # it ends once every worker's pipe has closed
+        for worker in self.workers:
+            if worker.alive:
+                with self._drain_lock:
+                    self._ended(worker)
             for fd in (worker.to_fd, worker.from_fd):
                 os.close(fd)
             worker.stderr.close()
