@@ -187,6 +187,8 @@ class ReplicaProcesses:
         # one thread at a time reads the workers' answers (re-entered by a callback that waits)
         self._drain_lock = threading.RLock()
         self._helped = 0.0  # when a waiting thread last read answers (time.monotonic)
+        self._poller = select.poll()  # the serving workers' answer pipes; polled under _drain_lock
+        self._by_fd: dict[int, _Worker] = {}
         everything = list(range(len(model.nodes)))
         for index, member_id in enumerate([plan.chunks[0].member, *plan.replicas]):
             self.lanes.append(_Lane(index, stage_nodes(model, [everything], [pool.member(member_id)])))
@@ -211,6 +213,8 @@ class ReplicaProcesses:
                 self._await_ready(worker)
             for worker in self.workers:
                 os.set_blocking(worker.from_fd, False)
+                self._poller.register(worker.from_fd, select.POLLIN)
+                self._by_fd[worker.from_fd] = worker
                 worker.serving = True
             self._reader = threading.Thread(target=self._read_answers, name="vkpool-replicas", daemon=True)
             self._reader.start()
@@ -374,11 +378,9 @@ class ReplicaProcesses:
             self._helped = time.monotonic()
             if self._drain_lock.acquire(blocking=False):
                 try:
-                    fds = [w.from_fd for w in self.workers if w.alive and w.serving]
-                    if not fds:
+                    if not self._by_fd:
                         return
-                    select.select(fds, [], [], left)
-                    self._drain()
+                    self._drain(max(1, int(left * 1000)))
                 finally:
                     self._drain_lock.release()
             else:  # another thread reads: it completes this future or frees the lock soon
@@ -401,18 +403,20 @@ class ReplicaProcesses:
             with self._drain_lock:
                 self._drain()
 
-    def _drain(self) -> None:
-        """Completes every answer the workers have written so far (``_drain_lock`` held)."""
-        for worker in self.workers:
-            if not worker.alive or not worker.serving:
-                continue
+    def _drain(self, wait_ms: int = 0) -> None:
+        """Completes every answer the workers have written so far, after waiting up to
+        ``wait_ms`` for one (``_drain_lock`` held)."""
+        for fd, _ in self._poller.poll(wait_ms):
+            worker = self._by_fd[fd]
             try:
-                data = os.read(worker.from_fd, 65536)
+                data = os.read(fd, 65536)
             except BlockingIOError:
                 continue
             except OSError:
                 data = b""
             if not data:
+                self._poller.unregister(fd)
+                del self._by_fd[fd]
                 self._ended(worker)
                 continue
             buf = worker.buf + data
