@@ -228,11 +228,22 @@ class ReplicaProcesses:
     # -- start-up ------------------------------------------------------------------------------
     def _spawn(self, lane: _Lane, source: str, batch: int, dims: dict[str, int]) -> _Worker:
         member = lane.stages[0].member
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix=f"vkpool-{member.id}-", dir=folder)
+        size = self._slots * self._slot_bytes
+        for folder in (["/dev/shm"] if os.path.isdir("/dev/shm") else []) + [None]:
+            fd, path = tempfile.mkstemp(prefix=f"vkpool-{member.id}-", dir=folder)
+            try:
+                os.posix_fallocate(fd, 0, size)  # a full /dev/shm (64 MiB in a container) fails here
+                break
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                if folder is None:
+                    raise
         try:
-            os.ftruncate(fd, self._slots * self._slot_bytes)
-            mapping = mmap.mmap(fd, self._slots * self._slot_bytes)
+            mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         from_caller, to_worker = os.pipe()  # (read end, write end)
@@ -246,9 +257,11 @@ class ReplicaProcesses:
         }
         stderr = tempfile.TemporaryFile(prefix="vkpool-replica-")
         try:
+            # the worker imports vkpool from where this process did
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
             proc = subprocess.Popen([sys.executable, "-m", "vkpool.replicas", json.dumps(spec)],
                                     pass_fds=(from_caller, to_caller), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=stderr, close_fds=True)
+                                    stdout=subprocess.DEVNULL, stderr=stderr, close_fds=True, env=env)
         except BaseException:
             for fd in (to_worker, from_worker):
                 os.close(fd)
