@@ -251,7 +251,44 @@ class _MemberRunner:
         self._thread.join()
 
 
-class PlanExecutor:
+class LaneReports:
+    """What an executor with ``lanes`` (and a ``_trace`` guarded by ``_trace_lock``) reports."""
+
+    lanes: list[_Lane]
+    _trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]]
+    _trace_lock: Any
+
+    def memory_by_member(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for lane in self.lanes:
+            for stage in lane.stages:
+                s = stage.chunk.stats
+                out[stage.member.id] = out.get(stage.member.id, 0) + s.weight_bytes + s.arena_bytes + s.io_bytes
+        return out
+
+    def stats(self) -> ChunkStats:
+        """The chunks' statistics summed (largest live set: the largest of any chunk)."""
+        total = ChunkStats()
+        for lane in self.lanes:
+            for stage in lane.stages:
+                s = stage.chunk.stats
+                total.weight_bytes += s.weight_bytes
+                total.arena_bytes += s.arena_bytes
+                total.io_bytes += s.io_bytes
+                total.peak_live_bytes = max(total.peak_live_bytes, s.peak_live_bytes)
+                total.dispatches += s.dispatches
+                total.barriers += s.barriers
+                total.levels += s.levels
+        return total
+
+    def trace(self) -> list[ChunkEvent]:
+        """Chunk runs of the last requests, in the order they ended."""
+        with self._trace_lock:
+            done = list(self._trace)
+        return [ChunkEvent(rid, lane, *e) for rid, lane, events in done for e in events]
+
+
+class PlanExecutor(LaneReports):
     """Builds a plan's chunks on pool members and runs requests through them (see module doc)."""
 
     def __init__(self, pool: Any, model: LoadedModel, plan: Any, graph: Any) -> None:
@@ -260,6 +297,7 @@ class PlanExecutor:
         self._closed = False
         self._ids = itertools.count()
         self._lane_lock = threading.Lock()
+        self._trace_lock = self._lane_lock
         # (request id, lane, chunk runs) of the last requests; guarded by _lane_lock
         self._trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]] = deque(maxlen=TRACE_REQUESTS)
         self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
@@ -296,35 +334,6 @@ class PlanExecutor:
     def planned_transfers(self) -> list[Transfer]:
         """The cross-member stagings one request on the plan's own lane performs."""
         return [t for stage in self.lanes[0].stages for t in stage.transfers]
-
-    def memory_by_member(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for lane in self.lanes:
-            for stage in lane.stages:
-                s = stage.chunk.stats
-                out[stage.member.id] = out.get(stage.member.id, 0) + s.weight_bytes + s.arena_bytes + s.io_bytes
-        return out
-
-    def stats(self) -> ChunkStats:
-        """The chunks' statistics summed (largest live set: the largest of any chunk)."""
-        total = ChunkStats()
-        for lane in self.lanes:
-            for stage in lane.stages:
-                s = stage.chunk.stats
-                total.weight_bytes += s.weight_bytes
-                total.arena_bytes += s.arena_bytes
-                total.io_bytes += s.io_bytes
-                total.peak_live_bytes = max(total.peak_live_bytes, s.peak_live_bytes)
-                total.dispatches += s.dispatches
-                total.barriers += s.barriers
-                total.levels += s.levels
-        return total
-
-    def trace(self) -> list[ChunkEvent]:
-        """Chunk runs of the last requests, in the order they ended."""
-        with self._lane_lock:
-            done = list(self._trace)
-        return [ChunkEvent(rid, lane, *e) for rid, lane, events in done for e in events]
 
     # -- running -------------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray],
@@ -424,4 +433,4 @@ class PlanExecutor:
                     stage.chunk = None
 
 
-__all__ = ["PlanExecutor", "MemberGroup", "ChunkEvent", "stage_nodes", "build_chunk", "TRACE_REQUESTS", "RUN_SLOTS"]
+__all__ = ["PlanExecutor", "LaneReports", "MemberGroup", "ChunkEvent", "stage_nodes", "build_chunk", "TRACE_REQUESTS", "RUN_SLOTS"]

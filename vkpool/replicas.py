@@ -52,7 +52,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from vkpool.engine import ChunkStats
-from vkpool.executor import TRACE_REQUESTS, ChunkEvent, _Lane, stage_nodes
+from vkpool.executor import TRACE_REQUESTS, LaneReports, _Lane, stage_nodes
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel
 
@@ -162,7 +162,7 @@ class _Answer(Future):
         return super().exception(timeout=0 if self.done() else timeout)
 
 
-class ReplicaProcesses:
+class ReplicaProcesses(LaneReports):
     """Runs a plan with the whole model on every member of ``[plan's member, *replicas]`` (the
     replicas may be none) with one worker process per member (see the module doc). ``source`` is the model as the
     session got it (a path or its bytes) with ``batch`` and ``dims``, which each worker loads."""
@@ -176,6 +176,7 @@ class ReplicaProcesses:
         self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
         self._closed = False
         self._lock = threading.Lock()
+        self._trace_lock = self._lock
         self._ids = itertools.count()
         self._backlog: deque[tuple[Any, ...]] = deque()
         self._trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]] = deque(maxlen=TRACE_REQUESTS)
@@ -324,23 +325,6 @@ class ReplicaProcesses:
     @property
     def planned_transfers(self) -> list[Any]:
         return []
-
-    def memory_by_member(self) -> dict[str, int]:
-        return {w.member.id: w.charged for w in self.workers}
-
-    def stats(self) -> ChunkStats:
-        total = ChunkStats()
-        for lane in self.lanes:
-            s = lane.stages[0].chunk.stats
-            for name in ("weight_bytes", "arena_bytes", "io_bytes", "dispatches", "barriers", "levels"):
-                setattr(total, name, getattr(total, name) + getattr(s, name))
-            total.peak_live_bytes = max(total.peak_live_bytes, s.peak_live_bytes)
-        return total
-
-    def trace(self) -> list[ChunkEvent]:
-        with self._lock:
-            done = list(self._trace)
-        return [ChunkEvent(rid, lane, *e) for rid, lane, events in done for e in events]
 
     # -- running -------------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray],
