@@ -11,7 +11,7 @@ remains in the calling process per request is a copy into shared memory, one byt
 a pipe and, when the worker answers, a copy out.
 
 - **Shared memory.** Each worker has ``PROCESS_SLOTS`` request slots in one file-backed
-  mapping (under ``/dev/shm`` where there is one) that both processes map; a slot holds the
+  mapping that both processes map; a slot holds the
   model's inputs and outputs at fixed offsets. The file is unlinked once the worker has
   mapped it, so nothing is left behind however the processes end.
 - **Wire.** Caller → worker: one byte per request, the slot it was written to (``CLOSE`` asks
@@ -21,6 +21,13 @@ a pipe and, when the worker answers, a copy out.
   that stopped the worker.
 - **Scheduling.** A request goes to the live worker with the most free slots (the least
   loaded); with every slot taken it waits in a queue that the first slot to free takes from.
+- **Answers.** The thread that submits, and a thread that waits on a request's future, read
+  the workers' answers themselves (one ``poll`` of their pipes, under one lock), so no
+  hand-over between threads happens per request: on two H200s that took mnist12_like from
+  about 24 k to 45 k requests/s. A reader thread completes the answers nobody waits for; it
+  leaves them to a waiting thread that has read within ``HELP_SLICE_S``.
+- **Mapping.** ``/dev/shm`` where it has room (its space reserved up front), else the temp
+  folder.
 - **Failures.** A failed run fails its own request only. A worker that dies fails the
   requests it held, with its exit status and the end of its error output; the other
   replicas keep serving the rest.
