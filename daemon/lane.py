@@ -54,13 +54,13 @@ POLL_MIN_CPUS = 4
 POLL_MAX_S = float(os.environ.get("VKPOOL_LANE_POLL_US", "200" if usable_cpus() >= POLL_MIN_CPUS else "0")) * 1e-6
 
 
-
 def wake(sock: socket.socket) -> None:
     """Ends both directions of ``sock``, so a thread blocked in its ``recv`` returns end of file."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
 
 class Poller:
     """Polling for a lane message (:meth:`vkpool.daemon.protocol.LaneReader.poll`) for up to twice

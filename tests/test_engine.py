@@ -244,6 +244,7 @@ def test_a_second_run_slot_is_left_out_where_the_budget_has_no_room(pool):
         chunk = VulkanChunk(*args, slots=2)
         try:
             assert chunk.slots == 1
+            assert chunk._slots[0].chained is None  # runs submit without the lock, as a one-slot chunk's do
             assert member.used_bytes == before + need
             x = np.ones((5, 32), np.float32)
             np.testing.assert_allclose(chunk.run({"x": x})["y"], np.maximum(x @ _matmul_weight(), 0),

@@ -166,3 +166,16 @@ def test_requests_nobody_waits_for_are_completed_by_the_reader_thread(mnist, rep
     assert done.wait(timeout=120)
     for k in range(8):
         np.testing.assert_array_equal(got[k], expected[k % len(feeds)])
+
+
+def test_processes_without_a_plan_is_refused_with_what_to_give(pool2, mnist) -> None:
+    model = mnist[0]
+    with pytest.raises(ValueError, match="give devices=.* or plan="):
+        Session(model, pool=pool2, device="vk0.0", processes=True)
+    with pytest.raises(ValueError, match="give devices=.* or plan="):
+        Session(model, pool=pool2, processes=True)
+
+
+def test_the_session_does_not_keep_the_model_bytes_once_workers_loaded_them(replicated) -> None:
+    session, _ = replicated
+    assert session._source is None

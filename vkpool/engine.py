@@ -347,6 +347,8 @@ class VulkanChunk:
             except DeviceOutOfMemory:  # more slots only where the budget has room for their I/O
                 break
         self.slots = len(self._slots)
+        if self.slots == 1:  # the others did not fit: the one left never runs behind another
+            self._slots[0].chained = None
         for index in range(self.slots):
             self._idle.put(index)
         self.device.save_pipeline_cache()

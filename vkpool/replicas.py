@@ -86,10 +86,6 @@ class _Field:
     shape: tuple[int, ...]
     offset: int
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
-
     def view(self, buffer: Any, base: int) -> np.ndarray:
         return np.ndarray(self.shape, np.dtype(self.dtype), buffer, base + self.offset)
 
@@ -98,9 +94,8 @@ def _layout(model: LoadedModel, names: Sequence[str]) -> tuple[list[_Field], int
     fields, at = [], 0
     for name in names:
         info = model.tensors[name]
-        f = _Field(name, np.dtype(info.dtype).str, tuple(int(d) for d in info.shape), at)
-        fields.append(f)
-        at += -(-max(f.nbytes, 1) // _ALIGN) * _ALIGN
+        fields.append(_Field(name, np.dtype(info.dtype).str, tuple(int(d) for d in info.shape), at))
+        at += -(-max(info.nbytes, 1) // _ALIGN) * _ALIGN
     return fields, at
 
 
@@ -117,7 +112,7 @@ class _RemoteChunk:
 
 
 class _Worker:
-    """One replica's process, its shared slots and the thread that reads its answers."""
+    """One replica's process, its pipes and its shared request slots."""
 
     def __init__(self, lane: _Lane, proc: subprocess.Popen, to_fd: int, from_fd: int, mapping: mmap.mmap,
                  path: str, inputs: list[dict[str, np.ndarray]], outputs: list[dict[str, np.ndarray]], stderr: Any) -> None:
@@ -161,12 +156,10 @@ class _Answer(Future):
         self._owner = owner
 
     def result(self, timeout: float | None = None) -> Any:
-        self._owner._help(self, timeout)
-        return super().result(timeout=0 if self.done() else timeout)
+        return super().result(timeout=self._owner._help(self, timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._owner._help(self, timeout)
-        return super().exception(timeout=0 if self.done() else timeout)
+        return super().exception(timeout=self._owner._help(self, timeout))
 
 
 class ReplicaProcesses(LaneReports):
@@ -369,36 +362,49 @@ class ReplicaProcesses(LaneReports):
             for name, view in worker.inputs[slot].items():
                 np.copyto(view, feeds[name], casting="no")
             os.write(worker.to_fd, bytes((slot,)))
+        except OSError as exc:  # the worker is gone: no request queued here goes to it again
+            with self._lock:
+                worker.alive = False
+            error = RuntimeError(worker.why_ended())
+            error.__cause__ = exc
+            self._answered(worker, slot, error)
         except BaseException as exc:  # the request fails, and its slot serves the next one
             self._answered(worker, slot, exc)
 
-    def _help(self, future: Future, timeout: float | None) -> None:
-        """Reads answers in this thread until ``future`` is done or ``timeout`` passes."""
+    def _help(self, future: Future, timeout: float | None) -> float | None:
+        """Reads answers in this thread until ``future`` is done, ``timeout`` passes or no
+        worker is left to answer; returns what is left of ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         while not future.done():
-            left = HELP_SLICE_S if deadline is None else min(HELP_SLICE_S, deadline - time.monotonic())
-            if left <= 0:
-                return
+            wait = HELP_SLICE_S if deadline is None else min(HELP_SLICE_S, left())
+            if wait <= 0:
+                break
             self._helped = time.monotonic()
             if self._drain_lock.acquire(blocking=False):
                 try:
                     if not self._by_fd:
-                        return
-                    self._drain(max(1, int(left * 1000)))
+                        break
+                    self._drain(max(1, int(wait * 1000)))
                 finally:
                     self._drain_lock.release()
             else:  # another thread reads: it completes this future or frees the lock soon
                 try:
-                    Future.exception(future, timeout=left)
+                    Future.exception(future, timeout=wait)
                 except (TimeoutError, FutureTimeout):
                     pass
+        return left()
 
     def _read_answers(self) -> None:
         """The reader thread: completes answers nobody waits for (futures with callbacks). It
         sleeps until a worker answers (or ends), and leaves the answers to a waiting thread
         that has read in the last ``HELP_SLICE_S``."""
         while True:
-            fds = [w.from_fd for w in self.workers if w.alive]
+            with self._drain_lock:
+                fds = list(self._by_fd)  # the pipes not yet seen closed
             if not fds:
                 return
             select.select(fds, [], [])

@@ -97,6 +97,8 @@ class Session:
         except BaseException:
             self.close()
             raise
+        finally:
+            self._source = None  # the workers have loaded it: do not hold the model's bytes
 
     @classmethod
     def _part(cls, model: LoadedModel, pool: DevicePool, device: str | None, devices: Sequence[str] | None,
@@ -136,6 +138,9 @@ class Session:
             )
         if device is not None and (devices is not None or plan is not None):
             raise ValueError("give one of device (one member), devices (a plan over them) or plan")
+        if self._processes and devices is None and plan is None:
+            raise ValueError("processes=True runs the replicas of a plan: give devices=[...] with "
+                             "objective='throughput', or plan=")
         graph = Graph.of(loaded)
         split = find_cut(graph)
         if split is None:
@@ -147,6 +152,9 @@ class Session:
             else:
                 self._compile(device)
             return
+        if self._processes:
+            raise ValueError("the model's shapes depend on run-time values, so it is compiled in parts in this "
+                             "process; processes=True cannot apply (leave processes unset)")
         if plan is not None:
             where = "; ".join(dict.fromkeys(p.describe() for p in split.points))
             raise ValueError(f"the model's shapes depend on run-time values ({where}), so it is compiled in "
@@ -299,7 +307,7 @@ class Session:
         chosen = self._processes if self._processes is not None else (
             whole and bool(plan.replicas) and vulkan and self._source is not None
             and all(m.info.type in ("discrete", "integrated", "virtual") for m in members))
-        if chosen and self._source is not None:
+        if chosen:
             source, batch, dims = self._source
             return ReplicaProcesses(self.pool, self.model, plan, source, batch, dims)
         return PlanExecutor(self.pool, self.model, plan, graph)
