@@ -190,6 +190,7 @@ class ReplicaProcesses(LaneReports):
         self._helped = 0.0  # when a waiting thread last read answers (time.monotonic)
         self._poller = select.poll()  # the serving workers' answer pipes; polled under _drain_lock
         self._by_fd: dict[int, _Worker] = {}
+        self._open_fds: tuple[int, ...] = ()
         everything = list(range(len(model.nodes)))
         for index, member_id in enumerate([plan.chunks[0].member, *plan.replicas]):
             self.lanes.append(_Lane(index, stage_nodes(model, [everything], [pool.member(member_id)])))
@@ -217,6 +218,7 @@ class ReplicaProcesses(LaneReports):
                 self._poller.register(worker.from_fd, select.POLLIN)
                 self._by_fd[worker.from_fd] = worker
                 worker.serving = True
+            self._open_fds = tuple(self._by_fd)
             self._reader = threading.Thread(target=self._read_answers, name="vkpool-replicas", daemon=True)
             self._reader.start()
         except BaseException:
@@ -403,8 +405,7 @@ class ReplicaProcesses(LaneReports):
         sleeps until a worker answers (or ends), and leaves the answers to a waiting thread
         that has read in the last ``HELP_SLICE_S``."""
         while True:
-            with self._drain_lock:
-                fds = list(self._by_fd)  # the pipes not yet seen closed
+            fds = self._open_fds  # the pipes not yet seen closed (a tuple, replaced whole)
             if not fds:
                 return
             select.select(fds, [], [])
@@ -427,6 +428,7 @@ class ReplicaProcesses(LaneReports):
             if not data:
                 self._poller.unregister(fd)
                 del self._by_fd[fd]
+                self._open_fds = tuple(self._by_fd)
                 self._ended(worker)
                 continue
             buf = worker.buf + data
