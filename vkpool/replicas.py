@@ -24,7 +24,7 @@ a pipe and, when the worker answers, a copy out.
 - **Answers.** The thread that submits, and a thread that waits on a request's future, read
   the workers' answers themselves (one ``poll`` of their pipes, under one lock), so no
   hand-over between threads happens per request: on two H200s that took mnist12_like from
-  about 24 k to 45 k requests/s. A reader thread completes the answers nobody waits for; it
+  24–29 k to 29–46 k requests/s. A reader thread completes the answers nobody waits for; it
   leaves them to a waiting thread that has read within ``HELP_SLICE_S``.
 - **Mapping.** ``/dev/shm`` where it has room (its space reserved up front), else the temp
   folder.
