@@ -13,10 +13,13 @@ a software device (llvmpipe) if the pool has one, else the ``cpu`` member, is "t
 - (b) ``mnist12_like`` and ``conv_few_15MB`` replicated on both GPUs (the throughput objective):
   throughput with 8 requests in flight against one GPU, with the replicas run by threads of
   this process and by one worker process each (``Session(processes=...)``);
-- every throughput figure follows a second of the same load, unmeasured (``WARMUP_S``);
+- (a) is measured with the chunks run by threads of this process and by one worker process
+  each (``Session(processes=...)``);
+- every throughput figure follows a second of the same load, unmeasured (``WARMUP_S``), and
+  comes with this process's CPU time per request;
 - one GPU's throughput is the best of a session on it (each request run as it is submitted),
   the executor running the whole model as one chunk there (two runs on the device at once)
-  and, for (b), that chunk in a worker process;
+  and that chunk in a worker process;
 - (c) one GPU + the host side in one plan: outputs against ONNX Runtime (CPU), and the time of
   each chunk (member, ops, median ms).
 
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import sys
 import time
@@ -90,14 +95,43 @@ def latency_ms(session: Any, feeds: dict[str, np.ndarray], runs: int) -> float:
 
 
 def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int = 8,
-               warmup_s: float | None = None) -> float:
+               warmup_s: float | None = None, stats: dict[str, Any] | None = None) -> float:
     """Requests per second with ``in_flight`` requests kept outstanding (futures; a new one as
-    the oldest completes), after ``warmup_s`` (default ``WARMUP_S``) of the same load unmeasured."""
+    the oldest completes), after ``warmup_s`` (default ``WARMUP_S``) of the same load unmeasured.
+    ``stats``, when given, gets this process's CPU time per request (all its threads) and the
+    processors its threads and the session's worker processes were last seen on."""
     deadline = time.perf_counter() + (WARMUP_S if warmup_s is None else warmup_s)
     _requests_per_s(session, feeds, in_flight, in_flight)
     while time.perf_counter() < deadline:
         _requests_per_s(session, feeds, max(in_flight, requests // 4), in_flight)
-    return _requests_per_s(session, feeds, requests, in_flight)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    per_s = _requests_per_s(session, feeds, requests, in_flight)
+    if stats is not None:
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        stats["caller_cpu_us"] = round((after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+                                       / requests * 1e6, 1)
+        stats["placement"] = placement(session)
+    return per_s
+
+
+def _cpu_of(stat_path: str) -> str | None:
+    """``cpuN/socketS`` for the task whose ``/proc/.../stat`` this is (Linux only)."""
+    try:
+        with open(stat_path) as f:
+            cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
+            return f"cpu{cpu}/socket{f.read().strip()}"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def placement(session: Any) -> dict[str, Any]:
+    """Where this process's threads and the session's worker processes last ran."""
+    tasks = sorted(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else []
+    out: dict[str, Any] = {"caller": [_cpu_of(f"/proc/self/task/{t}/stat") for t in tasks]}
+    workers = getattr(session.executor, "workers", None) or []
+    out["workers"] = {f"{w.stage.index}@{w.member.id}": _cpu_of(f"/proc/{w.proc.pid}/stat") for w in workers}
+    return out
 
 
 def _requests_per_s(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int) -> float:
@@ -142,9 +176,10 @@ def _graph(session: Any) -> Any:
 
 
 def _gpu_us(chunk: Any) -> float | None:
-    """A Vulkan chunk's GPU time (timestamps around its dispatches, median of five), µs."""
+    """A Vulkan chunk's GPU time (timestamps around its dispatches, median of five), µs; None
+    for a host chunk or one in a worker process."""
     commands = getattr(chunk, "commands", None)
-    if commands is None:  # a host chunk
+    if commands is None:
         return None
     return statistics.median(sum(chunk.device.profile(commands)) for _ in range(5))
 
@@ -165,7 +200,7 @@ def _split_row(split: Any, feeds: dict[str, np.ndarray], expected: list[np.ndarr
     row["stage_ms"] = [statistics.median(e.ms for e in split.trace() if e.chunk == c.index)
                        for c in split.plan.chunks]
     row["stage_gpu_us"] = [_gpu_us(stage.chunk) for stage in split.executor.lanes[0].stages]
-    row["split_per_s"] = throughput(split, feeds, requests)
+    row["split_per_s"] = throughput(split, feeds, requests, stats=row)
     return row
 
 
@@ -184,7 +219,7 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
         expected = one.run(None, feeds)
         row: dict[str, Any] = {"workload": _label(name, smoke), "one_gpu_ms": latency_ms(one, feeds, runs),
                                "one_gpu_gpu_us": _gpu_us(one._chunk),
-                               **one_gpu_throughput(pool, gpus[0], model, feeds, requests, one)}
+                               **one_gpu_throughput(pool, gpus[0], model, feeds, requests, one, process=True)}
         whole = sum(one.memory_by_member().values())
         graph = _graph(one)
     halves = balanced_cut(graph, 2)
@@ -193,8 +228,10 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
     try:
         for m in gpus:
             pool.set_budget(m, budget)
-        with Session(model, pool=pool, devices=gpus) as split:
-            row.update(budget_bytes=budget, whole_bytes=whole, **_split_row(split, feeds, expected, runs, requests))
+        row.update(budget_bytes=budget, whole_bytes=whole)
+        for processes, key in ((False, "threads"), (True, "processes")):
+            with Session(model, pool=pool, devices=gpus, processes=processes) as split:
+                row[key] = _split_row(split, feeds, expected, runs, requests)
     finally:
         for m in gpus:
             pool.set_budget(m, saved[m])
@@ -202,8 +239,10 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
         order = graph.graph["order"]
         at = order.index(cut)
         assignment = {op: gpus[0] if i < at else gpus[1] for i, op in enumerate(order)}
-        with Session(model, pool=pool, plan=assignment) as given:
-            row["given_cut"] = {"op": cut, **_split_row(given, feeds, expected, runs, requests)}
+        row["given_cut"] = {"op": cut}
+        for processes, key in ((False, "threads"), (True, "processes")):
+            with Session(model, pool=pool, plan=assignment, processes=processes) as given:
+                row["given_cut"][key] = _split_row(given, feeds, expected, runs, requests)
     return row
 
 
@@ -219,8 +258,8 @@ def replicated(pool: Any, gpus: list[str], name: str, smoke: bool, requests: int
         with Session(model, pool=pool, devices=gpus, objective="throughput", processes=processes) as both:
             out = both.run(None, feeds)
             row[key] = dict(replicas=list(both.plan.replicas), lanes=len(both.executor.lanes),
-                            identical=all(np.array_equal(a, b) for a, b in zip(out, expected)),
-                            per_s=throughput(both, feeds, requests))
+                            identical=all(np.array_equal(a, b) for a, b in zip(out, expected)))
+            row[key]["per_s"] = throughput(both, feeds, requests, stats=row[key])
             row[key]["requests_per_lane"] = {lane: sum(1 for e in both.trace() if e.lane == lane and e.chunk == 0)
                                              for lane in range(len(both.executor.lanes))}
     return row
@@ -260,7 +299,7 @@ def _table(title: str, header: list[str], rows: list[list[Any]], note: str = "")
 
 
 def _us(value: float | None) -> str:
-    return "host" if value is None else f"{value:.1f}"
+    return "—" if value is None else f"{value:.1f}"
 
 
 def _one_gpu(row: dict) -> str:
@@ -270,6 +309,13 @@ def _one_gpu(row: dict) -> str:
     return f"{row['one_gpu_per_s']:.1f} (" + ", ".join(f"{k} {v:.0f}" for k, v in ways) + ")"
 
 
+def _placed(where: dict[str, Any] | None) -> str:
+    if not where:
+        return "—"
+    caller = ",".join(c for c in where["caller"] if c)
+    return f"caller {caller}; " + ", ".join(f"{k} {v}" for k, v in where["workers"].items())
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Multi-member execution ({result['device']})", "",
              f"GPUs: {', '.join(result['gpus'])}; host side: {result['host']}" + (" (smoke)" if result["smoke"] else ""),
@@ -277,23 +323,27 @@ def markdown(result: dict) -> str:
     if "split" in result:
         rows = []
         for r in result["split"]:
-            for how, x in [("budgets", r), *([(f"given, cut at {r['given_cut']['op']}", r["given_cut"])]
-                                               if "given_cut" in r else [])]:
-                rows.append([r["workload"], how, "+".join(x["members"]), x["identical"], f"{r['one_gpu_ms']:.3f} ms",
-                             f"{x['split_ms']:.3f} ms", _us(r.get("one_gpu_gpu_us")),
-                             " + ".join(_us(t) for t in x["stage_gpu_us"]), _one_gpu(r), f"{x['split_per_s']:.1f}",
-                             f"{x['split_per_s'] / r['one_gpu_per_s']:.2f}×"])
+            for how, plan in [("budgets", r), *([(f"given, cut at {r['given_cut']['op']}", r["given_cut"])]
+                                                 if "given_cut" in r else [])]:
+                for mode in ("threads", "processes"):
+                    x = plan[mode]
+                    rows.append([r["workload"], how, mode, "+".join(x["members"]), x["identical"],
+                                 f"{r['one_gpu_ms']:.3f} ms", f"{x['split_ms']:.3f} ms", _us(r.get("one_gpu_gpu_us")),
+                                 " + ".join(_us(t) for t in x["stage_gpu_us"]), _one_gpu(r),
+                                 f"{x['split_per_s']:.1f}", f"{x['split_per_s'] / r['one_gpu_per_s']:.2f}×",
+                                 x.get("caller_cpu_us", "—")])
         lines += _table("## (a) Split over two GPUs",
-                        ["workload", "plan", "members", "identical", "1 GPU latency", "split latency",
-                         "1 GPU, GPU µs", "stages, GPU µs", "1 GPU req/s (8 in flight)", "split req/s", "ratio"],
-                        rows)
+                        ["workload", "plan", "chunks run in", "members", "identical", "1 GPU latency",
+                         "split latency", "1 GPU, GPU µs", "stages, GPU µs", "1 GPU req/s (8 in flight)", "split req/s",
+                         "ratio", "caller CPU µs/req"], rows)
     if "replicated" in result:
         lines += _table("## (b) Replicated on both GPUs",
                         ["workload", "replicas run in", "replicas", "identical", "1 GPU req/s (8 in flight)",
-                         "replicated req/s", "ratio", "requests per copy"],
+                         "replicated req/s", "ratio", "requests per copy", "caller CPU µs/req", "placement"],
                         [[r["workload"], how, ", ".join(r[how]["replicas"]) or "none", r[how]["identical"],
                           _one_gpu(r), f"{r[how]['per_s']:.1f}",
-                          f"{r[how]['per_s'] / r['one_gpu_per_s']:.2f}×", r[how]["requests_per_lane"]]
+                          f"{r[how]['per_s'] / r['one_gpu_per_s']:.2f}×", r[how]["requests_per_lane"],
+                          r[how].get("caller_cpu_us", "—"), _placed(r[how].get("placement"))]
                          for r in result["replicated"] for how in ("threads", "processes")])
     if "gpu_and_host" in result:
         c = result["gpu_and_host"]

@@ -149,6 +149,23 @@ def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
     return stages
 
 
+def plan_groups(plan: Any, graph: Any) -> list[list[int]]:
+    """The model node indices of each of the plan's chunks, in the plan's order."""
+    index_of = {op: int(graph.nodes[op]["index"]) for op in graph.nodes}
+    return [[index_of[op] for op in chunk.ops] for chunk in plan.chunks]
+
+
+def plan_lanes(pool: Any, model: LoadedModel, plan: Any, graph: Any) -> list[_Lane]:
+    """The plan's lanes, chunks not built yet: lane 0 runs the plan's chunks on their members,
+    lane k the whole model on replica k."""
+    members = [pool.member(chunk.member) for chunk in plan.chunks]
+    lanes = [_Lane(0, stage_nodes(model, plan_groups(plan, graph), members))]
+    everything = list(range(len(model.nodes)))
+    for k, replica in enumerate(plan.replicas, start=1):
+        lanes.append(_Lane(k, stage_nodes(model, [everything], [pool.member(replica)])))
+    return lanes
+
+
 def build_chunk(model: LoadedModel, stage: _Stage) -> Any:
     """The stage's chunk on its member: a :class:`VulkanChunk` with ``RUN_SLOTS`` run slots,
     or a :class:`HostChunk` on the ``cpu`` member."""
@@ -304,17 +321,10 @@ class PlanExecutor(LaneReports):
         self._count_lock = threading.Lock()
         self._runners: dict[str, _MemberRunner] = {}
         self._pending: dict[int, _Request] = {}
-        index_of = {op: int(graph.nodes[op]["index"]) for op in graph.nodes}
         self._input_names = [name for name, _ in model.inputs]
         self._output_names = [name for name, _ in model.outputs if name not in model.constants]
-        self.lanes: list[_Lane] = []
+        self.lanes: list[_Lane] = plan_lanes(pool, model, plan, graph)
         try:
-            groups = [[index_of[op] for op in chunk.ops] for chunk in plan.chunks]
-            members = [pool.member(chunk.member) for chunk in plan.chunks]
-            self.lanes.append(_Lane(0, stage_nodes(model, groups, members)))
-            everything = list(range(len(model.nodes)))
-            for k, replica in enumerate(plan.replicas, start=1):
-                self.lanes.append(_Lane(k, stage_nodes(model, [everything], [pool.member(replica)])))
             for lane in self.lanes:
                 for stage in lane.stages:
                     stage.chunk = build_chunk(self.model, stage)
@@ -433,4 +443,5 @@ class PlanExecutor(LaneReports):
                     stage.chunk = None
 
 
-__all__ = ["PlanExecutor", "LaneReports", "MemberGroup", "ChunkEvent", "stage_nodes", "build_chunk", "TRACE_REQUESTS", "RUN_SLOTS"]
+__all__ = ["PlanExecutor", "LaneReports", "MemberGroup", "ChunkEvent", "stage_nodes", "plan_groups", "plan_lanes",
+           "build_chunk", "TRACE_REQUESTS", "RUN_SLOTS"]

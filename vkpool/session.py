@@ -55,11 +55,11 @@ class Session:
     ``budgets``: member id → size (``"512MiB"`` or bytes) applied to the pool before placing.
     ``config``: a config path for the pool this session creates; ``pool``: an existing pool to
     share. ``batch``/``dims`` bind symbolic dimensions (the batch dimension defaults to 1).
-    ``processes``: run a plan that has the whole model on each of its members (a replicated
-    plan) with one worker process per member (:mod:`vkpool.replicas`), so the replicas' host
-    work runs in parallel; by default (None) that happens when the plan replicates the model
-    and every replica is a hardware GPU, True asks for it on any Vulkan members (one member
-    included), False keeps every replica in this process.
+    ``processes``: run the plan with one worker process per chunk and per replica
+    (:mod:`vkpool.processes`), so the members' host work runs in parallel; by default (None)
+    that happens when the plan spans several members and every one is a hardware GPU, True
+    asks for it on any Vulkan members (one member included), False keeps everything in this
+    process.
 
     A model whose shapes depend on run-time values (NonZero of a computed tensor, TopK with a
     computed k, a Range of computed bounds, ...) is cut there (:mod:`vkpool.dynamic`): the part
@@ -139,8 +139,8 @@ class Session:
         if device is not None and (devices is not None or plan is not None):
             raise ValueError("give one of device (one member), devices (a plan over them) or plan")
         if self._processes and devices is None and plan is None:
-            raise ValueError("processes=True runs the replicas of a plan: give devices=[...] with "
-                             "objective='throughput', or plan=")
+            raise ValueError("processes=True runs a plan's chunks and replicas in worker processes: "
+                             "give devices=[...] (with objective='throughput' for replicas) or plan=")
         graph = Graph.of(loaded)
         split = find_cut(graph)
         if split is None:
@@ -289,27 +289,19 @@ class Session:
         self.member = MemberGroup([self.pool.member(i) for i in self._executor.members])
 
     def _run_plan(self, plan: Any, graph: Any) -> Any:
-        """The executor of ``plan``: worker processes for a replicated plan when ``processes``
-        asks for them (see the class doc), else a :class:`~vkpool.executor.PlanExecutor`."""
+        """The executor of ``plan``: worker processes when ``processes`` asks for them (see the
+        class doc), else a :class:`~vkpool.executor.PlanExecutor`."""
         from vkpool.executor import PlanExecutor
-        from vkpool.replicas import ReplicaProcesses
+        from vkpool.processes import ProcessExecutor
 
-        whole = len(plan.chunks) == 1
-        if self._processes and not whole:
-            raise ValueError("processes=True runs a plan that has the whole model on each of its members; "
-                             "this plan splits it (plan with objective='throughput' over members that each "
-                             "hold the model)")
-        members = [self.pool.member(m) for m in [plan.chunks[0].member, *plan.replicas]] if whole else []
-        vulkan = all(isinstance(m, VulkanMember) for m in members)
-        if self._processes and not vulkan:
-            raise ValueError("processes=True needs every replica on a Vulkan member; "
-                             f"this plan has {', '.join(m.id for m in members)}")
+        members = [self.pool.member(m) for m in dict.fromkeys([*(c.member for c in plan.chunks), *plan.replicas])]
         chosen = self._processes if self._processes is not None else (
-            whole and bool(plan.replicas) and vulkan and self._source is not None
-            and all(m.info.type in ("discrete", "integrated", "virtual") for m in members))
+            len(members) > 1 and self._source is not None
+            and all(isinstance(m, VulkanMember) and m.info.type in ("discrete", "integrated", "virtual")
+                    for m in members))
         if chosen:
             source, batch, dims = self._source
-            return ReplicaProcesses(self.pool, self.model, plan, source, batch, dims)
+            return ProcessExecutor(self.pool, self.model, plan, graph, source, batch, dims)
         return PlanExecutor(self.pool, self.model, plan, graph)
 
     # -- ONNX Runtime-shaped API ----------------------------------------------------------------

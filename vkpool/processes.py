@@ -1,25 +1,31 @@
-"""Replicas in worker processes: each replica member runs the model in a process of its own.
+"""Plans in worker processes: each chunk of a plan, and each replica, runs in a process of its own.
 
-With the model replicated on several GPUs, a request's host work (writing its inputs,
-submitting, waiting for the device, reading its outputs) is what bounds throughput on small
-models, and in one process the replicas' threads do that work one at a time, under one
-interpreter lock. :class:`ReplicaProcesses` moves it out: one worker process per replica
-member (``python -m vkpool.replicas``) opens its own logical device on the member's GPU,
-loads and records the model once (a two-slot :class:`~vkpool.engine.VulkanChunk`, so one run
-executes while the next is queued behind it) and serves requests until told to stop. What
-remains in the calling process per request is a copy into shared memory, one byte written to
-a pipe and, when the worker answers, a copy out.
+On small models, and on a pipeline of chunks, a request's host work (writing its inputs,
+submitting, waiting for the device, reading its outputs) is what bounds throughput, and in one
+process the members' threads do that work one at a time, under one interpreter lock.
+:class:`ProcessExecutor` moves it out: one worker process per chunk of the plan and per
+replica (``python -m vkpool.processes``) opens its own logical device on the member's GPU,
+loads the model, records its chunk once (two run slots, so one run executes while the next is
+queued behind it) and serves requests until told to stop. What remains in the calling process
+per request is a copy into shared memory, one byte written to a pipe per chunk and, when the
+last chunk answers, a copy out.
 
-- **Shared memory.** Each worker has ``PROCESS_SLOTS`` request slots in one file-backed
-  mapping that both processes map; a slot holds the
-  model's inputs and outputs at fixed offsets. The file is unlinked once the worker has
-  mapped it, so nothing is left behind however the processes end.
-- **Wire.** Caller → worker: one byte per request, the slot it was written to (``CLOSE`` asks
-  the worker to finish what it holds and exit). Worker → caller: ``slot, 0`` when the slot's
-  outputs are written; ``slot, 1``, a 4-byte length and a UTF-8 message when the run failed;
-  at start, ``HELLO`` frames carrying JSON: the compiled chunk's statistics, or the error
-  that stopped the worker.
-- **Scheduling.** A request goes to the live worker with the most free slots (the least
+- **Lanes and shared memory.** A lane is one complete copy of the model: the plan's chunks,
+  or one replica. Each lane has ``slots`` request slots in one file-backed mapping that the
+  calling process and the lane's workers map; a slot holds the model's inputs and outputs
+  and every tensor that crosses between the lane's chunks, each at a fixed offset. A chunk's
+  worker reads its inputs from the slot and writes its outputs there, so a tensor crossing
+  members goes device → host (the mapping) → device without passing through the caller.
+  The file is unlinked once the lane's workers have mapped it, so nothing is left behind
+  however the processes end.
+- **Wire.** Caller → worker: one byte per run, the request's slot (``CLOSE`` asks the worker to
+  finish what it holds and exit). Worker → caller: ``slot, 0`` when the chunk's outputs are
+  written; ``slot, 1``, a 4-byte length and a UTF-8 message when the run failed; at start,
+  ``HELLO`` frames carrying JSON: the compiled chunk's statistics, or the error that stopped
+  the worker. The caller sends a slot to a chunk's worker once every chunk it reads from has
+  answered for that slot, so independent chunks run at once and, with several requests in
+  flight, chunk 1 runs request k+1 while chunk 2 runs request k.
+- **Scheduling.** A request goes to the live lane with the most free slots (the least
   loaded); with every slot taken it waits in a queue that the first slot to free takes from.
 - **Answers.** The thread that submits, and a thread that waits on a request's future, read
   the workers' answers themselves (one ``poll`` of their pipes, under one lock), so no
@@ -29,8 +35,8 @@ a pipe and, when the worker answers, a copy out.
 - **Mapping.** ``/dev/shm`` where it has room (its space reserved up front), else the temp
   folder.
 - **Failures.** A failed run fails its own request only. A worker that dies fails the
-  requests it held, with its exit status and the end of its error output; the other
-  replicas keep serving the rest.
+  requests its lane held, with its exit status and the end of its error output, and the
+  lane's other workers are stopped; the other lanes keep serving the rest.
 - **Budgets.** A worker compiles under what the member's budget has free in the calling
   process, and the calling process then charges what the worker's chunk holds to that
   budget, so plans, ``vkpool status`` and other sessions see the memory as used.
@@ -53,17 +59,18 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from vkpool.engine import ChunkStats
-from vkpool.executor import TRACE_REQUESTS, LaneReports, _Lane, stage_nodes
+from vkpool.executor import TRACE_REQUESTS, LaneReports, _Lane, _Stage, plan_lanes, stage_nodes
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel
 
-#: request slots per worker: two on the device (the chunk's run slots) and two waiting
+#: request slots of a one-chunk lane: two on the device (the chunk's run slots) and two
+#: waiting; a lane gets two more for each further chunk, so every chunk can keep two runs
 PROCESS_SLOTS = 4
 #: seconds a worker may take to load and record the model before the session gives up
 START_TIMEOUT_S = 600.0
@@ -111,39 +118,91 @@ class _RemoteChunk:
         self.slots = slots
 
 
-class _Worker:
-    """One replica's process, its pipes and its shared request slots."""
+@dataclass(eq=False)
+class _Held:
+    """A request in a lane's slot: what it waits for and what it has run."""
 
-    def __init__(self, lane: _Lane, proc: subprocess.Popen, to_fd: int, from_fd: int, mapping: mmap.mmap,
-                 path: str, inputs: list[dict[str, np.ndarray]], outputs: list[dict[str, np.ndarray]], stderr: Any) -> None:
-        self.lane = lane
-        self.member = lane.stages[0].member
+    feeds: Mapping[str, np.ndarray]
+    shape: Callable[[dict[str, np.ndarray]], Any] | None
+    future: Future
+    id: int
+    waiting: list[int]  # per chunk, how many of the chunks it reads from have not answered
+    left: int  # chunks not yet answered
+    outstanding: int  # runs sent to workers (or about to be) and not yet answered
+    sent: list[int]  # per chunk, when its run was sent (perf_counter_ns)
+    events: list[tuple[int, str, int, int, int]] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class _Worker:
+    """One chunk's process and its pipes."""
+
+    def __init__(self, home: _Home, stage: _Stage, proc: subprocess.Popen, to_fd: int, from_fd: int,
+                 stderr: Any) -> None:
+        self.home = home
+        self.stage = stage
+        self.member = stage.member
         self.proc = proc
         self.to_fd = to_fd
         self.from_fd = from_fd
-        self.mapping = mapping
-        self.path: str | None = path  # the mapping's file, until the worker has mapped it
-        self.inputs = inputs
-        self.outputs = outputs
         self.stderr = stderr
-        self.free = list(range(len(inputs)))
-        self.busy: dict[int, tuple[Any, ...]] = {}  # slot → (feeds, shape, future, request id, start ns)
         self.alive = True
         self.charged = 0
         self.serving = False  # loaded the model and answering requests
         self.buf = b""  # answers read but not yet whole
-
-    def unlink(self) -> None:
-        if self.path is not None:
-            os.unlink(self.path)
-            self.path = None
 
     def why_ended(self) -> str:
         code = self.proc.poll()
         self.stderr.seek(0)
         tail = self.stderr.read()[-_STDERR_TAIL:].decode(errors="replace").strip()
         status = "is still running" if code is None else f"exited with status {code}"
-        return f"the replica process on {self.member.id} {status}" + (f"; its last output:\n{tail}" if tail else "")
+        what = f"chunk {self.stage.index} on {self.member.id}" if len(self.home.workers) > 1 else self.member.id
+        return f"the worker process of {what} {status}" + (f"; its last output:\n{tail}" if tail else "")
+
+
+class _Home:
+    """One lane's shared request slots and its workers (one per chunk, in the lane's order)."""
+
+    def __init__(self, lane: _Lane, fields: list[_Field], slots: int, slot_bytes: int) -> None:
+        self.lane = lane
+        self.fields = fields
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.path: str | None = None  # the mapping's file, until the workers have mapped it
+        self.mapping: mmap.mmap | None = None
+        self.views: list[dict[str, np.ndarray]] = []
+        self.free = list(range(slots))
+        self.busy: dict[int, _Held] = {}
+        self.workers: list[_Worker] = []
+        self.alive = True
+        self.roots = [s.index for s in lane.stages if not s.preds]
+
+    def map(self) -> None:
+        size = self.slots * self.slot_bytes
+        for folder in (["/dev/shm"] if os.path.isdir("/dev/shm") else []) + [None]:
+            fd, path = tempfile.mkstemp(prefix=f"vkpool-lane{self.lane.index}-", dir=folder)
+            try:
+                os.posix_fallocate(fd, 0, size)  # a full /dev/shm (64 MiB in a container) fails here
+                break
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                if folder is None:
+                    raise
+        try:
+            self.mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.path = path
+        self.views = _slot_views(self.mapping, self.fields, self.slots, self.slot_bytes)
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            os.unlink(self.path)
+            self.path = None
 
 
 class _Answer(Future):
@@ -151,7 +210,7 @@ class _Answer(Future):
     the workers' answers itself while no other thread does, instead of sleeping until the
     reader thread wakes it: each hand-over between threads costs more than the answer."""
 
-    def __init__(self, owner: ReplicaProcesses) -> None:
+    def __init__(self, owner: ProcessExecutor) -> None:
         super().__init__()
         self._owner = owner
 
@@ -162,15 +221,16 @@ class _Answer(Future):
         return super().exception(timeout=self._owner._help(self, timeout))
 
 
-class ReplicaProcesses(LaneReports):
-    """Runs a plan with the whole model on every member of ``[plan's member, *replicas]`` (the
-    replicas may be none) with one worker process per member (see the module doc). ``source`` is the model as the
-    session got it (a path or its bytes) with ``batch`` and ``dims``, which each worker loads."""
+class ProcessExecutor(LaneReports):
+    """Runs ``plan`` (its chunks, and the whole model on each replica) with one worker process
+    per chunk and per replica (see the module doc). ``source`` is the model as the session got
+    it (a path or its bytes) with ``batch`` and ``dims``, which each worker loads; ``graph`` is
+    the partition graph the plan was made on. ``slots`` overrides the request slots per lane."""
 
-    def __init__(self, pool: Any, model: LoadedModel, plan: Any, source: str | bytes, batch: int,
-                 dims: Mapping[str, int], slots: int = PROCESS_SLOTS) -> None:
-        if len(plan.chunks) != 1:
-            raise ValueError("worker processes run a plan with the whole model on each member, not a split")
+    def __init__(self, pool: Any, model: LoadedModel, plan: Any, graph: Any, source: str | bytes, batch: int,
+                 dims: Mapping[str, int], slots: int | None = None) -> None:
+        from vkpool.pool import VulkanMember
+
         self.model = model
         self.plan = plan
         self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
@@ -182,8 +242,14 @@ class ReplicaProcesses(LaneReports):
         self._trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]] = deque(maxlen=TRACE_REQUESTS)
         self._input_names = [name for name, _ in model.inputs]
         self._output_names = [name for name, _ in model.outputs if name not in model.constants]
+        self.lanes: list[_Lane] = plan_lanes(pool, model, plan, graph)
+        others = sorted({s.member.id for lane in self.lanes for s in lane.stages
+                         if not isinstance(s.member, VulkanMember)})
+        if others:
+            raise ValueError(f"worker processes run chunks on Vulkan members; this plan puts chunks on "
+                             f"{', '.join(others)}")
+        self._homes: list[_Home] = []
         self.workers: list[_Worker] = []
-        self.lanes: list[_Lane] = []
         self._reader: threading.Thread | None = None
         # one thread at a time reads the workers' answers (re-entered by a callback that waits)
         self._drain_lock = threading.RLock()
@@ -191,35 +257,39 @@ class ReplicaProcesses(LaneReports):
         self._poller = select.poll()  # the serving workers' answer pipes; polled under _drain_lock
         self._by_fd: dict[int, _Worker] = {}
         self._open_fds: tuple[int, ...] = ()
-        everything = list(range(len(model.nodes)))
-        for index, member_id in enumerate([plan.chunks[0].member, *plan.replicas]):
-            self.lanes.append(_Lane(index, stage_nodes(model, [everything], [pool.member(member_id)])))
-        stage = self.lanes[0].stages[0]
-        self._in_fields, in_bytes = _layout(model, stage.inputs)
-        self._out_fields, out_bytes = _layout(model, stage.outputs)
-        self._out_fields = [_Field(f.name, f.dtype, f.shape, f.offset + in_bytes) for f in self._out_fields]
-        self._slot_bytes = max(_ALIGN, in_bytes + out_bytes)
-        if not 1 <= slots < CLOSE:
-            raise ValueError(f"slots must be 1 to {CLOSE - 1}")
-        self._slots = slots
+        position = {id(node): i for i, node in enumerate(model.nodes)}
         model_file = None
         try:
+            for lane in self.lanes:
+                names = list(dict.fromkeys(n for s in lane.stages for n in [*s.inputs, *s.outputs]))
+                fields, size = _layout(model, names)
+                count = slots if slots is not None else PROCESS_SLOTS + 2 * (len(lane.stages) - 1)
+                if not 1 <= count < CLOSE:
+                    raise ValueError(f"slots must be 1 to {CLOSE - 1}")
+                self._homes.append(_Home(lane, fields, count, max(_ALIGN, size)))
             if isinstance(source, (bytes, bytearray)):
                 fd, model_file = tempfile.mkstemp(prefix="vkpool-model-", suffix=".onnx")
                 with os.fdopen(fd, "wb") as f:
                     f.write(source)
                 source = model_file
-            for lane in self.lanes:  # all start loading at once
-                self.workers.append(self._spawn(lane, os.fspath(source), batch, dict(dims)))
+            for home in self._homes:  # all start loading at once
+                home.map()
+                groups = [[position[id(node)] for node in s.nodes] for s in home.lane.stages]
+                for stage in home.lane.stages:
+                    worker = self._spawn(home, stage, groups, os.fspath(source), batch, dict(dims))
+                    home.workers.append(worker)
+                    self.workers.append(worker)
             for worker in self.workers:
                 self._await_ready(worker)
+            for home in self._homes:
+                home.unlink()
             for worker in self.workers:
                 os.set_blocking(worker.from_fd, False)
                 self._poller.register(worker.from_fd, select.POLLIN)
                 self._by_fd[worker.from_fd] = worker
                 worker.serving = True
             self._open_fds = tuple(self._by_fd)
-            self._reader = threading.Thread(target=self._read_answers, name="vkpool-replicas", daemon=True)
+            self._reader = threading.Thread(target=self._read_answers, name="vkpool-processes", daemon=True)
             self._reader.start()
         except BaseException:
             self.close()
@@ -229,55 +299,36 @@ class ReplicaProcesses(LaneReports):
                 os.unlink(model_file)
 
     # -- start-up ------------------------------------------------------------------------------
-    def _spawn(self, lane: _Lane, source: str, batch: int, dims: dict[str, int]) -> _Worker:
-        member = lane.stages[0].member
-        size = self._slots * self._slot_bytes
-        for folder in (["/dev/shm"] if os.path.isdir("/dev/shm") else []) + [None]:
-            fd, path = tempfile.mkstemp(prefix=f"vkpool-{member.id}-", dir=folder)
-            try:
-                os.posix_fallocate(fd, 0, size)  # a full /dev/shm (64 MiB in a container) fails here
-                break
-            except OSError:
-                os.close(fd)
-                os.unlink(path)
-                if folder is None:
-                    raise
-        try:
-            mapping = mmap.mmap(fd, size)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+    def _spawn(self, home: _Home, stage: _Stage, groups: list[list[int]], source: str, batch: int,
+               dims: dict[str, int]) -> _Worker:
+        member = stage.member
+        by_name = {f.name: f for f in home.fields}
         from_caller, to_worker = os.pipe()  # (read end, write end)
         from_worker, to_caller = os.pipe()
         spec = {
             "model": source, "batch": batch, "dims": dims, "member": member.id, "uuid": member.info.uuid,
             "index": member.info.index, "split_index": member.split_index, "budget": member.budget.free_bytes,
-            "shm": path, "slots": self._slots, "slot_bytes": self._slot_bytes,
-            "inputs": [vars(f) for f in self._in_fields], "outputs": [vars(f) for f in self._out_fields],
+            "shm": home.path, "slots": home.slots, "slot_bytes": home.slot_bytes,
+            "groups": groups, "stage": stage.index,
+            "inputs": [vars(by_name[n]) for n in stage.inputs], "outputs": [vars(by_name[n]) for n in stage.outputs],
             "fds": [from_caller, to_caller],
         }
-        stderr = tempfile.TemporaryFile(prefix="vkpool-replica-")
+        stderr = tempfile.TemporaryFile(prefix="vkpool-worker-")
         try:
             # the worker imports vkpool from where this process did
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-            proc = subprocess.Popen([sys.executable, "-m", "vkpool.replicas", json.dumps(spec)],
+            proc = subprocess.Popen([sys.executable, "-m", "vkpool.processes", json.dumps(spec)],
                                     pass_fds=(from_caller, to_caller), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=stderr, close_fds=True, env=env)
         except BaseException:
             for fd in (to_worker, from_worker):
                 os.close(fd)
             stderr.close()
-            mapping.close()
-            os.unlink(path)
             raise
         finally:
             os.close(from_caller)
             os.close(to_caller)
-        return _Worker(lane, proc, to_worker, from_worker, mapping, path,
-                       _slot_views(mapping, self._in_fields, self._slots, self._slot_bytes),
-                       _slot_views(mapping, self._out_fields, self._slots, self._slot_bytes), stderr)
+        return _Worker(home, stage, proc, to_worker, from_worker, stderr)
 
     def _await_ready(self, worker: _Worker) -> None:
         """Reads the worker's start-up frame; charges its chunk to the member's budget."""
@@ -287,7 +338,7 @@ class ReplicaProcesses(LaneReports):
         while header is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"the replica process on {worker.member.id} did not load the model in "
+                raise TimeoutError(f"the worker process on {worker.member.id} did not load the model in "
                                    f"{START_TIMEOUT_S:.0f} s; {worker.why_ended()}")
             ready, _, _ = select.select([worker.from_fd], [], [], min(1.0, left))
             if not ready:
@@ -302,51 +353,52 @@ class ReplicaProcesses(LaneReports):
                 raise RuntimeError(worker.why_ended())
             buf += data
             header = _frame(buf)
-        worker.unlink()
         slot, status, body, _ = header
         answer = json.loads(body)
         if slot != HELLO or status not in (_READY, _REFUSED):
-            raise RuntimeError(f"the replica process on {worker.member.id} answered {slot, status} at start")
+            raise RuntimeError(f"the worker process on {worker.member.id} answered {slot, status} at start")
         if status == _REFUSED:
             worker.alive = False
             if answer["type"] == "DeviceOutOfMemory":
                 raise DeviceOutOfMemory(*answer["args"])
-            raise RuntimeError(f"the replica process on {worker.member.id} could not load the model: "
+            raise RuntimeError(f"the worker process on {worker.member.id} could not load the model: "
                                f"{answer['type']}: {answer['message']}")
         stats = answer["stats"]
         charge = stats["weight_bytes"] + stats["arena_bytes"] + stats["io_bytes"]
         worker.member.budget.reserve(charge)  # refused (DeviceOutOfMemory) if others took the room meanwhile
         worker.charged = charge
-        worker.lane.stages[0].chunk = _RemoteChunk(stats, answer["run_slots"])
+        worker.stage.chunk = _RemoteChunk(stats, answer["run_slots"])
 
     # -- what it holds -------------------------------------------------------------------------
     @property
     def members(self) -> list[str]:
-        return [lane.stages[0].member.id for lane in self.lanes]
+        return list(dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages))
 
     @property
     def planned_transfers(self) -> list[Any]:
-        return []
+        """The cross-member stagings one request on the plan's own lane performs."""
+        return [t for stage in self.lanes[0].stages for t in stage.transfers]
 
     # -- running -------------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray],
                shape: Callable[[dict[str, np.ndarray]], Any] | None = None) -> Future:
-        """Starts one request on the least-loaded replica; the future's result is
+        """Starts one request on the least-loaded lane; the future's result is
         ``{output name: array}``, or what ``shape`` makes of it."""
         future = _Answer(self)
         future.set_running_or_notify_cancel()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the executor is closed")
-            worker = max(self.workers, key=lambda w: len(w.free) if w.alive else -1)
-            if not worker.alive:
-                raise RuntimeError("no replica process is running; " + "; ".join(w.why_ended() for w in self.workers))
-            if not worker.free:
+            home = max(self._homes, key=lambda h: len(h.free) if h.alive else -1)
+            if not home.alive:
+                raise RuntimeError("no worker process is running; " + "; ".join(
+                    w.why_ended() for w in self.workers if not w.alive))
+            if not home.free:
                 self._backlog.append((feeds, shape, future))
                 return future
-            slot = worker.free.pop()
-            worker.busy[slot] = (feeds, shape, future, next(self._ids), time.perf_counter_ns())
-        self._send(worker, slot, feeds)
+            slot = home.free.pop()
+            held = self._hold(home, slot, feeds, shape, future)
+        self._start(home, slot, held)
         # complete what has been answered meanwhile here, in the submitting thread: handing each
         # answer to the reader thread and back costs more than the answer itself
         if self._drain_lock.acquire(blocking=False):
@@ -359,19 +411,39 @@ class ReplicaProcesses(LaneReports):
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.submit(feeds).result()
 
-    def _send(self, worker: _Worker, slot: int, feeds: Mapping[str, np.ndarray]) -> None:
+    def _hold(self, home: _Home, slot: int, feeds: Mapping[str, np.ndarray],
+              shape: Callable[[dict[str, np.ndarray]], Any] | None, future: Future) -> _Held:
+        """Puts a request in ``slot`` (``_lock`` held); its first chunks count as sent."""
+        stages = home.lane.stages
+        held = _Held(feeds, shape, future, next(self._ids), [len(s.preds) for s in stages], len(stages),
+                     len(home.roots), [0] * len(stages))
+        home.busy[slot] = held
+        return held
+
+    def _start(self, home: _Home, slot: int, held: _Held) -> None:
+        """Writes the request's inputs into its slot and sends it to the chunks that read only them."""
         try:
-            for name, view in worker.inputs[slot].items():
-                np.copyto(view, feeds[name], casting="no")
+            views = home.views[slot]
+            for name in self._input_names:
+                if name in views:
+                    np.copyto(views[name], held.feeds[name], casting="no")
+        except BaseException as exc:  # the request fails, and its slot serves the next one
+            held.outstanding = 1
+            self._answered(home.workers[home.roots[0]], slot, exc)
+            return
+        for k in home.roots:
+            self._send(home.workers[k], slot, held)
+
+    def _send(self, worker: _Worker, slot: int, held: _Held) -> None:
+        held.sent[worker.stage.index] = time.perf_counter_ns()
+        try:
             os.write(worker.to_fd, bytes((slot,)))
-        except OSError as exc:  # the worker is gone: no request queued here goes to it again
+        except OSError as exc:  # the worker is gone: its lane takes no more requests
             with self._lock:
-                worker.alive = False
+                worker.alive = worker.home.alive = False
             error = RuntimeError(worker.why_ended())
             error.__cause__ = exc
             self._answered(worker, slot, error)
-        except BaseException as exc:  # the request fails, and its slot serves the next one
-            self._answered(worker, slot, exc)
 
     def _help(self, future: Future, timeout: float | None) -> float | None:
         """Reads answers in this thread until ``future`` is done, ``timeout`` passes or no
@@ -445,63 +517,96 @@ class ReplicaProcesses(LaneReports):
                 self._answered(worker, slot, error)
 
     def _answered(self, worker: _Worker, slot: int, error: BaseException | None) -> None:
-        """Slot ``slot`` of ``worker`` is done: complete its request, give the slot to the next."""
+        """``worker``'s chunk has run (or failed) for the request in ``slot``: send the request
+        to the chunks that became ready, or complete it after its last chunk."""
+        home, stage = worker.home, worker.stage
+        now = time.perf_counter_ns()
+        ready: list[_Worker] = []
         with self._lock:
-            entry = worker.busy.pop(slot, None)
-        if entry is None:  # the worker ended and its requests were failed already
-            return
-        feeds, shape, future, rid, start = entry
-        if error is None:
-            produced = {name: view.copy() for name, view in worker.outputs[slot].items()}
-        end = time.perf_counter_ns()
+            held = home.busy.get(slot)
+            if held is None:  # the lane ended and its requests were failed already
+                return
+            held.outstanding -= 1
+            if error is not None:
+                held.error = held.error or error
+            elif held.error is None:
+                held.events.append((stage.index, worker.member.id, len(stage.nodes), held.sent[stage.index], now))
+                for t in stage.transfers:
+                    self.transfers_executed[(t.tensor, t.src, t.dst)] += 1
+                held.left -= 1
+                for succ in stage.succs:
+                    held.waiting[succ] -= 1
+                    if held.waiting[succ] == 0:
+                        ready.append(home.workers[succ])
+                held.outstanding += len(ready)
+            finished = held.outstanding == 0
+            if finished:
+                del home.busy[slot]
+        for nxt in ready:
+            self._send(nxt, slot, held)
+        if finished:
+            self._finish(home, slot, held)
+
+    def _finish(self, home: _Home, slot: int, held: _Held) -> None:
+        """The request in ``slot`` has no run left: read its outputs, give the slot to the next."""
+        if held.error is None:
+            views = home.views[slot]
+            out = {}
+            for name in self._output_names:
+                out[name] = views[name].copy() if name in views else np.array(held.feeds[name], copy=True)
         with self._lock:
-            nxt = self._backlog.popleft() if self._backlog and worker.alive else None
+            nxt = self._backlog.popleft() if self._backlog and home.alive else None
             if nxt is None:
-                worker.free.append(slot)
+                home.free.append(slot)
             else:
-                worker.busy[slot] = (*nxt, next(self._ids), end)
-            if error is None:
-                self._trace.append((rid, worker.lane.index, [(0, worker.member.id, len(self.model.nodes), start,
-                                                               end)]))
+                queued = self._hold(home, slot, *nxt)
+            if held.error is None:
+                self._trace.append((held.id, home.lane.index, held.events))
         if nxt is not None:
-            self._send(worker, slot, nxt[0])
-        if error is not None:
-            future.set_exception(error)
+            self._start(home, slot, queued)
+        if held.error is not None:
+            held.future.set_exception(held.error)
             return
-        out = {}
-        for name in self._output_names:
-            out[name] = produced[name] if name in produced else np.array(feeds[name], copy=True)
         try:
-            future.set_result(out if shape is None else shape(out))
+            held.future.set_result(out if held.shape is None else held.shape(out))
         except BaseException as exc:
-            future.set_exception(exc)
+            held.future.set_exception(exc)
 
     def _ended(self, worker: _Worker) -> None:
-        """The worker's pipe closed: fail what it held (and the queue, when no replica is left)."""
+        """The worker's pipe closed: fail what its lane held (and the queue, when no lane is
+        left) and stop the lane's other workers."""
         if worker.proc.poll() is None:
             try:
                 worker.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        home = worker.home
         with self._lock:
-            worker.alive = False
-            held = list(worker.busy.values())
-            worker.busy.clear()
-            left = [] if any(w.alive for w in self.workers) else list(self._backlog)
+            worker.alive = home.alive = False
+            held = list(home.busy.values())
+            home.busy.clear()
+            left = [] if any(h.alive for h in self._homes) else list(self._backlog)
             if left:
                 self._backlog.clear()
+        for other in home.workers:
+            if other.alive and other is not worker:
+                try:
+                    os.write(other.to_fd, bytes((CLOSE,)))
+                except OSError:
+                    pass
         if not held and not left:
             return
         error = RuntimeError(worker.why_ended() if not self._closed else
                              "the session was closed before this request finished")
         for item in held:
-            item[2].set_exception(error)
+            if not item.future.done():
+                item.future.set_exception(error)
         for item in left:
             item[2].set_exception(error)
 
     def close(self) -> None:
-        """Refuses new requests, lets the live workers serve every accepted one (up to
-        ``CLOSE_WAIT_S``), then stops them and gives their memory back to the budgets."""
+        """Refuses new requests, lets the live lanes serve every accepted one (up to
+        ``CLOSE_WAIT_S``), then stops the workers and gives their memory back to the budgets."""
         with self._lock:
             if self._closed:
                 return
@@ -509,7 +614,7 @@ class ReplicaProcesses(LaneReports):
         deadline = time.monotonic() + CLOSE_WAIT_S
         while time.monotonic() < deadline:
             with self._lock:
-                if not any(w.alive and w.serving and w.busy for w in self.workers):
+                if not any(h.alive and h.busy and all(w.serving for w in h.workers) for h in self._homes):
                     break
             time.sleep(0.001)
         for worker in self.workers:
@@ -535,7 +640,6 @@ class ReplicaProcesses(LaneReports):
             for fd in (worker.to_fd, worker.from_fd):
                 os.close(fd)
             worker.stderr.close()
-            worker.unlink()
             if worker.charged:
                 worker.member.budget.release(worker.charged)
                 worker.charged = 0
@@ -544,12 +648,14 @@ class ReplicaProcesses(LaneReports):
             self._backlog.clear()
         for item in left:
             item[2].set_exception(RuntimeError("the session was closed before this request finished"))
-        for worker in self.workers:
-            worker.inputs = worker.outputs = []
-            try:
-                worker.mapping.close()
-            except BufferError:  # a caller still holds a view of a slot; the mapping goes with it
-                pass
+        for home in self._homes:
+            home.unlink()
+            home.views = []
+            if home.mapping is not None:
+                try:
+                    home.mapping.close()
+                except BufferError:  # a caller still holds a view of a slot; the mapping goes with it
+                    pass
 
 
 def _frame(buf: bytes) -> tuple[int, int, bytes, bytes] | None:
@@ -594,9 +700,10 @@ def _serve(spec: dict[str, Any]) -> None:
         device = LogicalDevice(info)
         member = VulkanMember(spec["member"], info, device, int(spec["budget"]), spec["split_index"])
         model = load_model(spec["model"], batch=int(spec["batch"]), dims=dict(spec["dims"]), partial=True)
-        stage = stage_nodes(model, [list(range(len(model.nodes)))], [member])[0]
+        groups = [[int(i) for i in g] for g in spec["groups"]]
+        stage = stage_nodes(model, groups, [member] * len(groups))[int(spec["stage"])]
         if stage.inputs != [f.name for f in in_fields] or stage.outputs != [f.name for f in out_fields]:
-            raise RuntimeError("the model loaded in the worker has other inputs or outputs than the caller's")
+            raise RuntimeError("the model loaded in the worker has other chunk inputs or outputs than the caller's")
         chunk = build_chunk(model, stage)
     except BaseException as exc:
         kind = type(exc).__name__
@@ -659,7 +766,7 @@ def _loop(chunk: Any, rfd: int, wfd: int, inputs: list[dict[str, np.ndarray]],
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m vkpool.replicas SPEC_JSON (started by vkpool.Session, not by hand)", file=sys.stderr)
+        print("usage: python -m vkpool.processes SPEC_JSON (started by vkpool.Session, not by hand)", file=sys.stderr)
         return 2
     _serve(json.loads(args[0]))
     return 0
@@ -669,4 +776,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ReplicaProcesses", "PROCESS_SLOTS"]
+__all__ = ["ProcessExecutor", "PROCESS_SLOTS"]

@@ -1,7 +1,7 @@
-"""Replicas in worker processes (``vkpool.replicas``) on lavapipe: one process per member of a
-two-way split of the device, each with its own logical device, serving requests through
-shared memory. Outputs are compared bit for bit with a one-member session in this process
-(the same shaders run on the same device)."""
+"""Plans in worker processes (``vkpool.processes``) on lavapipe: one process per chunk or
+replica, on the members of a two-way split of the device, each with its own logical device,
+serving requests through shared memory. Outputs are compared bit for bit with a one-member
+session in this process (the same shaders run on the same device)."""
 from __future__ import annotations
 
 import os
@@ -132,10 +132,68 @@ def test_a_budget_too_small_for_a_worker_is_a_clear_error(pool2, mnist) -> None:
     assert {m: pool2.member(m).used_bytes for m in MEMBERS} == before
 
 
-def test_processes_on_a_split_plan_is_refused(pool2, mnist) -> None:
-    model = mnist[0]
-    with pytest.raises(ValueError, match="has the whole model on each of its members"):
-        Session(model, pool=pool2, plan={op: m for op, m in _halves(model, pool2)}, processes=True)
+def test_a_split_plan_runs_each_chunk_in_its_own_process_and_pipelines(pool2, mnist) -> None:
+    model, feeds, expected = mnist
+    before = {m: pool2.member(m).used_bytes for m in MEMBERS}
+    with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
+        assert [c.member for c in session.plan.chunks] == MEMBERS
+        pids = {w.proc.pid for w in session.executor.workers}
+        assert len(pids) == 2 and os.getpid() not in pids
+        futures = [session.submit(feeds[k % len(feeds)]) for k in range(12)]  # more than the lane's 6 slots
+        for k, f in enumerate(futures):
+            np.testing.assert_array_equal(f.result(timeout=120)[0], expected[k % len(feeds)])
+        planned = [(t.tensor, t.src, t.dst) for t in session.executor.planned_transfers]
+        assert planned and dict(session.executor.transfers_executed) == {key: 12 for key in planned}
+        events = session.trace()
+        first = {e.request: e for e in events if e.chunk == 0}
+        second = {e.request: e for e in events if e.chunk == 1}
+        assert len(first) == len(second) == 12
+        assert all(first[r].end_ns <= second[r].start_ns for r in second)  # a request's chunks in order
+        # chunk 1 ran a request while chunk 0 ran a later one
+        assert any(b > a and first[b].start_ns < second[a].end_ns and second[a].start_ns < first[b].end_ns
+                   for a in second for b in first), events
+        held = session.memory_by_member()
+        assert all(pool2.member(m).used_bytes == before[m] + held[m] for m in MEMBERS)
+    assert {m: pool2.member(m).used_bytes for m in MEMBERS} == before
+
+
+def test_branches_in_their_own_processes_join_in_a_third(pool2) -> None:
+    from test_multi_member import _branched
+
+    from vkpool.partition.graph import build_graph
+
+    model = _branched()
+    x = np.random.default_rng(3).standard_normal((1, 3, 24, 24)).astype(np.float32)
+    with Session(model, pool=pool2, device="vk0.0") as one:
+        expected = one.run(None, {"x": x})[0]
+        order = build_graph(one.model).graph["order"]
+    plan = {op: ("vk0.1" if op.startswith("b") else "vk0.0") for op in order}
+    with Session(model, pool=pool2, plan=plan, processes=True) as session:
+        assert len(session.plan.chunks) == 3 and len(session.executor.workers) == 3
+        for _ in range(3):
+            np.testing.assert_array_equal(session.run(None, {"x": x})[0], expected)
+        for request in {e.request for e in session.trace()}:
+            mine = {e.chunk: e for e in session.trace() if e.request == request}
+            assert {mine[0].member, mine[1].member} == set(MEMBERS)
+            assert mine[2].start_ns >= max(mine[0].end_ns, mine[1].end_ns)
+
+
+def test_a_dead_chunk_worker_fails_its_lane_with_the_reason(pool2, mnist) -> None:
+    model, feeds, expected = mnist
+    before = {m: pool2.member(m).used_bytes for m in MEMBERS}
+    with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
+        np.testing.assert_array_equal(session.run(None, feeds[0])[0], expected[0])
+        victim = session.executor.workers[1]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        for _ in range(3000):
+            if not victim.alive:
+                break
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="chunk 1 on vk0.1 exited with status -9"):
+            session.run(None, feeds[0])
+        first = session.executor.workers[0]
+        assert first.proc.wait(timeout=60) == 0  # the lane's other worker was told to stop
+    assert {m: pool2.member(m).used_bytes for m in MEMBERS} == before
 
 
 def _halves(model: bytes, pool) -> list[tuple[str, str]]:
