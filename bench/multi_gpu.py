@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per throughput figure (default 2000; smoke 16)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="which figures: split (a), replicated (b), mixed (c); default all")
+    parser.add_argument("--workloads", nargs="+", default=None,
+                        help="only these workloads of the parts asked for (default: each part's own)")
     parser.add_argument("--warmup-s", type=float, default=None,
                         help=f"seconds of load before each throughput figure (default {WARMUP_S}; smoke 0)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -382,15 +384,18 @@ def main(argv: list[str] | None = None) -> int:
         device = ", ".join(sorted({pool.member(g).info.name for g in gpus}))
         result: dict[str, Any] = {"device": device, "gpus": gpus, "host": host, "smoke": args.smoke,
                                   "runs": runs, "requests": requests, "in_flight": 8}
+        def chosen(names: tuple[str, ...]) -> list[str]:
+            return [n for n in names if args.workloads is None or n in args.workloads]
+
         if "split" in args.parts:
             # conv_many_255MB: also cut after its convolutions, where GPU time splits evenly
             # (the budgets' split puts the convolutions with the largest dense layer)
-            result["split"] = [split_by_budgets(pool, gpus, "conv_many_255MB", args.smoke, runs, requests,
-                                                cut="Reshape33"),
-                               split_by_budgets(pool, gpus, "matmul_1GB_16layers", args.smoke, runs, requests)]
+            result["split"] = [split_by_budgets(pool, gpus, n, args.smoke, runs, requests,
+                                                cut="Reshape33" if n == "conv_many_255MB" else None)
+                               for n in chosen(("conv_many_255MB", "matmul_1GB_16layers"))]
         if "replicated" in args.parts:
             result["replicated"] = [replicated(pool, gpus, n, args.smoke, requests)
-                                    for n in ("mnist12_like", "conv_few_15MB")]
+                                    for n in chosen(("mnist12_like", "conv_few_15MB"))]
         if "mixed" in args.parts:
             result["gpu_and_host"] = gpu_and_host(pool, gpus[0], host, "conv_few_15MB", args.smoke, runs)
     finally:
