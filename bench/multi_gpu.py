@@ -50,6 +50,8 @@ PARTS = ("split", "replicated", "mixed")
 #: sustained load and fall while they idle (see docs/benchmarks.md, "the GPU's clock"), and one
 #: GPU and the split must be measured in the same state
 WARMUP_S = 1.0
+#: requests a throughput figure keeps outstanding (``--in-flight``)
+IN_FLIGHT = 8
 SMOKE_CONFIG = ("devices:\n  - match: {index: 0}\n    split: 3\n    budget: [600MiB, 600MiB, 600MiB]\n"
                 "host:\n  enabled: true\n  budget: 1GiB\n")
 
@@ -94,12 +96,13 @@ def latency_ms(session: Any, feeds: dict[str, np.ndarray], runs: int) -> float:
     return median_run_s(lambda: session.run(None, feeds), runs, warmup=min(3, runs)) * 1e3
 
 
-def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int = 8,
+def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_flight: int | None = None,
                warmup_s: float | None = None, stats: dict[str, Any] | None = None) -> float:
     """Requests per second with ``in_flight`` requests kept outstanding (futures; a new one as
     the oldest completes), after ``warmup_s`` (default ``WARMUP_S``) of the same load unmeasured.
     ``stats``, when given, gets this process's CPU time per request (all its threads) and the
     processors its threads and the session's worker processes were last seen on."""
+    in_flight = IN_FLIGHT if in_flight is None else in_flight
     deadline = time.perf_counter() + (WARMUP_S if warmup_s is None else warmup_s)
     _requests_per_s(session, feeds, in_flight, in_flight)
     while time.perf_counter() < deadline:
@@ -317,6 +320,7 @@ def _placed(where: dict[str, Any] | None) -> str:
 
 
 def markdown(result: dict) -> str:
+    n = result["in_flight"]
     lines = [f"# Multi-member execution ({result['device']})", "",
              f"GPUs: {', '.join(result['gpus'])}; host side: {result['host']}" + (" (smoke)" if result["smoke"] else ""),
              ""]
@@ -334,11 +338,11 @@ def markdown(result: dict) -> str:
                                  x.get("caller_cpu_us", "—")])
         lines += _table("## (a) Split over two GPUs",
                         ["workload", "plan", "chunks run in", "members", "identical", "1 GPU latency",
-                         "split latency", "1 GPU, GPU µs", "stages, GPU µs", "1 GPU req/s (8 in flight)", "split req/s",
+                         "split latency", "1 GPU, GPU µs", "stages, GPU µs", f"1 GPU req/s ({n} in flight)", "split req/s",
                          "ratio", "caller CPU µs/req"], rows)
     if "replicated" in result:
         lines += _table("## (b) Replicated on both GPUs",
-                        ["workload", "replicas run in", "replicas", "identical", "1 GPU req/s (8 in flight)",
+                        ["workload", "replicas run in", "replicas", "identical", f"1 GPU req/s ({n} in flight)",
                          "replicated req/s", "ratio", "requests per copy", "caller CPU µs/req", "placement"],
                         [[r["workload"], how, ", ".join(r[how]["replicas"]) or "none", r[how]["identical"],
                           _one_gpu(r), f"{r[how]['per_s']:.1f}",
@@ -356,7 +360,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global WARMUP_S
+    global WARMUP_S, IN_FLIGHT
     parser = argparse.ArgumentParser(prog="python -m bench.multi_gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="pool config (default: $VKPOOL_CONFIG or the packaged default)")
     parser.add_argument("--smoke", action="store_true",
@@ -370,8 +374,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="only these workloads of the parts asked for (default: each part's own)")
     parser.add_argument("--warmup-s", type=float, default=None,
                         help=f"seconds of load before each throughput figure (default {WARMUP_S}; smoke 0)")
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                        help=f"requests each throughput figure keeps outstanding (default {IN_FLIGHT})")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    IN_FLIGHT = args.in_flight
     WARMUP_S = args.warmup_s if args.warmup_s is not None else 0.0 if args.smoke else WARMUP_S
     from vkpool.config.loader import parse_config
     from vkpool.pool import DevicePool
@@ -383,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus, host = roles(pool)
         device = ", ".join(sorted({pool.member(g).info.name for g in gpus}))
         result: dict[str, Any] = {"device": device, "gpus": gpus, "host": host, "smoke": args.smoke,
-                                  "runs": runs, "requests": requests, "in_flight": 8}
+                                  "runs": runs, "requests": requests, "in_flight": IN_FLIGHT}
         def chosen(names: tuple[str, ...]) -> list[str]:
             return [n for n in names if args.workloads is None or n in args.workloads]
 

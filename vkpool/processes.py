@@ -77,12 +77,6 @@ START_TIMEOUT_S = 600.0
 #: seconds a waiting thread reads answers before it looks at its future again; the reader
 #: thread leaves answers alone while a waiting thread has read within this time
 HELP_SLICE_S = 0.001
-#: seconds a waiting thread polls the answer pipes before it sleeps in ``poll``, and a worker
-#: with nothing to run polls its request pipe before it sleeps in ``select``: waking a
-#: sleeping process costs tens of microseconds on a virtual machine, and once both sides
-#: sleep between requests each request pays it twice (two H200s, mnist12_like replicated:
-#: 25–47 k requests/s from one start to the next, the caller's CPU per request doubling)
-SPIN_S = 0.0005
 #: seconds ``close`` waits for the requests accepted before it to be served
 CLOSE_WAIT_S = 60.0
 CLOSE = 0xFF  # caller → worker: finish what you hold and exit
@@ -455,7 +449,6 @@ class ProcessExecutor(LaneReports):
         """Reads answers in this thread until ``future`` is done, ``timeout`` passes or no
         worker is left to answer; returns what is left of ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        spin_until = time.monotonic() + SPIN_S
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -464,12 +457,12 @@ class ProcessExecutor(LaneReports):
             wait = HELP_SLICE_S if deadline is None else min(HELP_SLICE_S, left())
             if wait <= 0:
                 break
-            self._helped = now = time.monotonic()
+            self._helped = time.monotonic()
             if self._drain_lock.acquire(blocking=False):
                 try:
                     if not self._by_fd:
                         break
-                    self._drain(0 if now < spin_until else max(1, int(wait * 1000)))
+                    self._drain(max(1, int(wait * 1000)))
                 finally:
                     self._drain_lock.release()
             else:  # another thread reads: it completes this future or frees the lock soon
@@ -736,7 +729,6 @@ def _loop(chunk: Any, rfd: int, wfd: int, inputs: list[dict[str, np.ndarray]],
     waiting: deque[int] = deque()  # slots written by the caller, not yet started
     running: deque[tuple[int, int]] = deque()  # (slot, chunk run slot)
     closing = False
-    idle_since = None  # when the worker last ran out of work (perf_counter)
     while True:
         if not closing:
             try:
@@ -748,8 +740,6 @@ def _loop(chunk: Any, rfd: int, wfd: int, inputs: list[dict[str, np.ndarray]],
                     closing = True
                     data = data.split(bytes((CLOSE,)))[0]
                 waiting.extend(data)
-        if waiting or running:
-            idle_since = None
         if waiting and len(running) < chunk.slots:
             slot = waiting.popleft()
             try:
@@ -770,12 +760,7 @@ def _loop(chunk: Any, rfd: int, wfd: int, inputs: list[dict[str, np.ndarray]],
             continue
         if closing:
             return
-        now = time.perf_counter()
-        if idle_since is None:
-            idle_since = now
-        if now - idle_since >= SPIN_S:  # polled long enough: sleep until the caller writes
-            select.select([rfd], [], [])
-            idle_since = None
+        select.select([rfd], [], [])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
