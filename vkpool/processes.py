@@ -475,7 +475,7 @@ class ProcessExecutor(LaneReports):
     def _read_answers(self) -> None:
         """The reader thread: completes answers nobody waits for (futures with callbacks). It
         sleeps until a worker answers (or ends), and leaves the answers to a waiting thread
-        that has read in the last ``HELP_SLICE_S``."""
+        that has read in the last ``HELP_SLICE_S`` or holds the pipes."""
         while True:
             fds = self._open_fds  # the pipes not yet seen closed (a tuple, replaced whole)
             if not fds:
@@ -483,8 +483,16 @@ class ProcessExecutor(LaneReports):
             select.select(fds, [], [])
             while time.monotonic() - self._helped < HELP_SLICE_S:
                 time.sleep(HELP_SLICE_S)
-            with self._drain_lock:
-                self._drain()
+            # never make a waiting thread wait for this one: it would sleep on its future until
+            # this thread completes it, and each such hand-over costs more than the answer
+            if not self._drain_lock.acquire(blocking=False):
+                time.sleep(HELP_SLICE_S)
+                continue
+            try:
+                if time.monotonic() - self._helped >= HELP_SLICE_S:
+                    self._drain()
+            finally:
+                self._drain_lock.release()
 
     def _drain(self, wait_ms: int = 0) -> None:
         """Completes every answer the workers have written so far, after waiting up to
