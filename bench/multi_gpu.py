@@ -35,6 +35,7 @@ import os
 import resource
 import statistics
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -101,7 +102,7 @@ def throughput(session: Any, feeds: dict[str, np.ndarray], requests: int, in_fli
     """Requests per second with ``in_flight`` requests kept outstanding (futures; a new one as
     the oldest completes), after ``warmup_s`` (default ``WARMUP_S``) of the same load unmeasured.
     ``stats``, when given, gets this process's CPU time per request (all its threads) and the
-    processors its threads and the session's worker processes were last seen on."""
+    processor this thread and the session's worker processes were last seen on."""
     in_flight = IN_FLIGHT if in_flight is None else in_flight
     deadline = time.perf_counter() + (WARMUP_S if warmup_s is None else warmup_s)
     _requests_per_s(session, feeds, in_flight, in_flight)
@@ -129,9 +130,8 @@ def _cpu_of(stat_path: str) -> str | None:
 
 
 def placement(session: Any) -> dict[str, Any]:
-    """Where this process's threads and the session's worker processes last ran."""
-    tasks = sorted(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else []
-    out: dict[str, Any] = {"caller": [_cpu_of(f"/proc/self/task/{t}/stat") for t in tasks]}
+    """Where the calling thread and the session's worker processes last ran."""
+    out: dict[str, Any] = {"caller": _cpu_of(f"/proc/self/task/{threading.get_native_id()}/stat")}
     workers = getattr(session.executor, "workers", None) or []
     out["workers"] = {f"{w.stage.index}@{w.member.id}": _cpu_of(f"/proc/{w.proc.pid}/stat") for w in workers}
     return out
@@ -315,8 +315,7 @@ def _one_gpu(row: dict) -> str:
 def _placed(where: dict[str, Any] | None) -> str:
     if not where:
         return "—"
-    caller = ",".join(c for c in where["caller"] if c)
-    return f"caller {caller}; " + ", ".join(f"{k} {v}" for k, v in where["workers"].items())
+    return f"caller {where['caller']}; " + ", ".join(f"{k} {v}" for k, v in where["workers"].items())
 
 
 def markdown(result: dict) -> str:
