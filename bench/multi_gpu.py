@@ -14,7 +14,8 @@ a software device (llvmpipe) if the pool has one, else the ``cpu`` member, is "t
   throughput with 8 requests in flight against one GPU, with the replicas run by threads of
   this process and by one worker process each (``Session(processes=...)``);
 - (a) is measured with the chunks run by threads of this process and by one worker process
-  each (``Session(processes=...)``);
+  each (``Session(processes=...)``); worker processes read and write the shared request slots
+  in place where their devices import host memory (``--copy``: they copy instead);
 - every throughput figure follows a second of the same load, unmeasured (``WARMUP_S``), and
   comes with this process's CPU time per request;
 - one GPU's throughput is the best of a session on it (each request run as it is submitted),
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
@@ -204,6 +204,7 @@ def _split_row(split: Any, feeds: dict[str, np.ndarray], expected: list[np.ndarr
                        for c in split.plan.chunks]
     row["stage_gpu_us"] = [_gpu_us(stage.chunk) for stage in split.executor.lanes[0].stages]
     row["split_per_s"] = throughput(split, feeds, requests, stats=row)
+    row["in_place"] = getattr(split.executor, "in_place", None)
     return row
 
 
@@ -263,6 +264,7 @@ def replicated(pool: Any, gpus: list[str], name: str, smoke: bool, requests: int
             row[key] = dict(replicas=list(both.plan.replicas), lanes=len(both.executor.lanes),
                             identical=all(np.array_equal(a, b) for a, b in zip(out, expected)))
             row[key]["per_s"] = throughput(both, feeds, requests, stats=row[key])
+            row[key]["in_place"] = getattr(both.executor, "in_place", None)
             row[key]["requests_per_lane"] = {lane: sum(1 for e in both.trace() if e.lane == lane and e.chunk == 0)
                                              for lane in range(len(both.executor.lanes))}
     return row
@@ -312,6 +314,13 @@ def _one_gpu(row: dict) -> str:
     return f"{row['one_gpu_per_s']:.1f} (" + ", ".join(f"{k} {v:.0f}" for k, v in ways) + ")"
 
 
+def _mode(mode: str, row: dict[str, Any]) -> str:
+    """How the chunks ran: threads, or processes reading the shared slots in place or copying."""
+    if mode != "processes":
+        return mode
+    return "processes, in place" if row.get("in_place") else "processes, copying"
+
+
 def _placed(where: dict[str, Any] | None) -> str:
     if not where:
         return "—"
@@ -330,7 +339,7 @@ def markdown(result: dict) -> str:
                                                  if "given_cut" in r else [])]:
                 for mode in ("threads", "processes"):
                     x = plan[mode]
-                    rows.append([r["workload"], how, mode, "+".join(x["members"]), x["identical"],
+                    rows.append([r["workload"], how, _mode(mode, x), "+".join(x["members"]), x["identical"],
                                  f"{r['one_gpu_ms']:.3f} ms", f"{x['split_ms']:.3f} ms", _us(r.get("one_gpu_gpu_us")),
                                  " + ".join(_us(t) for t in x["stage_gpu_us"]), _one_gpu(r),
                                  f"{x['split_per_s']:.1f}", f"{x['split_per_s'] / r['one_gpu_per_s']:.2f}×",
@@ -343,7 +352,7 @@ def markdown(result: dict) -> str:
         lines += _table("## (b) Replicated on both GPUs",
                         ["workload", "replicas run in", "replicas", "identical", f"1 GPU req/s ({n} in flight)",
                          "replicated req/s", "ratio", "requests per copy", "caller CPU µs/req", "placement"],
-                        [[r["workload"], how, ", ".join(r[how]["replicas"]) or "none", r[how]["identical"],
+                        [[r["workload"], _mode(how, r[how]), ", ".join(r[how]["replicas"]) or "none", r[how]["identical"],
                           _one_gpu(r), f"{r[how]['per_s']:.1f}",
                           f"{r[how]['per_s'] / r['one_gpu_per_s']:.2f}×", r[how]["requests_per_lane"],
                           r[how].get("caller_cpu_us", "—"), _placed(r[how].get("placement"))]
@@ -375,9 +384,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds of load before each throughput figure (default {WARMUP_S}; smoke 0)")
     parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
                         help=f"requests each throughput figure keeps outstanding (default {IN_FLIGHT})")
+    parser.add_argument("--copy", action="store_true",
+                        help="worker processes copy each request's tensors in and out instead of their devices "
+                             "reading and writing the shared slots in place (for comparison)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     IN_FLIGHT = args.in_flight
+    if args.copy:
+        import vkpool.processes
+
+        vkpool.processes.IN_PLACE = False
     WARMUP_S = args.warmup_s if args.warmup_s is not None else 0.0 if args.smoke else WARMUP_S
     from vkpool.config.loader import parse_config
     from vkpool.pool import DevicePool

@@ -237,3 +237,58 @@ def test_processes_without_a_plan_is_refused_with_what_to_give(pool2, mnist) -> 
 def test_the_session_does_not_keep_the_model_bytes_once_workers_loaded_them(replicated) -> None:
     session, _ = replicated
     assert session._source is None
+
+
+def test_a_chunk_reads_and_writes_imported_host_memory_in_place(pool2, mnist) -> None:
+    import mmap
+
+    from vkpool.executor import build_chunk, stage_nodes
+    from vkpool.memory import HostImport
+    from vkpool.model import load_model
+
+    model_bytes, feeds, expected = mnist
+    member = pool2.member("vk0.0")
+    if member.device.host_import_alignment is None:
+        pytest.skip("the device has no VK_EXT_external_memory_host")
+    model = load_model(model_bytes)
+    stage = stage_nodes(model, [list(range(len(model.nodes)))], [member])[0]
+    (inp,), (out,) = stage.inputs, stage.outputs
+    page = 4096
+    region = mmap.mmap(-1, 3 * 2 * page)  # three slots: an input page and an output page each
+    imports = [HostImport(member.device, np.frombuffer(region, np.uint8, page, at)) for at in range(0, 6 * page, page)]
+    io = [{inp: imports[2 * k].allocation, out: imports[2 * k + 1].allocation} for k in range(3)]
+    chunk = build_chunk(model, stage, io=io)
+    try:
+        assert chunk.slots == 3 and chunk.stats.io_bytes == 0  # no memory of its own for I/O
+        x_views = [np.ndarray(feeds[0]["x"].shape, np.float32, region, 2 * k * page) for k in range(3)]
+        y_views = [np.ndarray(expected[0].shape, np.float32, region, (2 * k + 1) * page) for k in range(3)]
+        for k in range(3):
+            x_views[k][...] = feeds[k]["x"]
+            chunk.start_in_place(k)  # three runs in flight over one arena, in order
+        for k in range(3):
+            chunk.wait_in_place(k)
+            np.testing.assert_array_equal(y_views[k], expected[k])  # the kernels wrote the mapping itself
+        x_views[1][...] = feeds[4]["x"]  # a slot serves again with new inputs written in place
+        chunk.start_in_place(1)
+        chunk.wait_in_place(1)
+        np.testing.assert_array_equal(y_views[1], expected[4])
+    finally:
+        chunk.close()
+        for imp in imports:
+            imp.allocation.free()
+
+
+def test_workers_import_the_shared_slots_where_the_device_can_and_copy_otherwise(pool2, mnist, monkeypatch) -> None:
+    import vkpool.processes as processes
+
+    model, feeds, expected = mnist
+    can = pool2.member("vk0.0").device.host_import_alignment is not None
+    for in_place in (True, False):
+        monkeypatch.setattr(processes, "IN_PLACE", in_place)
+        with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
+            assert session.executor.in_place == (in_place and can)
+            io = [w.stage.chunk.stats.io_bytes for w in session.executor.workers]
+            assert all(b == 0 for b in io) if session.executor.in_place else all(b > 0 for b in io)
+            futures = [session.submit(feeds[k]) for k in range(len(feeds))]
+            for k, f in enumerate(futures):
+                np.testing.assert_array_equal(f.result(timeout=120)[0], expected[k])

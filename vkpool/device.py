@@ -137,6 +137,18 @@ class LogicalDevice:
             ext_names.append(b"VK_KHR_cooperative_matrix")
         if caps.get("memory_budget"):
             ext_names.append(b"VK_EXT_memory_budget")
+        # host memory another process shares (a mapping) read and written by kernels in place
+        self.host_import_alignment: int | None = None
+        if caps.get("external_memory_host"):
+            ext_names.append(b"VK_EXT_external_memory_host")
+            hprops = ffi.new("VkPhysicalDeviceExternalMemoryHostPropertiesEXT*", {
+                "sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_EXTERNAL_MEMORY_HOST_PROPERTIES_EXT,
+            })
+            props2 = ffi.new("VkPhysicalDeviceProperties2*", {
+                "sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, "pNext": hprops,
+            })
+            self._lib.vkGetPhysicalDeviceProperties2(pd, props2)
+            self.host_import_alignment = int(hprops.minImportedHostPointerAlignment)
         ext_c = [ffi.new("char[]", n) for n in ext_names]
         ext_arr = ffi.new("char*[]", ext_c) if ext_c else ffi.NULL
         dinfo = ffi.new("VkDeviceCreateInfo*", {
@@ -320,6 +332,70 @@ class LogicalDevice:
             vk.call("vkMapMemory", self.handle, mem[0], 0, size, 0, ptr, member=self.name)
             mapped = np.frombuffer(ffi.buffer(ptr[0], size), dtype=np.uint8)
         return mem[0], buf[0], address, mapped
+
+    def import_host(self, address: int, size: int) -> tuple[Any, Any, int]:
+        """A buffer over ``size`` bytes of host memory at ``address`` that this process has
+        mapped (``VK_EXT_external_memory_host``; both aligned to ``host_import_alignment``):
+        kernels read and write that memory in place. Returns (memory, buffer, device address);
+        :meth:`destroy_block` frees them, and the host memory must outlive them."""
+        if self.host_import_alignment is None:
+            raise vk.VulkanError("vkGetMemoryHostPointerPropertiesEXT", self._b.VK_ERROR_EXTENSION_NOT_PRESENT,
+                                 self.name)
+        align = self.host_import_alignment
+        if address % align or size % align or size <= 0:
+            raise ValueError(f"{self.name}: host memory to import must start and end on {align}-byte boundaries")
+        ffi, b, lib = self._ffi, self._b, self._lib
+        handle_type = b.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT
+        pointer = ffi.cast("void*", address)
+        props = ffi.new("VkMemoryHostPointerPropertiesEXT*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_HOST_POINTER_PROPERTIES_EXT,
+        })
+        query = vk.proc(self.handle, "vkGetMemoryHostPointerPropertiesEXT", device=True)
+        if query is None:
+            raise vk.VulkanError("vkGetMemoryHostPointerPropertiesEXT", b.VK_ERROR_EXTENSION_NOT_PRESENT, self.name)
+        vk.check("vkGetMemoryHostPointerPropertiesEXT", query(self.handle, handle_type, pointer, props), self.name)
+        external = ffi.new("VkExternalMemoryBufferCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_EXTERNAL_MEMORY_BUFFER_CREATE_INFO, "handleTypes": handle_type,
+        })
+        binfo = ffi.new("VkBufferCreateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, "pNext": external, "size": size,
+            "usage": (b.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | b.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                      | b.VK_BUFFER_USAGE_TRANSFER_DST_BIT | vk.BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT),
+            "sharingMode": b.VK_SHARING_MODE_EXCLUSIVE,
+        })
+        buf = ffi.new("VkBuffer*")
+        vk.call("vkCreateBuffer", self.handle, binfo, ffi.NULL, buf, member=self.name)
+        req = ffi.new("VkMemoryRequirements*")
+        lib.vkGetBufferMemoryRequirements(self.handle, buf[0], req)
+        coherent = b.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | b.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+        usable = props.memoryTypeBits & req.memoryTypeBits
+        kinds = [i for i in range(32) if (usable >> i) & 1 and self.memory_flags.get(i, 0) & coherent == coherent]
+        if not kinds:
+            lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
+            raise vk.VulkanError("vkGetMemoryHostPointerPropertiesEXT", b.VK_ERROR_FEATURE_NOT_PRESENT, self.name)
+        importing = ffi.new("VkImportMemoryHostPointerInfoEXT*", {
+            "sType": b.VK_STRUCTURE_TYPE_IMPORT_MEMORY_HOST_POINTER_INFO_EXT,
+            "handleType": handle_type, "pHostPointer": pointer,
+        })
+        flags = ffi.new("VkMemoryAllocateFlagsInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO, "pNext": importing,
+            "flags": vk.MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT,
+        })
+        ainfo = ffi.new("VkMemoryAllocateInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, "pNext": flags,
+            "allocationSize": size, "memoryTypeIndex": kinds[0],
+        })
+        mem = ffi.new("VkDeviceMemory*")
+        try:
+            vk.call("vkAllocateMemory", self.handle, ainfo, ffi.NULL, mem, member=self.name)
+        except vk.VulkanError:
+            lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
+            raise
+        vk.call("vkBindBufferMemory", self.handle, buf[0], mem[0], 0, member=self.name)
+        dinfo = ffi.new("VkBufferDeviceAddressInfo*", {
+            "sType": b.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO, "buffer": buf[0],
+        })
+        return mem[0], buf[0], int(lib.vkGetBufferDeviceAddress(self.handle, dinfo))
 
     def destroy_block(self, memory: Any, buffer: Any, *, mapped: bool) -> None:
         if mapped:

@@ -19,7 +19,7 @@ import bisect
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -178,9 +178,15 @@ class VulkanChunk:
 
     def __init__(self, member: Any, nodes: Sequence[Node], tensors: dict[str, TensorInfo],
                  constants: dict[str, np.ndarray], inputs: Sequence[str], outputs: Sequence[str],
-                 opset: int, *, slots: int = 1) -> None:
+                 opset: int, *, slots: int = 1, io: Sequence[Mapping[str, Any]] | None = None) -> None:
+        if io is not None:
+            slots = len(io)
         if slots < 1:
             raise ValueError(f"a chunk needs at least one run slot, not {slots}")
+        # per slot, the memory its inputs are read from and outputs written to, in place
+        # (:meth:`start_in_place`), instead of memory of the chunk's own
+        self._io = list(io) if io is not None else None
+        self._running = 0  # runs submitted and not yet waited for (guarded by _lock)
         self.member = member
         self.device = member.device
         self.nodes = list(nodes)
@@ -345,6 +351,8 @@ class VulkanChunk:
             try:
                 self._add_slot()
             except DeviceOutOfMemory:  # more slots only where the budget has room for their I/O
+                if self._io is not None:
+                    raise
                 break
         self.slots = len(self._slots)
         if self.slots == 1:  # the others did not fit: the one left never runs behind another
@@ -363,17 +371,26 @@ class VulkanChunk:
         one submitted while another run of this chunk is in flight."""
         t, member, caps = self.tensors, self.member, self.device.caps
         io: dict[tuple[str, str], TensorHandle] = {}
-        try:
-            for key, info, is_input in ([(("in", n), t[n].info, True) for n in self.input_names]
-                                        + [(("out", n), t[n].info, False) for n in self.output_names]):
-                io[key] = TensorHandle(member.alloc(info.nbytes, host_visible=True, input=is_input), 0, info.nbytes)
-        except BaseException:
+        keys = ([(("in", n), t[n].info, True) for n in self.input_names]
+                + [(("out", n), t[n].info, False) for n in self.output_names])
+        if self._io is not None:  # memory the caller gave, and frees
+            given = self._io[len(self._slots)]
+            for key, info, _ in keys:
+                if given[key[1]].nbytes < info.nbytes:
+                    raise ValueError(f"{key[1]}: {given[key[1]].nbytes} bytes given for a {info.nbytes}-byte tensor")
+                io[key] = TensorHandle(given[key[1]], 0, info.nbytes)
+        else:
+            try:
+                for key, info, is_input in keys:
+                    io[key] = TensorHandle(member.alloc(info.nbytes, host_visible=True, input=is_input), 0,
+                                           info.nbytes)
+            except BaseException:
+                for h in io.values():
+                    h.alloc.free()
+                raise
             for h in io.values():
-                h.alloc.free()
-            raise
-        for h in io.values():
-            self._allocs.append(h.alloc)
-            self.stats.io_bytes += h.nbytes
+                self._allocs.append(h.alloc)
+                self.stats.io_bytes += h.nbytes
 
         def handle(name: str) -> TensorHandle:
             base = t[t[name].base]
@@ -476,30 +493,41 @@ class VulkanChunk:
         the slot, which :meth:`finish` (from any thread) waits for. With every slot in flight,
         ``start`` waits for a ``finish``. Runs of one chunk execute in the order they start."""
         index = self._idle.get()
-        slot = self._slots[index]
         try:
-            for name, view in slot.in_views.items():
+            for name, view in self._slots[index].in_views.items():
                 np.copyto(view, feeds[name], casting="no")
-            if slot.chained is None:  # one slot: no other run of the chunk can be in flight
-                slot.submitted = slot.alone
-                self.device.submit(slot.alone)
-            else:
-                with self._lock:  # a slot out of the queue is a run in flight: go behind it
-                    slot.submitted = slot.chained if self._idle.qsize() < self.slots - 1 else slot.alone
-                    self.device.submit(slot.submitted)
+            self.start_in_place(index)
         except BaseException:
             self._idle.put(index)
             raise
         return index
 
-    def finish(self, slot: int, *, spin: bool = True) -> dict[str, np.ndarray]:
-        """Waits for the run in ``slot`` and returns copies of its outputs. ``spin`` polls
-        the device first (:meth:`~vkpool.device.LogicalDevice.wait`); a caller with another run
-        queued behind this one can sleep in the driver instead, the interpreter lock free."""
-        s = self._slots[slot]
+    def start_in_place(self, index: int) -> None:
+        """Submits run slot ``index`` on the inputs already in its memory (a chunk built with
+        ``io``: the caller wrote them there); the caller keeps each slot to one run at a time.
+        Runs of one chunk execute in the order they start."""
+        slot = self._slots[index]
+        with self._lock:  # another run in flight: go behind it (the slots share the arena)
+            slot.submitted = slot.chained if self._running and slot.chained is not None else slot.alone
+            self.device.submit(slot.submitted)
+            self._running += 1
+
+    def wait_in_place(self, index: int, *, spin: bool = True) -> None:
+        """Waits for the run in slot ``index``: its outputs are then in the slot's memory.
+        ``spin`` polls the device first (:meth:`~vkpool.device.LogicalDevice.wait`); a caller
+        with another run queued behind this one can sleep in the driver instead, the
+        interpreter lock free."""
         try:
-            self.device.wait(s.submitted, spin_seconds=None if spin else 0.0)
-            return {name: view.copy() for name, view in s.out_views.items()}
+            self.device.wait(self._slots[index].submitted, spin_seconds=None if spin else 0.0)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def finish(self, slot: int, *, spin: bool = True) -> dict[str, np.ndarray]:
+        """Waits for the run in ``slot`` (see :meth:`wait_in_place`) and returns copies of its outputs."""
+        try:
+            self.wait_in_place(slot, spin=spin)
+            return {name: view.copy() for name, view in self._slots[slot].out_views.items()}
         finally:
             self._idle.put(slot)
 

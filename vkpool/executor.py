@@ -166,15 +166,16 @@ def plan_lanes(pool: Any, model: LoadedModel, plan: Any, graph: Any) -> list[_La
     return lanes
 
 
-def build_chunk(model: LoadedModel, stage: _Stage) -> Any:
-    """The stage's chunk on its member: a :class:`VulkanChunk` with ``RUN_SLOTS`` run slots,
-    or a :class:`HostChunk` on the ``cpu`` member."""
+def build_chunk(model: LoadedModel, stage: _Stage, io: Sequence[Mapping[str, Any]] | None = None) -> Any:
+    """The stage's chunk on its member: a :class:`VulkanChunk` with ``RUN_SLOTS`` run slots
+    (or one per entry of ``io``, each reading and writing that memory in place), or a
+    :class:`HostChunk` on the ``cpu`` member."""
     from vkpool.pool import VulkanMember
 
     args = (stage.member, stage.nodes, dict(model.tensors), model.constants, stage.inputs, stage.outputs,
             model.opset)
     if isinstance(stage.member, VulkanMember):
-        return VulkanChunk(*args, slots=RUN_SLOTS)
+        return VulkanChunk(*args, slots=RUN_SLOTS, io=io)
     return HostChunk(*args)
 
 

@@ -130,6 +130,26 @@ class Allocation:
         self.allocator.free(self)
 
 
+class HostImport:
+    """Host memory this process owns (a shared mapping), imported into a device with
+    ``VK_EXT_external_memory_host`` so that kernels read and write it in place. Not charged
+    to a budget: it is not device memory. ``allocation`` is an :class:`Allocation` over all
+    of it; :meth:`free` (through the allocation) releases the device's hold on it."""
+
+    def __init__(self, device: LogicalDevice, region: np.ndarray) -> None:
+        self.device = device
+        view = region.view(np.uint8).reshape(-1)
+        memory, buffer, address = device.import_host(view.ctypes.data, view.nbytes)
+        block = Block(memory, buffer, view.nbytes, address, view, dedicated=True)
+        self.allocation = Allocation(self, block, 0, view.nbytes, view.nbytes)  # type: ignore[arg-type]
+
+    def free(self, alloc: Allocation) -> None:
+        if alloc.freed:
+            return
+        alloc.freed = True
+        self.device.destroy_block(alloc.block.memory, alloc.block.buffer, mapped=False)
+
+
 class BlockAllocator:
     """First-fit sub-allocation from blocks of one memory type, charged to a :class:`Budget`.
 

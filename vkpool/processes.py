@@ -65,13 +65,18 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from vkpool.engine import ChunkStats
-from vkpool.executor import TRACE_REQUESTS, LaneReports, _Lane, _Stage, plan_lanes, stage_nodes
+from vkpool import vk
+from vkpool.executor import RUN_SLOTS, TRACE_REQUESTS, LaneReports, _Lane, _Stage, plan_lanes, stage_nodes
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel
 
 #: request slots of a one-chunk lane: two on the device (the chunk's run slots) and two
 #: waiting; a lane gets two more for each further chunk, so every chunk can keep two runs
 PROCESS_SLOTS = 4
+#: whether workers import the shared slots into their devices (``VK_EXT_external_memory_host``)
+#: where the device can, so kernels read a request's inputs and write its outputs there and
+#: no process copies them; False makes every worker copy (for comparison)
+IN_PLACE = True
 #: seconds a worker may take to load and record the model before the session gives up
 START_TIMEOUT_S = 600.0
 #: seconds a waiting thread reads answers before it looks at its future again; the reader
@@ -82,7 +87,8 @@ CLOSE_WAIT_S = 60.0
 CLOSE = 0xFF  # caller → worker: finish what you hold and exit
 HELLO = 0xFF  # worker → caller, first byte of a start-up frame
 _OK, _FAILED, _READY, _REFUSED = 0, 1, 2, 3
-_ALIGN = 64
+#: fields of a slot start on page boundaries, so a device can import each one in place
+_ALIGN = 4096
 _STDERR_TAIL = 2000
 
 
@@ -92,6 +98,10 @@ class _Field:
     dtype: str
     shape: tuple[int, ...]
     offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
     def view(self, buffer: Any, base: int) -> np.ndarray:
         return np.ndarray(self.shape, np.dtype(self.dtype), buffer, base + self.offset)
@@ -111,11 +121,13 @@ def _slot_views(buffer: Any, fields: list[_Field], slots: int, slot_bytes: int) 
 
 
 class _RemoteChunk:
-    """What the calling process knows of a worker's chunk: its statistics and run slots."""
+    """What the calling process knows of a worker's chunk: its statistics, run slots, and
+    whether it reads and writes the shared slots in place."""
 
-    def __init__(self, stats: dict[str, int], slots: int) -> None:
+    def __init__(self, stats: dict[str, int], slots: int, in_place: bool) -> None:
         self.stats = ChunkStats(**stats)
         self.slots = slots
+        self.in_place = in_place
 
 
 @dataclass(eq=False)
@@ -309,7 +321,7 @@ class ProcessExecutor(LaneReports):
             "model": source, "batch": batch, "dims": dims, "member": member.id, "uuid": member.info.uuid,
             "index": member.info.index, "split_index": member.split_index, "budget": member.budget.free_bytes,
             "shm": home.path, "slots": home.slots, "slot_bytes": home.slot_bytes,
-            "groups": groups, "stage": stage.index,
+            "groups": groups, "stage": stage.index, "in_place": IN_PLACE,
             "inputs": [vars(by_name[n]) for n in stage.inputs], "outputs": [vars(by_name[n]) for n in stage.outputs],
             "fds": [from_caller, to_caller],
         }
@@ -367,7 +379,7 @@ class ProcessExecutor(LaneReports):
         charge = stats["weight_bytes"] + stats["arena_bytes"] + stats["io_bytes"]
         worker.member.budget.reserve(charge)  # refused (DeviceOutOfMemory) if others took the room meanwhile
         worker.charged = charge
-        worker.stage.chunk = _RemoteChunk(stats, answer["run_slots"])
+        worker.stage.chunk = _RemoteChunk(stats, answer["run_slots"], answer["in_place"])
 
     # -- what it holds -------------------------------------------------------------------------
     @property
@@ -378,6 +390,11 @@ class ProcessExecutor(LaneReports):
     def planned_transfers(self) -> list[Any]:
         """The cross-member stagings one request on the plan's own lane performs."""
         return [t for stage in self.lanes[0].stages for t in stage.transfers]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether every worker's chunk reads and writes the shared slots in place."""
+        return all(w.stage.chunk is not None and w.stage.chunk.in_place for w in self.workers)
 
     # -- running -------------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray],
@@ -685,6 +702,33 @@ def _body(slot: int, status: int, body: bytes) -> bytes:
 
 
 # -- the worker process ------------------------------------------------------------------------
+def _imported_io(device: Any, mapping: Any, fields: list[_Field], slots: int, slot_bytes: int
+                 ) -> tuple[list[dict[str, Any]], list[Any]] | None:
+    """Per request slot, each field's bytes of the shared mapping imported into ``device``
+    (``VK_EXT_external_memory_host``), with the imports to free; None where the device cannot
+    import them (no extension, an alignment above the fields', or the driver refusing)."""
+    from vkpool.memory import HostImport
+
+    align = device.host_import_alignment
+    if not align or _ALIGN % align:
+        return None
+    imports: list[Any] = []
+    try:
+        io = []
+        for k in range(slots):
+            per = {}
+            for f in fields:
+                size = -(-max(f.nbytes, 1) // _ALIGN) * _ALIGN
+                imports.append(HostImport(device, np.frombuffer(mapping, np.uint8, size, k * slot_bytes + f.offset)))
+                per[f.name] = imports[-1].allocation
+            io.append(per)
+    except (vk.VulkanError, ValueError):
+        for imp in imports:
+            imp.allocation.free()
+        return None
+    return io, imports
+
+
 def _serve(spec: dict[str, Any]) -> None:
     from vkpool.device import LogicalDevice
     from vkpool.discovery import discover
@@ -701,6 +745,7 @@ def _serve(spec: dict[str, Any]) -> None:
         os.close(fd)
     in_fields = [_Field(f["name"], f["dtype"], tuple(f["shape"]), f["offset"]) for f in spec["inputs"]]
     out_fields = [_Field(f["name"], f["dtype"], tuple(f["shape"]), f["offset"]) for f in spec["outputs"]]
+    imported = None
     try:
         info = next((i for i in discover() if i.uuid == spec["uuid"] and i.index == spec["index"]), None)
         if info is None:
@@ -712,7 +757,9 @@ def _serve(spec: dict[str, Any]) -> None:
         stage = stage_nodes(model, groups, [member] * len(groups))[int(spec["stage"])]
         if stage.inputs != [f.name for f in in_fields] or stage.outputs != [f.name for f in out_fields]:
             raise RuntimeError("the model loaded in the worker has other chunk inputs or outputs than the caller's")
-        chunk = build_chunk(model, stage)
+        if spec.get("in_place"):
+            imported = _imported_io(device, mapping, in_fields + out_fields, slots, slot_bytes)
+        chunk = build_chunk(model, stage, io=imported[0] if imported else None)
     except BaseException as exc:
         kind = type(exc).__name__
         args = [exc.member, exc.requested, exc.used, exc.budget] if isinstance(exc, DeviceOutOfMemory) else []
@@ -721,18 +768,26 @@ def _serve(spec: dict[str, Any]) -> None:
     s = chunk.stats
     stats = {name: int(getattr(s, name)) for name in ("weight_bytes", "arena_bytes", "io_bytes", "peak_live_bytes",
                                                       "dispatches", "barriers", "levels")}
-    os.write(wfd, _body(HELLO, _READY, json.dumps({"stats": stats, "run_slots": chunk.slots}).encode()))
-    inputs = _slot_views(mapping, in_fields, slots, slot_bytes)
-    outputs = _slot_views(mapping, out_fields, slots, slot_bytes)
-    _loop(chunk, rfd, wfd, inputs, outputs)
+    depth = min(chunk.slots, RUN_SLOTS)
+    os.write(wfd, _body(HELLO, _READY, json.dumps({"stats": stats, "run_slots": depth,
+                                                   "in_place": imported is not None}).encode()))
+    if imported:
+        _loop(chunk, rfd, wfd, depth)
+    else:
+        _loop(chunk, rfd, wfd, depth, _slot_views(mapping, in_fields, slots, slot_bytes),
+              _slot_views(mapping, out_fields, slots, slot_bytes))
     chunk.close()
+    for imp in imported[1] if imported else []:
+        imp.allocation.free()
     device.close()
 
 
-def _loop(chunk: Any, rfd: int, wfd: int, inputs: list[dict[str, np.ndarray]],
-          outputs: list[dict[str, np.ndarray]]) -> None:
-    """Serves slots until ``CLOSE`` (or the caller's end of the pipe closing): keeps up to the
-    chunk's run slots on the device, starting the next request before waiting for the oldest."""
+def _loop(chunk: Any, rfd: int, wfd: int, depth: int, inputs: list[dict[str, np.ndarray]] | None = None,
+          outputs: list[dict[str, np.ndarray]] | None = None) -> None:
+    """Serves slots until ``CLOSE`` (or the caller's end of the pipe closing): keeps up to
+    ``depth`` runs on the device, starting the next request before waiting for the oldest.
+    Without ``inputs`` and ``outputs`` the chunk reads and writes the slots in place (one run
+    slot per request slot), else each run copies its slot's inputs in and outputs out."""
     os.set_blocking(rfd, False)
     waiting: deque[int] = deque()  # slots written by the caller, not yet started
     running: deque[tuple[int, int]] = deque()  # (slot, chunk run slot)
@@ -748,19 +803,26 @@ def _loop(chunk: Any, rfd: int, wfd: int, inputs: list[dict[str, np.ndarray]],
                     closing = True
                     data = data.split(bytes((CLOSE,)))[0]
                 waiting.extend(data)
-        if waiting and len(running) < chunk.slots:
+        if waiting and len(running) < depth:
             slot = waiting.popleft()
             try:
-                running.append((slot, chunk.start(inputs[slot])))
+                if inputs is None:
+                    chunk.start_in_place(slot)
+                    running.append((slot, slot))
+                else:
+                    running.append((slot, chunk.start(inputs[slot])))
             except Exception as exc:
                 os.write(wfd, _body(slot, _FAILED, f"{type(exc).__name__}: {exc}".encode()))
             continue
         if running:
             slot, token = running.popleft()
             try:
-                produced = chunk.finish(token)
-                for name, view in outputs[slot].items():
-                    np.copyto(view, produced[name], casting="no")
+                if outputs is None:
+                    chunk.wait_in_place(token)
+                else:
+                    produced = chunk.finish(token)
+                    for name, view in outputs[slot].items():
+                        np.copyto(view, produced[name], casting="no")
             except Exception as exc:
                 os.write(wfd, _body(slot, _FAILED, f"{type(exc).__name__}: {exc}".encode()))
             else:
@@ -784,4 +846,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ProcessExecutor", "PROCESS_SLOTS"]
+__all__ = ["ProcessExecutor", "PROCESS_SLOTS", "IN_PLACE"]
