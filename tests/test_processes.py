@@ -278,7 +278,8 @@ def test_a_chunk_reads_and_writes_imported_host_memory_in_place(pool2, mnist) ->
             imp.allocation.free()
 
 
-def test_workers_import_the_shared_slots_where_the_device_can_and_copy_otherwise(pool2, mnist, monkeypatch) -> None:
+def test_tensors_crossing_chunks_stay_in_the_shared_slots_where_the_devices_import_them(pool2, mnist,
+                                                                                       monkeypatch) -> None:
     import vkpool.processes as processes
 
     model, feeds, expected = mnist
@@ -286,9 +287,15 @@ def test_workers_import_the_shared_slots_where_the_device_can_and_copy_otherwise
     for in_place in (True, False):
         monkeypatch.setattr(processes, "IN_PLACE", in_place)
         with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
-            assert session.executor.in_place == (in_place and can)
-            io = [w.stage.chunk.stats.io_bytes for w in session.executor.workers]
-            assert all(b == 0 for b in io) if session.executor.in_place else all(b > 0 for b in io)
+            crossing = sorted({t.tensor for t in session.executor.planned_transfers})
+            assert crossing and session.executor.in_place == (crossing if in_place and can else [])
             futures = [session.submit(feeds[k]) for k in range(len(feeds))]
             for k, f in enumerate(futures):
                 np.testing.assert_array_equal(f.result(timeout=120)[0], expected[k])
+            got = {(t.tensor, t.src, t.dst) for t in session.executor.planned_transfers}
+            assert dict(session.executor.transfers_executed) == {key: len(feeds) for key in got}
+
+
+def test_replicas_copy_the_models_own_inputs_and_outputs(replicated) -> None:
+    session, _ = replicated
+    assert session.executor.in_place == []  # nothing crosses between chunks of a one-chunk lane

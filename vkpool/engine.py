@@ -183,9 +183,10 @@ class VulkanChunk:
             slots = len(io)
         if slots < 1:
             raise ValueError(f"a chunk needs at least one run slot, not {slots}")
-        # per slot, the memory its inputs are read from and outputs written to, in place
-        # (:meth:`start_in_place`), instead of memory of the chunk's own
+        # per slot, memory the caller gives for some inputs and outputs (name → allocation; None
+        # or absent: the chunk's own), which runs read and write in place (:meth:`start_in_place`)
         self._io = list(io) if io is not None else None
+        self._given = {name for name, alloc in (self._io[0] if self._io else {}).items() if alloc is not None}
         self._running = 0  # runs submitted and not yet waited for (guarded by _lock)
         self.member = member
         self.device = member.device
@@ -241,11 +242,12 @@ class VulkanChunk:
         # 1 GiB GEMV took 675 µs reading its vector from mapped host memory, 258 µs reading it
         # from device memory)
         self._staged_inputs: dict[str, _Tensor] = {}
-        if not member.device_local_inputs or self._io is not None:  # given I/O memory is host memory
+        if not member.device_local_inputs or self._given:  # memory the caller gives is host memory
             reread = {t[n].base for op, node in zip(self.ops, self.nodes) if op.rereads_inputs
                       for n in node.inputs if n}
             for name in self.input_names:
-                if name in reread and t[name].kind == "input":
+                if (name in reread and t[name].kind == "input"
+                        and (name in self._given or not member.device_local_inputs)):
                     self._staged_inputs[name] = t[name]
                     t[name] = _Tensor(t[name].info, "arena", name)
         self.tensors = t
@@ -373,24 +375,24 @@ class VulkanChunk:
         io: dict[tuple[str, str], TensorHandle] = {}
         keys = ([(("in", n), t[n].info, True) for n in self.input_names]
                 + [(("out", n), t[n].info, False) for n in self.output_names])
-        if self._io is not None:  # memory the caller gave, and frees
-            given = self._io[len(self._slots)]
-            for key, info, _ in keys:
-                if given[key[1]].nbytes < info.nbytes:
-                    raise ValueError(f"{key[1]}: {given[key[1]].nbytes} bytes given for a {info.nbytes}-byte tensor")
-                io[key] = TensorHandle(given[key[1]], 0, info.nbytes)
-        else:
-            try:
-                for key, info, is_input in keys:
-                    io[key] = TensorHandle(member.alloc(info.nbytes, host_visible=True, input=is_input), 0,
-                                           info.nbytes)
-            except BaseException:
-                for h in io.values():
-                    h.alloc.free()
-                raise
-            for h in io.values():
-                self._allocs.append(h.alloc)
-                self.stats.io_bytes += h.nbytes
+        given = self._io[len(self._slots)] if self._io is not None else {}
+        own: list[TensorHandle] = []
+        try:
+            for key, info, is_input in keys:
+                alloc = given.get(key[1])
+                if alloc is None:
+                    alloc = member.alloc(info.nbytes, host_visible=True, input=is_input)
+                    own.append(TensorHandle(alloc, 0, info.nbytes))
+                elif alloc.nbytes < info.nbytes:  # memory the caller gave, and frees
+                    raise ValueError(f"{key[1]}: {alloc.nbytes} bytes given for a {info.nbytes}-byte tensor")
+                io[key] = TensorHandle(alloc, 0, info.nbytes)
+        except BaseException:
+            for h in own:
+                h.alloc.free()
+            raise
+        for h in own:
+            self._allocs.append(h.alloc)
+            self.stats.io_bytes += h.nbytes
 
         def handle(name: str) -> TensorHandle:
             base = t[t[name].base]
@@ -502,10 +504,15 @@ class VulkanChunk:
             raise
         return index
 
+    def slot_views(self, index: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Run slot ``index``'s inputs and outputs as host arrays (views of its memory)."""
+        slot = self._slots[index]
+        return slot.in_views, slot.out_views
+
     def start_in_place(self, index: int) -> None:
-        """Submits run slot ``index`` on the inputs already in its memory (a chunk built with
-        ``io``: the caller wrote them there); the caller keeps each slot to one run at a time.
-        Runs of one chunk execute in the order they start."""
+        """Submits run slot ``index`` on the inputs already in its memory (written through
+        :meth:`slot_views`, or into the memory given as ``io``); the caller keeps each slot to
+        one run at a time. Runs of one chunk execute in the order they start."""
         slot = self._slots[index]
         with self._lock:  # another run in flight: go behind it (the slots share the arena)
             slot.submitted = slot.chained if self._running and slot.chained is not None else slot.alone

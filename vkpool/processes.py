@@ -13,11 +13,14 @@ last chunk answers, a copy out.
 - **Lanes and shared memory.** A lane is one complete copy of the model: the plan's chunks,
   or one replica. Each lane has ``slots`` request slots in one file-backed mapping that the
   calling process and the lane's workers map; a slot holds the model's inputs and outputs
-  and every tensor that crosses between the lane's chunks, each at a fixed offset. A chunk's
-  worker reads its inputs from the slot and writes its outputs there, so a tensor crossing
-  members goes device → host (the mapping) → device without passing through the caller.
-  The file is unlinked once the lane's workers have mapped it, so nothing is left behind
-  however the processes end.
+  and every tensor that crosses between the lane's chunks, each at a fixed offset (page
+  aligned). A chunk's worker reads its inputs from the slot and writes its outputs there, so
+  a tensor crossing members goes device → host (the mapping) → device without passing
+  through the caller. Where both devices import host memory (``VK_EXT_external_memory_host``)
+  that hop copies nothing on the host: the producer's kernels write the tensor into the
+  slot and the consumer's commands read it from there (``IN_PLACE``); elsewhere the workers
+  copy it out of and into their chunks' own memory. The file is unlinked once the lane's
+  workers have mapped it, so nothing is left behind however the processes end.
 - **Wire.** Caller → worker: one byte per run, the request's slot (``CLOSE`` asks the worker to
   finish what it holds and exit). Worker → caller: ``slot, 0`` when the chunk's outputs are
   written; ``slot, 1``, a 4-byte length and a UTF-8 message when the run failed; at start,
@@ -73,9 +76,13 @@ from vkpool.model import LoadedModel
 #: request slots of a one-chunk lane: two on the device (the chunk's run slots) and two
 #: waiting; a lane gets two more for each further chunk, so every chunk can keep two runs
 PROCESS_SLOTS = 4
-#: whether workers import the shared slots into their devices (``VK_EXT_external_memory_host``)
-#: where the device can, so kernels read a request's inputs and write its outputs there and
-#: no process copies them; False makes every worker copy (for comparison)
+#: whether a worker imports the slots' tensors that cross between chunks into its device
+#: (``VK_EXT_external_memory_host``) where the device can: the producing chunk's kernels write
+#: them into the shared slot and the consuming chunk reads them from there, with no copy by any
+#: process. The model's own inputs and outputs are still copied: a worker that copied its
+#: request into device memory ran faster than one whose kernels read it across the bus (two
+#: H200s, mnist12_like: one worker 22.8 k requests/s copying, 21.0 k in place). False makes
+#: every worker copy everything (for comparison)
 IN_PLACE = True
 #: seconds a worker may take to load and record the model before the session gives up
 START_TIMEOUT_S = 600.0
@@ -122,9 +129,9 @@ def _slot_views(buffer: Any, fields: list[_Field], slots: int, slot_bytes: int) 
 
 class _RemoteChunk:
     """What the calling process knows of a worker's chunk: its statistics, run slots, and
-    whether it reads and writes the shared slots in place."""
+    the tensors it reads or writes in the shared slots in place."""
 
-    def __init__(self, stats: dict[str, int], slots: int, in_place: bool) -> None:
+    def __init__(self, stats: dict[str, int], slots: int, in_place: list[str]) -> None:
         self.stats = ChunkStats(**stats)
         self.slots = slots
         self.in_place = in_place
@@ -188,6 +195,9 @@ class _Home:
         self.workers: list[_Worker] = []
         self.alive = True
         self.roots = [s.index for s in lane.stages if not s.preds]
+        # tensors one chunk of the lane writes and another reads
+        produced = {name for s in lane.stages for name in s.outputs}
+        self.crossing = sorted({name for s in lane.stages for name in s.inputs if name in produced})
 
     def map(self) -> None:
         size = self.slots * self.slot_bytes
@@ -321,7 +331,7 @@ class ProcessExecutor(LaneReports):
             "model": source, "batch": batch, "dims": dims, "member": member.id, "uuid": member.info.uuid,
             "index": member.info.index, "split_index": member.split_index, "budget": member.budget.free_bytes,
             "shm": home.path, "slots": home.slots, "slot_bytes": home.slot_bytes,
-            "groups": groups, "stage": stage.index, "in_place": IN_PLACE,
+            "groups": groups, "stage": stage.index, "in_place": IN_PLACE, "crossing": home.crossing,
             "inputs": [vars(by_name[n]) for n in stage.inputs], "outputs": [vars(by_name[n]) for n in stage.outputs],
             "fds": [from_caller, to_caller],
         }
@@ -392,9 +402,10 @@ class ProcessExecutor(LaneReports):
         return [t for stage in self.lanes[0].stages for t in stage.transfers]
 
     @property
-    def in_place(self) -> bool:
-        """Whether every worker's chunk reads and writes the shared slots in place."""
-        return all(w.stage.chunk is not None and w.stage.chunk.in_place for w in self.workers)
+    def in_place(self) -> list[str]:
+        """The tensors crossing between chunks that the workers' devices write and read in the
+        shared slots themselves (``VK_EXT_external_memory_host``), with no copy by any process."""
+        return sorted({name for w in self.workers if w.stage.chunk is not None for name in w.stage.chunk.in_place})
 
     # -- running -------------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray],
@@ -757,8 +768,9 @@ def _serve(spec: dict[str, Any]) -> None:
         stage = stage_nodes(model, groups, [member] * len(groups))[int(spec["stage"])]
         if stage.inputs != [f.name for f in in_fields] or stage.outputs != [f.name for f in out_fields]:
             raise RuntimeError("the model loaded in the worker has other chunk inputs or outputs than the caller's")
-        if spec.get("in_place"):
-            imported = _imported_io(device, mapping, in_fields + out_fields, slots, slot_bytes)
+        crossing = [f for f in in_fields + out_fields if f.name in spec["crossing"]]
+        if spec["in_place"] and crossing:
+            imported = _imported_io(device, mapping, crossing, slots, slot_bytes)
         chunk = build_chunk(model, stage, io=imported[0] if imported else None)
     except BaseException as exc:
         kind = type(exc).__name__
@@ -770,24 +782,25 @@ def _serve(spec: dict[str, Any]) -> None:
                                                       "dispatches", "barriers", "levels")}
     depth = min(chunk.slots, RUN_SLOTS)
     os.write(wfd, _body(HELLO, _READY, json.dumps({"stats": stats, "run_slots": depth,
-                                                   "in_place": imported is not None}).encode()))
-    if imported:
-        _loop(chunk, rfd, wfd, depth)
-    else:
-        _loop(chunk, rfd, wfd, depth, _slot_views(mapping, in_fields, slots, slot_bytes),
-              _slot_views(mapping, out_fields, slots, slot_bytes))
+                                                   "in_place": [f.name for f in crossing] if imported else []}
+                                                  ).encode()))
+    direct = {f.name for f in crossing} if imported else set()
+    _loop(chunk, rfd, wfd, depth, _slot_views(mapping, [f for f in in_fields if f.name not in direct], slots,
+                                              slot_bytes),
+          _slot_views(mapping, [f for f in out_fields if f.name not in direct], slots, slot_bytes), bool(imported))
     chunk.close()
     for imp in imported[1] if imported else []:
         imp.allocation.free()
     device.close()
 
 
-def _loop(chunk: Any, rfd: int, wfd: int, depth: int, inputs: list[dict[str, np.ndarray]] | None = None,
-          outputs: list[dict[str, np.ndarray]] | None = None) -> None:
+def _loop(chunk: Any, rfd: int, wfd: int, depth: int, inputs: list[dict[str, np.ndarray]],
+          outputs: list[dict[str, np.ndarray]], in_place: bool) -> None:
     """Serves slots until ``CLOSE`` (or the caller's end of the pipe closing): keeps up to
     ``depth`` runs on the device, starting the next request before waiting for the oldest.
-    Without ``inputs`` and ``outputs`` the chunk reads and writes the slots in place (one run
-    slot per request slot), else each run copies its slot's inputs in and outputs out."""
+    ``inputs`` and ``outputs`` are the slots' tensors this worker copies in and out; with
+    ``in_place`` the chunk has a run slot per request slot and reads and writes the others
+    (tensors crossing between chunks) in the shared slot itself."""
     os.set_blocking(rfd, False)
     waiting: deque[int] = deque()  # slots written by the caller, not yet started
     running: deque[tuple[int, int]] = deque()  # (slot, chunk run slot)
@@ -806,7 +819,10 @@ def _loop(chunk: Any, rfd: int, wfd: int, depth: int, inputs: list[dict[str, np.
         if waiting and len(running) < depth:
             slot = waiting.popleft()
             try:
-                if inputs is None:
+                if in_place:
+                    into = chunk.slot_views(slot)[0]
+                    for name, view in inputs[slot].items():
+                        np.copyto(into[name], view, casting="no")
                     chunk.start_in_place(slot)
                     running.append((slot, slot))
                 else:
@@ -817,12 +833,13 @@ def _loop(chunk: Any, rfd: int, wfd: int, depth: int, inputs: list[dict[str, np.
         if running:
             slot, token = running.popleft()
             try:
-                if outputs is None:
+                if in_place:
                     chunk.wait_in_place(token)
+                    produced = chunk.slot_views(slot)[1]
                 else:
                     produced = chunk.finish(token)
-                    for name, view in outputs[slot].items():
-                        np.copyto(view, produced[name], casting="no")
+                for name, view in outputs[slot].items():
+                    np.copyto(view, produced[name], casting="no")
             except Exception as exc:
                 os.write(wfd, _body(slot, _FAILED, f"{type(exc).__name__}: {exc}".encode()))
             else:
