@@ -14,8 +14,8 @@ a software device (llvmpipe) if the pool has one, else the ``cpu`` member, is "t
   throughput with 8 requests in flight against one GPU, with the replicas run by threads of
   this process and by one worker process each (``Session(processes=...)``);
 - (a) is measured with the chunks run by threads of this process and by one worker process
-  each (``Session(processes=...)``); worker processes read and write the shared request slots
-  in place where their devices import host memory (``--copy``: they copy instead);
+  each (``Session(processes=...)``); ``--in-place`` has the workers' devices write and read
+  the tensors crossing between chunks in the shared request slots themselves;
 - every throughput figure follows a second of the same load, unmeasured (``WARMUP_S``), and
   comes with this process's CPU time per request;
 - one GPU's throughput is the best of a session on it (each request run as it is submitted),
@@ -384,16 +384,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds of load before each throughput figure (default {WARMUP_S}; smoke 0)")
     parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
                         help=f"requests each throughput figure keeps outstanding (default {IN_FLIGHT})")
-    parser.add_argument("--copy", action="store_true",
-                        help="worker processes copy each request's tensors in and out instead of their devices "
-                             "reading and writing the shared slots in place (for comparison)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="worker processes' devices write and read the tensors crossing between chunks in the "
+                             "shared slots themselves instead of the workers copying them (vkpool.processes.IN_PLACE)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     IN_FLIGHT = args.in_flight
-    if args.copy:
+    if args.in_place:
         import vkpool.processes
 
-        vkpool.processes.IN_PLACE = False
+        vkpool.processes.IN_PLACE = True
     WARMUP_S = args.warmup_s if args.warmup_s is not None else 0.0 if args.smoke else WARMUP_S
     from vkpool.config.loader import parse_config
     from vkpool.pool import DevicePool

@@ -17,9 +17,9 @@ last chunk answers, a copy out.
   aligned). A chunk's worker reads its inputs from the slot and writes its outputs there, so
   a tensor crossing members goes device → host (the mapping) → device without passing
   through the caller. Where both devices import host memory (``VK_EXT_external_memory_host``)
-  that hop copies nothing on the host: the producer's kernels write the tensor into the
-  slot and the consumer's commands read it from there (``IN_PLACE``); elsewhere the workers
-  copy it out of and into their chunks' own memory. The file is unlinked once the lane's
+  that hop can copy nothing on the host: the producer's kernels write the tensor into the
+  slot and the consumer's commands read it from there (``IN_PLACE``, off by default: see
+  there); otherwise the workers copy it out of and into their chunks' own memory. The file is unlinked once the lane's
   workers have mapped it, so nothing is left behind however the processes end.
 - **Wire.** Caller → worker: one byte per run, the request's slot (``CLOSE`` asks the worker to
   finish what it holds and exit). Worker → caller: ``slot, 0`` when the chunk's outputs are
@@ -78,12 +78,15 @@ from vkpool.model import LoadedModel
 PROCESS_SLOTS = 4
 #: whether a worker imports the slots' tensors that cross between chunks into its device
 #: (``VK_EXT_external_memory_host``) where the device can: the producing chunk's kernels write
-#: them into the shared slot and the consuming chunk reads them from there, with no copy by any
-#: process. The model's own inputs and outputs are still copied: a worker that copied its
-#: request into device memory ran faster than one whose kernels read it across the bus (two
-#: H200s, mnist12_like: one worker 22.8 k requests/s copying, 21.0 k in place). False makes
-#: every worker copy everything (for comparison)
-IN_PLACE = True
+#: them into the shared slot and the consuming chunk's commands read them from there, with no
+#: copy by any process (the model's own inputs and outputs are copied either way: kernels
+#: reading a request across the bus made one mnist12_like worker slower, 21.0 k against
+#: 22.8 k requests/s on an H200). Off by default: on two H200s the workloads at hand ran
+#: faster with the workers copying, whose copies overlap the device's work while the
+#: consumer's read across the bus does not (conv_many_255MB cut after its convolutions, a
+#: 49 KiB tensor crossing: 9.40-9.44 k requests/s over four runs copying, 8.98-9.22 k over
+#: three in place; matmul_1GB_16layers 5.79-5.83 k over four against 5.65-5.76 k over two)
+IN_PLACE = False
 #: seconds a worker may take to load and record the model before the session gives up
 START_TIMEOUT_S = 600.0
 #: seconds a waiting thread reads answers before it looks at its future again; the reader
