@@ -299,3 +299,16 @@ def test_tensors_crossing_chunks_stay_in_the_shared_slots_where_the_devices_impo
 def test_replicas_copy_the_models_own_inputs_and_outputs(replicated) -> None:
     session, _ = replicated
     assert session.executor.in_place == []  # nothing crosses between chunks of a one-chunk lane
+
+
+def test_a_plan_over_software_devices_stays_in_this_process_unless_asked(pool2, mnist) -> None:
+    from vkpool.executor import PlanExecutor
+    from vkpool.processes import ProcessExecutor
+
+    model, feeds, expected = mnist
+    # lavapipe is not a hardware GPU: by default its members' chunks run in threads here
+    with Session(model, pool=pool2, plan=dict(_halves(model, pool2))) as session:
+        assert type(session.executor) is PlanExecutor
+        np.testing.assert_array_equal(session.run(None, feeds[0])[0], expected[0])
+    with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
+        assert type(session.executor) is ProcessExecutor
