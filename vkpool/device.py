@@ -289,76 +289,65 @@ class LogicalDevice:
         """A buffer with memory of its own. ``dedicated`` (one large tensor) tells the driver the
         memory serves that buffer alone (VkMemoryDedicatedAllocateInfo), which lets it choose
         placement and page size for it."""
-        ffi, b, lib = self._ffi, self._b, self._lib
-        binfo = ffi.new("VkBufferCreateInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, "size": size,
-            "usage": (b.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | b.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
-                      | b.VK_BUFFER_USAGE_TRANSFER_DST_BIT | vk.BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT),
-            "sharingMode": b.VK_SHARING_MODE_EXCLUSIVE,
-        })
-        buf = ffi.new("VkBuffer*")
-        vk.call("vkCreateBuffer", self.handle, binfo, ffi.NULL, buf, member=self.name)
-        req = ffi.new("VkMemoryRequirements*")
-        lib.vkGetBufferMemoryRequirements(self.handle, buf[0], req)
+        ffi, b = self._ffi, self._b
+        buf, req = self._new_buffer(size)
         if not (req.memoryTypeBits >> memory_type) & 1:
-            lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
+            self._lib.vkDestroyBuffer(self.handle, buf, ffi.NULL)
             raise vk.VulkanError("vkGetBufferMemoryRequirements", b.VK_ERROR_FEATURE_NOT_PRESENT, self.name)
         only = ffi.new("VkMemoryDedicatedAllocateInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO, "buffer": buf[0],
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO, "buffer": buf,
         })
-        flags = ffi.new("VkMemoryAllocateFlagsInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
-            "pNext": only if dedicated else ffi.NULL,
-            "flags": vk.MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT,
-        })
-        ainfo = ffi.new("VkMemoryAllocateInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, "pNext": flags,
-            "allocationSize": req.size, "memoryTypeIndex": memory_type,
-        })
-        mem = ffi.new("VkDeviceMemory*")
-        try:
-            vk.call("vkAllocateMemory", self.handle, ainfo, ffi.NULL, mem, member=self.name)
-        except vk.VulkanError:
-            lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
-            raise
-        vk.call("vkBindBufferMemory", self.handle, buf[0], mem[0], 0, member=self.name)
-        ainfo2 = ffi.new("VkBufferDeviceAddressInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO, "buffer": buf[0],
-        })
-        address = int(lib.vkGetBufferDeviceAddress(self.handle, ainfo2))
+        mem, address = self._bind_new_memory(buf, req.size, memory_type, only if dedicated else ffi.NULL)
         mapped = None
         if self.memory_flags[memory_type] & b.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT:
             ptr = ffi.new("void**")
-            vk.call("vkMapMemory", self.handle, mem[0], 0, size, 0, ptr, member=self.name)
+            vk.call("vkMapMemory", self.handle, mem, 0, size, 0, ptr, member=self.name)
             mapped = np.frombuffer(ffi.buffer(ptr[0], size), dtype=np.uint8)
-        return mem[0], buf[0], address, mapped
+        return mem, buf, address, mapped
 
     def import_host(self, address: int, size: int) -> tuple[Any, Any, int]:
         """A buffer over ``size`` bytes of host memory at ``address`` that this process has
         mapped (``VK_EXT_external_memory_host``; both aligned to ``host_import_alignment``):
         kernels read and write that memory in place. Returns (memory, buffer, device address);
         :meth:`destroy_block` frees them, and the host memory must outlive them."""
-        if self.host_import_alignment is None:
-            raise vk.VulkanError("vkGetMemoryHostPointerPropertiesEXT", self._b.VK_ERROR_EXTENSION_NOT_PRESENT,
-                                 self.name)
+        ffi, b = self._ffi, self._b
+        query = vk.proc(self.handle, "vkGetMemoryHostPointerPropertiesEXT", device=True) \
+            if self.host_import_alignment else None
+        if query is None:
+            raise vk.VulkanError("vkGetMemoryHostPointerPropertiesEXT", b.VK_ERROR_EXTENSION_NOT_PRESENT, self.name)
         align = self.host_import_alignment
         if address % align or size % align or size <= 0:
             raise ValueError(f"{self.name}: host memory to import must start and end on {align}-byte boundaries")
-        ffi, b, lib = self._ffi, self._b, self._lib
         handle_type = b.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT
         pointer = ffi.cast("void*", address)
         props = ffi.new("VkMemoryHostPointerPropertiesEXT*", {
             "sType": b.VK_STRUCTURE_TYPE_MEMORY_HOST_POINTER_PROPERTIES_EXT,
         })
-        query = vk.proc(self.handle, "vkGetMemoryHostPointerPropertiesEXT", device=True)
-        if query is None:
-            raise vk.VulkanError("vkGetMemoryHostPointerPropertiesEXT", b.VK_ERROR_EXTENSION_NOT_PRESENT, self.name)
         vk.check("vkGetMemoryHostPointerPropertiesEXT", query(self.handle, handle_type, pointer, props), self.name)
         external = ffi.new("VkExternalMemoryBufferCreateInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_EXTERNAL_MEMORY_BUFFER_CREATE_INFO, "handleTypes": handle_type,
         })
+        buf, req = self._new_buffer(size, external)
+        coherent = b.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | b.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+        usable = props.memoryTypeBits & req.memoryTypeBits
+        kinds = [i for i in range(32) if (usable >> i) & 1 and self.memory_flags.get(i, 0) & coherent == coherent]
+        if not kinds:
+            self._lib.vkDestroyBuffer(self.handle, buf, ffi.NULL)
+            raise vk.VulkanError("vkGetMemoryHostPointerPropertiesEXT", b.VK_ERROR_FEATURE_NOT_PRESENT, self.name)
+        importing = ffi.new("VkImportMemoryHostPointerInfoEXT*", {
+            "sType": b.VK_STRUCTURE_TYPE_IMPORT_MEMORY_HOST_POINTER_INFO_EXT,
+            "handleType": handle_type, "pHostPointer": pointer,
+        })
+        mem, device_address = self._bind_new_memory(buf, size, kinds[0], importing)
+        return mem, buf, device_address
+
+    def _new_buffer(self, size: int, pnext: Any = None) -> tuple[Any, Any]:
+        """A storage buffer of ``size`` bytes (copies and device addresses too), and its
+        memory requirements."""
+        ffi, b = self._ffi, self._b
         binfo = ffi.new("VkBufferCreateInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, "pNext": external, "size": size,
+            "sType": b.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, "pNext": ffi.NULL if pnext is None else pnext,
+            "size": size,
             "usage": (b.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | b.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
                       | b.VK_BUFFER_USAGE_TRANSFER_DST_BIT | vk.BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT),
             "sharingMode": b.VK_SHARING_MODE_EXCLUSIVE,
@@ -366,36 +355,38 @@ class LogicalDevice:
         buf = ffi.new("VkBuffer*")
         vk.call("vkCreateBuffer", self.handle, binfo, ffi.NULL, buf, member=self.name)
         req = ffi.new("VkMemoryRequirements*")
-        lib.vkGetBufferMemoryRequirements(self.handle, buf[0], req)
-        coherent = b.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | b.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
-        usable = props.memoryTypeBits & req.memoryTypeBits
-        kinds = [i for i in range(32) if (usable >> i) & 1 and self.memory_flags.get(i, 0) & coherent == coherent]
-        if not kinds:
-            lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
-            raise vk.VulkanError("vkGetMemoryHostPointerPropertiesEXT", b.VK_ERROR_FEATURE_NOT_PRESENT, self.name)
-        importing = ffi.new("VkImportMemoryHostPointerInfoEXT*", {
-            "sType": b.VK_STRUCTURE_TYPE_IMPORT_MEMORY_HOST_POINTER_INFO_EXT,
-            "handleType": handle_type, "pHostPointer": pointer,
-        })
+        self._lib.vkGetBufferMemoryRequirements(self.handle, buf[0], req)
+        return buf[0], req
+
+    def _bind_new_memory(self, buf: Any, size: int, memory_type: int, pnext: Any) -> tuple[Any, int]:
+        """Allocates ``size`` bytes of ``memory_type`` (with ``pnext`` chained: dedicated or
+        imported), binds ``buf`` to it and returns (memory, the buffer's device address); the
+        buffer is destroyed if that fails."""
+        ffi, b, lib = self._ffi, self._b, self._lib
         flags = ffi.new("VkMemoryAllocateFlagsInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO, "pNext": importing,
+            "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO, "pNext": pnext,
             "flags": vk.MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT,
         })
         ainfo = ffi.new("VkMemoryAllocateInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, "pNext": flags,
-            "allocationSize": size, "memoryTypeIndex": kinds[0],
+            "allocationSize": size, "memoryTypeIndex": memory_type,
         })
         mem = ffi.new("VkDeviceMemory*")
         try:
             vk.call("vkAllocateMemory", self.handle, ainfo, ffi.NULL, mem, member=self.name)
         except vk.VulkanError:
-            lib.vkDestroyBuffer(self.handle, buf[0], ffi.NULL)
+            lib.vkDestroyBuffer(self.handle, buf, ffi.NULL)
             raise
-        vk.call("vkBindBufferMemory", self.handle, buf[0], mem[0], 0, member=self.name)
+        try:
+            vk.call("vkBindBufferMemory", self.handle, buf, mem[0], 0, member=self.name)
+        except vk.VulkanError:
+            lib.vkDestroyBuffer(self.handle, buf, ffi.NULL)
+            lib.vkFreeMemory(self.handle, mem[0], ffi.NULL)
+            raise
         dinfo = ffi.new("VkBufferDeviceAddressInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO, "buffer": buf[0],
+            "sType": b.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO, "buffer": buf,
         })
-        return mem[0], buf[0], int(lib.vkGetBufferDeviceAddress(self.handle, dinfo))
+        return mem[0], int(lib.vkGetBufferDeviceAddress(self.handle, dinfo))
 
     def destroy_block(self, memory: Any, buffer: Any, *, mapped: bool) -> None:
         if mapped:

@@ -276,6 +276,15 @@ class LaneReports:
     _trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]]
     _trace_lock: Any
 
+    @property
+    def members(self) -> list[str]:
+        return list(dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages))
+
+    @property
+    def planned_transfers(self) -> list[Transfer]:
+        """The cross-member stagings one request on the plan's own lane performs."""
+        return [t for stage in self.lanes[0].stages for t in stage.transfers]
+
     def memory_by_member(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for lane in self.lanes:
@@ -335,16 +344,6 @@ class PlanExecutor(LaneReports):
         except BaseException:
             self.close()
             raise
-
-    # -- what it holds -------------------------------------------------------------------------
-    @property
-    def members(self) -> list[str]:
-        return list(dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages))
-
-    @property
-    def planned_transfers(self) -> list[Transfer]:
-        """The cross-member stagings one request on the plan's own lane performs."""
-        return [t for stage in self.lanes[0].stages for t in stage.transfers]
 
     # -- running -------------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray],

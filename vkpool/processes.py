@@ -396,15 +396,6 @@ class ProcessExecutor(LaneReports):
 
     # -- what it holds -------------------------------------------------------------------------
     @property
-    def members(self) -> list[str]:
-        return list(dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages))
-
-    @property
-    def planned_transfers(self) -> list[Any]:
-        """The cross-member stagings one request on the plan's own lane performs."""
-        return [t for stage in self.lanes[0].stages for t in stage.transfers]
-
-    @property
     def in_place(self) -> list[str]:
         """The tensors crossing between chunks that the workers' devices write and read in the
         shared slots themselves (``VK_EXT_external_memory_host``), with no copy by any process."""
