@@ -284,7 +284,7 @@ def test_parts_are_planned_over_the_given_members(pool) -> None:
     with Session(model.SerializeToString(), pool=pool, devices=ids) as s:
         _check(s, model, {"a": np.array([1, 1, 2, 0, 0], np.float32)})
         assert type(s.dynamic.prefix.plan).__name__ == "MultiMemberPlan"
-        assert "Compiled:" in s.plan.to_text()
+        assert "Compiled, run by threads of this process:" in s.plan.to_text()
 
 
 def test_concurrent_runs_share_and_evict_suffixes_safely(pool) -> None:

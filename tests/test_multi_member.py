@@ -147,7 +147,7 @@ def test_split_matches_single_member(pool4, name: str, k: int) -> None:
     with Session(model, pool=pool4, plan=assignment) as given:
         assert [c.member for c in given.plan.chunks] == MEMBERS[:k]
         assert given.executor is not None and given.member.id == "+".join(MEMBERS[:k])
-        assert "Compiled:" in str(given.plan)
+        assert "Compiled, run by threads of this process:" in str(given.plan)
         _check(given, feeds, expected)
         compiled = given.memory_by_member()
     if k not in _WORKLOADS[name][2]:

@@ -309,6 +309,10 @@ def test_a_plan_over_software_devices_stays_in_this_process_unless_asked(pool2, 
     # lavapipe is not a hardware GPU: by default its members' chunks run in threads here
     with Session(model, pool=pool2, plan=dict(_halves(model, pool2))) as session:
         assert type(session.executor) is PlanExecutor
+        assert "Compiled, run by threads of this process:" in session.plan.to_text()
         np.testing.assert_array_equal(session.run(None, feeds[0])[0], expected[0])
     with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
         assert type(session.executor) is ProcessExecutor
+        text = session.plan.to_text()
+        assert "Compiled, run by a worker process per chunk and per replica:" in text
+        assert "chunk 0 on vk0.0" in text and "chunk 1 on vk0.1" in text

@@ -318,6 +318,8 @@ class LaneReports:
 class PlanExecutor(LaneReports):
     """Builds a plan's chunks on pool members and runs requests through them (see module doc)."""
 
+    runs_in = "threads of this process"
+
     def __init__(self, pool: Any, model: LoadedModel, plan: Any, graph: Any) -> None:
         self.model = model
         self.plan = plan

@@ -91,7 +91,7 @@ class MultiMemberPlan:
     def to_text(self) -> str:
         from vkpool.partition.render import to_text
 
-        lines = [to_text(self.partition_plan).rstrip("\n"), "", "Compiled:"]
+        lines = [to_text(self.partition_plan).rstrip("\n"), "", f"Compiled, run by {self._executor.runs_in}:"]
         for lane in self._executor.lanes:
             for stage in lane.stages:
                 s = stage.chunk.stats

@@ -252,6 +252,8 @@ class ProcessExecutor(LaneReports):
     it (a path or its bytes) with ``batch`` and ``dims``, which each worker loads; ``graph`` is
     the partition graph the plan was made on. ``slots`` overrides the request slots per lane."""
 
+    runs_in = "a worker process per chunk and per replica"
+
     def __init__(self, pool: Any, model: LoadedModel, plan: Any, graph: Any, source: str | bytes, batch: int,
                  dims: Mapping[str, int], slots: int | None = None) -> None:
         from vkpool.pool import VulkanMember
