@@ -176,6 +176,10 @@ def test_plan_falls_back_to_cpu_when_vulkan_members_cannot_hold_it(pool4) -> Non
         np.testing.assert_allclose(out, expected[0], rtol=1e-4, atol=1e-6)
         planned = {(t.tensor, t.src, t.dst) for t in session.plan.transfers}
         assert planned and dict(session.executor.transfers_executed) == {key: 1 for key in planned}
+        chunks = {op: c.member for c in session.plan.chunks for op in c.ops}
+    # worker processes open Vulkan devices: a plan with a chunk on the host is refused, saying so
+    with pytest.raises(ValueError, match="worker processes run chunks on Vulkan members; .* cpu"):
+        Session(model, pool=pool4, plan=chunks, processes=True)
 
 
 def test_branches_on_two_members_run_at_once(pool4) -> None:
