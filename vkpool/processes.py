@@ -73,6 +73,8 @@ from vkpool.executor import RUN_SLOTS, TRACE_REQUESTS, LaneReports, _Lane, _Stag
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel
 
+#: whether this system can run worker processes (POSIX pipes passed to a child, ``poll``)
+AVAILABLE = os.name == "posix" and hasattr(select, "poll")
 #: request slots of a one-chunk lane: two on the device (the chunk's run slots) and two
 #: waiting; a lane gets two more for each further chunk, so every chunk can keep two runs
 PROCESS_SLOTS = 4
@@ -207,7 +209,10 @@ class _Home:
         for folder in (["/dev/shm"] if os.path.isdir("/dev/shm") else []) + [None]:
             fd, path = tempfile.mkstemp(prefix=f"vkpool-lane{self.lane.index}-", dir=folder)
             try:
-                os.posix_fallocate(fd, 0, size)  # a full /dev/shm (64 MiB in a container) fails here
+                if hasattr(os, "posix_fallocate"):  # a full /dev/shm (64 MiB in a container) fails here
+                    os.posix_fallocate(fd, 0, size)
+                else:
+                    os.ftruncate(fd, size)
                 break
             except OSError:
                 os.close(fd)
@@ -258,6 +263,9 @@ class ProcessExecutor(LaneReports):
                  dims: Mapping[str, int], slots: int | None = None) -> None:
         from vkpool.pool import VulkanMember
 
+        if not AVAILABLE:
+            raise ValueError("worker processes need POSIX pipes and shared mappings; on this system "
+                             "leave processes unset (or False)")
         self.model = model
         self.plan = plan
         self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
@@ -859,4 +867,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ProcessExecutor", "PROCESS_SLOTS", "IN_PLACE"]
+__all__ = ["ProcessExecutor", "PROCESS_SLOTS", "IN_PLACE", "AVAILABLE"]

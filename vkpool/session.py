@@ -292,11 +292,11 @@ class Session:
         """The executor of ``plan``: worker processes when ``processes`` asks for them (see the
         class doc), else a :class:`~vkpool.executor.PlanExecutor`."""
         from vkpool.executor import PlanExecutor
-        from vkpool.processes import ProcessExecutor
+        from vkpool.processes import AVAILABLE, ProcessExecutor
 
         members = [self.pool.member(m) for m in dict.fromkeys([*(c.member for c in plan.chunks), *plan.replicas])]
         chosen = self._processes if self._processes is not None else (
-            len(members) > 1 and self._source is not None
+            AVAILABLE and len(members) > 1 and self._source is not None
             and all(isinstance(m, VulkanMember) and m.info.type in ("discrete", "integrated", "virtual")
                     for m in members))
         if chosen:
