@@ -187,7 +187,7 @@ class VulkanChunk:
         # or absent: the chunk's own), which runs read and write in place (:meth:`start_in_place`)
         self._io = list(io) if io is not None else None
         self._given = {name for name, alloc in (self._io[0] if self._io else {}).items() if alloc is not None}
-        self._running = 0  # runs submitted and not yet waited for (guarded by _lock)
+        self._running = 0  # runs submitted and not yet waited for, with several slots (guarded by _lock)
         self.member = member
         self.device = member.device
         self.nodes = list(nodes)
@@ -241,15 +241,14 @@ class VulkanChunk:
         # fetch it across the bus each time (NOTE: H200, driver 580, bench/gemv_probe.py: a
         # 1 GiB GEMV took 675 µs reading its vector from mapped host memory, 258 µs reading it
         # from device memory)
+        # (memory a caller gives for an input, ``io``, is host memory too)
         self._staged_inputs: dict[str, _Tensor] = {}
-        if not member.device_local_inputs or self._given:  # memory the caller gives is host memory
-            reread = {t[n].base for op, node in zip(self.ops, self.nodes) if op.rereads_inputs
-                      for n in node.inputs if n}
-            for name in self.input_names:
-                if (name in reread and t[name].kind == "input"
-                        and (name in self._given or not member.device_local_inputs)):
-                    self._staged_inputs[name] = t[name]
-                    t[name] = _Tensor(t[name].info, "arena", name)
+        reread = {t[n].base for op, node in zip(self.ops, self.nodes) if op.rereads_inputs for n in node.inputs if n}
+        for name in self.input_names:
+            in_host_memory = name in self._given or not member.device_local_inputs
+            if in_host_memory and name in reread and t[name].kind == "input":
+                self._staged_inputs[name] = t[name]
+                t[name] = _Tensor(t[name].info, "arena", name)
         self.tensors = t
         # Storage: constants and I/O get allocations of their own; activations share an arena.
         # A constant is stored as its readers read it: as is, transposed (ops'
@@ -514,8 +513,12 @@ class VulkanChunk:
         :meth:`slot_views`, or into the memory given as ``io``); the caller keeps each slot to
         one run at a time. Runs of one chunk execute in the order they start."""
         slot = self._slots[index]
+        if slot.chained is None:  # one slot: no other run of the chunk can be in flight
+            slot.submitted = slot.alone
+            self.device.submit(slot.alone)
+            return
         with self._lock:  # another run in flight: go behind it (the slots share the arena)
-            slot.submitted = slot.chained if self._running and slot.chained is not None else slot.alone
+            slot.submitted = slot.chained if self._running else slot.alone
             self.device.submit(slot.submitted)
             self._running += 1
 
@@ -524,11 +527,13 @@ class VulkanChunk:
         ``spin`` polls the device first (:meth:`~vkpool.device.LogicalDevice.wait`); a caller
         with another run queued behind this one can sleep in the driver instead, the
         interpreter lock free."""
+        slot = self._slots[index]
         try:
-            self.device.wait(self._slots[index].submitted, spin_seconds=None if spin else 0.0)
+            self.device.wait(slot.submitted, spin_seconds=None if spin else 0.0)
         finally:
-            with self._lock:
-                self._running -= 1
+            if slot.chained is not None:  # one slot counts no runs (see start_in_place)
+                with self._lock:
+                    self._running -= 1
 
     def finish(self, slot: int, *, spin: bool = True) -> dict[str, np.ndarray]:
         """Waits for the run in ``slot`` (see :meth:`wait_in_place`) and returns copies of its outputs."""

@@ -119,12 +119,17 @@ class _Field:
         return np.ndarray(self.shape, np.dtype(self.dtype), buffer, base + self.offset)
 
 
+def _span(nbytes: int) -> int:
+    """The bytes a field of ``nbytes`` takes in a slot: whole pages, at least one."""
+    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+
+
 def _layout(model: LoadedModel, names: Sequence[str]) -> tuple[list[_Field], int]:
     fields, at = [], 0
     for name in names:
         info = model.tensors[name]
         fields.append(_Field(name, np.dtype(info.dtype).str, tuple(int(d) for d in info.shape), at))
-        at += -(-max(info.nbytes, 1) // _ALIGN) * _ALIGN
+        at += _span(info.nbytes)
     return fields, at
 
 
@@ -733,8 +738,8 @@ def _imported_io(device: Any, mapping: Any, fields: list[_Field], slots: int, sl
         for k in range(slots):
             per = {}
             for f in fields:
-                size = -(-max(f.nbytes, 1) // _ALIGN) * _ALIGN
-                imports.append(HostImport(device, np.frombuffer(mapping, np.uint8, size, k * slot_bytes + f.offset)))
+                region = np.frombuffer(mapping, np.uint8, _span(f.nbytes), k * slot_bytes + f.offset)
+                imports.append(HostImport(device, region))
                 per[f.name] = imports[-1].allocation
             io.append(per)
     except (vk.VulkanError, ValueError):
