@@ -8,8 +8,9 @@ It uses the pool's Vulkan members: the first two that are not software devices a
 a software device (llvmpipe) if the pool has one, else the ``cpu`` member, is "the host side".
 
 - (a) ``conv_many_255MB`` and ``matmul_1GB_16layers`` split over the two GPUs by budgets (each
-  budget holds about half the model, so neither GPU holds it alone): latency against the whole
-  model on one GPU, and throughput with 8 requests in flight against one GPU;
+  budget holds about half the model, so neither GPU holds it alone), planned with the latency
+  and with the throughput objective: latency against the whole model on one GPU, and
+  throughput with 8 requests in flight against one GPU;
 - (b) ``mnist12_like`` and ``conv_few_15MB`` replicated on both GPUs (the throughput objective):
   throughput with 8 requests in flight against one GPU, with the replicas run by threads of
   this process and by one worker process each (``Session(processes=...)``);
@@ -210,9 +211,11 @@ def _split_row(split: Any, feeds: dict[str, np.ndarray], expected: list[np.ndarr
 
 def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: int, requests: int,
                      cut: str | None = None) -> dict:
-    """The split the planner makes under budgets that each hold about half the model; with
-    ``cut``, also the plan that puts the ops before ``cut`` (graph order) on the first GPU and
-    the rest on the second, given, without budgets."""
+    """The splits the planner makes, with each objective, under budgets that each hold about
+    half the model (products too large for them divided into column blocks,
+    :mod:`vkpool.column_split`); with ``cut``, also the plan that puts the ops before ``cut``
+    (graph order) on the first GPU and the rest on the second, given, without budgets. A
+    throughput-objective plan equal to the latency one is not measured twice."""
     from vkpool.partition.plan import chunk_peak_bytes
     from vkpool.placement import balanced_cut
     from vkpool.session import Session
@@ -229,13 +232,25 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
     halves = balanced_cut(graph, 2)
     need = max(chunk_peak_bytes(graph, ops) for ops in halves)
     budget = min(whole - 1, need + need // 20 + (1 << 20))
+    row.update(budget_bytes=budget, whole_bytes=whole, plans=[])
     try:
         for m in gpus:
             pool.set_budget(m, budget)
-        row.update(budget_bytes=budget, whole_bytes=whole)
-        for processes, key in ((False, "threads"), (True, "processes")):
-            with Session(model, pool=pool, devices=gpus, processes=processes) as split:
-                row[key] = _split_row(split, feeds, expected, runs, requests)
+        made: list[dict[str, str]] = []
+        for objective in ("latency", "throughput"):
+            measured: dict[str, Any] = {"how": f"budgets, {objective} objective"}
+            for processes in (False, True):
+                with Session(model, pool=pool, devices=gpus, processes=processes, objective=objective) as split:
+                    if processes is False:
+                        placed = dict(split.plan.member_of)
+                        if placed in made:
+                            break
+                        made.append(placed)
+                        measured["column_splits"] = split.model.column_splits
+                    measured["processes" if processes else "threads"] = _split_row(split, feeds, expected, runs,
+                                                                                   requests)
+            else:
+                row["plans"].append(measured)
     finally:
         for m in gpus:
             pool.set_budget(m, saved[m])
@@ -243,10 +258,11 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
         order = graph.graph["order"]
         at = order.index(cut)
         assignment = {op: gpus[0] if i < at else gpus[1] for i, op in enumerate(order)}
-        row["given_cut"] = {"op": cut}
+        given: dict[str, Any] = {"how": f"given, cut at {cut}"}
         for processes, key in ((False, "threads"), (True, "processes")):
-            with Session(model, pool=pool, plan=assignment, processes=processes) as given:
-                row["given_cut"][key] = _split_row(given, feeds, expected, runs, requests)
+            with Session(model, pool=pool, plan=assignment, processes=processes) as split:
+                given[key] = _split_row(split, feeds, expected, runs, requests)
+        row["plans"].append(given)
     return row
 
 
@@ -335,8 +351,8 @@ def markdown(result: dict) -> str:
     if "split" in result:
         rows = []
         for r in result["split"]:
-            for how, plan in [("budgets", r), *([(f"given, cut at {r['given_cut']['op']}", r["given_cut"])]
-                                                 if "given_cut" in r else [])]:
+            for plan in r["plans"]:
+                how = plan["how"]
                 for mode in ("threads", "processes"):
                     x = plan[mode]
                     rows.append([r["workload"], how, _mode(mode, x), "+".join(x["members"]), x["identical"],

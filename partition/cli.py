@@ -43,6 +43,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from vkpool.column_split import split_for_budgets
     from vkpool.partition.api import plan_model
     from vkpool.partition.cost import load_device_spec
     from vkpool.partition.graph import build_graph
@@ -52,7 +53,9 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_remote_plan(args)
     members = load_device_spec(args.devices) if args.devices else pool_members()
     members = apply_budgets(members, args.budget)
-    G = build_graph(_static_model(args.model, args.batch or 1))
+    model = _static_model(args.model, args.batch or 1)
+    split_for_budgets(model, [m.budget_bytes for m in members])  # as a session planning over them does
+    G = build_graph(model)
     plan = plan_model(G, members, objective=args.objective or "latency", algorithm=args.algorithm or "dp")
     text = render(G, plan, args.format)
     if args.output:

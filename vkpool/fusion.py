@@ -36,10 +36,7 @@ def fuse(model: LoadedModel) -> int:
     while _fuse_once(model):
         pass
     if len(model.nodes) < before:  # biases folded into new constants leave their old ones unread
-        read = {name for node in model.nodes for name in node.inputs} | {name for name, _ in model.outputs}
-        for name in [c for c in model.constants if c not in read]:
-            del model.constants[name]
-            model.tensors.pop(name, None)
+        model.drop_unread_constants()
     return before - len(model.nodes)
 
 
@@ -102,7 +99,7 @@ def _fold_conv_bias(model: LoadedModel, conv: Node, add: Node) -> bool:
         if own is None:
             return False
         total = (own.astype(np.float32) + total).astype(np.float32)
-    name = _fresh(model, f"{conv.name or conv.outputs[0]}_fused_bias")
+    name = model.fresh_name(f"{conv.name or conv.outputs[0]}_fused_bias")
     model.constants[name] = total
     model.tensors[name] = TensorInfo((channels,), np.dtype(np.float32))
     conv.inputs[2:] = [name]
@@ -125,11 +122,3 @@ def _matmul_to_gemm(model: LoadedModel, matmul: Node, add: Node) -> bool:
     matmul.attrs = {}
     return True
 
-
-def _fresh(model: LoadedModel, name: str) -> str:
-    taken = set(model.constants) | set(model.tensors)
-    candidate, k = name, 1
-    while candidate in taken:
-        k += 1
-        candidate = f"{name}_{k}"
-    return candidate

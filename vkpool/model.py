@@ -69,10 +69,28 @@ class LoadedModel:
     #: tensors whose shape inference left unknown (``load_model(partial=True)`` only); they are
     #: not in ``tensors``, and an output among them is in ``outputs`` with -1 for each unknown dim
     unresolved: list[str] = field(default_factory=list)
+    #: products divided into column blocks before planning (:mod:`vkpool.column_split`):
+    #: node name → blocks; a worker process loading the model applies the same
+    column_splits: dict[str, int] = field(default_factory=dict)
 
     def op_types(self) -> list[tuple[str, str]]:
         """``(op_type, domain)`` of every node, in node order."""
         return [(n.op_type, n.domain) for n in self.nodes]
+
+    def fresh_name(self, name: str) -> str:
+        """``name``, or ``name_2``, ``name_3``, … : the first no tensor or constant has."""
+        candidate, k = name, 1
+        while candidate in self.tensors or candidate in self.constants:
+            k += 1
+            candidate = f"{name}_{k}"
+        return candidate
+
+    def drop_unread_constants(self) -> None:
+        """Forgets constants no node reads and no output names (left behind by a rewrite)."""
+        read = {name for node in self.nodes for name in node.inputs} | {name for name, _ in self.outputs}
+        for name in [c for c in self.constants if c not in read]:
+            del self.constants[name]
+            self.tensors.pop(name, None)
 
 
 # Ops whose result is not a function of their inputs: folding would freeze one random draw.

@@ -349,7 +349,7 @@ class ProcessExecutor(LaneReports):
             "model": source, "batch": batch, "dims": dims, "member": member.id, "uuid": member.info.uuid,
             "index": member.info.index, "split_index": member.split_index, "budget": member.budget.free_bytes,
             "shm": home.path, "slots": home.slots, "slot_bytes": home.slot_bytes,
-            "groups": groups, "stage": stage.index, "in_place": IN_PLACE, "crossing": home.crossing,
+            "column_splits": self.model.column_splits, "groups": groups, "stage": stage.index, "in_place": IN_PLACE, "crossing": home.crossing,
             "inputs": [vars(by_name[n]) for n in stage.inputs], "outputs": [vars(by_name[n]) for n in stage.outputs],
             "fds": [from_caller, to_caller],
         }
@@ -750,6 +750,7 @@ def _imported_io(device: Any, mapping: Any, fields: list[_Field], slots: int, sl
 
 
 def _serve(spec: dict[str, Any]) -> None:
+    from vkpool.column_split import split_products
     from vkpool.device import LogicalDevice
     from vkpool.discovery import discover
     from vkpool.executor import build_chunk
@@ -773,6 +774,7 @@ def _serve(spec: dict[str, Any]) -> None:
         device = LogicalDevice(info)
         member = VulkanMember(spec["member"], info, device, int(spec["budget"]), spec["split_index"])
         model = load_model(spec["model"], batch=int(spec["batch"]), dims=dict(spec["dims"]), partial=True)
+        split_products(model, spec["column_splits"])
         groups = [[int(i) for i in g] for g in spec["groups"]]
         stage = stage_nodes(model, groups, [member] * len(groups))[int(spec["stage"])]
         if stage.inputs != [f.name for f in in_fields] or stage.outputs != [f.name for f in out_fields]:

@@ -241,12 +241,17 @@ class Session:
         member refuses a chunk, its budget as the planner sees it is cut by what the compile
         lacked below what the refused plan gave it, and the model is planned again.
         """
+        from vkpool.column_split import blocks_named, split_for_budgets, split_products
         from vkpool.executor import MemberGroup
         from vkpool.partition import plan_model
         from vkpool.partition.graph import build_graph
         from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan, plan_problems
         from vkpool.placement import MultiMemberPlan
 
+        if plan is None and devices:  # products too coarse for the budgets: their column blocks are planned
+            split_for_budgets(self.model, [self.pool.member(m).budget.free_bytes for m in devices])
+        elif plan is not None and not self.model.column_splits:  # a plan made with blocks names them
+            split_products(self.model, blocks_named(self.model, plan.member_of if isinstance(plan, Plan) else plan))
         graph = build_graph(self.model)
         if plan is not None:
             if isinstance(plan, Plan):
