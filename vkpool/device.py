@@ -34,6 +34,13 @@ class Counters:
 #: bounds of the window in which :meth:`LogicalDevice.wait` polls a fence before blocking
 WAIT_POLL_MIN_S = 0.0002
 WAIT_POLL_MAX_S = 0.005
+#: which queue runs the copies between a run slot's host memory and device memory
+#: (:meth:`LogicalDevice.submission` with ``before``/``after``): ``"auto"`` a queue of a
+#: transfer-only family where the device has one (copies then overlap compute), else none;
+#: ``"off"`` none (copies are copy shaders in the run's own command buffer); ``"main"`` separate
+#: submissions on the compute queue itself, which overlaps nothing and exists to check the
+#: mechanism on devices without a transfer family. Read when a device is created.
+TRANSFER_QUEUE = "auto"
 
 
 @dataclass(eq=False)
@@ -43,13 +50,16 @@ class Submission:
     device: LogicalDevice
     cmd: Any
     info: Any
-    cmd_array: Any
+    keep: Any  # the C arrays the submit infos point to
     fence: Any
     fence_array: Any
     #: when the last submit happened (``perf_counter``) and how long this command buffer's runs
     #: take until the host sees them done (seconds): how long :meth:`LogicalDevice.wait` polls
     submitted_at: float = 0.0
     typical_s: float = 0.0
+    #: submit infos for the transfer queue, before and after ``info`` (semaphores between them)
+    before: Any = None
+    after: Any = None
 
     def release(self) -> None:
         self.device.destroy_fence(self.fence)
@@ -98,15 +108,21 @@ class LogicalDevice:
         self._lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, count, ffi.NULL)
         fams = ffi.new("VkQueueFamilyProperties[]", count[0])
         self._lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, count, fams)
-        family = choose_queue_family([fams[i].queueFlags for i in range(count[0])])
+        self.queue_flags = flags = [int(fams[i].queueFlags) for i in range(count[0])]
+        family = choose_queue_family(flags)
         if family is None:
             raise vk.VulkanUnavailable(f"{info.name} has no compute queue")
         self.queue_family = family
+        #: the family of the queue that runs run slots' copies (None: copies are copy shaders)
+        self.transfer_family: int | None = {"auto": choose_transfer_family(flags), "main": family}.get(TRANSFER_QUEUE)
+        families = list(dict.fromkeys([family, self.transfer_family if self.transfer_family is not None else family]))
         priority = ffi.new("float[]", [1.0])
-        qinfo = ffi.new("VkDeviceQueueCreateInfo*", {
+        qinfo = ffi.new("VkDeviceQueueCreateInfo[]", [{
             "sType": b.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
-            "queueFamilyIndex": self.queue_family, "queueCount": 1, "pQueuePriorities": priority,
-        })
+            "queueFamilyIndex": f, "queueCount": 1, "pQueuePriorities": priority,
+        } for f in families])
+        # buffers that both families' queues use are shared between them (no ownership transfers)
+        self._sharing = ffi.new("uint32_t[]", families)
         caps = info.capabilities
         f11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {
             "sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
@@ -153,24 +169,29 @@ class LogicalDevice:
         ext_arr = ffi.new("char*[]", ext_c) if ext_c else ffi.NULL
         dinfo = ffi.new("VkDeviceCreateInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, "pNext": f2,
-            "queueCreateInfoCount": 1, "pQueueCreateInfos": qinfo,
+            "queueCreateInfoCount": len(families), "pQueueCreateInfos": qinfo,
             "enabledExtensionCount": len(ext_c), "ppEnabledExtensionNames": ext_arr,
         })
         handle = ffi.new("VkDevice*")
         vk.call("vkCreateDevice", pd, dinfo, ffi.NULL, handle, member=self.name)
         self.handle = handle[0]
         self._keep += [priority, qinfo, f11, f12, f2, ext_c, ext_arr, dinfo]
+        self.queue, self.command_pool = self._queue_and_pool(family)
+        self.transfer_queue, self.transfer_pool = (self.queue, self.command_pool) if self.transfer_family in (
+            None, family) else self._queue_and_pool(self.transfer_family)
+
+    def _queue_and_pool(self, family: int) -> tuple[Any, Any]:
+        ffi, b = self._ffi, self._b
         q = ffi.new("VkQueue*")
-        self._lib.vkGetDeviceQueue(self.handle, self.queue_family, 0, q)
-        self.queue = q[0]
+        self._lib.vkGetDeviceQueue(self.handle, family, 0, q)
         pool_info = ffi.new("VkCommandPoolCreateInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
             "flags": b.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
-            "queueFamilyIndex": self.queue_family,
+            "queueFamilyIndex": family,
         })
         pool = ffi.new("VkCommandPool*")
         vk.call("vkCreateCommandPool", self.handle, pool_info, ffi.NULL, pool, member=self.name)
-        self.command_pool = pool[0]
+        return q[0], pool[0]
 
     def _choose_memory_types(self) -> None:
         b = self._b
@@ -350,7 +371,8 @@ class LogicalDevice:
             "size": size,
             "usage": (b.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | b.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
                       | b.VK_BUFFER_USAGE_TRANSFER_DST_BIT | vk.BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT),
-            "sharingMode": b.VK_SHARING_MODE_EXCLUSIVE,
+            "sharingMode": b.VK_SHARING_MODE_CONCURRENT if len(self._sharing) > 1 else b.VK_SHARING_MODE_EXCLUSIVE,
+            "queueFamilyIndexCount": len(self._sharing), "pQueueFamilyIndices": self._sharing,
         })
         buf = ffi.new("VkBuffer*")
         vk.call("vkCreateBuffer", self.handle, binfo, ffi.NULL, buf, member=self.name)
@@ -395,10 +417,13 @@ class LogicalDevice:
         self._lib.vkFreeMemory(self.handle, memory, self._ffi.NULL)
 
     # -- command buffers ----------------------------------------------------------------------
-    def allocate_command_buffer(self) -> Any:
+    def allocate_command_buffer(self, *, transfer: bool = False) -> Any:
+        """A primary command buffer for the compute queue, or with ``transfer`` for the
+        transfer queue (free it with the same ``transfer``)."""
         ffi, b = self._ffi, self._b
         info = ffi.new("VkCommandBufferAllocateInfo*", {
-            "sType": b.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, "commandPool": self.command_pool,
+            "sType": b.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+            "commandPool": self.transfer_pool if transfer else self.command_pool,
             "level": b.VK_COMMAND_BUFFER_LEVEL_PRIMARY, "commandBufferCount": 1,
         })
         cmd = ffi.new("VkCommandBuffer*")
@@ -406,13 +431,23 @@ class LogicalDevice:
             vk.call("vkAllocateCommandBuffers", self.handle, info, cmd, member=self.name)
         return cmd[0]
 
-    def free_command_buffer(self, cmd: Any) -> None:
+    def free_command_buffer(self, cmd: Any, *, transfer: bool = False) -> None:
         arr = self._ffi.new("VkCommandBuffer[]", [cmd])
         with self._record_lock:
-            self._lib.vkFreeCommandBuffers(self.handle, self.command_pool, 1, arr)
+            self._lib.vkFreeCommandBuffers(self.handle, self.transfer_pool if transfer else self.command_pool, 1, arr)
+
+    def create_semaphore(self) -> Any:
+        ffi = self._ffi
+        info = ffi.new("VkSemaphoreCreateInfo*", {"sType": self._b.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO})
+        sem = ffi.new("VkSemaphore*")
+        vk.call("vkCreateSemaphore", self.handle, info, ffi.NULL, sem, member=self.name)
+        return sem[0]
+
+    def destroy_semaphore(self, sem: Any) -> None:
+        self._lib.vkDestroySemaphore(self.handle, sem, self._ffi.NULL)
 
     def record(self, cmd: Any, commands: list[tuple[Any, ...]], *, one_time: bool = False,
-               query_pool: Any = None) -> None:
+               query_pool: Any = None, transfer: bool = False) -> None:
         """Records ``commands`` into ``cmd``: ('dispatch', pipeline, push_bytes, groups),
         ('barrier',), ('copy', src_buffer, src_offset, dst_buffer, dst_offset, size),
         ('copy_regions', src_buffer, dst_buffer, regions) with regions a C-contiguous uint64 array
@@ -425,14 +460,19 @@ class LogicalDevice:
         are all dispatches orders compute against compute only: leaving the transfer stage out
         spares the driver from synchronising the copy path between dependent dispatches.
         With ``query_pool`` (``len(dispatches) + 1`` timestamp queries), a timestamp is written
-        before the first command and after each dispatch: the profile of :meth:`profile`."""
+        before the first command and after each dispatch: the profile of :meth:`profile`.
+        ``transfer``: for the transfer queue (copies and barriers over the transfer stage only)."""
         ffi, b, lib = self._ffi, self._b, self._lib
         begin = ffi.new("VkCommandBufferBeginInfo*", {
             "sType": b.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
             "flags": b.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT if one_time else 0,
         })
-        all_stages = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | b.VK_PIPELINE_STAGE_TRANSFER_BIT
+        all_stages = b.VK_PIPELINE_STAGE_TRANSFER_BIT | (0 if transfer else b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT)
         mb, host_mb, compute_mb = self.memory_barriers()
+        if transfer:  # a transfer queue's commands write by copying only
+            mb = host_mb = ffi.new("VkMemoryBarrier*", {"sType": b.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                                                        "srcAccessMask": b.VK_ACCESS_TRANSFER_WRITE_BIT,
+                                                        "dstAccessMask": b.VK_ACCESS_HOST_READ_BIT})
         compute = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
         near_copy = _barriers_near_copies(commands)
         region = ffi.new("VkBufferCopy*")
@@ -538,19 +578,51 @@ class LogicalDevice:
     def destroy_fence(self, fence: Any) -> None:
         self._lib.vkDestroyFence(self.handle, fence, self._ffi.NULL)
 
-    def submission(self, cmd: Any) -> Submission:
-        """What a run submits, built once and reused by every run."""
-        ffi = self._ffi
-        arr = ffi.new("VkCommandBuffer[]", [cmd])
-        info = ffi.new("VkSubmitInfo*", {
-            "sType": self._b.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": arr,
-        })
+    def submission(self, cmd: Any, *, before: tuple[Any, Any] | None = None,
+                   after: tuple[Any, Any] | None = None) -> Submission:
+        """What a run submits, built once and reused by every run: ``cmd`` on the compute
+        queue, and optionally a command buffer on the transfer queue ``before`` it (which
+        ``cmd`` waits for at the compute stage) and one ``after`` it (which waits for ``cmd``,
+        at the transfer stage), each given as (command buffer, semaphore it signals). The
+        fence marks the end of the last one."""
+        ffi, b = self._ffi, self._b
+        keep: list[Any] = []
+
+        def info(buffer: Any, wait: Any = None, stage: int = 0, signal: Any = None) -> Any:
+            arr = ffi.new("VkCommandBuffer[]", [buffer])
+            fields: dict[str, Any] = {"sType": b.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1,
+                                      "pCommandBuffers": arr}
+            if wait is not None:
+                waits, stages = ffi.new("VkSemaphore[]", [wait]), ffi.new("VkPipelineStageFlags[]", [stage])
+                fields.update(waitSemaphoreCount=1, pWaitSemaphores=waits, pWaitDstStageMask=stages)
+                keep.extend((waits, stages))
+            if signal is not None:
+                signals = ffi.new("VkSemaphore[]", [signal])
+                fields.update(signalSemaphoreCount=1, pSignalSemaphores=signals)
+                keep.append(signals)
+            keep.append(arr)
+            return ffi.new("VkSubmitInfo*", fields)
+
+        main = info(cmd, before[1] if before else None, b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                    after[1] if after else None)
         fence = self.create_fence()
-        return Submission(self, cmd, info, arr, fence, ffi.new("VkFence[]", [fence]))
+        sub = Submission(self, cmd, main, keep, fence, ffi.new("VkFence[]", [fence]))
+        if before is not None:
+            sub.before = info(before[0], signal=before[1])
+        if after is not None:
+            sub.after = info(after[0], after[1], b.VK_PIPELINE_STAGE_TRANSFER_BIT)
+        return sub
 
     def submit(self, sub: Submission) -> None:
+        lib, null = self._lib, self._ffi.NULL
         with self.queue_lock:
-            vk.check("vkQueueSubmit", self._lib.vkQueueSubmit(self.queue, 1, sub.info, sub.fence), self.name)
+            if sub.before is not None:
+                vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.transfer_queue, 1, sub.before, null), self.name)
+            if sub.after is None:
+                vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.queue, 1, sub.info, sub.fence), self.name)
+            else:
+                vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.queue, 1, sub.info, null), self.name)
+                vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.transfer_queue, 1, sub.after, sub.fence), self.name)
             sub.submitted_at = time.perf_counter()
         self.counters.submissions += 1
 
@@ -615,6 +687,8 @@ class LogicalDevice:
         lib.vkDestroyPipelineCache(self.handle, self.pipeline_cache, ffi.NULL)
         lib.vkDestroyPipelineLayout(self.handle, self.layout, ffi.NULL)
         lib.vkDestroyCommandPool(self.handle, self.command_pool, ffi.NULL)
+        if self.transfer_pool != self.command_pool:
+            lib.vkDestroyCommandPool(self.handle, self.transfer_pool, ffi.NULL)
         lib.vkDestroyDevice(self.handle, ffi.NULL)
         self._closed = True
 
@@ -624,6 +698,13 @@ def choose_queue_family(flags: list[int]) -> int | None:
     engine's graphics + compute family comes first), None when no family has compute."""
     compute_bit = vk.binding().VK_QUEUE_COMPUTE_BIT
     return next((i for i, f in enumerate(flags) if f & compute_bit), None)
+
+
+def choose_transfer_family(flags: list[int]) -> int | None:
+    """A family with transfer and neither compute nor graphics (a copy engine of its own), or None."""
+    b = vk.binding()
+    return next((i for i, f in enumerate(flags)
+                 if f & b.VK_QUEUE_TRANSFER_BIT and not f & (b.VK_QUEUE_COMPUTE_BIT | b.VK_QUEUE_GRAPHICS_BIT)), None)
 
 
 def _barriers_near_copies(commands: list[tuple[Any, ...]]) -> set[int]:

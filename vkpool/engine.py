@@ -200,6 +200,10 @@ class VulkanChunk:
         self._slots: list[_Slot] = []
         self._idle: queue.SimpleQueue[int] = queue.SimpleQueue()  # slots with no run in flight
         self._subs: list[Any] = []
+        self._links: list[tuple[Any, Any]] = []  # transfer-queue command buffers and their semaphores
+        # copies between run slots' host memory and the device go on the transfer queue where
+        # the device has one and runs can overlap (several slots): see _add_slot
+        self._transfer = slots > 1 and self.device.transfer_family is not None
         self._arena: Any = None
         try:
             self.ops = build_ops(self.nodes, tensors, constants, opset)
@@ -376,6 +380,12 @@ class VulkanChunk:
                 + [(("out", n), t[n].info, False) for n in self.output_names])
         given = self._io[len(self._slots)] if self._io is not None else {}
         own: list[TensorHandle] = []
+        # with a transfer queue, the copies between this slot's host memory and the arena go
+        # through device memory of the slot's own ("landing"): the transfer queue moves the
+        # bytes across the bus while other runs compute, the run copies them within the device
+        landing: dict[tuple[str, str], TensorHandle] = {}
+        crossing = ([("in", n) for n in self._staged_inputs]
+                    + [("out", n) for n in self.output_names if t[n].kind != "output"]) if self._transfer else []
         try:
             for key, info, is_input in keys:
                 alloc = given.get(key[1])
@@ -385,6 +395,9 @@ class VulkanChunk:
                 elif alloc.nbytes < info.nbytes:  # memory the caller gave, and frees
                     raise ValueError(f"{key[1]}: {alloc.nbytes} bytes given for a {info.nbytes}-byte tensor")
                 io[key] = TensorHandle(alloc, 0, info.nbytes)
+            for key in crossing:
+                landing[key] = TensorHandle(member.alloc(io[key].nbytes), 0, io[key].nbytes)
+                own.append(landing[key])
         except BaseException:
             for h in own:
                 h.alloc.free()
@@ -404,8 +417,17 @@ class VulkanChunk:
 
         arena = self._arena
         buckets: dict[tuple[int, int], list[Any]] = {}
+        before: list[tuple[Any, ...]] = []  # transfer-queue commands ahead of the run, and after it
+        after: list[tuple[Any, ...]] = []
+        for key, dev in landing.items():
+            src, dst = (io[key], dev) if key[0] == "in" else (dev, io[key])
+            (before if key[0] == "in" else after).append(
+                ("copy", src.alloc.buffer, src.alloc.offset + src.offset, dst.alloc.buffer,
+                 dst.alloc.offset + dst.offset, dst.nbytes))
+        if after:
+            after.append(("host_barrier",))
         for name in self._staged_inputs:
-            for item in _copy(io[("in", name)], handle(name), caps):
+            for item in _copy(landing.get(("in", name), io[("in", name)]), handle(name), caps):
                 buckets.setdefault((0, 0), []).append((f"copy-in {name}", item))
         for level, op, node, ws_off in self._scheduled:
             ctx = DispatchContext(
@@ -464,20 +486,33 @@ class VulkanChunk:
             if barrier_before_copies:
                 commands.append(("barrier",))
                 barrier_before_copies = False
-            for item in _copy(handle(name), io[("out", name)], caps):
+            for item in _copy(handle(name), landing.get(("out", name), io[("out", name)]), caps):
                 emit(f"copy-out {name}", item)
         commands.append(("host_barrier",))
         slot = _Slot(commands, labels, {n: _io_view(io[("in", n)], t[n].info) for n in self.input_names},
                      {n: _io_view(io[("out", n)], t[n].info) for n in self.output_names})
         self._slots.append(slot)
-        slot.alone = self._recorded(commands)
+        links = (self._transfer_link(before), self._transfer_link(after))
+        slot.alone = self._recorded(commands, links)
         if self.slots > 1:
-            slot.chained = self._recorded([("run_barrier",), *commands])
+            slot.chained = self._recorded([("run_barrier",), *commands], links)
 
-    def _recorded(self, commands: list[tuple[Any, ...]]) -> Any:
+    def _transfer_link(self, commands: list[tuple[Any, ...]]) -> tuple[Any, Any] | None:
+        """``commands`` recorded for the transfer queue, with the semaphore its submission
+        signals (see :meth:`~vkpool.device.LogicalDevice.submission`); None for none."""
+        if not commands:
+            return None
+        cmd = self.device.allocate_command_buffer(transfer=True)
+        self._links.append((cmd, None))
+        self.device.record(cmd, commands, transfer=True)
+        link = (cmd, self.device.create_semaphore())
+        self._links[-1] = link
+        return link
+
+    def _recorded(self, commands: list[tuple[Any, ...]], links: tuple[Any, Any] = (None, None)) -> Any:
         cmd = self.device.allocate_command_buffer()
         try:
-            sub = self.device.submission(cmd)
+            sub = self.device.submission(cmd, before=links[0], after=links[1])
         except BaseException:
             self.device.free_command_buffer(cmd)
             raise
@@ -547,6 +582,11 @@ class VulkanChunk:
         for sub in self._subs:
             sub.release()
         self._subs = []
+        for cmd, sem in self._links:
+            self.device.free_command_buffer(cmd, transfer=True)
+            if sem is not None:
+                self.device.destroy_semaphore(sem)
+        self._links = []
         self.submission = None
         for alloc in self._allocs:
             alloc.free()
