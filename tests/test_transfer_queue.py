@@ -1,7 +1,7 @@
 """Copies between a run slot's host memory and the device on a queue of their own
 (``vkpool.device.TRANSFER_QUEUE``), on the real Vulkan device.
 
-Lavapipe has one queue family, so its "auto" choice is no transfer queue; ``"main"`` submits
+Lavapipe has one queue family, so "auto" (off by default) gives it no transfer queue; ``"main"`` submits
 the same transfer command buffers, semaphores and landing buffers on the compute queue itself,
 which checks the mechanism (correct results, the copies where they belong) without the
 overlap a separate copy engine gives. The member is made to keep its inputs in host memory

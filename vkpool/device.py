@@ -36,11 +36,13 @@ WAIT_POLL_MIN_S = 0.0002
 WAIT_POLL_MAX_S = 0.005
 #: which queue runs the copies between a run slot's host memory and device memory
 #: (:meth:`LogicalDevice.submission` with ``before``/``after``): ``"auto"`` a queue of a
-#: transfer-only family where the device has one (copies then overlap compute), else none;
-#: ``"off"`` none (copies are copy shaders in the run's own command buffer); ``"main"`` separate
-#: submissions on the compute queue itself, which overlaps nothing and exists to check the
-#: mechanism on devices without a transfer family. Read when a device is created.
-TRANSFER_QUEUE = "auto"
+#: transfer-only family where the device has one (copies then overlap other runs' compute),
+#: else none; ``"off"`` none (copies are copy shaders in the run's own command buffer);
+#: ``"main"`` separate submissions on the compute queue itself, which overlaps nothing and
+#: exists to check the mechanism on devices without a transfer family. Read when a device is
+#: created. Off by default: on an H200 it measured no faster (``bench/transfer_queue.py``,
+#: docs/benchmarks.md, "Several GPUs").
+TRANSFER_QUEUE = "off"
 
 
 @dataclass(eq=False)
