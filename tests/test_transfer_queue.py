@@ -66,7 +66,7 @@ def test_copies_on_their_own_queue_give_the_same_results(mode: str, monkeypatch:
         if mode == "main":
             assert device.transfer_family == device.queue_family
             # per slot: one command buffer copying the input in, one copying the output out
-            assert len(chunk._links) == 4 and all(sem is not None for _, sem in chunk._links)
+            assert len(chunk._links) == 4
             subs = [s for slot in chunk._slots for s in (slot.alone, slot.chained)]
             assert all(s.before is not None and s.after is not None for s in subs)
         else:

@@ -439,11 +439,7 @@ class LogicalDevice:
             self._lib.vkFreeCommandBuffers(self.handle, self.transfer_pool if transfer else self.command_pool, 1, arr)
 
     def create_semaphore(self) -> Any:
-        ffi = self._ffi
-        info = ffi.new("VkSemaphoreCreateInfo*", {"sType": self._b.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO})
-        sem = ffi.new("VkSemaphore*")
-        vk.call("vkCreateSemaphore", self.handle, info, ffi.NULL, sem, member=self.name)
-        return sem[0]
+        return self._create_sync("Semaphore")
 
     def destroy_semaphore(self, sem: Any) -> None:
         self._lib.vkDestroySemaphore(self.handle, sem, self._ffi.NULL)
@@ -571,11 +567,15 @@ class LogicalDevice:
         return [float(d) * period_us for d in np.diff(stamps.astype(np.int64))]
 
     def create_fence(self) -> Any:
+        return self._create_sync("Fence")
+
+    def _create_sync(self, kind: str) -> Any:
+        """A new ``VkFence`` or (binary) ``VkSemaphore``: ``kind`` is "Fence" or "Semaphore"."""
         ffi = self._ffi
-        info = ffi.new("VkFenceCreateInfo*", {"sType": self._b.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO})
-        fence = ffi.new("VkFence*")
-        vk.call("vkCreateFence", self.handle, info, ffi.NULL, fence, member=self.name)
-        return fence[0]
+        info = ffi.new(f"Vk{kind}CreateInfo*", {"sType": getattr(self._b, f"VK_STRUCTURE_TYPE_{kind.upper()}_CREATE_INFO")})
+        handle = ffi.new(f"Vk{kind}*")
+        vk.call(f"vkCreate{kind}", self.handle, info, ffi.NULL, handle, member=self.name)
+        return handle[0]
 
     def destroy_fence(self, fence: Any) -> None:
         self._lib.vkDestroyFence(self.handle, fence, self._ffi.NULL)

@@ -503,10 +503,13 @@ class VulkanChunk:
         if not commands:
             return None
         cmd = self.device.allocate_command_buffer(transfer=True)
-        self._links.append((cmd, None))
+        try:
+            link = (cmd, self.device.create_semaphore())
+        except BaseException:
+            self.device.free_command_buffer(cmd, transfer=True)
+            raise
+        self._links.append(link)
         self.device.record(cmd, commands, transfer=True)
-        link = (cmd, self.device.create_semaphore())
-        self._links[-1] = link
         return link
 
     def _recorded(self, commands: list[tuple[Any, ...]], links: tuple[Any, Any] = (None, None)) -> Any:
@@ -584,8 +587,7 @@ class VulkanChunk:
         self._subs = []
         for cmd, sem in self._links:
             self.device.free_command_buffer(cmd, transfer=True)
-            if sem is not None:
-                self.device.destroy_semaphore(sem)
+            self.device.destroy_semaphore(sem)
         self._links = []
         self.submission = None
         for alloc in self._allocs:

@@ -349,7 +349,8 @@ class ProcessExecutor(LaneReports):
             "model": source, "batch": batch, "dims": dims, "member": member.id, "uuid": member.info.uuid,
             "index": member.info.index, "split_index": member.split_index, "budget": member.budget.free_bytes,
             "shm": home.path, "slots": home.slots, "slot_bytes": home.slot_bytes,
-            "column_splits": self.model.column_splits, "groups": groups, "stage": stage.index, "in_place": IN_PLACE, "crossing": home.crossing,
+            "column_splits": self.model.column_splits, "groups": groups, "stage": stage.index,
+            "in_place": IN_PLACE, "crossing": home.crossing,
             "inputs": [vars(by_name[n]) for n in stage.inputs], "outputs": [vars(by_name[n]) for n in stage.outputs],
             "fds": [from_caller, to_caller],
         }
