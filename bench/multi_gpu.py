@@ -214,8 +214,9 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
     """The splits the planner makes, with each objective, under budgets that each hold about
     half the model (products too large for them divided into column blocks,
     :mod:`vkpool.column_split`); with ``cut``, also the plan that puts the ops before ``cut``
-    (graph order) on the first GPU and the rest on the second, given, without budgets. A
-    throughput-objective plan equal to the latency one is not measured twice."""
+    (graph order) on the first GPU and the rest on the second, given, without budgets. Each
+    plan is measured given (:func:`_both_ways`); a throughput-objective plan equal to the
+    latency one is not measured twice."""
     from vkpool.partition.plan import chunk_peak_bytes
     from vkpool.placement import balanced_cut
     from vkpool.session import Session
@@ -238,19 +239,12 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
             pool.set_budget(m, budget)
         made: list[dict[str, str]] = []
         for objective in ("latency", "throughput"):
-            measured: dict[str, Any] = {"how": f"budgets, {objective} objective"}
-            for processes in (False, True):
-                with Session(model, pool=pool, devices=gpus, processes=processes, objective=objective) as split:
-                    if processes is False:
-                        placed = dict(split.plan.member_of)
-                        if placed in made:
-                            break
-                        made.append(placed)
-                        measured["column_splits"] = split.model.column_splits
-                    measured["processes" if processes else "threads"] = _split_row(split, feeds, expected, runs,
-                                                                                   requests)
-            else:
-                row["plans"].append(measured)
+            with Session(model, pool=pool, devices=gpus, processes=False, objective=objective) as planned:
+                placed = dict(planned.plan.member_of)
+            if placed not in made:
+                made.append(placed)
+                row["plans"].append(_both_ways(model, pool, feeds, expected, runs, requests,
+                                               f"budgets, {objective} objective", placed))
     finally:
         for m in gpus:
             pool.set_budget(m, saved[m])
@@ -258,12 +252,23 @@ def split_by_budgets(pool: Any, gpus: list[str], name: str, smoke: bool, runs: i
         order = graph.graph["order"]
         at = order.index(cut)
         assignment = {op: gpus[0] if i < at else gpus[1] for i, op in enumerate(order)}
-        given: dict[str, Any] = {"how": f"given, cut at {cut}"}
-        for processes, key in ((False, "threads"), (True, "processes")):
-            with Session(model, pool=pool, plan=assignment, processes=processes) as split:
-                given[key] = _split_row(split, feeds, expected, runs, requests)
-        row["plans"].append(given)
+        row["plans"].append(_both_ways(model, pool, feeds, expected, runs, requests, f"given, cut at {cut}",
+                                       assignment))
     return row
+
+
+def _both_ways(model: Any, pool: Any, feeds: dict[str, np.ndarray], expected: list[np.ndarray], runs: int,
+               requests: int, how: str, plan: dict[str, str]) -> dict[str, Any]:
+    """``plan`` (op → member; a divided product's blocks named as the planner names them) run by
+    threads of this process and by a worker process per chunk."""
+    from vkpool.session import Session
+
+    measured: dict[str, Any] = {"how": how}
+    for processes, key in ((False, "threads"), (True, "processes")):
+        with Session(model, pool=pool, plan=plan, processes=processes) as split:
+            measured["column_splits"] = split.model.column_splits
+            measured[key] = _split_row(split, feeds, expected, runs, requests)
+    return measured
 
 
 def replicated(pool: Any, gpus: list[str], name: str, smoke: bool, requests: int) -> dict:

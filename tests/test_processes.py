@@ -249,8 +249,8 @@ def test_a_chunk_reads_and_writes_imported_host_memory_in_place(pool2, mnist) ->
     model_bytes, feeds, expected = mnist
     member = pool2.member("vk0.0")
     if member.device.host_import_alignment is None:
-        pytest.skip("this Vulkan device has no VK_EXT_external_memory_host to import host memory with "
-                    "(lavapipe and NVIDIA's driver have it)")
+        pytest.skip("no Vulkan device with VK_EXT_external_memory_host here (the extension imports host "
+                    "memory; lavapipe and NVIDIA's driver have it)")
     model = load_model(model_bytes)
     stage = stage_nodes(model, [list(range(len(model.nodes)))], [member])[0]
     (inp,), (out,) = stage.inputs, stage.outputs

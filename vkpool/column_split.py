@@ -122,10 +122,7 @@ def _split(model: LoadedModel, node: Node, weight: np.ndarray, by_rows: bool, k:
     out_name = node.outputs[0]
     out = model.tensors[out_name]
     columns = weight.shape[0 if by_rows else 1]
-    step = -(-columns // k)
-    if columns >= MIN_BLOCK_COLUMNS * k:
-        step = -(-step // MIN_BLOCK_COLUMNS) * MIN_BLOCK_COLUMNS  # whole blocks of the kernel's width
-    edges = list(range(0, columns, step)) + [columns]
+    edges = [columns * i // k for i in range(k + 1)]  # k blocks as even as the columns allow
     bias = model.constants.get(node.inputs[2]) if node.op_type == "Gemm" and len(node.inputs) > 2 else None
     name = _name(node)
     parts: list[Node] = []
