@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench import workloads
 from conftest import vulkan_pool
+from vkpool import executor as executor_module
 from vkpool.config.loader import parse_config
 from vkpool.partition.graph import build_graph
 from vkpool.partition.plan import chunk_peak_bytes
@@ -182,7 +183,16 @@ def test_plan_falls_back_to_cpu_when_vulkan_members_cannot_hold_it(pool4) -> Non
         Session(model, pool=pool4, plan=chunks, processes=True)
 
 
-def test_branches_on_two_members_run_at_once(pool4) -> None:
+@pytest.fixture(params=[True, False], ids=["on-device", "through-host"])
+def link_on_device(request, monkeypatch) -> bool:
+    """Both ways a tensor goes between chunks on one device: kept on the device with a timeline
+    semaphore ordering the chunks, or staged through host memory as between two devices
+    (which split members of one lavapipe device then stand for)."""
+    monkeypatch.setattr(executor_module, "LINK_ON_DEVICE", request.param)
+    return request.param
+
+
+def test_branches_on_two_members_run_at_once(pool4, link_on_device: bool) -> None:
     model, feeds, expected = _reference("branched", pool4)
     with Session(model, pool=pool4, device="vk0.0") as probe:
         graph = build_graph(probe.model)
@@ -194,16 +204,28 @@ def test_branches_on_two_members_run_at_once(pool4) -> None:
         assert len(chunks) == 3 and chunks[0].succs == [2] and chunks[1].succs == [2]  # two independent towers
         for _ in range(3):
             np.testing.assert_array_equal(session.run(None, feeds)[0], expected[0])
-        # the head starts only once both towers, queued together on their members, have ended
         events = session.trace()
         assert len(events) == 9
+        early = 0  # runs of the head submitted before both towers were seen done
         for request in {e.request for e in events}:
             mine = {e.chunk: e for e in events if e.request == request}
             assert {mine[0].member, mine[1].member} == {"vk0.0", "vk0.1"}
-            assert mine[2].start_ns >= max(mine[0].end_ns, mine[1].end_ns)
+            assert mine[2].start_ns >= max(mine[0].start_ns, mine[1].start_ns)
+            early += mine[2].start_ns < max(mine[0].end_ns, mine[1].end_ns)
+        stages = session.executor.lanes[0].stages
+        if link_on_device:
+            # the head is submitted right after the towers and waits for them on the device
+            # (lavapipe runs each tower for milliseconds, the submissions follow in microseconds)
+            assert [s.linked_preds for s in stages] == [[], [], [0, 1]]
+            assert [s.host_outputs for s in stages] == [[], [], stages[2].outputs]
+            assert early >= 1, events
+        else:
+            # the head starts only once both towers, queued together on their members, have ended
+            assert [s.linked_preds for s in stages] == [[], [], []]
+            assert early == 0, events
 
 
-def test_four_requests_in_flight_pipeline_over_two_stages(pool4) -> None:
+def test_four_requests_in_flight_pipeline_over_two_stages(pool4, link_on_device: bool) -> None:
     model, _, _ = _reference("conv_few_15MB", pool4)
     with Session(model, pool=pool4, device="vk0.0") as single:
         order = build_graph(single.model).graph["order"]
@@ -222,14 +244,20 @@ def test_four_requests_in_flight_pipeline_over_two_stages(pool4) -> None:
         assert len(events) == 8
         stage1 = {e.request: e for e in events if e.chunk == 0}
         stage2 = {e.request: e for e in events if e.chunk == 1}
-        assert all(stage1[r].end_ns <= stage2[r].start_ns for r in stage2)  # a request's stages in order
         overlaps = [(a, b) for a in stage2 for b in stage1
                     if b > a and stage1[b].start_ns < stage2[a].end_ns and stage2[a].start_ns < stage1[b].end_ns]
-        assert overlaps, events  # stage 2 of request k ran while stage 1 of a later request did
+        assert overlaps, events  # stage 2 of request k was in flight while stage 1 of a later request was
         # each stage holds two runs: a later request's stage 1 was on the device before an
         # earlier one's was seen done (its inputs in the chunk's second slot)
         assert [s.chunk.slots for s in session.executor.lanes[0].stages] == [2, 2]
         assert any(stage1[b].start_ns < stage1[a].end_ns for a in stage1 for b in stage1 if b > a), events
+        if link_on_device:
+            # stage 2 is submitted with stage 1 and waits for it on the device: its submission
+            # comes before stage 1's end is seen, for some request at least
+            assert all(stage1[r].start_ns <= stage2[r].start_ns for r in stage2)
+            assert any(stage2[r].start_ns < stage1[r].end_ns for r in stage2), events
+        else:
+            assert all(stage1[r].end_ns <= stage2[r].start_ns for r in stage2)  # a request's stages in order
         # several threads calling run() at once also pipeline, each getting its own result
         got: dict[int, np.ndarray] = {}
         threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, session.run(None, inputs[i])[0]))

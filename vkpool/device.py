@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -40,9 +41,20 @@ WAIT_POLL_MAX_S = 0.005
 #: else none; ``"off"`` none (copies are copy shaders in the run's own command buffer);
 #: ``"main"`` separate submissions on the compute queue itself, which overlaps nothing and
 #: exists to check the mechanism on devices without a transfer family. Read when a device is
-#: created. Off by default: on an H200 it measured no faster (``bench/transfer_queue.py``,
-#: docs/benchmarks.md, "Several GPUs").
-TRANSFER_QUEUE = "off"
+#: created; the environment variable ``VKPOOL_TRANSFER_QUEUE`` sets it for a process and the
+#: worker processes it starts. Off by default: on an H200 it measured no faster
+#: (``bench/transfer_queue.py``, docs/benchmarks.md, "Several GPUs").
+TRANSFER_QUEUE = os.environ.get("VKPOOL_TRANSFER_QUEUE", "off")
+TRANSFER_QUEUE_MODES = ("auto", "off", "main")
+
+
+@dataclass(eq=False)
+class Timeline:
+    """A timeline semaphore: each run of a chunk signals the next value, and a run of another
+    chunk on the same device waits on the device for the value of the run it reads from."""
+
+    handle: Any
+    value: int = 0  # the value the last submitted run signals (guarded by the device's queue lock)
 
 
 @dataclass(eq=False)
@@ -62,6 +74,11 @@ class Submission:
     #: submit infos for the transfer queue, before and after ``info`` (semaphores between them)
     before: Any = None
     after: Any = None
+    #: the values the first submission waits for on its timelines (a C array :meth:`LogicalDevice.submit`
+    #: fills), the timeline the last one signals and the C array holding that value
+    wait_values: Any = None
+    signal: Timeline | None = None
+    signal_value: Any = None
 
     def release(self) -> None:
         self.device.destroy_fence(self.fence)
@@ -115,6 +132,9 @@ class LogicalDevice:
         if family is None:
             raise vk.VulkanUnavailable(f"{info.name} has no compute queue")
         self.queue_family = family
+        if TRANSFER_QUEUE not in TRANSFER_QUEUE_MODES:
+            raise ValueError(f"transfer queue mode {TRANSFER_QUEUE!r} (VKPOOL_TRANSFER_QUEUE): use one of "
+                             f"{', '.join(TRANSFER_QUEUE_MODES)}")
         #: the family of the queue that runs run slots' copies (None: copies are copy shaders)
         self.transfer_family: int | None = {"auto": choose_transfer_family(flags), "main": family}.get(TRANSFER_QUEUE)
         families = list(dict.fromkeys([family, self.transfer_family if self.transfer_family is not None else family]))
@@ -441,6 +461,17 @@ class LogicalDevice:
     def create_semaphore(self) -> Any:
         return self._create_sync("Semaphore")
 
+    def create_timeline(self) -> Timeline:
+        """A timeline semaphore at value 0 (free it with :meth:`destroy_semaphore` on its handle)."""
+        ffi, b = self._ffi, self._b
+        kind = ffi.new("VkSemaphoreTypeCreateInfo*", {"sType": b.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
+                                                     "semaphoreType": b.VK_SEMAPHORE_TYPE_TIMELINE,
+                                                     "initialValue": 0})
+        info = ffi.new("VkSemaphoreCreateInfo*", {"sType": b.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, "pNext": kind})
+        handle = ffi.new("VkSemaphore*")
+        vk.call("vkCreateSemaphore", self.handle, info, ffi.NULL, handle, member=self.name)
+        return Timeline(handle[0])
+
     def destroy_semaphore(self, sem: Any) -> None:
         self._lib.vkDestroySemaphore(self.handle, sem, self._ffi.NULL)
 
@@ -581,43 +612,75 @@ class LogicalDevice:
         self._lib.vkDestroyFence(self.handle, fence, self._ffi.NULL)
 
     def submission(self, cmd: Any, *, before: tuple[Any, Any] | None = None,
-                   after: tuple[Any, Any] | None = None) -> Submission:
+                   after: tuple[Any, Any] | None = None, waits: Sequence[Timeline] = (),
+                   signal: Timeline | None = None) -> Submission:
         """What a run submits, built once and reused by every run: ``cmd`` on the compute
         queue, and optionally a command buffer on the transfer queue ``before`` it (which
         ``cmd`` waits for at the compute stage) and one ``after`` it (which waits for ``cmd``,
         at the transfer stage), each given as (command buffer, semaphore it signals). The
-        fence marks the end of the last one."""
+        first of them waits for ``waits`` (timelines of other chunks' runs, the values given
+        to :meth:`submit`), the last signals ``signal`` and the fence."""
         ffi, b = self._ffi, self._b
         keep: list[Any] = []
+        anywhere = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | b.VK_PIPELINE_STAGE_TRANSFER_BIT
 
-        def info(buffer: Any, wait: Any = None, stage: int = 0, signal: Any = None) -> Any:
+        def info(buffer: Any, wait: Any = None, stage: int = 0, signal_sem: Any = None,
+                 first: bool = False, last: bool = False) -> Any:
             arr = ffi.new("VkCommandBuffer[]", [buffer])
             fields: dict[str, Any] = {"sType": b.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1,
                                       "pCommandBuffers": arr}
-            if wait is not None:
-                waits, stages = ffi.new("VkSemaphore[]", [wait]), ffi.new("VkPipelineStageFlags[]", [stage])
-                fields.update(waitSemaphoreCount=1, pWaitSemaphores=waits, pWaitDstStageMask=stages)
-                keep.extend((waits, stages))
-            if signal is not None:
-                signals = ffi.new("VkSemaphore[]", [signal])
-                fields.update(signalSemaphoreCount=1, pSignalSemaphores=signals)
-                keep.append(signals)
             keep.append(arr)
+            # a submission waits on a binary semaphore (the transfer before it) or on timelines
+            # (it comes first), never both; likewise for what it signals
+            wait_sems, stages = ([wait], [stage]) if wait is not None else (
+                [t.handle for t in waits], [anywhere] * len(waits)) if first else ([], [])
+            signals = [signal_sem] if signal_sem is not None else [signal.handle] if last and signal else []
+            timeline: dict[str, Any] = {}
+            if wait_sems:
+                waits_c, stages_c = ffi.new("VkSemaphore[]", wait_sems), ffi.new("VkPipelineStageFlags[]", stages)
+                fields.update(waitSemaphoreCount=len(wait_sems), pWaitSemaphores=waits_c, pWaitDstStageMask=stages_c)
+                keep.extend((waits_c, stages_c))
+                if wait is None:
+                    sub_fields["wait_values"] = timeline["pWaitSemaphoreValues"] = ffi.new("uint64_t[]", len(waits))
+                    timeline["waitSemaphoreValueCount"] = len(waits)
+            if signals:
+                signals_c = ffi.new("VkSemaphore[]", signals)
+                fields.update(signalSemaphoreCount=1, pSignalSemaphores=signals_c)
+                keep.append(signals_c)
+                if signal_sem is None:
+                    sub_fields["signal_value"] = timeline["pSignalSemaphoreValues"] = ffi.new("uint64_t[]", 1)
+                    timeline["signalSemaphoreValueCount"] = 1
+            if timeline:
+                ext = ffi.new("VkTimelineSemaphoreSubmitInfo*", {
+                    "sType": b.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO, **timeline})
+                fields["pNext"] = ext
+                keep.extend((ext, *timeline.values()))
             return ffi.new("VkSubmitInfo*", fields)
 
+        sub_fields: dict[str, Any] = {}
         main = info(cmd, before[1] if before else None, b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                    after[1] if after else None)
+                    after[1] if after else None, first=before is None, last=after is None)
         fence = self.create_fence()
-        sub = Submission(self, cmd, main, keep, fence, ffi.new("VkFence[]", [fence]))
+        sub = Submission(self, cmd, main, keep, fence, ffi.new("VkFence[]", [fence]), signal=signal)
         if before is not None:
-            sub.before = info(before[0], signal=before[1])
+            sub.before = info(before[0], signal_sem=before[1], first=True)
         if after is not None:
-            sub.after = info(after[0], after[1], b.VK_PIPELINE_STAGE_TRANSFER_BIT)
+            sub.after = info(after[0], after[1], b.VK_PIPELINE_STAGE_TRANSFER_BIT, last=True)
+        sub.wait_values = sub_fields.get("wait_values")
+        sub.signal_value = sub_fields.get("signal_value")
         return sub
 
-    def submit(self, sub: Submission) -> None:
+    def submit(self, sub: Submission, waits: Sequence[int] = ()) -> int:
+        """Submits ``sub``, its first submission waiting for ``waits`` (one value per timeline
+        it was built with); returns the value it signals on its timeline (0 without one)."""
         lib, null = self._lib, self._ffi.NULL
+        signaled = 0
         with self.queue_lock:
+            for i, value in enumerate(waits):
+                sub.wait_values[i] = value
+            if sub.signal is not None:
+                sub.signal.value = signaled = sub.signal.value + 1
+                sub.signal_value[0] = signaled
             if sub.before is not None:
                 vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.transfer_queue, 1, sub.before, null), self.name)
             if sub.after is None:
@@ -627,6 +690,7 @@ class LogicalDevice:
                 vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.transfer_queue, 1, sub.after, sub.fence), self.name)
             sub.submitted_at = time.perf_counter()
         self.counters.submissions += 1
+        return signaled
 
     def wait(self, sub: Submission, *, spin_seconds: float | None = None) -> None:
         """Waits for the submission's fence, then resets it.

@@ -19,7 +19,7 @@ import bisect
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, pack_p
 from vkpool.kernels.registry import create_op
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import Node
+
+if TYPE_CHECKING:
+    from vkpool.device import Timeline
 
 
 #: chunk outputs of at least this size are written to device memory and copied out at the end.
@@ -178,7 +181,8 @@ class VulkanChunk:
 
     def __init__(self, member: Any, nodes: Sequence[Node], tensors: dict[str, TensorInfo],
                  constants: dict[str, np.ndarray], inputs: Sequence[str], outputs: Sequence[str],
-                 opset: int, *, slots: int = 1, io: Sequence[Mapping[str, Any]] | None = None) -> None:
+                 opset: int, *, slots: int = 1, io: Sequence[Mapping[str, Any]] | None = None,
+                 waits: Sequence[Timeline] = (), signal: bool = False) -> None:
         if io is not None:
             slots = len(io)
         if slots < 1:
@@ -187,6 +191,8 @@ class VulkanChunk:
         # or absent: the chunk's own), which runs read and write in place (:meth:`start_in_place`)
         self._io = list(io) if io is not None else None
         self._given = {name for name, alloc in (self._io[0] if self._io else {}).items() if alloc is not None}
+        # inputs the host writes at start (given ones are written by whoever gave them)
+        self._fed = [name for name in inputs if name not in self._given]
         self._running = 0  # runs submitted and not yet waited for, with several slots (guarded by _lock)
         self.member = member
         self.device = member.device
@@ -205,7 +211,13 @@ class VulkanChunk:
         # the device has one and runs can overlap (several slots): see _add_slot
         self._transfer = slots > 1 and self.device.transfer_family is not None
         self._arena: Any = None
+        # other chunks' timelines this chunk's runs wait on (values given to start), and the
+        # one its runs signal (``signal``), for chunks that read each other on the device
+        self._waits = list(waits)
+        self.timeline: Timeline | None = None
         try:
+            if signal:
+                self.timeline = self.device.create_timeline()
             self.ops = build_ops(self.nodes, tensors, constants, opset)
             self._place(tensors, constants)
             self._record(constants)
@@ -245,11 +257,12 @@ class VulkanChunk:
         # fetch it across the bus each time (NOTE: H200, driver 580, bench/gemv_probe.py: a
         # 1 GiB GEMV took 675 µs reading its vector from mapped host memory, 258 µs reading it
         # from device memory)
-        # (memory a caller gives for an input, ``io``, is host memory too)
+        # (memory a caller gives for an input, ``io``, is host memory unless it says otherwise)
         self._staged_inputs: dict[str, _Tensor] = {}
         reread = {t[n].base for op, node in zip(self.ops, self.nodes) if op.rereads_inputs for n in node.inputs if n}
         for name in self.input_names:
-            in_host_memory = name in self._given or not member.device_local_inputs
+            in_host_memory = (not getattr(self._io[0][name], "device_local", False) if name in self._given
+                              else not member.device_local_inputs)
             if in_host_memory and name in reread and t[name].kind == "input":
                 self._staged_inputs[name] = t[name]
                 t[name] = _Tensor(t[name].info, "arena", name)
@@ -515,7 +528,8 @@ class VulkanChunk:
     def _recorded(self, commands: list[tuple[Any, ...]], links: tuple[Any, Any] = (None, None)) -> Any:
         cmd = self.device.allocate_command_buffer()
         try:
-            sub = self.device.submission(cmd, before=links[0], after=links[1])
+            sub = self.device.submission(cmd, before=links[0], after=links[1], waits=self._waits,
+                                         signal=self.timeline)
         except BaseException:
             self.device.free_command_buffer(cmd)
             raise
@@ -527,17 +541,23 @@ class VulkanChunk:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.finish(self.start(feeds))
 
-    def start(self, feeds: dict[str, np.ndarray]) -> int:
-        """Writes the inputs into a free run slot and submits its recorded commands; returns
-        the slot, which :meth:`finish` (from any thread) waits for. With every slot in flight,
-        ``start`` waits for a ``finish``. Runs of one chunk execute in the order they start."""
-        index = self._idle.get()
+    def start(self, feeds: dict[str, np.ndarray], slot: int | None = None, waits: Sequence[int] = ()) -> int:
+        """Writes the inputs into a free run slot (or run slot ``slot``, which the caller keeps
+        to one run at a time) and submits its recorded commands, waiting on the device for
+        ``waits`` (see :meth:`start_in_place`); returns the slot, which :meth:`finish` (from any
+        thread) waits for. With every slot in flight, ``start`` waits for a ``finish``. Runs of
+        one chunk execute in the order they start. Inputs in memory given as ``io`` are not
+        written: whoever gave it writes them."""
+        index = self._idle.get() if slot is None else slot
+        self._slots[index].pooled = slot is None
         try:
-            for name, view in self._slots[index].in_views.items():
-                np.copyto(view, feeds[name], casting="no")
-            self.start_in_place(index)
+            views = self._slots[index].in_views
+            for name in self._fed:
+                np.copyto(views[name], feeds[name], casting="no")
+            self.start_in_place(index, waits)
         except BaseException:
-            self._idle.put(index)
+            if slot is None:
+                self._idle.put(index)
             raise
         return index
 
@@ -546,19 +566,25 @@ class VulkanChunk:
         slot = self._slots[index]
         return slot.in_views, slot.out_views
 
-    def start_in_place(self, index: int) -> None:
+    def start_in_place(self, index: int, waits: Sequence[int] = ()) -> None:
         """Submits run slot ``index`` on the inputs already in its memory (written through
         :meth:`slot_views`, or into the memory given as ``io``); the caller keeps each slot to
-        one run at a time. Runs of one chunk execute in the order they start."""
+        one run at a time. Runs of one chunk execute in the order they start. ``waits``: per
+        timeline given as ``waits`` at construction, the value the run waits for on the device
+        (that of the run whose outputs it reads); :meth:`signaled` is what this run signals."""
         slot = self._slots[index]
         if slot.chained is None:  # one slot: no other run of the chunk can be in flight
             slot.submitted = slot.alone
-            self.device.submit(slot.alone)
+            slot.signaled = self.device.submit(slot.alone, waits)
             return
         with self._lock:  # another run in flight: go behind it (the slots share the arena)
             slot.submitted = slot.chained if self._running else slot.alone
-            self.device.submit(slot.submitted)
+            slot.signaled = self.device.submit(slot.submitted, waits)
             self._running += 1
+
+    def signaled(self, index: int) -> int:
+        """The value the run last started in slot ``index`` signals on :attr:`timeline`."""
+        return self._slots[index].signaled
 
     def wait_in_place(self, index: int, *, spin: bool = True) -> None:
         """Waits for the run in slot ``index``: its outputs are then in the slot's memory.
@@ -573,13 +599,16 @@ class VulkanChunk:
                 with self._lock:
                     self._running -= 1
 
-    def finish(self, slot: int, *, spin: bool = True) -> dict[str, np.ndarray]:
-        """Waits for the run in ``slot`` (see :meth:`wait_in_place`) and returns copies of its outputs."""
+    def finish(self, slot: int, *, spin: bool = True, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Waits for the run in ``slot`` (see :meth:`wait_in_place`) and returns copies of its
+        outputs (of those named in ``outputs`` when given)."""
         try:
             self.wait_in_place(slot, spin=spin)
-            return {name: view.copy() for name, view in self._slots[slot].out_views.items()}
+            views = self._slots[slot].out_views
+            return {name: views[name].copy() for name in (self.output_names if outputs is None else outputs)}
         finally:
-            self._idle.put(slot)
+            if self._slots[slot].pooled:
+                self._idle.put(slot)
 
     def close(self) -> None:
         for sub in self._subs:
@@ -589,6 +618,9 @@ class VulkanChunk:
             self.device.free_command_buffer(cmd, transfer=True)
             self.device.destroy_semaphore(sem)
         self._links = []
+        if self.timeline is not None:
+            self.device.destroy_semaphore(self.timeline.handle)
+            self.timeline = None
         self.submission = None
         for alloc in self._allocs:
             alloc.free()
@@ -606,6 +638,8 @@ class _Slot:
     alone: Any = None  # the recording submitted when no other run of the chunk is in flight
     chained: Any = None  # the same after a barrier (slots > 1 only)
     submitted: Any = None
+    signaled: int = 0  # the timeline value the last run started here signals
+    pooled: bool = True  # the last run took this slot from the idle ones (start without a slot)
 
 
 class HostChunk:
@@ -636,7 +670,7 @@ class HostChunk:
         self._feeds = feeds
         return 0
 
-    def finish(self, slot: int, *, spin: bool = True) -> dict[str, np.ndarray]:
+    def finish(self, slot: int, *, spin: bool = True, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         feeds, self._feeds = self._feeds, {}
         return self.run(feeds)
 

@@ -11,17 +11,25 @@ its member, and for every replica member one whole-model chunk. Requests then fl
   A run is submitted by the thread that makes it ready when the member has room, and by the
   member's own thread right after a run before it ends otherwise; that thread waits for the
   device and completes runs (see :class:`_MemberRunner`);
-- a tensor crossing chunks is staged through host memory: the producer's chunk output lives in
-  host-visible mapped memory, is copied into the request's own host array when the chunk
-  finishes, and written into the consumer chunk's mapped input when that chunk starts. A
-  Vulkan chunk has two run slots, each with its own mapped inputs and outputs (boundary
-  tensors double-buffered), and each request owns its host copies, so nothing in flight is
-  ever overwritten;
+- a tensor crossing chunks on different devices is staged through host memory: the
+  producer's chunk output lives in host-visible mapped memory, is copied into the request's
+  own host array when the chunk finishes, and written into the consumer chunk's mapped input
+  when that chunk starts. A Vulkan chunk has two run slots, each with its own mapped inputs
+  and outputs (boundary tensors double-buffered), and each request owns its host copies, so
+  nothing in flight is ever overwritten;
+- between chunks on one device (members of a split device, or two chunks of one member) the
+  tensor stays on the device: producer and consumer share its memory, one allocation per run
+  slot, and the consumer is submitted as soon as the producer is, waiting on the device for
+  the value the producer's run signals on its timeline semaphore (no host round trip between
+  them). A request on a lane with such links holds one run slot index for its whole life
+  (the lane has ``RUN_SLOTS`` of them) and every linked chunk runs it in that slot, so the
+  shared memory of a slot belongs to one request at a time;
 - with replicas, a request goes to the lane (the plan's chunks, or one replica) with the
   fewest requests in flight.
 
-Every cross-member staging is counted as ``(tensor, src, dst)`` and every chunk run is traced
-with host ``perf_counter_ns`` start and end, per request.
+Every cross-member transfer (staged or on the device) is counted as ``(tensor, src, dst)``
+and every chunk run is traced with host ``perf_counter_ns`` start (its submission) and end
+(its outputs read), per request.
 """
 from __future__ import annotations
 
@@ -44,6 +52,9 @@ from vkpool.partition.plan import Transfer  # one tensor staged device → host 
 RUN_SLOTS = 2
 #: requests whose chunk timings :meth:`PlanExecutor.trace` keeps (oldest dropped first)
 TRACE_REQUESTS = 4096
+#: whether chunks on one device hand tensors over on the device, ordered by timeline
+#: semaphores (False: through host memory like chunks on different devices)
+LINK_ON_DEVICE = True
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,11 @@ class _Stage:
     succs: list[int] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)  # what it receives from other members
     chunk: Any = None
+    # preds and succs on the same device, whose tensors stay there (see link_stages)
+    linked_preds: list[int] = field(default_factory=list)
+    linked_succs: list[int] = field(default_factory=list)
+    host_inputs: list[str] = field(default_factory=list)  # the inputs the host writes at start
+    host_outputs: list[str] = field(default_factory=list)  # the outputs the host reads at the end
 
 
 @dataclass(eq=False)
@@ -94,6 +110,9 @@ class _Lane:
     index: int
     stages: list[_Stage]
     in_flight: int = 0
+    # with linked stages: the run slot indices no request holds, and requests waiting for one
+    free_slots: list[int] | None = None
+    backlog: deque[_Request] = field(default_factory=deque)
 
 
 @dataclass(eq=False)
@@ -109,6 +128,10 @@ class _Request:
     # (chunk, member, ops, start ns, end ns) per chunk run; ChunkEvents are built when asked for
     events: list[tuple[int, str, int, int, int]] = field(default_factory=list)
     failed: bool = False
+    slot: int = -1  # the run slot its linked chunks use (lanes with links only)
+    signals: dict[int, int] = field(default_factory=dict)  # stage → timeline value its run signals
+    active: int = 0  # chunk runs started and not yet completed
+    done: bool = False  # finished or failed
 
 
 def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
@@ -132,10 +155,11 @@ def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
                 if name and name not in inside and name not in model.constants and name not in inputs:
                     inputs.append(name)
                     read_by.setdefault(name, set()).add(s)
-        stages.append(_Stage(s, members[s], nodes, inputs, []))
+        stages.append(_Stage(s, members[s], nodes, inputs, [], host_inputs=list(inputs)))
     for stage in stages:
         stage.outputs = [name for node in stage.nodes for name in node.outputs
                          if name and (name in model_outputs or read_by.get(name, set()) - {stage.index})]
+        stage.host_outputs = list(stage.outputs)
         preds = sorted({produced_by[n] for n in stage.inputs if n in produced_by})
         stage.preds = preds
         for p in preds:
@@ -147,6 +171,30 @@ def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]],
                 stage.transfers.append(Transfer(name, model.tensors[name].nbytes,
                                                         stages[src].member.id, stage.member.id, src, stage.index))
     return stages
+
+
+def link_stages(model: LoadedModel, stages: list[_Stage]) -> bool:
+    """Marks every edge between Vulkan chunks on one logical device as linked (its tensors
+    stay on the device) and narrows each stage's host inputs and outputs to the rest; returns
+    whether any edge is linked."""
+    from vkpool.pool import VulkanMember
+
+    def device(stage: _Stage) -> Any:
+        return stage.member.device if isinstance(stage.member, VulkanMember) else None
+
+    model_outputs = {name for name, _ in model.outputs}
+    for stage in stages:
+        here = device(stage)
+        stage.linked_preds = [p for p in stage.preds if here is not None and device(stages[p]) is here]
+        for p in stage.linked_preds:
+            stages[p].linked_succs.append(stage.index)
+    for stage in stages:
+        linked_in = {n for p in stage.linked_preds for n in stages[p].outputs}
+        stage.host_inputs = [n for n in stage.inputs if n not in linked_in]
+    for stage in stages:
+        host_read = {n for other in stages for n in other.host_inputs} | model_outputs
+        stage.host_outputs = [n for n in stage.outputs if n in host_read]
+    return any(stage.linked_preds for stage in stages)
 
 
 def plan_groups(plan: Any, graph: Any) -> list[list[int]]:
@@ -166,16 +214,18 @@ def plan_lanes(pool: Any, model: LoadedModel, plan: Any, graph: Any) -> list[_La
     return lanes
 
 
-def build_chunk(model: LoadedModel, stage: _Stage, io: Sequence[Mapping[str, Any]] | None = None) -> Any:
+def build_chunk(model: LoadedModel, stage: _Stage, io: Sequence[Mapping[str, Any]] | None = None,
+                waits: Sequence[Any] = ()) -> Any:
     """The stage's chunk on its member: a :class:`VulkanChunk` with ``RUN_SLOTS`` run slots
-    (or one per entry of ``io``, each reading and writing that memory in place), or a
-    :class:`HostChunk` on the ``cpu`` member."""
+    (or one per entry of ``io``, each reading and writing that memory in place; its runs wait
+    on the device for ``waits``, and signal a timeline of their own when the stage has linked
+    successors), or a :class:`HostChunk` on the ``cpu`` member."""
     from vkpool.pool import VulkanMember
 
     args = (stage.member, stage.nodes, dict(model.tensors), model.constants, stage.inputs, stage.outputs,
             model.opset)
     if isinstance(stage.member, VulkanMember):
-        return VulkanChunk(*args, slots=RUN_SLOTS, io=io)
+        return VulkanChunk(*args, slots=RUN_SLOTS, io=io, waits=waits, signal=bool(stage.linked_succs))
     return HostChunk(*args)
 
 
@@ -223,12 +273,20 @@ class _MemberRunner:
             request, stage = item
             if not request.failed:
                 start = time.perf_counter_ns()
+                feeds = {name: request.values[name] for name in stage.host_inputs}
                 try:
-                    token = stage.chunk.start({name: request.values[name] for name in stage.inputs})
+                    if stage.linked_preds or stage.linked_succs:  # in the request's slot, after its preds
+                        token = stage.chunk.start(feeds, request.slot, [request.signals[p] for p in stage.linked_preds])
+                    else:
+                        token = stage.chunk.start(feeds)
                 except BaseException as exc:  # the request fails; the member serves the next one
                     self.executor._fail(request, exc)
                 else:
+                    with request.lock:
+                        request.active += 1
                     self._started.put((request, stage, start, token))
+                    if stage.linked_succs:
+                        self.executor._submitted(request, stage, token)
                     return
             with self._lock:
                 item = self._waiting.popleft() if self._waiting and not self._stopping else None
@@ -243,7 +301,7 @@ class _MemberRunner:
             request, stage, start, token = item
             try:
                 produced: dict[str, np.ndarray] | BaseException = stage.chunk.finish(
-                    token, spin=self._running < 2)
+                    token, spin=self._running < 2, outputs=stage.host_outputs)
             except BaseException as exc:
                 produced = exc
             with self._lock:
@@ -275,6 +333,8 @@ class LaneReports:
     lanes: list[_Lane]
     _trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]]
     _trace_lock: Any
+    #: memory shared by linked chunks: (member id, allocation)
+    _shared: list[tuple[str, Any]] = []
 
     @property
     def members(self) -> list[str]:
@@ -291,6 +351,8 @@ class LaneReports:
             for stage in lane.stages:
                 s = stage.chunk.stats
                 out[stage.member.id] = out.get(stage.member.id, 0) + s.weight_bytes + s.arena_bytes + s.io_bytes
+        for member_id, alloc in self._shared:
+            out[member_id] += alloc.nbytes
         return out
 
     def stats(self) -> ChunkStats:
@@ -336,16 +398,40 @@ class PlanExecutor(LaneReports):
         self._input_names = [name for name, _ in model.inputs]
         self._output_names = [name for name, _ in model.outputs if name not in model.constants]
         self.lanes: list[_Lane] = plan_lanes(pool, model, plan, graph)
+        self._shared = []
+        self._boundary: dict[str, list[Any]] = {}  # linked tensor → its memory per run slot
+        lane = self.lanes[0]  # replicas run one chunk each: nothing to link
+        if LINK_ON_DEVICE and link_stages(model, lane.stages):
+            lane.free_slots = list(range(RUN_SLOTS))
         try:
             for lane in self.lanes:
                 for stage in lane.stages:
-                    stage.chunk = build_chunk(self.model, stage)
+                    stage.chunk = build_chunk(self.model, stage, *self._linked_io(lane.stages, stage))
             for member_id in dict.fromkeys(s.member.id for lane in self.lanes for s in lane.stages):
                 depth = min(s.chunk.slots for lane in self.lanes for s in lane.stages if s.member.id == member_id)
                 self._runners[member_id] = _MemberRunner(self, member_id, depth)
         except BaseException:
             self.close()
             raise
+
+    def _linked_io(self, stages: list[_Stage], stage: _Stage) -> tuple[list[dict[str, Any]] | None, list[Any]]:
+        """For a stage with linked preds or succs: per run slot, the memory it shares with them
+        (allocated by the producer, once per tensor and slot; in the producer's device memory
+        unless the host reads the tensor too), and its preds' timelines."""
+        if not (stage.linked_preds or stage.linked_succs):
+            return None, []
+        linked_in = {n for p in stage.linked_preds for n in stages[p].outputs}
+        shared = {name: self._boundary[name] for name in stage.inputs if name in linked_in}
+        for name in stage.outputs:
+            if any(name in stages[c].inputs for c in stage.linked_succs):
+                on_device = name not in stage.host_outputs
+                shared[name] = self._boundary[name] = []
+                for _ in range(RUN_SLOTS):
+                    alloc = stage.member.alloc(self.model.tensors[name].nbytes, host_visible=True, input=on_device)
+                    self._shared.append((stage.member.id, alloc))
+                    shared[name].append(alloc)
+        io = [{name: slots[r] for name, slots in shared.items()} for r in range(RUN_SLOTS)]
+        return io, [stages[p].chunk.timeline for p in stage.linked_preds]
 
     # -- running -------------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray],
@@ -362,20 +448,43 @@ class PlanExecutor(LaneReports):
             request = _Request(next(self._ids), lane, dict(feeds), [len(s.preds) for s in lane.stages], future,
                                len(lane.stages), shape)
             self._pending[request.id] = request
-        for stage in lane.stages:
+            if lane.free_slots is not None:
+                if not lane.free_slots:  # it starts when a request before it gives its slot back
+                    lane.backlog.append(request)
+                    return future
+                request.slot = lane.free_slots.pop()
+        self._offer_first(request)
+        return future
+
+    def _offer_first(self, request: _Request) -> None:
+        for stage in request.lane.stages:
             if not stage.preds:
                 self._runners[stage.member.id].offer(request, stage)
-        return future
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.submit(feeds).result()
+
+    def _submitted(self, request: _Request, stage: _Stage, slot: int) -> None:
+        """A chunk run with linked successors was submitted: offer those whose preds are all
+        submitted (linked) or done (the others); they wait on the device for this run."""
+        ready: list[_Stage] = []
+        with request.lock:
+            request.signals[stage.index] = stage.chunk.signaled(slot)
+            for succ in stage.linked_succs:
+                request.waiting[succ] -= 1
+                if request.waiting[succ] == 0:
+                    ready.append(request.lane.stages[succ])
+        for nxt in ready:
+            self._runners[nxt.member.id].offer(request, nxt)
 
     def _completed(self, request: _Request, stage: _Stage, start: int,
                    produced: dict[str, np.ndarray] | BaseException) -> None:
         """A chunk run ended (in its member's thread): record it, offer the request's chunks
         that became ready to their members, and end the request after its last chunk."""
-        if isinstance(produced, BaseException):
-            self._fail(request, produced)
+        if isinstance(produced, BaseException) or request.failed:
+            with request.lock:
+                request.active -= 1
+            self._fail(request, produced if isinstance(produced, BaseException) else None)
             return
         event = (stage.index, stage.member.id, len(stage.nodes), start, time.perf_counter_ns())
         if stage.transfers:
@@ -386,13 +495,17 @@ class PlanExecutor(LaneReports):
             # a one-chunk lane (a replica, a whole-model plan): nothing else touches the request
             request.values.update(produced)
             request.events.append(event)
+            request.active -= 1
             self._finish(request)
             return
         ready: list[_Stage] = []
         with request.lock:
             request.values.update(produced)
             request.events.append(event)
+            request.active -= 1
             for succ in stage.succs:
+                if succ in stage.linked_succs:  # offered when this run was submitted
+                    continue
                 request.waiting[succ] -= 1
                 if request.waiting[succ] == 0:
                     ready.append(request.lane.stages[succ])
@@ -408,6 +521,8 @@ class PlanExecutor(LaneReports):
             request.lane.in_flight -= 1
             self._pending.pop(request.id, None)
             self._trace.append((request.id, request.lane.index, request.events))
+            request.done = True
+        self._give_back_slot(request)
         out = {}
         for name in self._output_names:
             value = request.values[name]
@@ -419,15 +534,38 @@ class PlanExecutor(LaneReports):
             return
         request.future.set_result(result)
 
-    def _fail(self, request: _Request, exc: BaseException) -> None:
+    def _fail(self, request: _Request, exc: BaseException | None) -> None:
+        """Fails the request with ``exc`` (once; None: it failed already) and gives its run
+        slot back when none of its runs is left on a device."""
         with request.lock:
-            if request.failed:
-                return
+            first = not request.failed
             request.failed = True
+        if first:
+            with self._lane_lock:
+                request.lane.in_flight -= 1
+                self._pending.pop(request.id, None)
+                request.lane.backlog = deque(r for r in request.lane.backlog if r is not request)
+                request.done = True
+            assert exc is not None
+            request.future.set_exception(exc)
+        self._give_back_slot(request)
+
+    def _give_back_slot(self, request: _Request) -> None:
+        """Once a request is done and none of its runs is in flight, its run slot goes to the
+        first request waiting for one (which then starts), or back to the lane's free ones."""
+        lane = request.lane
+        with request.lock:
+            if request.slot < 0 or request.active or not request.done:
+                return
+            slot, request.slot = request.slot, -1
         with self._lane_lock:
-            request.lane.in_flight -= 1
-            self._pending.pop(request.id, None)
-        request.future.set_exception(exc)
+            nxt = lane.backlog.popleft() if lane.backlog and not self._closed else None
+            if nxt is None:
+                lane.free_slots.append(slot)  # type: ignore[union-attr]
+            else:
+                nxt.slot = slot
+        if nxt is not None:
+            self._offer_first(nxt)
 
     def close(self) -> None:
         if self._closed:
@@ -443,6 +581,9 @@ class PlanExecutor(LaneReports):
                 if stage.chunk is not None:
                     stage.chunk.close()
                     stage.chunk = None
+        for _, alloc in self._shared:
+            alloc.free()
+        self._shared = []
 
 
 __all__ = ["PlanExecutor", "LaneReports", "MemberGroup", "ChunkEvent", "stage_nodes", "plan_groups", "plan_lanes",

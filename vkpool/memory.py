@@ -118,6 +118,12 @@ class Allocation:
     def host_visible(self) -> bool:
         return self.block.mapped is not None
 
+    @property
+    def device_local(self) -> bool:
+        """Whether the bytes are in the device's own memory (kernels read them at device speed)."""
+        device = self.allocator.device
+        return self.allocator.memory_type in (device.device_type, device.mapped_device_type)
+
     def view(self, dtype: Any = np.uint8, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A numpy view of the mapped bytes (host-visible memory only)."""
         if self.block.mapped is None:

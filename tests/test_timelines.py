@@ -1,0 +1,118 @@
+"""Timeline semaphores between chunks on one device, on the real Vulkan device.
+
+A chunk built with ``waits`` runs only once each timeline reaches the value its start gives;
+a chunk built with ``signal`` signals one more value per run. Here the host signals the value a
+chunk waits for, from another thread, so the test sees the run end only after that, with no
+second chunk to finish first. Both submission shapes are covered: the run alone (``TRANSFER_QUEUE="off"``),
+and the run between copies on the transfer queue (``"main"``), where the first copy waits and
+the last one signals. Results must equal the ONNX reference evaluator (rtol 1e-4, atol 1e-5).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import vkpool.device
+from conftest import vulkan_pool
+from vkpool import vk
+from vkpool.engine import VulkanChunk
+from vkpool.model import load_model
+
+ROWS, K, N = 64, 96, 640  # an output over STAGED_OUTPUT_BYTES: with a transfer queue, copied after the run
+
+
+def _model() -> bytes:
+    rng = np.random.default_rng(21)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, K])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [ROWS, N])
+    w = numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+@pytest.fixture(params=["off", "main"])
+def member(request, monkeypatch):
+    monkeypatch.setattr(vkpool.device, "TRANSFER_QUEUE", request.param)
+    pool = vulkan_pool()
+    member = pool.vulkan_members[0]
+    member.inputs = None  # inputs in host memory: with a transfer queue they are copied in before the run
+    yield member
+    pool.close()
+
+
+def _chunk(member, data: bytes, **kwargs) -> VulkanChunk:
+    model = load_model(data)
+    return VulkanChunk(member, model.nodes, dict(model.tensors), model.constants, ["x"], ["y"], model.opset,
+                       slots=2, **kwargs)
+
+
+def _counter(device, timeline) -> int:
+    value = device._ffi.new("uint64_t*")
+    vk.check("vkGetSemaphoreCounterValue",
+             device._lib.vkGetSemaphoreCounterValue(device.handle, timeline.handle, value), device.name)
+    return int(value[0])
+
+
+def _host_signal(device, timeline, value: int) -> None:
+    b, ffi = device._b, device._ffi
+    info = ffi.new("VkSemaphoreSignalInfo*", {"sType": b.VK_STRUCTURE_TYPE_SEMAPHORE_SIGNAL_INFO,
+                                              "semaphore": timeline.handle, "value": value})
+    vk.check("vkSignalSemaphore", device._lib.vkSignalSemaphore(device.handle, info), device.name)
+
+
+def test_a_run_waits_on_the_device_for_the_value_it_is_given(member) -> None:
+    device = member.device
+    data = _model()
+    x = np.random.default_rng(4).standard_normal((ROWS, K)).astype(np.float32)
+    (want,) = ReferenceEvaluator(data).run(None, {"x": x})
+    timeline = device.create_timeline()
+    chunk = _chunk(member, data, waits=[timeline])
+    signaled_at: dict[int, float] = {}
+
+    def signal_later() -> None:  # another thread: a driver may hold the submission until the wait is met
+        for value in (2, 3):  # 2 is not yet the value the run waits for
+            time.sleep(0.3)
+            signaled_at[value] = time.perf_counter()
+            _host_signal(device, timeline, value)
+
+    signaller = threading.Thread(target=signal_later)
+    try:
+        signaller.start()
+        slot = chunk.start({"x": x}, waits=[3])
+        got = chunk.finish(slot)["y"]
+        done = time.perf_counter()
+        signaller.join()
+        assert done > signaled_at[3]  # the run, milliseconds long, ended only after the value came
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        signaller.join()
+        chunk.close()
+        device.destroy_semaphore(timeline.handle)
+
+
+def test_each_run_signals_the_next_value(member) -> None:
+    device = member.device
+    data = _model()
+    rng = np.random.default_rng(6)
+    feeds = [{"x": rng.standard_normal((ROWS, K)).astype(np.float32)} for _ in range(3)]
+    chunk = _chunk(member, data, signal=True)
+    try:
+        assert chunk.timeline is not None and _counter(device, chunk.timeline) == 0
+        first = chunk.start(feeds[0])
+        second = chunk.start(feeds[1])  # both slots in flight
+        assert (chunk.signaled(first), chunk.signaled(second)) == (1, 2)
+        outs = [chunk.finish(first)["y"], chunk.finish(second)["y"]]
+        assert _counter(device, chunk.timeline) == 2
+        third = chunk.start(feeds[2])
+        assert chunk.signaled(third) == 3
+        outs.append(chunk.finish(third)["y"])
+        assert _counter(device, chunk.timeline) == 3
+        for f, got in zip(feeds, outs):
+            np.testing.assert_allclose(got, ReferenceEvaluator(data).run(None, f)[0], rtol=1e-4, atol=1e-5)
+    finally:
+        chunk.close()
