@@ -6,13 +6,16 @@ Run on a machine with a GPU (vkpool installed from source)::
 
 The first device is split into two members (``split: 2``). Each workload is cut in two at its
 balanced point (:func:`vkpool.placement.balanced_cut`), one half per member, and run as a
-given plan both ways (``vkpool.executor.LINK_ON_DEVICE``), alternating, ``--rounds`` times:
+given plan three ways, alternating, ``--rounds`` times:
 
-- **on the device**: the second chunk reads the first one's outputs where they were written and
-  is submitted right after it, waiting on the device for the first chunk's timeline value;
-- **through the host**: the first chunk's outputs are read into host memory when it is seen
-  done, then written into the second chunk's inputs, which is then submitted (as between two
-  devices).
+- **on the device** (threads of this process): the second chunk reads the first one's outputs
+  where they were written and is submitted right after it, waiting on the device for the first
+  chunk's timeline value;
+- **through the host** (threads, ``vkpool.executor.LINK_ON_DEVICE = False``): the first chunk's
+  outputs are read into host memory when it is seen done, then written into the second chunk's
+  inputs, which is then submitted (as between two devices);
+- **processes**: one worker process per chunk (``Session(processes=True)``), each with its own
+  logical device, the tensors staged through shared host memory.
 
 Per way: latency (median of ``--runs`` runs one at a time) and throughput with ``--in-flight``
 requests outstanding (after a second of the same load), against the whole model as one chunk
@@ -32,6 +35,7 @@ import numpy as np
 
 from bench.multi_gpu import _graph, _label, _model, latency_ms, throughput
 
+WAYS = ("device", "host", "processes")
 WORKLOADS = ("mnist12_like", "mlp", "conv_few_15MB", "conv_many_255MB", "matmul_1GB_16layers")
 CONFIG = "devices:\n  - match: {index: 0}\n    split: 2\n"
 
@@ -50,19 +54,21 @@ def measure(pool: Any, name: str, smoke: bool, runs: int, requests: int, in_flig
         row["one_per_s"] = throughput(one, feeds, requests, in_flight)
         halves = balanced_cut(_graph(one), 2)
     plan = {op: members[k] for k, ops in enumerate(halves) for op in ops}
-    samples: dict[str, dict[str, list[float]]] = {way: {"ms": [], "per_s": []} for way in ("device", "host")}
+    samples: dict[str, dict[str, list[float]]] = {way: {"ms": [], "per_s": []} for way in WAYS}
     try:
         for _ in range(rounds):
-            for way in ("device", "host"):
+            for way in WAYS:
                 vkpool.executor.LINK_ON_DEVICE = way == "device"
-                with Session(model, pool=pool, plan=plan) as split:
+                with Session(model, pool=pool, plan=plan, processes=way == "processes") as split:
                     stages = split.executor.lanes[0].stages
                     row.setdefault("boundary_bytes", sum(t.nbytes for t in split.plan.transfers))
-                    row[f"{way}_linked"] = sum(len(s.linked_preds) for s in stages)
+                    row[f"{way}_linked"] = sum(len(getattr(s, "linked_preds", [])) for s in stages)
                     out = split.run(None, feeds)
                     row[f"{way}_identical"] = row.get(f"{way}_identical", True) and all(
                         np.array_equal(a, b) for a, b in zip(out, expected))
                     samples[way]["ms"].append(latency_ms(split, feeds, runs))
+                    if way != "processes":
+                        samples[way].setdefault("stages_us", []).append(_stage_times(split))
                     samples[way]["per_s"].append(throughput(split, feeds, requests, in_flight))
     finally:
         vkpool.executor.LINK_ON_DEVICE = True
@@ -73,17 +79,29 @@ def measure(pool: Any, name: str, smoke: bool, runs: int, requests: int, in_flig
     return row
 
 
+def _stage_times(split: Any) -> list[float]:
+    """Medians over the one-at-a-time runs just traced, µs: chunk 1 from its submission to its
+    outputs read, chunk 2's submission after chunk 1's, chunk 2 from its submission to its
+    outputs read, the whole request (chunk 1's submission to chunk 2's outputs read)."""
+    by_request: dict[int, dict[int, Any]] = {}
+    for e in split.trace():
+        by_request.setdefault(e.request, {})[e.chunk] = e
+    rows = [(r[0].end_ns - r[0].start_ns, r[1].start_ns - r[0].start_ns, r[1].end_ns - r[1].start_ns,
+             r[1].end_ns - r[0].start_ns) for r in by_request.values() if set(r) == {0, 1}]
+    return [round(statistics.median(col) / 1e3, 1) for col in zip(*rows)] if rows else []
+
+
 def markdown(result: dict) -> str:
     lines = [f"Device: {result['device']}; {result['runs']} runs per latency, {result['requests']} requests per "
              f"throughput with {result['in_flight']} in flight, medians of {result['rounds']} alternating rounds",
-             "", "| workload | boundary | one member ms | on the device ms | through the host ms | "
-             "one member req/s | on the device req/s | through the host req/s | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| workload | boundary | one member ms | on the device ms | through the host ms | processes ms | "
+             "one member req/s | on the device req/s | through the host req/s | processes req/s | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        same = "yes" if r["device_identical"] and r["host_identical"] else "NO"
+        same = "yes" if all(r[f"{way}_identical"] for way in WAYS) else "NO"
         lines.append(f"| {r['workload']} | {r['boundary_bytes'] / 1024:.0f} KiB | {r['one_ms']:.3f} | "
-                     f"{r['device_ms']:.3f} | {r['host_ms']:.3f} | {r['one_per_s']:.0f} | {r['device_per_s']:.0f} | "
-                     f"{r['host_per_s']:.0f} | {same} |")
+                     + " | ".join(f"{r[f'{way}_ms']:.3f}" for way in WAYS) + f" | {r['one_per_s']:.0f} | "
+                     + " | ".join(f"{r[f'{way}_per_s']:.0f}" for way in WAYS) + f" | {same} |")
     return "\n".join(lines) + "\n"
 
 
