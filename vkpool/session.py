@@ -57,7 +57,9 @@ class Session:
     share. ``batch``/``dims`` bind symbolic dimensions (the batch dimension defaults to 1).
     ``processes``: run the plan with one worker process per chunk and per replica
     (:mod:`vkpool.processes`), so the members' host work runs in parallel; by default (None)
-    that happens when the plan spans several members and every one is a hardware GPU, True
+    that happens when every member is a hardware GPU and the plan spans several devices or
+    replicates the model (a plan split over members of one device runs in threads, where its
+    chunks hand tensors over on the device: ``docs/execution.md``), True
     asks for it on any Vulkan members (one member included), False keeps everything in this
     process.
 
@@ -301,9 +303,11 @@ class Session:
 
         members = [self.pool.member(m) for m in dict.fromkeys([*(c.member for c in plan.chunks), *plan.replicas])]
         chosen = self._processes if self._processes is not None else (
-            AVAILABLE and len(members) > 1 and self._source is not None
+            AVAILABLE and self._source is not None
             and all(isinstance(m, VulkanMember) and m.info.type in ("discrete", "integrated", "virtual")
-                    for m in members))
+                    for m in members)
+            # a split of one device runs in threads, where its chunks hand tensors over on the device
+            and (len({m.info.index for m in members}) > 1 or (len(members) > 1 and bool(plan.replicas))))
         if chosen:
             source, batch, dims = self._source
             return ProcessExecutor(self.pool, self.model, plan, graph, source, batch, dims)
