@@ -73,7 +73,7 @@ def measure(pool: Any, name: str, smoke: bool, runs: int, requests: int, in_flig
                     row.setdefault("boundary_bytes", sum(t.nbytes for t in session.plan.transfers))
                     row[f"{way}_linked"] = sum(len(getattr(s, "linked_preds", [])) for s in stages)
                     if way != "processes":
-                        samples[way].setdefault("stages_us", []).append(_stage_times(session))
+                        samples[way].setdefault("stages_us", []).append(_stage_times(session, runs))
     finally:
         vkpool.executor.LINK_ON_DEVICE = True
     for way, s in samples.items():
@@ -83,13 +83,15 @@ def measure(pool: Any, name: str, smoke: bool, runs: int, requests: int, in_flig
     return row
 
 
-def _stage_times(split: Any) -> list[float]:
-    """Medians over the one-at-a-time runs just traced, µs: chunk 1 from its submission to its
-    outputs read, chunk 2's submission after chunk 1's, chunk 2 from its submission to its
-    outputs read, the whole request (chunk 1's submission to chunk 2's outputs read)."""
+def _stage_times(split: Any, runs: int) -> list[float]:
+    """Medians over the last ``runs`` requests (the one-at-a-time runs just traced), µs: chunk 1
+    from its submission to its outputs read, chunk 2's submission after chunk 1's, chunk 2 from
+    its submission to its outputs read, the whole request (chunk 1's submission to chunk 2's
+    outputs read)."""
     by_request: dict[int, dict[int, Any]] = {}
     for e in split.trace():
         by_request.setdefault(e.request, {})[e.chunk] = e
+    by_request = {r: by_request[r] for r in sorted(by_request)[-runs:]}
     rows = [(r[0].end_ns - r[0].start_ns, r[1].start_ns - r[0].start_ns, r[1].end_ns - r[1].start_ns,
              r[1].end_ns - r[0].start_ns) for r in by_request.values() if set(r) == {0, 1}]
     return [round(statistics.median(col) / 1e3, 1) for col in zip(*rows)] if rows else []

@@ -300,8 +300,12 @@ class _MemberRunner:
                 return
             request, stage, start, token = item
             try:
+                # a run whose outputs only linked chunks read is awaited by nobody (they waited
+                # for it on the device): sleep in the driver, leaving the interpreter lock to the
+                # threads that poll for what the request waits on
                 produced: dict[str, np.ndarray] | BaseException = stage.chunk.finish(
-                    token, spin=self._running < 2, outputs=stage.host_outputs)
+                    token, spin=self._running < 2 and (bool(stage.host_outputs) or not stage.linked_succs),
+                    outputs=stage.host_outputs)
             except BaseException as exc:
                 produced = exc
             with self._lock:
