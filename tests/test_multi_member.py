@@ -287,3 +287,26 @@ def test_given_plan_for_another_model_is_refused(pool4) -> None:
     model, _, _ = _reference("mlp", pool4)
     with pytest.raises(ValueError, match="places no member"):
         Session(model, pool=pool4, plan={"nope": "vk0.0"})
+
+
+def test_failed_requests_give_their_run_slots_back(pool4) -> None:
+    """On a plan whose chunks hand tensors over on the device, each request holds one of the
+    lane's two run slots: requests that fail (a feed of the wrong shape, caught when its chunk
+    starts) must give theirs back, or the requests after them would wait forever."""
+    model, feeds, expected = _reference("conv_few_15MB", pool4)
+    with Session(model, pool=pool4, device="vk0.0") as single:
+        order = build_graph(single.model).graph["order"]
+    cut = order.index(next(op for op in order if op.startswith("Reshape")))
+    assignment = {op: ("vk0.0" if i < cut else "vk0.1") for i, op in enumerate(order)}
+    with Session(model, pool=pool4, plan=assignment) as session:
+        executor = session.executor
+        assert executor.lanes[0].free_slots == [0, 1]
+        bad = {name: np.zeros((2, *value.shape), value.dtype) for name, value in feeds.items()}
+        futures = [executor.submit(bad) for _ in range(3)] + [executor.submit(feeds) for _ in range(3)]
+        for f in futures[:3]:
+            with pytest.raises(ValueError):
+                f.result(timeout=60)
+        output = session.get_outputs()[0].name
+        for f in futures[3:]:
+            np.testing.assert_array_equal(f.result(timeout=60)[output], expected[0])
+        assert sorted(executor.lanes[0].free_slots) == [0, 1] and not executor.lanes[0].backlog

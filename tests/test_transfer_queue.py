@@ -1,7 +1,7 @@
 """Copies between a run slot's host memory and the device on a queue of their own
 (``vkpool.device.TRANSFER_QUEUE``), on the real Vulkan device.
 
-Lavapipe has one queue family, so "auto" (off by default) gives it no transfer queue; ``"main"`` submits
+Lavapipe has one queue family, so "auto" (the default) gives it no transfer queue; ``"main"`` submits
 the same transfer command buffers, semaphores and landing buffers on the compute queue itself,
 which checks the mechanism (correct results, the copies where they belong) without the
 overlap a separate copy engine gives. The member is made to keep its inputs in host memory
@@ -100,3 +100,9 @@ def test_auto_takes_a_transfer_only_family_or_none(monkeypatch: pytest.MonkeyPat
         assert device.transfer_family != device.queue_family
     finally:
         pool.close()
+
+
+def test_an_unknown_mode_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vkpool.device, "TRANSFER_QUEUE", "sometimes")
+    with pytest.raises(ValueError, match="'sometimes' \\(VKPOOL_TRANSFER_QUEUE\\): use one of auto, off, main"):
+        vulkan_pool()

@@ -42,9 +42,11 @@ WAIT_POLL_MAX_S = 0.005
 #: ``"main"`` separate submissions on the compute queue itself, which overlaps nothing and
 #: exists to check the mechanism on devices without a transfer family. Read when a device is
 #: created; the environment variable ``VKPOOL_TRANSFER_QUEUE`` sets it for a process and the
-#: worker processes it starts. Off by default: on an H200 it measured no faster
-#: (``bench/transfer_queue.py``, docs/benchmarks.md, "Several GPUs").
-TRANSFER_QUEUE = os.environ.get("VKPOOL_TRANSFER_QUEUE", "off")
+#: worker processes it starts. Only chunks with several run slots (plans' chunks, replicas)
+#: use it. "auto" by default: on two H200s it gave plans split over both GPUs lower latency at
+#: the same throughput (docs/benchmarks.md, "Several GPUs"; one product with 16 MiB inputs
+#: and outputs ran 6 % slower with it, ``bench/transfer_queue.py``).
+TRANSFER_QUEUE = os.environ.get("VKPOOL_TRANSFER_QUEUE", "auto")
 TRANSFER_QUEUE_MODES = ("auto", "off", "main")
 
 

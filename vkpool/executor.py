@@ -522,11 +522,15 @@ class PlanExecutor(LaneReports):
 
     def _finish(self, request: _Request) -> None:
         with self._lane_lock:
-            request.lane.in_flight -= 1
-            self._pending.pop(request.id, None)
-            self._trace.append((request.id, request.lane.index, request.events))
-            request.done = True
+            failed = request.done  # a run of another branch failed it meanwhile
+            if not failed:
+                request.lane.in_flight -= 1
+                self._pending.pop(request.id, None)
+                self._trace.append((request.id, request.lane.index, request.events))
+                request.done = True
         self._give_back_slot(request)
+        if failed:
+            return
         out = {}
         for name in self._output_names:
             value = request.values[name]
@@ -546,12 +550,14 @@ class PlanExecutor(LaneReports):
             request.failed = True
         if first:
             with self._lane_lock:
-                request.lane.in_flight -= 1
-                self._pending.pop(request.id, None)
-                request.lane.backlog = deque(r for r in request.lane.backlog if r is not request)
-                request.done = True
-            assert exc is not None
-            request.future.set_exception(exc)
+                first = not request.done  # not finished meanwhile
+                if first:
+                    request.lane.in_flight -= 1
+                    self._pending.pop(request.id, None)
+                    request.lane.backlog = deque(r for r in request.lane.backlog if r is not request)
+                    request.done = True
+            if first and exc is not None:
+                request.future.set_exception(exc)
         self._give_back_slot(request)
 
     def _give_back_slot(self, request: _Request) -> None:
