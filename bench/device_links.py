@@ -26,7 +26,6 @@ writes JSON. ``--smoke`` scales the large workloads down (lavapipe).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.multi_gpu import _graph, _label, _model, latency_ms, throughput
+from bench.multi_gpu import _graph, _label, _model, latency_ms, report, throughput
 
 WAYS = ("one", "device", "host", "processes")
 WORKLOADS = ("mnist12_like", "mlp", "conv_few_15MB", "conv_many_255MB", "matmul_1GB_16layers")
@@ -138,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"{name} done\n")
     finally:
         pool.close()
-    sys.stdout.write(markdown(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return report(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":

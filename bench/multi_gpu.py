@@ -443,9 +443,14 @@ def main(argv: list[str] | None = None) -> int:
             result["gpu_and_host"] = gpu_and_host(pool, gpus[0], host, "conv_few_15MB", args.smoke, runs)
     finally:
         pool.close()
-    sys.stdout.write(markdown(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return report(result, markdown(result), args.out)
+
+
+def report(result: dict, text: str, out: Path | None) -> int:
+    """Prints ``text`` (markdown) and, with ``out``, writes ``result`` there as JSON; returns 0."""
+    sys.stdout.write(text)
+    if out:
+        out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -30,6 +30,18 @@ def vulkan_pool(config=None):
     return p
 
 
+def matmul_model(rows: int, k: int, n: int, seed: int) -> bytes:
+    """An ONNX model of one MatMul: ``y = x @ w``, x [rows, k] its input, w a random constant."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])
+    w = numpy_helper.from_array(np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
 @pytest.fixture(scope="session")
 def pool():
     """The default pool: every Vulkan device, one member each, plus the host member."""

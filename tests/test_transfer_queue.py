@@ -14,11 +14,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import vkpool.device
-from conftest import vulkan_pool
+from conftest import matmul_model, vulkan_pool
 from vkpool.engine import STAGED_OUTPUT_BYTES, VulkanChunk
 from vkpool.model import load_model
 
@@ -26,12 +25,7 @@ ROWS, K, N = 64, 96, 640  # output 160 KiB
 
 
 def _model() -> bytes:
-    rng = np.random.default_rng(5)
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, K])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [ROWS, N])
-    w = numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "w")
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    return matmul_model(ROWS, K, N, seed=5)
 
 
 def _pool(mode: str, monkeypatch: pytest.MonkeyPatch):
