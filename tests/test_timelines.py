@@ -6,6 +6,8 @@ chunk waits for, from another thread, so the test sees the run end only after th
 second chunk to finish first. Both submission shapes are covered: the run alone (``TRANSFER_QUEUE="off"``),
 and the run between copies on the transfer queue (``"main"``), where the first copy waits and
 the last one signals. Results must equal the ONNX reference evaluator (rtol 1e-4, atol 1e-5).
+Last, a large tensor between two members of one device is written straight into the memory
+they share.
 """
 from __future__ import annotations
 
@@ -120,3 +122,42 @@ def test_each_run_signals_the_next_value(member) -> None:
             np.testing.assert_allclose(got, ReferenceEvaluator(data).run(None, f)[0], rtol=1e-4, atol=1e-5)
     finally:
         chunk.close()
+
+
+def test_a_large_tensor_between_chunks_on_one_device(member) -> None:
+    """Two products on two members of one device, the 160 KiB tensor between them over
+    ``STAGED_OUTPUT_BYTES``: the producer writes it straight into the memory both share (no
+    copy out of its arena, no transfer-queue copy), and the results equal one member's,
+    bit for bit, and the reference evaluator's (rtol 1e-4, atol 1e-5 of the largest output:
+    two chained products of random weights reach a few hundred and cancel)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from vkpool.config.loader import parse_config
+    from vkpool.engine import STAGED_OUTPUT_BYTES
+    from vkpool.session import Session
+
+    rng = np.random.default_rng(8)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, K])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [ROWS, 16])
+    w1 = numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((N, 16)).astype(np.float32), "w2")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["y"], name="first"),
+                           helper.make_node("MatMul", ["y", "w2"], ["z"], name="second")], "g", [x], [z], [w1, w2])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    assert ROWS * N * 4 >= STAGED_OUTPUT_BYTES
+    feeds = {"x": rng.standard_normal((ROWS, K)).astype(np.float32)}
+    pool = vulkan_pool(parse_config("devices:\n  - match: {index: 0}\n    split: 2\n"))
+    try:
+        with Session(data, pool=pool, device="vk0.0") as one:
+            want = one.run(None, feeds)[0]
+        with Session(data, pool=pool, plan={"first": "vk0.0", "second": "vk0.1"}, processes=False) as split:
+            producer, consumer = (s.chunk for s in split.executor.lanes[0].stages)
+            assert producer.tensors["y"].kind == "output" and "y" not in consumer._staged_inputs
+            assert not producer._links  # nothing for a transfer queue to copy
+            for _ in range(3):
+                got = split.run(None, feeds)[0]
+                np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(want, ReferenceEvaluator(data).run(None, feeds)[0], rtol=1e-4,
+                                   atol=1e-5 * float(np.abs(want).max()))
+    finally:
+        pool.close()

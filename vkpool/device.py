@@ -625,51 +625,49 @@ class LogicalDevice:
         ffi, b = self._ffi, self._b
         keep: list[Any] = []
         anywhere = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | b.VK_PIPELINE_STAGE_TRANSFER_BIT
+        # the values the first submission waits for and the last one signals: filled by submit
+        wait_values = ffi.new("uint64_t[]", len(waits)) if waits else None
+        signal_value = ffi.new("uint64_t[]", 1) if signal is not None else None
 
         def info(buffer: Any, wait: Any = None, stage: int = 0, signal_sem: Any = None,
                  first: bool = False, last: bool = False) -> Any:
-            arr = ffi.new("VkCommandBuffer[]", [buffer])
-            fields: dict[str, Any] = {"sType": b.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1,
-                                      "pCommandBuffers": arr}
-            keep.append(arr)
-            # a submission waits on a binary semaphore (the transfer before it) or on timelines
-            # (it comes first), never both; likewise for what it signals
-            wait_sems, stages = ([wait], [stage]) if wait is not None else (
-                [t.handle for t in waits], [anywhere] * len(waits)) if first else ([], [])
-            signals = [signal_sem] if signal_sem is not None else [signal.handle] if last and signal else []
+            # a submission waits on a binary semaphore (the transfer before it) or, coming
+            # first, on the timelines, never both; likewise for what it signals
+            wait_sems, stages, signals = [], [], []
             timeline: dict[str, Any] = {}
-            if wait_sems:
-                waits_c, stages_c = ffi.new("VkSemaphore[]", wait_sems), ffi.new("VkPipelineStageFlags[]", stages)
-                fields.update(waitSemaphoreCount=len(wait_sems), pWaitSemaphores=waits_c, pWaitDstStageMask=stages_c)
-                keep.extend((waits_c, stages_c))
-                if wait is None:
-                    sub_fields["wait_values"] = timeline["pWaitSemaphoreValues"] = ffi.new("uint64_t[]", len(waits))
-                    timeline["waitSemaphoreValueCount"] = len(waits)
-            if signals:
-                signals_c = ffi.new("VkSemaphore[]", signals)
-                fields.update(signalSemaphoreCount=1, pSignalSemaphores=signals_c)
-                keep.append(signals_c)
-                if signal_sem is None:
-                    sub_fields["signal_value"] = timeline["pSignalSemaphoreValues"] = ffi.new("uint64_t[]", 1)
-                    timeline["signalSemaphoreValueCount"] = 1
+            if wait is not None:
+                wait_sems, stages = [wait], [stage]
+            elif first and waits:
+                wait_sems, stages = [t.handle for t in waits], [anywhere] * len(waits)
+                timeline.update(waitSemaphoreValueCount=len(waits), pWaitSemaphoreValues=wait_values)
+            if signal_sem is not None:
+                signals = [signal_sem]
+            elif last and signal is not None:
+                signals = [signal.handle]
+                timeline.update(signalSemaphoreValueCount=1, pSignalSemaphoreValues=signal_value)
+            arrays = (ffi.new("VkCommandBuffer[]", [buffer]), ffi.new("VkSemaphore[]", wait_sems),
+                      ffi.new("VkPipelineStageFlags[]", stages), ffi.new("VkSemaphore[]", signals))
+            keep.extend(arrays)
+            fields: dict[str, Any] = {
+                "sType": b.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": arrays[0],
+                "waitSemaphoreCount": len(wait_sems), "pWaitSemaphores": arrays[1], "pWaitDstStageMask": arrays[2],
+                "signalSemaphoreCount": len(signals), "pSignalSemaphores": arrays[3]}
             if timeline:
-                ext = ffi.new("VkTimelineSemaphoreSubmitInfo*", {
+                fields["pNext"] = ffi.new("VkTimelineSemaphoreSubmitInfo*", {
                     "sType": b.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO, **timeline})
-                fields["pNext"] = ext
-                keep.extend((ext, *timeline.values()))
+                keep.append(fields["pNext"])
             return ffi.new("VkSubmitInfo*", fields)
 
-        sub_fields: dict[str, Any] = {}
         main = info(cmd, before[1] if before else None, b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
                     after[1] if after else None, first=before is None, last=after is None)
         fence = self.create_fence()
-        sub = Submission(self, cmd, main, keep, fence, ffi.new("VkFence[]", [fence]), signal=signal)
+        sub = Submission(self, cmd, main, keep, fence, ffi.new("VkFence[]", [fence]),
+                         wait_values=wait_values, signal=signal, signal_value=signal_value)
+        keep.extend(v for v in (wait_values, signal_value) if v is not None)
         if before is not None:
             sub.before = info(before[0], signal_sem=before[1], first=True)
         if after is not None:
             sub.after = info(after[0], after[1], b.VK_PIPELINE_STAGE_TRANSFER_BIT, last=True)
-        sub.wait_values = sub_fields.get("wait_values")
-        sub.signal_value = sub_fields.get("signal_value")
         return sub
 
     def submit(self, sub: Submission, waits: Sequence[int] = ()) -> int:

@@ -244,7 +244,9 @@ class VulkanChunk:
                     continue
                 info = tensors[name]
                 # in device memory: an activation, or an output large enough to be copied out
-                staged = name not in outputs or info.nbytes >= STAGED_OUTPUT_BYTES
+                # (unless it is given in device memory, which kernels write at device speed)
+                staged = name not in outputs or (info.nbytes >= STAGED_OUTPUT_BYTES
+                                                 and not self._given_on_device(name))
                 if pos == 0 and op.alias_input is not None and staged:  # the final copy reads its base
                     t[name] = _Tensor(info, "view", t[node.inputs[op.alias_input]].base)
                 else:
@@ -261,7 +263,7 @@ class VulkanChunk:
         self._staged_inputs: dict[str, _Tensor] = {}
         reread = {t[n].base for op, node in zip(self.ops, self.nodes) if op.rereads_inputs for n in node.inputs if n}
         for name in self.input_names:
-            in_host_memory = (not getattr(self._io[0][name], "device_local", False) if name in self._given
+            in_host_memory = (not self._given_on_device(name) if name in self._given
                               else not member.device_local_inputs)
             if in_host_memory and name in reread and t[name].kind == "input":
                 self._staged_inputs[name] = t[name]
@@ -298,6 +300,11 @@ class VulkanChunk:
         for name in self.output_names:
             if name in t:
                 t[t[name].base].last_use = len(self.nodes)
+
+    def _given_on_device(self, name: str) -> bool:
+        """Whether ``name`` is in memory given as ``io`` that is the device's own (a tensor
+        another chunk on the device shares); imported host memory is not."""
+        return name in self._given and self._io[0][name].device_local
 
     # -- recording -------------------------------------------------------------------------
     def _record(self, constants: dict[str, np.ndarray]) -> None:

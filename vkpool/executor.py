@@ -191,8 +191,8 @@ def link_stages(model: LoadedModel, stages: list[_Stage]) -> bool:
     for stage in stages:
         linked_in = {n for p in stage.linked_preds for n in stages[p].outputs}
         stage.host_inputs = [n for n in stage.inputs if n not in linked_in]
+    host_read = {n for stage in stages for n in stage.host_inputs} | model_outputs
     for stage in stages:
-        host_read = {n for other in stages for n in other.host_inputs} | model_outputs
         stage.host_outputs = [n for n in stage.outputs if n in host_read]
     return any(stage.linked_preds for stage in stages)
 

@@ -120,9 +120,11 @@ class Allocation:
 
     @property
     def device_local(self) -> bool:
-        """Whether the bytes are in the device's own memory (kernels read them at device speed)."""
+        """Whether the bytes are in the device's own memory (kernels read them at device speed);
+        memory imported from the host (:class:`HostImport`) is not."""
+        memory_type = getattr(self.allocator, "memory_type", None)  # a HostImport has none
         device = self.allocator.device
-        return self.allocator.memory_type in (device.device_type, device.mapped_device_type)
+        return memory_type is not None and memory_type in (device.device_type, device.mapped_device_type)
 
     def view(self, dtype: Any = np.uint8, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A numpy view of the mapped bytes (host-visible memory only)."""
