@@ -464,6 +464,8 @@ def test_cancel_and_timeout_reach_jobs_on_the_lane(folder: Path) -> None:
             start("first")
             queued = start("cancelled")
             assert client.cancel(queued) == {"cancelled": True, "state": "queued"}
+            threads[-1].join(10)  # its reply came on its lane, which went back to the client
+            assert outcomes.get("cancelled") == "Cancelled", outcomes
             start("timed", timeout=0.2)
             for t in threads:
                 t.join(30)
