@@ -12,9 +12,8 @@ torch.matmul runs on the same inputs as CUDA float16 tensors in the same process
 with CUDA events (median of ``--reps``), its accuracy measured the same way.
 
 ``--variants`` also times workgroup tiles of the cooperative-matrix kernel other than the
-planner's choice (``CoopTile`` names such as ``128x256x32_w2x4_p2_z8``, ``Coop2Tile`` names
-such as ``cm2_128x256x32_t256_z8``; ``all``: the list below), each on the same device buffers,
-each checked on the sample rows.
+planner's choice (``CoopTile`` names such as ``128x256x32_w2x4_p2_z8``; ``all``: the list
+below), each on the same device buffers, each checked on the sample rows.
 
 Accuracy: the largest |y - ref| over the sampled rows divided by the largest |ref| there
 ("max error / max |ref|"), and the largest elementwise |y - ref| / |ref| over elements with
@@ -38,9 +37,6 @@ CANDIDATES = (
     "128x256x32_w2x4_p2_z8", "128x256x32_w2x4_p1_z8", "128x256x32_w2x4_p2_z0", "128x256x32_w4x4_p2_z8",
     "256x128x32_w4x2_p2_z8", "128x128x32_w2x2_p2_z8", "128x128x32_w2x2_p1_z8", "128x128x64_w2x4_p1_z8",
     "128x128x32_w2x4_p2_z8", "64x256x32_w1x4_p2_z8", "64x64x32_w2x2_p1_z8",
-    # workgroup-scope accumulators loaded through tensor layouts (VK_NV_cooperative_matrix2)
-    "cm2_128x256x32_t256_z8", "cm2_128x256x64_t256_z8", "cm2_256x128x32_t256_z8", "cm2_128x128x32_t256_z8",
-    "cm2_128x128x64_t256_z8", "cm2_256x256x32_t256_z8", "cm2_128x256x32_t256_z1", "cm2_128x128x32_t128_z8",
 )
 SAMPLE_ROWS = 64
 
@@ -87,7 +83,7 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
                  device_id: str | None, reps: int, variants: list[str]) -> dict[str, Any]:
     from vkpool.kernels.base import pack_push_constants
     from vkpool.kernels.ops.gemm import MatmulProblem
-    from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, coop_shape, parse_tile
+    from vkpool.kernels.ops.gemm_f16 import CoopTile, HalfMatmulPlan, coop_shape
     from vkpool.session import Session
 
     out: dict[str, Any] = {}
@@ -101,7 +97,6 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
         out["driver"] = device.info.driver_version
         out["kernel"] = [label for label in chunk.dispatch_labels]
         out["coop_shape"] = list(caps.cooperative_matrix_f16)
-        out["coop_workgroup"] = list(caps.cooperative_matrix_workgroup_f16)
         out["accuracy"] = accuracy(y[rows], ref)
         walls = []
         for _ in range(3):
@@ -127,7 +122,7 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
                 member.upload(bufs[1], b)
                 out["variants"] = {}
                 for name in variants:
-                    tile = parse_tile(name)
+                    tile = CoopTile.parse(name)
                     try:
                         (d,) = plan.dispatches(*bufs, caps, tile)
                         dispatch = ("dispatch", device.pipeline(d.shader, d.defines),
@@ -197,8 +192,7 @@ def run_size(size: int, args: argparse.Namespace, variants: list[str]) -> dict[s
 def report(r: dict[str, Any]) -> str:
     v, t = r["vkpool"], r.get("torch", {})
     lines = [f"== M = N = K = {r['size']} ({r['reps']} replays, median; accuracy on {r['sample_rows']} rows)",
-             f"vkpool: {v['device']} (driver {v['driver']}), cooperative-matrix shapes {v['coop_shape']}, "
-             f"workgroup-scope size classes {v['coop_workgroup']}",
+             f"vkpool: {v['device']} (driver {v['driver']}), cooperative-matrix shapes {v['coop_shape']}",
              f"  kernel: {', '.join(v['kernel'])}",
              f"  GPU {v['gpu_us']:.1f} us  {v['tflops']:.1f} TFLOP/s  "
              f"max err / max |ref| {v['accuracy']['max_err_over_max_ref']:.2e}  "

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (one call does set-up, checks and timing); writes results under $OUT.
 # Carry: .gl (libvulkan1 and glvnd .debs), .whl (vulkan, cffi, pycparser, pyzmq wheels), .glsl/glslang.tar.xz
-# (glslangValidator and its shared libraries, spirv-as and spirv-val, out of the cmeel wheels, 4 MB
-# instead of 28 MB, so that everything fits the transfer limit), and for a mixed NVIDIA + llvmpipe pool .lvp/lvp.tar.xz (Mesa's
+# (glslangValidator and its shared libraries out of the cmeel wheels, 3 MB instead of 28 MB, so that
+# everything fits the transfer limit), and for a mixed NVIDIA + llvmpipe pool .lvp/lvp.tar.xz (Mesa's
 # lavapipe and its libraries). Make .glsl here with:
 #   (cd .venv/lib/python3*/site-packages && tar cJf - cmeel.prefix/bin/glslangValidator \
-#      cmeel.prefix/bin/spirv-as cmeel.prefix/bin/spirv-val \
 #      cmeel.prefix/lib/libglslang.so.13 cmeel.prefix/lib/libSPIRV.so.13 \
 #      cmeel.prefix/lib/libglslang-default-resource-limits.so.13 cmeel.prefix/lib/libSPIRV-Tools-shared.so) \
 #      > .glsl/glslang.tar.xz

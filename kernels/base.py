@@ -137,10 +137,6 @@ class DeviceCaps:
     cooperative_matrix: bool = False
     #: (M, N, K) of subgroup-scope cooperative matrices multiplying float16 into float32
     cooperative_matrix_f16: tuple[tuple[int, int, int], ...] = ()
-    #: workgroup-scope float16 matrices (VK_NV_cooperative_matrix2): (M, N, K granularity,
-    #: workgroup invocations) per size class, and the shared memory the driver keeps for them
-    cooperative_matrix_workgroup_f16: tuple[tuple[int, int, int, int], ...] = ()
-    cooperative_matrix_workgroup_reserved_shared: int = 0
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 
 from vkpool import shaders, vk
 from vkpool.cache import cache_dir, write_atomic
-from vkpool.discovery import CooperativeMatrix2, PhysicalDeviceInfo
+from vkpool.discovery import PhysicalDeviceInfo
 from vkpool.kernels.base import DeviceCaps
 
 
@@ -117,8 +117,6 @@ class LogicalDevice:
             subgroup_arithmetic=info.capabilities.get("subgroup_arithmetic", False),
             cooperative_matrix=info.capabilities.get("cooperative_matrix", False),
             cooperative_matrix_f16=tuple(info.cooperative_matrix_f16),
-            cooperative_matrix_workgroup_f16=tuple(info.cooperative_matrix_workgroup_f16),
-            cooperative_matrix_workgroup_reserved_shared=info.cooperative_matrix_workgroup_reserved_shared,
         )
         self._closed = False
         atexit.register(self.save_pipeline_cache)
@@ -177,16 +175,6 @@ class LogicalDevice:
             f12.pNext = fcm
             self._keep.append(fcm)
             ext_names.append(b"VK_KHR_cooperative_matrix")
-            if caps.get("cooperative_matrix2"):
-                # workgroup-scope matrices of any multiple of the listed granularity, loaded and
-                # stored through tensor layouts (gemm_coopmat2.spvasm)
-                nv2 = CooperativeMatrix2()
-                nv2.features.cooperativeMatrixWorkgroupScope = 1
-                nv2.features.cooperativeMatrixFlexibleDimensions = 1
-                nv2.features.cooperativeMatrixTensorAddressing = 1
-                fcm.pNext = nv2.link(nv2.features)
-                self._keep.append(nv2)
-                ext_names.append(b"VK_NV_cooperative_matrix2")
         if caps.get("memory_budget"):
             ext_names.append(b"VK_EXT_memory_budget")
         # host memory another process shares (a mapping) read and written by kernels in place

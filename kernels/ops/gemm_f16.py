@@ -8,10 +8,6 @@ Two kernels, chosen per device when the dispatches are built:
   the workgroup tile (``CoopTile``) from ``COOP_TILES``, the first that fits the device's
   shared memory and invocations, with a smaller one when large tiles would leave the device
   short of workgroups;
-- ``gemm_coopmat2.spvasm`` where the device also has ``VK_NV_cooperative_matrix2`` with
-  workgroup scope, flexible dimensions and tensor addressing: one workgroup-scope accumulator
-  per workgroup tile (``Coop2Tile``), its blocks of A and B loaded through tensor layouts, so
-  that the driver picks the staging and the multiply instructions;
 - ``gemm_f16.comp`` everywhere else (lavapipe, older GPUs): the scalar tiling of
   ``gemm.comp`` over float16 storage.
 
@@ -76,39 +72,6 @@ class CoopTile:
         return cls(bm, bn, bk, wm, wn, int(prefetch[1:]), int(swizzle[1:]))
 
 
-@dataclass(frozen=True)
-class Coop2Tile:
-    """A workgroup tile of ``gemm_coopmat2.spvasm``: one BM x BN workgroup-scope accumulator
-    over WG invocations, BK-deep steps, SWIZZLE tile-rows per L2 band (1: none)."""
-
-    BM: int
-    BN: int
-    BK: int
-    WG: int = 256
-    SWIZZLE: int = 8
-
-    @property
-    def name(self) -> str:
-        return f"cm2_{self.BM}x{self.BN}x{self.BK}_t{self.WG}_z{self.SWIZZLE}"
-
-    def fits(self, caps: DeviceCaps) -> bool:
-        """A size class the driver lists for WG invocations divides the tile."""
-        return self.SWIZZLE >= 1 and any(
-            inv == self.WG and self.BM % gm == 0 and self.BN % gn == 0 and self.BK % gk == 0
-            for gm, gn, gk, inv in caps.cooperative_matrix_workgroup_f16)
-
-    @classmethod
-    def parse(cls, text: str) -> Coop2Tile:
-        _, dims, threads, swizzle = text.split("_")
-        bm, bn, bk = (int(v) for v in dims.split("x"))
-        return cls(bm, bn, bk, int(threads[1:]), int(swizzle[1:]))
-
-
-def parse_tile(text: str) -> CoopTile | Coop2Tile:
-    """A tile from its ``name`` (``bench/gemm_fp16.py --variants``)."""
-    return Coop2Tile.parse(text) if text.startswith("cm2_") else CoopTile.parse(text)
-
-
 #: preferred first. NOTE: H200, driver 580, M = N = K = 8192 (bench/gemm_fp16.py --variants):
 #: 128 x 256 with two slices in flight 291 TFLOP/s, 128 x 128 (two workgroups per
 #: multiprocessor) 285, 64 x 64 168; 64 x 32 blocks per subgroup, deeper slices (48, 64) and
@@ -154,7 +117,7 @@ class HalfMatmulPlan:
         return fitting[-1]
 
     def dispatches(
-        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | Coop2Tile | None = None,
+        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None,
     ) -> list[Dispatch]:
         """The dispatches computing Y on a device with ``caps``; ``tile`` overrides the
         cooperative-matrix tile (benchmarks compare tiles with it)."""
@@ -162,17 +125,7 @@ class HalfMatmulPlan:
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
         shape = coop_shape(caps)
-        vec_a, vec_b = p.K % 8 == 0, p.N % 8 == 0
-        if isinstance(tile, Coop2Tile):
-            # tensor layouts take whole rows of 16-byte vectors (the loads are declared aligned)
-            if not (vec_a and vec_b and tile.fits(caps)):
-                raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device or shape")
-            full = p.M % tile.BM == 0 and p.N % tile.BN == 0 and p.K % tile.BK == 0
-            shader = "gemm_coopmat2"
-            defines: dict[str, Any] = {"WG": tile.WG, "BM": tile.BM, "BN": tile.BN, "BK": tile.BK,
-                       "SWIZZLE": tile.SWIZZLE, "CLAMP": int(not full)}
-            bm, bn = tile.BM, tile.BN
-        elif shape is not None:
+        if shape is not None:
             tile = tile or self.choose_tile(caps)
             if not tile.fits(caps, shape):
                 raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
@@ -181,9 +134,10 @@ class HalfMatmulPlan:
             # driver running it with the subgroup size the device reports (32 on NVIDIA, seen on
             # the H200 with driver 580); a driver that picks another size per pipeline would need
             # VK_EXT_subgroup_size_control's required size.
+            vec_a, vec_b = p.K % 8 == 0, p.N % 8 == 0
             full = p.M % tile.BM == 0 and p.N % tile.BN == 0 and p.K % tile.BK == 0 and p.K > 0
             shader = "gemm_coopmat"
-            defines = {
+            defines: dict[str, Any] = {
                 "LM": lm, "LN": ln, "LK": lk, "BM": tile.BM, "BN": tile.BN, "BK": tile.BK,
                 "WM": tile.WM, "WN": tile.WN, "SG": caps.subgroup_size, "PREFETCH": tile.PREFETCH,
                 "SWIZZLE": tile.SWIZZLE, "A_VEC": int(vec_a), "B_VEC": int(vec_b),
@@ -214,4 +168,4 @@ class HalfMatmulPlan:
         return 2 * self.p.M * self.p.N * self.p.K * self.p.batch_count
 
 
-__all__ = ["COOP_TILES", "Coop2Tile", "CoopTile", "HalfMatmulPlan", "coop_shape", "parse_tile"]
+__all__ = ["COOP_TILES", "CoopTile", "HalfMatmulPlan", "coop_shape"]
