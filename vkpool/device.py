@@ -474,6 +474,13 @@ class LogicalDevice:
         vk.call("vkCreateSemaphore", self.handle, info, ffi.NULL, handle, member=self.name)
         return Timeline(handle[0])
 
+    def wait_idle(self) -> None:
+        """Waits until the device has finished everything submitted to it, semaphore signals
+        included: before the command buffers, fences and semaphores of runs are destroyed, since
+        a fence can be seen signalled a moment before the semaphores of its batches (lavapipe)."""
+        with self.queue_lock:
+            vk.check("vkDeviceWaitIdle", self._lib.vkDeviceWaitIdle(self.handle), self.name)
+
     def destroy_semaphore(self, sem: Any) -> None:
         self._lib.vkDestroySemaphore(self.handle, sem, self._ffi.NULL)
 

@@ -618,6 +618,8 @@ class VulkanChunk:
                 self._idle.put(slot)
 
     def close(self) -> None:
+        if self._subs:
+            self.device.wait_idle()  # nothing submitted may still use what is destroyed below
         for sub in self._subs:
             sub.release()
         self._subs = []
