@@ -520,16 +520,25 @@ class PlanExecutor(LaneReports):
         if finished:
             self._finish(request)
 
-    def _finish(self, request: _Request) -> None:
+    def _end(self, request: _Request, *, traced: bool) -> bool:
+        """Takes the request off its lane, once (``traced``: its runs go to the trace);
+        False when it had ended already (a run of another branch failed it meanwhile)."""
         with self._lane_lock:
-            failed = request.done  # a run of another branch failed it meanwhile
-            if not failed:
-                request.lane.in_flight -= 1
-                self._pending.pop(request.id, None)
+            if request.done:
+                return False
+            request.done = True
+            request.lane.in_flight -= 1
+            self._pending.pop(request.id, None)
+            if traced:
                 self._trace.append((request.id, request.lane.index, request.events))
-                request.done = True
+            else:
+                request.lane.backlog = deque(r for r in request.lane.backlog if r is not request)
+        return True
+
+    def _finish(self, request: _Request) -> None:
+        ended = self._end(request, traced=True)
         self._give_back_slot(request)
-        if failed:
+        if not ended:
             return
         out = {}
         for name in self._output_names:
@@ -548,16 +557,8 @@ class PlanExecutor(LaneReports):
         with request.lock:
             first = not request.failed
             request.failed = True
-        if first:
-            with self._lane_lock:
-                first = not request.done  # not finished meanwhile
-                if first:
-                    request.lane.in_flight -= 1
-                    self._pending.pop(request.id, None)
-                    request.lane.backlog = deque(r for r in request.lane.backlog if r is not request)
-                    request.done = True
-            if first and exc is not None:
-                request.future.set_exception(exc)
+        if first and self._end(request, traced=False) and exc is not None:
+            request.future.set_exception(exc)
         self._give_back_slot(request)
 
     def _give_back_slot(self, request: _Request) -> None:

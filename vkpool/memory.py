@@ -122,9 +122,8 @@ class Allocation:
     def device_local(self) -> bool:
         """Whether the bytes are in the device's own memory (kernels read them at device speed);
         memory imported from the host (:class:`HostImport`) is not."""
-        memory_type = getattr(self.allocator, "memory_type", None)  # a HostImport has none
         device = self.allocator.device
-        return memory_type is not None and memory_type in (device.device_type, device.mapped_device_type)
+        return self.allocator.memory_type in (device.device_type, device.mapped_device_type)
 
     def view(self, dtype: Any = np.uint8, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A numpy view of the mapped bytes (host-visible memory only)."""
@@ -143,6 +142,8 @@ class HostImport:
     ``VK_EXT_external_memory_host`` so that kernels read and write it in place. Not charged
     to a budget: it is not device memory. ``allocation`` is an :class:`Allocation` over all
     of it; :meth:`free` (through the allocation) releases the device's hold on it."""
+
+    memory_type = None  # none of the device's own memory types (see Allocation.device_local)
 
     def __init__(self, device: LogicalDevice, region: np.ndarray) -> None:
         self.device = device

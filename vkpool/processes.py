@@ -19,8 +19,9 @@ last chunk answers, a copy out.
   through the caller. Where both devices import host memory (``VK_EXT_external_memory_host``)
   that hop can copy nothing on the host: the producer's kernels write the tensor into the
   slot and the consumer's commands read it from there (``IN_PLACE``, off by default: see
-  there); otherwise the workers copy it out of and into their chunks' own memory. The file is unlinked once the lane's
-  workers have mapped it, so nothing is left behind however the processes end.
+  there); otherwise the workers copy it out of and into their chunks' own memory. The file
+  is unlinked once the lane's workers have mapped it, so nothing is left behind however the
+  processes end.
 - **Wire.** Caller → worker: one byte per run, the request's slot (``CLOSE`` asks the worker to
   finish what it holds and exit). Worker → caller: ``slot, 0`` when the chunk's outputs are
   written; ``slot, 1``, a 4-byte length and a UTF-8 message when the run failed; at start,
@@ -67,8 +68,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from vkpool.engine import ChunkStats
 from vkpool import vk
+from vkpool.engine import ChunkStats
 from vkpool.executor import RUN_SLOTS, TRACE_REQUESTS, LaneReports, _Lane, _Stage, plan_lanes, stage_nodes
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel
