@@ -216,15 +216,17 @@ def ring_sleep(words: memoryview, which: int, seen: int, asleep: int, reader: P.
             return parts
 
 
-def ring_wake(sock: socket.socket, words: memoryview, asleep: int) -> None:
-    """After publishing: wake the other side when it sleeps in ``recv``."""
+def ring_wake(sock: socket.socket, words: memoryview, asleep: int) -> bool:
+    """After publishing: wake the other side when it sleeps in ``recv``. False when the wake-up
+    could not be written: the other side is gone, and will not read the ring either."""
     _FENCE.acquire()  # fence(), inline
     _FENCE.release()
     if words[asleep]:
         try:
             sock.send(P.LANE_WAKE, P._NOSIGNAL)
         except OSError:
-            pass  # the other side is gone: it will not read the ring either
+            return False
+    return True
 
 
 def _timeval(seconds: float | None) -> bytes:
@@ -330,7 +332,8 @@ class LaneConnection:
                         # too large for the slot: on the socket, and in the ring a pointer to it
                         size = P.lane_send(self.sock, body, start)
                         ring.post([], _REP)
-                    ring_wake(self.sock, ring.words, _CLIENT_ASLEEP)
+                    if not ring_wake(self.sock, ring.words, _CLIENT_ASLEEP):
+                        raise BrokenPipeError("the client left while it waited for this reply")
                 else:
                     size = P.lane_send(self.sock, body, start, fds)
                 return size
