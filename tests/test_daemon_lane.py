@@ -23,7 +23,7 @@ from test_daemon_support import add_model, daemon_env, mlp_model, short_folder
 from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
 from vkpool.daemon.client import Client
-from vkpool.daemon.lane import _CLIENT_ASLEEP, _REP, LaneConnection, Ring, ring_supported
+from vkpool.daemon.lane import _CLIENT_ASLEEP, _REP, LaneConnection, Ring
 
 pytestmark = pytest.mark.timeout(180)
 X = np.arange(8, dtype=np.float32).reshape(1, 8)
@@ -585,7 +585,6 @@ def test_lane_framing_carries_big_tensors_many_frames_and_pipelined_messages() -
         b.close()
 
 
-@pytest.mark.skipif(not ring_supported(), reason="rings need x86-64 Linux (memfd and SCM_RIGHTS)")
 def test_a_reply_in_the_ring_to_a_client_gone_asleep_counts_as_undelivered() -> None:
     """The daemon's side of a ring, over a socket pair: a reply to a sleeping client is published in
     the ring and woken on the socket; when the client is gone the wake-up fails, and the write

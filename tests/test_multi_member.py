@@ -310,3 +310,27 @@ def test_failed_requests_give_their_run_slots_back(pool4) -> None:
         for f in futures[3:]:
             np.testing.assert_array_equal(f.result(timeout=60)[output], expected[0])
         assert sorted(executor.lanes[0].free_slots) == [0, 1] and not executor.lanes[0].backlog
+
+
+def test_closing_ends_the_requests_waiting_for_a_run_slot(pool4) -> None:
+    """Requests beyond the lane's two run slots wait for one; closing the session while they
+    wait ends each of them (a result, or the error that says the session was closed), none hangs."""
+    model, feeds, expected = _reference("conv_few_15MB", pool4)
+    with Session(model, pool=pool4, device="vk0.0") as single:
+        order = build_graph(single.model).graph["order"]
+    cut = order.index(next(op for op in order if op.startswith("Reshape")))
+    assignment = {op: ("vk0.0" if i < cut else "vk0.1") for i, op in enumerate(order)}
+    session = Session(model, pool=pool4, plan=assignment)
+    executor = session.executor
+    futures = [executor.submit(feeds) for _ in range(8)]
+    assert executor.lanes[0].backlog  # six of them wait for a slot
+    session.close()
+    output = session.get_outputs()[0].name
+    closed = 0
+    for f in futures:
+        try:
+            np.testing.assert_array_equal(f.result(timeout=60)[output], expected[0])
+        except RuntimeError as exc:
+            assert "closed before this request finished" in str(exc)
+            closed += 1
+    assert closed >= 1 and not executor.lanes[0].backlog

@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 from onnx.reference import ReferenceEvaluator
 
-import vkpool.device
-from conftest import matmul_model, vulkan_pool
+from conftest import matmul_model, transfer_queue_pool, vulkan_pool
 from vkpool import vk
 from vkpool.engine import VulkanChunk
 from vkpool.model import load_model
@@ -33,10 +32,7 @@ def _model() -> bytes:
 
 @pytest.fixture(params=["off", "main"])
 def member(request, monkeypatch):
-    monkeypatch.setattr(vkpool.device, "TRANSFER_QUEUE", request.param)
-    pool = vulkan_pool()
-    member = pool.vulkan_members[0]
-    member.inputs = None  # inputs in host memory: with a transfer queue they are copied in before the run
+    pool, member = transfer_queue_pool(request.param, monkeypatch)  # with "main" the input is copied in first
     yield member
     pool.close()
 

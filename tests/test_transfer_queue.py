@@ -17,7 +17,7 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 import vkpool.device
-from conftest import matmul_model, vulkan_pool
+from conftest import matmul_model, transfer_queue_pool, vulkan_pool
 from vkpool.engine import STAGED_OUTPUT_BYTES, VulkanChunk
 from vkpool.model import load_model
 
@@ -26,14 +26,6 @@ ROWS, K, N = 64, 96, 640  # output 160 KiB
 
 def _model() -> bytes:
     return matmul_model(ROWS, K, N, seed=5)
-
-
-def _pool(mode: str, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(vkpool.device, "TRANSFER_QUEUE", mode)
-    pool = vulkan_pool()
-    member = pool.vulkan_members[0]
-    member.inputs = None  # inputs in host memory, as where the host cannot map device memory
-    return pool, member
 
 
 def _runs(member, model, feeds: list[dict[str, np.ndarray]], slots: int) -> tuple[VulkanChunk, list[np.ndarray]]:
@@ -53,7 +45,7 @@ def test_copies_on_their_own_queue_give_the_same_results(mode: str, monkeypatch:
     rng = np.random.default_rng(9)
     feeds = [{"x": rng.standard_normal((ROWS, K)).astype(np.float32)} for _ in range(6)]
     reference = ReferenceEvaluator(onnx.load_from_string(data))
-    pool, member = _pool(mode, monkeypatch)
+    pool, member = transfer_queue_pool(mode, monkeypatch)
     try:
         device = member.device
         chunk, got = _runs(member, model, feeds, slots=2)
@@ -87,7 +79,7 @@ def test_auto_takes_a_transfer_only_family_or_none(monkeypatch: pytest.MonkeyPat
     assert choose_transfer_family([main]) is None  # lavapipe's one family
     assert choose_transfer_family([main, b.VK_QUEUE_TRANSFER_BIT, b.VK_QUEUE_COMPUTE_BIT]) == 1  # NVIDIA's order
     assert choose_transfer_family([main, b.VK_QUEUE_COMPUTE_BIT | b.VK_QUEUE_TRANSFER_BIT]) is None
-    pool, member = _pool("auto", monkeypatch)
+    pool, member = transfer_queue_pool("auto", monkeypatch)
     try:
         device = member.device
         assert device.transfer_family == choose_transfer_family(device.queue_flags)

@@ -337,8 +337,8 @@ class LaneReports:
     lanes: list[_Lane]
     _trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]]
     _trace_lock: Any
-    #: memory shared by linked chunks: (member id, allocation)
-    _shared: list[tuple[str, Any]] = []
+    #: memory shared by linked chunks: (member id, allocation); none unless a subclass links chunks
+    _shared: Sequence[tuple[str, Any]] = ()
 
     @property
     def members(self) -> list[str]:
@@ -402,7 +402,7 @@ class PlanExecutor(LaneReports):
         self._input_names = [name for name, _ in model.inputs]
         self._output_names = [name for name, _ in model.outputs if name not in model.constants]
         self.lanes: list[_Lane] = plan_lanes(pool, model, plan, graph)
-        self._shared = []
+        self._shared: list[tuple[str, Any]] = []
         self._boundary: dict[str, list[Any]] = {}  # linked tensor → its memory per run slot
         lane = self.lanes[0]  # replicas run one chunk each: nothing to link
         if LINK_ON_DEVICE and link_stages(model, lane.stages):
@@ -531,8 +531,6 @@ class PlanExecutor(LaneReports):
             self._pending.pop(request.id, None)
             if traced:
                 self._trace.append((request.id, request.lane.index, request.events))
-            else:
-                request.lane.backlog = deque(r for r in request.lane.backlog if r is not request)
         return True
 
     def _finish(self, request: _Request) -> None:
@@ -584,7 +582,11 @@ class PlanExecutor(LaneReports):
         self._closed = True
         for runner in self._runners.values():
             runner.stop()
-        # a request whose next chunk was queued after its member's worker stopped never ends: fail it
+        # a request whose next chunk was queued after its member's worker stopped never ends, nor
+        # one waiting for a run slot (a closed executor gives none out): fail them
+        with self._lane_lock:
+            for lane in self.lanes:
+                lane.backlog.clear()
         for request in list(self._pending.values()):
             self._fail(request, RuntimeError("the session was closed before this request finished"))
         for lane in self.lanes:
