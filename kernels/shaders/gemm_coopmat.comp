@@ -158,19 +158,17 @@ void main() {
     uvec4 a0[A_LOADS], b0[B_LOADS];
     fetch(a0, b0, aBase, bBase, row0, col0, 0);
 #if STAGES > 1
-    // STAGES shared buffers: slice t is multiplied from buffer t % STAGES while slice t + 1,
-    // already in registers, is written into the next buffer and slice t + 2 is fetched
+    // STAGES shared buffers: while slice t is multiplied from buffer t % STAGES, slice t + 1 is
+    // on its way into registers; it is written into the next buffer after the multiply
     stash(a0, b0, 0);
-    if (slices > 1) fetch(a0, b0, aBase, bBase, row0, col0, BK);
     barrier();
     for (uint t = 0; t < slices; t += STAGES) {
         [[unroll]] for (uint s = 0; s < STAGES; ++s) {
             if (t + s < slices) {
-                if (t + s + 1 < slices) {
-                    stash(a0, b0, ((s + 1) % STAGES) * STAGE_SIZE);
-                    if (t + s + 2 < slices) fetch(a0, b0, aBase, bBase, row0, col0, (t + s + 2) * BK);
-                }
+                const bool more = t + s + 1 < slices;
+                if (more) fetch(a0, b0, aBase, bBase, row0, col0, (t + s + 1) * BK);
                 multiply(sm, sn, s * STAGE_SIZE);
+                if (more) stash(a0, b0, ((s + 1) % STAGES) * STAGE_SIZE);
                 barrier();
             }
         }
