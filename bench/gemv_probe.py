@@ -57,19 +57,16 @@ def _model(size: int, transposed: bool, stage_input: bool = False, softmax: bool
     return m.SerializeToString()
 
 
-#: work splits tried with --variants: overrides of vkpool.kernels.ops.gemm's tunables (the
-#: N x K layout's 2, 4 and 8 rows of 64 or 128 invocations, slower on the H200, are in
-#: docs/gpu/h200-gemv-variants.txt)
+#: work splits tried with --variants: overrides of vkpool.kernels.ops.gemm's tunables
 VARIANTS: dict[bool, list[dict[str, int]]] = {
     False: [{"_GEMV_TARGET_GROUPS": 4096, "_GEMV_MIN_ROWS_PER_SPLIT": 64},
             {"_GEMV_TARGET_GROUPS": 16384, "_GEMV_MIN_ROWS_PER_SPLIT": 32}],
-    True: [{"_GEMV_T_ROWS": 1, "_GEMV_T_THREADS_PER_ROW": 256, "_GEMV_T_ROWS_PER_INVOCATION": 1},
-           {"_GEMV_T_ROWS_PER_INVOCATION": 2}, {"_GEMV_T_ROWS_PER_INVOCATION": 4},
-           {"_GEMV_T_THREADS_PER_ROW": 128, "_GEMV_T_ROWS_PER_INVOCATION": 2},
-           {"_GEMV_T_THREADS_PER_ROW": 128, "_GEMV_T_ROWS_PER_INVOCATION": 4},
-           {"_GEMV_T_THREADS_PER_ROW": 512, "_GEMV_T_ROWS_PER_INVOCATION": 1},
-           {"_GEMV_T_THREADS_PER_ROW": 512, "_GEMV_T_ROWS_PER_INVOCATION": 2},
-           {"_GEMV_T_ROWS": 8, "_GEMV_T_THREADS_PER_ROW": 32}],
+    True: [{"_GEMV_T_ROWS": 1, "_GEMV_T_THREADS_PER_ROW": 256},
+           {"_GEMV_T_ROWS": 2, "_GEMV_T_THREADS_PER_ROW": 128},
+           {"_GEMV_T_ROWS": 4, "_GEMV_T_THREADS_PER_ROW": 64},
+           {"_GEMV_T_ROWS": 8, "_GEMV_T_THREADS_PER_ROW": 64},
+           {"_GEMV_T_ROWS": 4, "_GEMV_T_THREADS_PER_ROW": 32},
+           {"_GEMV_T_ROWS": 16, "_GEMV_T_THREADS_PER_ROW": 32}],
 }
 
 
@@ -82,7 +79,6 @@ def main() -> None:
     ap.add_argument("--stage-input", action="store_true", help="add zero to x first (product reads device memory)")
     ap.add_argument("--softmax", action="store_true", help="end with a Softmax, as matmul_1GB_1layer does")
     ap.add_argument("--stage-output", action="store_true", help="add zero last (the op before writes device memory)")
-    ap.add_argument("--transposed-only", action="store_true", help="only the N x K layout (Gemm transB=1)")
     ap.add_argument("--layers", type=int, default=1, help="products in a chain, each with its own weights")
     ap.add_argument("--file", type=Path,
                     help="instead: profile this one-MatMul model (matmul_1GB_1layer) as loaded from its file "
@@ -99,7 +95,7 @@ def main() -> None:
     print("| weights | layout | split | dispatches (GPU µs each, mean) | product GPU µs | GB/s | run median µs |\n|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
-            for transposed in (True,) if args.transposed_only else (False, True):
+            for transposed in (False, True):
                 path = Path(tmp) / f"gemv_{size}_{int(transposed)}.onnx"
                 path.write_bytes(_model(size, transposed, args.stage_input, args.softmax, args.stage_output, args.layers))
                 defaults = {name: getattr(gemm, name) for v in VARIANTS[transposed] for name in v}

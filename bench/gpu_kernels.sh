@@ -2,7 +2,8 @@
 # The kernel sweeps behind docs/benchmarks.md's GEMM and GEMV rows, in one call on the GPU machine,
 # after `bash bench/gpu_run.sh x none --devices-only` (set-up; see that file for what to carry).
 # Run from the checkout; results go to $OUT (default /tmp/out):
-#   gemm-fp16.txt/.json   tests/test_fp16_gemm.py, then bench.gemm_fp16 over GEMM_TILES at 8192 and 4096
+#   gemm-fp16.txt/.json   tests/test_fp16_gemm.py, then bench.gemm_fp16 over GEMM_TILES (default: its candidate
+#                         list) at 8192 and 4096
 #   gemv-16layers.txt     bench.gemv_probe: 16 chained 64 MiB GEMVs (matmul_1GB_16layers' shape), each split
 #   gemv-1layer.txt       bench.gemv_probe: one 1 GiB GEMV + Softmax (matmul_1GB_1layer's shape), each split
 #   matmul-harness-*.md  python -m bench on both matmul workloads, vkpool against torch's CUDA graph
@@ -15,7 +16,7 @@ export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/n
 rm -rf /tmp/benchpkg && mkdir -p /tmp/benchpkg && cp -r bench /tmp/benchpkg/
 cp -r tests /tmp/benchpkg/ 2>/dev/null
 SKIP=${SKIP:-}
-TILES=${GEMM_TILES:-128x256x32_w2x4_p2_z8,128x128x32_w2x2_p2_z8,128x128x32_w2x2_p1_z8_s2,128x128x16_w2x2_p1_z8_s2,128x128x16_w2x2_p1_z8_s3,128x256x16_w2x4_p1_z8_s2,128x256x16_w2x4_p1_z8_s3,256x128x16_w4x2_p1_z8_s2,128x128x32_w2x4_p1_z8_s2,64x256x32_w1x4_p1_z8_s2}
+TILES=${GEMM_TILES:-all}
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 cd /tmp
 if [[ " $SKIP " != *" gemm "* ]]; then
@@ -25,9 +26,9 @@ if [[ " $SKIP " != *" gemm "* ]]; then
   tail -30 "$OUT/gemm-fp16.txt"
 fi
 if [[ " $SKIP " != *" gemv "* ]]; then
-  timeout 200 $PY -m bench.gemv_probe --sizes 4096 --layers 16 --transposed-only --variants --runs 200 \
+  timeout 200 $PY -m bench.gemv_probe --sizes 4096 --layers 16 --variants --runs 200 \
     > "$OUT/gemv-16layers.txt" 2>&1; cat "$OUT/gemv-16layers.txt"
-  timeout 200 $PY -m bench.gemv_probe --sizes 16384 --softmax --transposed-only --variants --runs 100 \
+  timeout 200 $PY -m bench.gemv_probe --sizes 16384 --softmax --variants --runs 100 \
     > "$OUT/gemv-1layer.txt" 2>&1; cat "$OUT/gemv-1layer.txt"
 fi
 if [[ " $SKIP " != *" harness "* ]]; then

@@ -127,8 +127,7 @@ def test_coopmat_kernel(pool, a_shape, b_shape):
 
 #: beside the planner's tiles, each pipelining mode of the kernel
 MODES = (CoopTile(64, 64, 32, 2, 2, PREFETCH=2), CoopTile(64, 64, 32, 2, 2, SWIZZLE=0),
-         CoopTile(128, 128, 48, 2, 4, PREFETCH=2, SWIZZLE=4), CoopTile(64, 64, 32, 2, 2, STAGES=2),
-         CoopTile(64, 128, 16, 2, 2, STAGES=3))
+         CoopTile(128, 128, 48, 2, 4, PREFETCH=2, SWIZZLE=4))
 
 
 def test_coopmat_every_tile(pool):

@@ -154,19 +154,6 @@ def test_gemm(pool: Any, shapes: tuple[Any, ...], attrs: dict[str, Any]) -> None
     _check(pool, "Gemm", inputs, attrs, weights=(1, 2))
 
 
-@pytest.mark.parametrize("rows_per_invocation,threads", [(2, 256), (4, 128), (3, 64)])
-def test_gemv_t_rows_per_invocation(pool: Any, monkeypatch: pytest.MonkeyPatch, rows_per_invocation: int,
-                                    threads: int) -> None:
-    # each invocation takes several rows: N not a multiple of them (the last group's rows past N
-    # read the last row and are not written), K with an odd count of vec4 slices per invocation
-    from vkpool.kernels.ops import gemm
-
-    monkeypatch.setattr(gemm, "_GEMV_T_ROWS_PER_INVOCATION", rows_per_invocation)
-    monkeypatch.setattr(gemm, "_GEMV_T_THREADS_PER_ROW", threads)
-    inputs = [_rand(1, 4 * threads * 3), _rand(37, 4 * threads * 3, seed=1), _rand(37, seed=2)]
-    _check(pool, "Gemm", inputs, {"transB": 1, "alpha": 0.5, "beta": 2.0}, weights=(1, 2), atol=1e-4)
-
-
 # -- convolution ------------------------------------------------------------------------------
 
 

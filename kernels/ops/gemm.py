@@ -37,9 +37,6 @@ _GEMV_MIN_ROWS_PER_SPLIT = 128
 #: 327.2 µs for 8 rows of 32; 2, 4 and 8 rows of 64 or 128 were slower still
 _GEMV_T_ROWS = 1
 _GEMV_T_THREADS_PER_ROW = 256
-#: gemv_t with one row of invocations per workgroup and subgroup sums: rows each invocation
-#: takes its slices of (more loads in flight per workgroup, fewer workgroups)
-_GEMV_T_ROWS_PER_INVOCATION = 1
 #: workgroups below which a tiled product splits its reduction, and the least K per split
 _GEMM_TARGET_GROUPS = 256
 _GEMM_MIN_K_PER_SPLIT = 128
@@ -220,17 +217,14 @@ class MatmulPlan:
         if vec == 1 and p.sAk != 1:
             raise UnsupportedOp("GEMV with a strided vector operand")  # never built by the ops here
         rows = _GEMV_T_ROWS
-        subgroup_reduce = rows == 1 and caps is not None and caps.subgroup_arithmetic
-        rpi = _GEMV_T_ROWS_PER_INVOCATION if subgroup_reduce else 1
-        groups = ceil_div(p.N, rows * rpi)
+        groups = ceil_div(p.N, rows)
         gy = ceil_div(groups, _MAX_GROUPS)
         return Dispatch(
             "gemv_t",
             [Ptr(a), Ptr(b), Ptr(c), Ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
-            (ceil_div(groups, gy), gy, 1),
-            {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "RPI": rpi, "HAS_BIAS": int(p.has_bias),
-             "RELU": int(p.relu), "SUBGROUP_REDUCE": int(subgroup_reduce)},
+            (ceil_div(groups, gy), gy, 1), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
+             "RELU": int(p.relu), "SUBGROUP_REDUCE": int(rows == 1 and caps is not None and caps.subgroup_arithmetic)},
         )
 
     def flops(self) -> int:

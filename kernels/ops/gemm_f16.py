@@ -32,8 +32,7 @@ _HALF = 2  # bytes
 @dataclass(frozen=True)
 class CoopTile:
     """A workgroup tile of ``gemm_coopmat.comp``: BM x BN outputs over WM x WN subgroups,
-    BK-deep slices, PREFETCH slices in flight (1 or 2), SWIZZLE tile-rows per L2 band (0: none),
-    STAGES shared buffers (1: two barriers per slice; 2 or more: one, PREFETCH 1 only)."""
+    BK-deep slices, PREFETCH slices in flight (1 or 2), SWIZZLE tile-rows per L2 band (0: none)."""
 
     BM: int
     BN: int
@@ -42,24 +41,21 @@ class CoopTile:
     WN: int
     PREFETCH: int = 1
     SWIZZLE: int = 8
-    STAGES: int = 1
 
     @property
     def name(self) -> str:
-        stages = f"_s{self.STAGES}" if self.STAGES != 1 else ""
-        return f"{self.BM}x{self.BN}x{self.BK}_w{self.WM}x{self.WN}_p{self.PREFETCH}_z{self.SWIZZLE}{stages}"
+        return f"{self.BM}x{self.BN}x{self.BK}_w{self.WM}x{self.WN}_p{self.PREFETCH}_z{self.SWIZZLE}"
 
     def shared_bytes(self) -> int:
-        """Shared memory: per stage an A slice of BM rows and a B slice of BK rows, rows padded by
-        8 halves."""
-        return self.STAGES * (self.BM * (self.BK + 8) + self.BK * (self.BN + 8)) * _HALF
+        """Shared memory: an A slice of BM rows and a B slice of BK rows, rows padded by 8 halves."""
+        return (self.BM * (self.BK + 8) + self.BK * (self.BN + 8)) * _HALF
 
     def fits(self, caps: DeviceCaps, shape: tuple[int, int, int]) -> bool:
         lm, ln, lk = shape
         threads = self.WM * self.WN * caps.subgroup_size
         return (
             self.BM % (self.WM * lm) == 0 and self.BN % (self.WN * ln) == 0 and self.BK % lk == 0
-            and self.PREFETCH in (1, 2) and self.STAGES >= 1 and (self.STAGES == 1 or self.PREFETCH == 1)
+            and self.PREFETCH in (1, 2)
             and threads <= caps.max_workgroup_invocations
             and (self.BM * self.BK // 8) % threads == 0 and (self.BK * self.BN // 8) % threads == 0
             and self.shared_bytes() <= caps.shared_memory_bytes
@@ -70,11 +66,10 @@ class CoopTile:
     @classmethod
     def parse(cls, text: str) -> CoopTile:
         """``CoopTile.name``'s format back into a tile (``bench/gemm_fp16.py --variants``)."""
-        dims, warps, prefetch, swizzle, *stages = text.split("_")
+        dims, warps, prefetch, swizzle = text.split("_")
         bm, bn, bk = (int(v) for v in dims.split("x"))
         wm, wn = (int(v) for v in warps[1:].split("x"))
-        return cls(bm, bn, bk, wm, wn, int(prefetch[1:]), int(swizzle[1:]),
-                   int(stages[0][1:]) if stages else 1)
+        return cls(bm, bn, bk, wm, wn, int(prefetch[1:]), int(swizzle[1:]))
 
 
 #: preferred first. NOTE: H200, driver 580, M = N = K = 8192 (bench/gemm_fp16.py --variants):
@@ -145,7 +140,7 @@ class HalfMatmulPlan:
             defines: dict[str, Any] = {
                 "LM": lm, "LN": ln, "LK": lk, "BM": tile.BM, "BN": tile.BN, "BK": tile.BK,
                 "WM": tile.WM, "WN": tile.WN, "SG": caps.subgroup_size, "PREFETCH": tile.PREFETCH,
-                "SWIZZLE": tile.SWIZZLE, "STAGES": tile.STAGES, "A_VEC": int(vec_a), "B_VEC": int(vec_b),
+                "SWIZZLE": tile.SWIZZLE, "A_VEC": int(vec_a), "B_VEC": int(vec_b),
                 "EDGES": int(not (full and vec_a and vec_b)), "STORE_DIRECT": int(vec_b),
             }
             bm, bn = tile.BM, tile.BN

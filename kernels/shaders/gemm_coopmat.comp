@@ -8,10 +8,9 @@
 // lists for float16 x float16 -> float32). BK-deep slices of A and B are staged through shared
 // memory, rows padded by 8 halves (16 bytes) so that a subgroup's row reads spread over all
 // banks. While one slice is multiplied, the next PREFETCH slices (1 or 2) are on their way from
-// global memory into registers. STAGES = 1 keeps one shared buffer (fill it, barrier, multiply,
-// barrier: two barriers per slice); STAGES >= 2 keeps that many, so that the next slice is
-// written into another buffer while this one is multiplied and each slice costs one barrier
-// (the loop is unrolled by STAGES, so every buffer's offset is a constant).
+// global memory into registers. (NOTE: H200, driver 580: two shared buffers, one barrier per
+// slice, ran at about half the speed of one buffer with the same tiles; 48 KiB of shared memory
+// leaves no room for two buffers of the fastest tile anyway.)
 //
 // A_VEC / B_VEC: K (resp. N) is a multiple of 8 and the operands are 16-byte aligned, so tiles
 // move in 16-byte vectors; otherwise element by element. Out-of-range rows and columns read as
@@ -53,11 +52,7 @@ layout(push_constant) uniform Args {
 #define BROW ((BN + 8) / 8)
 #define A_SIZE (BM * AROW)
 #define B_SIZE (BK * BROW)
-#ifndef STAGES
-#define STAGES 1
-#endif
-#define STAGE_SIZE (A_SIZE + B_SIZE)
-shared uvec4 smem[STAGES * STAGE_SIZE];
+shared uvec4 smem[A_SIZE + B_SIZE];
 
 // per invocation and slice: 16-byte vectors of A and of B
 #define A_LOADS (BM * BK / 8 / NT)
@@ -100,28 +95,28 @@ void fetch(out uvec4 a_regs[A_LOADS], out uvec4 b_regs[B_LOADS], uint64_t aBase,
     }
 }
 
-void stash(uvec4 a_regs[A_LOADS], uvec4 b_regs[B_LOADS], uint buf) {
+void stash(uvec4 a_regs[A_LOADS], uvec4 b_regs[B_LOADS]) {
     const uint tid = gl_LocalInvocationIndex;
     [[unroll]] for (uint i = 0; i < A_LOADS; ++i) {
         uint v = tid + i * NT;
-        smem[buf + (v / (BK / 8)) * AROW + v % (BK / 8)] = a_regs[i];
+        smem[(v / (BK / 8)) * AROW + v % (BK / 8)] = a_regs[i];
     }
     [[unroll]] for (uint i = 0; i < B_LOADS; ++i) {
         uint v = tid + i * NT;
-        smem[buf + A_SIZE + (v / (BN / 8)) * BROW + v % (BN / 8)] = b_regs[i];
+        smem[A_SIZE + (v / (BN / 8)) * BROW + v % (BN / 8)] = b_regs[i];
     }
 }
 
 coopmat<float, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> acc[TM][TN];
 
-void multiply(uint sm, uint sn, uint buf) {
+void multiply(uint sm, uint sn) {
     [[unroll]] for (uint kk = 0; kk < BK; kk += LK) {
         coopmat<float16_t, gl_ScopeSubgroup, LM, LK, gl_MatrixUseA> ma[TM];
         [[unroll]] for (uint i = 0; i < TM; ++i)
-            coopMatLoad(ma[i], smem, buf + (sm + i * LM) * AROW + kk / 8, AROW, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatLoad(ma[i], smem, (sm + i * LM) * AROW + kk / 8, AROW, gl_CooperativeMatrixLayoutRowMajor);
         [[unroll]] for (uint j = 0; j < TN; ++j) {
             coopmat<float16_t, gl_ScopeSubgroup, LK, LN, gl_MatrixUseB> mb;
-            coopMatLoad(mb, smem, buf + A_SIZE + kk * BROW + (sn + j * LN) / 8, BROW,
+            coopMatLoad(mb, smem, A_SIZE + kk * BROW + (sn + j * LN) / 8, BROW,
                         gl_CooperativeMatrixLayoutRowMajor);
             [[unroll]] for (uint i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(ma[i], mb, acc[i][j]);
         }
@@ -157,47 +152,31 @@ void main() {
     const uint slices = (pc.K + BK - 1) / BK;
     uvec4 a0[A_LOADS], b0[B_LOADS];
     fetch(a0, b0, aBase, bBase, row0, col0, 0);
-#if STAGES > 1
-    // STAGES shared buffers: while slice t is multiplied from buffer t % STAGES, slice t + 1 is
-    // on its way into registers; it is written into the next buffer after the multiply
-    stash(a0, b0, 0);
-    barrier();
-    for (uint t = 0; t < slices; t += STAGES) {
-        [[unroll]] for (uint s = 0; s < STAGES; ++s) {
-            if (t + s < slices) {
-                const bool more = t + s + 1 < slices;
-                if (more) fetch(a0, b0, aBase, bBase, row0, col0, (t + s + 1) * BK);
-                multiply(sm, sn, s * STAGE_SIZE);
-                if (more) stash(a0, b0, ((s + 1) % STAGES) * STAGE_SIZE);
-                barrier();
-            }
-        }
-    }
-#elif PREFETCH == 2
-    // one shared buffer: fill it, barrier, multiply, barrier; the loads of the next two slices
-    // are in flight during each multiply
+    // one shared buffer: fill it, barrier, multiply, barrier; the loads of the next PREFETCH
+    // slices are in flight during each multiply
+#if PREFETCH == 2
     uvec4 a1[A_LOADS], b1[B_LOADS];
     if (slices > 1) fetch(a1, b1, aBase, bBase, row0, col0, BK);
     for (uint t = 0; t < slices; t += 2) {
-        stash(a0, b0, 0);
+        stash(a0, b0);
         barrier();
         if (t + 2 < slices) fetch(a0, b0, aBase, bBase, row0, col0, (t + 2) * BK);
-        multiply(sm, sn, 0);
+        multiply(sm, sn);
         barrier();
         if (t + 1 < slices) {
-            stash(a1, b1, 0);
+            stash(a1, b1);
             barrier();
             if (t + 3 < slices) fetch(a1, b1, aBase, bBase, row0, col0, (t + 3) * BK);
-            multiply(sm, sn, 0);
+            multiply(sm, sn);
             barrier();
         }
     }
 #else
     for (uint t = 0; t < slices; ++t) {
-        stash(a0, b0, 0);
+        stash(a0, b0);
         barrier();
         if (t + 1 < slices) fetch(a0, b0, aBase, bBase, row0, col0, (t + 1) * BK);
-        multiply(sm, sn, 0);
+        multiply(sm, sn);
         barrier();
     }
 #endif

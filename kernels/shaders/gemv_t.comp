@@ -4,7 +4,6 @@
 // TPR invocations share one output row, each reading VEC-wide slices strided by TPR * VEC,
 // so a row is streamed in contiguous chunks; partial dots are combined in shared memory.
 #extension GL_GOOGLE_include_directive : require
-#extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 // SUBGROUP_REDUCE (one row per workgroup only): the partial dots are summed within each subgroup
 // first, so one barrier replaces the shared-memory tree's log2(TPR)
@@ -21,11 +20,6 @@
 #endif
 #ifndef ROWS
 #define ROWS 8
-#endif
-// RPI > 1 (one row of invocations per workgroup, SUBGROUP_REDUCE): each invocation takes its
-// slices of RPI consecutive rows, so a workgroup has RPI times the loads in flight at once
-#ifndef RPI
-#define RPI 1
 #endif
 layout(local_size_x = TPR, local_size_y = ROWS) in;
 
@@ -56,52 +50,6 @@ float hsum(VT v) {
 #endif
 }
 
-#if RPI > 1
-void main() {
-    const uint t = gl_LocalInvocationID.x;
-    const uint n0 = (gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x) * RPI;
-    const uint kv = pc.K / VEC;
-    uint base[RPI];
-    VT acc[RPI];
-    [[unroll]] for (uint i = 0; i < RPI; ++i) {
-        base[i] = min(n0 + i, pc.N - 1u) * (pc.sBn / VEC);  // rows past N re-read the last one
-        acc[i] = VT(0.0);
-    }
-    uint k = t;
-    for (; k + TPR < kv; k += 2 * TPR) {
-        const VT x0 = pc.x.v[k], x1 = pc.x.v[k + TPR];
-        [[unroll]] for (uint i = 0; i < RPI; ++i)
-            acc[i] += x0 * pc.b.v[base[i] + k] + x1 * pc.b.v[base[i] + k + TPR];
-    }
-    if (k < kv) {
-        const VT x0 = pc.x.v[k];
-        [[unroll]] for (uint i = 0; i < RPI; ++i) acc[i] += x0 * pc.b.v[base[i] + k];
-    }
-    [[unroll]] for (uint i = 0; i < RPI; ++i) {
-        const float part = subgroupAdd(hsum(acc[i]));
-        if (subgroupElect()) red[0][i * gl_NumSubgroups + gl_SubgroupID] = part;
-    }
-    barrier();
-    if (gl_SubgroupID != 0u) return;
-    [[unroll]] for (uint i = 0; i < RPI; ++i) {
-        float total = 0.0;
-        for (uint j = gl_SubgroupInvocationID; j < gl_NumSubgroups; j += gl_SubgroupSize)
-            total += red[0][i * gl_NumSubgroups + j];
-        total = subgroupAdd(total);
-        const uint n = n0 + i;
-        if (subgroupElect() && n < pc.N) {
-            float v = pc.alpha * total;
-#if HAS_BIAS
-            v += pc.beta * pc.c.v[n * pc.sCn];
-#endif
-#if RELU
-            v = max(v, 0.0);
-#endif
-            pc.y.v[n] = v;
-        }
-    }
-}
-#else
 void main() {
     const uint t = gl_LocalInvocationID.x, r = gl_LocalInvocationID.y;
     const uint n = (gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x) * ROWS + r;
@@ -146,4 +94,3 @@ void main() {
 #endif
     pc.y.v[n] = v;
 }
-#endif
