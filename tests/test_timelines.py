@@ -120,7 +120,7 @@ def test_each_run_signals_the_next_value(member) -> None:
         chunk.close()
 
 
-def test_a_large_tensor_between_chunks_on_one_device(member) -> None:
+def test_a_large_tensor_between_chunks_on_one_device(member, monkeypatch) -> None:
     """Two products on two members of one device, the 160 KiB tensor between them over
     ``STAGED_OUTPUT_BYTES``: the producer writes it straight into the memory both share (no
     copy out of its arena, no transfer-queue copy), and the results equal one member's,
@@ -130,6 +130,8 @@ def test_a_large_tensor_between_chunks_on_one_device(member) -> None:
 
     from vkpool.config.loader import parse_config
     from vkpool.engine import STAGED_OUTPUT_BYTES
+    from vkpool.executor import RUN_SLOTS
+    from vkpool.pool import VulkanMember
     from vkpool.session import Session
 
     rng = np.random.default_rng(8)
@@ -143,6 +145,17 @@ def test_a_large_tensor_between_chunks_on_one_device(member) -> None:
     assert ROWS * N * 4 >= STAGED_OUTPUT_BYTES
     feeds = {"x": rng.standard_normal((ROWS, K)).astype(np.float32)}
     pool = vulkan_pool(parse_config("devices:\n  - match: {index: 0}\n    split: 2\n"))
+    # the memory the two share is asked for as the device's own, never mapped by the host (on a
+    # GPU, host-visible memory is either host memory or the small window the host maps)
+    asked: list[dict] = []
+    alloc = VulkanMember.alloc
+
+    def recording(self, nbytes, **kw):
+        if nbytes == ROWS * N * 4:  # the tensor y, only ever allocated as the memory both share
+            asked.append(kw)
+        return alloc(self, nbytes, **kw)
+
+    monkeypatch.setattr(VulkanMember, "alloc", recording)
     try:
         with Session(data, pool=pool, device="vk0.0") as one:
             want = one.run(None, feeds)[0]
@@ -150,6 +163,9 @@ def test_a_large_tensor_between_chunks_on_one_device(member) -> None:
             producer, consumer = (s.chunk for s in split.executor.lanes[0].stages)
             assert producer.tensors["y"].kind == "output" and "y" not in consumer._staged_inputs
             assert not producer._links  # nothing for a transfer queue to copy
+            shared = producer._io[0]["y"]  # the device's own memory, not what the host writes inputs to
+            assert shared is consumer._io[0]["y"] and shared.allocator is producer.member.local
+            assert asked == [{"host_visible": False}] * RUN_SLOTS
             for _ in range(3):
                 got = split.run(None, feeds)[0]
                 np.testing.assert_array_equal(got, want)

@@ -509,8 +509,11 @@ class VulkanChunk:
             for item in _copy(handle(name), landing.get(("out", name), io[("out", name)]), caps):
                 emit(f"copy-out {name}", item)
         commands.append(("host_barrier",))
-        slot = _Slot(commands, labels, {n: _io_view(io[("in", n)], t[n].info) for n in self.input_names},
-                     {n: _io_view(io[("out", n)], t[n].info) for n in self.output_names})
+        # views of what the host maps (memory given in the device's own memory has none: only
+        # the kernels of the chunks sharing it touch it)
+        views = [{n: _io_view(io[(kind, n)], t[n].info) for n in names if io[(kind, n)].alloc.host_visible}
+                 for kind, names in (("in", self.input_names), ("out", self.output_names))]
+        slot = _Slot(commands, labels, *views)
         self._slots.append(slot)
         links = (self._transfer_link(before), self._transfer_link(after))
         slot.alone = self._recorded(commands, links)

@@ -420,18 +420,18 @@ class PlanExecutor(LaneReports):
 
     def _linked_io(self, stages: list[_Stage], stage: _Stage) -> tuple[list[dict[str, Any]] | None, list[Any]]:
         """For a stage with linked preds or succs: per run slot, the memory it shares with them
-        (allocated by the producer, once per tensor and slot; in the producer's device memory
-        unless the host reads the tensor too), and its preds' timelines."""
+        (allocated by the producer, once per tensor and slot: device memory the host does not
+        map, or host-visible memory when the host reads the tensor too), and its preds' timelines."""
         if not (stage.linked_preds or stage.linked_succs):
             return None, []
         linked_in = {n for p in stage.linked_preds for n in stages[p].outputs}
         shared = {name: self._boundary[name] for name in stage.inputs if name in linked_in}
         for name in stage.outputs:
             if any(name in stages[c].inputs for c in stage.linked_succs):
-                on_device = name not in stage.host_outputs
+                host_visible = name in stage.host_outputs
                 shared[name] = self._boundary[name] = []
                 for _ in range(RUN_SLOTS):
-                    alloc = stage.member.alloc(self.model.tensors[name].nbytes, host_visible=True, input=on_device)
+                    alloc = stage.member.alloc(self.model.tensors[name].nbytes, host_visible=host_visible)
                     self._shared.append((stage.member.id, alloc))
                     shared[name].append(alloc)
         io = [{name: slots[r] for name, slots in shared.items()} for r in range(RUN_SLOTS)]
