@@ -162,16 +162,32 @@ def ceil_div(a: int, b: int) -> int:
 def groups_1d(n: int, local: int = 256, caps: DeviceCaps | None = None) -> tuple[int, int, int]:
     """Workgroup counts covering ``n`` invocations with ``local``-wide groups.
 
-    Large counts are folded into y so no dimension exceeds the device's limit; shaders
-    recover the flat index as ``gl_GlobalInvocationID.x + gl_GlobalInvocationID.y *
-    gl_NumWorkGroups.x * local``.
+    Counts past the device's limit are folded into y, then z, so no dimension exceeds it; shaders
+    recover the flat index with ``flat_index()`` (or the flat workgroup with ``flat_group()``) of
+    ``common.glsl``. A count that not even three folded dimensions hold is refused.
     """
     groups = max(1, ceil_div(n, local))
-    max_x = (caps.max_workgroup_count[0] if caps else 65535)
-    if groups <= max_x:
+    mx, my, mz = caps.max_workgroup_count if caps else DeviceCaps.max_workgroup_count
+    if groups <= mx:
         return (groups, 1, 1)
-    y = ceil_div(groups, max_x)
-    return (ceil_div(groups, y), y, 1)
+    x = mx
+    rest = ceil_div(groups, x)
+    if rest <= my:
+        return (ceil_div(groups, rest), rest, 1)  # the narrowest x with the fewest idle groups
+    z = ceil_div(rest, my)
+    if z > mz:
+        raise UnsupportedOp(f"{n} invocations in groups of {local} exceed the device's workgroup grid "
+                            f"{mx} x {my} x {mz}")
+    return (x, my, z)
+
+
+def check_grid(groups: tuple[int, int, int], caps: DeviceCaps | None, what: str) -> None:
+    """Refuses a workgroup grid the device cannot dispatch (a dispatch past
+    ``maxComputeWorkGroupCount`` is undefined behaviour, not an error, in Vulkan)."""
+    limit = caps.max_workgroup_count if caps else DeviceCaps.max_workgroup_count
+    if any(g > m for g, m in zip(groups, limit)):
+        raise UnsupportedOp(f"{what}: workgroup grid {groups[0]} x {groups[1]} x {groups[2]} exceeds the "
+                            f"device's {limit[0]} x {limit[1]} x {limit[2]}")
 
 
 class Op(metaclass=ABCMeta):

@@ -1,8 +1,9 @@
 """Discovery: every Vulkan physical device with what vkpool needs to know about it."""
 from __future__ import annotations
 
+import os
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from vkpool import vk
@@ -313,10 +314,65 @@ def _driver_rank(info: PhysicalDeviceInfo) -> tuple[int, int, str]:
     return (int(info.usable), vendor_driver, (major << 22) | (minor << 12) | patch)  # type: ignore[return-value]
 
 
+#: limits that change which code path a kernel takes, and may be lowered by VKPOOL_DEVICE_LIMITS
+LOWERABLE_LIMITS = ("max_workgroup_count", "max_workgroup_invocations", "max_shared_memory_bytes",
+                    "max_storage_buffer_range", "max_memory_allocation_bytes")
+
+
+class DeviceLimitsError(ValueError):
+    """VKPOOL_DEVICE_LIMITS names an unknown limit or a value that is not a whole number."""
+
+
+def parse_limits(text: str) -> dict[str, tuple[int, ...]]:
+    """``"max_workgroup_count=1000, max_shared_memory_bytes=16384"`` as a dict of values.
+
+    ``max_workgroup_count`` takes one number for all three dimensions or three joined by ``x``
+    (``1000x3x1000``); every other limit takes one number.
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in LOWERABLE_LIMITS:
+            raise DeviceLimitsError(f"VKPOOL_DEVICE_LIMITS: {item!r} is not LIMIT=VALUE with LIMIT one of "
+                                    f"{', '.join(LOWERABLE_LIMITS)}")
+        try:
+            values = tuple(int(v) for v in value.strip().split("x"))
+        except ValueError:
+            raise DeviceLimitsError(f"VKPOOL_DEVICE_LIMITS: {name} = {value.strip()!r} is not a whole number") from None
+        if name == "max_workgroup_count" and len(values) == 1:
+            values *= 3
+        if len(values) != (3 if name == "max_workgroup_count" else 1) or min(values) < 1:
+            raise DeviceLimitsError(f"VKPOOL_DEVICE_LIMITS: {name} = {value.strip()!r}: give "
+                                    f"{'one or three positive numbers' if name == 'max_workgroup_count' else 'a positive number'}")
+        out[name] = values
+    return out
+
+
+def lower_limits(info: PhysicalDeviceInfo, limits: dict[str, tuple[int, ...]]) -> PhysicalDeviceInfo:
+    """``info`` believing the lower of its own limits and ``limits``: tests use it to run on lavapipe
+    the code paths a device with smaller limits takes (folded workgroup grids, small shared memory).
+    A limit is never raised above what the driver reports."""
+    changes: dict[str, Any] = {}
+    for name, values in limits.items():
+        own = getattr(info, name)
+        if name == "max_workgroup_count":
+            changes[name] = tuple(min(a, b) for a, b in zip(own, values))
+        else:
+            changes[name] = min(own, values[0]) if own else values[0]
+    return replace(info, **changes)
+
+
 def discover() -> list[PhysicalDeviceInfo]:
-    """Every physical device, one entry per GPU: the same UUID through two drivers appears once."""
+    """Every physical device, one entry per GPU: the same UUID through two drivers appears once.
+
+    ``VKPOOL_DEVICE_LIMITS`` lowers the limits every device is believed to have (see :func:`parse_limits`).
+    """
     instance = Instance.get()
     infos = [describe(i, pd, instance) for i, pd in enumerate(instance.physical_devices)]
+    limits = parse_limits(os.environ.get("VKPOOL_DEVICE_LIMITS", ""))
+    if limits:
+        infos = [lower_limits(i, limits) for i in infos]
     best: dict[str, PhysicalDeviceInfo] = {}
     for info in infos:
         seen = best.get(info.uuid)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, pack_push_constants
+from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, check_grid, pack_push_constants
 from vkpool.kernels.registry import create_op
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import Node
@@ -478,6 +478,7 @@ class VulkanChunk:
                 commands.append(("copy", src.alloc.buffer, src.alloc.offset + src.offset,
                                  dst.alloc.buffer, dst.alloc.offset + dst.offset, dst.nbytes))
                 return
+            check_grid(item.groups, caps, label)
             pipe = self.device.pipeline(item.shader, item.defines)
             push = pack_push_constants(item.args, _address)
             if len(push) > self.device.push_constant_bytes:

@@ -89,6 +89,44 @@ def _source_digest(name: str) -> str:
     return h.hexdigest()
 
 
+_DEFINE_RE = re.compile(r"^\s*#\s*define\s+(\w+)")
+_LAYOUT_RE = re.compile(r"layout\s*\([^)]*local_size_[xyz]")
+_COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+def _expanded_source(name: str) -> list[str]:
+    """The lines of a shader with its includes spliced in and comments removed."""
+    out: list[str] = []
+    text = _COMMENT_RE.sub("", (_shader_dir() / name).read_text()).replace("\\\n", " ")
+    for line in text.splitlines():
+        inc = _INCLUDE_RE.match(line)
+        out.extend(_expanded_source(inc.group(1)) if inc else [line])
+    return out
+
+
+def workgroup_size_misuse(name: str, lines: list[str] | None = None) -> str | None:
+    """Where ``name`` reads ``gl_WorkGroupSize`` (directly or through a macro) in code that comes
+    before its ``layout(local_size_x = ...) in;`` line, or None.
+
+    glslang gives such code a workgroup size of (1, 1, 1): the product compiles and runs, and is
+    wrong. Macros are fine, since they expand where they are used; a ``#define`` line is tracked,
+    not flagged. Branches of ``#if`` are all read, so a misuse in any variant is found.
+    """
+    tainted = {"gl_WorkGroupSize"}
+    for number, line in enumerate(lines if lines is not None else _expanded_source(name), 1):
+        if _LAYOUT_RE.search(line):
+            return None
+        words = set(re.findall(r"\w+", line))
+        define = _DEFINE_RE.match(line)
+        if define:
+            if words & tainted:
+                tainted.add(define.group(1))
+        elif words & tainted:
+            return f"{name}: line {number} of the expanded source reads gl_WorkGroupSize before the " \
+                   f"layout(local_size_x = ...) declaration: {line.strip()!r}"
+    return None
+
+
 _lock = threading.Lock()
 _memory: dict[str, bytes] = {}
 stats = {"compiled": 0, "disk_hits": 0}
@@ -121,6 +159,9 @@ def _compile(shader: str, defs: list[tuple[str, str]]) -> bytes:
     src = _shader_dir() / f"{shader}.comp"
     if not src.exists():
         raise ShaderCompileError(f"no shader named {shader!r} in {_shader_dir()}")
+    misuse = workgroup_size_misuse(src.name)
+    if misuse:
+        raise ShaderCompileError(misuse)
     out = cache_dir("spirv") / f".build-{shader}-{threading.get_ident()}.spv"
     cmd = [glslang_path(), "-V", "--target-env", "vulkan1.2", "-S", "comp", "-I" + str(_shader_dir())]
     cmd += [f"-D{k}={v}" for k, v in defs]

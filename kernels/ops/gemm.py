@@ -22,7 +22,7 @@ import numpy as np
 
 from vkpool.kernels.base import (
     F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
-    groups_1d,
+    check_grid, groups_1d,
 )
 from vkpool.kernels.broadcast import broadcast_strides
 
@@ -140,7 +140,7 @@ class MatmulPlan:
         rows = 1 if self.kind == "gemv" else p.M * p.batch_count
         return self.splits * rows * p.N * 4 if self.splits > 1 else 0
 
-    def _reduce(self, ws: Any, c: Any, y: Any) -> Dispatch:
+    def _reduce(self, ws: Any, c: Any, y: Any, caps: DeviceCaps | None) -> Dispatch:
         """Sums the split partial products in ``ws`` into ``y``, applying alpha and the bias."""
         p = self.p
         rows = 1 if self.kind == "gemv" else p.M * p.batch_count
@@ -150,7 +150,7 @@ class MatmulPlan:
             "gemm_reduce",
             [Ptr(ws), Ptr(c), Ptr(y), U32(total), U32(self.splits), U32(p.N), U32(bias_rows),
              U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta)],
-            groups_1d(total, 256), {"HAS_BIAS": int(p.has_bias), "RELU": int(p.relu)},
+            groups_1d(total, 256, caps), {"HAS_BIAS": int(p.has_bias), "RELU": int(p.relu)},
         )
 
     # -- dispatches ----------------------------------------------------------------------
@@ -165,7 +165,7 @@ class MatmulPlan:
         if self.kind == "gemv_t":
             return [self._gemv_t(a, b, c_or_y, y, caps)]
         if self.kind == "gemv":
-            return self._gemv(a, b, c_or_y, y, ws)
+            return self._gemv(a, b, c_or_y, y, ws, caps)
         out: list[Dispatch] = []
         outer = p.batch[:-1]
         inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
@@ -177,8 +177,7 @@ class MatmulPlan:
         if split:
             defines["KCHUNK"] = self.kchunk
         groups = (ceil_div(p.N, self.tile["BN"]), ceil_div(p.M, self.tile["BM"]), inner.count * self.splits)
-        if groups[1] > _MAX_GROUPS or groups[0] > _MAX_GROUPS:
-            raise UnsupportedOp(f"matrix product of {p.M} x {p.N} exceeds the workgroup grid")
+        check_grid(groups, caps, f"matrix product of {p.M} x {p.N}")
         for idx in itertools.product(*(range(d.count) for d in outer)):
             oa = sum(i * d.a for i, d in zip(idx, outer)) * 4
             ob = sum(i * d.b for i, d in zip(idx, outer)) * 4
@@ -193,10 +192,10 @@ class MatmulPlan:
             ]
             out.append(Dispatch("gemm", args, groups, defines))
         if split:  # only with a single batch dimension: one product
-            out.append(self._reduce(ws, c_or_y, y))
+            out.append(self._reduce(ws, c_or_y, y, caps))
         return out
 
-    def _gemv(self, a: Any, b: Any, c: Any, y: Any, ws: Any) -> list[Dispatch]:
+    def _gemv(self, a: Any, b: Any, c: Any, y: Any, ws: Any, caps: DeviceCaps | None) -> list[Dispatch]:
         p = self.p
         split = self.splits > 1
         defines = {"VEC": self.vec, "TXG": self.txg, "TYG": self.tyg, "SPLIT": int(split),
@@ -209,7 +208,7 @@ class MatmulPlan:
         )
         if not split:
             return [first]
-        return [first, self._reduce(ws, c, y)]
+        return [first, self._reduce(ws, c, y, caps)]
 
     def _gemv_t(self, a: Any, b: Any, c: Any, y: Any, caps: DeviceCaps | None) -> Dispatch:
         p = self.p
@@ -217,13 +216,11 @@ class MatmulPlan:
         if vec == 1 and p.sAk != 1:
             raise UnsupportedOp("GEMV with a strided vector operand")  # never built by the ops here
         rows = _GEMV_T_ROWS
-        groups = ceil_div(p.N, rows)
-        gy = ceil_div(groups, _MAX_GROUPS)
         return Dispatch(
             "gemv_t",
             [Ptr(a), Ptr(b), Ptr(c), Ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
-            (ceil_div(groups, gy), gy, 1), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
+            groups_1d(p.N, rows, caps), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
              "RELU": int(p.relu), "SUBGROUP_REDUCE": int(rows == 1 and caps is not None and caps.subgroup_arithmetic)},
         )
 

@@ -20,7 +20,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from vkpool.kernels.base import Dispatch, DeviceCaps, Ptr, U32, UnsupportedOp, ceil_div
+from vkpool.kernels.base import Dispatch, DeviceCaps, Ptr, U32, UnsupportedOp, ceil_div, check_grid
 from vkpool.kernels.ops.gemm import BatchDim, MatmulProblem
 
 _MAX_GROUPS = 65535
@@ -152,8 +152,7 @@ class HalfMatmulPlan:
         outer = p.batch[:-1]
         inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
         groups = (ceil_div(p.N, bn), ceil_div(p.M, bm), inner.count)
-        if groups[0] > _MAX_GROUPS or groups[1] > _MAX_GROUPS:
-            raise UnsupportedOp(f"matrix product of {p.M} x {p.N} exceeds the workgroup grid")
+        check_grid(groups, caps, f"matrix product of {p.M} x {p.N}")
         out: list[Dispatch] = []
         for idx in itertools.product(*(range(d.count) for d in outer)):
             oa = sum(i * d.a for i, d in zip(idx, outer)) * _HALF

@@ -183,11 +183,10 @@ class GlobalPool(Op):
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         local = min(256, max(32, 1 << max(0, self.spatial - 1).bit_length()))
-        gy = ceil_div(self.rows, 65535)
         return [Dispatch(
             "global_pool",
             [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(self.spatial), U32(self.rows)],
-            (ceil_div(self.rows, gy), gy, 1),
+            groups_1d(self.rows, 1, ctx.caps),
             {"MODE": self.mode, "LOCAL_SIZE": local, **_element_defines(self.input(0).dtype)},
         )]
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, F32, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp,
+    Dispatch, DispatchContext, F32, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
 )
 
 _F32 = np.dtype(np.float32)
@@ -93,7 +93,7 @@ class Recurrent(Op):
                                              (("B", 3), ("LENS", 4), ("H0", 5), ("C0", 6), ("P", 7))},
                    "HAS_Y": int(outs[0] is not None), "HAS_YH": int(outs[1] is not None),
                    "HAS_YC": int(outs[2] is not None), "LINEAR_BEFORE_RESET": 0, **self.extra_defines()}
-        return [Dispatch("recurrent", args, (self.dirs * self.n, 1, 1), defines)]
+        return [Dispatch("recurrent", args, groups_1d(self.dirs * self.n, 1, ctx.caps), defines)]
 
     # -- numpy reference ----------------------------------------------------------------------
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
+    DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
 )
 from vkpool.kernels.ops.dtypes import element_defines
 
@@ -72,11 +72,10 @@ def softmax_dispatch(src: Any, dst: Any, D: int, inner: int, rows: int, mode: in
     # long rows get wide workgroups: the lone row after a big GEMV is latency-bound
     widest = min(1024 if D >= 4096 else 256, caps.max_workgroup_invocations)
     local = min(widest, max(32, 1 << max(0, D - 1).bit_length()))
-    gy = ceil_div(max(rows, 1), 65535)
     return Dispatch(
         "softmax",
         [Ptr(src), Ptr(dst), U32(D), U32(inner), U32(rows)],
-        (ceil_div(max(rows, 1), gy), gy, 1),
+        groups_1d(rows, 1, caps),
         {"MODE": mode, "LOCAL_SIZE": local, "SUBGROUP_REDUCE": int(caps.subgroup_arithmetic),
          **element_defines(dtype, "X")},
     )

@@ -45,7 +45,7 @@ void main() {
     uint o = flat_index();
     uint lane = 0, nthreads = 1;
 #else
-    uint o = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    uint o = flat_group();
     uint lane = gl_LocalInvocationID.x, nthreads = ROW_THREADS;
 #endif
     if (o >= pc.nout) return;  // uniform over a workgroup

@@ -110,7 +110,7 @@ float bias(uint b, uint h, uint i, uint j) {
 }
 
 void main() {
-    uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    uint row = flat_group();
     if (row >= B * HQ * S) return;  // uniform over the workgroup
     uint lane = gl_LocalInvocationID.x;
     uint i = row % S, h = (row / S) % HQ, b = row / (S * HQ);

@@ -21,7 +21,13 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4Buf { vec
 #define LOCAL_SIZE 256
 #endif
 
-// Flat invocation index for 1-D work folded into x and y (see kernels.base.groups_1d).
-uint flat_index() {
-    return gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-}
+// Flat invocation index for 1-D work folded into x, y and z (see kernels.base.groups_1d).
+// NOTE: a macro, not a function: it reads gl_WorkGroupSize, whose value is only known after the
+// shader's `layout(local_size_x = ...) in;` line. glslang compiles a function defined before that
+// line with a workgroup size of 1 (every folded dispatch then left most of its output unwritten);
+// vkpool.shaders refuses any shader that reads gl_WorkGroupSize before its layout.
+#define flat_index() (gl_GlobalInvocationID.x + (gl_GlobalInvocationID.y + gl_GlobalInvocationID.z * \
+    gl_NumWorkGroups.y) * gl_NumWorkGroups.x * gl_WorkGroupSize.x)
+// The flat workgroup index of a grid folded the same way (one workgroup per row or output).
+#define flat_group() (gl_WorkGroupID.x + (gl_WorkGroupID.y + gl_WorkGroupID.z * gl_NumWorkGroups.y) * \
+    gl_NumWorkGroups.x)

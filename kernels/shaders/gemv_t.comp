@@ -52,7 +52,7 @@ float hsum(VT v) {
 
 void main() {
     const uint t = gl_LocalInvocationID.x, r = gl_LocalInvocationID.y;
-    const uint n = (gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x) * ROWS + r;
+    const uint n = flat_group() * ROWS + r;
     const uint kv = pc.K / VEC;           // row length in units of VT
     const uint rowBase = n * (pc.sBn / VEC);
     VT acc0 = VT(0.0), acc1 = VT(0.0), acc2 = VT(0.0), acc3 = VT(0.0);

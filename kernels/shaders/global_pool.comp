@@ -36,7 +36,7 @@ float combine(float a, float b) {
 }
 
 void main() {
-    const uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    const uint row = flat_group();
     const uint t = gl_LocalInvocationID.x;
     if (row >= pc.rows) return;  // uniform per workgroup: no barrier is skipped by part of it
     const uint base = row * pc.S;

@@ -73,7 +73,7 @@ void main() {
     uint row = flat_index();
     uint lane = 0, nthreads = 1;
 #else
-    uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    uint row = flat_group();
     uint lane = gl_LocalInvocationID.x, nthreads = ROW_THREADS;
 #endif
     if (row >= pc.nrows) return;  // uniform over a workgroup

@@ -61,7 +61,9 @@ float state_part(uint d, uint g, uint j, bool reset) {
 }
 
 void main() {
-    const uint d = gl_WorkGroupID.x / pc.N, n = gl_WorkGroupID.x % pc.N, j = gl_LocalInvocationID.x;
+    const uint g = flat_group();
+    if (g >= pc.dirs * pc.N) return;  // a folded grid's spare workgroups: uniform over the workgroup
+    const uint d = g / pc.N, n = g % pc.N, j = gl_LocalInvocationID.x;
     const bool unit = j < pc.H;
     const bool backwards = (d == 1u) != (REVERSE_FIRST != 0);
     const uint len = HAS_LENS != 0 ? min(uint(pc.lens.v[n]), pc.S) : pc.S;

@@ -106,7 +106,7 @@ void main() {
     uint lane = 0;
     if (o >= pc.nout) return;
 #else
-    uint o = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    uint o = flat_group();
     uint lane = gl_LocalInvocationID.x;
     if (o >= pc.nout) return;  // uniform over the workgroup: no barrier is skipped by part of it
 #endif

@@ -34,7 +34,7 @@ layout(push_constant) uniform Args {
 shared float part[LOCAL_SIZE];
 
 void main() {
-    const uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    const uint row = flat_group();
     const uint t = gl_LocalInvocationID.x;
     if (row >= pc.rows) return;  // uniform per workgroup
     const uint inner = pc.inner, D = pc.D;
