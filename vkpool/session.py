@@ -5,6 +5,7 @@ import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -68,6 +69,13 @@ class Session:
     before is recorded once, the rest compiled per distinct value and kept in a cache of
     ``suffix_cache`` entries (:data:`vkpool.dynamic.SUFFIX_CACHE_SIZE` by default).
     ``dynamic`` is then the :class:`~vkpool.dynamic.DynamicModel` (None for a static model).
+
+    ``max_batch``: :meth:`submit` batches requests that arrive together along the model's
+    leading (symbolic) batch dimension, up to ``max_batch`` rows per run, the first request
+    waiting at most ``max_queue_delay`` seconds for company (:mod:`vkpool.batching`); variants
+    at batch sizes 2, 4, ... are compiled when first needed, each holding its own weights and
+    counted against the budgets. :meth:`run` still runs one request at once. ``batching``
+    gives the batcher's figures.
     """
 
     def __init__(
@@ -85,6 +93,8 @@ class Session:
         objective: str = "latency",
         suffix_cache: int | None = None,
         processes: bool | None = None,
+        max_batch: int | None = None,
+        max_queue_delay: float = 0.0,
     ) -> None:
         self._own_pool = pool is None
         self._source = (model if isinstance(model, (bytes, bytearray)) else os.fspath(model), batch, dict(dims or {}))
@@ -96,6 +106,13 @@ class Session:
                 self.pool.set_budget(member_id, size)
             loaded = load_model(model, batch=batch, dims=dict(dims or {}), partial=True)
             self._setup(loaded, device, devices, plan, objective, suffix_cache)
+            if max_batch is not None:
+                if batch != 1:
+                    raise ValueError("batch= fixes the batch dimension and max_batch= batches requests "
+                                     "along it: give one of them")
+                self._batcher = self._make_batcher(
+                    model, dict(dims or {}), max_batch, max_queue_delay,
+                    dict(device=device, devices=devices, objective=objective, processes=processes))
         except BaseException:
             self.close()
             raise
@@ -120,6 +137,7 @@ class Session:
         return self
 
     def _reset(self) -> None:
+        self._batcher: Any = None
         self._chunk: Any = None
         self._executor: Any = None
         self.dynamic: Any = None
@@ -175,6 +193,39 @@ class Session:
             self.member = self._candidates(device if devices is None else devices[0])[0]
 
     # -- placement -------------------------------------------------------------------------
+    def _make_batcher(self, model: Any, dims: dict[str, int], max_batch: int, max_queue_delay: float,
+                      placement: dict[str, Any]) -> Any:
+        """A :class:`~vkpool.batching.Batcher` over variants of this model at batch sizes up to
+        ``max_batch``; batch 1 is this session itself. Refuses a model without a batch dimension."""
+        from vkpool.batching import Batcher, BatchingError
+
+        at1 = self.model
+        at2 = load_model(model, batch=2, dims=dims, partial=True)
+        for (name, one), (_, two) in zip(at1.inputs, at2.inputs):
+            if not (one.shape[:1] == (1,) and two.shape[:1] == (2,)):
+                raise BatchingError(f"input {name!r} has no batch dimension to batch along (its shape is "
+                                    f"{list(one.shape)} at batch 1 and {list(two.shape)} at batch 2): "
+                                    f"export it with a symbolic first dim, or leave max_batch unset")
+        for (name, one), (_, two) in zip(at1.outputs, at2.outputs):
+            if not (one.shape[:1] == (1,) and two.shape[:1] == (2,)):
+                raise BatchingError(f"output {name!r} does not follow the batch dimension ({list(one.shape)} at "
+                                    f"batch 1, {list(two.shape)} at batch 2): its rows cannot be split per request")
+        def make_variant(size: int) -> Any:
+            if size == 1:  # this session itself, which the batcher must not close
+                return SimpleNamespace(run=self.run, close=lambda: None)
+            return Session(model, pool=self.pool, batch=size, dims=dims, **placement)
+
+        return Batcher(make_variant, [(n, i.shape, i.dtype) for n, i in at1.inputs],
+                       [n for n, _ in at1.outputs], max_batch=max_batch, max_queue_delay=max_queue_delay,
+                       name=str(model) if not isinstance(model, (bytes, bytearray)) else "model")
+
+    @property
+    def batching(self) -> dict[str, Any] | None:
+        """The batcher's figures (:meth:`vkpool.batching.BatchStats.snapshot`), or None without ``max_batch``."""
+        return None if self._batcher is None else {
+            "max_batch": self._batcher.max_batch, "max_queue_delay": self._batcher.max_queue_delay,
+            **self._batcher.stats.snapshot()}
+
     def _candidates(self, device: str | None) -> list[Member]:
         if device is not None:
             return [self.pool.member(device)]
@@ -345,6 +396,8 @@ class Session:
         """
         if self._closed:
             raise RuntimeError("the session is closed")
+        if self._batcher is not None:
+            return self._batcher.submit(input_feed, output_names)
         if self._executor is None:
             done: Future = Future()
             try:
@@ -440,6 +493,9 @@ class Session:
             if self._closed:
                 return
             self._closed = True
+            if self._batcher is not None:
+                self._batcher.close()
+                self._batcher = None
             if self._chunk is not None:
                 self._chunk.close()
                 self._chunk = None

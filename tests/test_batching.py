@@ -1,0 +1,186 @@
+"""Dynamic batching in-process (``Session(max_batch=...)``, :mod:`vkpool.batching`) on the real
+Vulkan device: batched outputs equal unbatched ones (rtol 1e-5), queue delays stay within
+``max_queue_delay`` plus one run, bad requests are refused before they join a batch, a failed batch
+fails only its own requests, cancelled and timed-out requests leave before their batch runs."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import vkpool
+from vkpool.batching import Batcher, BatchingError, variant_sizes
+from vkpool.session import InvalidInput
+
+RNG = np.random.default_rng(11)
+W = RNG.standard_normal((16, 8)).astype(np.float32)
+B = RNG.standard_normal(8).astype(np.float32)
+
+
+def mlp_model(batch_dim: str | int = "N") -> bytes:
+    """y = relu(x @ W + B), softmax over the row: x [batch_dim, 16]."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch_dim, 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch_dim, 8])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Softmax", ["r"], ["y"], axis=-1)]
+    g = helper.make_graph(nodes, "mlp", [x], [y], [numpy_helper.from_array(W, "w"), numpy_helper.from_array(B, "b")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def reference(x: np.ndarray) -> np.ndarray:
+    r = np.maximum(x.astype(np.float64) @ W + B, 0)
+    e = np.exp(r - r.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def batched(pool):
+    member = pool.vulkan_members[0].id
+    with vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=8, max_queue_delay=0.2) as s:
+        yield s
+
+
+def test_variant_sizes():
+    assert variant_sizes(1) == (1,)
+    assert variant_sizes(8) == (1, 2, 4, 8)
+    assert variant_sizes(12) == (1, 2, 4, 8, 12)
+    with pytest.raises(BatchingError):
+        variant_sizes(0)
+
+
+def test_requests_sent_together_run_together_and_match_unbatched_runs(pool, batched):
+    member = pool.vulkan_members[0].id
+    xs = [RNG.standard_normal((rows, 16)).astype(np.float32) for rows in (1, 2, 1, 3, 1)]  # 8 rows
+    before = batched.batching["batches"]
+    futures = [batched.submit({"x": x}) for x in xs]
+    outs = [f.result(timeout=30)[0] for f in futures]
+    assert batched.batching["batches"] - before == 1  # all eight rows in one run of the batch-8 variant
+    with vkpool.Session(mlp_model(), pool=pool, device=member) as single:
+        for x, got in zip(xs, outs):
+            assert got.shape == (x.shape[0], 8)
+            for row in range(x.shape[0]):
+                np.testing.assert_allclose(got[row:row + 1], single.run(None, {"x": x[row:row + 1]})[0], rtol=1e-5)
+            np.testing.assert_allclose(got, reference(x), rtol=1e-4, atol=1e-6)
+
+
+def test_requests_from_many_threads(batched):
+    xs = [RNG.standard_normal((1 + i % 3, 16)).astype(np.float32) for i in range(24)]
+    results: dict[int, np.ndarray] = {}
+
+    def client(i: int) -> None:
+        results[i] = batched.submit({"x": xs[i]}).result(timeout=60)[0]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == list(range(len(xs)))
+    for i, x in enumerate(xs):
+        np.testing.assert_allclose(results[i], reference(x), rtol=1e-4, atol=1e-6)
+    stats = batched.batching
+    assert stats["mean_batch_size"] > 1  # some requests shared a run
+
+
+def test_a_lone_request_waits_at_most_the_queue_delay_plus_a_run(pool):
+    member = pool.vulkan_members[0].id
+    with vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=4, max_queue_delay=0.05) as s:
+        x = RNG.standard_normal((1, 16)).astype(np.float32)
+        s.submit({"x": x}).result(timeout=30)  # compiles nothing new: batch 1 is the session itself
+        for _ in range(3):
+            t0 = time.perf_counter()
+            s.submit({"x": x}).result(timeout=30)
+            run_s = time.perf_counter() - t0
+        stats = s.batching
+        assert stats["batches"] == 4 and stats["mean_batch_size"] == 1
+        # every queue delay is the wait for company: at least the delay, at most delay + one run
+        assert 50_000 <= stats["queue_delay_p50_us"] <= (0.05 + run_s) * 1e6
+        with vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=4, max_queue_delay=0.0) as eager:
+            eager.submit({"x": x}).result(timeout=30)
+            assert eager.batching["queue_delay_p99_us"] < 50_000  # 0: only what is already queued
+
+
+def test_invalid_requests_are_refused_before_joining(batched):
+    good = RNG.standard_normal((2, 16)).astype(np.float32)
+    for bad, match in [({"x": good.astype(np.float64)}, "must be float32"),
+                       ({"x": good[:, :5]}, "must have shape"),
+                       ({"x": np.zeros((9, 16), np.float32)}, "1 to 8 rows"),
+                       ({"x": good, "z": good}, "unknown input"),
+                       ({}, "missing input")]:
+        with pytest.raises(InvalidInput, match=match):
+            batched.submit(bad)
+    with pytest.raises(InvalidInput, match="unknown output"):
+        batched.submit({"x": good}, ["nope"])
+    np.testing.assert_allclose(batched.submit({"x": good}).result(timeout=30)[0], reference(good), rtol=1e-4, atol=1e-6)
+
+
+def test_a_failing_batch_fails_only_its_own_requests(pool):
+    """The batch-4 variant cannot be built (as when its compile runs out of budget): the requests
+    of that batch get the error; the requests before and after it are answered."""
+    member = pool.vulkan_members[0].id
+    sessions: list = []
+
+    def make_variant(size: int):
+        if size == 4:
+            raise MemoryError("no room for the batch-4 variant")
+        sessions.append(vkpool.Session(mlp_model(), pool=pool, device=member, batch=size))
+        return sessions[-1]
+
+    b = Batcher(make_variant, [("x", (1, 16), np.float32)], ["y"], max_batch=4, max_queue_delay=0.3)
+    try:
+        one = RNG.standard_normal((1, 16)).astype(np.float32)
+        three = RNG.standard_normal((3, 16)).astype(np.float32)
+        first = b.submit({"x": one})  # alone: batch-1 variant
+        first.result(timeout=30)
+        failing = [b.submit({"x": one}), b.submit({"x": three})]  # 4 rows: the variant that fails
+        for f in failing:
+            with pytest.raises(MemoryError, match="batch-4"):
+                f.result(timeout=30)
+        after = b.submit({"x": three[:2]})
+        np.testing.assert_allclose(after.result(timeout=30)[0], reference(three[:2]), rtol=1e-4, atol=1e-6)
+        s = b.stats.snapshot()
+        assert (s["batches"], s["failed_batches"], s["requests"]) == (3, 1, 4)
+    finally:
+        b.close()
+        assert sessions and all(x._closed for x in sessions)
+
+
+def test_cancelled_and_timed_out_requests_leave_their_batch(pool):
+    member = pool.vulkan_members[0].id
+    with vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=8, max_queue_delay=0.3) as s:
+        x = RNG.standard_normal((1, 16)).astype(np.float32)
+        keep = s.submit({"x": x})
+        cancelled = s.submit({"x": x})
+        assert cancelled.cancel()
+        late = s._batcher.submit({"x": x}, timeout=0.01)  # its batch starts after 0.3 s of waiting
+        np.testing.assert_allclose(keep.result(timeout=30)[0], reference(x), rtol=1e-4, atol=1e-6)
+        with pytest.raises(TimeoutError):
+            late.result(timeout=30)
+        stats = s.batching
+        assert (stats["requests"], stats["cancelled"], stats["timed_out"]) == (1, 1, 1)
+
+
+def test_a_model_without_a_batch_dimension_is_refused(pool):
+    member = pool.vulkan_members[0].id
+    with pytest.raises(BatchingError, match="no batch dimension"):
+        vkpool.Session(mlp_model(batch_dim=1), pool=pool, device=member, max_batch=4)
+    with pytest.raises(ValueError, match="give one of them"):
+        vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=4, batch=2)
+
+
+def test_closing_fails_what_is_still_queued(pool):
+    member = pool.vulkan_members[0].id
+    s = vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=8, max_queue_delay=5.0)
+    x = RNG.standard_normal((1, 16)).astype(np.float32)
+    futures = [s.submit({"x": x}) for _ in range(3)]
+    t0 = time.perf_counter()
+    s.close()
+    assert time.perf_counter() - t0 < 5.0  # close does not wait out the queue delay
+    for f in futures:
+        try:
+            np.testing.assert_allclose(f.result(timeout=10)[0], reference(x), rtol=1e-4, atol=1e-6)
+        except RuntimeError as exc:  # closed before its batch started
+            assert "closed" in str(exc)

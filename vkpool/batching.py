@@ -1,0 +1,275 @@
+"""Dynamic batching: requests for one model that arrive together run as one batched execution.
+
+The model's inputs share a leading batch dimension (symbolic, or anonymous, in the ONNX file).
+A :class:`Batcher` holds variants of the model compiled at batch sizes 1, 2, 4, ... up to
+``max_batch`` (each compiled when first needed) and one dispatcher thread:
+
+1. ``submit(feeds)`` checks the request against the model's inputs (names, element types, the
+   dims after the first, a leading dim of 1 to ``max_batch`` rows shared by every input) and
+   refuses a bad one at once: an invalid request never joins a batch.
+2. The dispatcher takes the oldest request and waits at most ``max_queue_delay`` seconds from its
+   arrival for company (0: only what is already queued), taking requests in arrival order while
+   their rows fit in ``max_batch``.
+3. The batch's rows are concatenated per input and padded with zeros to the smallest variant
+   that holds them; the variant runs; each request gets its own rows of every output back.
+4. A request cancelled (``future.cancel()``) or past its ``timeout`` before its batch starts
+   leaves the batch; a batch that fails fails only its own requests, each with the error.
+
+This follows the semantics of Triton's dynamic batcher (``max_batch_size``,
+``max_queue_delay_microseconds``) and Ray Serve's ``@serve.batch``. Every output must follow the
+batch (its first dim is the batch size); a model whose outputs do not is refused at creation.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+
+class BatchingError(ValueError):
+    """The model cannot be batched as asked (no batch dimension, outputs that do not follow it)."""
+
+
+def variant_sizes(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes compiled for ``max_batch``: the powers of two below it, and itself."""
+    if max_batch < 1:
+        raise BatchingError(f"max_batch must be at least 1, got {max_batch}")
+    sizes = [1 << k for k in range(max_batch.bit_length()) if (1 << k) < max_batch]
+    return (*sizes, max_batch)
+
+
+@dataclass
+class _Request:
+    feeds: dict[str, np.ndarray]
+    rows: int
+    outputs: list[str]
+    future: Future
+    arrived: float
+    deadline: float  # perf_counter time after which it may no longer start; inf: none
+
+
+@dataclass
+class BatchStats:
+    """What a batcher did: batches run, requests and rows in them, and queue delays (seconds from
+    a request's arrival to the start of its batch; the last ``keep`` are kept for percentiles)."""
+
+    batches: int = 0
+    requests: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+    failed_batches: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    keep: int = 10_000
+    delays: deque = field(default_factory=deque)
+
+    def record_delay(self, seconds: float) -> None:
+        self.delays.append(seconds)
+        if len(self.delays) > self.keep:
+            self.delays.popleft()
+
+    def snapshot(self) -> dict[str, Any]:
+        delays = np.asarray(self.delays, dtype=np.float64)
+        p50, p99 = (np.percentile(delays, [50, 99]) * 1e6).tolist() if delays.size else (0.0, 0.0)
+        return {
+            "batches": self.batches, "requests": self.requests, "rows": self.rows,
+            "padded_rows": self.padded_rows, "failed_batches": self.failed_batches,
+            "cancelled": self.cancelled, "timed_out": self.timed_out,
+            "mean_batch_size": self.requests / self.batches if self.batches else 0.0,
+            "queue_delay_p50_us": p50, "queue_delay_p99_us": p99,
+        }
+
+
+class Batcher:
+    """Groups requests for one model into batched runs (module docstring).
+
+    ``make_variant(size)`` returns something with ``run(output_names, feeds) -> list[ndarray]``
+    and ``close()`` compiled at batch ``size``; ``inputs`` and ``outputs`` describe the model at
+    batch 1 as ``(name, shape, dtype)`` with the batch dim first.
+    """
+
+    def __init__(self, make_variant: Callable[[int], Any], inputs: Sequence[tuple[str, tuple[int, ...], Any]],
+                 outputs: Sequence[str], *, max_batch: int, max_queue_delay: float = 0.0,
+                 name: str = "model") -> None:
+        if not (max_queue_delay >= 0.0 and np.isfinite(max_queue_delay)):
+            raise BatchingError(f"max_queue_delay must be a finite number of seconds >= 0, got {max_queue_delay}")
+        self.sizes = variant_sizes(int(max_batch))
+        self.max_batch = int(max_batch)
+        self.max_queue_delay = float(max_queue_delay)
+        self.name = name
+        self._make_variant = make_variant
+        self._inputs = [(n, tuple(s[1:]), np.dtype(d)) for n, s, d in inputs]
+        self._outputs = list(outputs)
+        self._variants: dict[int, Any] = {}
+        self._queue: deque[_Request] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.stats = BatchStats()
+        self._thread = threading.Thread(target=self._loop, name=f"vkpool-batcher-{name}", daemon=True)
+        self._thread.start()
+
+    # -- requests -------------------------------------------------------------------------------
+    def check(self, feeds: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
+        """The request's arrays and row count, or :class:`~vkpool.session.InvalidInput` naming what is wrong."""
+        from vkpool.session import InvalidInput
+
+        expected = {n for n, _, _ in self._inputs}
+        extra, missing = sorted(set(feeds) - expected), sorted(expected - set(feeds))
+        if extra:
+            raise InvalidInput(f"unknown input(s) {extra}; the model's inputs are {sorted(expected)}")
+        if missing:
+            raise InvalidInput(f"missing input(s) {missing}")
+        arrays: dict[str, np.ndarray] = {}
+        rows: int | None = None
+        for name, tail, dtype in self._inputs:
+            value = np.asarray(feeds[name])
+            if value.dtype != dtype:
+                raise InvalidInput(f"input {name!r} must be {dtype}, got {value.dtype}")
+            if value.ndim != len(tail) + 1 or tuple(value.shape[1:]) != tail:
+                raise InvalidInput(f"input {name!r} must have shape [rows, {', '.join(map(str, tail))}] "
+                                   f"(rows 1..{self.max_batch}), got {list(value.shape)}")
+            if rows is None:
+                rows = value.shape[0]
+            elif value.shape[0] != rows:
+                raise InvalidInput(f"input {name!r} has {value.shape[0]} rows where the others have {rows}")
+            arrays[name] = value
+        assert rows is not None
+        if not 1 <= rows <= self.max_batch:
+            raise InvalidInput(f"a request carries 1 to {self.max_batch} rows (max_batch), got {rows}")
+        return arrays, rows
+
+    def submit(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
+               timeout: float | None = None) -> Future:
+        """Queues a request; its future gives the outputs named (all, in model order, when None),
+        each with the request's own rows. ``timeout``: seconds it may wait before its batch starts."""
+        from vkpool.session import InvalidInput
+
+        arrays, rows = self.check(feeds)
+        names = list(output_names) if output_names is not None else list(self._outputs)
+        unknown = [n for n in names if n not in self._outputs]
+        if unknown:
+            raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are {self._outputs}")
+        if timeout is not None and not timeout > 0:
+            raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout}")
+        now = time.perf_counter()
+        request = _Request(arrays, rows, names, Future(), now, now + timeout if timeout is not None else float("inf"))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"the batcher of {self.name!r} is closed")
+            self._queue.append(request)
+            self._cond.notify()
+        return request.future
+
+    # -- the dispatcher -------------------------------------------------------------------------
+    def _take_batch(self) -> list[_Request] | None:
+        """The next batch, waiting for its first request and then up to the queue delay."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            batch = [self._queue.popleft()]
+            rows = batch[0].rows
+            until = batch[0].arrived + self.max_queue_delay
+            while rows < self.max_batch:
+                if self._queue:
+                    if rows + self._queue[0].rows > self.max_batch:
+                        break  # arrival order is kept: the next request opens the next batch
+                    nxt = self._queue.popleft()
+                    batch.append(nxt)
+                    rows += nxt.rows
+                    continue
+                left = until - time.perf_counter()
+                if left <= 0 or self._closed:
+                    break
+                self._cond.wait(left)
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            start = time.perf_counter()
+            live = []
+            for r in batch:
+                if r.deadline < start:
+                    if r.future.set_running_or_notify_cancel():
+                        r.future.set_exception(TimeoutError(f"the request waited past its timeout before its "
+                                                            f"batch started ({(start - r.arrived) * 1e3:.1f} ms)"))
+                        self.stats.timed_out += 1
+                    else:
+                        self.stats.cancelled += 1
+                elif r.future.set_running_or_notify_cancel():
+                    live.append(r)
+                else:
+                    self.stats.cancelled += 1
+            if live:
+                self._run(live, start)
+
+    def _variant(self, size: int) -> Any:
+        variant = self._variants.get(size)
+        if variant is None:
+            variant = self._variants[size] = self._make_variant(size)
+        return variant
+
+    def _run(self, batch: list[_Request], start: float) -> None:
+        rows = sum(r.rows for r in batch)
+        size = next(s for s in self.sizes if s >= rows)
+        stats = self.stats
+        for r in batch:
+            stats.record_delay(start - r.arrived)
+        try:
+            feeds = {}
+            for name, tail, dtype in self._inputs:
+                parts = [r.feeds[name] for r in batch]
+                if size > rows:
+                    parts.append(np.zeros((size - rows, *tail), dtype))
+                feeds[name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            outputs = self._variant(size).run(self._outputs, feeds)
+            for name, out in zip(self._outputs, outputs):
+                if out.ndim == 0 or out.shape[0] != size:
+                    raise BatchingError(f"output {name!r} has shape {list(out.shape)}: its first dim does not "
+                                        f"follow the batch size {size}")
+        except Exception as exc:  # the batch's own requests fail, each with the error; the next batch runs
+            stats.batches += 1
+            stats.failed_batches += 1
+            stats.requests += len(batch)
+            stats.rows += rows
+            for r in batch:
+                r.future.set_exception(exc)
+            return
+        stats.batches += 1
+        stats.requests += len(batch)
+        stats.rows += rows
+        stats.padded_rows += size - rows
+        by_name = dict(zip(self._outputs, outputs))
+        offset = 0
+        for r in batch:
+            # copies, so that one request's result does not keep the whole batch's arrays alive
+            r.future.set_result([by_name[n][offset:offset + r.rows].copy() for n in r.outputs])
+            offset += r.rows
+
+    # -- life -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops the dispatcher; requests still queued fail with a RuntimeError; closes the variants."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for r in pending:
+            if r.future.set_running_or_notify_cancel():
+                r.future.set_exception(RuntimeError(f"the batcher of {self.name!r} was closed"))
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        for variant in self._variants.values():
+            variant.close()
+        self._variants.clear()
