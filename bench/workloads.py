@@ -239,6 +239,26 @@ def build(name: str) -> onnx.ModelProto:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(all_names())}") from None
 
 
+def symbolic_batch(model: onnx.ModelProto, dim: str = "N") -> onnx.ModelProto:
+    """``model`` with the first dim of its input and output named ``dim`` (batchable): a Reshape to
+    a constant shape that starts with the batch size 1 reshapes to ``-1`` there instead."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    for value in [*g.input, *g.output]:
+        first = value.type.tensor_type.shape.dim[0]
+        first.Clear()
+        first.dim_param = dim
+    shapes = {n.input[1] for n in g.node if n.op_type == "Reshape"}
+    for init in g.initializer:
+        if init.name in shapes:
+            shape = numpy_helper.to_array(init).copy()
+            if shape.size and shape[0] == 1:
+                shape[0] = -1
+                init.CopyFrom(numpy_helper.from_array(shape, init.name))
+    return out
+
+
 def input_for(name: str, seed: int = 0) -> dict[str, np.ndarray]:
     """The input feed for workload ``name``: standard normal FP32 values from ``seed``."""
     shape = (1,) if add_chain_n(name) is not None else INPUT_SHAPES.get(name)

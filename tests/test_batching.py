@@ -184,3 +184,15 @@ def test_closing_fails_what_is_still_queued(pool):
             np.testing.assert_allclose(f.result(timeout=10)[0], reference(x), rtol=1e-4, atol=1e-6)
         except RuntimeError as exc:  # closed before its batch started
             assert "closed" in str(exc)
+
+
+def test_rows_that_would_waste_most_of_a_variant_run_as_an_exact_batch_first(batched):
+    """Five single-row requests: padding them to the batch-8 variant would waste 3/8 of the run, so
+    four run on the batch-4 variant and the fifth opens the next batch; nothing is padded."""
+    x = RNG.standard_normal((5, 16)).astype(np.float32)
+    before = batched.batching
+    futures = [batched.submit({"x": x[i:i + 1]}) for i in range(5)]
+    got = np.concatenate([f.result(timeout=30)[0] for f in futures])
+    after = batched.batching
+    assert (after["batches"] - before["batches"], after["padded_rows"] - before["padded_rows"]) == (2, 0)
+    np.testing.assert_allclose(got, reference(x), rtol=1e-4, atol=1e-6)

@@ -11,7 +11,9 @@ A :class:`Batcher` holds variants of the model compiled at batch sizes 1, 2, 4, 
    arrival for company (0: only what is already queued), taking requests in arrival order while
    their rows fit in ``max_batch``.
 3. The batch's rows are concatenated per input and padded with zeros to the smallest variant
-   that holds them; the variant runs; each request gets its own rows of every output back.
+   that holds them (where that would waste more than a quarter of the run, the longest prefix of
+   requests that fills a variant exactly runs, and the rest opens the next batch); the variant
+   runs; each request gets its own rows of every output back.
 4. A request cancelled (``future.cancel()``) or past its ``timeout`` before its batch starts
    leaves the batch; a batch that fails fails only its own requests, each with the error.
 
@@ -188,7 +190,25 @@ class Batcher:
                 if left <= 0 or self._closed:
                     break
                 self._cond.wait(left)
-            return batch
+            keep = self._fit(batch)
+            for r in reversed(batch[keep:]):  # back to the front of the queue, in order: the next batch
+                self._queue.appendleft(r)
+            return batch[:keep]
+
+    def _fit(self, batch: list[_Request]) -> int:
+        """How many of ``batch``'s requests to run now. Rows are padded up to the next variant size;
+        where that would waste more than a quarter of the run (5 rows in a variant of 8), the longest
+        prefix whose rows fill a variant exactly runs instead and the rest opens the next batch."""
+        rows = sum(r.rows for r in batch)
+        size = next(s for s in self.sizes if s >= rows)
+        if 4 * (size - rows) <= size:
+            return len(batch)
+        total, exact = 0, 0
+        for k, r in enumerate(batch, 1):
+            total += r.rows
+            if total in self.sizes:
+                exact = k
+        return exact or len(batch)
 
     def _loop(self) -> None:
         while True:
