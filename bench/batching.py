@@ -55,6 +55,31 @@ def _measure(session: Any, feed: dict[str, np.ndarray], clients: int, seconds: f
             "batches": batches, "mean_batch": (after["requests"] - before["requests"]) / max(batches, 1)}
 
 
+def _variant_runs(model: bytes, feed: dict[str, np.ndarray], pool: Any, device: str,
+                  max_batch: int) -> list[dict[str, Any]]:
+    """Median run time of each compiled batch size, one caller, no queue: the ceiling of batching."""
+    import vkpool
+    from vkpool.batching import variant_sizes
+
+    out = []
+    print("| batch size | run median ms | rows/s |")
+    print("|---|---|---|")
+    for size in variant_sizes(max_batch):
+        x = {"x": np.repeat(feed["x"], size, axis=0)}
+        with vkpool.Session(model, pool=pool, device=device, batch=size) as s:
+            for _ in range(20):
+                s.run(None, x)
+            times = []
+            for _ in range(100):
+                t0 = time.perf_counter()
+                s.run(None, x)
+                times.append(time.perf_counter() - t0)
+        ms = float(np.median(times)) * 1e3
+        out.append({"batch_size": size, "run_ms": ms, "rows_per_s": size / ms * 1e3})
+        print(f"| {size} | {ms:.3f} | {size / ms * 1e3:,.0f} |", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.batching", description=__doc__.split("\n")[0])
     parser.add_argument("workloads", nargs="*", default=["mnist12_like"])
@@ -74,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     pool = DevicePool.from_config(None)
     device = args.device or pool.vulkan_members[0].id
     rows: list[dict[str, Any]] = []
-    print(f"| workload | batching | clients | jobs/s | p50 ms | p99 ms | mean batch |")
-    print(f"|---|---|---|---|---|---|---|")
     for name in args.workloads:
         model = wl.symbolic_batch(wl.build(name)).SerializeToString()
         feed = wl.input_for(name)
+        runs = _variant_runs(model, feed, pool, device, args.max_batch)
+        rows.extend(dict(workload=name, device=device, **r) for r in runs)
+        print("| workload | batching | clients | jobs/s | p50 ms | p99 ms | mean batch |")
+        print("|---|---|---|---|---|---|---|")
         for max_batch in (1, args.max_batch):
             label = "off" if max_batch == 1 else f"max {max_batch}, delay {args.max_delay_us:g} us"
             with vkpool.Session(model, pool=pool, device=device, max_batch=max_batch,
