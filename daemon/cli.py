@@ -35,6 +35,12 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--batch", type=int, metavar="N", help="value of the inputs' symbolic batch dims (default 1)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                    help="value of a named symbolic dim; repeatable")
+    p.add_argument("--max-batch", type=int, metavar="N",
+                   help="batch the requests of every client along the model's symbolic first dim, up to N rows "
+                        "per run (default: the config's daemon.batching rules, else no batching)")
+    p.add_argument("--max-delay", metavar="DURATION",
+                   help="how long the first request of a batch may wait for company (200us, 2ms; default 0: "
+                        "only what is queued already); needs --max-batch")
     endpoint(p)
     p.set_defaults(func=cmd_load)
 
@@ -94,6 +100,11 @@ def render_status(status: dict[str, Any]) -> str:
         memory = ", ".join(f"{k} {format_size(v)}" for k, v in m["memory_by_member"].items())
         lines.append(f"  {m['id'][:12]} {m['name']:<20} refs {m['refs']:<3} queued {m['queued']:<4} "
                      f"running {m['running']:<2} done {m['done']:<7} on {memory}")
+        b = m.get("batching")
+        if b:
+            lines.append(f"  {'':12} batching: max {b['max_batch']}, delay {b['max_queue_delay'] * 1e6:g} us; "
+                         f"{b['batches']} batches, mean {b['mean_batch_size']:.2f} requests, queue delay "
+                         f"p50 {b['queue_delay_p50_us']:.0f} us p99 {b['queue_delay_p99_us']:.0f} us")
     return "\n".join(lines)
 
 
@@ -102,12 +113,21 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     keep_alive = None if args.keep_alive is None else parse_duration(args.keep_alive)
     dims = parse_dims(args.dim)
+    if args.max_delay is not None and args.max_batch is None:
+        raise ValueError("--max-delay needs --max-batch")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
+    delay = None if args.max_delay is None else parse_duration(args.max_delay)
     with _client(args) as client:
-        model = client.load_model(args.model, keep_alive=keep_alive, batch=args.batch, dims=dims)
+        model = client.load_model(args.model, keep_alive=keep_alive, batch=args.batch, dims=dims,
+                                  max_batch=args.max_batch, max_queue_delay=delay)
     memory = ", ".join(f"{k} {format_size(v)}" for k, v in model["memory_by_member"].items())
     kept = "forever" if model["keep_alive"] < 0 else f"{model['keep_alive']:g} s once unused"
     inputs = ", ".join(f"{i['name']}{i['shape']}" for i in model["inputs"])
-    print(f"{model['id']} {model['name']} ({inputs}) on {memory}; kept {kept}")
+    batching = model.get("batching")
+    batched = (f"; batching up to {batching['max_batch']} rows, delay {batching['max_queue_delay'] * 1e6:g} us"
+               if batching else "")
+    print(f"{model['id']} {model['name']} ({inputs}) on {memory}; kept {kept}{batched}")
     return 0
 
 

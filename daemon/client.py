@@ -112,10 +112,15 @@ def outputs_of(content: dict[str, Any], frames: list[Any]) -> list[np.ndarray]:
 
 
 def load_content(model: str | os.PathLike[str] | bytes, name: str | None, keep_alive: float | None,
-                 batch: int | None = None, dims: Mapping[str, int] | None = None) -> tuple[dict[str, Any], list[Any]]:
+                 batch: int | None = None, dims: Mapping[str, int] | None = None, max_batch: int | None = None,
+                 max_queue_delay: float | None = None) -> tuple[dict[str, Any], list[Any]]:
     content: dict[str, Any] = {"name": name, "keep_alive": keep_alive}
     if batch is not None:
         content["batch"] = int(batch)
+    if max_batch is not None:
+        content["max_batch"] = int(max_batch)
+    if max_queue_delay is not None:
+        content["max_queue_delay"] = float(max_queue_delay)
     if dims:
         content["dims"] = {str(k): int(v) for k, v in dims.items()}
     if isinstance(model, (bytes, bytearray, memoryview)):
@@ -506,10 +511,14 @@ class Client:
 
     def load_model(self, model: str | os.PathLike[str] | bytes, *, name: str | None = None,
                    keep_alive: float | None = None, batch: int | None = None,
-                   dims: Mapping[str, int] | None = None) -> dict[str, Any]:
+                   dims: Mapping[str, int] | None = None, max_batch: int | None = None,
+                   max_queue_delay: float | None = None) -> dict[str, Any]:
         """Load (or share) a model; ``batch``/``dims`` bind its symbolic dims as ``vkpool.Session``
-        does (the same file with another binding is another model)."""
-        return self.request("load_model", *load_content(model, name, keep_alive, batch, dims))[0]["model"]
+        does (the same file with another binding is another model). ``max_batch``/``max_queue_delay``:
+        the daemon batches the requests of every client of the model along its first dim
+        (``docs/daemon.md``, "Dynamic batching")."""
+        return self.request("load_model", *load_content(model, name, keep_alive, batch, dims, max_batch,
+                                                        max_queue_delay))[0]["model"]
 
     def list_models(self) -> list[dict[str, Any]]:
         return self.request("list_models")[0]["models"]
@@ -547,8 +556,10 @@ class Client:
 
     def session(self, model: str | os.PathLike[str] | bytes, *, name: str | None = None,
                 keep_alive: float | None = None, batch: int | None = None,
-                dims: Mapping[str, int] | None = None) -> "RemoteSession":
-        return RemoteSession(self, self.load_model(model, name=name, keep_alive=keep_alive, batch=batch, dims=dims))
+                dims: Mapping[str, int] | None = None, max_batch: int | None = None,
+                max_queue_delay: float | None = None) -> "RemoteSession":
+        return RemoteSession(self, self.load_model(model, name=name, keep_alive=keep_alive, batch=batch, dims=dims,
+                                                   max_batch=max_batch, max_queue_delay=max_queue_delay))
 
 
 def value_infos(described: list[dict[str, Any]]) -> list[ValueInfo]:

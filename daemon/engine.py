@@ -34,13 +34,16 @@ class Engine:
     def budget_of(self, member: str) -> int:
         return int(self.pool.member(member).budget_bytes)
 
-    def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None) -> Any:
-        """A session of the model on the pool; ``shape``: ``{batch, dims}`` binding symbolic dims."""
+    def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
+             batching: Mapping[str, Any] | None = None) -> Any:
+        """A session of the model on the pool; ``shape``: ``{batch, dims}`` binding symbolic dims;
+        ``batching``: ``{max_batch, max_queue_delay}`` for a model whose requests are batched."""
         from vkpool.session import Session
 
-        shape = shape or {}
+        shape, batching = shape or {}, batching or {}
         return Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool,
-                       batch=shape.get("batch") or 1, dims=shape.get("dims") or None)
+                       batch=shape.get("batch") or 1, dims=shape.get("dims") or None,
+                       max_batch=batching.get("max_batch"), max_queue_delay=batching.get("max_queue_delay", 0.0))
 
     def set_budget(self, member: str, nbytes: int) -> None:
         self.pool.set_budget(member, nbytes)

@@ -73,9 +73,11 @@ def _f(name: str, kind: str, doc: str, *, required: bool = True, nullable: bool 
 
 _TENSOR_LIST = "list of `{name, dtype, shape}`, one per raw frame, in frame order"
 _MODEL_INFO = (
-    "`{id, name, binding, inputs, outputs, memory_by_member, members, refs, keep_alive, idle_s, queued, "
-    "running, done}`; `binding` is `{batch, dims}` as loaded (empty when nothing was bound); "
-    "`inputs`/`outputs` are lists of `{name, shape, type, dtype}`"
+    "`{id, name, binding, batching, inputs, outputs, memory_by_member, members, refs, keep_alive, idle_s, "
+    "queued, running, done}`; `binding` is `{batch, dims}` as loaded (empty when nothing was bound); "
+    "`batching` is null, or for a model that batches requests `{max_batch, max_queue_delay, batches, "
+    "requests, rows, padded_rows, failed_batches, mean_batch_size, queue_delay_p50_us, queue_delay_p99_us}` "
+    "(its first dim is then `\"batch\"`); `inputs`/`outputs` are lists of `{name, shape, type, dtype}`"
 )
 
 MESSAGES: dict[str, Message] = {m.action: m for m in (
@@ -103,7 +105,13 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                      _f("batch", "int", "value of the inputs' symbolic first (batch) dims; default 1",
                         required=False, nullable=True),
                      _f("dims", "map", "`{dim name: value}` for named symbolic dims", required=False,
-                        nullable=True)),
+                        nullable=True),
+                     _f("max_batch", "int", "batch requests along the model's symbolic first dim, up to this "
+                        "many rows per run (1..4096); default from the config's `daemon.batching` rules, else "
+                        "no batching", required=False, nullable=True),
+                     _f("max_queue_delay", "number", "seconds the first request of a batch may wait for "
+                        "company (0..10; default 0: only what is queued already); needs `max_batch`",
+                        required=False, nullable=True)),
             reply=(_f("model", "map", _MODEL_INFO),
                    _f("shared", "bool", "true when the model was already loaded with the same binding")),
             request_frames="one frame with the ONNX bytes when `path` is absent"),

@@ -97,6 +97,7 @@ class ModelEntry:
     # Workers hold it shared while running; a re-plan holds it exclusively to swap the session.
     gate: "SharedGate" = field(default_factory=lambda: SharedGate())
     run_s: float | None = None      # moving average of the engine's run time, once measured
+    batch_config: dict[str, Any] = field(default_factory=dict)  # {max_batch, max_queue_delay}; empty: off
 
     def __post_init__(self) -> None:
         self.refresh()
@@ -105,13 +106,24 @@ class ModelEntry:
         """Cache what the I/O thread needs, so it never calls into a session being replaced."""
         self.inputs = describe_values(self.session.get_inputs())
         self.outputs = describe_values(self.session.get_outputs())
+        if self.batching is not None:  # requests carry 1..max_batch rows along the first dim
+            for value in (*self.inputs, *self.outputs):
+                value["shape"][0] = "batch"
         self.input_specs = {i["name"]: i for i in self.inputs}
         self.input_dtypes = {i["name"]: np.dtype(i["dtype"]) for i in self.inputs}
         self.output_names = [o["name"] for o in self.outputs]
         self.memory = {k: int(v) for k, v in self.session.memory_by_member().items()}
 
+    @property
+    def batching(self) -> Any:
+        """The session's :class:`~vkpool.batching.BatchRunner` when the model batches requests, else None."""
+        return getattr(self.session, "batch_runner", None)
+
     def info(self, queued: int = 0, running: int = 0, done: int = 0) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "binding": self.binding, "inputs": self.inputs, "outputs": self.outputs,
+        runner = self.batching
+        batching = None if runner is None else {**self.batch_config, **runner.stats.snapshot()}
+        return {"id": self.id, "name": self.name, "binding": self.binding, "batching": batching,
+                "inputs": self.inputs, "outputs": self.outputs,
                 "memory_by_member": self.memory, "members": sorted(m for m, n in self.memory.items() if n),
                 "refs": sum(self.refs.values()), "keep_alive": self.keep_alive,
                 "idle_s": round(time.monotonic() - self.last_used, 3),

@@ -45,6 +45,7 @@ class Job:
     state: str = "queued"           # queued -> running -> done
     seq: int = field(default_factory=lambda: next(_sequence))
     settled: bool = False           # counted as done by the scheduler
+    rows: int = 1                   # rows along the batch dim (a model that batches requests)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def finish(self, status: str, content: dict[str, Any] | bytes, frames: list[Any] | None = None) -> bool:
@@ -75,6 +76,9 @@ class ModelQueue:
         self.size = 0
         self.running = 0
         self.done = 0
+        self.batching: Any = None  # the model's BatchRunner when it batches requests
+        self.gathering = False     # a worker is gathering this model's next batch
+        self.gathered = 0          # jobs taken out of the queue into that batch, not running yet
 
     def push(self, job: Job) -> None:
         heap = self._heaps.get(job.client)
@@ -128,11 +132,12 @@ class Scheduler:
     """All model queues, their worker threads, and the job index used by cancel and timeouts."""
 
     def __init__(self, *, queue_limit: int, max_queued: int, workers_per_model: int,
-                 run_job: Callable[[Job], None]) -> None:
+                 run_job: Callable[[Job], None], run_batch: Callable[[list[Job]], None] | None = None) -> None:
         self.queue_limit = queue_limit
         self.max_queued = max_queued
         self.workers_per_model = workers_per_model
         self._run_job = run_job
+        self._run_batch = run_batch
         self._lock = threading.RLock()  # taken directly where nothing waits or is notified: cheaper
         self._cond = threading.Condition(self._lock)
         self._queues: dict[str, ModelQueue] = {}
@@ -141,12 +146,17 @@ class Scheduler:
         self._closing: set[str] = set()
 
     # -- models -------------------------------------------------------------------------------
-    def add_model(self, model_id: str) -> None:
+    def add_model(self, model_id: str, batching: Any = None) -> None:
+        """Queue and workers for a model. ``batching``: the model's
+        :class:`~vkpool.batching.BatchRunner`; its workers then take several queued jobs at once
+        (:meth:`_take_batch`) and hand them to ``run_batch``."""
         with self._cond:
             if model_id in self._queues:
                 return
-            self._queues[model_id] = ModelQueue(model_id, self.queue_limit)
-            threads = [threading.Thread(target=self._worker, args=(model_id,), daemon=True,
+            queue = self._queues[model_id] = ModelQueue(model_id, self.queue_limit)
+            queue.batching = batching
+            work = self._worker if batching is None else self._batch_worker
+            threads = [threading.Thread(target=work, args=(model_id,), daemon=True,
                                         name=f"vkpool-worker-{model_id[:8]}-{i}")
                        for i in range(self.workers_per_model)]
             self._workers[model_id] = threads
@@ -170,7 +180,7 @@ class Scheduler:
         """Queued plus running jobs of a model."""
         with self._cond:
             queue = self._queues.get(model_id)
-            return 0 if queue is None else queue.size + queue.running
+            return 0 if queue is None else queue.size + queue.gathered + queue.running
 
     # -- jobs ---------------------------------------------------------------------------------
     def claim_idle(self, model_id: str, gate: Any = None) -> ModelQueue | None:
@@ -236,7 +246,7 @@ class Scheduler:
     def counts(self, model_id: str) -> tuple[int, int, int]:
         with self._cond:
             q = self._queues.get(model_id)
-            return (0, 0, 0) if q is None else (q.size, q.running, q.done)
+            return (0, 0, 0) if q is None else (q.size + q.gathered, q.running, q.done)
 
     def in_flight(self) -> int:
         with self._cond:
@@ -266,6 +276,77 @@ class Scheduler:
                 job.fail("InternalError", f"worker failed: {type(exc).__name__}: {exc}")
             finally:
                 self.settle(job)
+
+    def _take_batch(self, model_id: str) -> list[Job] | None:
+        """The next batch of a batching model's queue (None when the model is closing): the next job,
+        then more in queue order while their rows fit in ``max_batch``, waiting for them until
+        ``max_queue_delay`` after the first was accepted; the runner's :meth:`fit` decides how many
+        run now and the rest go back to the queue. The jobs returned are marked running."""
+        with self._cond:
+            queue = self._queues[model_id]
+            runner = queue.batching
+            while True:  # one worker gathers at a time; the others run the batches gathered before
+                first = None if queue.gathering else queue.pop()
+                if first is not None:
+                    break
+                if model_id in self._closing and not queue.gathering:
+                    return None
+                self._cond.wait()
+            queue.gathering = True
+            queue.gathered = 1
+            try:
+                jobs, rows = [first], first.rows
+                until = first.accepted_at + runner.max_queue_delay
+                while rows < runner.max_batch:
+                    job = queue.pop()
+                    if job is not None:
+                        if rows + job.rows > runner.max_batch:
+                            queue.push(job)  # it keeps its place (its sequence number): it opens the next batch
+                            break
+                        jobs.append(job)
+                        rows += job.rows
+                        queue.gathered += 1
+                        continue
+                    left = until - time.monotonic()
+                    if left <= 0 or model_id in self._closing:
+                        break
+                    self._cond.wait(left)
+                keep = runner.fit([j.rows for j in jobs])
+                for job in jobs[keep:]:
+                    queue.push(job)
+            finally:
+                queue.gathering = False
+                queue.gathered = 0
+                self._cond.notify_all()
+            now = time.monotonic()
+            live = []
+            for job in jobs[:keep]:
+                with job._lock:
+                    if job.state != "queued":  # cancelled or timed out while the batch gathered
+                        continue
+                    job.state = "running"
+                job.started_at = now
+                queue.running += 1
+                live.append(job)
+            return live
+
+    def _batch_worker(self, model_id: str) -> None:
+        assert self._run_batch is not None
+        while True:
+            jobs = self._take_batch(model_id)
+            if jobs is None:
+                return
+            if not jobs:
+                continue
+            try:
+                self._run_batch(jobs)
+            except Exception as exc:  # the run callback answers errors itself; this is a bug
+                log.exception("a batch of %d job(s) crashed the worker callback", len(jobs))
+                for job in jobs:
+                    job.fail("InternalError", f"worker failed: {type(exc).__name__}: {exc}")
+            finally:
+                for job in jobs:
+                    self.settle(job)
 
     def settle(self, job: Job) -> None:
         """Count a job that a worker ran as done; the run callback calls it before replying, so

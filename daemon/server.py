@@ -457,7 +457,7 @@ class Server:
         run_s = entry.run_s
         inputs = plan.inputs
         if (run_s is None or run_s > self.settings.inline_run_max or len(parts) - 2 != len(inputs)
-                or not service.registry.current(entry, client)):
+                or entry.batch_config or not service.registry.current(entry, client)):
             return False
         feeds = {}
         at = 2

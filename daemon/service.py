@@ -68,7 +68,8 @@ class Service:
         self.stats = stats
         self.registry = Registry()
         self.scheduler = Scheduler(queue_limit=settings.queue_limit, max_queued=settings.max_queued_jobs,
-                                   workers_per_model=settings.workers_per_model, run_job=self._run_job)
+                                   workers_per_model=settings.workers_per_model, run_job=self._run_job,
+                                   run_batch=self._run_batch)
         self._admin: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._admin_busy = 0
         self._admin_thread = threading.Thread(target=self._admin_loop, name="vkpool-admin", daemon=True)
@@ -220,13 +221,19 @@ class Service:
         entry, outputs = plan.entry, plan.outputs
         deadline = None if plan.timeout is None else accepted + plan.timeout
         run_s = entry.run_s
-        if (run_s is not None and run_s <= self.settings.inline_run_max
+        rows = 1
+        if entry.batching is not None:  # queued, so that requests arriving together run together
+            try:
+                feeds, rows = entry.batching.check(feeds, outputs)
+            except ValueError as exc:
+                raise ProtocolViolation("InvalidTensor", str(exc)) from None
+        elif (run_s is not None and run_s <= self.settings.inline_run_max
                 and (self.inline_allowed() if inline is None else inline)
                 and self._run_inline(client, rid, entry, outputs, feeds, accepted, deadline)):
             return
         job = Job(client=client, request_id=rid, model_id=entry.id, feeds=feeds, outputs=outputs,
                   priority=plan.priority, finish_cb=self._job_finished,
-                  deadline=deadline, accepted_at=accepted)
+                  deadline=deadline, accepted_at=accepted, rows=rows)
         try:
             self.scheduler.submit(job)
         except Busy as exc:
@@ -302,6 +309,43 @@ class Service:
         if job.finish(status, content, frames) and status == "ok":
             self.stats.infer_done(time.monotonic() - job.accepted_at)
 
+    def _run_batch(self, jobs: list[Job]) -> None:
+        """Run jobs of a batching model as one batch (the scheduler gathered them); each gets its
+        own rows back, or the batch's error."""
+        entry = self.registry.get(jobs[0].model_id)
+        if entry is None:
+            for job in jobs:
+                job.fail("UnknownModel", f"model {job.model_id[:12]} was unloaded")
+            return
+        entry.gate.acquire_shared()
+        try:
+            runner = entry.batching  # read under the gate: a re-plan swaps the session
+            jobs = [job for job in jobs if job.state != "done"]  # timed out while waiting for a re-plan
+            if not jobs:
+                return
+            started = time.monotonic()
+            try:
+                results = runner.run([(job.feeds, job.outputs) for job in jobs])
+            except Exception as exc:
+                violation = classify(exc)
+                log.warning("a batch of %d job(s) on %s failed: %s", len(jobs), entry.id[:12], violation.message)
+                for job in jobs:
+                    self.scheduler.settle(job)
+                    job.finish("error", _error(violation))
+                return
+        finally:
+            entry.gate.release_shared()
+        finished = entry.last_used = time.monotonic()
+        for job, result in zip(jobs, results):
+            queued = (job.started_at or started) - job.accepted_at
+            runner.stats.record_delay(queued)
+            content, frames = self._replies.pack(entry.output_names if job.outputs is None else job.outputs,
+                                                 result, queued, finished - started)
+            job.feeds = {}  # the request's frames are not needed any more
+            self.scheduler.settle(job)
+            if job.finish("ok", content, frames):
+                self.stats.infer_done(finished - job.accepted_at)
+
     def _job_finished(self, job: Job, status: str, content: dict[str, Any], frames: list[Any]) -> None:
         self.scheduler.forget(job)
         self.reply(job.client, job.request_id, "infer", status, content, frames)
@@ -320,32 +364,44 @@ class Service:
         keep_alive = content.get("keep_alive")
         name = content.get("name") or (source.name if isinstance(source, Path) else "model")
         binding = _binding(content.get("batch"), content.get("dims"))
-        return lambda: self._load(client, source, str(name), keep_alive, binding)
+        asked = _batching(content.get("max_batch"), content.get("max_queue_delay"))
+        if asked and binding.get("batch"):
+            raise ProtocolViolation("InvalidRequest", "batch fixes the batch dimension and max_batch batches "
+                                    "requests along it: give one of them", {"batch": binding["batch"]})
+        return lambda: self._load(client, source, str(name), keep_alive, binding, asked)
 
     def _load(self, client: bytes, source: Path | bytes, name: str, keep_alive: float | None,
-              binding: dict[str, Any] | None = None) -> dict[str, Any]:
+              binding: dict[str, Any] | None = None, batching: dict[str, Any] | None = None) -> dict[str, Any]:
         binding = binding or {}
         model_id = bound_id(content_id(source), binding)
         entry = self.registry.get(model_id)
         shared = entry is not None
+        if entry is not None and batching and batching != entry.batch_config:
+            raise ProtocolViolation(
+                "InvalidRequest", f"model {entry.name} ({model_id[:12]}) is loaded already with batching "
+                f"{entry.batch_config or 'off'}; clients that open a model share its batching: load it "
+                "without max_batch/max_queue_delay, or unload it first", {"batching": entry.batch_config})
         if entry is None:
-            session = self._open_admitted(source, binding)
+            if not batching and not binding:
+                batching = self.settings.batching_for(name)
+            session = self._open_admitted(source, binding, batching or {})
             entry = ModelEntry(id=model_id, name=name, source=source, session=session, binding=binding,
-                               keep_alive=self.settings.keep_alive if keep_alive is None else keep_alive)
+                               keep_alive=self.settings.keep_alive if keep_alive is None else keep_alive,
+                               batch_config=batching or {})
             self.registry.add(entry)
-            self.scheduler.add_model(model_id)
+            self.scheduler.add_model(model_id, batching=entry.batching)
             log.info("loaded %s (%s) on %s", name, model_id[:12], entry.memory)
         self.registry.take_ref(entry, client, keep_alive)
         return {"model": entry.info(*self.scheduler.counts(entry.id)), "shared": shared}
 
-    def open_session(self, source: Path | bytes, binding: dict[str, Any]) -> Any:
-        return self.engine.open(source, binding) if binding else self.engine.open(source)
+    def open_session(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
+        return self.engine.open(source, binding, batching)
 
-    def _open_admitted(self, source: Path | bytes, binding: dict[str, Any]) -> Any:
+    def _open_admitted(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
         """Open a session; when it does not fit and eviction is on, free idle models first."""
         while True:
             try:
-                return self.open_session(source, binding)
+                return self.open_session(source, binding, batching)
             except Exception as exc:
                 violation = classify(exc)
                 if violation.type != "InsufficientMemory":
@@ -478,6 +534,22 @@ def _binding(batch: Any, dims: Any) -> dict[str, Any]:
                                     {"dims": repr(bad)[:200]})
         binding["dims"] = dict(sorted(dims.items()))
     return binding
+
+
+def _batching(max_batch: Any, max_queue_delay: Any) -> dict[str, Any]:
+    """``{max_batch, max_queue_delay}`` of a load request, validated; empty when it asks for none."""
+    if max_batch is None:
+        if max_queue_delay is not None:
+            raise ProtocolViolation("InvalidRequest", "max_queue_delay needs max_batch", {})
+        return {}
+    if type(max_batch) is not int or not 1 <= max_batch <= 4096:
+        raise ProtocolViolation("InvalidRequest", f"max_batch must be an integer from 1 to 4096, got {max_batch!r}",
+                                {"max_batch": repr(max_batch)[:50]})
+    delay = 0.0 if max_queue_delay is None else max_queue_delay
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 10:
+        raise ProtocolViolation("InvalidRequest", "max_queue_delay must be a number of seconds from 0 to 10, "
+                                f"got {max_queue_delay!r}", {"max_queue_delay": repr(max_queue_delay)[:50]})
+    return {"max_batch": max_batch, "max_queue_delay": float(delay)}
 
 
 def _parse_budgets(raw: dict[str, Any] | None, engine: Any) -> dict[str, int]:

@@ -43,6 +43,18 @@ class DaemonSettings:
     log_file: Path | None = None
     log_level: str = "INFO"
     curve: CurveSettings | None = None
+    #: dynamic batching per model: rules ``{match: glob on the model's name, max_batch, max_queue_delay}``,
+    #: the first that matches applies to a load that asks for no batching itself
+    batching: tuple[dict[str, Any], ...] = ()
+
+    def batching_for(self, name: str) -> dict[str, Any]:
+        """``{max_batch, max_queue_delay}`` of the first batching rule matching ``name``, or empty."""
+        from fnmatch import fnmatchcase
+
+        for rule in self.batching:
+            if fnmatchcase(name, rule["match"]):
+                return {"max_batch": rule["max_batch"], "max_queue_delay": rule["max_queue_delay"]}
+        return {}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None,
@@ -75,12 +87,12 @@ def _default_lane_poll() -> float:
     return 0.0001 if usable_cpus() >= POLL_MIN_CPUS else 0.0
 
 
-_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_DURATION_SCALE = {None: 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(us|µs|ms|s|m|h)?\s*$")
+_DURATION_SCALE = {None: 1.0, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def parse_duration(value: Any) -> float:
-    """Seconds from a number or a string such as ``"30s"``, ``"5m"``, ``"1h"``."""
+    """Seconds from a number or a string such as ``"200us"``, ``"30s"``, ``"5m"``, ``"1h"``."""
     if isinstance(value, bool):
         raise TypeError("expected a duration, got a boolean")
     if isinstance(value, (int, float)):
@@ -157,7 +169,26 @@ def _curve(value: Any) -> CurveSettings | None:
     return CurveSettings(secret, keys_dir)
 
 
+def _batching_rules(value: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list):
+        raise ValueError("expected a list of {match, max_batch, max_queue_delay} rules")
+    rules = []
+    for i, rule in enumerate(value):
+        if not isinstance(rule, dict) or not {"match", "max_batch"} <= set(rule) \
+                or not set(rule) <= {"match", "max_batch", "max_queue_delay"}:
+            raise ValueError(f"rule {i}: expected a map with match, max_batch and optionally max_queue_delay")
+        if not isinstance(rule["match"], str) or not rule["match"]:
+            raise ValueError(f"rule {i}: match must be a glob on the model's name, got {rule['match']!r}")
+        max_batch = _positive_int(rule["max_batch"])
+        delay = _non_negative(parse_duration(rule.get("max_queue_delay", 0)))
+        if not delay <= 10:
+            raise ValueError(f"rule {i}: max_queue_delay must be at most 10 s, got {rule.get('max_queue_delay')!r}")
+        rules.append({"match": rule["match"], "max_batch": max_batch, "max_queue_delay": delay})
+    return tuple(rules)
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
+    "batching": _batching_rules,
     "endpoint": _endpoint,
     "max_connections": _positive_int,
     "max_lane_connections": _non_negative_int,

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import vkpool
-from vkpool.batching import Batcher, BatchingError, variant_sizes
+from vkpool.batching import Batcher, BatchingError, BatchRunner, variant_sizes
 from vkpool.session import InvalidInput
 
 RNG = np.random.default_rng(11)
@@ -129,7 +129,8 @@ def test_a_failing_batch_fails_only_its_own_requests(pool):
         sessions.append(vkpool.Session(mlp_model(), pool=pool, device=member, batch=size))
         return sessions[-1]
 
-    b = Batcher(make_variant, [("x", (1, 16), np.float32)], ["y"], max_batch=4, max_queue_delay=0.3)
+    runner = BatchRunner(make_variant, [("x", (1, 16), np.float32)], ["y"], max_batch=4, max_queue_delay=0.3)
+    b = Batcher(runner)
     try:
         one = RNG.standard_normal((1, 16)).astype(np.float32)
         three = RNG.standard_normal((3, 16)).astype(np.float32)
@@ -145,6 +146,7 @@ def test_a_failing_batch_fails_only_its_own_requests(pool):
         assert (s["batches"], s["failed_batches"], s["requests"]) == (3, 1, 4)
     finally:
         b.close()
+        runner.close()
         assert sessions and all(x._closed for x in sessions)
 
 

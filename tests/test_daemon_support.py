@@ -204,7 +204,10 @@ class StandInEngine:
     def budget_of(self, member: str) -> int:
         return self.members_[0]["budget_bytes"]
 
-    def open(self, source: Path | bytes, binding: dict[str, Any] | None = None) -> StandInSession:
+    def open(self, source: Path | bytes, binding: dict[str, Any] | None = None,
+             batching: dict[str, Any] | None = None) -> StandInSession:
+        if batching:
+            raise UnsupportedOp("the stand-in engine does not batch requests")
         data = source.read_bytes() if isinstance(source, Path) else bytes(source)
         self.opened += 1
         return StandInSession(self, data, self.delay_s, binding)

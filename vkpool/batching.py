@@ -49,7 +49,7 @@ def variant_sizes(max_batch: int) -> tuple[int, ...]:
 class _Request:
     feeds: dict[str, np.ndarray]
     rows: int
-    outputs: list[str]
+    outputs: list[str] | None
     future: Future
     arrived: float
     deadline: float  # perf_counter time after which it may no longer start; inf: none
@@ -87,40 +87,37 @@ class BatchStats:
         }
 
 
-class Batcher:
-    """Groups requests for one model into batched runs (module docstring).
+class BatchRunner:
+    """The batched execution of one model, shared by every queue that batches it (the in-process
+    :class:`Batcher`, the daemon's scheduler): the requests' check, the choice of how many queued
+    requests run together (:meth:`fit`), and the run of a batch on the right variant (:meth:`run`).
 
     ``make_variant(size)`` returns something with ``run(output_names, feeds) -> list[ndarray]``
     and ``close()`` compiled at batch ``size``; ``inputs`` and ``outputs`` describe the model at
-    batch 1 as ``(name, shape, dtype)`` with the batch dim first.
+    batch 1 as ``(name, shape, dtype)`` with the batch dim first. Variants are compiled when first
+    needed, one at a time.
     """
 
     def __init__(self, make_variant: Callable[[int], Any], inputs: Sequence[tuple[str, tuple[int, ...], Any]],
-                 outputs: Sequence[str], *, max_batch: int, max_queue_delay: float = 0.0,
-                 name: str = "model") -> None:
+                 outputs: Sequence[str], *, max_batch: int, max_queue_delay: float = 0.0) -> None:
         if not (max_queue_delay >= 0.0 and np.isfinite(max_queue_delay)):
             raise BatchingError(f"max_queue_delay must be a finite number of seconds >= 0, got {max_queue_delay}")
         self.sizes = variant_sizes(int(max_batch))
         self.max_batch = int(max_batch)
         self.max_queue_delay = float(max_queue_delay)
-        self.name = name
+        self.inputs = [(n, tuple(s[1:]), np.dtype(d)) for n, s, d in inputs]
+        self.outputs = list(outputs)
         self._make_variant = make_variant
-        self._inputs = [(n, tuple(s[1:]), np.dtype(d)) for n, s, d in inputs]
-        self._outputs = list(outputs)
         self._variants: dict[int, Any] = {}
-        self._queue: deque[_Request] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
+        self._lock = threading.Lock()
         self.stats = BatchStats()
-        self._thread = threading.Thread(target=self._loop, name=f"vkpool-batcher-{name}", daemon=True)
-        self._thread.start()
 
-    # -- requests -------------------------------------------------------------------------------
-    def check(self, feeds: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
+    def check(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None
+              ) -> tuple[dict[str, np.ndarray], int]:
         """The request's arrays and row count, or :class:`~vkpool.session.InvalidInput` naming what is wrong."""
         from vkpool.session import InvalidInput
 
-        expected = {n for n, _, _ in self._inputs}
+        expected = {n for n, _, _ in self.inputs}
         extra, missing = sorted(set(feeds) - expected), sorted(expected - set(feeds))
         if extra:
             raise InvalidInput(f"unknown input(s) {extra}; the model's inputs are {sorted(expected)}")
@@ -128,7 +125,7 @@ class Batcher:
             raise InvalidInput(f"missing input(s) {missing}")
         arrays: dict[str, np.ndarray] = {}
         rows: int | None = None
-        for name, tail, dtype in self._inputs:
+        for name, tail, dtype in self.inputs:
             value = np.asarray(feeds[name])
             if value.dtype != dtype:
                 raise InvalidInput(f"input {name!r} must be {dtype}, got {value.dtype}")
@@ -143,7 +140,89 @@ class Batcher:
         assert rows is not None
         if not 1 <= rows <= self.max_batch:
             raise InvalidInput(f"a request carries 1 to {self.max_batch} rows (max_batch), got {rows}")
+        unknown = [n for n in (output_names or ()) if n not in self.outputs]
+        if unknown:
+            raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are {self.outputs}")
         return arrays, rows
+
+    def fit(self, rows: Sequence[int]) -> int:
+        """How many of the queued requests (their row counts, in order) to run now. Rows are padded
+        up to the next variant size; where that would waste more than a quarter of the run (5 rows
+        in a variant of 8), the longest prefix whose rows fill a variant exactly runs instead and
+        the rest opens the next batch."""
+        total = sum(rows)
+        size = next(s for s in self.sizes if s >= total)
+        if 4 * (size - total) <= size:
+            return len(rows)
+        running, exact = 0, 0
+        for k, r in enumerate(rows, 1):
+            running += r
+            if running in self.sizes:
+                exact = k
+        return exact or len(rows)
+
+    def _variant(self, size: int) -> Any:
+        with self._lock:
+            variant = self._variants.get(size)
+            if variant is None:
+                variant = self._variants[size] = self._make_variant(size)
+            return variant
+
+    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Sequence[str] | None]]) -> list[list[np.ndarray]]:
+        """Runs checked requests (arrays as :meth:`check` gives them, and output names or None for
+        all) as one batch; each request's outputs, its own rows. Raises when the batch fails."""
+        rows = [next(iter(feeds.values())).shape[0] for feeds, _ in requests]
+        total = sum(rows)
+        size = next(s for s in self.sizes if s >= total)
+        stats = self.stats
+        stats.batches += 1
+        stats.requests += len(requests)
+        stats.rows += total
+        try:
+            feeds = {}
+            for name, tail, dtype in self.inputs:
+                parts = [f[name] for f, _ in requests]
+                if size > total:
+                    parts.append(np.zeros((size - total, *tail), dtype))
+                feeds[name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            outputs = self._variant(size).run(self.outputs, feeds)
+            for name, out in zip(self.outputs, outputs):
+                if out.ndim == 0 or out.shape[0] != size:
+                    raise BatchingError(f"output {name!r} has shape {list(out.shape)}: its first dim does not "
+                                        f"follow the batch size {size}")
+        except Exception:
+            stats.failed_batches += 1
+            raise
+        stats.padded_rows += size - total
+        by_name = dict(zip(self.outputs, outputs))
+        results, offset = [], 0
+        for (_, names), r in zip(requests, rows):
+            # copies, so that one request's result does not keep the whole batch's arrays alive
+            results.append([by_name[n][offset:offset + r].copy() for n in (names or self.outputs)])
+            offset += r
+        return results
+
+    def close(self) -> None:
+        with self._lock:
+            for variant in self._variants.values():
+                variant.close()
+            self._variants.clear()
+
+
+class Batcher:
+    """Groups requests submitted in this process into batched runs (module docstring): a queue
+    and a dispatcher thread (started at the first request) over a :class:`BatchRunner`."""
+
+    def __init__(self, runner: BatchRunner, name: str = "model") -> None:
+        self.runner = runner
+        self.max_batch = runner.max_batch
+        self.max_queue_delay = runner.max_queue_delay
+        self.stats = runner.stats
+        self.name = name
+        self._queue: deque[_Request] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
     def submit(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
                timeout: float | None = None) -> Future:
@@ -151,23 +230,22 @@ class Batcher:
         each with the request's own rows. ``timeout``: seconds it may wait before its batch starts."""
         from vkpool.session import InvalidInput
 
-        arrays, rows = self.check(feeds)
-        names = list(output_names) if output_names is not None else list(self._outputs)
-        unknown = [n for n in names if n not in self._outputs]
-        if unknown:
-            raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are {self._outputs}")
+        arrays, rows = self.runner.check(feeds, output_names)
         if timeout is not None and not timeout > 0:
             raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout}")
         now = time.perf_counter()
-        request = _Request(arrays, rows, names, Future(), now, now + timeout if timeout is not None else float("inf"))
+        request = _Request(arrays, rows, list(output_names) if output_names is not None else None, Future(), now,
+                           now + timeout if timeout is not None else float("inf"))
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the batcher of {self.name!r} is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"vkpool-batcher-{self.name}", daemon=True)
+                self._thread.start()
             self._queue.append(request)
             self._cond.notify()
         return request.future
 
-    # -- the dispatcher -------------------------------------------------------------------------
     def _take_batch(self) -> list[_Request] | None:
         """The next batch, waiting for its first request and then up to the queue delay."""
         with self._cond:
@@ -190,25 +268,10 @@ class Batcher:
                 if left <= 0 or self._closed:
                     break
                 self._cond.wait(left)
-            keep = self._fit(batch)
+            keep = self.runner.fit([r.rows for r in batch])
             for r in reversed(batch[keep:]):  # back to the front of the queue, in order: the next batch
                 self._queue.appendleft(r)
             return batch[:keep]
-
-    def _fit(self, batch: list[_Request]) -> int:
-        """How many of ``batch``'s requests to run now. Rows are padded up to the next variant size;
-        where that would waste more than a quarter of the run (5 rows in a variant of 8), the longest
-        prefix whose rows fill a variant exactly runs instead and the rest opens the next batch."""
-        rows = sum(r.rows for r in batch)
-        size = next(s for s in self.sizes if s >= rows)
-        if 4 * (size - rows) <= size:
-            return len(batch)
-        total, exact = 0, 0
-        for k, r in enumerate(batch, 1):
-            total += r.rows
-            if total in self.sizes:
-                exact = k
-        return exact or len(batch)
 
     def _loop(self) -> None:
         while True:
@@ -229,55 +292,22 @@ class Batcher:
                     live.append(r)
                 else:
                     self.stats.cancelled += 1
-            if live:
-                self._run(live, start)
+            if not live:
+                continue
+            for r in live:
+                self.stats.record_delay(start - r.arrived)
+            try:
+                results = self.runner.run([(r.feeds, r.outputs) for r in live])
+            except Exception as exc:  # the batch's own requests fail, each with the error; the next batch runs
+                for r in live:
+                    r.future.set_exception(exc)
+                continue
+            for r, result in zip(live, results):
+                r.future.set_result(result)
 
-    def _variant(self, size: int) -> Any:
-        variant = self._variants.get(size)
-        if variant is None:
-            variant = self._variants[size] = self._make_variant(size)
-        return variant
-
-    def _run(self, batch: list[_Request], start: float) -> None:
-        rows = sum(r.rows for r in batch)
-        size = next(s for s in self.sizes if s >= rows)
-        stats = self.stats
-        for r in batch:
-            stats.record_delay(start - r.arrived)
-        try:
-            feeds = {}
-            for name, tail, dtype in self._inputs:
-                parts = [r.feeds[name] for r in batch]
-                if size > rows:
-                    parts.append(np.zeros((size - rows, *tail), dtype))
-                feeds[name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-            outputs = self._variant(size).run(self._outputs, feeds)
-            for name, out in zip(self._outputs, outputs):
-                if out.ndim == 0 or out.shape[0] != size:
-                    raise BatchingError(f"output {name!r} has shape {list(out.shape)}: its first dim does not "
-                                        f"follow the batch size {size}")
-        except Exception as exc:  # the batch's own requests fail, each with the error; the next batch runs
-            stats.batches += 1
-            stats.failed_batches += 1
-            stats.requests += len(batch)
-            stats.rows += rows
-            for r in batch:
-                r.future.set_exception(exc)
-            return
-        stats.batches += 1
-        stats.requests += len(batch)
-        stats.rows += rows
-        stats.padded_rows += size - rows
-        by_name = dict(zip(self._outputs, outputs))
-        offset = 0
-        for r in batch:
-            # copies, so that one request's result does not keep the whole batch's arrays alive
-            r.future.set_result([by_name[n][offset:offset + r.rows].copy() for n in r.outputs])
-            offset += r.rows
-
-    # -- life -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stops the dispatcher; requests still queued fail with a RuntimeError; closes the variants."""
+        """Stops the dispatcher; requests still queued fail with a RuntimeError. The runner's
+        variants are its owner's to close."""
         with self._cond:
             if self._closed:
                 return
@@ -285,11 +315,9 @@ class Batcher:
             pending = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()
+            thread = self._thread
         for r in pending:
             if r.future.set_running_or_notify_cancel():
                 r.future.set_exception(RuntimeError(f"the batcher of {self.name!r} was closed"))
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-        for variant in self._variants.values():
-            variant.close()
-        self._variants.clear()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()

@@ -197,7 +197,7 @@ class Session:
                       placement: dict[str, Any]) -> Any:
         """A :class:`~vkpool.batching.Batcher` over variants of this model at batch sizes up to
         ``max_batch``; batch 1 is this session itself. Refuses a model without a batch dimension."""
-        from vkpool.batching import Batcher, BatchingError
+        from vkpool.batching import Batcher, BatchingError, BatchRunner
 
         at1 = self.model
         at2 = load_model(model, batch=2, dims=dims, partial=True)
@@ -215,9 +215,15 @@ class Session:
                 return SimpleNamespace(run=self.run, close=lambda: None)
             return Session(model, pool=self.pool, batch=size, dims=dims, **placement)
 
-        return Batcher(make_variant, [(n, i.shape, i.dtype) for n, i in at1.inputs],
-                       [n for n, _ in at1.outputs], max_batch=max_batch, max_queue_delay=max_queue_delay,
-                       name=str(model) if not isinstance(model, (bytes, bytearray)) else "model")
+        runner = BatchRunner(make_variant, [(n, i.shape, i.dtype) for n, i in at1.inputs],
+                             [n for n, _ in at1.outputs], max_batch=max_batch, max_queue_delay=max_queue_delay)
+        return Batcher(runner, name=str(model) if not isinstance(model, (bytes, bytearray)) else "model")
+
+    @property
+    def batch_runner(self) -> Any:
+        """The :class:`~vkpool.batching.BatchRunner` of a session opened with ``max_batch`` (the
+        daemon's scheduler batches through it), else None."""
+        return None if self._batcher is None else self._batcher.runner
 
     @property
     def batching(self) -> dict[str, Any] | None:
@@ -495,6 +501,7 @@ class Session:
             self._closed = True
             if self._batcher is not None:
                 self._batcher.close()
+                self._batcher.runner.close()
                 self._batcher = None
             if self._chunk is not None:
                 self._chunk.close()
