@@ -35,13 +35,14 @@ TRANSPORTS = ("zmq", "lane")
 _ROUNDS = 10
 
 _CLIENT = """
-import sys, time, numpy as np
+import json, sys, time, numpy as np
 from vkpool.daemon.client import Client
 endpoint, model, seconds, lane = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "lane"
+batching = json.loads(sys.argv[5])
 with Client(endpoint, local_lane=lane) as client:
     if client.local_lane != lane:
         raise SystemExit("the daemon offers no local lane")
-    session = client.session(model)
+    session = client.session(model, **batching)
     rng = np.random.default_rng(0)
     feeds = {i.name: rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(i.dtype)
              for i in session.get_inputs()}
@@ -49,26 +50,41 @@ with Client(endpoint, local_lane=lane) as client:
         session.run(None, feeds)
     sys.stdout.write("ready\\n"); sys.stdout.flush()
     sys.stdin.readline()
-    n, end = 0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        session.run(None, feeds); n += 1
-    print(n)
+    lat, clock = [], time.perf_counter
+    end = clock() + seconds
+    while True:
+        t0 = clock()
+        if t0 >= end:
+            break
+        session.run(None, feeds)
+        lat.append(clock() - t0)
+    lat = np.sort(np.asarray(lat)) * 1e6
+    keep = lat[np.linspace(0, len(lat) - 1, min(len(lat), 2000)).astype(int)] if len(lat) else lat
+    print(json.dumps({"jobs": len(lat), "latency_us": [round(float(v), 1) for v in keep]}))
 """
 
 
-def resolve_model(name: str, folder: Path) -> Path:
-    """An existing ONNX file, or a workload of ``bench/workloads.py`` written into ``folder``."""
+def resolve_model(name: str, folder: Path, symbolic_batch: bool = False) -> Path:
+    """An existing ONNX file, or a workload of ``bench/workloads.py`` written into ``folder``
+    (with a symbolic batch dim when ``symbolic_batch``)."""
     path = Path(name)
     if path.suffix == ".onnx" or path.exists():
         if not path.is_file():
             raise SystemExit(f"{name}: no such model file")
         return path.resolve()
     try:
-        from bench.workloads import save
+        from bench import workloads
     except ImportError:
         raise SystemExit(f"{name!r} is not a file, and the workload builders (bench/workloads.py) cannot be "
                          "imported: run from the repository root, or pass .onnx files") from None
-    return save(name, folder).resolve()
+    if not symbolic_batch:
+        return workloads.save(name, folder).resolve()
+    import onnx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{name}.onnx"
+    onnx.save_model(workloads.symbolic_batch(workloads.build(name)), out)
+    return out.resolve()
 
 
 def feeds_for(inputs: list[Any]) -> dict[str, np.ndarray]:
@@ -101,9 +117,12 @@ def interleaved_latency(runs: dict[str, Callable[[], Any]], total: int, warmup: 
     return times
 
 
-def throughput(endpoint: str, model: Path, clients: int, seconds: float, transport: str = "zmq") -> float:
-    """Jobs per second completed by ``clients`` processes running together over ``transport``."""
-    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoint, str(model), str(seconds), transport],
+def throughput(endpoint: str, model: Path, clients: int, seconds: float, transport: str = "zmq",
+               batching: dict[str, Any] | None = None) -> dict[str, float]:
+    """Jobs per second completed by ``clients`` processes running together over ``transport``, with
+    the p50 and p99 of their latencies (each client's latencies subsampled to 2000, pooled)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoint, str(model), str(seconds), transport,
+                               json.dumps(batching or {})],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(clients)]
     try:
         for p in procs:
@@ -114,13 +133,16 @@ def throughput(endpoint: str, model: Path, clients: int, seconds: float, transpo
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
-        total = sum(int(p.communicate(timeout=seconds + 120)[0].strip()) for p in procs)
+        answers = [json.loads(p.communicate(timeout=seconds + 120)[0].strip().splitlines()[-1]) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return total / seconds
+    pooled = np.concatenate([np.asarray(a["latency_us"]) for a in answers])
+    p50, p99 = np.percentile(pooled, [50, 99]) if pooled.size else (0.0, 0.0)
+    return {"jobs_per_s": round(sum(a["jobs"] for a in answers) / seconds, 1), "p50_us": round(float(p50), 1),
+            "p99_us": round(float(p99), 1)}
 
 
 class BenchDaemon:
@@ -157,7 +179,8 @@ class BenchDaemon:
 
 
 def measure(models: list[Path], *, config: str | None, runs: int, seconds: float,
-            clients: list[int], transports: tuple[str, ...] = TRANSPORTS) -> dict[str, Any]:
+            clients: list[int], transports: tuple[str, ...] = TRANSPORTS,
+            batching: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per model: the in-process latency, each transport's latency and added time, and jobs/s."""
     from contextlib import ExitStack
 
@@ -174,7 +197,7 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
             for path in models:
                 with Session(str(path), config=config) as local:
                     feeds = feeds_for(local.get_inputs())
-                    remote = {t: client.session(path) for t, client in via.items()}
+                    remote = {t: client.session(path, **(batching or {})) for t, client in via.items()}
                     runners = {"in_process": lambda: local.run(None, feeds)}
                     for t, session in remote.items():
                         runners[t] = lambda session=session: session.run(None, feeds)
@@ -187,8 +210,10 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
                 for t in transports:
                     entry[t] = summary_us(times[t])
                 entry["added_us"] = {t: round(entry[t]["median_us"] - base["median_us"], 1) for t in transports}
-                entry["jobs_per_s"] = {t: {str(n): round(throughput(daemon.endpoint, path, n, seconds, t), 1)
+                entry["throughput"] = {t: {str(n): throughput(daemon.endpoint, path, n, seconds, t, batching)
                                            for n in clients} for t in transports}
+                entry["jobs_per_s"] = {t: {n: r["jobs_per_s"] for n, r in by.items()}
+                                       for t, by in entry["throughput"].items()}
                 results[path.stem] = entry
                 print(f"{path.stem}: added at the median (us) {entry['added_us']}; jobs/s {entry['jobs_per_s']}",
                       file=sys.stderr)
@@ -229,13 +254,20 @@ def to_markdown(report: dict[str, Any]) -> str:
             row += f" {d['median_us']:.0f} / {d['p05_us']:.0f} / {d['p95_us']:.0f} | {r['added_us'][t]:.0f} |"
         lines.append(row)
     counts = report["clients"]
-    lines += ["", "| model | transport | " + " | ".join(f"jobs/s, {n} client{'s' if n > 1 else ''}"
+    batching = report.get("batching") or {}
+    if batching:
+        lines += ["", f"Batching: max_batch {batching['max_batch']}, max_queue_delay "
+                      f"{batching.get('max_queue_delay', 0) * 1e6:g} µs."]
+    lines += ["", "| model | transport | " + " | ".join(f"{n} client{'s' if n > 1 else ''}: jobs/s (p50 / p99 µs)"
                                                       for n in counts) + " |",
               "|---|---|" + "---|" * len(counts)]
     for name, r in report["models"].items():
         for t in transports:
-            lines.append(f"| {name} | {_NAMES[t]} | " + " | ".join(f"{r['jobs_per_s'][t][str(n)]:.0f}"
-                                                                  for n in counts) + " |")
+            cells = []
+            for n in counts:
+                f = r["throughput"][t][str(n)]
+                cells.append(f"{f['jobs_per_s']:.0f} ({f['p50_us']:.0f} / {f['p99_us']:.0f})")
+            lines.append(f"| {name} | {_NAMES[t]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -250,19 +282,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="client process counts")
     parser.add_argument("--transport", choices=[*TRANSPORTS, "both"], default="both",
                         help="how jobs reach the daemon: ZeroMQ, the local lane, or both (default)")
+    parser.add_argument("--max-batch", type=int, metavar="N",
+                        help="load the models with dynamic batching up to N rows (workload names are then "
+                             "exported with a symbolic batch dim)")
+    parser.add_argument("--max-delay-us", type=float, default=0.0, metavar="US",
+                        help="with --max-batch: how long a batch's first request may wait for company")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON (and the table as .md)")
     args = parser.parse_args(argv)
+    if args.max_batch is not None and args.max_batch < 1 or args.max_delay_us < 0:
+        parser.error("--max-batch must be at least 1 and --max-delay-us at least 0")
+    if args.max_delay_us and args.max_batch is None:
+        parser.error("--max-delay-us needs --max-batch")
+    if min(args.clients) < 1 or args.runs < 1 or args.seconds <= 0:
+        parser.error("--clients, --runs and --seconds must be positive")
+    batching = None if args.max_batch is None else {"max_batch": args.max_batch,
+                                                    "max_queue_delay": args.max_delay_us * 1e-6}
     work = Path(tempfile.mkdtemp(prefix="vkpool-bench-"))
     try:
-        models = [resolve_model(m, work) for m in args.models]
+        models = [resolve_model(m, work, symbolic_batch=batching is not None) for m in args.models]
         transports = TRANSPORTS if args.transport == "both" else (args.transport,)
         figures = measure(models, config=args.config, runs=args.runs, seconds=args.seconds, clients=args.clients,
-                          transports=transports)
+                          transports=transports, batching=batching)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     command = "python -m vkpool.daemon.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"command": command.strip(), "environment": environment(), "runs": args.runs,
-              "seconds": args.seconds, "clients": args.clients, "transports": list(transports), "models": figures}
+              "seconds": args.seconds, "clients": args.clients, "transports": list(transports), "models": figures,
+              "batching": batching}
     table = to_markdown(report)
     sys.stdout.write(table)
     if args.out is not None:

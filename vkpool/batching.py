@@ -1,8 +1,10 @@
 """Dynamic batching: requests for one model that arrive together run as one batched execution.
 
 The model's inputs share a leading batch dimension (symbolic, or anonymous, in the ONNX file).
-A :class:`Batcher` holds variants of the model compiled at batch sizes 1, 2, 4, ... up to
-``max_batch`` (each compiled when first needed) and one dispatcher thread:
+A :class:`BatchRunner` holds variants of the model compiled at batch sizes 1, 2, 4, ... up to
+``max_batch`` and runs a batch on the right one; a :class:`Batcher` queues the requests of this
+process for it with one dispatcher thread (the daemon's scheduler queues its clients' jobs for
+it instead, ``vkpool.daemon.scheduler``):
 
 1. ``submit(feeds)`` checks the request against the model's inputs (names, element types, the
    dims after the first, a leading dim of 1 to ``max_batch`` rows shared by every input) and
@@ -94,8 +96,8 @@ class BatchRunner:
 
     ``make_variant(size)`` returns something with ``run(output_names, feeds) -> list[ndarray]``
     and ``close()`` compiled at batch ``size``; ``inputs`` and ``outputs`` describe the model at
-    batch 1 as ``(name, shape, dtype)`` with the batch dim first. Variants are compiled when first
-    needed, one at a time.
+    batch 1 as ``(name, shape, dtype)`` with the batch dim first. Variants are compiled by
+    :meth:`compile_all`, or else when first needed, one at a time.
     """
 
     def __init__(self, make_variant: Callable[[int], Any], inputs: Sequence[tuple[str, tuple[int, ...], Any]],
@@ -160,6 +162,12 @@ class BatchRunner:
             if running in self.sizes:
                 exact = k
         return exact or len(rows)
+
+    def compile_all(self) -> None:
+        """Compiles every variant now, so that no request waits for a compile (a load pays for
+        them instead, and the budgets refuse a ``max_batch`` that does not fit at load)."""
+        for size in self.sizes:
+            self._variant(size)
 
     def _variant(self, size: int) -> Any:
         with self._lock:

@@ -73,7 +73,7 @@ class Session:
     ``max_batch``: :meth:`submit` batches requests that arrive together along the model's
     leading (symbolic) batch dimension, up to ``max_batch`` rows per run, the first request
     waiting at most ``max_queue_delay`` seconds for company (:mod:`vkpool.batching`); variants
-    at batch sizes 2, 4, ... are compiled when first needed, each holding its own weights and
+    at batch sizes 2, 4, ... and ``max_batch`` are compiled here, each holding its own weights and
     counted against the budgets. :meth:`run` still runs one request at once. ``batching``
     gives the batcher's figures.
     """
@@ -217,6 +217,11 @@ class Session:
 
         runner = BatchRunner(make_variant, [(n, i.shape, i.dtype) for n, i in at1.inputs],
                              [n for n, _ in at1.outputs], max_batch=max_batch, max_queue_delay=max_queue_delay)
+        try:
+            runner.compile_all()
+        except BaseException:
+            runner.close()
+            raise
         return Batcher(runner, name=str(model) if not isinstance(model, (bytes, bytearray)) else "model")
 
     @property
