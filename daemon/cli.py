@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
-from typing import Any
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 from vkpool.units import format_size
 
@@ -16,12 +22,35 @@ def add_parsers(subparsers: Any) -> None:
                        help="daemon endpoint (default: $VKPOOL_ENDPOINT, else the ipc socket in the "
                             "runtime directory)")
 
-    p = subparsers.add_parser("serve", help="run the daemon in the foreground",
+    p = subparsers.add_parser("serve", help="run the daemon (in the foreground, or detached)",
                               description="Own the device pool and serve inference jobs to client processes "
                                           "over ZeroMQ until SIGTERM/SIGINT or `vkpool stop`.")
     p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="config file")
     endpoint(p)
+    p.add_argument("--detach", action="store_true",
+                   help="run in the background (a new session, output to the log file); returns once it listens")
+    p.add_argument("--pid-file", type=Path, metavar="FILE",
+                   help="write the daemon's pid here while it runs; a start is refused while it names a live "
+                        "daemon (default: daemon.pid_file; with --detach, daemon.pid in the runtime directory)")
+    p.add_argument("--log-file", type=Path, metavar="FILE",
+                   help="log here too (default: daemon.log_file; with --detach, "
+                        "$XDG_STATE_HOME/vkpool/daemon.log)")
     p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("service", help="install the daemon as a systemd user service",
+                              description="Write the shipped systemd user unit, its ExecStart naming this "
+                                          "vkpool, to $XDG_CONFIG_HOME/systemd/user/vkpool.service (else "
+                                          "~/.config/systemd/user/). systemctl is left to you.")
+    actions = p.add_subparsers(title="actions", metavar="ACTION", required=True)
+    a = actions.add_parser("install", help="write the unit file")
+    a.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                   help="config file the service starts with (made absolute)")
+    a.add_argument("--print", dest="dry_run", action="store_true", help="print the unit and its path; write nothing")
+    a.add_argument("--dry-run", dest="dry_run", action="store_true", help="same as --print")
+    a.add_argument("--force", action="store_true", help="replace a unit file that differs")
+    a.set_defaults(func=cmd_service_install)
+    a = actions.add_parser("uninstall", help="remove the unit file (stop and disable the service first)")
+    a.set_defaults(func=cmd_service_uninstall)
 
     p = subparsers.add_parser("status", help="the daemon's members, models, queues and latency")
     endpoint(p)
@@ -55,8 +84,16 @@ def add_parsers(subparsers: Any) -> None:
     endpoint(p)
     p.set_defaults(func=cmd_budget)
 
-    p = subparsers.add_parser("stop", help="stop the daemon (in-flight jobs are drained)")
+    p = subparsers.add_parser("stop", help="stop the daemon (in-flight jobs are drained)",
+                              description="Ask the daemon to stop (new work is refused, in-flight jobs drained) "
+                                          "and wait until it has exited. A daemon that does not answer is sent "
+                                          "SIGTERM when its pid file names it.")
     endpoint(p)
+    p.add_argument("--pid-file", type=Path, metavar="FILE",
+                   help="the daemon's pid file (default: daemon.pid_file, else daemon.pid in the runtime directory)")
+    p.add_argument("--no-wait", action="store_true", help="return once the daemon has been asked to stop")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long to wait for it to exit (default 60)")
     p.set_defaults(func=cmd_stop)
 
 
@@ -67,9 +104,38 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from vkpool.daemon.main import serve
+    from vkpool.daemon.main import detach, serve
 
-    return serve(getattr(args, "config", None), getattr(args, "endpoint", None))
+    config, endpoint = getattr(args, "config", None), getattr(args, "endpoint", None)
+    if args.detach:
+        return detach(config, endpoint, args.pid_file, args.log_file)
+    return serve(config, endpoint, pid_file=args.pid_file, log_file=args.log_file)
+
+
+def cmd_service_install(args: argparse.Namespace) -> int:
+    from vkpool.daemon import systemd
+
+    config = getattr(args, "config", None)
+    if args.dry_run:
+        print(f"# {systemd.unit_dir() / systemd.UNIT_NAME}")
+        sys.stdout.write(systemd.render_unit(config))
+        return 0
+    path = systemd.install(config, force=args.force)
+    print(f"wrote {path}\nstart it now and at each login with:\n"
+          "  systemctl --user daemon-reload && systemctl --user enable --now vkpool\n"
+          "logs: journalctl --user -u vkpool")
+    return 0
+
+
+def cmd_service_uninstall(args: argparse.Namespace) -> int:
+    from vkpool.daemon import systemd
+
+    path = systemd.uninstall()
+    if path is None:
+        print(f"no unit file at {systemd.unit_dir() / systemd.UNIT_NAME}")
+        return 1
+    print(f"removed {path} (run `systemctl --user daemon-reload`)")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -105,7 +171,26 @@ def render_status(status: dict[str, Any]) -> str:
             lines.append(f"  {'':12} batching: max {b['max_batch']}, delay {b['max_queue_delay'] * 1e6:g} us; "
                          f"{b['batches']} batches, mean {b['mean_batch_size']:.2f} requests, queue delay "
                          f"p50 {b['queue_delay_p50_us']:.0f} us p99 {b['queue_delay_p99_us']:.0f} us")
+    for loading in status.get("loading", []):
+        lines.append(f"  {'loading':<12} {loading['name']:<20} {describe_loading(loading)}")
     return "\n".join(lines)
+
+
+def loading_update(loading: dict[str, Any]) -> Any:
+    """A ``status`` reply's entry of a model being loaded, as a :class:`vkpool.progress.Update`
+    (None before its first stage)."""
+    from vkpool.progress import Update
+
+    if loading["stage"] is None:
+        return None
+    return Update(loading["stage"], loading["what"], loading["done"], loading["total"], loading["unit"],
+                  loading["elapsed_s"])
+
+
+def describe_loading(loading: dict[str, Any]) -> str:
+    update = loading_update(loading)
+    stage = "starting" if update is None else update.describe()
+    return f"{stage} ({loading['elapsed_s']:.0f} s so far)"
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -118,7 +203,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     if args.max_batch is not None and args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     delay = None if args.max_delay is None else parse_duration(args.max_delay)
-    with _client(args) as client:
+    with _client(args) as client, _watch_load(client, args.model):
         model = client.load_model(args.model, keep_alive=keep_alive, batch=args.batch, dims=dims,
                                   max_batch=args.max_batch, max_queue_delay=delay)
     memory = ", ".join(f"{k} {format_size(v)}" for k, v in model["memory_by_member"].items())
@@ -129,6 +214,36 @@ def cmd_load(args: argparse.Namespace) -> int:
                if batching else "")
     print(f"{model['id']} {model['name']} ({inputs}) on {memory}; kept {kept}{batched}")
     return 0
+
+
+@contextmanager
+def _watch_load(client: Any, model: str, every_s: float = 0.25) -> Iterator[None]:
+    """While the block loads ``model`` (a path) through ``client``, show the daemon's progress of
+    that load on stderr, polling ``status`` from a thread of its own."""
+    from vkpool import progress
+
+    path = str(Path(model).expanduser().resolve())
+    console = progress.Console()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            try:
+                loading = [entry for entry in client.status().get("loading", []) if entry["path"] == path]
+            except Exception:  # the load's own reply says what went wrong
+                return
+            update = loading_update(loading[0]) if loading else None
+            if update is not None and not done.is_set():
+                console(update)
+
+    thread = threading.Thread(target=watch, name="vkpool-load-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        console.close()
 
 
 def parse_dims(items: list[str]) -> dict[str, int]:
@@ -169,10 +284,44 @@ def cmd_budget(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        reply = client.shutdown()
-    print(f"daemon stopping; draining {reply['in_flight']} job(s)")
+    from vkpool.daemon.client import DaemonUnavailable
+    from vkpool.daemon.main import default_pid_file, live_daemon, load_settings
+
+    pid_file = args.pid_file or load_settings(None)[1].pid_file or default_pid_file()
+    try:
+        with _client(args) as client:
+            reply = client.shutdown()
+            pid = client.info.get("pid") if client.endpoint.startswith("ipc://") else None
+        print(f"daemon stopping; draining {reply['in_flight']} job(s)")
+    except DaemonUnavailable:
+        pid = live_daemon(pid_file)
+        if pid is None:
+            raise
+        os.kill(pid, signal.SIGTERM)
+        print(f"the daemon does not answer; sent SIGTERM to pid {pid} (from {pid_file})")
+    if pid is None or args.no_wait:
+        return 0
+    deadline = time.monotonic() + args.timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            print(f"vkpool: error: the daemon (pid {pid}) is still running after {args.timeout:g} s", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    print(f"daemon (pid {pid}) stopped")
     return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a child of this process that exited is a zombie until reaped: not running
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def remote_run(args: argparse.Namespace) -> int:
@@ -214,8 +363,6 @@ def remote_plan(args: argparse.Namespace) -> int:
     fmt = getattr(args, "format", "text")
     text = json.dumps(reply["plan"], indent=2) + "\n" if fmt == "json" else reply["text"].rstrip("\n") + "\n"
     if getattr(args, "output", None):
-        from pathlib import Path
-
         Path(args.output).write_text(text)
     else:
         sys.stdout.write(text)

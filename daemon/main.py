@@ -1,15 +1,23 @@
-"""``vkpool serve``: build the engine and settings from the config file, run the server."""
+"""``vkpool serve``: build the engine and settings from the config file, run the server; with
+``--detach``, in a process of its own that outlives the command, found again by its pid file."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from vkpool.daemon.endpoint import EndpointError, default_endpoint
+from vkpool.daemon.endpoint import EndpointError, default_endpoint, runtime_dir
 from vkpool.daemon.settings import DaemonSettings, SettingsError
 
 log = logging.getLogger("vkpool.daemon")
+
+#: how long ``serve --detach`` waits for the daemon to listen (building the pool, binding)
+DETACH_READY_S = 60.0
 
 
 def load_settings(config: str | Path | None) -> tuple[Any, DaemonSettings]:
@@ -27,10 +35,12 @@ def load_settings(config: str | Path | None) -> tuple[Any, DaemonSettings]:
 
 def setup_logging(settings: DaemonSettings) -> None:
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    handlers: list[logging.Handler] = []
     if settings.log_file is not None:
         settings.log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(settings.log_file))
+    if settings.log_file is None or not _same_file(sys.stderr, settings.log_file):
+        handlers.append(logging.StreamHandler(sys.stderr))  # a detached daemon's stderr is its log file
     root = logging.getLogger("vkpool")
     root.setLevel(settings.log_level)
     for handler in handlers:
@@ -38,13 +48,19 @@ def setup_logging(settings: DaemonSettings) -> None:
         root.addHandler(handler)
 
 
-def serve(config: str | Path | None = None, endpoint: str | None = None, engine: Any = None) -> int:
-    """Run the daemon in the foreground until SIGTERM/SIGINT or a shutdown request; exit status."""
+def serve(config: str | Path | None = None, endpoint: str | None = None, engine: Any = None, *,
+          pid_file: Path | None = None, log_file: Path | None = None) -> int:
+    """Run the daemon in the foreground until SIGTERM/SIGINT or a shutdown request; exit status.
+    ``pid_file`` (else ``daemon.pid_file``): written once the daemon listens, removed at exit;
+    a start is refused while it names a live daemon."""
     try:
         cfg, settings = load_settings(config)
     except SettingsError as exc:
         print(f"vkpool serve: {exc}", file=sys.stderr)
         return 2
+    if log_file is not None:
+        settings = dataclasses.replace(settings, log_file=log_file)
+    pid_file = pid_file or settings.pid_file
     setup_logging(settings)
     endpoint = endpoint or settings.endpoint or default_endpoint()
     if endpoint.startswith("tcp://") and settings.curve is None:
@@ -52,6 +68,28 @@ def serve(config: str | Path | None = None, endpoint: str | None = None, engine:
                   "this user. Configure CURVE keys (daemon.curve: server_secret_key, authorized_keys_dir), "
                   "or use the default ipc:// endpoint", endpoint)
         return 2
+    if pid_file is not None and (running := live_daemon(pid_file)) is not None:
+        log.error("a vkpool daemon (pid %d) is running per %s; stop it first (`vkpool stop`)", running, pid_file)
+        return 1
+    metrics = None
+    if settings.metrics is not None:
+        from vkpool.daemon.metrics import Metrics
+
+        metrics = Metrics()
+        try:
+            metrics.serve(settings.metrics)
+        except OSError as exc:
+            log.error("cannot serve metrics on %s:%d: %s", *settings.metrics, exc)
+            return 1
+    try:
+        return _run(cfg, settings, endpoint, engine, pid_file, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _run(cfg: Any, settings: DaemonSettings, endpoint: str, engine: Any, pid_file: Path | None,
+         metrics: Any) -> int:
     from vkpool.daemon.server import Server
 
     if engine is None:
@@ -59,9 +97,123 @@ def serve(config: str | Path | None = None, endpoint: str | None = None, engine:
 
         engine = Engine.from_config(cfg)
     try:
-        server = Server(engine, settings, endpoint)
+        server = Server(engine, settings, endpoint, metrics=metrics)
     except EndpointError as exc:
         log.error("%s", exc)
         return 1
+    if metrics is not None:
+        metrics.watch(server.service, server.stats)
     server.install_signal_handlers()
-    return server.serve_forever()
+    if pid_file is not None:
+        write_pid_file(pid_file)
+    try:
+        return server.serve_forever()
+    finally:
+        if pid_file is not None:
+            remove_pid_file(pid_file)
+
+
+# -- pid files ----------------------------------------------------------------------------------
+def default_pid_file() -> Path:
+    return runtime_dir() / "daemon.pid"
+
+
+def default_log_file() -> Path:
+    """``$XDG_STATE_HOME/vkpool/daemon.log``, else ``~/.local/state/vkpool/daemon.log``."""
+    base = os.environ.get("XDG_STATE_HOME")
+    return (Path(base) if base else Path.home() / ".local" / "state") / "vkpool" / "daemon.log"
+
+
+def live_daemon(pid_file: Path) -> int | None:
+    """The pid ``pid_file`` names when that process is alive and is a vkpool command; None when the
+    file is absent, unreadable, or stale (its process gone, or the pid reused by another program)."""
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, another user's: its command line below says whether it is vkpool
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid  # no /proc: a live process is taken at its word
+    return pid if b"vkpool" in cmdline else None
+
+
+def write_pid_file(pid_file: Path) -> None:
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pid_file.with_name(f".{pid_file.name}.{os.getpid()}")
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, pid_file)
+
+
+def remove_pid_file(pid_file: Path) -> None:
+    """Remove ``pid_file`` when it still names this process."""
+    try:
+        if int(pid_file.read_text().strip()) == os.getpid():
+            pid_file.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+# -- detaching ----------------------------------------------------------------------------------
+def detach(config: str | None, endpoint: str | None, pid_file: Path | None, log_file: Path | None) -> int:
+    """``vkpool serve --detach``: start the daemon in a new session with its output going to the
+    log file, wait until it listens (it has written its pid file) and print where things are."""
+    try:
+        _, settings = load_settings(config)
+    except SettingsError as exc:
+        print(f"vkpool serve: {exc}", file=sys.stderr)
+        return 2
+    pid_file = (pid_file or settings.pid_file or default_pid_file()).expanduser().absolute()
+    log_file = (log_file or settings.log_file or default_log_file()).expanduser().absolute()
+    running = live_daemon(pid_file)
+    if running is not None:
+        print(f"vkpool serve: a vkpool daemon (pid {running}) is running per {pid_file}; stop it first "
+              "(`vkpool stop`)", file=sys.stderr)
+        return 1
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "vkpool", *(["--config", config] if config else []), "serve",
+               "--pid-file", str(pid_file), "--log-file", str(log_file),
+               *(["--endpoint", endpoint] if endpoint else [])]
+    with open(log_file, "ab") as log_out, open(os.devnull, "rb") as nothing:
+        start = log_out.tell()
+        child = subprocess.Popen(command, stdin=nothing, stdout=log_out, stderr=subprocess.STDOUT,
+                                 start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + DETACH_READY_S
+    while live_daemon(pid_file) != child.pid:
+        if child.poll() is not None or time.monotonic() > deadline:
+            if child.returncode is None:
+                child.terminate()
+            print(f"vkpool serve: the daemon did not start (exit status {child.wait()}); from {log_file}:\n"
+                  + _tail(log_file, start), file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    print(f"vkpool daemon started: pid {child.pid}, endpoint {endpoint or settings.endpoint or default_endpoint()}")
+    print(f"  pid file {pid_file}")
+    print(f"  log file {log_file}")
+    return 0
+
+
+def _tail(path: Path, start: int, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def _same_file(stream: Any, path: Path) -> bool:
+    try:
+        a, b = os.fstat(stream.fileno()), os.stat(path)
+    except (OSError, AttributeError, ValueError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

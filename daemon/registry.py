@@ -11,9 +11,10 @@ import json
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -130,6 +131,28 @@ class ModelEntry:
                 "queued": queued, "running": running, "done": done}
 
 
+@dataclass(eq=False)
+class Loading:
+    """A model being loaded: what its load reported last (:mod:`vkpool.progress`)."""
+
+    name: str
+    path: str | None
+    started: float = field(default_factory=time.monotonic)
+    update: Any = None  # the latest vkpool.progress.Update; None before the first
+
+    def report(self, update: Any) -> None:
+        self.update = update
+
+    def info(self) -> dict[str, Any]:
+        u = self.update
+        fraction = None if u is None else u.fraction
+        return {"name": self.name, "path": self.path, "elapsed_s": round(time.monotonic() - self.started, 3),
+                "stage": None if u is None else u.stage, "what": "" if u is None else u.what,
+                "done": 0 if u is None else u.done, "total": None if u is None else u.total,
+                "unit": "" if u is None else u.unit,
+                "fraction": None if fraction is None else round(fraction, 4)}
+
+
 class SharedGate:
     """A readers-writer lock: many jobs run at once; a re-plan waits for them and excludes them."""
 
@@ -179,6 +202,23 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._models: dict[str, ModelEntry] = {}
+        self._loading: list[Loading] = []
+
+    @contextmanager
+    def loading(self, name: str, source: Path | bytes) -> Iterator[Loading]:
+        """A load in progress, listed by :meth:`loading_infos` until the block ends."""
+        entry = Loading(name, str(source) if isinstance(source, Path) else None)
+        with self._lock:
+            self._loading.append(entry)
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                self._loading.remove(entry)
+
+    def loading_infos(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [entry.info() for entry in self._loading]
 
     def get(self, model_id: str) -> ModelEntry | None:
         with self._lock:

@@ -54,11 +54,11 @@ _INFER_REPLY = {status: P.header_parts("infer_reply", status) for status in ("ok
 
 class Server:
     def __init__(self, engine: Any, settings: DaemonSettings, endpoint: str,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, metrics: Any = None) -> None:
         self.settings = settings
         self.endpoint = endpoint
         self.ctx = context or zmq.Context.instance()
-        self.stats = Stats()
+        self.stats = Stats(metrics)
         self.service = Service(engine, settings, self._reply_from_thread, self.stats)
         self.service.watch = self._watch  # type: ignore[method-assign]
         self.service.inline_allowed = self._nothing_waiting  # type: ignore[method-assign]
@@ -191,6 +191,8 @@ class Server:
             self.stats.count("client_gone")
             return
         self.stats.count(status)
+        if status == "error":
+            self.stats.error_reply(body)
         with self._book:
             self._remember(key, body)
 
@@ -497,6 +499,7 @@ class Server:
             self.stats.infer_ok(finished - started, finished, accepted=True)
         else:
             self.stats.count2("accepted", status)
+            self.stats.error_reply(body)
         sent = conn.send(body)
         if not sent:
             self.stats.count(status, -1)
@@ -600,6 +603,8 @@ class Server:
         body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
                 content if type(content) is bytes else P.pack(content), *frames]
         self.stats.count(status)
+        if status == "error":
+            self.stats.error_reply(body)
         sent = conn.send(body, 1, fds)
         if not sent:
             self.stats.count(status, -1)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from vkpool import progress
 from vkpool.daemon import protocol as P
 from vkpool.daemon.engine import classify
 from vkpool.daemon.protocol import ProtocolViolation
@@ -155,7 +156,8 @@ class Service:
     def _status(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         snap = self.stats.snapshot(connections)
         return {**snap, "members": self.engine.members(), "models": self.model_infos(),
-                "queues": self.scheduler.depths(), "draining": self.draining}
+                "loading": self.registry.loading_infos(), "queues": self.scheduler.depths(),
+                "draining": self.draining}
 
     def _cancel(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         job = self.scheduler.find(client, content["request_id"])
@@ -285,10 +287,12 @@ class Service:
             finished = entry.last_used = time.monotonic()
             violation = classify(exc)
             log.warning("job on %s failed: %s", entry.id[:12], violation.message)
+            self.stats.job_ran(entry, violation.type, queued_s, finished - started)
             return "error", _error(violation), [], finished
         entry.last_used = finished
         run_s = finished - started
         entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
+        self.stats.job_ran(entry, "ok", queued_s, run_s)
         return "ok", content, frames, finished
 
     def _run_job(self, job: Job) -> None:
@@ -373,24 +377,25 @@ class Service:
     def _load(self, client: bytes, source: Path | bytes, name: str, keep_alive: float | None,
               binding: dict[str, Any] | None = None, batching: dict[str, Any] | None = None) -> dict[str, Any]:
         binding = binding or {}
-        model_id = bound_id(content_id(source), binding)
-        entry = self.registry.get(model_id)
-        shared = entry is not None
-        if entry is not None and batching and batching != entry.batch_config:
-            raise ProtocolViolation(
-                "InvalidRequest", f"model {entry.name} ({model_id[:12]}) is loaded already with batching "
-                f"{entry.batch_config or 'off'}; clients that open a model share its batching: load it "
-                "without max_batch/max_queue_delay, or unload it first", {"batching": entry.batch_config})
-        if entry is None:
-            if not batching and not binding:
-                batching = self.settings.batching_for(name)
-            session = self._open_admitted(source, binding, batching or {})
-            entry = ModelEntry(id=model_id, name=name, source=source, session=session, binding=binding,
-                               keep_alive=self.settings.keep_alive if keep_alive is None else keep_alive,
-                               batch_config=batching or {})
-            self.registry.add(entry)
-            self.scheduler.add_model(model_id, batching=entry.batching)
-            log.info("loaded %s (%s) on %s", name, model_id[:12], entry.memory)
+        with self.registry.loading(name, source) as loading, progress.reporting(loading.report):
+            model_id = bound_id(content_id(source), binding)
+            entry = self.registry.get(model_id)
+            shared = entry is not None
+            if entry is not None and batching and batching != entry.batch_config:
+                raise ProtocolViolation(
+                    "InvalidRequest", f"model {entry.name} ({model_id[:12]}) is loaded already with batching "
+                    f"{entry.batch_config or 'off'}; clients that open a model share its batching: load it "
+                    "without max_batch/max_queue_delay, or unload it first", {"batching": entry.batch_config})
+            if entry is None:
+                if not batching and not binding:
+                    batching = self.settings.batching_for(name)
+                session = self._open_admitted(source, binding, batching or {})
+                entry = ModelEntry(id=model_id, name=name, source=source, session=session, binding=binding,
+                                   keep_alive=self.settings.keep_alive if keep_alive is None else keep_alive,
+                                   batch_config=batching or {})
+                self.registry.add(entry)
+                self.scheduler.add_model(model_id, batching=entry.batching)
+                log.info("loaded %s (%s) on %s", name, model_id[:12], entry.memory)
         self.registry.take_ref(entry, client, keep_alive)
         return {"model": entry.info(*self.scheduler.counts(entry.id)), "shared": shared}
 

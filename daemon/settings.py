@@ -42,6 +42,8 @@ class DaemonSettings:
     replay_window: int = 1024            # remembered replies per daemon for retried request ids
     log_file: Path | None = None
     log_level: str = "INFO"
+    pid_file: Path | None = None         # None: <runtime dir>/daemon.pid for `serve --detach`, else none
+    metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint; None = off
     curve: CurveSettings | None = None
     #: dynamic batching per model: rules ``{match: glob on the model's name, max_batch, max_queue_delay}``,
     #: the first that matches applies to a load that asks for no batching itself
@@ -155,6 +157,20 @@ def _log_level(value: Any) -> str:
     return level
 
 
+def parse_address(value: Any) -> tuple[str, int] | None:
+    """``"127.0.0.1:9464"``, ``"[::1]:9464"``, ``"localhost:9464"`` → (host, port); None for
+    null. Port 0 asks for any free port (the one bound is logged)."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
 def _curve(value: Any) -> CurveSettings | None:
     if value is None:
         return None
@@ -206,5 +222,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "replay_window": _positive_int,
     "log_file": lambda v: None if v is None else Path(str(v)).expanduser(),
     "log_level": _log_level,
+    "pid_file": lambda v: None if v is None else Path(str(v)).expanduser(),
+    "metrics": parse_address,
     "curve": _curve,
 }

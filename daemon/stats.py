@@ -1,17 +1,30 @@
-"""Counters that balance (accepted = ok + error + client_gone + in flight) and job latency."""
+"""Counters that balance (accepted = ok + error + client_gone + in flight), job latency, and
+error replies by type (each logged at warning level)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections import deque
-from typing import Any
+from collections import Counter, deque
+from typing import Any, Sequence
+
+from vkpool.daemon import protocol as P
+
+log = logging.getLogger("vkpool.daemon")
+
+#: an error type is logged at most once per this many seconds; the replies not logged are counted
+ERROR_LOG_INTERVAL_S = 1.0
 
 
 class Stats:
     LATENCY_WINDOW = 1000   # infer latencies kept for the percentiles
     RATE_WINDOW_S = 60.0    # jobs/s is measured over this many seconds
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Any = None) -> None:
+        self.metrics = metrics  # a vkpool.daemon.metrics.Metrics when daemon.metrics is set
+        self.errors_by_type: Counter[str] = Counter()
+        self._error_logged: dict[str, float] = {}    # error type -> when it was last logged
+        self._error_unlogged: Counter[str] = Counter()  # replies of a type not logged since
         self._lock = threading.Lock()
         self.started = time.monotonic()
         self.accepted = 0
@@ -58,6 +71,34 @@ class Stats:
             while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
                 self._finished_at.popleft()
 
+    def job_ran(self, entry: Any, status: str, queued_s: float, run_s: float) -> None:
+        """A job ran on ``entry`` (a registry ModelEntry): ``status`` is ``ok`` or the error type."""
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.job_ran(entry, status, queued_s, run_s)
+
+    def error_reply(self, body: Sequence[Any]) -> None:
+        """An error reply (``[delimiter, header, content, ...]``, packed) is sent: counted by its
+        type and logged at warning level; a type is logged at most once per
+        :data:`ERROR_LOG_INTERVAL_S`, with the count of its replies not logged since."""
+        try:
+            header, content = P.unpack(_bytes(body[1])), P.unpack(_bytes(body[2]))
+            error_type, message = str(content["type"]), str(content["message"])
+        except (P.ProtocolViolation, KeyError, TypeError, IndexError):
+            error_type, message, header = "Unknown", "an error reply that does not decode", {}
+        now = time.monotonic()
+        with self._lock:
+            self.errors_by_type[error_type] += 1
+            last = self._error_logged.get(error_type)
+            if last is not None and now - last < ERROR_LOG_INTERVAL_S:
+                self._error_unlogged[error_type] += 1
+                return
+            self._error_logged[error_type] = now
+            unlogged = self._error_unlogged.pop(error_type, 0)
+        request = str(header.get("type", "request")).replace("_reply", "")
+        log.warning("%s %s answered %s: %s%s", request, header.get("id") or "(no id)", error_type, message,
+                    f" ({unlogged} more {error_type} replies since the last one logged)" if unlogged else "")
+
     def snapshot(self, connections: int) -> dict[str, Any]:
         now = time.monotonic()
         with self._lock:
@@ -78,3 +119,7 @@ class Stats:
         return {"uptime_s": round(now - self.started, 3), "counters": counters,
                 "jobs_per_s": round(rate, 3),
                 "latency_ms": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99)}}
+
+
+def _bytes(frame: Any) -> bytes | memoryview:
+    return frame if isinstance(frame, (bytes, memoryview)) else frame.bytes

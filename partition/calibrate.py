@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 import numpy as np
 
+from vkpool import progress
+
 if TYPE_CHECKING:
     import onnx
 
@@ -143,7 +145,8 @@ def _graph_sums(model: bytes) -> tuple[int, int]:
     from vkpool.model import load_model
     from vkpool.partition.graph import build_graph
 
-    G = build_graph(load_model(model))
+    with progress.muted():  # one step of the calibration
+        G = build_graph(load_model(model))
     attrs = G.nodes[G.graph["order"][-1]]
     return int(attrs["flops"]), int(attrs["bytes_read"] + attrs["bytes_written"])
 
@@ -161,7 +164,8 @@ class Timer:
 
         from vkpool.session import Session
 
-        session = Session(model, pool=self.pool, device=self.member_id)
+        with progress.muted():  # one step of the calibration
+            session = Session(model, pool=self.pool, device=self.member_id)
         try:
             feeds = {arg.name: np.random.default_rng(0).standard_normal(arg.shape).astype(np.float32)
                      for arg in session.get_inputs()}
@@ -196,8 +200,13 @@ class Timer:
         return max(per, _MIN_SECONDS / (large - small)), t_small, per <= 0
 
 
+#: the figures :func:`measure` reports, the steps of its progress
+FIGURES = 6
+
+
 def measure(pool: Any, member_id: str, sizes: Sizes, out: TextIO | None = None) -> MemberCost:
-    """Measures one member; prints each figure as it comes (to ``out``, default stdout)."""
+    """Measures one member; prints each figure as it comes (to ``out``, default stdout) and
+    advances an open ``calibrate`` task (:mod:`vkpool.progress`) by one."""
     from vkpool.partition.cost import MemberCost
 
     out = out or sys.stdout
@@ -208,7 +217,9 @@ def measure(pool: Any, member_id: str, sizes: Sizes, out: TextIO | None = None) 
         if is_noise:
             noisy.append(label)
         flag = "  (within noise: floored, or memory bandwidth for a transfer)" if is_noise else ""
-        print(f"  {label:<18} {value:>14}   {how}{flag}", file=out, flush=True)
+        with progress.interlude():
+            print(f"  {label:<18} {value:>14}   {how}{flag}", file=out, flush=True)
+        progress.advance("calibrate")
 
     lo, hi = sizes.tiny_layers
     dispatch, t_short, bad = timer.slope(lambda n: add_chain_model(16, n), sizes.tiny_layers)
@@ -312,7 +323,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             done[key] = member.id
             name = info.name if info is not None else "host (numpy)"
             print(f"{member.id}: {name}, calibrating{' (quick)' if args.quick else ''}", flush=True)
-            cost = measure(pool, member.id, sizes)
+            with progress.task("calibrate", FIGURES, what=member.id):
+                cost = measure(pool, member.id, sizes)
             if args.no_save:
                 continue
             driver = f"{info.driver_name} {info.driver_info}".strip() if info is not None else ""

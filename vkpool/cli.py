@@ -57,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.config:
         os.environ["VKPOOL_CONFIG"] = args.config
+    from vkpool import progress
+
+    console = progress.Console()  # long work (loading, uploading, building, calibrating) shows on stderr
     try:
-        result = args.func(args)
+        with progress.reporting(console):
+            result = args.func(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # every failure a user can cause ends in one clear line

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from vkpool import progress
 from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, check_grid, pack_push_constants
 from vkpool.kernels.registry import create_op
 from vkpool.memory import DeviceOutOfMemory
@@ -281,18 +282,21 @@ class VulkanChunk:
             if name in t and t[name].kind == "const":
                 layouts.setdefault(name, set()).add(False)
         self._transposed: dict[str, TensorHandle] = {}
-        for name, tensor in t.items():
-            if tensor.kind == "const":
-                for transposed in sorted(layouts.get(name, {False})):
-                    alloc = member.alloc(tensor.info.nbytes)
-                    self._allocs.append(alloc)
-                    member.upload(alloc, constants[name], transpose=transposed)
-                    handle = TensorHandle(alloc, 0, tensor.info.nbytes)
-                    if transposed:
-                        self._transposed[name] = handle
-                    else:
-                        tensor.handle = handle
-                    self.stats.weight_bytes += tensor.info.nbytes
+        weights = sum(tensor.info.nbytes * len(layouts.get(name, {False}))
+                      for name, tensor in t.items() if tensor.kind == "const")
+        with progress.task("upload", weights, unit="B", what=f"to {member.id}"):
+            for name, tensor in t.items():
+                if tensor.kind == "const":
+                    for transposed in sorted(layouts.get(name, {False})):
+                        alloc = member.alloc(tensor.info.nbytes)
+                        self._allocs.append(alloc)
+                        member.upload(alloc, constants[name], transpose=transposed)
+                        handle = TensorHandle(alloc, 0, tensor.info.nbytes)
+                        if transposed:
+                            self._transposed[name] = handle
+                        else:
+                            tensor.handle = handle
+                        self.stats.weight_bytes += tensor.info.nbytes
         for index, node in enumerate(self.nodes):
             for name in node.inputs:
                 if name:
@@ -471,6 +475,8 @@ class VulkanChunk:
         commands: list[tuple[Any, ...]] = []
         labels: list[str] = []  # one per dispatch, for GPU timestamp profiles
         counting = not self._slots  # the statistics describe one run
+        if counting:
+            self._build_pipelines([item for bucket in buckets.values() for _, item in bucket])
 
         def emit(label: str, item: Any) -> None:
             if isinstance(item, tuple):
@@ -520,6 +526,16 @@ class VulkanChunk:
         slot.alone = self._recorded(commands, links)
         if self.slots > 1:
             slot.chained = self._recorded([("run_barrier",), *commands], links)
+
+    def _build_pipelines(self, work: list[Any]) -> None:
+        """Build the pipeline of every shader variant ``work`` dispatches, once each, reporting
+        progress: on a first load this compiles shaders (glslang, then the driver)."""
+        variants = {(item.shader, repr(sorted(item.defines.items()))): item
+                    for item in work if not isinstance(item, tuple)}
+        with progress.task("compile", len(variants), what=f"for {self.member.id}"):
+            for item in variants.values():
+                self.device.pipeline(item.shader, item.defines)
+                progress.advance("compile")
 
     def _transfer_link(self, commands: list[tuple[Any, ...]]) -> tuple[Any, Any] | None:
         """``commands`` recorded for the transfer queue, with the semaphore its submission

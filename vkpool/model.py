@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vkpool import inline_weights
+from vkpool import inline_weights, progress
 from vkpool.kernels.base import TensorInfo
 
 if TYPE_CHECKING:
@@ -121,7 +121,17 @@ def load_model(
     (:mod:`vkpool.model_cache`); ``cache=False`` or ``VKPOOL_NO_MODEL_CACHE=1`` skip it."""
     if batch < 1:
         raise ModelError(f"batch must be at least 1, got {batch}")
-    dims = dict(dims or {})
+    what = Path(os.fspath(src)).name if isinstance(src, (str, os.PathLike)) else ""
+    with progress.task("load", _LOAD_STEPS, what=what):
+        return _load_cached(src, batch, dict(dims or {}), fuse, partial, cache)
+
+
+#: the steps of a load :func:`progress.advance` counts: parsed, checked, shapes known, fused
+_LOAD_STEPS = 4
+
+
+def _load_cached(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dims: dict[str, int],
+                 fuse: bool, partial: bool, cache: bool) -> LoadedModel:
     trace = LoadTrace()
     if not cache or not isinstance(src, (str, os.PathLike)):
         return _load(src, batch, dims, fuse, partial, trace)
@@ -162,7 +172,9 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
             trace.maps[id(found[0])] = (found[0], None)
     # external paths are vetted (and every weight read) before the checker sees the graph
     constants = _take_initializers(proto, base_dir, in_place, trace)
+    progress.advance("load")
     _check(_weightless(proto, constants))
+    progress.advance("load")
     opset = _onnx_opset(proto)
     graph = proto.graph
     bound = _bind_dims(graph, batch, dims)
@@ -177,6 +189,7 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
         nodes, changed = _fold(nodes, constants, types, proto)
         if not changed:
             break
+    progress.advance("load")
 
     kept_nodes = [_to_node(n) for n in nodes]
     used = {t for n in kept_nodes for t in n.inputs if t} | set(output_names)
@@ -215,6 +228,7 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
         from vkpool.fusion import fuse as fuse_epilogues
 
         fuse_epilogues(model)
+    progress.advance("load")
     return model
 
 

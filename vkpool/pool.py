@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from vkpool.config.loader import Config, ConfigError, DeviceRule, load_config
-from vkpool import inline_weights
+from vkpool import inline_weights, progress
 from vkpool.discovery import PhysicalDeviceInfo, discover
 from vkpool.memory import HOST_BLOCK_BYTES, Allocation, BlockAllocator, Budget, DeviceOutOfMemory
 from vkpool.units import format_size, parse_size
@@ -170,6 +170,7 @@ class VulkanMember(Member):
                 else:
                     out[r0:r0 + step] = src[r0:r0 + step]
                 inline_weights.release(src[r0:r0 + step])
+                progress.advance("upload", src[r0:r0 + step].nbytes)
             return
         with self._staging_lock:
             stage = self._staging.alloc(max(1, min(step * row_bytes, src.nbytes)))
@@ -191,6 +192,7 @@ class VulkanMember(Member):
                         self.device.run_once([("copy", stage.buffer, stage.offset, alloc.buffer,
                                                alloc.offset + r0 * row_bytes, block.nbytes)])
                     inline_weights.release(block)
+                    progress.advance("upload", block.nbytes)
             finally:
                 stage.free()
 
