@@ -1,0 +1,117 @@
+"""Prometheus metrics of a real daemon on the Vulkan device: the families are served on the
+configured loopback address, and their values move with the jobs run and the errors answered."""
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from test_daemon_support import mlp_model, short_folder, spawn_daemon, wait_ready
+from vkpool.daemon import errors as E
+from vkpool.daemon.client import Client
+from vkpool.daemon.settings import DaemonSettings, SettingsError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """{sample name: {sorted labels: value}}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def _value(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for key, v in samples.get(name, {}).items() if set(labels.items()) <= set(key))
+
+
+def test_the_metrics_key_is_validated() -> None:
+    assert DaemonSettings.from_dict({"metrics": "127.0.0.1:9464"}).metrics == ("127.0.0.1", 9464)
+    assert DaemonSettings.from_dict({"metrics": "[::1]:0"}).metrics == ("::1", 0)
+    assert DaemonSettings().metrics is None
+    for bad in ("9464", "localhost", "host:port", "127.0.0.1:70000"):
+        with pytest.raises(SettingsError, match="daemon.metrics: expected HOST:PORT"):
+            DaemonSettings.from_dict({"metrics": bad})
+
+
+def test_metric_families_are_served_and_move_with_jobs_and_errors() -> None:
+    port = _free_port()
+    with short_folder("vkm") as folder:
+        endpoint = f"ipc://{folder}/d.sock"
+        config = folder / "vkpool.yaml"
+        config.write_text("daemon: " + json.dumps({"metrics": f"127.0.0.1:{port}"}) + "\n")
+        model = folder / "mlp.onnx"
+        model.write_bytes(mlp_model(8, 16))
+        proc = spawn_daemon(endpoint, config=config)
+        try:
+            wait_ready(endpoint, proc)
+            before = _scrape(port)
+            for family in ("vkpool_member_used_bytes", "vkpool_member_budget_bytes", "vkpool_models_loaded",
+                           "vkpool_models_loading", "vkpool_requests_total"):
+                assert family in before, family
+            assert _value(before, "vkpool_models_loaded") == 0
+            with Client(endpoint) as client:
+                members = {m["id"]: m for m in client.devices()}
+                assert _value(before, "vkpool_member_budget_bytes", member="vk0") == members["vk0"]["budget_bytes"]
+                session = client.session(str(model))
+                x = np.ones((1, 8), np.float32)
+                for _ in range(5):
+                    session.run(None, {"x": x})
+                with pytest.raises((E.InvalidTensor, ValueError)):
+                    session.run(None, {"x": np.ones((1, 9), np.float32)})
+                used = {m["id"]: m["used_bytes"] for m in client.devices()}
+                after = _scrape(port)
+                model_id = session.model_id[:12]
+                session.close()
+        finally:
+            proc.terminate()
+            assert proc.wait(60) == 0
+            stderr = proc.stderr.read().decode()
+    labels = {"model": "mlp.onnx", "model_id": model_id}
+    assert _value(after, "vkpool_jobs_total", status="ok", **labels) == 5
+    assert _value(after, "vkpool_job_seconds_count", **labels) == 5
+    assert _value(after, "vkpool_job_run_seconds_count", **labels) == 5
+    assert _value(after, "vkpool_job_seconds_sum", **labels) > 0
+    assert _value(after, "vkpool_job_batch_size_count", **labels) == 5
+    assert _value(after, "vkpool_job_batch_size_sum", **labels) == 5  # batch 1 each
+    assert _value(after, "vkpool_job_seconds_bucket", le="+Inf", **labels) == 5
+    assert _value(after, "vkpool_errors_total", type="InvalidTensor") == 1
+    assert _value(after, "vkpool_queue_depth", **labels) == 0
+    assert _value(after, "vkpool_models_loaded") == 1
+    for member, nbytes in used.items():
+        assert _value(after, "vkpool_member_used_bytes", member=member) == nbytes
+    assert _value(after, "vkpool_member_used_bytes", member="vk0") > _value(before, "vkpool_member_used_bytes",
+                                                                            member="vk0")
+    assert _value(after, "vkpool_requests_total", outcome="error") == 1
+    assert _value(after, "vkpool_requests_total", outcome="ok") > _value(before, "vkpool_requests_total", outcome="ok")
+    # the error reply was logged at warning level with its type
+    assert [line for line in stderr.splitlines() if "WARNING" in line and "answered InvalidTensor" in line]
+
+
+def test_a_taken_metrics_port_stops_the_start_with_the_reason(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with short_folder("vkm") as folder:
+            config = folder / "vkpool.yaml"
+            config.write_text(f"daemon: {{metrics: '127.0.0.1:{port}'}}\n")
+            proc = spawn_daemon(f"ipc://{folder}/d.sock", config=config)
+            assert proc.wait(60) == 1
+            assert f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr.read().decode()
