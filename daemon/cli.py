@@ -287,13 +287,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from vkpool.daemon.client import DaemonUnavailable
     from vkpool.daemon.main import default_pid_file, live_daemon, load_settings
 
-    pid_file = args.pid_file or load_settings(None)[1].pid_file or default_pid_file()
     try:
         with _client(args) as client:
             reply = client.shutdown()
             pid = client.info.get("pid") if client.endpoint.startswith("ipc://") else None
         print(f"daemon stopping; draining {reply['in_flight']} job(s)")
     except DaemonUnavailable:
+        pid_file = args.pid_file or load_settings(None)[1].pid_file or default_pid_file()
         pid = live_daemon(pid_file)
         if pid is None:
             raise
@@ -326,13 +326,12 @@ def _alive(pid: int) -> bool:
 
 def remote_run(args: argparse.Namespace) -> int:
     """``vkpool run MODEL --remote``: the same output as the in-process run, through the daemon."""
-    import time
-
     from vkpool.cli import _load_feeds, print_latency, print_outputs
 
     with _client(args) as client:
         t0 = time.perf_counter()
-        session = client.session(args.model, keep_alive=getattr(args, "keep_alive", None))
+        with _watch_load(client, args.model):
+            session = client.session(args.model, keep_alive=getattr(args, "keep_alive", None))
         t_load = time.perf_counter() - t0
         feeds = _load_feeds(args.input, session.get_inputs(), args.seed)
         t1 = time.perf_counter()

@@ -84,8 +84,11 @@ class Stats:
         try:
             header, content = P.unpack(_bytes(body[1])), P.unpack(_bytes(body[2]))
             error_type, message = str(content["type"]), str(content["message"])
-        except (P.ProtocolViolation, KeyError, TypeError, IndexError):
-            error_type, message, header = "Unknown", "an error reply that does not decode", {}
+            action = str(header["type"]).removesuffix("_reply")
+            request = "request" if action == "error" else action  # an error_reply answers no known action
+            rid = header.get("id") or "(no id)"
+        except (P.ProtocolViolation, KeyError, TypeError, IndexError, AttributeError):
+            error_type, message, request, rid = "Unknown", "an error reply that does not decode", "request", ""
         now = time.monotonic()
         with self._lock:
             self.errors_by_type[error_type] += 1
@@ -95,8 +98,7 @@ class Stats:
                 return
             self._error_logged[error_type] = now
             unlogged = self._error_unlogged.pop(error_type, 0)
-        request = str(header.get("type", "request")).replace("_reply", "")
-        log.warning("%s %s answered %s: %s%s", request, header.get("id") or "(no id)", error_type, message,
+        log.warning("%s %s answered %s: %s%s", request, rid, error_type, message,
                     f" ({unlogged} more {error_type} replies since the last one logged)" if unlogged else "")
 
     def snapshot(self, connections: int) -> dict[str, Any]:

@@ -190,13 +190,16 @@ class Console:
         self.bars = _is_terminal(self.file) if bars is None else bars
         self.delay_s, self.every_s, self.prefix = delay_s, every_s, prefix
         self._bars: dict[tuple[str, str], Any] = {}
-        self._shown: dict[tuple[str, str], float] = {}  # stage → when its last line was written
+        self._shown: dict[tuple[str, str], float] = {}  # (stage, what) → when its last line was written
 
     def __call__(self, update: Update) -> None:
-        if self.bars:
-            self._bar(update)
-        else:
-            self._line(update)
+        try:
+            if self.bars:
+                self._bar(update)
+            else:
+                self._line(update)
+        except OSError:  # stderr closed or a broken pipe: the work goes on without its progress
+            pass
 
     def _line(self, u: Update) -> None:
         key = (u.stage, u.what)
