@@ -227,14 +227,19 @@ def _watch_load(client: Any, model: str, every_s: float = 0.25) -> Iterator[None
     done = threading.Event()
 
     def watch() -> None:
+        shown = None  # the last update drawn
         while not done.wait(every_s):
             try:
                 loading = [entry for entry in client.status().get("loading", []) if entry["path"] == path]
             except Exception:  # the load's own reply says what went wrong
                 return
             update = loading_update(loading[0]) if loading else None
-            if update is not None and not done.is_set():
-                console(update)
+            if update is None or done.is_set():
+                continue
+            if shown is not None and (shown.stage, shown.what) != (update.stage, update.what):
+                console.end(shown.stage, shown.what)  # its end fell between two samples
+            console(update)
+            shown = update
 
     thread = threading.Thread(target=watch, name="vkpool-load-progress", daemon=True)
     thread.start()

@@ -164,8 +164,9 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                    _f("members", "list", "as in `devices`"),
                    _f("models", "list", "as in `list_models`"),
                    _f("loading", "list", "models being loaded: `{name, path, elapsed_s, stage, what, done, total, "
-                      "unit, fraction}`; `stage` is `load` (reading), `upload` (weights) or `compile` "
-                      "(pipelines), null before the first; `fraction` of the stage, null when unknown"),
+                      "unit, fraction}`; `stage` is `hash` (identifying the file), `load` (reading), `upload` "
+                      "(weights) or `compile` (pipelines), null before the first; `fraction` of the stage, "
+                      "null when unknown"),
                    _f("queues", "map", "`{model id: queued jobs}`"),
                    _f("counters", "map", "`{accepted, ok, error, client_gone, in_flight, dropped, "
                       "busy, retries, connections, lanes}`; accepted = ok + error + client_gone + in_flight; "

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from vkpool import progress
 from vkpool.daemon.protocol import ProtocolViolation
 
 
@@ -32,13 +33,25 @@ def content_id(source: Path | bytes) -> str:
         digest.update(source)
         return digest.hexdigest()
     data = source.read_bytes()
-    digest.update(data)
-    for location in _external_locations(data):
-        digest.update(location.encode())
-        with open(_inside(source.parent.resolve(), location), "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
+    base = source.parent.resolve()
+    external = [(location, _inside(base, location)) for location in _external_locations(data)]
+    total = len(data) + sum(path.stat().st_size for _, path in external)
+    with progress.task("hash", total, unit="B", what=source.name) as task:
+        view = memoryview(data)
+        for start in range(0, len(data), _HASH_BLOCK):
+            block = view[start:start + _HASH_BLOCK]
+            digest.update(block)
+            task.advance(len(block))
+        for location, path in external:
+            digest.update(location.encode())
+            with open(path, "rb") as handle:
+                for chunk in iter(lambda: handle.read(_HASH_BLOCK), b""):
+                    digest.update(chunk)
+                    task.advance(len(chunk))
     return digest.hexdigest()
+
+
+_HASH_BLOCK = 32 << 20
 
 
 def bound_id(content: str, binding: dict[str, Any]) -> str:

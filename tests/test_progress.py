@@ -148,3 +148,34 @@ def test_status_lists_a_model_while_the_daemon_loads_it() -> None:
         finally:
             proc.terminate()
             assert proc.wait(60) == 0
+
+
+class _ScriptedStatus:
+    """Answers ``status`` with the next of some ``loading`` lists (a daemon sampled mid-load)."""
+
+    def __init__(self, path: str, samples: list[tuple[str, int, int, str]]) -> None:
+        self.replies = [[{"name": "m.onnx", "path": path, "elapsed_s": 2.0, "stage": stage, "what": "to vk0",
+                          "done": done, "total": total, "unit": unit, "fraction": done / total}]
+                        for stage, done, total, unit in samples]
+        self.asked = 0
+
+    def status(self) -> dict:
+        self.asked += 1
+        return {"loading": self.replies[min(self.asked, len(self.replies)) - 1]}
+
+
+def test_vkpool_load_draws_the_daemons_load_as_it_samples_it(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from vkpool.daemon.cli import _watch_load
+
+    model = tmp_path / "m.onnx"
+    client = _ScriptedStatus(str(model), [("upload", 1 << 20, 4 << 20, "B"), ("upload", 3 << 20, 4 << 20, "B"),
+                                          ("compile", 1, 2, "")])
+    with _watch_load(client, str(model), every_s=0.01):
+        deadline = time.monotonic() + 30
+        while client.asked < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "vkpool: uploading weights to vk0: 25% (1 MiB of 4 MiB)"
+    assert "vkpool: building pipelines to vk0: 50% (1 of 2)" in lines
+    assert not any("done" in line for line in lines), "an end it did not see is not reported"

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 #: stage → what it is called in messages
 STAGES = {
+    "hash": "identifying",
     "load": "reading",
     "upload": "uploading weights",
     "compile": "building pipelines",
@@ -232,6 +233,13 @@ class Console:
         if u.finished or u.failed:
             bar.close()
             del self._bars[key]
+
+    def end(self, stage: str, what: str) -> None:
+        """Forget a stage whose end was not seen (updates sampled from afar), drawing nothing more."""
+        bar = self._bars.pop((stage, what), None)
+        if bar is not None:
+            bar.close()
+        self._shown.pop((stage, what), None)
 
     def _write(self, text: str) -> None:
         print(f"{self.prefix}{text}", file=self.file, flush=True)
