@@ -290,8 +290,10 @@ def cmd_budget(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from vkpool.daemon.client import DaemonUnavailable
-    from vkpool.daemon.main import default_pid_file, live_daemon, load_settings
+    from vkpool.daemon.main import default_pid_file, live_daemon, load_settings, process_running
 
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout:g}")
     try:
         with _client(args) as client:
             reply = client.shutdown()
@@ -307,26 +309,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if pid is None or args.no_wait:
         return 0
     deadline = time.monotonic() + args.timeout
-    while _alive(pid):
+    while process_running(pid):
         if time.monotonic() > deadline:
             print(f"vkpool: error: the daemon (pid {pid}) is still running after {args.timeout:g} s", file=sys.stderr)
             return 1
         time.sleep(0.05)
     print(f"daemon (pid {pid}) stopped")
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a child of this process that exited is a zombie until reaped: not running
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def remote_run(args: argparse.Namespace) -> int:

@@ -131,19 +131,28 @@ def live_daemon(pid_file: Path) -> int | None:
         pid = int(pid_file.read_text().strip())
     except (OSError, ValueError):
         return None
-    if pid <= 0:
+    if pid <= 0 or not process_running(pid):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass  # alive, another user's: its command line below says whether it is vkpool
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return pid  # no /proc: a live process is taken at its word
+        return pid  # no /proc, or another user's process: a live process is taken at its word
     return pid if b"vkpool" in cmdline else None
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a child not yet reaped is a zombie:
+    it has exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def write_pid_file(pid_file: Path) -> None:

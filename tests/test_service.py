@@ -126,3 +126,19 @@ def test_stop_without_a_daemon_says_so_and_stale_pid_files_are_ignored() -> None
         finally:
             other.kill()
             other.wait()
+
+
+def test_a_detached_daemon_that_cannot_start_says_why() -> None:
+    import socket
+
+    with short_folder("vks") as folder, socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = folder / "vkpool.yaml"
+        config.write_text(f"daemon: {{metrics: '127.0.0.1:{taken.getsockname()[1]}'}}\n")
+        env = {**daemon_env(), "XDG_RUNTIME_DIR": str(folder), "XDG_STATE_HOME": str(folder / "state")}
+        failed = vkpool("--config", str(config), "serve", "--detach", env=env)
+        assert failed.returncode == 1
+        assert "the daemon did not start (exit status 1)" in failed.stderr
+        assert "cannot serve metrics on 127.0.0.1:" in failed.stderr  # the end of its log
+        assert not (folder / "vkpool" / "daemon.pid").exists()
