@@ -6,6 +6,7 @@ import json
 import socket
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -115,3 +116,41 @@ def test_a_taken_metrics_port_stops_the_start_with_the_reason(tmp_path: Path) ->
             proc = spawn_daemon(f"ipc://{folder}/d.sock", config=config)
             assert proc.wait(60) == 1
             assert f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr.read().decode()
+
+
+def test_job_histograms_match_prometheus_clients_own() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from vkpool.daemon.metrics import LATENCY_BUCKETS, Metrics
+
+    ours = Metrics()
+    reference = CollectorRegistry()
+    theirs = Histogram("vkpool_job_run_seconds", "", ["model", "model_id"], buckets=LATENCY_BUCKETS,
+                       registry=reference)
+    entry = SimpleNamespace(name="m.onnx", id="ab" * 32, binding={"batch": 4})
+    values = [*LATENCY_BUCKETS, 0.0, 1e-6, 7e-5, 0.003, 31.0, 1e3, *np.nextafter(LATENCY_BUCKETS, np.inf)]
+    for value in values:
+        ours.job_ran(entry, "ok", 0.0, float(value))
+        theirs.labels("m.onnx", "ab" * 6).observe(float(value))
+    class Jobs:
+        def collect(self) -> Any:
+            return ours.jobs_collected()
+
+    ours.registry.register(Jobs())
+
+    def run_seconds(registry: CollectorRegistry) -> dict:
+        samples = {}
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            if family.name == "vkpool_job_run_seconds":
+                samples.update({(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples
+                                if not s.name.endswith("_created")})
+        return samples
+
+    expected = run_seconds(reference)
+    assert expected and run_seconds(ours.registry) == expected
+    collected = {f.name: f for f in ours.jobs_collected()}
+    assert [s.value for s in collected["vkpool_jobs"].samples] == [len(values)]
+    batch = {s.labels.get("le"): s.value for s in collected["vkpool_job_batch_size"].samples}
+    assert batch["2.0"] == 0 and batch["4.0"] == len(values)
