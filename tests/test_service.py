@@ -109,7 +109,7 @@ def test_serve_detach_writes_pid_and_log_refuses_a_second_and_stop_waits() -> No
         assert len(warnings) == 1, log
 
 
-def test_stop_without_a_daemon_says_so_and_stale_pid_files_are_ignored() -> None:
+def test_stop_without_a_daemon_ignores_stale_pid_files_and_signals_a_mute_one() -> None:
     with short_folder("vks") as folder:
         env = {**daemon_env(), "XDG_RUNTIME_DIR": str(folder)}
         pid_file = folder / "vkpool" / "daemon.pid"
@@ -126,6 +126,18 @@ def test_stop_without_a_daemon_says_so_and_stale_pid_files_are_ignored() -> None
         finally:
             other.kill()
             other.wait()
+        # a vkpool process that does not answer at the endpoint is sent SIGTERM, and stop waits for it
+        mute = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "vkpool-stand-in"])
+        try:
+            pid_file.write_text(f"{mute.pid}\n")
+            stopped = vkpool("stop", env=env)
+            assert stopped.returncode == 0, stopped.stderr
+            assert f"sent SIGTERM to pid {mute.pid} (from {pid_file})" in stopped.stdout
+            assert f"daemon (pid {mute.pid}) stopped" in stopped.stdout
+            assert mute.wait(10) == -15
+        finally:
+            mute.kill()
+            mute.wait()
 
 
 def test_a_detached_daemon_that_cannot_start_says_why() -> None:
