@@ -132,6 +132,7 @@ _LOAD_STEPS = 4
 
 def _load_cached(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dims: dict[str, int],
                  fuse: bool, partial: bool, cache: bool) -> LoadedModel:
+    """:func:`load_model` once its progress task is open: from the loaded-model cache or the file."""
     trace = LoadTrace()
     if not cache or not isinstance(src, (str, os.PathLike)):
         return _load(src, batch, dims, fuse, partial, trace)
