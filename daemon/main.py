@@ -198,8 +198,8 @@ def detach(config: str | None, endpoint: str | None, pid_file: Path | None, log_
     deadline = time.monotonic() + DETACH_READY_S
     while live_daemon(pid_file) != child.pid:
         if child.poll() is not None or time.monotonic() > deadline:
-            if child.returncode is None:
-                child.terminate()
+            if child.returncode is None:  # still starting after DETACH_READY_S: give up on it
+                child.kill()
             print(f"vkpool serve: the daemon did not start (exit status {child.wait()}); from {log_file}:\n"
                   + _tail(log_file, start), file=sys.stderr)
             return 1
