@@ -3,7 +3,7 @@
 Everything is collected when Prometheus scrapes (:class:`_DaemonCollector`, the custom-collector
 pattern of prometheus_client): the daemon's state (queues, members, models, the status counters,
 error replies by type) is read then, and the jobs' counts and histograms are kept by
-:meth:`Metrics.job_ran` in plain lists under one lock: 1.8 µs per job on a shared 2-core VM,
+:meth:`Metrics.ran` in plain lists under one lock: 1.8 µs per job on a shared 2-core VM,
 where prometheus_client's own objects (three ``Histogram.observe`` and a labelled counter) took
 6.7 µs, a large part of a small model's round trip. With metrics off, a job pays one attribute test.
 
@@ -11,8 +11,8 @@ The families (``docs/daemon.md`` lists them with their labels):
 
 - ``vkpool_jobs_total{model, model_id, status}``: jobs run, ``status`` is ``ok`` or the error type;
 - ``vkpool_job_seconds{model, model_id}``: a job's time from acceptance to the end of its run;
-- ``vkpool_job_run_seconds{model, model_id}``: the engine's run time alone;
-- ``vkpool_job_batch_size{model, model_id}``: the samples each job ran (the model's bound batch);
+- ``vkpool_job_run_seconds{model, model_id}``: the engine's run time alone (of its batch, when batched);
+- ``vkpool_batch_size{model, model_id}``: jobs per engine run (1, or the jobs of a batch);
 - ``vkpool_errors_total{type}``: error replies to any request, by error type;
 - ``vkpool_queue_depth{model, model_id}``: jobs queued;
 - ``vkpool_member_used_bytes{member}``, ``vkpool_member_budget_bytes{member}``;
@@ -25,7 +25,7 @@ import logging
 import threading
 from bisect import bisect_left
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -82,26 +82,27 @@ class Metrics:
         self._models: dict[tuple[str, str], _ModelSeries] = {}  # by (name, id prefix): the labels
         self._server: Any = None
 
-    def job_ran(self, entry: Any, status: str, queued_s: float, run_s: float) -> None:
+    def ran(self, entry: Any, status: str, run_s: float, queued_s: Sequence[float]) -> None:
+        """One engine run of the jobs that were queued for ``queued_s`` (one job, or a batch)."""
         labels = (entry.name, entry.id[:12])
-        batch = entry.binding.get("batch", 1)
         with self._lock:
             series = self._models.get(labels)
             if series is None:
                 series = self._models[labels] = _ModelSeries()
-            series.jobs[status] += 1
-            series.latency.observe(queued_s + run_s)
-            series.run.observe(run_s)
-            series.batch.observe(batch)
+            series.jobs[status] += len(queued_s)
+            for queued in queued_s:
+                series.latency.observe(queued + run_s)
+                series.run.observe(run_s)
+            series.batch.observe(len(queued_s))
 
     def jobs_collected(self) -> Iterator[Any]:
-        """The job families, from what :meth:`job_ran` kept."""
+        """The job families, from what :meth:`ran` kept."""
         jobs = CounterMetricFamily("vkpool_jobs", "Jobs run, by model and outcome (ok, or the error type)",
                                    labels=[*_MODEL, "status"])
         latency = HistogramMetricFamily("vkpool_job_seconds", "Time from a job's acceptance to the end of its run",
                                         labels=_MODEL)
         run = HistogramMetricFamily("vkpool_job_run_seconds", "Time the engine spent running a job", labels=_MODEL)
-        batch = HistogramMetricFamily("vkpool_job_batch_size", "Samples per job: the batch the model was loaded with",
+        batch = HistogramMetricFamily("vkpool_batch_size", "Jobs per engine run: 1, or the jobs of a batch",
                                       labels=_MODEL)
         with self._lock:
             for labels, series in self._models.items():

@@ -287,12 +287,12 @@ class Service:
             finished = entry.last_used = time.monotonic()
             violation = classify(exc)
             log.warning("job on %s failed: %s", entry.id[:12], violation.message)
-            self.stats.job_ran(entry, violation.type, queued_s, finished - started)
+            self.stats.ran(entry, violation.type, finished - started, queued_s)
             return "error", _error(violation), [], finished
         entry.last_used = finished
         run_s = finished - started
         entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
-        self.stats.job_ran(entry, "ok", queued_s, run_s)
+        self.stats.ran(entry, "ok", run_s, queued_s)
         return "ok", content, frames, finished
 
     def _run_job(self, job: Job) -> None:
@@ -333,6 +333,8 @@ class Service:
             except Exception as exc:
                 violation = classify(exc)
                 log.warning("a batch of %d job(s) on %s failed: %s", len(jobs), entry.id[:12], violation.message)
+                self.stats.ran(entry, violation.type, time.monotonic() - started,
+                               *[(job.started_at or started) - job.accepted_at for job in jobs])
                 for job in jobs:
                     self.scheduler.settle(job)
                     job.finish("error", _error(violation))
@@ -340,6 +342,7 @@ class Service:
         finally:
             entry.gate.release_shared()
         finished = entry.last_used = time.monotonic()
+        self.stats.ran(entry, "ok", finished - started, *[(job.started_at or started) - job.accepted_at for job in jobs])
         for job, result in zip(jobs, results):
             queued = (job.started_at or started) - job.accepted_at
             runner.stats.record_delay(queued)

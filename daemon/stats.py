@@ -71,11 +71,12 @@ class Stats:
             while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
                 self._finished_at.popleft()
 
-    def job_ran(self, entry: Any, status: str, queued_s: float, run_s: float) -> None:
-        """A job ran on ``entry`` (a registry ModelEntry): ``status`` is ``ok`` or the error type."""
+    def ran(self, entry: Any, status: str, run_s: float, *queued_s: float) -> None:
+        """One engine run on ``entry`` (a registry ModelEntry) of a job, or of a batch of jobs,
+        each queued for one of ``queued_s``; ``status`` is ``ok`` or the error type."""
         metrics = self.metrics
         if metrics is not None:
-            metrics.job_ran(entry, status, queued_s, run_s)
+            metrics.ran(entry, status, run_s, queued_s)
 
     def error_reply(self, body: Sequence[Any]) -> None:
         """An error reply (``[delimiter, header, content, ...]``, packed) is sent: counted by its

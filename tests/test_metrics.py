@@ -89,8 +89,8 @@ def test_metric_families_are_served_and_move_with_jobs_and_errors() -> None:
     assert _value(after, "vkpool_job_seconds_count", **labels) == 5
     assert _value(after, "vkpool_job_run_seconds_count", **labels) == 5
     assert _value(after, "vkpool_job_seconds_sum", **labels) > 0
-    assert _value(after, "vkpool_job_batch_size_count", **labels) == 5
-    assert _value(after, "vkpool_job_batch_size_sum", **labels) == 5  # batch 1 each
+    assert _value(after, "vkpool_batch_size_count", **labels) == 5  # an unbatched model: a run per job
+    assert _value(after, "vkpool_batch_size_sum", **labels) == 5
     assert _value(after, "vkpool_job_seconds_bucket", le="+Inf", **labels) == 5
     assert _value(after, "vkpool_errors_total", type="InvalidTensor") == 1
     assert _value(after, "vkpool_queue_depth", **labels) == 0
@@ -132,7 +132,7 @@ def test_job_histograms_match_prometheus_clients_own() -> None:
     entry = SimpleNamespace(name="m.onnx", id="ab" * 32, binding={"batch": 4})
     values = [*LATENCY_BUCKETS, 0.0, 1e-6, 7e-5, 0.003, 31.0, 1e3, *np.nextafter(LATENCY_BUCKETS, np.inf)]
     for value in values:
-        ours.job_ran(entry, "ok", 0.0, float(value))
+        ours.ran(entry, "ok", float(value), [0.0])
         theirs.labels("m.onnx", "ab" * 6).observe(float(value))
     class Jobs:
         def collect(self) -> Any:
@@ -152,5 +152,64 @@ def test_job_histograms_match_prometheus_clients_own() -> None:
     assert expected and run_seconds(ours.registry) == expected
     collected = {f.name: f for f in ours.jobs_collected()}
     assert [s.value for s in collected["vkpool_jobs"].samples] == [len(values)]
-    batch = {s.labels.get("le"): s.value for s in collected["vkpool_job_batch_size"].samples}
-    assert batch["2.0"] == 0 and batch["4.0"] == len(values)
+
+    batched = Metrics()
+    batched.ran(entry, "ok", 0.002, [0.001, 0.003, 0.0, 0.010])  # one run of a batch of 4 jobs
+    batched.ran(entry, "Timeout", 0.004, [0.0])
+    collected = {f.name: f for f in batched.jobs_collected()}
+    jobs = {s.labels["status"]: s.value for s in collected["vkpool_jobs"].samples}
+    assert jobs == {"ok": 4, "Timeout": 1}
+    sizes = {s.labels.get("le"): s.value for s in collected["vkpool_batch_size"].samples if "le" in s.labels}
+    assert sizes["1.0"] == 1 and sizes["2.0"] == 1 and sizes["4.0"] == 2 and sizes["+Inf"] == 2
+    latency = {s.labels.get("le"): s.value for s in collected["vkpool_job_seconds"].samples if "le" in s.labels}
+    assert latency["0.0025"] == 1 and latency["0.005"] == 4 and latency["0.025"] == 5  # queue + run, per job
+    runs = [s for s in collected["vkpool_job_run_seconds"].samples if s.name.endswith("_sum")]
+    assert runs[0].value == pytest.approx(4 * 0.002 + 0.004)
+
+
+def test_a_batching_models_runs_are_counted_as_batches() -> None:
+    import threading
+
+    import zmq
+    from prometheus_client import generate_latest
+
+    from test_daemon_batching import batch_model
+    from vkpool.daemon.engine import Engine
+    from vkpool.daemon.metrics import Metrics
+    from vkpool.daemon.server import Server
+
+    metrics, ctx = Metrics(), zmq.Context()
+    endpoint = "inproc://vkpool-test-metrics-batching"
+    server = Server(Engine.from_config(None), DaemonSettings(), endpoint, context=ctx, metrics=metrics)
+    metrics.watch(server.service, server.stats)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with Client(endpoint, context=ctx) as admin:
+            model = admin.load_model(batch_model(graph="metrics"), name="batched", max_batch=8,
+                                     max_queue_delay=0.3, keep_alive=0)
+
+            def one(rows: int) -> None:
+                with Client(endpoint, context=ctx) as c:
+                    session = c.session(batch_model(graph="metrics"), max_batch=8, max_queue_delay=0.3)
+                    session.run(None, {"x": np.ones((rows, 16), np.float32)})
+
+            threads = [threading.Thread(target=one, args=(rows,)) for rows in (1, 2, 1, 3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            batching = next(m for m in admin.status()["models"] if m["id"] == model["id"])["batching"]
+            samples: dict = {}
+            for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+                for sample in family.samples:
+                    samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    finally:
+        server.request_stop()
+        thread.join(30)
+        ctx.term()
+    labels = {"model": "batched", "model_id": model["id"][:12]}
+    assert _value(samples, "vkpool_jobs_total", status="ok", **labels) == 4
+    assert _value(samples, "vkpool_job_seconds_count", **labels) == 4
+    assert _value(samples, "vkpool_batch_size_sum", **labels) == 4  # jobs, in
+    assert _value(samples, "vkpool_batch_size_count", **labels) == batching["batches"] < 4  # fewer runs
