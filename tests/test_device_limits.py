@@ -199,3 +199,43 @@ def test_a_grid_past_the_limit_is_refused_not_run():
                 session.run(None, feeds)
     finally:
         p.close()
+
+
+# -- workgroup sizes ------------------------------------------------------------------------------
+
+def test_a_shader_wider_than_the_device_allows_is_refused_by_name():
+    """A device allowing 128 invocations per workgroup (the least Vulkan guarantees) cannot run the
+    256-wide elementwise shaders: the pipeline is refused with the shader and the limit, never
+    created past the limit."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VKPOOL_DEVICE_LIMITS", "max_workgroup_invocations=128")
+        p = vulkan_pool()
+    try:
+        model, feeds, _ = _case("Sigmoid", [_f(4, 1000)])
+        with pytest.raises(Exception, match=r"unary: workgroups of 256 x 1 x 1 invocations exceed vk\d+'s limits "
+                                            r"\(128 invocations"):
+            with vkpool.Session(model, pool=p, device=p.vulkan_members[0].id) as session:
+                session.run(None, feeds)
+    finally:
+        p.close()
+
+
+def test_softmax_narrows_its_workgroups_to_the_device():
+    """Softmax picks its workgroup width from the row length, capped by the device's invocations:
+    with the cap lowered to 64 a row of 5,000 runs 64 wide and still matches."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VKPOOL_DEVICE_LIMITS", "max_workgroup_invocations=64")
+        p = vulkan_pool()
+    try:
+        model, feeds, expected = _case("Softmax", [_f(3, 5000, scale=3)], {"axis": -1})
+        with vkpool.Session(model, pool=p, device=p.vulkan_members[0].id) as session:
+            np.testing.assert_allclose(session.run(None, feeds)[0], expected[0], rtol=1e-4, atol=1e-6)
+    finally:
+        p.close()
+
+
+def test_local_size_is_read_from_spirv():
+    from vkpool.shaders import local_size, spirv
+
+    assert local_size(spirv("unary", {"OP": 1})) == (256, 1, 1)
+    assert local_size(spirv("gemv", {"VEC": 4, "TXG": 64, "TYG": 4, "SPLIT": 0, "HAS_BIAS": 0, "RELU": 0})) == (64, 4, 1)

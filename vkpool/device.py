@@ -19,7 +19,7 @@ import numpy as np
 from vkpool import shaders, vk
 from vkpool.cache import cache_dir, write_atomic
 from vkpool.discovery import PhysicalDeviceInfo
-from vkpool.kernels.base import DeviceCaps
+from vkpool.kernels.base import DeviceCaps, UnsupportedOp
 
 
 @dataclass
@@ -289,6 +289,14 @@ class LogicalDevice:
             found = self.pipelines.get(key)
             if found is not None:
                 return found
+            size = shaders.local_size(code)
+            limits = self.info.max_workgroup_size
+            if size is not None and (size[0] * size[1] * size[2] > self.info.max_workgroup_invocations
+                                     or any(s > m for s, m in zip(size, limits))):
+                raise UnsupportedOp(
+                    f"{shader}: workgroups of {size[0]} x {size[1]} x {size[2]} invocations exceed {self.name}'s "
+                    f"limits ({self.info.max_workgroup_invocations} invocations, {limits[0]} x {limits[1]} x "
+                    f"{limits[2]})")
             ffi, b = self._ffi, self._b
             code_buf = ffi.from_buffer(code)
             minfo = ffi.new("VkShaderModuleCreateInfo*", {

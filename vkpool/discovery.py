@@ -315,8 +315,9 @@ def _driver_rank(info: PhysicalDeviceInfo) -> tuple[int, int, str]:
 
 
 #: limits that change which code path a kernel takes, and may be lowered by VKPOOL_DEVICE_LIMITS
-LOWERABLE_LIMITS = ("max_workgroup_count", "max_workgroup_invocations", "max_shared_memory_bytes",
-                    "max_storage_buffer_range", "max_memory_allocation_bytes")
+LOWERABLE_LIMITS = ("max_workgroup_count", "max_workgroup_size", "max_workgroup_invocations",
+                    "max_shared_memory_bytes", "max_storage_buffer_range", "max_memory_allocation_bytes")
+_TRIPLES = ("max_workgroup_count", "max_workgroup_size")
 
 
 class DeviceLimitsError(ValueError):
@@ -326,8 +327,8 @@ class DeviceLimitsError(ValueError):
 def parse_limits(text: str) -> dict[str, tuple[int, ...]]:
     """``"max_workgroup_count=1000, max_shared_memory_bytes=16384"`` as a dict of values.
 
-    ``max_workgroup_count`` takes one number for all three dimensions or three joined by ``x``
-    (``1000x3x1000``); every other limit takes one number.
+    ``max_workgroup_count`` and ``max_workgroup_size`` take one number for all three dimensions or
+    three joined by ``x`` (``1000x3x1000``); every other limit takes one number.
     """
     out: dict[str, tuple[int, ...]] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -340,11 +341,11 @@ def parse_limits(text: str) -> dict[str, tuple[int, ...]]:
             values = tuple(int(v) for v in value.strip().split("x"))
         except ValueError:
             raise DeviceLimitsError(f"VKPOOL_DEVICE_LIMITS: {name} = {value.strip()!r} is not a whole number") from None
-        if name == "max_workgroup_count" and len(values) == 1:
+        if name in _TRIPLES and len(values) == 1:
             values *= 3
-        if len(values) != (3 if name == "max_workgroup_count" else 1) or min(values) < 1:
+        if len(values) != (3 if name in _TRIPLES else 1) or min(values) < 1:
             raise DeviceLimitsError(f"VKPOOL_DEVICE_LIMITS: {name} = {value.strip()!r}: give "
-                                    f"{'one or three positive numbers' if name == 'max_workgroup_count' else 'a positive number'}")
+                                    f"{'one or three positive numbers' if name in _TRIPLES else 'a positive number'}")
         out[name] = values
     return out
 
@@ -356,7 +357,7 @@ def lower_limits(info: PhysicalDeviceInfo, limits: dict[str, tuple[int, ...]]) -
     changes: dict[str, Any] = {}
     for name, values in limits.items():
         own = getattr(info, name)
-        if name == "max_workgroup_count":
+        if name in _TRIPLES:
             changes[name] = tuple(min(a, b) for a, b in zip(own, values))
         else:
             changes[name] = min(own, values[0]) if own else values[0]

@@ -127,6 +127,23 @@ def workgroup_size_misuse(name: str, lines: list[str] | None = None) -> str | No
     return None
 
 
+def local_size(code: bytes) -> tuple[int, int, int] | None:
+    """The workgroup size a SPIR-V compute module declares (``OpExecutionMode LocalSize``), or None
+    where it declares none that way."""
+    import struct
+
+    words = struct.unpack(f"<{len(code) // 4}I", code[:len(code) // 4 * 4])
+    at = 5  # after the header
+    while at < len(words):
+        count, opcode = words[at] >> 16, words[at] & 0xFFFF
+        if count == 0:
+            return None
+        if opcode == 16 and count >= 6 and words[at + 2] == 17:  # OpExecutionMode %main LocalSize x y z
+            return words[at + 3], words[at + 4], words[at + 5]
+        at += count
+    return None
+
+
 _lock = threading.Lock()
 _memory: dict[str, bytes] = {}
 stats = {"compiled": 0, "disk_hits": 0}
