@@ -239,3 +239,24 @@ def test_local_size_is_read_from_spirv():
 
     assert local_size(spirv("unary", {"OP": 1})) == (256, 1, 1)
     assert local_size(spirv("gemv", {"VEC": 4, "TXG": 64, "TYG": 4, "SPLIT": 0, "HAS_BIAS": 0, "RELU": 0})) == (64, 4, 1)
+
+
+# -- allocation size ------------------------------------------------------------------------------
+
+def test_blocks_and_tensors_respect_the_largest_allocation():
+    """With maxMemoryAllocationSize lowered to 1 MiB, small tensors share 1 MiB blocks and run; a
+    4 MiB weight is refused with the limit named, not handed to the driver."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VKPOOL_DEVICE_LIMITS", "max_memory_allocation_bytes=1048576")
+        p = vulkan_pool()
+    try:
+        member = p.vulkan_members[0].id
+        small, feeds, expected = _case("MatMul", [_f(8, 256), _f(256, 256)], constants=(1,))  # 256 KiB weight
+        with vkpool.Session(small, pool=p, device=member) as session:
+            np.testing.assert_allclose(session.run(None, feeds)[0], expected[0], rtol=1e-4, atol=1e-5)
+        big, feeds, _ = _case("MatMul", [_f(8, 1024), _f(1024, 1024)], constants=(1,))  # 4 MiB weight
+        with pytest.raises(MemoryError, match="maxMemoryAllocationSize 1 MiB"):
+            with vkpool.Session(big, pool=p, device=member) as session:
+                session.run(None, feeds)
+    finally:
+        p.close()

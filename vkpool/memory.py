@@ -33,7 +33,8 @@ HOST_BLOCK_BYTES = 1 << 20
 class DeviceOutOfMemory(MemoryError):
     """A member's budget (or the device itself) cannot hold a request."""
 
-    def __init__(self, member: str, requested: int, used: int, budget: int, reason: str = "") -> None:
+    def __init__(self, member: str, requested: int, used: int, budget: int, reason: str = "",
+                 advice: str | None = None) -> None:
         self.member = member
         self.requested = requested
         self.used = used
@@ -42,7 +43,7 @@ class DeviceOutOfMemory(MemoryError):
         super().__init__(
             f"{member}: cannot allocate {format_size(requested)} ({requested} bytes): {why}; "
             f"{format_size(used)} of {format_size(budget)} in use ({used} of {budget} bytes). "
-            f"Raise the budget of {member} or free memory."
+            + (advice if advice is not None else f"Raise the budget of {member} or free memory.")
         )
 
 
@@ -177,7 +178,9 @@ class BlockAllocator:
         self.device = device
         self.memory_type = memory_type
         self.budget = budget
-        self.block_bytes = block_bytes
+        #: the largest single VkDeviceMemory the device allows (maxMemoryAllocationSize; 0: not reported)
+        self.max_allocation = int(getattr(getattr(device, "info", None), "max_memory_allocation_bytes", 0) or 0)
+        self.block_bytes = min(block_bytes, self.max_allocation // ALIGNMENT * ALIGNMENT or block_bytes)
         self.name = name or (budget.member if budget else device.name)
         self.blocks: list[Block] = []
         self._lock = threading.Lock()
@@ -263,6 +266,13 @@ class BlockAllocator:
         holes.insert(i, (start, size))
 
     def _new_block(self, size: int, *, dedicated: bool) -> Block:
+        if self.max_allocation and size > self.max_allocation:
+            used = self.budget.used_bytes if self.budget else 0
+            cap = self.budget.budget_bytes if self.budget else 0
+            raise DeviceOutOfMemory(self.name, size, used, cap, f"one tensor of {format_size(size)} is more than the "
+                                    f"device allocates at once (maxMemoryAllocationSize "
+                                    f"{format_size(self.max_allocation)})",
+                                    advice="Place the model's largest tensors on another member.")
         try:
             memory, buffer, address, mapped = self.device.create_block(size, self.memory_type, dedicated=dedicated)
         except vk.VulkanError as exc:
