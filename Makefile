@@ -8,13 +8,14 @@ STAMP  := $(VENV)/.installed
 # CPU-only wheels: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
-.PHONY: help demo test serve conformance bench system-deps venv clean
+.PHONY: help demo test serve conformance realworld bench system-deps venv clean
 
 help:
 	@echo "make demo         set up (Vulkan packages, .venv) and run the demo"
 	@echo "make test         set up and run the test suite on the local Vulkan device"
 	@echo "make serve        run the daemon in the foreground on the default config"
 	@echo "make conformance  run every ONNX backend node test, write docs/conformance.md"
+	@echo "make realworld    run models nobody here wrote against onnxruntime, table into docs/conformance.md"
 	@echo "make bench        run the benchmarks (BENCH_ARGS=... to pass options)"
 
 system-deps:
@@ -39,6 +40,9 @@ serve: venv
 
 conformance: venv
 	$(PY) -m vkpool.conformance --output docs/conformance.md
+
+realworld: venv
+	$(PY) -m bench.realworld --doc docs/conformance.md
 
 bench: venv
 	$(PY) -m bench $(BENCH_ARGS)

@@ -397,6 +397,14 @@ def main(argv: Iterable[str] | None = None) -> int:
     command = "python -m vkpool.conformance" + (f" --filter '{args.filter}'" if args.filter else "")
     report = write_markdown(outcomes, command=command, onnx_version=onnx.__version__, device=device)
     if args.output:
+        # the table of real models (python -m bench.realworld --doc) lives in the same file: keep it
+        begin, end = "<!-- BEGIN REAL MODELS -->", "<!-- END REAL MODELS -->"
+        try:
+            old = open(args.output, encoding="utf-8").read()
+        except OSError:
+            old = ""
+        if begin in old and end in old:
+            report = report.rstrip("\n") + "\n\n" + begin + old.split(begin, 1)[1].split(end, 1)[0] + end + "\n"
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(report)
     else:
