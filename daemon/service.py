@@ -155,6 +155,9 @@ class Service:
 
     def _status(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         snap = self.stats.snapshot(connections)
+        counters = snap["counters"]  # as they stood before this request: it is not counted as in flight
+        counters["accepted"] -= 1
+        counters["in_flight"] -= 1
         return {**snap, "members": self.engine.members(), "models": self.model_infos(),
                 "loading": self.registry.loading_infos(), "queues": self.scheduler.depths(),
                 "draining": self.draining}
