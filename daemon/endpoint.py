@@ -6,7 +6,9 @@
   next to the socket refuses a second daemon; a socket left by a crashed daemon (lock free,
   file present) is removed.
 - libzmq's ipc listener aborts the whole process when ``accept`` fails with EMFILE, so the
-  daemon raises its open-file limit at start and caps connections well below it.
+  daemon raises its open-file limit at start, caps connections below it and, when its open
+  descriptors come within :func:`fd_margin` of the limit whatever holds them, stops listening
+  (the server unbinds until descriptors are free again; clients meanwhile retry to connect).
 - The local lane's Unix socket is ``<socket>.lane`` in the same directory, created 0600 under
   the same lock, and removed with the ipc socket (at stop, or at start when a crashed daemon
   left it).
@@ -117,6 +119,30 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def fd_reserve(fd_limit: int) -> int:
+    """Descriptors kept free beyond the connection caps: :data:`FD_RESERVE`, or a quarter of a
+    limit lower than four times that."""
+    return min(FD_RESERVE, fd_limit // 4)
+
+
 def connection_cap(configured: int, fd_limit: int) -> int:
     """The connection cap actually used: the configured one, lowered to fit the fd limit."""
-    return max(1, min(configured, fd_limit - FD_RESERVE))
+    return max(1, min(configured, fd_limit - fd_reserve(fd_limit)))
+
+
+#: connections a listener holds accepted but not yet handed to the daemon (``ZMQ_BACKLOG``)
+LISTEN_BACKLOG = 32
+
+
+def fd_margin(fd_limit: int) -> int:
+    """Open descriptors at which the daemon stops listening are ``fd_limit`` less this: room for
+    a listener's backlog accepted at once, and for the daemon's own files meanwhile."""
+    return min(fd_reserve(fd_limit), LISTEN_BACKLOG + 16)
+
+
+def open_fds() -> int | None:
+    """Descriptors this process has open, where the system says (Linux ``/proc``)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing the folder
+    except OSError:
+        return None

@@ -288,7 +288,7 @@ class LaneListener:
     def accept(self) -> socket.socket | None:
         try:
             conn, _ = self.sock.accept()
-        except (BlockingIOError, InterruptedError):
+        except OSError:  # none waiting, or no descriptor left for it (it waits in the backlog)
             return None
         conn.setblocking(True)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_S))

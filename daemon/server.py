@@ -31,8 +31,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from vkpool.daemon import protocol as P
-from vkpool.daemon.endpoint import (FD_RESERVE, EndpointError, EndpointLock, connection_cap, ipc_path, lane_fits,
-                                    lane_path, raise_fd_limit)
+from vkpool.daemon.endpoint import (LISTEN_BACKLOG, EndpointError, EndpointLock, connection_cap, fd_margin,
+                                    fd_reserve, ipc_path, lane_fits, lane_path, open_fds, raise_fd_limit)
 from vkpool.daemon.lane import (_DAEMON_ASLEEP, _REQ, LaneConnection, LaneListener, Poller, Ring, ring_sleep,
                                ring_supported, ring_wait)
 from vkpool.daemon.protocol import ProtocolViolation
@@ -105,7 +105,10 @@ class Server:
         self._trimmed_at = 0
         self.fd_limit = raise_fd_limit()
         # lane connections hold a descriptor each: what they may use is kept from the ZeroMQ cap
-        self.max_lanes = min(settings.max_lane_connections, max(0, (self.fd_limit - FD_RESERVE) // 2))
+        self.max_lanes = min(settings.max_lane_connections, max(0, (self.fd_limit - fd_reserve(self.fd_limit)) // 2))
+        self._listening = True
+        self._poller: zmq.Poller | None = None  # serve_forever's
+        self._pause_at = self.fd_limit - fd_margin(self.fd_limit)  # open descriptors
         self.max_connections = connection_cap(settings.max_connections, self.fd_limit - self.max_lanes)
         self._router = self._bind()
         self._bind_lane()
@@ -117,6 +120,7 @@ class Server:
         router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         router.setsockopt(zmq.SNDHWM, 0)  # replies exist only for accepted (bounded) requests
         router.setsockopt(zmq.LINGER, 2000)
+        router.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         if self.endpoint.startswith("tcp://"):
             self._setup_curve(router)
         path = ipc_path(self.endpoint)
@@ -125,11 +129,7 @@ class Server:
             self._lock.acquire()
         self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         try:
-            old = os.umask(0o177)  # the socket file is created 0600: no window where others connect
-            try:
-                router.bind(self.endpoint)
-            finally:
-                os.umask(old)
+            _bind_private(router, self.endpoint)
         except zmq.ZMQError as exc:
             self.close_sockets(router)
             raise EndpointError(f"cannot bind {self.endpoint}: {exc}") from None
@@ -312,7 +312,7 @@ class Server:
     def _accept_lanes(self) -> None:
         listener = self._lane_listener
         assert listener is not None
-        while (sock := listener.accept()) is not None:
+        while self._listening and (sock := listener.accept()) is not None:
             conn = LaneConnection(sock, self._reply_lost)
             if len(self._lanes) >= self.max_lanes:  # refused at once, without a thread
                 self._lane_error(conn, b"", {}, ProtocolViolation(
@@ -325,6 +325,7 @@ class Server:
             conn.thread = threading.Thread(target=self._lane_loop, args=(conn,), daemon=True,
                                            name=f"vkpool-lane-{sock.fileno()}")
             conn.thread.start()
+            self._watch_fds()
 
     def _lane_loop(self, conn: LaneConnection) -> None:
         """The thread of one lane connection: ``open_lane``, then requests until end of file."""
@@ -666,9 +667,36 @@ class Server:
         event = parse_monitor_message(self._monitor.recv_multipart())
         if event["event"] == zmq.EVENT_ACCEPTED:
             self._connections += 1
+            self._watch_fds()
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             self._connections = max(0, self._connections - 1)
             self._probes.append((time.monotonic() + _PROBE_DELAY_S, int(event["value"])))
+
+    def _watch_fds(self) -> None:
+        """Stop listening while the open descriptors are within the margin of the limit, and
+        listen again once they are a margin further below: libzmq's ipc listener aborts the
+        process when ``accept`` finds no descriptor left. Meanwhile connecting clients retry
+        (ZeroMQ reconnects by itself) and the local lane's listener is not polled."""
+        count = open_fds()
+        if count is None:
+            return
+        if self._listening and count >= self._pause_at:
+            self._router.unbind(self.endpoint)
+            self._listening = False
+            if self._lane_listener is not None and self._poller is not None:
+                self._poller.unregister(self._lane_listener.fileno())
+            log.warning("%d of %d file descriptors open: not accepting connections until some close",
+                        count, self.fd_limit)
+        elif not self._listening and count < self._pause_at - fd_margin(self.fd_limit):
+            try:
+                _bind_private(self._router, self.endpoint)
+            except zmq.ZMQError as exc:
+                log.warning("cannot listen again on %s yet: %s", self.endpoint, exc)
+                return
+            self._listening = True
+            if self._lane_listener is not None and self._poller is not None:
+                self._poller.register(self._lane_listener.fileno(), zmq.POLLIN)
+            log.info("%d of %d file descriptors open: accepting connections again", count, self.fd_limit)
 
     def _run_probes(self, now: float) -> None:
         due = [fd for when, fd in self._probes if when <= now]
@@ -712,7 +740,7 @@ class Server:
     def serve_forever(self) -> int:
         self._io_ident = threading.get_ident()
         router, inbox, monitor = self._router, self._inbox, self._monitor
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         for sock in (router, inbox, monitor):
             poller.register(sock, zmq.POLLIN)
         lane_fd = -1
@@ -748,6 +776,8 @@ class Server:
                     self._expire_jobs(now)
                 if self._probes:
                     self._run_probes(now)
+                if not self._listening:
+                    self._watch_fds()
                 if now - last_sweep > 0.5:
                     last_sweep = now
                     self.service.expire_idle()
@@ -812,6 +842,15 @@ class Server:
         router.close(linger=2000)
         if getattr(self, "_auth", None) is not None:
             self._auth.stop()
+
+
+def _bind_private(router: zmq.Socket, endpoint: str) -> None:
+    """Bind ``router``; an ipc socket file is created 0600, with no window where others connect."""
+    old = os.umask(0o177)
+    try:
+        router.bind(endpoint)
+    finally:
+        os.umask(old)
 
 
 def _violation(exc: Exception) -> ProtocolViolation:

@@ -17,10 +17,11 @@ from vkpool import progress
 from vkpool.daemon import protocol as P
 from vkpool.daemon.engine import classify
 from vkpool.daemon.protocol import ProtocolViolation
-from vkpool.daemon.registry import ModelEntry, Registry, bound_id, content_id
+from vkpool.daemon.registry import ModelEntry, Registry, bound_id, check_regular, content_id
 from vkpool.daemon.scheduler import Busy, Job, Scheduler
 from vkpool.daemon.settings import DaemonSettings
 from vkpool.daemon.stats import Stats
+from vkpool.units import format_size
 
 log = logging.getLogger("vkpool.daemon")
 
@@ -371,6 +372,10 @@ class Service:
             if not source.is_absolute():
                 raise ProtocolViolation("InvalidRequest", f"path {path!r} must be absolute (the daemon's "
                                         "working directory is not the client's)", {"path": path})
+            try:  # here, on the I/O thread: a FIFO or a device never reaches the admin thread
+                check_regular(source, self.settings.max_model_bytes)
+            except OSError as exc:
+                raise classify(exc) from None
         keep_alive = content.get("keep_alive")
         name = content.get("name") or (source.name if isinstance(source, Path) else "model")
         binding = _binding(content.get("batch"), content.get("dims"))
@@ -384,7 +389,7 @@ class Service:
               binding: dict[str, Any] | None = None, batching: dict[str, Any] | None = None) -> dict[str, Any]:
         binding = binding or {}
         with self.registry.loading(name, source) as loading, progress.reporting(loading.report):
-            model_id = bound_id(content_id(source), binding)
+            model_id = bound_id(content_id(source, self.settings.max_model_bytes), binding)
             entry = self.registry.get(model_id)
             shared = entry is not None
             if entry is not None and batching and batching != entry.batch_config:
@@ -406,6 +411,8 @@ class Service:
         return {"model": entry.info(*self.scheduler.counts(entry.id)), "shared": shared}
 
     def open_session(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
+        if isinstance(source, Path):  # read again at a re-plan: it may have been replaced since
+            check_regular(source, self.settings.max_model_bytes)
         return self.engine.open(source, binding, batching)
 
     def _open_admitted(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
@@ -420,10 +427,13 @@ class Service:
                 idle = sorted((e for e in self.registry.unreferenced() if not self.scheduler.active(e.id)),
                               key=lambda e: e.last_used)
                 if not self.settings.evict_idle or not idle:
-                    violation.details.setdefault("free_bytes", {
-                        m["id"]: m["budget_bytes"] - m["used_bytes"] for m in self.engine.members()})
-                    violation.details.setdefault("idle_models", [e.id for e in idle])
-                    raise violation from None
+                    free = {m["id"]: m["budget_bytes"] - m["used_bytes"] for m in self.engine.members()}
+                    size = len(source) if isinstance(source, bytes) else source.stat().st_size
+                    raise ProtocolViolation("InsufficientMemory", (
+                        f"the model ({format_size(size)} of ONNX) does not fit the free budgets "
+                        f"({', '.join(f'{m} {format_size(n)}' for m, n in free.items())}): {violation.message}"),
+                        {**violation.details, "model_bytes": size, "free_bytes": free,
+                         "idle_models": [e.id for e in idle]}) from None
                 log.info("evicting idle model %s to admit a load", idle[0].id[:12])
                 self._free(idle[0])
 
