@@ -32,7 +32,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from vkpool.daemon import protocol as P
 from vkpool.daemon.endpoint import (LISTEN_BACKLOG, EndpointError, EndpointLock, connection_cap, fd_margin,
-                                    fd_reserve, ipc_path, lane_fits, lane_path, open_fds, raise_fd_limit)
+                                    fd_reserve, ipc_path, lane_fits, lane_path, open_fds, paused_path,
+                                    raise_fd_limit)
 from vkpool.daemon.lane import (_DAEMON_ASLEEP, _REQ, LaneConnection, LaneListener, Poller, Ring, ring_sleep,
                                ring_supported, ring_wait)
 from vkpool.daemon.protocol import ProtocolViolation
@@ -109,6 +110,8 @@ class Server:
         self._listening = True
         self._poller: zmq.Poller | None = None  # serve_forever's
         self._pause_at = self.fd_limit - fd_margin(self.fd_limit)  # open descriptors
+        ipc = ipc_path(endpoint)
+        self._paused_path = None if ipc is None else paused_path(ipc)  # see _watch_fds
         self.max_connections = connection_cap(settings.max_connections, self.fd_limit - self.max_lanes)
         self._router = self._bind()
         self._bind_lane()
@@ -129,7 +132,11 @@ class Server:
             self._lock.acquire()
         self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         try:
-            _bind_private(router, self.endpoint)
+            old = os.umask(0o177)  # the socket file is created 0600: no window where others connect
+            try:
+                router.bind(self.endpoint)
+            finally:
+                os.umask(old)
         except zmq.ZMQError as exc:
             self.close_sockets(router)
             raise EndpointError(f"cannot bind {self.endpoint}: {exc}") from None
@@ -673,26 +680,26 @@ class Server:
             self._probes.append((time.monotonic() + _PROBE_DELAY_S, int(event["value"])))
 
     def _watch_fds(self) -> None:
-        """Stop listening while the open descriptors are within the margin of the limit, and
-        listen again once they are a margin further below: libzmq's ipc listener aborts the
-        process when ``accept`` finds no descriptor left. Meanwhile connecting clients retry
-        (ZeroMQ reconnects by itself) and the local lane's listener is not polled."""
+        """Stop taking connections while the open descriptors are within the margin of the limit,
+        and take them again once they are a margin further below: libzmq's ipc listener aborts
+        the process when ``accept`` finds no descriptor left. The socket file is moved aside
+        meanwhile (clients that connect find none and retry, as ZeroMQ clients do by themselves;
+        the connections made stay open, as an ``unbind`` would not leave them), and the local
+        lane's listener is not polled. libzmq's TCP listener survives the limit: nothing is
+        moved there."""
         count = open_fds()
-        if count is None:
+        if count is None or self._paused_path is None:
             return
+        path = ipc_path(self.endpoint)
         if self._listening and count >= self._pause_at:
-            self._router.unbind(self.endpoint)
+            os.replace(path, self._paused_path)
             self._listening = False
             if self._lane_listener is not None and self._poller is not None:
                 self._poller.unregister(self._lane_listener.fileno())
             log.warning("%d of %d file descriptors open: not accepting connections until some close",
                         count, self.fd_limit)
         elif not self._listening and count < self._pause_at - fd_margin(self.fd_limit):
-            try:
-                _bind_private(self._router, self.endpoint)
-            except zmq.ZMQError as exc:
-                log.warning("cannot listen again on %s yet: %s", self.endpoint, exc)
-                return
+            os.replace(self._paused_path, path)
             self._listening = True
             if self._lane_listener is not None and self._poller is not None:
                 self._poller.register(self._lane_listener.fileno(), zmq.POLLIN)
@@ -762,9 +769,12 @@ class Server:
                             break
                         self._send_handed_over(inbox.recv_multipart(copy=False))
                 if router in ready:
-                    for _ in range(256):
+                    for i in range(256):
                         if not router.get(zmq.EVENTS) & zmq.POLLIN:
                             break
+                        if i % 16 == 15:  # connections accepted meanwhile: see _watch_fds
+                            while monitor.poll(0):
+                                self._on_monitor()
                         raw, fd = self._recv_request()
                         try:
                             self._on_request(raw, fd)
@@ -842,15 +852,6 @@ class Server:
         router.close(linger=2000)
         if getattr(self, "_auth", None) is not None:
             self._auth.stop()
-
-
-def _bind_private(router: zmq.Socket, endpoint: str) -> None:
-    """Bind ``router``; an ipc socket file is created 0600, with no window where others connect."""
-    old = os.umask(0o177)
-    try:
-        router.bind(endpoint)
-    finally:
-        os.umask(old)
 
 
 def _violation(exc: Exception) -> ProtocolViolation:
