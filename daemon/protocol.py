@@ -250,7 +250,7 @@ def pack_content(status: str, content: Mapping[str, Any] | bytes) -> tuple[str, 
     sent. A content that msgpack refuses (an int beyond 64 bits in an error's details, a value
     of no msgpack type) is sent as an error whose details are the values' text, or, when even
     that fails, as ``InternalError``."""
-    if type(content) is bytes:
+    if isinstance(content, bytes):
         return status, content
     try:
         return status, pack(dict(content))
