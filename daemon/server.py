@@ -809,7 +809,7 @@ class Server:
         # only an empty set of unanswered requests says that every reply has been sent
         with self._book:  # and from here on, a lane accepts nothing more
             if (not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0)
-                    and not any(conn.backlogged() for conn in self._lanes)):
+                    and not any(conn.backlogged() for conn in list(self._lanes))):
                 self._lanes_closed = True
                 return True
         if now >= self._drain_until:

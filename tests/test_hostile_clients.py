@@ -327,9 +327,9 @@ def test_a_lane_client_that_never_reads_stalls_only_itself(shared: Shared) -> No
             pass
         other_model = shared.model(other)
         rng = np.random.default_rng(1)
-        for _ in range(20):  # served meanwhile, none refused Busy
+        for _ in range(20):  # served meanwhile: none refused Busy, none timed out behind the hog's replies
             x = rng.standard_normal((1, 4)).astype(np.float32)
-            np.testing.assert_array_equal(other.infer(other_model, {"x": x})[0], x + 1)
+            np.testing.assert_array_equal(other.infer(other_model, {"x": x}, timeout=5.0)[0], x + 1)
         assert shared.watcher.status()["counters"]["lanes"] >= 1  # the hog's lane is still open
         lane.close()
     after = shared.check()
