@@ -306,11 +306,12 @@ class Service:
             return
         entry.gate.acquire_shared()
         try:
+            feeds = job.feeds  # taken before the state is read: answering the job empties them
             if job.state == "done":  # timed out or cancelled while waiting for a re-plan
                 return
             started = time.monotonic()
             queued = (job.started_at or started) - job.accepted_at
-            status, content, frames, _ = self._execute(entry, job.outputs, job.feeds, queued, started)
+            status, content, frames, _ = self._execute(entry, job.outputs, feeds, queued, started)
         finally:
             entry.gate.release_shared()
         self.scheduler.settle(job)
@@ -328,12 +329,16 @@ class Service:
         entry.gate.acquire_shared()
         try:
             runner = entry.batching  # read under the gate: a re-plan swaps the session
-            jobs = [job for job in jobs if job.state != "done"]  # timed out while waiting for a re-plan
+            # feeds taken before the state is read (answering a job empties them); jobs timed out
+            # while waiting for a re-plan left out
+            taken = [(job, job.feeds) for job in jobs]
+            taken = [(job, feeds) for job, feeds in taken if job.state != "done"]
+            jobs = [job for job, _ in taken]
             if not jobs:
                 return
             started = time.monotonic()
             try:
-                results = runner.run([(job.feeds, job.outputs) for job in jobs])
+                results = runner.run([(feeds, job.outputs) for job, feeds in taken])
             except Exception as exc:
                 violation = classify(exc)
                 log.warning("a batch of %d job(s) on %s failed: %s", len(jobs), entry.id[:12], violation.message)
