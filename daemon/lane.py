@@ -350,16 +350,16 @@ class LaneConnection:
                     if size is None:
                         # too large for the slot: on the socket, and in the ring a pointer to it
                         buffers, size = P.lane_buffers(body, start)
-                        self._write(buffers, status)
+                        self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
                         ring.post([], _REP)
                     fence()  # ring_wake, with the wake-up written as a reply is
                     if ring.words[_CLIENT_ASLEEP]:
-                        self._write([P.LANE_WAKE], None)
+                        self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
                 elif fds:  # the open_lane reply, the first bytes on the connection: sent at once
                     size = P.lane_send(self.sock, body, start, fds)
                 else:
                     buffers, size = P.lane_buffers(body, start)
-                    self._write(buffers, status)
+                    self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
                 return size
             except OSError:
                 self.open = False
@@ -368,14 +368,17 @@ class LaneConnection:
         self._report(lost)
         return 0
 
-    def _write(self, buffers: list[Any], status: str | None) -> None:
-        """Send without blocking what the socket takes now; queue the rest (``send_lock`` held)."""
+    def _write(self, buffers: list[Any], total: int, status: str | None) -> None:
+        """Send without blocking what the socket takes now of ``buffers`` (``total`` bytes); queue
+        the rest (``send_lock`` held)."""
         sent = 0
         if not self._backlog:
             try:
-                sent = self.sock.sendmsg(buffers[:_IOV_MAX], (), _DONTWAIT)
+                sent = self.sock.sendmsg(buffers if len(buffers) <= _IOV_MAX else buffers[:_IOV_MAX], (), _DONTWAIT)
             except BlockingIOError:
                 pass
+            if sent == total:
+                return
         views = [memoryview(b).cast("B") for b in buffers]
         while views and sent >= views[0].nbytes:
             sent -= views.pop(0).nbytes
