@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import stat
 import threading
 import time
 from pathlib import Path
@@ -38,6 +39,18 @@ RSS_SLACK = 48 << 20
 #: descriptors beyond the warmed-up count (a connection the daemon is still closing)
 FD_SLACK = 4
 SMALL, LARGE = 1 << 15, 1 << 18  # float32 elements of the reduce models' inputs: 128 KiB, 1 MiB
+
+
+def malformed_graphs() -> list[bytes]:
+    """Models the ONNX checker refuses: an input nobody produces, a cycle, an output no node makes."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    graphs = [[helper.make_node("Add", ["x", "nowhere"], ["y"])],
+              [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+               helper.make_node("Relu", ["a"], ["y"])],
+              [helper.make_node("Relu", ["x"], ["z"])]]
+    return [helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+            .SerializeToString() for nodes in graphs]
 
 
 def reduce_model(n: int) -> bytes:
@@ -296,6 +309,9 @@ def test_files_that_are_no_models_are_refused_without_stalling_the_admin_thread(
             client.load_model(b"\x08\x07garbage\xff" * 10)
         with pytest.raises(E.UnsupportedOp, match="Det"):
             client.load_model(unsupported_model())
+        for model in malformed_graphs():
+            with pytest.raises(E.ModelError):
+                client.load_model(model)
         with pytest.raises(E.ModelError, match="outside"):
             client.load_model(external_outside_model(shared.folder / "ext"))
         with pytest.raises(E.MessageTooLarge):  # refused before it is sent: the daemon would drop it
@@ -366,6 +382,12 @@ def test_clients_gone_with_queued_jobs_leave_no_memory_behind(shared: Shared) ->
 
 # -- other daemons, configs -------------------------------------------------------------------
 
+def test_the_sockets_are_for_this_user_only(shared: Shared) -> None:
+    socket_path = Path(shared.endpoint[len("ipc://"):])
+    for path in (socket_path, socket_path.with_name(socket_path.name + ".lane")):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
 def test_a_second_daemon_on_the_endpoint_is_refused(shared: Shared) -> None:
     second = spawn_daemon(shared.endpoint, config=shared.daemon.config)
     try:
@@ -420,15 +442,16 @@ def test_more_clients_than_descriptors_leave_the_daemon_serving() -> None:
                     sock.send_multipart(request("hello", f"h{i}", {}))
                     socks.append(sock)
                 outcomes: dict[str, int] = {}
-                deadline = time.monotonic() + 10
                 waiting = set(socks)
-                while waiting and time.monotonic() < deadline:
+                quiet_until = time.monotonic() + 10  # the replies of those let in, until none comes for 1.5 s
+                while waiting and time.monotonic() < quiet_until:
                     for sock in list(waiting):
                         if sock.poll(0):
                             header, content, _ = parse_reply(sock.recv_multipart(copy=False))
                             key = "ok" if header["status"] == "ok" else content["type"]
                             outcomes[key] = outcomes.get(key, 0) + 1
                             waiting.discard(sock)
+                            quiet_until = time.monotonic() + 1.5
                     time.sleep(0.05)
                 assert daemon.proc.poll() is None, "the daemon died"
                 assert _fds(daemon.proc.pid) < 256
