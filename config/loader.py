@@ -193,10 +193,14 @@ def _cost(raw: Any, key: str, where: Where) -> dict[str, float]:
 
 
 def _check_size(value: Any, key: str, where: Where, *, allow_percent: bool) -> None:
+    """A budget: a size (or a percentage where allowed) above zero."""
     try:
-        parse_size(value, of=1 << 40 if allow_percent else None)
+        size = parse_size(value, of=1 << 40 if allow_percent else None)
     except ValueError as exc:
         raise where.error(key, str(exc)) from None
+    if size == 0:
+        off = "set `host.enabled: false`" if key.startswith("host") else "set `exclude: true` in the device rule"
+        raise where.error(key, f"a budget of {value!r} leaves the member no memory; to leave it out of the pool, {off}")
 
 
 # -- YAML, and the cache of what it stands for --------------------------------------------------
@@ -263,15 +267,35 @@ def _parse_yaml(text: str, where: Where) -> Any:
     return _to_python(root, "", where) if root is not None else {}
 
 
-def _to_python(node: yaml.Node, path: str, where: Where) -> Any:
-    """Builds Python values from YAML nodes, recording each key's line, refusing duplicates."""
+#: the tags of plain YAML values; a config holds nothing else (``!!python/...``, ``!!binary``,
+#: ``!!set``, a local ``!tag``: all refused with the file and line) but what YAML reads a plain
+#: scalar as by itself (a date)
+_PLAIN_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float", "str", "seq", "map"))
+
+
+def _plain(node: yaml.Node) -> bool:
     import yaml
 
-    where.lines.setdefault(path, node.start_mark.line + 1)
+    if node.tag in _PLAIN_TAGS:
+        return True
+    return isinstance(node, yaml.ScalarNode) and node.tag == yaml.SafeLoader("").resolve(
+        yaml.ScalarNode, node.value, (True, False))
+
+
+def _to_python(node: yaml.Node, path: str, where: Where) -> Any:
+    """Builds Python values from YAML nodes, recording each key's line, refusing duplicates and
+    every value that is not plain YAML."""
+    import yaml
+
+    line = node.start_mark.line + 1
+    where.lines.setdefault(path, line)
+    if not _plain(node):
+        raise ConfigError(f"{where.path}:{line}: {path or 'the config'}: tag {node.tag!r} is not allowed; "
+                          "a config holds plain values (maps, lists, strings, numbers, booleans, null)")
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for knode, vnode in node.value:
-            key = yaml.SafeLoader("").construct_object(knode)
+            key = _scalar(knode, f"{path}.<key>" if path else "<key>", where)
             full = f"{path}.{key}" if path else str(key)
             if key in out:
                 raise ConfigError(f"{where.path}:{knode.start_mark.line + 1}: {full}: duplicate key {key!r}")
@@ -280,4 +304,18 @@ def _to_python(node: yaml.Node, path: str, where: Where) -> Any:
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_to_python(v, f"{path}[{i}]", where) for i, v in enumerate(node.value)]
-    return yaml.SafeLoader("").construct_object(node)
+    return _scalar(node, path, where)
+
+
+def _scalar(node: yaml.Node, path: str, where: Where) -> Any:
+    """The value of a plain scalar node (a list or a map as a key is refused); errors name the
+    file and line."""
+    import yaml
+
+    line = node.start_mark.line + 1
+    if not isinstance(node, yaml.ScalarNode) or not _plain(node):
+        raise ConfigError(f"{where.path}:{line}: {path}: a key must be a plain string or number")
+    try:
+        return yaml.SafeLoader("").construct_object(node)
+    except (yaml.YAMLError, ValueError) as exc:  # `!!int abc` raises int()'s ValueError
+        raise ConfigError(f"{where.path}:{line}: {path}: {getattr(exc, 'problem', None) or exc}") from None

@@ -193,6 +193,7 @@ class Client:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._closed = threading.Event()
+        self._max_bytes = 1 << 62  # until hello's reply gives the daemon's limit
         try:
             self.info = self.request("hello", {"client": name or f"pid {os.getpid()}"}, timeout=hello_timeout)[0]
         except TimeoutError:
@@ -321,7 +322,13 @@ class Client:
             raise DaemonUnavailable("this client is closed")
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
         wait = timeout if timeout is not None else self.timeout
-        reply = self._exchange(rid, build_request(action, rid, content or {}, frames), wait)
+        message = build_request(action, rid, content or {}, frames)
+        size = sum(map(len, message))
+        if size > self._max_bytes:  # the daemon would drop the connection, not answer
+            raise from_reply({"type": "MessageTooLarge", "message": f"{action}_request of {size} bytes exceeds the "
+                              f"daemon's max_message_bytes {self._max_bytes}; load large models by path",
+                              "details": {"bytes": size}})
+        reply = self._exchange(rid, message, wait)
         if reply is None:
             if self._closed.is_set():
                 raise DaemonUnavailable("this client was closed while waiting for a reply")

@@ -6,7 +6,10 @@
   next to the socket refuses a second daemon; a socket left by a crashed daemon (lock free,
   file present) is removed.
 - libzmq's ipc listener aborts the whole process when ``accept`` fails with EMFILE, so the
-  daemon raises its open-file limit at start and caps connections well below it.
+  daemon raises its open-file limit at start, caps connections below it and, when its open
+  descriptors come within :func:`fd_margin` of the limit whatever holds them, takes no more
+  connections (the socket file is moved aside, :func:`paused_path`, until descriptors are free
+  again; clients meanwhile retry to connect).
 - The local lane's Unix socket is ``<socket>.lane`` in the same directory, created 0600 under
   the same lock, and removed with the ipc socket (at stop, or at start when a crashed daemon
   left it).
@@ -48,6 +51,12 @@ def lane_path(socket_path: Path) -> Path:
     return socket_path.with_name(socket_path.name + ".lane")
 
 
+def paused_path(socket_path: Path) -> Path:
+    """Where the ipc socket file is moved while the daemon takes no connections (near its
+    descriptor limit), so that clients find none and retry."""
+    return socket_path.with_name(socket_path.name + ".paused")
+
+
 def lane_fits(socket_path: Path) -> bool:
     """False when the lane's path is too long for a Unix socket address."""
     return len(str(lane_path(socket_path))) <= _MAX_IPC_PATH
@@ -87,7 +96,7 @@ class EndpointLock:
         handle.write(f"{os.getpid()}\n")
         handle.flush()
         self._file = handle
-        for stale in (self.socket_path, lane_path(self.socket_path)):
+        for stale in (self.socket_path, lane_path(self.socket_path), paused_path(self.socket_path)):
             if stale.exists() or stale.is_symlink():
                 # The lock was free, so whoever made this socket is gone: a crashed daemon.
                 stale.unlink()
@@ -95,7 +104,7 @@ class EndpointLock:
     def release(self) -> None:
         if self._file is None:
             return
-        for path in (self.socket_path, lane_path(self.socket_path), self.path):
+        for path in (self.socket_path, lane_path(self.socket_path), paused_path(self.socket_path), self.path):
             try:
                 path.unlink()
             except FileNotFoundError:
@@ -117,6 +126,31 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def fd_reserve(fd_limit: int) -> int:
+    """Descriptors kept free beyond the connection caps: :data:`FD_RESERVE`, or a quarter of a
+    limit lower than four times that."""
+    return min(FD_RESERVE, fd_limit // 4)
+
+
 def connection_cap(configured: int, fd_limit: int) -> int:
     """The connection cap actually used: the configured one, lowered to fit the fd limit."""
-    return max(1, min(configured, fd_limit - FD_RESERVE))
+    return max(1, min(configured, fd_limit - fd_reserve(fd_limit)))
+
+
+#: connections a listener holds accepted but not yet handed to the daemon (``ZMQ_BACKLOG``)
+LISTEN_BACKLOG = 32
+
+
+def fd_margin(fd_limit: int) -> int:
+    """Open descriptors at which the daemon stops listening are ``fd_limit`` less this: room for
+    the connections libzmq accepts before the daemon sees the first of them (a listener's
+    backlog at once, and more while the I/O thread is busy), and for the daemon's own files."""
+    return max(fd_reserve(fd_limit), LISTEN_BACKLOG + 16)
+
+
+def open_fds() -> int | None:
+    """Descriptors this process has open, where the system says (Linux ``/proc``)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing the folder
+    except OSError:
+        return None

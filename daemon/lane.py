@@ -18,24 +18,28 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import os
 import select
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from vkpool.daemon import protocol as P
 
-#: a worker writing a reply to a lane client that does not read gives up after this long and
-#: closes the connection (the job counts as ``client_gone``).
+#: a lane connection's writer that cannot write to a client that does not read gives up after this
+#: long without progress and closes the connection (its unsent replies count as ``client_gone``).
 SEND_TIMEOUT_S = 10.0
 #: lane connections one :class:`vkpool.daemon.client.Client` opens (one per thread running jobs
 #: at once); further threads use ZeroMQ.
 CLIENT_MAX_LANES = 8
 _OFF = {"0", "false", "no", "off"}
+_IOV_MAX = 512  # buffers per sendmsg call (the kernel takes at most 1024)
+_DONTWAIT = socket.MSG_DONTWAIT | P._NOSIGNAL
 
 
 def usable_cpus() -> int:
@@ -284,7 +288,7 @@ class LaneListener:
     def accept(self) -> socket.socket | None:
         try:
             conn, _ = self.sock.accept()
-        except (BlockingIOError, InterruptedError):
+        except OSError:  # none waiting, or no descriptor left for it (it waits in the backlog)
             return None
         conn.setblocking(True)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_S))
@@ -299,14 +303,22 @@ class LaneListener:
 
 
 class LaneConnection:
-    """One accepted lane connection; ``client`` is set by ``open_lane``. Replies are written from
-    whichever thread finishes the job, one at a time; the connection's own thread closes it.
-    ``ring``: its :class:`Ring` when one was granted; ``ring_reply``: the request being answered
-    came in the ring, so its reply goes there too."""
+    """One accepted lane connection; ``client`` is set by ``open_lane``. The connection's own
+    thread reads it and closes it; replies are written from whichever thread finishes the job.
 
-    __slots__ = ("sock", "client", "send_lock", "open", "thread", "ring", "ring_reply", "ring_seen")
+    A reply is written without blocking: what the socket does not take at once waits in the
+    connection's backlog, which a writer thread of its own sends on (blocking, for at most
+    :data:`SEND_TIMEOUT_S` without progress: then the client is taken as gone, the connection
+    is shut down and the replies left unsent are reported to ``on_lost``). A client that does
+    not read its replies so stalls only its own connection, never a model's workers, and its
+    reading thread takes no further request until the backlog is sent (:meth:`wait_sent`).
+    ``ring``: its :class:`Ring` when one was granted; ``ring_reply``: the request being
+    answered came in the ring, so its reply goes there too."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    __slots__ = ("sock", "client", "send_lock", "open", "thread", "ring", "ring_reply", "ring_seen",
+                 "on_lost", "_backlog", "_writer", "_sent")
+
+    def __init__(self, sock: socket.socket, on_lost: Any = None) -> None:
         self.sock = sock
         self.client: bytes | None = None
         self.send_lock = threading.Lock()
@@ -315,11 +327,18 @@ class LaneConnection:
         self.ring: Ring | None = None
         self.ring_reply = False
         self.ring_seen = 0
+        #: called with the status of each reply that was taken but could not be written
+        self.on_lost = on_lost
+        # (bytes still to send, status of the reply they end or None), in order
+        self._backlog: deque[tuple[memoryview, str | None]] = deque()
+        self._writer: threading.Thread | None = None
+        self._sent = threading.Condition(self.send_lock)  # the backlog emptied or the connection closed
 
-    def send(self, body: list[Any], start: int = 1, fds: tuple[int, ...] = ()) -> int:
-        """Write ``body[start:]`` (body as the server builds it: delimiter first): the bytes of its
-        frames, or 0 when the connection is closed or the write fails, which then shuts the
-        connection down."""
+    def send(self, body: list[Any], start: int = 1, fds: tuple[int, ...] = (), status: str | None = None) -> int:
+        """Write ``body[start:]`` (body as the server builds it: delimiter first), or queue what the
+        socket does not take now: the bytes of its frames, or 0 when the connection is closed or
+        the write fails, which then shuts the connection down. ``status``: the reply's, for
+        ``on_lost`` should it be queued and never written."""
         with self.send_lock:
             if not self.open:
                 return 0
@@ -330,17 +349,98 @@ class LaneConnection:
                     size = ring.post(body, _REP, start)
                     if size is None:
                         # too large for the slot: on the socket, and in the ring a pointer to it
-                        size = P.lane_send(self.sock, body, start)
+                        buffers, size = P.lane_buffers(body, start)
+                        self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
                         ring.post([], _REP)
-                    if not ring_wake(self.sock, ring.words, _CLIENT_ASLEEP):
-                        raise BrokenPipeError("the client left while it waited for this reply")
-                else:
+                    fence()  # ring_wake, with the wake-up written as a reply is
+                    if ring.words[_CLIENT_ASLEEP]:
+                        self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
+                elif fds:  # the open_lane reply, the first bytes on the connection: sent at once
                     size = P.lane_send(self.sock, body, start, fds)
+                else:
+                    buffers, size = P.lane_buffers(body, start)
+                    self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
                 return size
             except OSError:
                 self.open = False
+                lost = self._drop_backlog()
         self.shutdown()
+        self._report(lost)
         return 0
+
+    def _write(self, buffers: list[Any], total: int, status: str | None) -> None:
+        """Send without blocking what the socket takes now of ``buffers`` (``total`` bytes); queue
+        the rest (``send_lock`` held)."""
+        sent = 0
+        if not self._backlog:
+            try:
+                sent = self.sock.sendmsg(buffers if len(buffers) <= _IOV_MAX else buffers[:_IOV_MAX], (), _DONTWAIT)
+            except BlockingIOError:
+                pass
+            if sent == total:
+                return
+        views = [memoryview(b).cast("B") for b in buffers]
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if not views:
+            return
+        views[0] = views[0][sent:]
+        last = len(views) - 1
+        self._backlog.extend((view, status if i == last else None) for i, view in enumerate(views))
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._flush, daemon=True, name="vkpool-lane-writer")
+            self._writer.start()
+
+    def _flush(self) -> None:
+        """The writer thread: send the backlog, blocking, until it is empty or the client is gone."""
+        backlog = self._backlog
+        while True:
+            with self.send_lock:
+                if not backlog or not self.open:
+                    self._writer = None
+                    self._sent.notify_all()
+                    return
+                views = [view for view, _ in itertools.islice(backlog, _IOV_MAX)]
+            try:  # without the lock: others append to the backlog meanwhile
+                sent = self.sock.sendmsg(views, (), P._NOSIGNAL)  # SO_SNDTIMEO bounds the wait
+            except OSError:
+                with self.send_lock:
+                    self.open = False
+                    self._writer = None
+                    lost = self._drop_backlog()
+                    self._sent.notify_all()
+                self.shutdown()
+                self._report(lost)
+                return
+            with self.send_lock:
+                while sent:
+                    view, status = backlog[0]
+                    if sent < view.nbytes:
+                        backlog[0] = (view[sent:], status)
+                        break
+                    sent -= view.nbytes
+                    backlog.popleft()
+
+    def _drop_backlog(self) -> list[str]:
+        """Empty the backlog (``send_lock`` held): the statuses of the replies it held."""
+        lost = [status for _, status in self._backlog if status is not None]
+        self._backlog.clear()
+        return lost
+
+    def _report(self, lost: list[str]) -> None:
+        if self.on_lost is not None:
+            for status in lost:
+                self.on_lost(status)
+
+    def backlogged(self) -> bool:
+        """True while replies taken wait to be written."""
+        return bool(self._backlog) and self.open
+
+    def wait_sent(self) -> None:
+        """Wait until every reply taken so far is written (or the connection is closed)."""
+        with self.send_lock:
+            while self._backlog and self.open:
+                self._sent.wait()
 
     def shutdown(self) -> None:
         """Wake the connection's thread (its ``recv`` returns end of file); safe from any thread."""
@@ -349,8 +449,16 @@ class LaneConnection:
     def close(self) -> None:
         with self.send_lock:
             self.open = False
+            lost = self._drop_backlog()
+            self._sent.notify_all()
+            writer = self._writer
+        if writer is not None and writer is not threading.current_thread():
+            wake(self.sock)  # its sendmsg fails at once; the descriptor is closed after it returns
+            writer.join(SEND_TIMEOUT_S)
+        with self.send_lock:
             self.sock.close()
             ring, self.ring = self.ring, None
+        self._report(lost)
         if ring is not None:
             ring.close()
 

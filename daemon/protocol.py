@@ -169,8 +169,8 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                       "null when unknown"),
                    _f("queues", "map", "`{model id: queued jobs}`"),
                    _f("counters", "map", "`{accepted, ok, error, client_gone, in_flight, dropped, "
-                      "busy, retries, connections, lanes}`; accepted = ok + error + client_gone + in_flight; "
-                      "`lanes`: local lane connections open"),
+                      "busy, retries, connections, lanes}` from before this request; accepted = ok + error + "
+                      "client_gone + in_flight; `lanes`: local lane connections open"),
                    _f("jobs_per_s", "float", "infer replies per second over the last minute"),
                    _f("latency_ms", "map", "`{p50, p90, p99}` of infer latency over the last 1000 jobs"),
                    _f("draining", "bool", "true once shutdown began")),
@@ -243,6 +243,29 @@ def pack(obj: Any) -> bytes:
     except AttributeError:
         packer = _packers.packer = msgpack.Packer(use_bin_type=True)
     return packer.pack(obj)
+
+
+def pack_content(status: str, content: Mapping[str, Any] | bytes) -> tuple[str, bytes]:
+    """The status and packed content of a reply, whatever the content holds: a reply is always
+    sent. A content that msgpack refuses (an int beyond 64 bits in an error's details, a value
+    of no msgpack type) is sent as an error whose details are the values' text, or, when even
+    that fails, as ``InternalError``."""
+    if isinstance(content, bytes):
+        return status, content
+    try:
+        return status, pack(dict(content))
+    except Exception as exc:  # msgpack raises several unrelated classes
+        reason = f"{type(exc).__name__}: {exc}"
+    if status == "error" and isinstance(content, Mapping):
+        details = content.get("details")
+        try:
+            return status, pack({"type": str(content.get("type")), "message": str(content.get("message")),
+                                 "details": {str(k): v if type(v) in (str, bool) else repr(v)[:200]
+                                             for k, v in details.items()} if isinstance(details, Mapping) else {}})
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+    return "error", pack({"type": "InternalError", "message": f"the reply could not be packed ({reason})"[:500],
+                          "details": {}})
 
 
 def unpack(data: bytes | memoryview) -> Any:
@@ -395,11 +418,16 @@ def action_of(header: Mapping[str, Any]) -> str | None:
     return _ACTION_OF.get(kind) if isinstance(kind, str) else None
 
 
+def _finite(v: Any) -> bool:
+    """An int, or a float that is neither NaN nor infinite (a NaN deadline never expires)."""
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
+
+
 _KIND_CHECKS: dict[str, Any] = {
     "str": lambda v: isinstance(v, str),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "float": _finite,
+    "number": _finite,
     "bool": lambda v: isinstance(v, bool),
     "list": lambda v: isinstance(v, list),
     "map": lambda v: isinstance(v, dict),
@@ -411,7 +439,8 @@ def validate(fields: Iterable[Field], content: Mapping[str, Any], where: str) ->
     """Check required fields, types and that no unknown field is present."""
     fields = tuple(fields)
     known = {f.name for f in fields}
-    unknown = sorted(set(content) - known)
+    # keys may be bytes as well as str (msgpack maps allow both): named by their text
+    unknown = sorted(k if isinstance(k, str) else repr(k)[:100] for k in set(content) - known)
     if unknown:
         raise ProtocolViolation("InvalidRequest", f"{where}: unknown field(s) {unknown}",
                                 {"unknown": unknown, "allowed": sorted(known)})
@@ -425,8 +454,10 @@ def validate(fields: Iterable[Field], content: Mapping[str, Any], where: str) ->
         if value is None and (f.nullable or not f.required):
             continue
         if not _KIND_CHECKS[f.kind](value):
-            raise ProtocolViolation("InvalidRequest", f"{where}: field `{f.name}` must be {f.kind}, "
-                                    f"got {type(value).__name__}", {"field": f.name, "expected": f.kind})
+            got = repr(value) if isinstance(value, float) else type(value).__name__  # nan, inf
+            raise ProtocolViolation("InvalidRequest", f"{where}: field `{f.name}` must be {f.kind}"
+                                    f"{' (finite)' if f.kind in ('float', 'number') else ''}, got {got}",
+                                    {"field": f.name, "expected": f.kind})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,12 +642,8 @@ def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0, fds: Se
     """Send ``parts[start:]`` as one message: 1-D byte buffers (bytes, or memoryviews of uint8 as
     :func:`tensor_frames` makes them), gathered by the kernel without copying; the bytes of its
     frames. ``fds``: file descriptors passed with the message's first byte (SCM_RIGHTS)."""
-    if start:
-        parts = parts[start:]
-    n = len(parts)
-    sizes = list(map(len, parts))
-    body = sum(sizes)
-    buffers = [(_LANE_HEADS.get(n) or _lane_head(n)).pack(n, *sizes), *parts]
+    buffers, body = lane_buffers(parts, start)
+    n = len(buffers) - 1
     sent = 0
     if fds:
         import array
@@ -628,6 +655,16 @@ def lane_send(sock: socket.socket, parts: Sequence[Any], start: int = 0, fds: Se
             return body
     _send_rest(sock, buffers, sent)
     return body
+
+
+def lane_buffers(parts: Sequence[Any], start: int = 0) -> tuple[list[Any], int]:
+    """The buffers that carry ``parts[start:]`` as one lane message (its length head, then the
+    frames) and the bytes of its frames."""
+    if start:
+        parts = parts[start:]
+    n = len(parts)
+    sizes = list(map(len, parts))
+    return [(_LANE_HEADS.get(n) or _lane_head(n)).pack(n, *sizes), *parts], sum(sizes)
 
 
 def _send_rest(sock: socket.socket, buffers: list[Any], sent: int) -> None:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
@@ -22,20 +24,23 @@ from vkpool import progress
 from vkpool.daemon.protocol import ProtocolViolation
 
 
-def content_id(source: Path | bytes) -> str:
+def content_id(source: Path | bytes, max_bytes: int = 1 << 62) -> str:
     """sha256 of the model bytes and, for a path, of the external data files it names.
 
     External locations that leave the model's folder are refused here, before anything reads
-    them (the engine refuses them too).
+    them (the engine refuses them too). Only regular files are read, and at most ``max_bytes``
+    in all (see :func:`open_regular`).
     """
     digest = hashlib.sha256()
     if isinstance(source, (bytes, bytearray, memoryview)):
         digest.update(source)
         return digest.hexdigest()
-    data = source.read_bytes()
+    with open_regular(source, max_bytes) as handle:
+        data = handle.read()
     base = source.parent.resolve()
     external = [(location, _inside(base, location)) for location in _external_locations(data)]
-    total = len(data) + sum(path.stat().st_size for _, path in external)
+    total = len(data) + sum(path.stat().st_size for _, path in external)  # stat never waits on a FIFO
+    left = max_bytes - len(data)
     with progress.task("hash", total, unit="B", what=source.name) as task:
         view = memoryview(data)
         for start in range(0, len(data), _HASH_BLOCK):
@@ -44,14 +49,48 @@ def content_id(source: Path | bytes) -> str:
             task.advance(len(block))
         for location, path in external:
             digest.update(location.encode())
-            with open(path, "rb") as handle:
+            with open_regular(path, left) as handle:
                 for chunk in iter(lambda: handle.read(_HASH_BLOCK), b""):
                     digest.update(chunk)
                     task.advance(len(chunk))
+                    left -= len(chunk)
     return digest.hexdigest()
 
 
 _HASH_BLOCK = 32 << 20
+
+
+def check_regular(path: Path, max_bytes: int) -> None:
+    """Refuse (``ModelError``) a path that is not a regular file of at most ``max_bytes``, by its
+    metadata alone: a FIFO, a device or a socket is never opened, so never waited on.
+    ``OSError`` when it cannot be looked at."""
+    _check_stat(path, os.stat(path), max_bytes)
+
+
+@contextmanager
+def open_regular(path: Path, max_bytes: int) -> Iterator[BinaryIO]:
+    """``path`` opened for reading when it is a regular file of at most ``max_bytes``, else
+    ``ModelError``. The open does not wait for a FIFO's writer (``O_NONBLOCK``), and the check is
+    made on the opened file, so a path swapped after an earlier check is caught too."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _check_stat(path, os.fstat(fd), max_bytes)
+        handle = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with handle:
+        yield handle
+
+
+def _check_stat(path: Path, st: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolViolation("ModelError", f"{path} is not a regular file; the daemon reads models and their "
+                                "external data from regular files only", {"path": str(path)})
+    if st.st_size > max_bytes:
+        raise ProtocolViolation("ModelError", f"{path} has {st.st_size} bytes, more than the "
+                                f"{max_bytes} left under daemon.max_model_bytes; raise it in the config",
+                                {"path": str(path), "bytes": st.st_size, "max_model_bytes": max_bytes})
 
 
 def bound_id(content: str, binding: dict[str, Any]) -> str:

@@ -54,6 +54,9 @@ class Job:
             if self.state == "done":
                 return False
             self.state = "done"
+        # the request's frames are freed with its answer, not when the job leaves the deadline
+        # heap (a worker still running it holds its own reference)
+        self.feeds = {}
         self.finish_cb(self, status, content, frames or [])
         return True
 

@@ -31,8 +31,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from vkpool.daemon import protocol as P
-from vkpool.daemon.endpoint import (FD_RESERVE, EndpointError, EndpointLock, connection_cap, ipc_path, lane_fits,
-                                    lane_path, raise_fd_limit)
+from vkpool.daemon.endpoint import (LISTEN_BACKLOG, EndpointError, EndpointLock, connection_cap, fd_margin,
+                                    fd_reserve, ipc_path, lane_fits, lane_path, open_fds, paused_path,
+                                    raise_fd_limit)
 from vkpool.daemon.lane import (_DAEMON_ASLEEP, _REQ, LaneConnection, LaneListener, Poller, Ring, ring_sleep,
                                ring_supported, ring_wait)
 from vkpool.daemon.protocol import ProtocolViolation
@@ -50,6 +51,19 @@ _REPLAY_BYTES = 64 << 20  # replies kept for retried request ids
 _COMPACT_MIN = 4096       # deadline entries before finished jobs are swept out
 _INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id (P.packed_id)
 _INFER_REPLY = {status: P.header_parts("infer_reply", status) for status in ("ok", "error")}
+
+
+def _libc_function(name: str) -> Any:
+    """A function of the C library the process runs on (glibc's ``malloc_trim``), or None."""
+    import ctypes
+
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_function("malloc_trim")
 
 
 class Server:
@@ -89,9 +103,15 @@ class Server:
         self._stop = threading.Event()
         self._drain_until: float | None = None
         self._drain_answered = False
+        self._trimmed_at = 0
         self.fd_limit = raise_fd_limit()
         # lane connections hold a descriptor each: what they may use is kept from the ZeroMQ cap
-        self.max_lanes = min(settings.max_lane_connections, max(0, (self.fd_limit - FD_RESERVE) // 2))
+        self.max_lanes = min(settings.max_lane_connections, max(0, (self.fd_limit - fd_reserve(self.fd_limit)) // 2))
+        self._listening = True
+        self._poller: zmq.Poller | None = None  # serve_forever's
+        self._pause_at = self.fd_limit - fd_margin(self.fd_limit)  # open descriptors
+        ipc = ipc_path(endpoint)
+        self._paused_path = None if ipc is None else paused_path(ipc)  # see _watch_fds
         self.max_connections = connection_cap(settings.max_connections, self.fd_limit - self.max_lanes)
         self._router = self._bind()
         self._bind_lane()
@@ -103,6 +123,7 @@ class Server:
         router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         router.setsockopt(zmq.SNDHWM, 0)  # replies exist only for accepted (bounded) requests
         router.setsockopt(zmq.LINGER, 2000)
+        router.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         if self.endpoint.startswith("tcp://"):
             self._setup_curve(router)
         path = ipc_path(self.endpoint)
@@ -167,8 +188,7 @@ class Server:
             if lane is not None:
                 self._lane_reply(lane, (client, rid), action, status, content, frames)
                 return
-        body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
-                content if type(content) is bytes else P.pack(content), *frames]
+        status, body = _reply_body(action, rid, status, content, frames)
         if threading.get_ident() == self._io_ident:
             self._send_reply(client, rid, status, body)
             return
@@ -214,9 +234,7 @@ class Server:
             self._replay_bytes -= replay.popitem(last=False)[1][1]
 
     def _error_now(self, client: bytes, rid: str | None, action: str | None, violation: ProtocolViolation) -> None:
-        body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, "error"),
-                P.pack(_error(violation))]
-        self._send_reply(client, rid or "", "error", body)
+        self._send_reply(client, rid or "", *_reply_body(action, rid, "error", _error(violation), []))
 
     # -- requests -----------------------------------------------------------------------------
     def _recv_request(self) -> tuple[list[Any], int]:
@@ -263,10 +281,10 @@ class Server:
                 header, content, frames = P.decode_request(body, header)
                 if P.action_of(header) in P.LANE_ONLY:
                     raise ProtocolViolation("InvalidRequest", f"{header['type']} travels on the local lane only")
-        except ProtocolViolation as exc:
+        except Exception as exc:  # a request that cannot be taken is answered, whatever went wrong
             rid = header.get("id") if isinstance(header.get("id"), str) else None
             self.stats.count("accepted")
-            self._error_now(client, rid, P.action_of(header), exc)
+            self._error_now(client, rid, P.action_of(header), _violation(exc))
             return
         self.stats.count("accepted")
         action = P.action_of(header)
@@ -281,11 +299,8 @@ class Server:
                 self.request_stop()
             else:
                 self.service.handle(client, header, content, frames, self._connections, raw_content=raw_content)
-        except ProtocolViolation as exc:
-            self._error_now(client, rid, action, exc)
         except Exception as exc:
-            log.exception("%s request %s failed", action, rid)
-            self._error_now(client, rid, action, ProtocolViolation("InternalError", f"{type(exc).__name__}: {exc}"))
+            self._error_now(client, rid, action, _violation(exc))
 
     def _retried(self, key: tuple[bytes, str]) -> list[Any] | None:
         """For a request id in progress or answered: the reply to send again ([] when none is to be
@@ -304,8 +319,8 @@ class Server:
     def _accept_lanes(self) -> None:
         listener = self._lane_listener
         assert listener is not None
-        while (sock := listener.accept()) is not None:
-            conn = LaneConnection(sock)
+        while self._listening and (sock := listener.accept()) is not None:
+            conn = LaneConnection(sock, self._reply_lost)
             if len(self._lanes) >= self.max_lanes:  # refused at once, without a thread
                 self._lane_error(conn, b"", {}, ProtocolViolation(
                     "TooManyConnections", f"the daemon has {len(self._lanes)} local lane connections "
@@ -317,6 +332,7 @@ class Server:
             conn.thread = threading.Thread(target=self._lane_loop, args=(conn,), daemon=True,
                                            name=f"vkpool-lane-{sock.fileno()}")
             conn.thread.start()
+            self._watch_fds()
 
     def _lane_loop(self, conn: LaneConnection) -> None:
         """The thread of one lane connection: ``open_lane``, then requests until end of file."""
@@ -339,6 +355,7 @@ class Server:
                     parts, idle = self._lane_next(conn, reader, gap, done)
                 if parts is None:
                     break
+                conn.wait_sent()  # a client that does not read its replies sends nothing more here
                 gap = poller.average(gap, clock() - done)
                 try:
                     self._on_lane_request(conn, parts, idle)
@@ -410,8 +427,8 @@ class Server:
             if not client or not self._lane_listener.check(client, content["token"]):
                 raise ProtocolViolation("InvalidRequest", "open_lane: the token is not the one this daemon "
                                         "gave this client in its hello reply")
-        except ProtocolViolation as exc:
-            self._lane_error(conn, b"", header, exc)
+        except Exception as exc:
+            self._lane_error(conn, b"", header, _violation(exc))
             return False
         conn.client = client
         ring, fd = None, -1
@@ -492,15 +509,16 @@ class Server:
             scheduler.release_claim(queue, ran=True, gate=gate)
         if plan.timeout is not None and finished - started > plan.timeout:
             status, content, frames = "error", _timeout(plan.timeout), []
+        if type(content) is not bytes:  # an error's content (an ok one comes packed)
+            status, content = P.pack_content(status, content)
         prefix, suffix = _INFER_REPLY[status]
-        body = [P.DELIMITER, prefix + packed + suffix, content if type(content) is bytes else P.pack(content),
-                *frames]
+        body = [P.DELIMITER, prefix + packed + suffix, content, *frames]
         if status == "ok":
             self.stats.infer_ok(finished - started, finished, accepted=True)
         else:
             self.stats.count2("accepted", status)
             self.stats.error_reply(body)
-        sent = conn.send(body)
+        sent = conn.send(body, status=status)
         if not sent:
             self.stats.count(status, -1)
             self.stats.count("client_gone")
@@ -533,8 +551,8 @@ class Server:
                 if action not in P.LANE_ACTIONS or action in P.LANE_ONLY:
                     raise ProtocolViolation("InvalidRequest", f"{header['type']} does not travel on the local "
                                             "lane; send it over ZeroMQ")
-        except ProtocolViolation as exc:
-            self._lane_error(conn, client, header, exc)
+        except Exception as exc:
+            self._lane_error(conn, client, header, _violation(exc))
             return
         key = (client, rid)
         replay = None
@@ -560,12 +578,9 @@ class Server:
                 self.service.infer_planned(client, rid, plan, parts[2:], idle)
             else:
                 self.service.handle(client, header, content, frames, inline=idle, raw_content=raw_content)
-        except ProtocolViolation as exc:
-            self._reply_from_thread(client, rid, action if plan is None else "infer", "error", _error(exc), [])
         except Exception as exc:
-            log.exception("lane request %s failed", rid)
             self._reply_from_thread(client, rid, action if plan is None else "infer", "error",
-                                    _error(ProtocolViolation("InternalError", f"{type(exc).__name__}: {exc}")), [])
+                                    _error(_violation(exc)), [])
 
     def _lane_error(self, conn: LaneConnection, client: bytes, header: dict[str, Any],
                     violation: ProtocolViolation) -> None:
@@ -600,12 +615,11 @@ class Server:
         the counters balance); the request stays in progress until it is written, so a stop waits
         for it. ``key`` None: not remembered for retries (``open_lane``, a request without an id)."""
         rid = None if key is None else key[1]
-        body = [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
-                content if type(content) is bytes else P.pack(content), *frames]
+        status, body = _reply_body(action, rid, status, content, frames)
         self.stats.count(status)
         if status == "error":
             self.stats.error_reply(body)
-        sent = conn.send(body, 1, fds)
+        sent = conn.send(body, 1, fds, status)
         if not sent:
             self.stats.count(status, -1)
             self.stats.count("client_gone")
@@ -614,6 +628,11 @@ class Server:
                 self._in_progress.discard(key)
                 if sent:
                     self._remember(key, body, sent + len(P.DELIMITER))
+
+    def _reply_lost(self, status: str) -> None:
+        """A lane reply counted as ``status`` was never written: the client left."""
+        self.stats.count(status, -1)
+        self.stats.count("client_gone")
 
     def _lane_closed(self, conn: LaneConnection) -> None:
         """A lane connection ended: its queued jobs are dropped (``client_gone``); the replies of
@@ -655,9 +674,36 @@ class Server:
         event = parse_monitor_message(self._monitor.recv_multipart())
         if event["event"] == zmq.EVENT_ACCEPTED:
             self._connections += 1
+            self._watch_fds()
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             self._connections = max(0, self._connections - 1)
             self._probes.append((time.monotonic() + _PROBE_DELAY_S, int(event["value"])))
+
+    def _watch_fds(self) -> None:
+        """Stop taking connections while the open descriptors are within the margin of the limit,
+        and take them again once they are a margin further below: libzmq's ipc listener aborts
+        the process when ``accept`` finds no descriptor left. The socket file is moved aside
+        meanwhile (clients that connect find none and retry, as ZeroMQ clients do by themselves;
+        the connections made stay open, as an ``unbind`` would not leave them), and the local
+        lane's listener is not polled. libzmq's TCP listener survives the limit: nothing is
+        moved there."""
+        count = open_fds()
+        if count is None or self._paused_path is None:
+            return
+        path = ipc_path(self.endpoint)
+        if self._listening and count >= self._pause_at:
+            os.replace(path, self._paused_path)
+            self._listening = False
+            if self._lane_listener is not None and self._poller is not None:
+                self._poller.unregister(self._lane_listener.fileno())
+            log.warning("%d of %d file descriptors open: not accepting connections until some close",
+                        count, self.fd_limit)
+        elif not self._listening and count < self._pause_at - fd_margin(self.fd_limit):
+            os.replace(self._paused_path, path)
+            self._listening = True
+            if self._lane_listener is not None and self._poller is not None:
+                self._poller.register(self._lane_listener.fileno(), zmq.POLLIN)
+            log.info("%d of %d file descriptors open: accepting connections again", count, self.fd_limit)
 
     def _run_probes(self, now: float) -> None:
         due = [fd for when, fd in self._probes if when <= now]
@@ -681,6 +727,15 @@ class Server:
         log.log(logging.INFO if dropped else logging.DEBUG, "client %s left; %d queued job(s) dropped",
                 client.hex()[:8], len(dropped))
 
+    def _trim_memory(self) -> None:
+        """Give freed heap pages back to the system once requests have been answered since the
+        last call: glibc keeps the pages of freed request frames in its arenas (one per thread
+        that allocated them), so the daemon's resident memory would stay at its peak."""
+        answered = self.stats.answered()
+        if answered != self._trimmed_at and _MALLOC_TRIM is not None:
+            self._trimmed_at = answered
+            _MALLOC_TRIM(0)
+
     # -- life cycle ---------------------------------------------------------------------------
     def request_stop(self) -> None:
         self._stop.set()
@@ -692,7 +747,7 @@ class Server:
     def serve_forever(self) -> int:
         self._io_ident = threading.get_ident()
         router, inbox, monitor = self._router, self._inbox, self._monitor
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         for sock in (router, inbox, monitor):
             poller.register(sock, zmq.POLLIN)
         lane_fd = -1
@@ -714,9 +769,12 @@ class Server:
                             break
                         self._send_handed_over(inbox.recv_multipart(copy=False))
                 if router in ready:
-                    for _ in range(256):
+                    for i in range(256):
                         if not router.get(zmq.EVENTS) & zmq.POLLIN:
                             break
+                        if i % 16 == 15:  # connections accepted meanwhile: see _watch_fds
+                            while monitor.poll(0):
+                                self._on_monitor()
                         raw, fd = self._recv_request()
                         try:
                             self._on_request(raw, fd)
@@ -728,9 +786,12 @@ class Server:
                     self._expire_jobs(now)
                 if self._probes:
                     self._run_probes(now)
+                if not self._listening:
+                    self._watch_fds()
                 if now - last_sweep > 0.5:
                     last_sweep = now
                     self.service.expire_idle()
+                    self._trim_memory()
                 if self._stop.is_set() and self._drain_step(now):
                     return 0
         finally:
@@ -747,7 +808,8 @@ class Server:
         # a worker takes its job out of the scheduler just before handing its reply over, so
         # only an empty set of unanswered requests says that every reply has been sent
         with self._book:  # and from here on, a lane accepts nothing more
-            if not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0):
+            if (not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0)
+                    and not any(conn.backlogged() for conn in list(self._lanes))):
                 self._lanes_closed = True
                 return True
         if now >= self._drain_until:
@@ -790,6 +852,27 @@ class Server:
         router.close(linger=2000)
         if getattr(self, "_auth", None) is not None:
             self._auth.stop()
+
+
+def _violation(exc: Exception) -> ProtocolViolation:
+    """The error to answer a request with: a ProtocolViolation as it is, anything else (a bug)
+    as ``InternalError``, logged."""
+    if isinstance(exc, ProtocolViolation):
+        return exc
+    log.error("a request failed", exc_info=exc)
+    return ProtocolViolation("InternalError", f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _reply_body(action: str | None, rid: str | None, status: str, content: dict[str, Any] | bytes,
+                frames: list[Any]) -> tuple[str, list[Any]]:
+    """The status and frames of a reply (after the routing frames): every reply is built here,
+    and building one never fails (see :func:`~vkpool.daemon.protocol.pack_content`)."""
+    packed_status, packed = P.pack_content(status, content)
+    if packed_status != status:
+        log.error("a %s reply could not be packed; sent as an error", action or "error")
+        status, frames = packed_status, []
+    return status, [P.DELIMITER, P.packed_header(f"{action}_reply" if action else "error_reply", rid, status),
+                    packed, *frames]
 
 
 def _source_fd(frame: zmq.Frame) -> int:

@@ -17,10 +17,11 @@ from vkpool import progress
 from vkpool.daemon import protocol as P
 from vkpool.daemon.engine import classify
 from vkpool.daemon.protocol import ProtocolViolation
-from vkpool.daemon.registry import ModelEntry, Registry, bound_id, content_id
+from vkpool.daemon.registry import ModelEntry, Registry, bound_id, check_regular, content_id
 from vkpool.daemon.scheduler import Busy, Job, Scheduler
 from vkpool.daemon.settings import DaemonSettings
 from vkpool.daemon.stats import Stats
+from vkpool.units import format_size
 
 log = logging.getLogger("vkpool.daemon")
 
@@ -155,6 +156,9 @@ class Service:
 
     def _status(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         snap = self.stats.snapshot(connections)
+        counters = snap["counters"]  # as they stood before this request: it is not counted as in flight
+        counters["accepted"] -= 1
+        counters["in_flight"] -= 1
         return {**snap, "members": self.engine.members(), "models": self.model_infos(),
                 "loading": self.registry.loading_infos(), "queues": self.scheduler.depths(),
                 "draining": self.draining}
@@ -302,11 +306,12 @@ class Service:
             return
         entry.gate.acquire_shared()
         try:
+            feeds = job.feeds  # taken before the state is read: answering the job empties them
             if job.state == "done":  # timed out or cancelled while waiting for a re-plan
                 return
             started = time.monotonic()
             queued = (job.started_at or started) - job.accepted_at
-            status, content, frames, _ = self._execute(entry, job.outputs, job.feeds, queued, started)
+            status, content, frames, _ = self._execute(entry, job.outputs, feeds, queued, started)
         finally:
             entry.gate.release_shared()
         self.scheduler.settle(job)
@@ -324,12 +329,16 @@ class Service:
         entry.gate.acquire_shared()
         try:
             runner = entry.batching  # read under the gate: a re-plan swaps the session
-            jobs = [job for job in jobs if job.state != "done"]  # timed out while waiting for a re-plan
+            # feeds taken before the state is read (answering a job empties them); jobs timed out
+            # while waiting for a re-plan left out
+            taken = [(job, job.feeds) for job in jobs]
+            taken = [(job, feeds) for job, feeds in taken if job.state != "done"]
+            jobs = [job for job, _ in taken]
             if not jobs:
                 return
             started = time.monotonic()
             try:
-                results = runner.run([(job.feeds, job.outputs) for job in jobs])
+                results = runner.run([(feeds, job.outputs) for job, feeds in taken])
             except Exception as exc:
                 violation = classify(exc)
                 log.warning("a batch of %d job(s) on %s failed: %s", len(jobs), entry.id[:12], violation.message)
@@ -368,6 +377,10 @@ class Service:
             if not source.is_absolute():
                 raise ProtocolViolation("InvalidRequest", f"path {path!r} must be absolute (the daemon's "
                                         "working directory is not the client's)", {"path": path})
+            try:  # here, on the I/O thread: a FIFO or a device never reaches the admin thread
+                check_regular(source, self.settings.max_model_bytes)
+            except OSError as exc:
+                raise classify(exc) from None
         keep_alive = content.get("keep_alive")
         name = content.get("name") or (source.name if isinstance(source, Path) else "model")
         binding = _binding(content.get("batch"), content.get("dims"))
@@ -381,7 +394,7 @@ class Service:
               binding: dict[str, Any] | None = None, batching: dict[str, Any] | None = None) -> dict[str, Any]:
         binding = binding or {}
         with self.registry.loading(name, source) as loading, progress.reporting(loading.report):
-            model_id = bound_id(content_id(source), binding)
+            model_id = bound_id(content_id(source, self.settings.max_model_bytes), binding)
             entry = self.registry.get(model_id)
             shared = entry is not None
             if entry is not None and batching and batching != entry.batch_config:
@@ -403,6 +416,8 @@ class Service:
         return {"model": entry.info(*self.scheduler.counts(entry.id)), "shared": shared}
 
     def open_session(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
+        if isinstance(source, Path):  # read again at a re-plan: it may have been replaced since
+            check_regular(source, self.settings.max_model_bytes)
         return self.engine.open(source, binding, batching)
 
     def _open_admitted(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
@@ -417,10 +432,13 @@ class Service:
                 idle = sorted((e for e in self.registry.unreferenced() if not self.scheduler.active(e.id)),
                               key=lambda e: e.last_used)
                 if not self.settings.evict_idle or not idle:
-                    violation.details.setdefault("free_bytes", {
-                        m["id"]: m["budget_bytes"] - m["used_bytes"] for m in self.engine.members()})
-                    violation.details.setdefault("idle_models", [e.id for e in idle])
-                    raise violation from None
+                    free = {m["id"]: m["budget_bytes"] - m["used_bytes"] for m in self.engine.members()}
+                    size = len(source) if isinstance(source, bytes) else source.stat().st_size
+                    raise ProtocolViolation("InsufficientMemory", (
+                        f"the model ({format_size(size)} of ONNX) does not fit the free budgets "
+                        f"({', '.join(f'{m} {format_size(n)}' for m, n in free.items())}): {violation.message}"),
+                        {**violation.details, "model_bytes": size, "free_bytes": free,
+                         "idle_models": [e.id for e in idle]}) from None
                 log.info("evicting idle model %s to admit a load", idle[0].id[:12])
                 self._free(idle[0])
 

@@ -33,6 +33,7 @@ class DaemonSettings:
     max_queued_jobs: int = 4096          # queued jobs over all models before Busy
     max_message_bytes: int = 256 << 20   # total size of one request
     max_frames: int = 1024               # frames in one request
+    max_model_bytes: int = 64 << 30      # a model file read by load_model, with its external data
     keep_alive: float = 300.0            # seconds an unused model stays loaded; < 0 = forever
     job_timeout: float | None = 300.0    # default infer timeout (seconds); None = no limit
     drain_deadline: float = 30.0         # seconds SIGTERM waits for in-flight jobs
@@ -213,6 +214,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_queued_jobs": _positive_int,
     "max_message_bytes": _size,
     "max_frames": _positive_int,
+    "max_model_bytes": _size,
     "keep_alive": parse_duration,
     "job_timeout": _optional_duration,
     "drain_deadline": lambda v: _non_negative(parse_duration(v)),

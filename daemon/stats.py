@@ -49,6 +49,10 @@ class Stats:
             setattr(self, first, getattr(self, first) + 1)
             setattr(self, second, getattr(self, second) + 1)
 
+    def answered(self) -> int:
+        """Requests answered or dropped for their client so far."""
+        return self.ok + self.error + self.client_gone
+
     def infer_ok(self, latency_s: float, now: float | None = None, accepted: bool = False) -> None:
         """An infer answered ``ok``: :meth:`count` ``ok`` (and ``accepted`` too when ``accepted``)
         and :meth:`infer_done` at once. ``now``: ``time.monotonic()`` when the caller has it."""

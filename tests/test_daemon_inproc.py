@@ -15,6 +15,7 @@ from test_daemon_support import (InprocDaemon, StandInEngine, add_model, batched
                                  external_outside_model, inproc, mlp_model, reference_run, unsupported_model)
 from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
+from vkpool.daemon.client import build_request, parse_reply
 
 __all__ = ["inproc"]  # the fixture, imported for pytest
 X = np.arange(8, dtype=np.float32).reshape(1, 8)
@@ -218,7 +219,7 @@ def test_ten_thousand_jobs_against_a_small_queue_get_busy_not_growth() -> None:
             assert outcomes["Busy"] > 5_000 and outcomes["ok"] >= 16
             assert depth <= 16
             counters = assert_balanced(client)
-            assert counters["busy"] == outcomes["Busy"] and counters["in_flight"] == 1  # the status itself
+            assert counters["busy"] == outcomes["Busy"] and counters["in_flight"] == 0
     finally:
         daemon.stop()
 
@@ -287,7 +288,7 @@ def test_cancel_and_timeout_answer_once_while_compute_is_busy() -> None:
             assert running.result(5)[1]["type"] == "Cancelled"
             time.sleep(0.6)  # the running job finishes; its result is discarded, not sent twice
             counters = assert_balanced(client)
-            assert counters["ok"] + counters["error"] == counters["accepted"] - 1
+            assert counters["ok"] + counters["error"] == counters["accepted"]
     finally:
         daemon.stop()
 
@@ -309,8 +310,12 @@ def test_oversized_and_too_many_frames_are_refused() -> None:
     daemon = InprocDaemon(max_message_bytes=64 << 10, max_frames=8)
     try:
         with daemon.client() as client:
-            with pytest.raises(E.MessageTooLarge):
+            with pytest.raises(E.MessageTooLarge):  # refused by the client, which knows the limit
                 client.request("status", {}, [b"x" * (40 << 10), b"y" * (40 << 10)])
+            raw = daemon.raw()  # and by the daemon
+            raw.send_multipart([*build_request("status", "big", {}, [b"x" * (40 << 10), b"y" * (40 << 10)])])
+            assert raw.poll(10_000) and parse_reply(raw.recv_multipart(copy=False))[1]["type"] == "MessageTooLarge"
+            raw.close(0)
             with pytest.raises(E.MessageTooLarge):
                 client.request("status", {}, [b""] * 20)
             assert client.status()["counters"]["error"] == 2

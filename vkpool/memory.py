@@ -40,6 +40,9 @@ class DeviceOutOfMemory(MemoryError):
         self.used = used
         self.budget = budget
         why = reason or "over budget"
+        if requested <= 0 and budget <= 0:  # no single request: a whole model's placement failed
+            super().__init__(f"{member}: the model does not fit: {why}. Raise the budgets or free memory.")
+            return
         super().__init__(
             f"{member}: cannot allocate {format_size(requested)} ({requested} bytes): {why}; "
             f"{format_size(used)} of {format_size(budget)} in use ({used} of {budget} bytes). "
