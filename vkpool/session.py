@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from vkpool.errors import InvalidInput
 from vkpool.kernels.base import UnsupportedOp
 from vkpool.kernels.registry import unsupported_in
 from vkpool.memory import DeviceOutOfMemory
@@ -23,10 +24,6 @@ ORT_TYPES = {
     np.dtype(np.int8): "tensor(int8)", np.dtype(np.uint8): "tensor(uint8)",
     np.dtype(np.bool_): "tensor(bool)",
 }
-
-
-class InvalidInput(ValueError):
-    """The inputs given to ``run`` do not match the model's inputs."""
 
 
 @dataclass(frozen=True)
