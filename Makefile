@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# `make demo` installs the engine alone; `make test` and `make bench` add their extras
+# (pyproject.toml). Each stamp is remade when pyproject.toml changes.
+ENGINE := $(VENV)/.installed
+EXTRAS  = $(VENV)/.installed-$(1)
 # The tests export models with torch (CPU is enough). pip takes torch==2.13.0 from the package
 # index or a local wheel (find-links); where that would be the CUDA build, point pip at torch's
 # CPU-only wheels: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -21,18 +24,25 @@ help:
 system-deps:
 	@bash scripts/ensure-vulkan.sh
 
-$(STAMP): pyproject.toml
+$(ENGINE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	@touch $(STAMP)
+	$(PY) -m pip install -q -e .
+	@touch $@
 
-venv: system-deps $(STAMP)
+$(VENV)/.installed-%: $(ENGINE)
+	$(PY) -m pip install -q -e '.[$(subst +,$(comma),$*)]' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	@touch $@
+
+comma := ,
+
+venv: system-deps $(ENGINE)
 
 demo: venv
 	$(PY) -m vkpool.demo
+	@echo "next: '. $(VENV)/bin/activate' puts the vkpool command on PATH; then vkpool devices (README.md, Use)"
 
-test: venv
+test: system-deps $(call EXTRAS,test)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 serve: venv
@@ -41,10 +51,10 @@ serve: venv
 conformance: venv
 	$(PY) -m vkpool.conformance --output docs/conformance.md
 
-realworld: venv
+realworld: system-deps $(call EXTRAS,test)
 	$(PY) -m bench.realworld --doc docs/conformance.md
 
-bench: venv
+bench: system-deps $(call EXTRAS,test+bench)
 	$(PY) -m bench $(BENCH_ARGS)
 
 clean:
