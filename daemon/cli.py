@@ -17,6 +17,8 @@ from vkpool.units import format_size
 
 
 def add_parsers(subparsers: Any) -> None:
+    from vkpool.cli import positive_int
+
     def endpoint(p: argparse.ArgumentParser) -> None:
         p.add_argument("--endpoint", default=argparse.SUPPRESS,
                        help="daemon endpoint (default: $VKPOOL_ENDPOINT, else the ipc socket in the "
@@ -61,7 +63,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--keep-alive", metavar="DURATION", help="how long it stays once unused "
                    "(30s, 5m, 1h; -1 = forever; default from the config)")
-    p.add_argument("--batch", type=int, metavar="N", help="value of the inputs' symbolic batch dims (default 1)")
+    p.add_argument("--batch", type=positive_int, metavar="N",
+                   help="value of the inputs' symbolic first dims (default 1; refused for a model without one)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                    help="value of a named symbolic dim; repeatable")
     p.add_argument("--max-batch", type=int, metavar="N",
@@ -97,16 +100,28 @@ def add_parsers(subparsers: Any) -> None:
     p.set_defaults(func=cmd_stop)
 
 
+def endpoint_of(args: argparse.Namespace) -> str | None:
+    """The daemon's endpoint for every command, serve included: ``--endpoint``, else
+    ``$VKPOOL_ENDPOINT``, else the config's ``daemon.endpoint`` (``--config`` or ``$VKPOOL_CONFIG``),
+    else None: the default socket."""
+    explicit = getattr(args, "endpoint", None) or os.environ.get("VKPOOL_ENDPOINT")
+    if explicit or not os.environ.get("VKPOOL_CONFIG"):
+        return explicit or None
+    from vkpool.config.loader import load_config
+
+    return load_config().daemon.get("endpoint") or None
+
+
 def _client(args: argparse.Namespace) -> Any:
     from vkpool.daemon.client import Client
 
-    return Client(getattr(args, "endpoint", None))
+    return Client(endpoint_of(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from vkpool.daemon.main import detach, serve
 
-    config, endpoint = getattr(args, "config", None), getattr(args, "endpoint", None)
+    config, endpoint = getattr(args, "config", None), endpoint_of(args)
     if args.detach:
         return detach(config, endpoint, args.pid_file, args.log_file)
     return serve(config, endpoint, pid_file=args.pid_file, log_file=args.log_file)
@@ -320,7 +335,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def remote_run(args: argparse.Namespace) -> int:
     """``vkpool run MODEL --remote``: the same output as the in-process run, through the daemon."""
-    from vkpool.cli import _load_feeds, print_latency, print_outputs
+    from vkpool.cli import _load_feeds, check_against_onnxruntime, print_latency, print_outputs
 
     with _client(args) as client:
         t0 = time.perf_counter()
@@ -336,8 +351,9 @@ def remote_run(args: argparse.Namespace) -> int:
               f"first run {t_first * 1e3:.2f} ms")
         print_outputs(session, outputs)
         print_latency(session, feeds, getattr(args, "repeat", 0))
+        code = check_against_onnxruntime(args.model, feeds, session, outputs, args.tolerance) if args.check else 0
         session.close()
-    return 0
+    return code
 
 
 def remote_plan(args: argparse.Namespace) -> int:
