@@ -10,7 +10,7 @@ import pytest
 
 from vkpool.partition.calibrate import (_graph_sums, add_chain_model, download_model, matmul_chain_model,
                                         upload_model)
-from vkpool.partition.cost import host_calibration_key, load_calibration
+from vkpool.partition.cost import load_calibration
 
 
 def test_calibration_models_compute_what_they_claim(pool) -> None:
