@@ -77,7 +77,7 @@ def add_parsers(subparsers: Any) -> None:
     p.set_defaults(func=cmd_load)
 
     p = subparsers.add_parser("unload", help="free a model now (when no client uses it)")
-    p.add_argument("model", help="model id (or a unique prefix), as `vkpool status` shows")
+    p.add_argument("model", help="model id (or a unique prefix) or name, as `vkpool status` shows them")
     endpoint(p)
     p.set_defaults(func=cmd_unload)
 
@@ -277,10 +277,13 @@ def parse_dims(items: list[str]) -> dict[str, int]:
     return dims
 
 
-def _resolve_model(client: Any, prefix: str) -> str:
-    matches = [m["id"] for m in client.list_models() if m["id"].startswith(prefix)]
+def _resolve_model(client: Any, key: str) -> str:
+    """The id of the one loaded model whose id starts with ``key`` or whose name is ``key``."""
+    models = client.list_models()
+    matches = [m["id"] for m in models if m["id"].startswith(key) or m["name"] == key]
     if len(matches) != 1:
-        raise SystemExit(f"vkpool: error: {len(matches)} loaded models match {prefix!r}")
+        loaded = ", ".join(f"{m['id'][:12]} {m['name']}" for m in models) or "none"
+        raise ValueError(f"{len(matches)} loaded models match {key!r} by id or name (loaded: {loaded})")
     return matches[0]
 
 
