@@ -42,7 +42,9 @@ def add_parser(subparsers: Any) -> None:
                    help="ask the running daemon to plan MODEL on its pool (at ENDPOINT, default: "
                         "$VKPOOL_ENDPOINT, else the ipc socket in the runtime directory); --budget "
                         "becomes a what-if; text or json only")
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=run_plan, refuse=[
+        ("--config", "config", lambda a: a.devices,
+         "--devices describes the members and their budgets; the config's are not read")])
 
 
 def run_plan(args: argparse.Namespace) -> int:

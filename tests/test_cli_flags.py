@@ -21,6 +21,9 @@ pytestmark = pytest.mark.timeout(180)
 
 #: (command, flag) -> the test that shows it honoured or refused (in this module unless prefixed)
 COVERED: dict[tuple[str, str], str] = {
+    ("vkpool", "--version"): "test_cli.test_version_and_help",
+    ("vkpool", "--config"): "test_plan_devices_refuses_a_config_it_would_not_read",
+    ("vkpool", "--debug"): "test_debug_shows_the_traceback",
     ("devices", "--json"): "test_cli.test_devices_json_with_split_config",
     ("ops", "--json"): "test_ops_json_is_the_registry",
     ("run", "--input"): "test_run_input_replaces_a_random_input",
@@ -58,9 +61,10 @@ COVERED: dict[tuple[str, str], str] = {
 
 
 def parser_flags() -> set[tuple[str, str]]:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {(name, opt) for name, p in sub.choices.items() for a in p._actions for opt in a.option_strings
-            if opt.startswith("--") and opt != "--help"}
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {(name, opt) for name, p in [("vkpool", parser), *sub.choices.items()] for a in p._actions
+            for opt in a.option_strings if opt.startswith("--") and opt != "--help"}
 
 
 def test_every_flag_of_every_command_has_its_test() -> None:
@@ -130,6 +134,31 @@ def test_run_input_replaces_a_random_input(model: str, tmp_path: Path, capsys: p
     assert code == 0 and "checksum sum=0 abs=0" in out
     seeded = [run(["run", model, "--seed", str(seed)], capsys)[1].splitlines()[1] for seed in (1, 1, 2)]
     assert seeded[0] == seeded[1] != seeded[2]
+
+
+def test_plan_devices_refuses_a_config_it_would_not_read(model: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from vkpool.partition.cost import specs_dir
+
+    monkeypatch.setenv("VKPOOL_CONFIG", "")  # main() sets it from --config; restored afterwards
+    config = tmp_path / "vkpool.yaml"
+    config.write_text("host:\n  budget: 1MiB\n")
+    spec = str(specs_dir() / "2xh200.yaml")
+    code, out, err = run(["--config", str(config), "plan", model, "--devices", spec], capsys)
+    assert code == 2 and "the config's are not read" in err and out == ""
+    code, out, err = run(["plan", model, "--devices", spec], capsys)
+    assert code == 0 and "Plan: algorithm=dp" in out, err
+
+
+def test_debug_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "absent.onnx")
+    code, _, err = run(["run", missing], capsys)
+    assert code == 1 and err.startswith("vkpool: error: cannot read")
+    from vkpool.model import ModelError
+
+    with pytest.raises(ModelError):
+        main(["--debug", "run", missing])
 
 
 def test_ops_json_is_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
