@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "fits (not with --remote: the daemon places its models)")
     p.add_argument("--check", action="store_true", help="compare with onnxruntime (CPU); exit 1 when an output "
                    "differs by more than --tolerance")
-    p.add_argument("--tolerance", type=positive_float, default=CHECK_TOLERANCE, metavar="REL",
+    p.add_argument("--tolerance", type=positive_float, metavar="REL",
                    help=f"with --check: largest difference allowed, relative to the largest |reference| "
                         f"(default {CHECK_TOLERANCE:g})")
     p.add_argument("--repeat", type=non_negative_int, default=0, metavar="N",
@@ -183,8 +183,7 @@ REFUSED_RUN: list[Refusal] = [
     ("--device", "device", lambda a: a.remote,
      "--remote runs the model where the daemon's plan puts it; `vkpool plan MODEL --remote` shows where"),
     ("--endpoint", "endpoint", lambda a: not a.remote, "--endpoint names the daemon of --remote"),
-    ("--tolerance", "tolerance", lambda a: not a.check and a.tolerance != CHECK_TOLERANCE,
-     "--tolerance is the limit of --check"),
+    ("--tolerance", "tolerance", lambda a: not a.check, "--tolerance is the limit of --check"),
 ]
 
 
@@ -375,11 +374,14 @@ def _onnxruntime() -> Any:
 
 
 def check_against_onnxruntime(model: str, feeds: dict[str, Any], sess: Any, outputs: list[Any],
-                              tolerance: float) -> int:
+                              tolerance: float | None = None) -> int:
     """Prints each output's largest difference from onnxruntime (CPU); 1 when one is past
-    ``tolerance`` (relative to the largest |reference|), has NaN where the reference has none, or
-    differs in shape, dtype or (for integers and booleans) any element; else 0."""
+    ``tolerance`` (relative to the largest |reference|; None: :data:`CHECK_TOLERANCE`), has NaN
+    where the reference has none, or differs in shape, dtype or (for integers and booleans) any
+    element; else 0."""
     import numpy as np
+
+    tolerance = CHECK_TOLERANCE if tolerance is None else tolerance
 
     ref = _onnxruntime().InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
     failed = []
@@ -408,7 +410,8 @@ def check_against_onnxruntime(model: str, feeds: dict[str, Any], sess: Any, outp
             if not same:
                 failed.append(arg.name)
     if failed:
-        print(f"vkpool: error: --check: {', '.join(failed)} differ(s) from onnxruntime", file=sys.stderr)
+        print(f"vkpool: error: --check: {len(failed)} output(s) differ from onnxruntime: {', '.join(failed)}",
+              file=sys.stderr)
         return 1
     return 0
 
