@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
-from test_daemon_support import InprocDaemon, mlp_model, unsupported_model
+from test_daemon_support import InprocDaemon, big_model, mlp_model, unsupported_model
 from vkpool.daemon import errors as E
 from vkpool.errors import InvalidInput
 from vkpool.kernels.base import UnsupportedOp
@@ -49,6 +49,33 @@ def raised(call: Callable[[], Any]) -> BaseException:
     with pytest.raises(Exception) as info:
         call()
     return info.value
+
+
+def test_an_unknown_output_name_raises_the_same_class_both_ways(served: tuple[Session, Any]) -> None:
+    local, remote = served
+    here, there = raised(lambda: local.run(["nope"], {"x": X})), raised(lambda: remote.run(["nope"], {"x": X}))
+    assert type(here) is InvalidInput, here
+    assert isinstance(there, InvalidInput) and isinstance(there, E.DaemonError), repr(there)
+
+
+def test_a_model_too_large_for_the_budgets_raises_a_memory_error_both_ways() -> None:
+    from vkpool.config.loader import parse_config
+    from vkpool.daemon.engine import Engine
+    from vkpool.pool import DevicePool
+
+    small = DevicePool.from_config(parse_config(
+        "devices:\n  - match: {name: 'llvmpipe*'}\n    budget: 1MiB\nhost:\n  budget: 1MiB\n"))
+    daemon = InprocDaemon(Engine(small))
+    client = daemon.client()
+    try:
+        here = raised(lambda: Session(big_model(4 << 20), pool=small))
+        there = raised(lambda: client.session(big_model(4 << 20)))
+        assert isinstance(here, MemoryError), repr(here)
+        assert isinstance(there, MemoryError) and isinstance(there, E.InsufficientMemory), repr(there)
+    finally:
+        client.close()
+        daemon.stop()
+        small.close()
 
 
 @pytest.mark.parametrize("mistake, feeds, expected", WRONG_INPUTS, ids=[w[0] for w in WRONG_INPUTS])
