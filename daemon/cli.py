@@ -64,7 +64,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--keep-alive", metavar="DURATION", help="how long it stays once unused "
                    "(30s, 5m, 1h; -1 = forever; default from the config)")
     p.add_argument("--batch", type=positive_int, metavar="N",
-                   help="value of the inputs' symbolic first dims (default 1; refused for a model without one)")
+                   help="value of the inputs' symbolic first dims (default 1; refused for a model "
+                        "without one)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                    help="value of a named symbolic dim; repeatable")
     p.add_argument("--max-batch", type=int, metavar="N",
@@ -354,7 +355,9 @@ def remote_run(args: argparse.Namespace) -> int:
               f"first run {t_first * 1e3:.2f} ms")
         print_outputs(session, outputs)
         print_latency(session, feeds, getattr(args, "repeat", 0))
-        code = check_against_onnxruntime(args.model, feeds, session, outputs, args.tolerance) if args.check else 0
+        code = 0
+        if args.check:
+            code = check_against_onnxruntime(args.model, feeds, session, outputs, args.tolerance)
         session.close()
     return code
 

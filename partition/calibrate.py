@@ -298,8 +298,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--member", action="append", default=[], metavar="ID",
                    help="measure only this member (repeatable; default: every member)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny models and 5 repeats: seconds, rough figures, printed and not written (default: "
-                        "sizes grow until an op takes 20 ms, up to 16 Mi floats, 3072² GEMM, 256 MiB transfers)")
+                   help="tiny models and 5 repeats: seconds, rough figures, printed and not written "
+                        "(default: sizes grow until an op takes 20 ms, up to 16 Mi floats, 3072² GEMM, "
+                        "256 MiB transfers)")
     p.add_argument("--repeat", type=positive_int, metavar="N",
                    help="timed runs per model (median; default 15, 5 with --quick)")
     p.add_argument("--no-save", action="store_true", help="print the figures, write nothing")

@@ -53,7 +53,8 @@ def raised(call: Callable[[], Any]) -> BaseException:
 
 def test_an_unknown_output_name_raises_the_same_class_both_ways(served: tuple[Session, Any]) -> None:
     local, remote = served
-    here, there = raised(lambda: local.run(["nope"], {"x": X})), raised(lambda: remote.run(["nope"], {"x": X}))
+    here = raised(lambda: local.run(["nope"], {"x": X}))
+    there = raised(lambda: remote.run(["nope"], {"x": X}))
     assert type(here) is InvalidInput, here
     assert isinstance(there, InvalidInput) and isinstance(there, E.DaemonError), repr(there)
 

@@ -49,7 +49,8 @@ def test_calibrate_quick_prints_every_figure_and_writes_nothing(
     assert "wrote" not in out and not (tmp_path / "calibration").exists()
 
 
-def test_measured_figures_are_what_the_planner_reads(pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_measured_figures_are_what_the_planner_reads(pool, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
     from vkpool.partition.calibrate import QUICK, measure
