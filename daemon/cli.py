@@ -16,8 +16,12 @@ from typing import Any, Iterator
 from vkpool.units import format_size
 
 
+#: how long `vkpool stop` waits for the daemon to exit, unless told
+STOP_TIMEOUT_S = 60.0
+
+
 def add_parsers(subparsers: Any) -> None:
-    from vkpool.cli import positive_int
+    from vkpool.cli import positive_float, positive_int
 
     def endpoint(p: argparse.ArgumentParser) -> None:
         p.add_argument("--endpoint", default=argparse.SUPPRESS,
@@ -68,14 +72,15 @@ def add_parsers(subparsers: Any) -> None:
                         "without one)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                    help="value of a named symbolic dim; repeatable")
-    p.add_argument("--max-batch", type=int, metavar="N",
+    p.add_argument("--max-batch", type=positive_int, metavar="N",
                    help="batch the requests of every client along the model's symbolic first dim, up to N rows "
                         "per run (default: the config's daemon.batching rules, else no batching)")
     p.add_argument("--max-delay", metavar="DURATION",
                    help="how long the first request of a batch may wait for company (200us, 2ms; default 0: "
                         "only what is queued already); needs --max-batch")
     endpoint(p)
-    p.set_defaults(func=cmd_load)
+    p.set_defaults(func=cmd_load, refuse=[
+        ("--max-delay", "max_delay", lambda a: a.max_batch is None, "--max-delay needs --max-batch")])
 
     p = subparsers.add_parser("unload", help="free a model now (when no client uses it)")
     p.add_argument("model", help="model id (or a unique prefix) or name, as `vkpool status` shows them")
@@ -96,9 +101,10 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--pid-file", type=Path, metavar="FILE",
                    help="the daemon's pid file (default: daemon.pid_file, else daemon.pid in the runtime directory)")
     p.add_argument("--no-wait", action="store_true", help="return once the daemon has been asked to stop")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="how long to wait for it to exit (default 60)")
-    p.set_defaults(func=cmd_stop)
+    p.add_argument("--timeout", type=positive_float, metavar="SECONDS",
+                   help=f"how long to wait for it to exit (default {STOP_TIMEOUT_S:g})")
+    p.set_defaults(func=cmd_stop, refuse=[
+        ("--timeout", "timeout", lambda a: a.no_wait, "--no-wait returns without waiting for the exit")])
 
 
 def endpoint_of(args: argparse.Namespace) -> str | None:
@@ -214,10 +220,6 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     keep_alive = None if args.keep_alive is None else parse_duration(args.keep_alive)
     dims = parse_dims(args.dim)
-    if args.max_delay is not None and args.max_batch is None:
-        raise ValueError("--max-delay needs --max-batch")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     delay = None if args.max_delay is None else parse_duration(args.max_delay)
     with _client(args) as client, _watch_load(client, args.model):
         model = client.load_model(args.model, keep_alive=keep_alive, batch=args.batch, dims=dims,
@@ -311,8 +313,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from vkpool.daemon.client import DaemonUnavailable
     from vkpool.daemon.main import default_pid_file, live_daemon, load_settings, process_running
 
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout must be positive, got {args.timeout:g}")
+    timeout = STOP_TIMEOUT_S if args.timeout is None else args.timeout
     try:
         with _client(args) as client:
             reply = client.shutdown()
@@ -327,10 +328,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"the daemon does not answer; sent SIGTERM to pid {pid} (from {pid_file})")
     if pid is None or args.no_wait:
         return 0
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + timeout
     while process_running(pid):
         if time.monotonic() > deadline:
-            print(f"vkpool: error: the daemon (pid {pid}) is still running after {args.timeout:g} s", file=sys.stderr)
+            print(f"vkpool: error: the daemon (pid {pid}) is still running after {timeout:g} s", file=sys.stderr)
             return 1
         time.sleep(0.05)
     print(f"daemon (pid {pid}) stopped")

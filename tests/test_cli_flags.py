@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 
 from conftest import matmul_model
-from test_daemon_support import batched_model, short_folder, spawn_daemon, wait_ready
+from test_daemon_support import batched_model, daemon_env, short_folder, spawn_daemon, wait_ready
 from vkpool.cli import build_parser, main
 
 pytestmark = pytest.mark.timeout(180)
@@ -55,6 +55,14 @@ COVERED: dict[tuple[str, str], str] = {
     ("load", "--batch"): "test_load_binds_what_the_model_has_and_refuses_the_rest",
     ("load", "--dim"): "test_load_binds_what_the_model_has_and_refuses_the_rest",
     ("load", "--endpoint"): "test_load_binds_what_the_model_has_and_refuses_the_rest",
+    ("serve", "--detach"): "test_service.test_serve_detach_writes_pid_and_log_refuses_a_second_and_stop_waits",
+    ("serve", "--pid-file"): "test_serve_pid_and_log_files_and_stop_by_pid_file",
+    ("serve", "--log-file"): "test_serve_pid_and_log_files_and_stop_by_pid_file",
+    ("stop", "--pid-file"): "test_serve_pid_and_log_files_and_stop_by_pid_file",
+    ("stop", "--no-wait"): "test_serve_pid_and_log_files_and_stop_by_pid_file",
+    ("stop", "--timeout"): "test_stop_refuses_a_timeout_it_would_not_wait",
+    ("load", "--max-batch"): "test_daemon_batching.test_a_client_killed_while_its_requests_wait_in_a_batch",
+    ("load", "--max-delay"): "test_negative_counts_are_refused",
     ("unload", "--endpoint"): "test_docs_examples (docs/daemon.md's commands)",
     ("budget", "--endpoint"): "test_docs_examples (docs/daemon.md's commands)",
     ("stop", "--endpoint"): "test_docs_examples (docs/daemon.md's commands)",
@@ -97,9 +105,45 @@ def model(tmp_path: Path) -> str:
 def test_negative_counts_are_refused(model: str, capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["run", model, "--repeat", "-5"], ["calibrate", "--repeat", "0"],
                  ["plan", model, "--batch", "0"], ["load", model, "--batch", "-1"],
-                 ["run", model, "--check", "--tolerance", "-1"]):
+                 ["run", model, "--check", "--tolerance", "-1"], ["load", model, "--max-batch", "0"],
+                 ["stop", "--timeout", "0"]):
         code, _, err = run(argv, capsys)
         assert code == 2 and "expected" in err, (argv, err)
+    code, _, err = run(["load", model, "--max-delay", "2ms"], capsys)
+    assert code == 2 and "--max-delay needs --max-batch" in err
+
+
+def test_stop_refuses_a_timeout_it_would_not_wait(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["stop", "--no-wait", "--timeout", "5", "--endpoint", "ipc:///nowhere/d.sock"], capsys)
+    assert code == 2 and "--no-wait returns without waiting" in err and out == ""
+
+
+def test_serve_pid_and_log_files_and_stop_by_pid_file(tmp_path: Path) -> None:
+    """Two daemons in the foreground with their own pid and log files: the first is stopped
+    without waiting, the second through its pid file alone (nothing answers at the endpoint
+    given to stop)."""
+    cli = [sys.executable, "-m", "vkpool"]
+    with short_folder("vkp") as folder:
+        for n, stop in ((1, ["--no-wait"]), (2, ["--pid-file", str(folder / "2.pid")])):
+            endpoint, pid_file, log_file = f"ipc://{folder}/{n}.sock", folder / f"{n}.pid", folder / f"{n}.log"
+            proc = subprocess.Popen([*cli, "serve", "--endpoint", endpoint, "--pid-file", str(pid_file),
+                                     "--log-file", str(log_file)], env=daemon_env(), stderr=subprocess.DEVNULL)
+            try:
+                wait_ready(endpoint, proc)
+                assert int(pid_file.read_text().split()[0]) == proc.pid
+                target = endpoint if n == 1 else f"ipc://{folder}/nobody.sock"
+                done = subprocess.run([*cli, "stop", "--endpoint", target, *stop], env=daemon_env(),
+                                      capture_output=True, text=True, timeout=90)
+                assert done.returncode == 0, done.stderr
+                if n == 1:
+                    assert "daemon stopping" in done.stdout and "stopped" not in done.stdout.replace("stopping", "")
+                else:
+                    assert f"sent SIGTERM to pid {proc.pid}" in done.stdout and f"(pid {proc.pid}) stopped" in done.stdout
+                assert proc.wait(60) == 0
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            assert log_file.read_text().strip() and not pid_file.exists()
 
 
 def test_run_refuses_flags_it_cannot_honour(model: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,7 +18,8 @@ A block whose first line is ``# not run: REASON`` is not run; the reason is in t
 machine, a long benchmark, a command that stays in the foreground). The model files the examples
 name are in that folder: ``mnist12_like.onnx`` and ``conv_many_255MB.onnx`` as
 ``python -m bench.workloads`` writes them, ``model.onnx`` (any model: a copy of mnist12_like),
-``encoder.onnx`` (inputs with a symbolic batch dim and a dim named ``seq``) and ``topk.onnx``
+``encoder.onnx`` (inputs with a symbolic batch dim and a dim named ``seq``), ``classifier.onnx``
+(an image batch ``x[N, 3, 224, 224]`` to 10 scores) and ``topk.onnx``
 (``tests/test_dynamic_shapes.py``'s TopK whose k is computed from an input).
 """
 from __future__ import annotations
@@ -162,6 +163,15 @@ def write_models(work: Path) -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])], [w])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9),
               work / "encoder.onnx")
+    w = numpy_helper.from_array(np.linspace(-1, 1, 3 * 10, dtype=np.float32).reshape(3, 10), "w")
+    axes = numpy_helper.from_array(np.array([2, 3], np.int64), "axes")
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMean", ["x", "axes"], ["m"], keepdims=0),
+         helper.make_node("MatMul", ["m", "w"], ["y"])],
+        "classifier", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])], [w, axes])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9),
+              work / "classifier.onnx")
 
 
 def shell_env(daemon: Daemon, activates: bool) -> dict[str, str]:
