@@ -331,7 +331,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + timeout
     while process_running(pid):
         if time.monotonic() > deadline:
-            print(f"vkpool: error: the daemon (pid {pid}) is still running after {timeout:g} s", file=sys.stderr)
+            print(f"vkpool: error: the daemon (pid {pid}) is still running after {timeout:g} s",
+                  file=sys.stderr)
             return 1
         time.sleep(0.05)
     print(f"daemon (pid {pid}) stopped")

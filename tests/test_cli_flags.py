@@ -55,7 +55,8 @@ COVERED: dict[tuple[str, str], str] = {
     ("load", "--batch"): "test_load_binds_what_the_model_has_and_refuses_the_rest",
     ("load", "--dim"): "test_load_binds_what_the_model_has_and_refuses_the_rest",
     ("load", "--endpoint"): "test_load_binds_what_the_model_has_and_refuses_the_rest",
-    ("serve", "--detach"): "test_service.test_serve_detach_writes_pid_and_log_refuses_a_second_and_stop_waits",
+    ("serve", "--detach"):
+        "test_service.test_serve_detach_writes_pid_and_log_refuses_a_second_and_stop_waits",
     ("serve", "--pid-file"): "test_serve_pid_and_log_files_and_stop_by_pid_file",
     ("serve", "--log-file"): "test_serve_pid_and_log_files_and_stop_by_pid_file",
     ("stop", "--pid-file"): "test_serve_pid_and_log_files_and_stop_by_pid_file",
@@ -114,7 +115,8 @@ def test_negative_counts_are_refused(model: str, capsys: pytest.CaptureFixture[s
 
 
 def test_stop_refuses_a_timeout_it_would_not_wait(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(["stop", "--no-wait", "--timeout", "5", "--endpoint", "ipc:///nowhere/d.sock"], capsys)
+    nowhere = "ipc:///nowhere/d.sock"
+    code, out, err = run(["stop", "--no-wait", "--timeout", "5", "--endpoint", nowhere], capsys)
     assert code == 2 and "--no-wait returns without waiting" in err and out == ""
 
 
@@ -125,9 +127,11 @@ def test_serve_pid_and_log_files_and_stop_by_pid_file(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "vkpool"]
     with short_folder("vkp") as folder:
         for n, stop in ((1, ["--no-wait"]), (2, ["--pid-file", str(folder / "2.pid")])):
-            endpoint, pid_file, log_file = f"ipc://{folder}/{n}.sock", folder / f"{n}.pid", folder / f"{n}.log"
+            endpoint = f"ipc://{folder}/{n}.sock"
+            pid_file, log_file = folder / f"{n}.pid", folder / f"{n}.log"
             proc = subprocess.Popen([*cli, "serve", "--endpoint", endpoint, "--pid-file", str(pid_file),
-                                     "--log-file", str(log_file)], env=daemon_env(), stderr=subprocess.DEVNULL)
+                                     "--log-file", str(log_file)], env=daemon_env(),
+                                    stderr=subprocess.DEVNULL)
             try:
                 wait_ready(endpoint, proc)
                 assert int(pid_file.read_text().split()[0]) == proc.pid
@@ -136,9 +140,10 @@ def test_serve_pid_and_log_files_and_stop_by_pid_file(tmp_path: Path) -> None:
                                       capture_output=True, text=True, timeout=90)
                 assert done.returncode == 0, done.stderr
                 if n == 1:
-                    assert "daemon stopping" in done.stdout and "stopped" not in done.stdout.replace("stopping", "")
+                    assert "daemon stopping" in done.stdout and f"(pid {proc.pid}) stopped" not in done.stdout
                 else:
-                    assert f"sent SIGTERM to pid {proc.pid}" in done.stdout and f"(pid {proc.pid}) stopped" in done.stdout
+                    assert f"sent SIGTERM to pid {proc.pid}" in done.stdout
+                    assert f"(pid {proc.pid}) stopped" in done.stdout
                 assert proc.wait(60) == 0
             finally:
                 if proc.poll() is None:
