@@ -19,6 +19,7 @@ from vkpool.cli import build_parser, main
 
 pytestmark = pytest.mark.timeout(180)
 
+SERVICE_TEST = "test_service.test_service_install_writes_the_unit_under_xdg_config_home"
 #: (command, flag) -> the test that shows it honoured or refused (in this module unless prefixed)
 COVERED: dict[tuple[str, str], str] = {
     ("vkpool", "--version"): "test_cli.test_version_and_help",
@@ -49,6 +50,10 @@ COVERED: dict[tuple[str, str], str] = {
     ("calibrate", "--no-save"): "test_calibrate_no_save_writes_nothing",
     ("serve", "--config"): "test_the_daemon_commands_reach_the_endpoint_of_config",
     ("serve", "--endpoint"): "test_daemon_e2e (every test spawns `serve` at its own endpoint)",
+    ("service install", "--config"): SERVICE_TEST,
+    ("service install", "--print"): SERVICE_TEST,
+    ("service install", "--dry-run"): "test_service (the same option as --print: one dest)",
+    ("service install", "--force"): SERVICE_TEST,
     ("status", "--endpoint"): "test_remote_run_checks_and_reports_like_a_local_run",
     ("status", "--json"): "test_the_daemon_commands_reach_the_endpoint_of_config",
     ("load", "--keep-alive"): "test_load_binds_what_the_model_has_and_refuses_the_rest",
@@ -71,10 +76,19 @@ COVERED: dict[tuple[str, str], str] = {
 
 
 def parser_flags() -> set[tuple[str, str]]:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {(name, opt) for name, p in [("vkpool", parser), *sub.choices.items()] for a in p._actions
-            for opt in a.option_strings if opt.startswith("--") and opt != "--help"}
+    """(command, flag) of every flag of ``vkpool``, its commands and their actions
+    (``service install``)."""
+    flags: set[tuple[str, str]] = set()
+    parsers = [("vkpool", build_parser())]
+    while parsers:
+        name, parser = parsers.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                prefix = "" if name == "vkpool" else name + " "
+                parsers += [(prefix + sub, p) for sub, p in action.choices.items()]
+            flags |= {(name, opt) for opt in action.option_strings
+                      if opt.startswith("--") and opt != "--help"}
+    return flags
 
 
 def test_every_flag_of_every_command_has_its_test() -> None:
