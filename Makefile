@@ -2,7 +2,13 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# `make demo` installs the engine alone; `make test` and `make bench` add their extras
+# (pyproject.toml). Each stamp is remade when pyproject.toml changes.
+ENGINE := $(VENV)/.installed
+EXTRAS  = $(VENV)/.installed-$(1)
+comma  := ,
+# setuptools explains every editable install of a package-dir layout in ten lines: nothing to act on
+PIP     = PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip
 # The tests export models with torch (CPU is enough). pip takes torch==2.13.0 from the package
 # index or a local wheel (find-links); where that would be the CUDA build, point pip at torch's
 # CPU-only wheels: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -11,28 +17,33 @@ TORCH_INDEX ?=
 .PHONY: help demo test serve conformance realworld bench system-deps venv clean
 
 help:
-	@echo "make demo         set up (Vulkan packages, .venv) and run the demo"
-	@echo "make test         set up and run the test suite on the local Vulkan device"
+	@echo "make demo         set up (Vulkan packages, .venv with the engine) and run the demo"
+	@echo "make test         add the test tools to .venv and run the suite on the local Vulkan device"
 	@echo "make serve        run the daemon in the foreground on the default config"
 	@echo "make conformance  run every ONNX backend node test, write docs/conformance.md"
 	@echo "make realworld    run models nobody here wrote against onnxruntime, table into docs/conformance.md"
-	@echo "make bench        run the benchmarks (BENCH_ARGS=... to pass options)"
+	@echo "make bench        add the benchmark tools to .venv and run the benchmarks (BENCH_ARGS=...)"
 
 system-deps:
 	@bash scripts/ensure-vulkan.sh
 
-$(STAMP): pyproject.toml
+$(ENGINE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	@touch $(STAMP)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	@touch $@
 
-venv: system-deps $(STAMP)
+$(VENV)/.installed-%: $(ENGINE)
+	$(PIP) install -q -e '.[$(subst +,$(comma),$*)]' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	@touch $@
+
+venv: system-deps $(ENGINE)
 
 demo: venv
 	$(PY) -m vkpool.demo
+	@echo "next: '. $(VENV)/bin/activate' puts the vkpool command on PATH; then vkpool devices (README.md, Use)"
 
-test: venv
+test: system-deps $(call EXTRAS,test)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 serve: venv
@@ -41,10 +52,10 @@ serve: venv
 conformance: venv
 	$(PY) -m vkpool.conformance --output docs/conformance.md
 
-realworld: venv
+realworld: system-deps $(call EXTRAS,test)
 	$(PY) -m bench.realworld --doc docs/conformance.md
 
-bench: venv
+bench: system-deps $(call EXTRAS,test+bench)
 	$(PY) -m bench $(BENCH_ARGS)
 
 clean:

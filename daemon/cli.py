@@ -16,7 +16,13 @@ from typing import Any, Iterator
 from vkpool.units import format_size
 
 
+#: how long `vkpool stop` waits for the daemon to exit, unless told
+STOP_TIMEOUT_S = 60.0
+
+
 def add_parsers(subparsers: Any) -> None:
+    from vkpool.cli import positive_float, positive_int
+
     def endpoint(p: argparse.ArgumentParser) -> None:
         p.add_argument("--endpoint", default=argparse.SUPPRESS,
                        help="daemon endpoint (default: $VKPOOL_ENDPOINT, else the ipc socket in the "
@@ -61,20 +67,23 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--keep-alive", metavar="DURATION", help="how long it stays once unused "
                    "(30s, 5m, 1h; -1 = forever; default from the config)")
-    p.add_argument("--batch", type=int, metavar="N", help="value of the inputs' symbolic batch dims (default 1)")
+    p.add_argument("--batch", type=positive_int, metavar="N",
+                   help="value of the inputs' symbolic first dims (default 1; refused for a model "
+                        "without one)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                    help="value of a named symbolic dim; repeatable")
-    p.add_argument("--max-batch", type=int, metavar="N",
+    p.add_argument("--max-batch", type=positive_int, metavar="N",
                    help="batch the requests of every client along the model's symbolic first dim, up to N rows "
                         "per run (default: the config's daemon.batching rules, else no batching)")
     p.add_argument("--max-delay", metavar="DURATION",
                    help="how long the first request of a batch may wait for company (200us, 2ms; default 0: "
                         "only what is queued already); needs --max-batch")
     endpoint(p)
-    p.set_defaults(func=cmd_load)
+    p.set_defaults(func=cmd_load, refuse=[
+        ("--max-delay", "max_delay", lambda a: a.max_batch is None, "--max-delay needs --max-batch")])
 
     p = subparsers.add_parser("unload", help="free a model now (when no client uses it)")
-    p.add_argument("model", help="model id (or a unique prefix), as `vkpool status` shows")
+    p.add_argument("model", help="model id (or a unique prefix) or name, as `vkpool status` shows them")
     endpoint(p)
     p.set_defaults(func=cmd_unload)
 
@@ -92,21 +101,34 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--pid-file", type=Path, metavar="FILE",
                    help="the daemon's pid file (default: daemon.pid_file, else daemon.pid in the runtime directory)")
     p.add_argument("--no-wait", action="store_true", help="return once the daemon has been asked to stop")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="how long to wait for it to exit (default 60)")
-    p.set_defaults(func=cmd_stop)
+    p.add_argument("--timeout", type=positive_float, metavar="SECONDS",
+                   help=f"how long to wait for it to exit (default {STOP_TIMEOUT_S:g})")
+    p.set_defaults(func=cmd_stop, refuse=[
+        ("--timeout", "timeout", lambda a: a.no_wait, "--no-wait returns without waiting for the exit")])
+
+
+def endpoint_of(args: argparse.Namespace) -> str | None:
+    """The daemon's endpoint for every command, serve included: ``--endpoint``, else
+    ``$VKPOOL_ENDPOINT``, else the config's ``daemon.endpoint`` (``--config`` or ``$VKPOOL_CONFIG``),
+    else None: the default socket."""
+    explicit = getattr(args, "endpoint", None) or os.environ.get("VKPOOL_ENDPOINT")
+    if explicit or not os.environ.get("VKPOOL_CONFIG"):
+        return explicit or None
+    from vkpool.config.loader import load_config
+
+    return load_config().daemon.get("endpoint") or None
 
 
 def _client(args: argparse.Namespace) -> Any:
     from vkpool.daemon.client import Client
 
-    return Client(getattr(args, "endpoint", None))
+    return Client(endpoint_of(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from vkpool.daemon.main import detach, serve
 
-    config, endpoint = getattr(args, "config", None), getattr(args, "endpoint", None)
+    config, endpoint = getattr(args, "config", None), endpoint_of(args)
     if args.detach:
         return detach(config, endpoint, args.pid_file, args.log_file)
     return serve(config, endpoint, pid_file=args.pid_file, log_file=args.log_file)
@@ -198,10 +220,6 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     keep_alive = None if args.keep_alive is None else parse_duration(args.keep_alive)
     dims = parse_dims(args.dim)
-    if args.max_delay is not None and args.max_batch is None:
-        raise ValueError("--max-delay needs --max-batch")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     delay = None if args.max_delay is None else parse_duration(args.max_delay)
     with _client(args) as client, _watch_load(client, args.model):
         model = client.load_model(args.model, keep_alive=keep_alive, batch=args.batch, dims=dims,
@@ -262,10 +280,13 @@ def parse_dims(items: list[str]) -> dict[str, int]:
     return dims
 
 
-def _resolve_model(client: Any, prefix: str) -> str:
-    matches = [m["id"] for m in client.list_models() if m["id"].startswith(prefix)]
+def _resolve_model(client: Any, key: str) -> str:
+    """The id of the one loaded model whose id starts with ``key`` or whose name is ``key``."""
+    models = client.list_models()
+    matches = [m["id"] for m in models if m["id"].startswith(key) or m["name"] == key]
     if len(matches) != 1:
-        raise SystemExit(f"vkpool: error: {len(matches)} loaded models match {prefix!r}")
+        loaded = ", ".join(f"{m['id'][:12]} {m['name']}" for m in models) or "none"
+        raise ValueError(f"{len(matches)} loaded models match {key!r} by id or name (loaded: {loaded})")
     return matches[0]
 
 
@@ -292,8 +313,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from vkpool.daemon.client import DaemonUnavailable
     from vkpool.daemon.main import default_pid_file, live_daemon, load_settings, process_running
 
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout must be positive, got {args.timeout:g}")
+    timeout = STOP_TIMEOUT_S if args.timeout is None else args.timeout
     try:
         with _client(args) as client:
             reply = client.shutdown()
@@ -308,10 +328,11 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"the daemon does not answer; sent SIGTERM to pid {pid} (from {pid_file})")
     if pid is None or args.no_wait:
         return 0
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + timeout
     while process_running(pid):
         if time.monotonic() > deadline:
-            print(f"vkpool: error: the daemon (pid {pid}) is still running after {args.timeout:g} s", file=sys.stderr)
+            print(f"vkpool: error: the daemon (pid {pid}) is still running after {timeout:g} s",
+                  file=sys.stderr)
             return 1
         time.sleep(0.05)
     print(f"daemon (pid {pid}) stopped")
@@ -320,7 +341,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def remote_run(args: argparse.Namespace) -> int:
     """``vkpool run MODEL --remote``: the same output as the in-process run, through the daemon."""
-    from vkpool.cli import _load_feeds, print_latency, print_outputs
+    from vkpool.cli import _load_feeds, check_against_onnxruntime, print_latency, print_outputs
 
     with _client(args) as client:
         t0 = time.perf_counter()
@@ -336,8 +357,11 @@ def remote_run(args: argparse.Namespace) -> int:
               f"first run {t_first * 1e3:.2f} ms")
         print_outputs(session, outputs)
         print_latency(session, feeds, getattr(args, "repeat", 0))
+        code = 0
+        if args.check:
+            code = check_against_onnxruntime(args.model, feeds, session, outputs, args.tolerance)
         session.close()
-    return 0
+    return code
 
 
 def remote_plan(args: argparse.Namespace) -> int:

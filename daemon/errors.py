@@ -1,9 +1,16 @@
-"""Exceptions the client raises from error replies: one class per protocol error type."""
+"""Exceptions the client raises from error replies: one class per protocol error type.
+
+A mistake that the in-process API reports with its own exception is reported through the daemon
+with a class derived from that one too (:data:`IN_PROCESS`), so ``except vkpool.InvalidInput``
+catches a wrong input either way."""
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from vkpool.daemon.protocol import ERROR_TYPES
+from vkpool.errors import InvalidInput
+from vkpool.kernels.base import UnsupportedOp
+from vkpool.model import ModelError
 
 
 class DaemonError(Exception):
@@ -12,7 +19,7 @@ class DaemonError(Exception):
     type = "DaemonError"
 
     def __init__(self, message: str, details: Mapping[str, Any] | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message)  # one argument, also for the OSError bases: str() is the message
         self.message = message
         self.details = dict(details or {})
 
@@ -21,8 +28,22 @@ class DaemonUnavailable(ConnectionError):
     """No daemon answers at the endpoint."""
 
 
+#: error type -> the exceptions the in-process API raises for the same mistake
+IN_PROCESS: dict[str, tuple[type[BaseException], ...]] = {
+    "InvalidTensor": (InvalidInput,),
+    "InvalidRequest": (ValueError,),
+    "ModelError": (ModelError,),
+    "UnsupportedOp": (UnsupportedOp,),
+    "InsufficientMemory": (MemoryError,),  # DeviceOutOfMemory is one; PartitionUnfeasible is sent as this too
+    "UnknownMember": (LookupError,),  # DevicePool.member raises KeyError
+    "FileNotFound": (ModelError, FileNotFoundError),  # a Session reading a missing file raises ModelError
+    "Timeout": (TimeoutError,),
+}
+
+
 def _make(name: str, doc: str) -> type[DaemonError]:
-    return type(name, (DaemonError,), {"type": name, "__doc__": doc[0].upper() + doc[1:] + "."})
+    bases = (DaemonError, *IN_PROCESS.get(name, ()))
+    return type(name, bases, {"type": name, "__doc__": doc[0].upper() + doc[1:] + "."})
 
 
 ERRORS: dict[str, type[DaemonError]] = {name: _make(name, doc) for name, doc in ERROR_TYPES.items()}

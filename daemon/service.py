@@ -193,7 +193,8 @@ class Service:
         if outputs is not None:
             unknown = [o for o in outputs if o not in entry.output_names]
             if unknown or not all(isinstance(o, str) for o in outputs):
-                raise ProtocolViolation("InvalidRequest", f"unknown output(s) {unknown}; the model has "
+                # a wrong name, as a wrong input is: the client raises InvalidInput's kin
+                raise ProtocolViolation("InvalidTensor", f"unknown output(s) {unknown}; the model has "
                                         f"{entry.output_names}", {"unknown": unknown})
         timeout = content.get("timeout")
         if timeout is None:

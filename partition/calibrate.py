@@ -202,16 +202,20 @@ class Timer:
 
 #: the figures :func:`measure` reports, the steps of its progress
 FIGURES = 6
+#: figures that fall back to the memory bandwidth when their difference is noise (a copy cannot beat it)
+TRANSFERS = ("host → device", "device → host")
 
 
-def measure(pool: Any, member_id: str, sizes: Sizes, out: TextIO | None = None) -> MemberCost:
+def measure(pool: Any, member_id: str, sizes: Sizes, out: TextIO | None = None,
+            noisy: list[str] | None = None) -> MemberCost:
     """Measures one member; prints each figure as it comes (to ``out``, default stdout) and
-    advances an open ``calibrate`` task (:mod:`vkpool.progress`) by one."""
+    advances an open ``calibrate`` task (:mod:`vkpool.progress`) by one. The labels of figures
+    within timing noise are appended to ``noisy`` (a new list when None)."""
     from vkpool.partition.cost import MemberCost
 
     out = out or sys.stdout
     timer = Timer(pool, member_id, sizes.repeat)
-    noisy: list[str] = []
+    noisy = [] if noisy is None else noisy
 
     def report(label: str, value: str, how: str, is_noise: bool) -> None:
         if is_noise:
@@ -278,21 +282,27 @@ Each figure is a difference of two medians, so the fixed cost of a run cancels o
 $VKPOOL_CACHE_DIR/calibration/<device uuid>.json (default ~/.cache/vkpool/calibration/), one file
 per physical device (splits of a device share it), host-<hostname>.json for the host member.
 `vkpool plan` and vkpool.Session price Vulkan members with them; a member without a file uses
-the defaults of its kind. --quick uses tiny models (seconds on a software device), good for
-checking the setup, not for planning a real machine.
+the defaults of its kind. A member with a figure within timing noise (floored) gets no file: the
+command says which and exits 1 (a transfer within noise is priced at the memory bandwidth and
+kept). --quick uses tiny models (seconds on a software device) to check the setup: it prints the
+figures and writes nothing.
 """
 
 
 def add_parser(subparsers: Any) -> None:
+    from vkpool.cli import positive_int
+
     p = subparsers.add_parser("calibrate", help="measure each member's speeds for the planner's cost model",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="Examples:\n  vkpool calibrate\n  vkpool calibrate --member vk0 --quick")
     p.add_argument("--member", action="append", default=[], metavar="ID",
                    help="measure only this member (repeatable; default: every member)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny models and 5 repeats: seconds, rough figures (default: sizes grow until an op "
-                        "takes 20 ms, up to 16 Mi floats, 3072² GEMM, 256 MiB transfers)")
-    p.add_argument("--repeat", type=int, metavar="N", help="timed runs per model (median; default 15, 5 with --quick)")
+                   help="tiny models and 5 repeats: seconds, rough figures, printed and not written "
+                        "(default: sizes grow until an op takes 20 ms, up to 16 Mi floats, 3072² GEMM, "
+                        "256 MiB transfers)")
+    p.add_argument("--repeat", type=positive_int, metavar="N",
+                   help="timed runs per model (median; default 15, 5 with --quick)")
     p.add_argument("--no-save", action="store_true", help="print the figures, write nothing")
     p.set_defaults(func=run_calibrate)
 
@@ -303,9 +313,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     sizes = QUICK if args.quick else FULL
     if args.repeat is not None:
-        if args.repeat < 1:
-            raise ValueError("--repeat must be at least 1")
         sizes = dataclasses.replace(sizes, repeat=args.repeat)
+    unwritten: list[str] = []
     pool = DevicePool.from_config(None)
     try:
         known = [m.id for m in pool.members]
@@ -323,14 +332,27 @@ def run_calibrate(args: argparse.Namespace) -> int:
             done[key] = member.id
             name = info.name if info is not None else "host (numpy)"
             print(f"{member.id}: {name}, calibrating{' (quick)' if args.quick else ''}", flush=True)
+            noisy: list[str] = []
             with progress.task("calibrate", FIGURES, what=member.id):
-                cost = measure(pool, member.id, sizes)
+                cost = measure(pool, member.id, sizes, noisy=noisy)
+            floored = [label for label in noisy if label not in TRANSFERS]
             if args.no_save:
                 continue
-            driver = f"{info.driver_name} {info.driver_info}".strip() if info is not None else ""
-            path = save_calibration(key, cost, device_name=name, driver=driver)
-            print(f"  wrote {path}", flush=True)
+            if args.quick:
+                print("  not written: --quick figures check the setup; `vkpool calibrate` measures for the "
+                      "planner", flush=True)
+            elif floored:
+                unwritten.append(member.id)
+                print(f"  not written: {', '.join(floored)} within timing noise would mislead every plan; "
+                      "calibrate again on an idle machine", flush=True)
+            else:
+                driver = f"{info.driver_name} {info.driver_info}".strip() if info is not None else ""
+                path = save_calibration(key, cost, device_name=name, driver=driver)
+                print(f"  wrote {path}", flush=True)
     finally:
         pool.close()
+    if unwritten:
+        print(f"vkpool: error: no calibration written for {', '.join(unwritten)}", file=sys.stderr)
+        return 1
     return 0
 

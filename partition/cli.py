@@ -15,6 +15,8 @@ FORMATS = ("text", "json", "dot", "svg")
 
 
 def add_parser(subparsers: Any) -> None:
+    from vkpool.cli import positive_int
+
     p = subparsers.add_parser(
         "plan", help="partition a model across members and show the plan",
         description="Partition MODEL across the pool's members (or those of a device spec file) "
@@ -33,13 +35,16 @@ def add_parser(subparsers: Any) -> None:
                    help="what the plan minimises: latency (default) or the pipelined period")
     p.add_argument("--algorithm", choices=("dp", "greedy"), help="dp (optimal, default) or greedy (VKML first-fit)")
     p.add_argument("--format", choices=FORMATS, default="text")
-    p.add_argument("--batch", type=int, help="value of symbolic batch dims (default 1)")
+    p.add_argument("--batch", type=positive_int, help="value of the inputs' symbolic first dims (default 1; "
+                   "refused for a model without one)")
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     p.add_argument("--remote", nargs="?", const="", metavar="ENDPOINT",
                    help="ask the running daemon to plan MODEL on its pool (at ENDPOINT, default: "
                         "$VKPOOL_ENDPOINT, else the ipc socket in the runtime directory); --budget "
                         "becomes a what-if; text or json only")
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=run_plan, refuse=[
+        ("--config", "config", lambda a: a.devices,
+         "--devices describes the members and their budgets; the config's are not read")])
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import os
-import tempfile
+from pathlib import Path
 
 import pytest
 
-# Tests never touch the user's cache: SPIR-V and pipeline caches go to a per-run folder
-# (shared across the run so shaders compile once).
-os.environ.setdefault("VKPOOL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "vkpool-test-cache"))
+# Tests never touch the user's cache: SPIR-V, pipeline and model caches go to a folder of this
+# checkout (kept between runs so shaders compile once; another checkout has its own).
+os.environ.setdefault("VKPOOL_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".test-cache"))
 os.environ.pop("VKPOOL_CONFIG", None)
 
 

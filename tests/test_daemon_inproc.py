@@ -135,7 +135,7 @@ def test_bad_tensors_are_refused_naming_the_problem(inproc: InprocDaemon) -> Non
             client.request("infer", {"model": model, "inputs": metas}, [*frames, b"extra"])
         with pytest.raises(E.InvalidTensor, match="needs 32 bytes"):
             client.request("infer", {"model": model, "inputs": metas}, [b"\0" * 31])
-        with pytest.raises(E.InvalidRequest, match="unknown output"):
+        with pytest.raises(E.InvalidTensor, match="unknown output"):
             client.infer(model, {"x": X}, ["nope"])
         np.testing.assert_array_equal(client.infer(model, {"x": X}, ["y"])[0],
                                       reference_run(mlp_model(), {"x": X})[0])

@@ -10,7 +10,7 @@ import pytest
 
 from vkpool.partition.calibrate import (_graph_sums, add_chain_model, download_model, matmul_chain_model,
                                         upload_model)
-from vkpool.partition.cost import host_calibration_key, load_calibration
+from vkpool.partition.cost import load_calibration
 
 
 def test_calibration_models_compute_what_they_claim(pool) -> None:
@@ -35,26 +35,36 @@ def test_calibration_models_compute_what_they_claim(pool) -> None:
     assert _graph_sums(matmul_chain_model(32, 1))[0] == 2 * 32 ** 3
 
 
-def test_calibrate_quick_writes_the_cache_the_planner_reads(
+def test_calibrate_quick_prints_every_figure_and_writes_nothing(
     pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from vkpool.cli import main
-    from vkpool.partition.cli import pool_members
 
     monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path))
     assert main(["calibrate", "--quick", "--repeat", "3"]) == 0
     out = capsys.readouterr().out
     for label in ("dispatch overhead", "transfer latency", "memory bandwidth", "GEMM", "host → device",
-                  "device → host", "wrote"):
+                  "device → host", "not written: --quick"):
         assert out.count(label) >= 2, label  # the Vulkan member and the host member
+    assert "wrote" not in out and not (tmp_path / "calibration").exists()
+
+
+def test_measured_figures_are_what_the_planner_reads(pool, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from vkpool.partition.calibrate import QUICK, measure
+    from vkpool.partition.cli import pool_members
+    from vkpool.partition.cost import save_calibration
+
+    monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path))
     vk = pool.vulkan_members[0]
-    measured = {vk.id: load_calibration(vk.info.uuid), "cpu": load_calibration(host_calibration_key())}
-    for cost in measured.values():
-        assert cost is not None
-        for f in dataclasses.fields(cost):
-            assert math.isfinite(getattr(cost, f.name)) and getattr(cost, f.name) > 0
-    planned = {m.id: m.cost for m in pool_members()}
-    assert planned[vk.id] == measured[vk.id] and planned["cpu"] == measured["cpu"]
+    cost = measure(pool, vk.id, dataclasses.replace(QUICK, repeat=3), out=io.StringIO())
+    for f in dataclasses.fields(cost):
+        assert math.isfinite(getattr(cost, f.name)) and getattr(cost, f.name) > 0
+    save_calibration(vk.info.uuid, cost)
+    assert load_calibration(vk.info.uuid) == cost
+    assert {m.id: m.cost for m in pool_members()}[vk.id] == cost
 
 
 def test_calibrate_refuses_an_unknown_member(pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

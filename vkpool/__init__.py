@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Session": "vkpool.session",
     "NodeArg": "vkpool.session",
-    "InvalidInput": "vkpool.session",
+    "InvalidInput": "vkpool.errors",
     "DevicePool": "vkpool.pool",
     "DeviceOutOfMemory": "vkpool.memory",
     "ModelError": "vkpool.model",

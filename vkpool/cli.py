@@ -41,12 +41,23 @@ def program() -> None:
     start on an NVIDIA H200); the pipeline cache is already on disk by then."""
     global _PROGRAM
     _PROGRAM = True
-    code = main()
-    if _LEFT_OPEN:
+    try:
+        code = main()
         sys.stdout.flush()
+    except BrokenPipeError:
+        code = _stdout_closed()
+    if _LEFT_OPEN:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout left (``vkpool devices | head -1``): end quietly, as ``cat`` does.
+    stdout is pointed at /dev/null so that the interpreter's last flush finds no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, the status of a command a closed pipe ends
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
+        return 2
+    refused = refused_flag(args)
+    if refused:
+        print(f"vkpool: error: {refused}", file=sys.stderr)
         return 2
     if args.config:
         os.environ["VKPOOL_CONFIG"] = args.config
@@ -65,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             result = args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        raise
     except Exception as exc:  # every failure a user can cause ends in one clear line
         if getattr(args, "debug", False):
             raise
@@ -106,13 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run MODEL and print each output's shape, dtype and checksum.")
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
-    p.add_argument("--device", metavar="ID", help="pool member to run on (vk0, vk0.1, cpu); default: first that fits")
-    p.add_argument("--check", action="store_true", help="compare with onnxruntime (CPU): largest differences")
-    p.add_argument("--repeat", type=int, default=0, metavar="N", help="run N more times after up to 20 warm-up runs; print latency percentiles")
+    p.add_argument("--device", metavar="ID", help="pool member to run on (vk0, vk0.1, cpu); default: "
+                   "first that fits (not with --remote: the daemon places its models)")
+    p.add_argument("--check", action="store_true", help="compare with onnxruntime (CPU); exit 1 when an "
+                   "output differs by more than --tolerance")
+    p.add_argument("--tolerance", type=positive_float, metavar="REL",
+                   help=f"with --check: largest difference allowed, relative to the largest |reference| "
+                        f"(default {CHECK_TOLERANCE:g})")
+    p.add_argument("--repeat", type=non_negative_int, default=0, metavar="N",
+                   help="run N more times after up to 20 warm-up runs; print latency percentiles")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--remote", action="store_true", help="run through the daemon instead of in-process")
     p.add_argument("--endpoint", help="daemon endpoint (with --remote)")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, refuse=REFUSED_RUN)
 
     for module, fn in COMMAND_MODULES:
         try:
@@ -123,6 +146,53 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         getattr(mod, fn)(sub)
     return parser
+
+
+# -- flags ---------------------------------------------------------------------------------------
+#: largest difference ``vkpool run --check`` allows, relative to the largest |reference| value
+CHECK_TOLERANCE = 1e-3
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+#: (flag, attribute, when it cannot be honoured, why): checked before a command runs
+Refusal = tuple[str, str, Callable[[argparse.Namespace], bool], str]
+REFUSED_RUN: list[Refusal] = [
+    ("--device", "device", lambda a: a.remote,
+     "--remote runs the model where the daemon's plan puts it; `vkpool plan MODEL --remote` shows where"),
+    ("--endpoint", "endpoint", lambda a: not a.remote, "--endpoint names the daemon of --remote"),
+    ("--tolerance", "tolerance", lambda a: not a.check, "--tolerance is the limit of --check"),
+]
+
+
+def refused_flag(args: argparse.Namespace) -> str | None:
+    """Why a flag given cannot be honoured in this combination, or None when all can."""
+    for flag, attr, refused, why in getattr(args, "refuse", []):
+        if getattr(args, attr, None) not in (None, False, [], "") and refused(args):
+            return f"{flag} cannot be honoured here: {why}"
+    return None
 
 
 # -- devices -----------------------------------------------------------------------------------
@@ -229,6 +299,8 @@ def _load_feeds(specs: list[str], inputs: list[Any], seed: int) -> dict[str, Any
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.check:
+        _onnxruntime()  # before the run: a check that cannot happen is refused, not skipped
     if args.remote:
         from vkpool.daemon.cli import remote_run
 
@@ -250,15 +322,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         # timed before the check: onnxruntime in this process slowed the runs after it (a 1 GiB
         # product ran 0.77 ms after it against 0.32 ms before, on an H200)
         print_latency(sess, feeds, args.repeat)
+        code = 0
         if args.check:
-            _check_against_onnxruntime(args.model, feeds, sess, outputs)
+            code = check_against_onnxruntime(args.model, feeds, sess, outputs, args.tolerance)
         finished = True
     finally:
         if finished and _PROGRAM:
             _LEFT_OPEN.append(sess)
         else:
             sess.close()
-    return 0
+    return code
 
 
 def print_outputs(sess: Any, outputs: list[Any]) -> None:
@@ -293,23 +366,56 @@ def _checksum(value: Any) -> str:
     return f"sum={int(np.sum(value.astype(np.int64)))}"
 
 
-def _check_against_onnxruntime(model: str, feeds: dict[str, Any], sess: Any, outputs: list[Any]) -> None:
+def _onnxruntime() -> Any:
+    try:
+        import onnxruntime
+    except ImportError:
+        raise RuntimeError("--check compares with onnxruntime, which is not installed: pip install "
+                           "onnxruntime (`make test` installs it)") from None
+    return onnxruntime
+
+
+def check_against_onnxruntime(model: str, feeds: dict[str, Any], sess: Any, outputs: list[Any],
+                              tolerance: float | None = None) -> int:
+    """Prints each output's largest difference from onnxruntime (CPU); 1 when one is past
+    ``tolerance`` (relative to the largest |reference|; None: :data:`CHECK_TOLERANCE`), has NaN
+    where the reference has none, or differs in shape, dtype or (for integers and booleans) any
+    element; else 0."""
     import numpy as np
 
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        print("  --check needs onnxruntime: pip install onnxruntime", file=sys.stderr)
-        return
-    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    tolerance = CHECK_TOLERANCE if tolerance is None else tolerance
+
+    ref = _onnxruntime().InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    failed = []
     for arg, got, want in zip(sess.get_outputs(), outputs, ref):
-        if got.dtype.kind in "fc":
-            diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-            rel = float(diff.max() / max(np.abs(want).max(), 1e-30)) if diff.size else 0.0
-            print(f"  check {arg.name}: max abs diff {float(diff.max()) if diff.size else 0:.3g}, "
-                  f"relative to max |ref| {rel:.3g}")
+        want = np.asarray(want)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            print(f"  check {arg.name}: {got.dtype}{list(got.shape)} where onnxruntime gives "
+                  f"{want.dtype}{list(want.shape)}: DIFFERENT")
+            failed.append(arg.name)
+        elif got.dtype.kind in "fc":
+            wide = np.complex128 if got.dtype.kind == "c" else np.float64
+            g, w = got.astype(wide), want.astype(wide)
+            with np.errstate(invalid="ignore"):  # inf - inf where both are inf: equal, so 0
+                diff = np.where((np.isnan(g) & np.isnan(w)) | (g == w), 0.0, np.abs(g - w))
+            scale = float(np.max(np.abs(np.where(np.isfinite(w), w, 0.0)), initial=0.0))
+            largest = float(np.max(diff, initial=0.0))  # NaN when one side alone has NaN
+            ok = bool(np.all(diff <= tolerance * max(scale, 1e-30)))
+            rel = largest / max(scale, 1e-30)
+            print(f"  check {arg.name}: max abs diff {largest:.3g}, relative to max |ref| {rel:.3g}"
+                  f"{'' if ok else f': DIFFERENT (tolerance {tolerance:g})'}")
+            if not ok:
+                failed.append(arg.name)
         else:
-            print(f"  check {arg.name}: {'equal' if np.array_equal(got, want) else 'DIFFERENT'}")
+            same = np.array_equal(got, want)
+            print(f"  check {arg.name}: {'equal' if same else 'DIFFERENT'}")
+            if not same:
+                failed.append(arg.name)
+    if failed:
+        print(f"vkpool: error: --check: {len(failed)} output(s) differ from onnxruntime: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 Command = Callable[[argparse.Namespace], int]

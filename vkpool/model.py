@@ -467,6 +467,8 @@ def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int]) -> dict
     ``batch``. The same name gets the same value everywhere (inputs, outputs, value_info).
     """
     binding = dict(dims)
+    symbolic: set[str] = set()
+    batch_used = False
     for value in graph.input:
         shape = value.type.tensor_type.shape if value.type.HasField("tensor_type") else None
         if shape is None:
@@ -475,12 +477,22 @@ def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int]) -> dict
             if dim.HasField("dim_value"):
                 continue
             name = dim.dim_param
+            symbolic.add(name)
             if name and name in binding:
                 dim.dim_value = binding[name]
             elif axis == 0:
                 if name:
                     binding[name] = batch
                 dim.dim_value = batch
+                batch_used = True
+    # a binding the model has no use for would load another identical copy: refuse it
+    unknown_dims = sorted(set(dims) - symbolic)
+    if unknown_dims or (batch != 1 and not batch_used):
+        what = f"dims {unknown_dims}" if unknown_dims else f"batch={batch}"
+        inputs = ", ".join(f"{v.name} {[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]}"
+                           for v in graph.input if v.type.HasField("tensor_type"))
+        raise ModelError(f"{what}: no input of the model has such a symbolic dim (inputs: {inputs}; batch "
+                         "binds an input's symbolic first dim, dims a named one)")
     for value in [*graph.output, *graph.value_info]:
         if value.type.HasField("tensor_type"):
             for dim in value.type.tensor_type.shape.dim:

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from vkpool.errors import InvalidInput
 from vkpool.kernels.base import UnsupportedOp
 from vkpool.kernels.registry import unsupported_in
 from vkpool.memory import DeviceOutOfMemory
@@ -23,10 +24,6 @@ ORT_TYPES = {
     np.dtype(np.int8): "tensor(int8)", np.dtype(np.uint8): "tensor(uint8)",
     np.dtype(np.bool_): "tensor(bool)",
 }
-
-
-class InvalidInput(ValueError):
-    """The inputs given to ``run`` do not match the model's inputs."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +197,11 @@ class Session:
         from vkpool.batching import Batcher, BatchingError, BatchRunner
 
         at1 = self.model
-        at2 = load_model(model, batch=2, dims=dims, partial=True)
+        try:
+            at2 = load_model(model, batch=2, dims=dims, partial=True)
+        except ModelError as exc:  # the loader refuses a batch no input can take
+            raise BatchingError(f"the model has no batch dimension to batch along ({exc}): export it with a "
+                                "symbolic first dim, or leave max_batch unset") from None
         for (name, one), (_, two) in zip(at1.inputs, at2.inputs):
             if not (one.shape[:1] == (1,) and two.shape[:1] == (2,)):
                 raise BatchingError(f"input {name!r} has no batch dimension to batch along (its shape is "
