@@ -281,6 +281,7 @@ class Session:
         lacked below what the refused placement gave it, and the model is placed again.
         """
         from vkpool.partition import place_model
+        from vkpool.partition.api import WHOLE
         from vkpool.partition.plan import PartitionUnfeasible, plan_problems
 
         if devices is not None and not devices:
@@ -299,8 +300,8 @@ class Session:
             if problems:
                 raise PartitionUnfeasible("; ".join(problems), shortfall_bytes={})
             try:
-                if not over_all and len(chosen.chunks) == 1 and not chosen.replicas:
-                    self._compile_on(self.pool.member(chosen.chunks[0].member))
+                if chosen.algorithm == WHOLE:  # one member (of a model with no ops, too): one chunk
+                    self._compile_on(self.pool.member(next(iter(chosen.budget_bytes))))
                     self._placement = chosen
                 else:
                     self._start_executor(chosen, graph)
