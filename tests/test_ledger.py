@@ -136,19 +136,21 @@ def test_a_record_of_a_dead_or_reused_pid_is_dropped_when_read(own_ledger: str) 
     ledger = machine_ledger()
     key = "0000-test/0of1"
     ledger.reserve(key, "vk0", 5, 100)
-    records = json.loads(Path(own_ledger, "ledger").read_text())
-    me = f"{os.getpid()}:{process_start(os.getpid())}"
-    assert list(records) == [me]
-    held = {"command": "gone", "members": {key: {"member": "vk0", "bytes": 90}}}
+    folder = Path(own_ledger, "ledger")
+    me = f"{os.getpid()}-{process_start(os.getpid())}.json"
+    assert sorted(p.name for p in folder.glob("*.json")) == [me]
+    held = json.dumps({"command": "gone", "members": {key: {"member": "vk0", "bytes": 90}}})
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(30)
-    records[f"{dead.pid}:{process_start(os.getpid())}"] = held        # exited
-    records[f"{os.getppid()}:1"] = held                                 # a live pid started at another time
-    Path(own_ledger, "ledger").write_text(json.dumps(records))
+    stale = [folder / f"{dead.pid}-{process_start(os.getpid())}.json",  # exited
+             folder / f"{os.getppid()}-1.json"]                          # a live pid started at another time
+    for path in stale:
+        path.write_text(held)
     assert [h.pid for h in ledger.holders(key)] == [os.getpid()]
-    ledger.reserve(key, "vk0", 90, 100)  # the stale 180 bytes do not count
+    ledger.reserve(key, "vk0", 90, 100)  # the stale 180 bytes do not count, and their files go
+    assert not any(path.exists() for path in stale)
     ledger.release(key, 95)
-    assert ledger.holders(key) == [] and json.loads(Path(own_ledger, "ledger").read_text()) == {}
+    assert ledger.holders(key) == [] and list(folder.glob("*.json")) == []
 
 
 def test_the_daemon_and_a_session_here_share_one_budget(config: Path, tmp_path: Path) -> None:

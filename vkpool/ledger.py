@@ -4,12 +4,13 @@ A daemon, sessions in other programs and one-shot ``vkpool`` commands all charge
 members; each process's :class:`~vkpool.memory.Budget` checks a request against what *every*
 live process holds on that member, so a budget holds across processes.
 
-The ledger is a JSON file, ``ledger``, in :func:`ledger_dir` (``$VKPOOL_LEDGER_DIR``, else
-``$XDG_RUNTIME_DIR/vkpool``, else ``<tmp>/vkpool-<uid>``), replaced atomically at each change
-under an ``fcntl.flock`` on ``ledger.lock`` next to it. It holds one record per process (its
-pid, its start time, its command line) with the bytes it holds per member. A record whose
-process is gone, or whose pid now names a process started at another time, is dropped when
-the ledger is read: a process that dies gives its share back without doing anything.
+The ledger is the folder ``ledger`` in :func:`ledger_dir` (``$VKPOOL_LEDGER_DIR``, else
+``$XDG_RUNTIME_DIR/vkpool``, else ``<tmp>/vkpool-<uid>``): one JSON file per process holding
+memory, ``<pid>-<start time>.json`` (its command line, the bytes it holds per member), which only
+that process writes, and ``lock``, an ``fcntl.flock`` every change and every read is made
+under. A file whose process is gone, or whose pid now names a process started at another time,
+is ignored when the ledger is read and deleted by the next change: a process that dies gives
+its share back without doing anything.
 
 Members are named across processes by a key that does not depend on a process's numbering:
 the device UUID, with the split (``<uuid>/<index>of<count>``) for a member that is part of
@@ -88,7 +89,7 @@ class Ledger:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.path = directory / "ledger"
+        self.path = directory / "ledger"  # a folder: ``lock`` and one ``<pid>-<start>.json`` per process
         self._lock = threading.Lock()
         self._forget()
         self._command = _command_line()
@@ -97,7 +98,7 @@ class Ledger:
         """Holds nothing, as this process: at start, and in a child forked from a holder."""
         self._mine: dict[str, int] = {}
         self._ids: dict[str, str] = {}
-        self._me = f"{os.getpid()}:{process_start(os.getpid())}"
+        self._me = f"{os.getpid()}-{process_start(os.getpid())}"
 
     # -- changes ------------------------------------------------------------------------------
     def reserve(self, key: str, member: str, nbytes: int, budget_bytes: int) -> None:
@@ -142,23 +143,30 @@ class Ledger:
     def used_bytes(self, key: str) -> int:
         return sum(h.nbytes for h in self.holders(key))
 
-    # -- the file -----------------------------------------------------------------------------
+    # -- the files ----------------------------------------------------------------------------
     def _write_mine(self, records: dict[str, Any]) -> None:
         mine = {k: {"member": self._ids[k], "bytes": n} for k, n in self._mine.items() if n}
-        if mine:
-            records[self._me] = {"command": self._command, "members": mine}
-        else:
-            records.pop(self._me, None)
-        tmp = self.path.with_name(f"ledger.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(records, sort_keys=True))
-        os.replace(tmp, self.path)
+        path = self.path / f"{self._me}.json"
+        if not mine:
+            path.unlink(missing_ok=True)
+            return
+        # only this process writes its file, under the lock: written in place (a rename per
+        # change cost 0.85 ms on an overlay /tmp); a process killed mid-write is dead, its file ignored
+        data = json.dumps({"command": self._command, "members": mine}, sort_keys=True).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+        finally:
+            os.close(fd)
 
     def _locked(self, write: bool = True) -> "_Locked":
         return _Locked(self, write)
 
 
 class _Locked:
-    """The ledger's records, live processes only, read under the file lock."""
+    """Every live process's record (process → ``{command, members}``), read under the lock; a
+    writer deletes the files of processes that are gone."""
 
     def __init__(self, ledger: Ledger, write: bool) -> None:
         self.ledger = ledger
@@ -166,18 +174,27 @@ class _Locked:
         self.fd = -1
 
     def __enter__(self) -> dict[str, Any]:
-        directory = self.ledger.directory
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.fd = os.open(directory / "ledger.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX if self.write else fcntl.LOCK_SH)
+        folder = self.ledger.path
         try:
-            raw = json.loads(self.ledger.path.read_text())
+            self.fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         except FileNotFoundError:
-            raw = {}
-        except ValueError as exc:
-            raise RuntimeError(f"the vkpool ledger {self.ledger.path} is not valid JSON ({exc}); with no "
-                               "vkpool process running, delete it") from None
-        return {proc: rec for proc, rec in raw.items() if _alive(proc)}
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX if self.write else fcntl.LOCK_SH)
+        records: dict[str, Any] = {}
+        for name in os.listdir(folder):
+            proc, dot, ext = name.partition(".")
+            if ext != "json":
+                continue
+            if proc != self.ledger._me and not _alive(proc):
+                if self.write:
+                    (folder / name).unlink(missing_ok=True)
+                continue
+            try:
+                records[proc] = json.loads((folder / name).read_bytes())
+            except (FileNotFoundError, ValueError):
+                continue  # its process is ending or was killed while writing it
+        return records
 
     def __exit__(self, *exc: Any) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -192,12 +209,12 @@ def _command_line() -> str:
 
 
 def _alive(proc: str) -> bool:
-    pid, _, start = proc.partition(":")
-    return process_start(int(pid)) == start
+    pid, _, start = proc.partition("-")
+    return pid.isdigit() and process_start(int(pid)) == start
 
 
 def _holdings(records: dict[str, Any], key: str | None) -> list[Holding]:
-    out = [Holding(int(proc.partition(":")[0]), rec["command"], k, held["member"], int(held["bytes"]))
+    out = [Holding(int(proc.partition("-")[0]), rec["command"], k, held["member"], int(held["bytes"]))
            for proc, rec in records.items() for k, held in rec["members"].items() if key in (None, k)]
     return sorted(out, key=lambda h: (-h.nbytes, h.pid, h.key))
 
