@@ -289,7 +289,6 @@ class Session:
         over_all = devices is not None
         members = self._planner_members(list(devices) if over_all else [m.id for m in self.pool.members])
         for _attempt in range(2 * len(members) + 2):
-            self._placement_members = list(members)
             try:
                 graph, chosen = place_model(self.model, members, objective=objective, plan_over_all=over_all)
             except PartitionUnfeasible as exc:
