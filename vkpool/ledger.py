@@ -114,15 +114,15 @@ class Ledger:
                 raise DeviceOutOfMemory(member, nbytes, used, budget_bytes, _over_budget(held))
             self._mine[key] = self._mine.get(key, 0) + nbytes
             self._ids[key] = member
-            self._write_mine(records)
+            self._write_mine()
 
     def release(self, key: str, nbytes: int) -> None:
-        with self._lock, self._locked() as records:
+        with self._lock, self._locked():
             left = self._mine.get(key, 0) - nbytes
             if left < 0:
                 raise AssertionError(f"{key}: releasing {nbytes} bytes but this process holds {left + nbytes}")
             self._mine[key] = left
-            self._write_mine(records)
+            self._write_mine()
 
     def check_budget(self, key: str, member: str, budget_bytes: int) -> None:
         """Raises ValueError when the processes already hold more than ``budget_bytes`` on ``key``."""
@@ -144,7 +144,7 @@ class Ledger:
         return sum(h.nbytes for h in self.holders(key))
 
     # -- the files ----------------------------------------------------------------------------
-    def _write_mine(self, records: dict[str, Any]) -> None:
+    def _write_mine(self) -> None:
         mine = {k: {"member": self._ids[k], "bytes": n} for k, n in self._mine.items() if n}
         path = self.path / f"{self._me}.json"
         if not mine:

@@ -46,13 +46,15 @@ class Session:
     """Loads an ONNX model onto the pool and runs it.
 
     ``model``: a path or the model's bytes. ``device``: a member id (``"vk0"``, ``"vk0.1"``,
-    ``"cpu"``); by default the first Vulkan member whose budget holds the model, and when none
-    does, a plan from :func:`vkpool.partition.plan_model` over the Vulkan members (the ``cpu``
-    member joins only when they cannot hold it together) run by :class:`vkpool.executor.PlanExecutor`.
-    ``devices``: plan over exactly these members (in priority order) even when one would do;
-    ``plan``: run this plan, a :class:`~vkpool.partition.plan.Plan` made for this model or a
-    mapping op name → member id. ``objective``: the planner's objective (``"latency"`` or
-    ``"throughput"``, which may replicate the whole model on several members).
+    ``"cpu"``); by default where :func:`vkpool.partition.place_model` puts it, as ``vkpool plan``
+    shows: the first Vulkan member whose free budget (every vkpool process counted) holds the
+    model, and when none does, a plan over the Vulkan members (the ``cpu`` member joins only when
+    they cannot hold it together) run by :class:`vkpool.executor.PlanExecutor`; :attr:`placement`
+    is the plan that runs. ``devices``: plan over exactly these members (in priority order) even
+    when one would do; ``plan``: run this plan, a :class:`~vkpool.partition.plan.Plan` made for
+    this model or a mapping op name → member id. ``objective``: the placement's objective
+    (``"latency"`` or ``"throughput"``, which plans over the members and may replicate the whole
+    model on several).
     ``budgets``: member id → size (``"512MiB"`` or bytes) applied to the pool before placing.
     ``config``: a config path for the pool this session creates; ``pool``: an existing pool to
     share. ``batch``/``dims`` bind symbolic dimensions (the batch dimension defaults to 1).
