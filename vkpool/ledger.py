@@ -81,7 +81,9 @@ class Holding:
     nbytes: int
 
     def describe(self) -> str:
-        return f"pid {self.pid} ({self.command}) holds {self.nbytes} bytes"
+        from vkpool.units import format_size
+
+        return f"pid {self.pid} ({self.command}) holds {format_size(self.nbytes)}"
 
 
 class Ledger:
