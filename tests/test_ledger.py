@@ -153,6 +153,42 @@ def test_a_record_of_a_dead_or_reused_pid_is_dropped_when_read(own_ledger: str) 
     assert ledger.holders(key) == [] and list(folder.glob("*.json")) == []
 
 
+def test_a_forked_child_holds_nothing_of_its_parents(own_ledger: str) -> None:
+    ledger = machine_ledger()
+    key = "0000-test/0of1"
+    ledger.reserve(key, "vk0", 5, 100)
+    pid = os.fork()
+    if pid == 0:  # the child: ledger code only, then out
+        code = 1
+        try:
+            ledger.release(key, 5)  # freeing an inherited allocation leaves the parent's bytes alone
+            fresh = machine_ledger()
+            fresh.reserve(key, "vk0", 95, 100)  # with the parent's 5 the budget is full
+            try:
+                fresh.reserve(key, "vk0", 1, 100)
+            except MemoryError:
+                code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    assert [(h.pid, h.nbytes) for h in ledger.holders(key)] == [(os.getpid(), 5)]  # the child's 95 left with it
+    ledger.release(key, 5)
+
+
+def test_an_unusable_ledger_folder_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("VKPOOL_LEDGER_DIR", str(blocker / "below"))
+    with pytest.raises(RuntimeError, match="VKPOOL_LEDGER_DIR"):
+        machine_ledger().holders()
+
+
 def test_the_daemon_and_a_session_here_share_one_budget(config: Path, tmp_path: Path) -> None:
     """The case that went wrong: a daemon holds most of vk0's budget; a session in another
     process must not put a second model's worth on vk0."""

@@ -93,14 +93,12 @@ class Ledger:
         self.directory = directory
         self.path = directory / "ledger"  # a folder: ``lock`` and one ``<pid>-<start>.json`` per process
         self._lock = threading.Lock()
-        self._forget()
-        self._command = _command_line()
-
-    def _forget(self) -> None:
-        """Holds nothing, as this process: at start, and in a child forked from a holder."""
         self._mine: dict[str, int] = {}
         self._ids: dict[str, str] = {}
         self._me = f"{os.getpid()}-{process_start(os.getpid())}"
+        self._command = _command_line()
+        #: set in a child forked from the process that made this object: the bytes are the parent's
+        self.inherited = False
 
     # -- changes ------------------------------------------------------------------------------
     def reserve(self, key: str, member: str, nbytes: int, budget_bytes: int) -> None:
@@ -109,6 +107,9 @@ class Ledger:
         bytes on it would pass ``budget_bytes``."""
         from vkpool.memory import DeviceOutOfMemory
 
+        if self.inherited:
+            raise RuntimeError("a device pool made before this process was forked cannot allocate here: "
+                               "make the pool (or the Session) in the child process")
         with self._lock, self._locked() as records:
             held = _holdings(records, key)
             used = sum(h.nbytes for h in held)
@@ -119,6 +120,8 @@ class Ledger:
             self._write_mine()
 
     def release(self, key: str, nbytes: int) -> None:
+        if self.inherited:  # freed in a forked child: the parent still holds the memory it charged
+            return
         with self._lock, self._locked():
             left = self._mine.get(key, 0) - nbytes
             if left < 0:
@@ -180,8 +183,9 @@ class _Locked:
         try:
             self.fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         except FileNotFoundError:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+            self.fd = _create(folder)
+        except OSError as exc:
+            raise _unusable(folder, exc) from None
         fcntl.flock(self.fd, fcntl.LOCK_EX if self.write else fcntl.LOCK_SH)
         records: dict[str, Any] = {}
         for name in os.listdir(folder):
@@ -201,6 +205,22 @@ class _Locked:
     def __exit__(self, *exc: Any) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+
+def _create(folder: Path) -> int:
+    """Makes the ledger's folder (private to this user) and opens its lock."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if folder.parent.stat().st_uid != os.getuid():  # another user's folder in a shared /tmp
+            raise PermissionError(f"{folder.parent} belongs to another user")
+        return os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise _unusable(folder, exc) from None
+
+
+def _unusable(folder: Path, exc: OSError) -> RuntimeError:
+    return RuntimeError(f"the vkpool ledger {folder} cannot be used ({exc}); every vkpool process of this "
+                        f"machine shares it: set {LEDGER_DIR_ENV} to a folder of yours")
 
 
 def _command_line() -> str:
@@ -244,10 +264,13 @@ def machine_ledger() -> Ledger:
 
 
 def _forget_in_child() -> None:
-    # a forked child holds nothing yet: what its parent holds stays the parent's
+    # a forked child holds nothing yet: what its parent holds stays the parent's, and a pool it
+    # inherited charges nothing here (its Vulkan objects are the parent's too)
+    global _LEDGERS_LOCK
     for ledger in _LEDGERS.values():
-        ledger._lock = threading.Lock()
-        ledger._forget()
+        ledger.inherited = True
+    _LEDGERS.clear()
+    _LEDGERS_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
