@@ -5,18 +5,15 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import workloads
 from conftest import vulkan_pool
 from vkpool.cli import main
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import workloads  # noqa: E402
 
 WORKLOADS = ["mnist12_like", "mlp", "conv_few_15MB", "add_chain_10"]
 
