@@ -109,26 +109,28 @@ def test_two_processes_asking_at_once_cannot_both_pass_the_budget(config: Path, 
             stop(p)
 
 
-def test_vkpool_devices_shows_what_each_process_holds(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_vkpool_devices_shows_what_each_process_holds(config: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from vkpool.cli import main
 
     vulkan_pool(config).close()
+    monkeypatch.setenv("VKPOOL_CONFIG", str(config))  # as --config would, undone after the test
     other = holder(config, 20 * MiB)
     try:
         assert said(other) == "up" and said(other) == "held"
-        assert main(["--config", str(config), "devices"]) == 0
+        assert main(["devices"]) == 0
         out = capsys.readouterr().out
         vk0_row = next(line for line in out.splitlines() if line.startswith("vk0 "))
         assert vk0_row.split()[-2:] == ["20", "MiB"]  # USED counts the other process
         holders = out.split("Held by processes on this machine:")[1].splitlines()
         assert any(line.split()[:2] == ["vk0", str(other.pid)] and line.endswith("20 MiB") for line in holders)
-        assert main(["--config", str(config), "devices", "--json"]) == 0
+        assert main(["devices", "--json"]) == 0
         vk0 = json.loads(capsys.readouterr().out)["members"][0]
         assert vk0["used_bytes"] == 20 * MiB
         assert [(h["pid"], h["bytes"]) for h in vk0["holders"]] == [(other.pid, 20 * MiB)]
     finally:
         stop(other)
-    assert main(["--config", str(config), "devices"]) == 0
+    assert main(["devices"]) == 0
     assert "No vkpool process holds memory." in capsys.readouterr().out
 
 
