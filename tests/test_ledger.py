@@ -82,9 +82,11 @@ def test_another_process_holding_memory_counts_against_the_budget_here(config: P
         assert vk0.used_bytes == 30 * MiB and vk0.budget.used_bytes == 10 * MiB
         with pytest.raises(ValueError, match=f"pid {other.pid}"):
             pool.set_budget("vk0", 24 * MiB)  # below what the two processes hold together
-        # a process that dies gives its share back: no stale entry
+        # a process that dies gives its share back: no stale entry, even before its parent reaps it
         other.send_signal(signal.SIGKILL)
-        other.wait(30)
+        deadline = time.monotonic() + 30
+        while process_start(other.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [h.pid for h in vk0.budget.holders()] == [os.getpid()] and vk0.used_bytes == 10 * MiB
         more = vk0.alloc(20 * MiB)
         more.free()

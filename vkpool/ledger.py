@@ -50,7 +50,8 @@ def member_key(uuid: str, split_index: int | None = None, split_count: int = 1) 
 
 
 def process_start(pid: int) -> str | None:
-    """When ``pid`` started (clock ticks since boot, from ``/proc``); None when it is not running.
+    """When ``pid`` started (clock ticks since boot, from ``/proc``); None when it is not running
+    (or has exited and awaits its parent's wait).
 
     Where ``/proc`` is missing, a running process answers ``"?"``: its pid alone names it."""
     try:
@@ -67,7 +68,10 @@ def process_start(pid: int) -> str | None:
             pass
         return "?"
     # the command name (field 2) may hold spaces and parentheses: count fields after its last ')'
-    return stat[stat.rindex(b")") + 2:].split()[19].decode()
+    fields = stat[stat.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):  # exited, not yet reaped by its parent: it holds nothing
+        return None
+    return fields[19].decode()
 
 
 @dataclass(frozen=True)
