@@ -49,17 +49,33 @@ class Engine:
         self.pool.set_budget(member, nbytes)
 
     def what_if(self, session: Any, budgets: Mapping[str, int]) -> Any:
-        """The partitioner's plan for a loaded model under other budgets; allocates nothing."""
-        from vkpool.partition import plan_model
-        from vkpool.partition.cost import Member, pool_member_cost
-        from vkpool.partition.render import to_json_dict, to_text
+        """The placement ``session``'s model would run with were the members' budgets ``budgets``
+        (member → bytes; none: the placement it runs), rendered as ``vkpool plan`` renders it. As a
+        budget change leaves it (:mod:`vkpool.daemon.budgets`): where every changed budget still
+        holds what its member holds now, the placement it runs now; else the model placed afresh
+        (:func:`vkpool.partition.place_model`) with its own memory given back. Allocates nothing."""
+        import dataclasses
 
-        members = []
-        for m in self.pool.members:
-            members.append(Member(m.id, int(budgets.get(m.id, m.budget_bytes)), pool_member_cost(m), m.kind,
-                                  getattr(getattr(m, "info", None), "name", "")))
-        plan = plan_model(session.model, members)
-        return _RenderedPlan(to_text(plan), to_json_dict(plan))
+        from vkpool.partition import place_model
+        from vkpool.partition.render import to_json_dict, to_text
+        from vkpool.placement import planner_members
+
+        placement = session.placement
+        if placement is None:
+            if budgets:
+                raise ValueError("the model's shapes depend on run-time values: its parts are placed as "
+                                 "they are compiled, so it has no plan to weigh against other budgets")
+            return session.plan  # a cut model: its parts' plans, as the session shows them
+        used = {m.id: int(m.used_bytes) for m in self.pool.members}
+        if any(nbytes < used[member] for member, nbytes in budgets.items()):
+            mine = session.memory_by_member()
+            free = {m.id: int(budgets.get(m.id, m.budget_bytes)) - used[m.id] + int(mine.get(m.id, 0))
+                    for m in self.pool.members}
+            m = session.model  # placing may divide products: on a copy, the session runs this one
+            model = dataclasses.replace(m, nodes=list(m.nodes), constants=dict(m.constants),
+                                        tensors=dict(m.tensors), column_splits=dict(m.column_splits))
+            placement = place_model(model, planner_members(self.pool, budgets=free))[1]
+        return _RenderedPlan(to_text(placement), to_json_dict(placement))
 
 
 def member_name(member: Any) -> str:

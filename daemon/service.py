@@ -492,7 +492,8 @@ class Service:
         def plan() -> dict[str, Any]:
             entry.gate.acquire_shared()
             try:
-                the_plan = self.engine.what_if(entry.session, budgets) if budgets else entry.session.plan
+                # as `vkpool plan` renders the same placement
+                the_plan = self.engine.what_if(entry.session, budgets)
             finally:
                 entry.gate.release_shared()
             as_json = the_plan.to_json()

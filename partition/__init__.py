@@ -1,6 +1,7 @@
 """Partitioning ONNX graphs across pool members under memory budgets.
 
-``plan_model(model, members)`` is the entry point; the pieces are importable on their own:
+``plan_model(model, members)`` runs a planner and ``place_model(model, members)`` is where vkpool
+runs a model (the placement ``vkpool plan``, sessions and the daemon share); the pieces are importable on their own:
 :mod:`.graph` (model → networkx DiGraph with costs), :mod:`.cost` (member speeds, calibration
 cache, device spec files), :mod:`.plan` (the Plan, its pricing and validator),
 :mod:`.algorithms` (greedy baseline, optimal DP, exhaustive oracle), :mod:`.ilp` (an integer-programming
@@ -14,7 +15,7 @@ from typing import Any
 #: name → submodule; loaded on first use, so that ``vkpool run`` (whose parser registers
 #: ``vkpool plan``) does not import networkx
 _EXPORTS = {
-    "plan_model": "api",
+    "plan_model": "api", "place_model": "api",
     "dp_partition": "algorithms", "exhaustive_partition": "algorithms", "greedy_partition": "algorithms",
     "Member": "cost", "MemberCost": "cost", "load_device_spec": "cost",
     "build_graph": "graph",

@@ -1,16 +1,22 @@
-"""The one call most users need: a loaded model and members in, a Plan out."""
+"""The calls most users need: a loaded model and members in, a Plan out.
+
+:func:`plan_model` runs one planner; :func:`place_model` is where vkpool runs a model, the one
+placement that ``vkpool plan``, ``vkpool run``, :class:`vkpool.Session` and the daemon share.
+"""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import networkx as nx
 
 from vkpool.partition.algorithms import OBJECTIVES, dp_partition, greedy_partition
 from vkpool.partition.cost import Member
 from vkpool.partition.graph import build_graph
-from vkpool.partition.plan import Plan
+from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan
 
 ALGORITHMS = {"dp": dp_partition, "greedy": greedy_partition}
+#: ``Plan.algorithm`` of a placement that puts the whole model on one member without planning
+WHOLE = "whole"
 
 
 def plan_model(
@@ -25,11 +31,73 @@ def plan_model(
 
     Raises :class:`~vkpool.partition.plan.PartitionUnfeasible` when nothing fits; never returns None.
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    _check(objective, algorithm)
     if not members:
         raise ValueError("no members to plan on")
     G = model if isinstance(model, nx.DiGraph) else build_graph(model)  # type: ignore[arg-type]
     return ALGORITHMS[algorithm](G, members, objective=objective)
+
+
+def place_model(
+    model: Any,
+    members: Sequence[Member],
+    *,
+    objective: str = "latency",
+    algorithm: str = "dp",
+    plan_over_all: bool = False,
+) -> tuple[nx.DiGraph, Plan]:
+    """Where vkpool runs ``model`` (a :class:`~vkpool.model.LoadedModel`) on ``members`` (planner
+    members in the pool's order, each budget being what the member has free): the model's graph
+    and the plan.
+
+    With ``plan_over_all`` (``Session(devices=...)``, ``vkpool plan --devices``) it is the
+    planner's plan over exactly these members. Otherwise the first that fits of:
+
+    1. with the latency objective, the whole model on the first Vulkan member whose budget holds
+       it (its peak memory as :mod:`vkpool.partition.plan` prices it); ``algorithm`` is
+       :data:`WHOLE`;
+    2. the planner's plan over the Vulkan members;
+    3. the planner's plan over every member (the host member joins only here).
+
+    With no Vulkan member, 1 and 3 apply to the host members. Products whose weight passes half
+    the largest budget of the members first planned over are divided into column blocks first
+    (:func:`vkpool.column_split.split_for_budgets`), in place, as the compile then needs them.
+    Raises :class:`PartitionUnfeasible` naming what each step lacked. O(ops + reads) per
+    member for step 1, then the planner's cost.
+    """
+    from vkpool.column_split import split_for_budgets
+
+    _check(objective, algorithm)
+    if not members:
+        raise ValueError("no members to place on: check the config's device rules and host.enabled")
+    if plan_over_all:
+        split_for_budgets(model, [m.budget_bytes for m in members])
+        G = build_graph(model)
+        return G, plan_model(G, members, objective=objective, algorithm=algorithm)
+    first = [m for m in members if m.kind == "vulkan"] or list(members)
+    G = build_graph(model)
+    reasons: list[str] = []
+    if objective == "latency":
+        for m in first:
+            whole = build_plan(G, {op: m.id for op in G.graph["order"]}, [m], objective=objective, algorithm=WHOLE)
+            if whole.memory_bytes[m.id] <= m.budget_bytes:
+                return G, whole
+            reasons.append(f"{m.id} alone needs {whole.memory_bytes[m.id]} bytes of {m.budget_bytes} free")
+    if split_for_budgets(model, [m.budget_bytes for m in first]):
+        G = build_graph(model)
+    shortfall: dict[str, int] = {}
+    for group in ([first, list(members)] if len(first) < len(members) else [first]):
+        try:
+            return G, plan_model(G, group, objective=objective, algorithm=algorithm)
+        except PartitionUnfeasible as exc:
+            reasons.append(f"a plan over {', '.join(m.id for m in group)}: {exc}")
+            shortfall = exc.shortfall_bytes
+    raise PartitionUnfeasible("no member's budget holds the whole model, nor do the members together: "
+                              + "; ".join(reasons), shortfall_bytes=shortfall)
+
+
+def _check(objective: str, algorithm: str) -> None:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")

@@ -19,8 +19,11 @@ def add_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser(
         "plan", help="partition a model across members and show the plan",
-        description="Partition MODEL across the pool's members (or those of a device spec file) "
-                    "under their memory budgets and print the plan.",
+        description="Print where MODEL runs on this machine's pool: the placement `vkpool run`, a "
+                    "Session and the daemon use (the whole model on the first Vulkan member whose free "
+                    "budget holds it, else a plan over the Vulkan members, else over every member), "
+                    "under what each member's budget has free. With --devices, the planner's plan "
+                    "over the members of a device spec file.",
         epilog="Examples:\n"
                "  vkpool plan model.onnx --devices partition/specs/2xh200.yaml --budget gpu0=512MiB\n"
                "  vkpool plan model.onnx --objective throughput --format svg -o plan.svg\n"
@@ -30,7 +33,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--budget", action="append", default=[], metavar="ID=SIZE",
                    help="override a member's budget (e.g. gpu0=512MiB); repeatable")
     p.add_argument("--devices", metavar="SPEC.yaml",
-                   help="plan for the members described in this file instead of this machine's pool")
+                   help="plan over exactly the members described in this file instead of placing the "
+                        "model on this machine's pool")
     p.add_argument("--objective", choices=("latency", "throughput"),
                    help="what the plan minimises: latency (default) or the pipelined period")
     p.add_argument("--algorithm", choices=("dp", "greedy"), help="dp (optimal, default) or greedy (VKML first-fit)")
@@ -48,20 +52,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from vkpool.column_split import split_for_budgets
-    from vkpool.partition.api import plan_model
+    """The plan ``vkpool run``, a Session and the daemon would run MODEL with on this machine
+    (:func:`vkpool.partition.place_model` over the pool, each member's budget less what every
+    vkpool process holds), or with ``--devices`` the planner's plan over that file's members."""
+    from vkpool.partition.api import place_model
     from vkpool.partition.cost import load_device_spec
-    from vkpool.partition.graph import build_graph
     from vkpool.partition.render import render
 
     if args.remote is not None:
         return run_remote_plan(args)
-    members = load_device_spec(args.devices) if args.devices else pool_members()
-    members = apply_budgets(members, args.budget)
+    members = apply_budgets(load_device_spec(args.devices), args.budget) if args.devices else pool_members(args.budget)
     model = _static_model(args.model, args.batch or 1)
-    split_for_budgets(model, [m.budget_bytes for m in members])  # as a session planning over them does
-    G = build_graph(model)
-    plan = plan_model(G, members, objective=args.objective or "latency", algorithm=args.algorithm or "dp")
+    G, plan = place_model(model, members, objective=args.objective or "latency", algorithm=args.algorithm or "dp",
+                          plan_over_all=bool(args.devices))
     text = render(G, plan, args.format)
     if args.output:
         Path(args.output).write_text(text)
@@ -109,23 +112,38 @@ def apply_budgets(members: list[Member], overrides: list[str]) -> list[Member]:
     from vkpool.units import parse_size
 
     by_id = {m.id: m for m in members}
-    for item in overrides:
-        member_id, sep, size = item.partition("=")
-        if not sep or member_id not in by_id:
-            raise ValueError(f"--budget {item!r}: expected ID=SIZE with ID one of {', '.join(by_id)}")
+    for member_id, size in parse_overrides(overrides, list(by_id)).items():
         by_id[member_id] = by_id[member_id].with_budget(parse_size(size))
     return [by_id[m.id] for m in members]
 
 
-def pool_members() -> list[Member]:
-    """This machine's pool members, priced by their cached calibration (``vkpool calibrate``; else the
-    kind's default)."""
-    from vkpool.partition.cost import Member, pool_member_cost
-    from vkpool.pool import DevicePool
+def parse_overrides(overrides: list[str], ids: list[str]) -> dict[str, str]:
+    """``ID=SIZE`` items as member id → size text; an unknown id or a missing ``=`` is an error."""
+    out: dict[str, str] = {}
+    for item in overrides:
+        member_id, sep, size = item.partition("=")
+        if not sep or member_id not in ids:
+            raise ValueError(f"--budget {item!r}: expected ID=SIZE with ID one of {', '.join(ids)}")
+        out[member_id] = size
+    return out
+
+
+def pool_members(overrides: list[str] = []) -> list[Member]:
+    """This machine's pool members as a session placing a model sees them: what each has free of
+    its budget (every vkpool process counted) and its cached calibration (``vkpool calibrate``;
+    else the kind's default). ``ID=SIZE`` overrides: that budget (a size, or a percentage of the
+    heap) less what the processes hold, as ``Session(budgets=...)`` would leave free."""
+    from vkpool.placement import planner_members
+    from vkpool.pool import DevicePool, VulkanMember
+    from vkpool.units import parse_size
 
     pool = DevicePool.from_config(None)
     try:
-        return [Member(m.id, m.budget_bytes, pool_member_cost(m), m.kind, getattr(getattr(m, "info", None), "name", ""))
-                for m in pool.members]
+        free = {}
+        for member_id, size in parse_overrides(overrides, [m.id for m in pool.members]).items():
+            member = pool.member(member_id)
+            heap = member.info.device_local_heap.size if isinstance(member, VulkanMember) else None
+            free[member_id] = parse_size(size, of=heap) - member.used_bytes
+        return planner_members(pool, budgets=free)
     finally:
         pool.close()

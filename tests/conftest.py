@@ -1,7 +1,10 @@
 """Shared fixtures: a real Vulkan pool (lavapipe in CI) and a private cache directory."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,19 @@ import pytest
 # checkout (kept between runs so shaders compile once; another checkout has its own).
 os.environ.setdefault("VKPOOL_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".test-cache"))
 os.environ.pop("VKPOOL_CONFIG", None)
+# Budgets are machine-wide (vkpool.ledger): this run's pools account in a ledger of its own, and
+# each test's in one of the test's (own_ledger), so that runs and tests side by side do not meet.
+LEDGER_BASE = tempfile.mkdtemp(prefix="vkpool-ledger-")
+atexit.register(shutil.rmtree, LEDGER_BASE, True)
+os.environ["VKPOOL_LEDGER_DIR"] = LEDGER_BASE
+
+
+@pytest.fixture(autouse=True)
+def own_ledger(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The ledger directory of this test's pools, sessions and the processes it starts."""
+    path = tempfile.mkdtemp(prefix="t", dir=LEDGER_BASE)
+    monkeypatch.setenv("VKPOOL_LEDGER_DIR", path)
+    return path
 
 
 def vulkan_pool(config=None):

@@ -43,6 +43,6 @@ def test_demo_runs_end_to_end(pool) -> None:  # the pool fixture skips where the
     for client in (1, 2, 3):  # every client finished its share and has a row in the results table
         assert re.search(rf"^\s+\[client {client}\]\s+(\d+)/\1 jobs answered$", out, re.M), out
         assert re.search(rf"^\s+{client}\s+\d+\s+\d+\s+\d+\s+\d\.\d+\s+[\d.]+ ms", out, re.M), out
-    assert "chunk 0 on " in out  # the plan was printed
+    assert "Chunk 0: device=" in out  # the plan was printed, as `vkpool plan` prints it
     assert re.search(r"agrees on (\d+)/\1 predictions", out), out
     assert "stopped (exit status 0)" in out

@@ -279,11 +279,14 @@ def test_cli_plan_remote_asks_the_running_daemon(tmp_path: Path, capsys: pytest.
         wait_ready(endpoint, proc)
         assert main(["plan", str(model), "--remote", endpoint]) == 0
         ops = len(load_model(model).nodes)  # the daemon plans the graph it runs: biases and Relus fused
-        assert capsys.readouterr().out.startswith(f"chunk 0 on vk0: {ops} ops")
+        text = capsys.readouterr().out  # the format of a local `vkpool plan`
+        assert text.startswith("Plan: algorithm=whole objective=latency chunks=1 ")
+        assert f"Chunk 0: device=vk0 ops={ops} " in text
         out = tmp_path / "remote.json"
         assert main(["plan", str(model), "--remote", endpoint, "--format", "json", "-o", str(out)]) == 0
         data = json.loads(out.read_text())
-        assert data["members"] == ["vk0"] and sum(c["ops"] for c in data["chunks"]) == ops
+        assert data["schema"] == "vkpool.plan" and [c["member"] for c in data["chunks"]] == ["vk0"]
+        assert len(data["ops"]) == ops
         # what-if: with no room on vk0 the daemon plans on its host member
         assert main(["plan", str(model), "--remote", endpoint, "--budget", "vk0=1KiB", "--format", "json",
                      "-o", str(out)]) == 0

@@ -218,6 +218,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
                 rows.append((m.id, "host (numpy)", "-", "cpu", "-", "-", "-", format_size(m.budget_bytes),
                              format_size(m.used_bytes)))
         _table(rows)
+        _print_holders(pool.members)
         seen = set()
         for m in pool.vulkan_members:
             i = m.info
@@ -239,6 +240,18 @@ def cmd_devices(args: argparse.Namespace) -> int:
         return 0
     finally:
         pool.close()
+
+
+def _print_holders(members: list[Any]) -> None:
+    """What each vkpool process on this machine holds on each member (the shared ledger)."""
+    from vkpool.units import format_size
+
+    rows: list[tuple[Any, ...]] = [("MEMBER", "PID", "PROCESS", "HOLDS")]
+    for m in members:
+        rows += [(m.id, h.pid, h.command, format_size(h.nbytes)) for h in m.budget.holders()]
+    print("\nHeld by processes on this machine:" if len(rows) > 1 else "\nNo vkpool process holds memory.")
+    if len(rows) > 1:
+        _table(rows)
 
 
 def _table(rows: list[tuple[Any, ...]]) -> None:

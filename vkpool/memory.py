@@ -51,18 +51,31 @@ class DeviceOutOfMemory(MemoryError):
 
 
 class Budget:
-    """Thread-safe accounting of a member's bytes against its cap."""
+    """Thread-safe accounting of a member's bytes against its cap.
 
-    def __init__(self, member: str, budget_bytes: int) -> None:
+    With a ``key`` the cap is machine-wide: a request is checked against what every vkpool
+    process holds on the member (:mod:`vkpool.ledger`), and this one's bytes are recorded there.
+    ``used_bytes`` stays what this budget's own allocations hold; :attr:`machine_used_bytes`
+    and :meth:`holders` tell about every process."""
+
+    def __init__(self, member: str, budget_bytes: int, key: str | None = None) -> None:
         self.member = member
         self.budget_bytes = int(budget_bytes)
         self.used_bytes = 0
         self.peak_bytes = 0
+        self.key = key
+        self._ledger = None
+        if key is not None:
+            from vkpool.ledger import machine_ledger
+
+            self._ledger = machine_ledger()
         self._lock = threading.Lock()
 
     def reserve(self, nbytes: int) -> None:
         with self._lock:
-            if self.used_bytes + nbytes > self.budget_bytes:
+            if self._ledger is not None:
+                self._ledger.reserve(self.key, self.member, nbytes, self.budget_bytes)
+            elif self.used_bytes + nbytes > self.budget_bytes:
                 raise DeviceOutOfMemory(self.member, nbytes, self.used_bytes, self.budget_bytes)
             self.used_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -71,11 +84,15 @@ class Budget:
         with self._lock:
             if nbytes > self.used_bytes:
                 raise AssertionError(f"{self.member}: releasing {nbytes} bytes but only {self.used_bytes} used")
+            if self._ledger is not None:
+                self._ledger.release(self.key, nbytes)
             self.used_bytes -= nbytes
 
     def set_budget(self, budget_bytes: int) -> None:
         with self._lock:
-            if budget_bytes < self.used_bytes:
+            if self._ledger is not None:
+                self._ledger.check_budget(self.key, self.member, budget_bytes)
+            elif budget_bytes < self.used_bytes:
                 raise ValueError(
                     f"{self.member}: a budget of {format_size(budget_bytes)} is below the "
                     f"{format_size(self.used_bytes)} already in use"
@@ -83,8 +100,19 @@ class Budget:
             self.budget_bytes = int(budget_bytes)
 
     @property
+    def machine_used_bytes(self) -> int:
+        """What every vkpool process on this machine holds on the member (this budget's bytes
+        alone without a ledger key)."""
+        return self._ledger.used_bytes(self.key) if self._ledger is not None else self.used_bytes
+
+    def holders(self) -> list[Any]:
+        """Every live process's :class:`~vkpool.ledger.Holding` on the member (empty without a key)."""
+        return self._ledger.holders(self.key) if self._ledger is not None else []
+
+    @property
     def free_bytes(self) -> int:
-        return self.budget_bytes - self.used_bytes
+        """What a new allocation may take: the cap less what every process holds."""
+        return self.budget_bytes - self.machine_used_bytes
 
 
 @dataclass(eq=False)

@@ -1,9 +1,12 @@
-"""Where a session runs a model: whole on one member, or a partition plan over several."""
+"""Where a session runs a model: whole on one member, or a partition plan over several.
+
+:func:`planner_members` is the pool as every placement sees it (``vkpool plan``, sessions, the
+daemon's what-if); :func:`vkpool.partition.place_model` then decides."""
 from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from vkpool.units import format_size
 
@@ -103,6 +106,23 @@ class MultiMemberPlan:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def planner_members(pool: Any, ids: Sequence[str] | None = None,
+                    budgets: Mapping[str, int] | None = None) -> list[Any]:
+    """The partitioner's view of ``pool``'s members (``ids``, else all, in the pool's order):
+    what each has free of its budget, counting every vkpool process on the machine
+    (:mod:`vkpool.ledger`), and its speeds (:func:`vkpool.partition.cost.pool_member_cost`).
+    ``budgets``: member id → bytes free instead, for a what-if."""
+    from vkpool.partition.cost import Member as PlanMember, pool_member_cost
+
+    out = []
+    for member_id in ids if ids is not None else [m.id for m in pool.members]:
+        member = pool.member(member_id)
+        free = member.budget.free_bytes if budgets is None or member.id not in budgets else budgets[member.id]
+        out.append(PlanMember(member.id, max(0, int(free)), pool_member_cost(member), member.kind,
+                              getattr(getattr(member, "info", None), "name", "")))
+    return out
 
 
 def balanced_cut(graph: Any, k: int) -> list[list[str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import threading
+from collections import Counter
 from typing import Any, Iterable
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from vkpool.config.loader import Config, ConfigError, DeviceRule, load_config
 from vkpool import inline_weights, progress
 from vkpool.discovery import PhysicalDeviceInfo, discover
+from vkpool.ledger import HOST_KEY, member_key
 from vkpool.memory import HOST_BLOCK_BYTES, Allocation, BlockAllocator, Budget, DeviceOutOfMemory
 from vkpool.units import format_size, parse_size
 
@@ -43,9 +45,10 @@ class Member:
 
     kind = ""
 
-    def __init__(self, member_id: str, budget_bytes: int) -> None:
+    def __init__(self, member_id: str, budget_bytes: int, ledger_key: str | None = None) -> None:
         self.id = member_id
-        self.budget = Budget(member_id, budget_bytes)
+        # with a ledger key the budget is machine-wide (vkpool.ledger); without, this object's own
+        self.budget = Budget(member_id, budget_bytes, ledger_key)
         #: the config's planner speeds for this member (``cost:``), over its calibration
         self.cost_override: dict[str, float] = {}
 
@@ -55,10 +58,16 @@ class Member:
 
     @property
     def used_bytes(self) -> int:
-        return self.budget.used_bytes
+        """What every vkpool process on this machine holds on the member."""
+        return self.budget.machine_used_bytes
 
     def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "kind": self.kind, "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes}
+        """The member, with ``used_bytes`` counting every process and ``holders`` naming them."""
+        held = self.budget.holders()
+        return {"id": self.id, "kind": self.kind, "budget_bytes": self.budget_bytes,
+                "used_bytes": sum(h.nbytes for h in held) if self.budget.key else self.used_bytes,
+                "holders": [{"pid": h.pid, "command": h.command, "member": h.member, "bytes": h.nbytes}
+                            for h in held]}
 
     def close(self) -> None:
         pass
@@ -87,8 +96,8 @@ class HostAllocation:
 class HostMember(Member):
     kind = "host"
 
-    def __init__(self, budget_bytes: int) -> None:
-        super().__init__("cpu", budget_bytes)
+    def __init__(self, budget_bytes: int, ledger_key: str | None = None) -> None:
+        super().__init__("cpu", budget_bytes, ledger_key)
         self.info = None
 
     def alloc(self, nbytes: int) -> HostAllocation:
@@ -108,8 +117,8 @@ class VulkanMember(Member):
     kind = "vulkan"
 
     def __init__(self, member_id: str, info: PhysicalDeviceInfo, device: Any, budget_bytes: int,
-                 split_index: int | None = None) -> None:
-        super().__init__(member_id, budget_bytes)
+                 split_index: int | None = None, ledger_key: str | None = None) -> None:
+        super().__init__(member_id, budget_bytes, ledger_key)
         self.info = info
         self.device = device
         self.split_index = split_index
@@ -247,14 +256,16 @@ class DevicePool:
 
         devices: dict[int, Any] = {}
         members: list[Member] = []
+        splits = Counter(info.index for _, info, _, _ in plan)
         for member_id, info, budget, split_index in plan:
             if info.index not in devices:
                 devices[info.index] = LogicalDevice(info)
-            members.append(VulkanMember(member_id, info, devices[info.index], budget, split_index))
+            key = member_key(info.uuid, split_index, splits[info.index])
+            members.append(VulkanMember(member_id, info, devices[info.index], budget, split_index, key))
             rule = next((r for r in cfg.devices if matches(info, r.match)), None)
             members[-1].cost_override = dict(rule.cost) if rule is not None else {}
         if cfg.host.enabled:
-            members.append(HostMember(parse_size(cfg.host.budget)))
+            members.append(HostMember(parse_size(cfg.host.budget), HOST_KEY))
             members[-1].cost_override = dict(cfg.host.cost)
         return cls(members, devices, cfg)
 

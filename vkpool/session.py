@@ -43,13 +43,15 @@ class Session:
     """Loads an ONNX model onto the pool and runs it.
 
     ``model``: a path or the model's bytes. ``device``: a member id (``"vk0"``, ``"vk0.1"``,
-    ``"cpu"``); by default the first Vulkan member whose budget holds the model, and when none
-    does, a plan from :func:`vkpool.partition.plan_model` over the Vulkan members (the ``cpu``
-    member joins only when they cannot hold it together) run by :class:`vkpool.executor.PlanExecutor`.
-    ``devices``: plan over exactly these members (in priority order) even when one would do;
-    ``plan``: run this plan, a :class:`~vkpool.partition.plan.Plan` made for this model or a
-    mapping op name → member id. ``objective``: the planner's objective (``"latency"`` or
-    ``"throughput"``, which may replicate the whole model on several members).
+    ``"cpu"``); by default where :func:`vkpool.partition.place_model` puts it, as ``vkpool plan``
+    shows: the first Vulkan member whose free budget (every vkpool process counted) holds the
+    model, and when none does, a plan over the Vulkan members (the ``cpu`` member joins only when
+    they cannot hold it together) run by :class:`vkpool.executor.PlanExecutor`; :attr:`placement`
+    is the plan that runs. ``devices``: plan over exactly these members (in priority order) even
+    when one would do; ``plan``: run this plan, a :class:`~vkpool.partition.plan.Plan` made for
+    this model or a mapping op name → member id. ``objective``: the placement's objective
+    (``"latency"`` or ``"throughput"``, which plans over the members and may replicate the whole
+    model on several).
     ``budgets``: member id → size (``"512MiB"`` or bytes) applied to the pool before placing.
     ``config``: a config path for the pool this session creates; ``pool``: an existing pool to
     share. ``batch``/``dims`` bind symbolic dimensions (the batch dimension defaults to 1).
@@ -137,6 +139,8 @@ class Session:
         self._batcher: Any = None
         self._chunk: Any = None
         self._executor: Any = None
+        self._placement: Any = None
+        self._placement_members: list[Any] = []
         self.dynamic: Any = None
         self._closed = False
         self._lock = threading.Lock()
@@ -164,10 +168,14 @@ class Session:
             if loaded.unresolved:
                 raise ModelError(f"tensor {loaded.unresolved[0]!r}: shape or dtype is still unknown after "
                                  "binding symbolic dims")
-            if devices is not None or plan is not None:
-                self._compile_plan(devices, plan, objective)
+            if plan is not None:
+                self._compile_plan(plan)
+            elif device is not None:
+                member = self.pool.member(device)
+                self._placement_members = self._planner_members([device])
+                self._compile_on(member)
             else:
-                self._compile(device)
+                self._place(devices, objective)
             return
         if self._processes:
             raise ValueError("the model's shapes depend on run-time values, so it is compiled in parts in this "
@@ -247,114 +255,99 @@ class Session:
             raise RuntimeError("the pool has no members: check the config's device rules and host.enabled")
         return members
 
-    def _compile(self, device: str | None) -> None:
+    def _compile_on(self, member: Member) -> None:
+        """The whole model as one chunk on ``member``."""
         from vkpool.engine import HostChunk, VulkanChunk
 
         m = self.model
         used = {n for node in m.nodes for n in node.inputs if n}
         self._chunk_outputs = [name for name, _ in m.outputs if name not in m.constants]
         self._chunk_inputs = [name for name, _ in m.inputs if name in used or name in self._chunk_outputs]
-        errors: list[str] = []
-        candidates = self._candidates(device)
-        for member in candidates:
-            if device is None and not isinstance(member, VulkanMember) and self.pool.vulkan_members:
-                break  # no Vulkan member holds it whole: split it before falling back to the host
-            cls = VulkanChunk if isinstance(member, VulkanMember) else HostChunk
-            tensors = dict(m.tensors)
-            try:
-                self._chunk = cls(member, m.nodes, tensors, m.constants, self._chunk_inputs,
-                                  self._chunk_outputs, m.opset)
-                self.member = member
-                return
-            except DeviceOutOfMemory as exc:
-                errors.append(str(exc))
-                if device is not None:
-                    raise
-        if device is None and self.pool.vulkan_members and m.nodes:
-            from vkpool.partition.plan import PartitionUnfeasible
-
-            vulkan = [mm.id for mm in self.pool.vulkan_members]
-            hosts = [mm.id for mm in candidates if not isinstance(mm, VulkanMember)]
-            for ids in ([vulkan, vulkan + hosts] if hosts else [vulkan]):
-                try:
-                    self._compile_plan(ids, None, "latency")
-                    return
-                except (PartitionUnfeasible, DeviceOutOfMemory) as exc:
-                    errors.append(f"plan over {', '.join(ids)}: {exc}")
-        raise DeviceOutOfMemory(
-            "pool", 0, 0, 0, "no member's budget holds the whole model, nor do the members together: "
-            + " | ".join(errors)
-        )
+        cls = VulkanChunk if isinstance(member, VulkanMember) else HostChunk
+        self._chunk = cls(member, m.nodes, dict(m.tensors), m.constants, self._chunk_inputs,
+                          self._chunk_outputs, m.opset)
+        self.member = member
 
     def _planner_members(self, ids: Sequence[str]) -> list[Any]:
-        """The partitioner's view of pool members: free budget and their speeds
-        (:func:`vkpool.partition.cost.pool_member_cost`)."""
-        from vkpool.partition.cost import Member as PlanMember, pool_member_cost
+        from vkpool.placement import planner_members
 
-        out = []
-        for member_id in ids:
-            member = self.pool.member(member_id)
-            out.append(PlanMember(member.id, member.budget.free_bytes, pool_member_cost(member), member.kind,
-                                  getattr(getattr(member, "info", None), "name", "")))
-        return out
+        return planner_members(self.pool, ids)
 
-    def _compile_plan(self, devices: Sequence[str] | None, plan: Any, objective: str) -> None:
-        """Plans over ``devices`` (or takes ``plan``) and builds the executor.
+    def _place(self, devices: Sequence[str] | None, objective: str) -> None:
+        """Places the model with :func:`vkpool.partition.place_model` (over exactly ``devices``
+        when given, else by the pool's policy over every member) and compiles what it chose: the
+        whole model on one member as one chunk, else the plan's executor.
 
         The planner prices memory with its own model of a chunk; the compiled chunk may need a
         little more (inputs and outputs held in their own buffers, arena alignment). When a
         member refuses a chunk, its budget as the planner sees it is cut by what the compile
-        lacked below what the refused plan gave it, and the model is planned again.
+        lacked below what the refused placement gave it, and the model is placed again.
         """
-        from vkpool.column_split import blocks_named, split_for_budgets, split_products
-        from vkpool.executor import MemberGroup
-        from vkpool.partition import plan_model
-        from vkpool.partition.graph import build_graph
-        from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan, plan_problems
-        from vkpool.placement import MultiMemberPlan
+        from vkpool.partition import place_model
+        from vkpool.partition.api import WHOLE
+        from vkpool.partition.plan import PartitionUnfeasible, plan_problems
 
-        if plan is None and devices:  # products too coarse for the budgets: their column blocks are planned
-            split_for_budgets(self.model, [self.pool.member(m).budget.free_bytes for m in devices])
-        elif plan is not None and not self.model.column_splits:  # a plan made with blocks names them
+        if devices is not None and not devices:
+            raise ValueError("devices must name at least one pool member")
+        over_all = devices is not None
+        members = self._planner_members(list(devices) if over_all else [m.id for m in self.pool.members])
+        for _attempt in range(2 * len(members) + 2):
+            try:
+                graph, chosen = place_model(self.model, members, objective=objective, plan_over_all=over_all)
+            except PartitionUnfeasible as exc:
+                if over_all:
+                    raise
+                raise DeviceOutOfMemory("pool", 0, 0, 0, str(exc)) from None
+            problems = plan_problems(graph, chosen)
+            if problems:
+                raise PartitionUnfeasible("; ".join(problems), shortfall_bytes={})
+            try:
+                if chosen.algorithm == WHOLE:  # one member (of a model with no ops, too): one chunk
+                    self._compile_on(self.pool.member(next(iter(chosen.budget_bytes))))
+                    self._placement = chosen
+                else:
+                    self._start_executor(chosen, graph)
+                return
+            except DeviceOutOfMemory as exc:
+                refused = next((k for k, mm in enumerate(members) if mm.id == exc.member), None)
+                if refused is None:
+                    raise
+                planned = chosen.memory_bytes.get(exc.member, members[refused].budget_bytes)
+                # place again as if the member had as much less room as the compile lacked
+                lacked = max(1, exc.requested - (exc.budget - exc.used))
+                members[refused] = members[refused].with_budget(max(0, planned - lacked))
+        raise DeviceOutOfMemory("pool", 0, 0, 0, "the compiled chunks exceed the budgets the plans "
+                                "were made for, however the plans were cut")
+
+    def _compile_plan(self, plan: Any) -> None:
+        """Runs ``plan``: a partition Plan made for this model, or a mapping op name → member id."""
+        from vkpool.column_split import blocks_named, split_products
+        from vkpool.partition.graph import build_graph
+        from vkpool.partition.plan import Plan, build_plan
+
+        if not self.model.column_splits:  # a plan made with blocks names them
             split_products(self.model, blocks_named(self.model, plan.member_of if isinstance(plan, Plan) else plan))
         graph = build_graph(self.model)
-        if plan is not None:
-            if isinstance(plan, Plan):
-                given = plan
-            else:
-                assignment = dict(plan)
-                ids = list(dict.fromkeys(assignment.values()))
-                missing = sorted(set(graph.nodes) - set(assignment))
-                if missing:
-                    raise ValueError(f"the plan places no member for op(s) {missing[:5]}")
-                given = build_plan(graph, assignment, self._planner_members(ids), algorithm="given")
-            unknown = set(given.member_of) ^ set(graph.nodes)
-            if unknown:
-                raise ValueError(f"the plan was made for another model: ops {sorted(unknown)[:5]} differ")
-            self._executor = self._run_plan(given, graph)
+        if isinstance(plan, Plan):
+            given = plan
         else:
-            if not devices:
-                raise ValueError("devices must name at least one pool member")
-            members = self._planner_members(devices)
-            for _attempt in range(2 * len(members) + 2):
-                chosen = plan_model(graph, members, objective=objective)
-                problems = plan_problems(graph, chosen)
-                if problems:
-                    raise PartitionUnfeasible("; ".join(problems), shortfall_bytes={})
-                try:
-                    self._executor = self._run_plan(chosen, graph)
-                    break
-                except DeviceOutOfMemory as exc:
-                    refused = next((k for k, mm in enumerate(members) if mm.id == exc.member), None)
-                    if refused is None:
-                        raise
-                    planned = chosen.memory_bytes.get(exc.member, members[refused].budget_bytes)
-                    # plan again as if the member had as much less room as the compile lacked
-                    lacked = max(1, exc.requested - (exc.budget - exc.used))
-                    members[refused] = members[refused].with_budget(max(0, planned - lacked))
-            else:
-                raise DeviceOutOfMemory("pool", 0, 0, 0, "the compiled chunks exceed the budgets the plans "
-                                        "were made for, however the plans were cut")
+            assignment = dict(plan)
+            ids = list(dict.fromkeys(assignment.values()))
+            missing = sorted(set(graph.nodes) - set(assignment))
+            if missing:
+                raise ValueError(f"the plan places no member for op(s) {missing[:5]}")
+            given = build_plan(graph, assignment, self._planner_members(ids), algorithm="given")
+        unknown = set(given.member_of) ^ set(graph.nodes)
+        if unknown:
+            raise ValueError(f"the plan was made for another model: ops {sorted(unknown)[:5]} differ")
+        self._start_executor(given, graph)
+
+    def _start_executor(self, plan: Any, graph: Any) -> None:
+        from vkpool.executor import MemberGroup
+        from vkpool.placement import MultiMemberPlan
+
+        self._executor = self._run_plan(plan, graph)
+        self._placement = plan
         self._chunk_plan = MultiMemberPlan(self._executor.plan, graph, self._executor)
         self.member = MemberGroup([self.pool.member(i) for i in self._executor.members])
 
@@ -472,6 +465,23 @@ class Session:
         from vkpool.placement import SingleMemberPlan
 
         return SingleMemberPlan(self.model, self.member.id, self._chunk.stats)
+
+    @property
+    def placement(self) -> Any:
+        """The partition :class:`~vkpool.partition.plan.Plan` this session runs, as ``vkpool plan``
+        shows it: :func:`vkpool.partition.place_model`'s choice, the plan given, or with
+        ``device`` the whole model on that member; None for a cut model (each part has its own)."""
+        if self.dynamic is not None:
+            return None
+        if self._placement is None:
+            from vkpool.partition.api import WHOLE
+            from vkpool.partition.graph import build_graph
+            from vkpool.partition.plan import build_plan
+
+            graph = build_graph(self.model)
+            self._placement = build_plan(graph, {op: self.member.id for op in graph.graph["order"]},
+                                         self._placement_members, algorithm=WHOLE)
+        return self._placement
 
     def memory_by_member(self) -> dict[str, int]:
         if self.dynamic is not None:
