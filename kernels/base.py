@@ -127,6 +127,9 @@ class DeviceCaps:
     subgroup_size: int = 32
     max_workgroup_invocations: int = 1024
     max_workgroup_count: tuple[int, int, int] = (65535, 65535, 65535)
+    #: loop iterations one invocation may run in all its loops together (0: no limit); past it
+    #: a driver may end the loops early (lavapipe), so kernels split serial work or refuse it
+    max_loop_iterations: int = 0
     shared_memory_bytes: int = 32768
     max_push_constant_bytes: int = 128
     float16: bool = False
@@ -188,6 +191,34 @@ def check_grid(groups: tuple[int, int, int], caps: DeviceCaps | None, what: str)
     if any(g > m for g, m in zip(groups, limit)):
         raise UnsupportedOp(f"{what}: workgroup grid {groups[0]} x {groups[1]} x {groups[2]} exceeds the "
                             f"device's {limit[0]} x {limit[1]} x {limit[2]}")
+
+
+#: loop iterations a shader may spend outside its long serial loop (index arithmetic over the
+#: rank, small fixed loops) when it checks that loop against ``DeviceCaps.max_loop_iterations``
+LOOP_SLACK = 64
+
+
+def serial_pieces(n: int, cost: int, caps: DeviceCaps | None, what: str) -> list[tuple[int, int]]:
+    """``(start, count)`` pieces of ``n`` serial steps, each step ``cost`` loop iterations of one
+    invocation, such that one dispatch per piece stays within the device's loop limit. A step
+    that alone exceeds it is refused."""
+    limit = caps.max_loop_iterations if caps else 0
+    if not limit or n * cost + LOOP_SLACK <= limit:
+        return [(0, n)]
+    per = (limit - LOOP_SLACK) // cost
+    if per < 1:
+        raise UnsupportedOp(f"{what}: {cost} loop iterations per step in one invocation exceed the device's "
+                            f"limit of {limit}")
+    return [(s, min(per, n - s)) for s in range(0, n, per)]
+
+
+def check_serial(iterations: int, caps: DeviceCaps | None, what: str) -> None:
+    """Refuses a kernel whose invocations would each run more loop iterations than the device
+    completes (a driver may end such loops early without an error, which is a wrong answer)."""
+    limit = caps.max_loop_iterations if caps else 0
+    if limit and iterations + LOOP_SLACK > limit:
+        raise UnsupportedOp(f"{what}: {iterations} loop iterations in one invocation exceed the device's "
+                            f"limit of {limit}")
 
 
 class Op(metaclass=ABCMeta):

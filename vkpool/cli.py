@@ -235,7 +235,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
             print(f"  subgroup {i.subgroup_size}, workgroup ≤ {i.max_workgroup_invocations} invocations "
                   f"{list(i.max_workgroup_size)}, shared memory {format_size(i.max_shared_memory_bytes)}, "
                   f"push constants {i.max_push_constant_bytes} B, storage buffer range "
-                  f"{format_size(i.max_storage_buffer_range)}")
+                  f"{format_size(i.max_storage_buffer_range)}"
+                  + (f", loops ≤ {i.max_loop_iterations} iterations per invocation" if i.max_loop_iterations else ""))
             print(f"  capabilities: {caps}")
         return 0
     finally:

@@ -109,6 +109,7 @@ class LogicalDevice:
             subgroup_size=info.subgroup_size or 32,
             max_workgroup_invocations=info.max_workgroup_invocations,
             max_workgroup_count=info.max_workgroup_count,
+            max_loop_iterations=info.max_loop_iterations,
             shared_memory_bytes=info.max_shared_memory_bytes,
             max_push_constant_bytes=self.push_constant_bytes,
             float16=info.capabilities.get("fp16", False),

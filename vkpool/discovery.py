@@ -42,6 +42,11 @@ EXTENSIONS = {
 # Mesa driver IDs (VkDriverId) that drive hardware which also has a vendor driver; when the same
 # GPU (same UUID) shows up twice, the other driver wins.
 _MESA_HW_DRIVERS = {3, 6, 18, 19, 20, 22, 23, 24, 25, 26}  # radv, anv, turnip, v3dv, panvk, venus, dozen, nvk, ...
+_MESA_LLVMPIPE = 13  # VK_DRIVER_ID_MESA_LLVMPIPE: lavapipe
+#: NOTE: lavapipe (Mesa's gallivm, LP_MAX_TGSI_LOOP_ITERATIONS) ends every loop of a shader
+#: invocation once all its loops together have run 65,535 iterations, silently: a CumSum along
+#: 131,072 elements wrote zeros from element 65,534 on. No Vulkan limit reports it.
+_LLVMPIPE_LOOP_ITERATIONS = 65535
 
 
 @dataclass
@@ -76,6 +81,8 @@ class PhysicalDeviceInfo:
     max_push_constant_bytes: int
     max_storage_buffer_range: int
     max_memory_allocation_bytes: int
+    #: loop iterations one shader invocation may run in all (0: no limit known)
+    max_loop_iterations: int = 0
     capabilities: dict[str, bool] = field(default_factory=dict)
     usable: bool = True
     unusable_reason: str = ""
@@ -278,6 +285,7 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
         max_push_constant_bytes=int(lim.maxPushConstantsSize),
         max_storage_buffer_range=int(lim.maxStorageBufferRange),
         max_memory_allocation_bytes=int(p11.maxMemoryAllocationSize) if api >= (1 << 22 | 2 << 12) else 0,
+        max_loop_iterations=_LLVMPIPE_LOOP_ITERATIONS if driver_id == _MESA_LLVMPIPE else 0,
         capabilities=caps,
         usable=usable,
         unusable_reason=reason,
@@ -316,7 +324,8 @@ def _driver_rank(info: PhysicalDeviceInfo) -> tuple[int, int, str]:
 
 #: limits that change which code path a kernel takes, and may be lowered by VKPOOL_DEVICE_LIMITS
 LOWERABLE_LIMITS = ("max_workgroup_count", "max_workgroup_size", "max_workgroup_invocations",
-                    "max_shared_memory_bytes", "max_storage_buffer_range", "max_memory_allocation_bytes")
+                    "max_shared_memory_bytes", "max_storage_buffer_range", "max_memory_allocation_bytes",
+                    "max_loop_iterations")
 _TRIPLES = ("max_workgroup_count", "max_workgroup_size")
 
 

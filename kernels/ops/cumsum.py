@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, type_defines,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, serial_pieces, type_defines,
 )
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32))
@@ -61,8 +61,13 @@ class CumSum(Op):
             "PROD": self.prod,
             **type_defines(x.dtype), **type_defines(axis.dtype, "AXIS_"),
         }
-        # NOTE: the line count depends on the run-time axis: cover the worst case (extent 1).
-        return [Dispatch("cumsum", args, groups_1d(x.size, 64, ctx.caps), defines)]
+        # NOTE: the line count depends on the run-time axis: cover the worst case (extent 1), and
+        # split the worst-case line length (the longest dimension) into pieces within the loop limit.
+        # A constant axis gives the exact line length.
+        length = x.shape[int(ctx.constants[1].reshape(-1)[0])] if 1 in ctx.constants else max(x.shape)
+        groups = groups_1d(x.size, 64, ctx.caps)
+        return [Dispatch("cumsum", [*args, U32(start), U32(count)], groups, defines)
+                for start, count in serial_pieces(length, 1, ctx.caps, self.op_type)]
 
 
 class CumProd(CumSum):

@@ -1,6 +1,9 @@
 #version 450
 // CumSum (CumProd with PROD) along an axis read from the device at run time (so the axis may
-// be a graph input): one invocation per line of the axis, serial along it.
+// be a graph input): one invocation per line of the axis, serial along it over the positions
+// start .. start+count-1 of the line. A long axis runs as several dispatches of such pieces (a
+// device may bound the loop iterations of one invocation); a piece after the first continues from
+// what the previous piece wrote, so the sums are those of one serial pass, bit for bit.
 // EXCLUSIVE and REVERSE are the ONNX attributes; AXIS_T/AXIS_BUF: the axis tensor's type.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
@@ -13,6 +16,8 @@ layout(push_constant) uniform Args {
     uint total;
     uint rank;
     uint shape[6];
+    uint start;
+    uint count;
 } pc;
 
 void main() {
@@ -31,12 +36,20 @@ void main() {
     T acc = T(0);
 #define ACCUMULATE(v) acc += v
 #endif
-    for (uint k = 0; k < n; ++k) {
 #if REVERSE
-        uint i = base + (n - 1 - k) * inner;
+#define AT(k) (base + (n - 1 - (k)) * inner)
 #else
-        uint i = base + k * inner;
+#define AT(k) (base + (k) * inner)
 #endif
+    if (pc.start > 0) {
+        uint before = AT(pc.start - 1);
+        acc = pc.y.v[before];
+#if EXCLUSIVE
+        ACCUMULATE(pc.x.v[before]);
+#endif
+    }
+    for (uint k = pc.start; k < min(n, pc.start + pc.count); ++k) {
+        uint i = AT(k);
         T v = pc.x.v[i];
 #if EXCLUSIVE
         pc.y.v[i] = acc;

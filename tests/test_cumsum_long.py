@@ -1,0 +1,114 @@
+"""Long serial loops on the device against onnxruntime on the CPU (float32 rtol 1e-4).
+
+lavapipe ends every loop of a shader invocation once all of them together have run 65,535
+iterations (Mesa's LP_MAX_TGSI_LOOP_ITERATIONS), without an error: a CumSum along 131,072
+elements wrote zeros from element 65,534 on. The kernels split such work into pieces within the
+device's ``max_loop_iterations``, or refuse it at load; these cases run the pieces at the real
+limit (axes past 65,535) and at a lowered one (VKPOOL_DEVICE_LIMITS), where small tensors cross
+several piece boundaries.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import helper, numpy_helper
+
+import vkpool
+from conftest import vulkan_pool
+from vkpool.kernels.base import DeviceCaps, UnsupportedOp, check_serial, serial_pieces
+
+ort = pytest.importorskip("onnxruntime", reason="onnxruntime computes the expected outputs")
+RNG = np.random.default_rng(11)
+
+
+def one_node(op: str, inputs: list[np.ndarray], attrs: dict[str, Any] | None = None, constants: tuple[int, ...] = (),
+             outputs: int = 1, opset: int = 17) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
+    """(model, feeds, onnxruntime's outputs) of one node; ``constants`` positions become initializers."""
+    names = [f"in{i}" for i in range(len(inputs))]
+    outs = [f"out{i}" for i in range(outputs)]
+    graph_inputs, inits, feeds = [], [], {}
+    for i, (name, x) in enumerate(zip(names, inputs)):
+        if i in constants:
+            inits.append(numpy_helper.from_array(x, name))
+        else:
+            graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape))
+            feeds[name] = x
+    node = helper.make_node(op, names, outs, **(attrs or {}))
+
+    def model(values: list[Any]) -> bytes:
+        graph = helper.make_graph([node], op, graph_inputs, values, initializer=inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9).SerializeToString()
+
+    expected = ort.InferenceSession(model([helper.make_empty_tensor_value_info(o) for o in outs]),
+                                    providers=["CPUExecutionProvider"]).run(None, feeds)
+    typed = [helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(e.dtype), e.shape)
+             for o, e in zip(outs, expected)]
+    return model(typed), feeds, expected
+
+
+def run_and_compare(pool: Any, case: tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]) -> None:
+    model, feeds, expected = case
+    with vkpool.Session(model, pool=pool, device=pool.vulkan_members[0].id) as session:
+        got = session.run(None, feeds)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        if e.dtype.kind == "f":
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(g, e)
+
+
+def test_pieces_cover_the_steps_within_the_limit():
+    caps = DeviceCaps(max_loop_iterations=1000)
+    for n, cost in [(1, 1), (936, 1), (937, 1), (5000, 1), (5000, 7), (70000, 3)]:
+        pieces = serial_pieces(n, cost, caps, "case")
+        assert pieces[0][0] == 0 and sum(c for _, c in pieces) == n
+        assert all(s + c == s2 for (s, c), (s2, _) in zip(pieces, pieces[1:]))
+        assert all(c * cost <= 1000 for _, c in pieces)
+    assert serial_pieces(10 ** 9, 5, DeviceCaps(), "case") == [(0, 10 ** 9)]
+    with pytest.raises(UnsupportedOp, match="limit of 1000"):
+        serial_pieces(3, 2000, caps, "case")
+    with pytest.raises(UnsupportedOp, match="case: 5000 loop iterations"):
+        check_serial(5000, caps, "case")
+
+
+def test_lavapipe_reports_its_loop_limit(pool):
+    member = pool.vulkan_members[0]
+    if "llvmpipe" not in member.device.info.name:
+        pytest.skip(f"the loop limit is lavapipe's; this device is {member.device.info.name}")
+    assert member.device.caps.max_loop_iterations == 65535
+
+
+@pytest.mark.parametrize("shape,axis", [((131072,), 0), ((2, 70000), 1), ((70000, 2), 0)])
+def test_cumsum_along_an_axis_past_the_loop_limit(pool, shape, axis):
+    x = RNG.standard_normal(shape).astype(np.float32)
+    run_and_compare(pool, one_node("CumSum", [x, np.array(axis, np.int64)], constants=(1,)))
+
+
+def test_cumsum_long_axis_exclusive_reverse_int(pool):
+    x = RNG.integers(-5, 5, (70000,)).astype(np.int64)
+    run_and_compare(pool, one_node("CumSum", [x, np.array(0, np.int32)], {"exclusive": 1, "reverse": 1}))
+
+
+@pytest.fixture(scope="module")
+def low_loop_pool():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VKPOOL_DEVICE_LIMITS", "max_loop_iterations=300")
+        p = vulkan_pool()
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_cumsum_pieces_at_a_lowered_limit(low_loop_pool, exclusive, reverse):
+    assert low_loop_pool.vulkan_members[0].device.caps.max_loop_iterations == 300
+    x = RNG.standard_normal((3, 1000, 2)).astype(np.float32)
+    run_and_compare(low_loop_pool, one_node("CumSum", [x, np.array(1, np.int64)],
+                                            {"exclusive": exclusive, "reverse": reverse}, constants=(1,)))
+
+
+def test_cumsum_run_time_axis_at_a_lowered_limit(low_loop_pool):
+    x = RNG.standard_normal((700, 3)).astype(np.float32)
+    run_and_compare(low_loop_pool, one_node("CumSum", [x, np.array(-2, np.int64)]))
