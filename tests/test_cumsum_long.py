@@ -112,3 +112,42 @@ def test_cumsum_pieces_at_a_lowered_limit(low_loop_pool, exclusive, reverse):
 def test_cumsum_run_time_axis_at_a_lowered_limit(low_loop_pool):
     x = RNG.standard_normal((700, 3)).astype(np.float32)
     run_and_compare(low_loop_pool, one_node("CumSum", [x, np.array(-2, np.int64)]))
+
+
+def test_topk_along_a_line_past_the_loop_limit(pool):
+    x = RNG.standard_normal(100000).astype(np.float32)
+    run_and_compare(pool, one_node("TopK", [x, np.array([5], np.int64)], constants=(1,), outputs=2))
+
+
+def test_einsum_sum_past_the_loop_limit(pool):
+    # small whole numbers sum exactly in float32 in any order: every element must be counted once
+    x = RNG.integers(-3, 4, (300, 300)).astype(np.float32)
+    run_and_compare(pool, one_node("Einsum", [x], {"equation": "ij->"}, opset=12))
+
+
+@pytest.mark.parametrize("largest", [0, 1])
+def test_topk_pieces_at_a_lowered_limit(low_loop_pool, largest):
+    x = RNG.integers(-20, 20, (3, 2000)).astype(np.float32)  # ties: the lower index first
+    run_and_compare(low_loop_pool, one_node("TopK", [x, np.array([7], np.int64)], {"largest": largest},
+                                            constants=(1,), outputs=2))
+
+
+def test_einsum_pieces_at_a_lowered_limit(low_loop_pool):
+    a, b = RNG.standard_normal((4, 900)).astype(np.float32), RNG.standard_normal((900, 3)).astype(np.float32)
+    run_and_compare(low_loop_pool, one_node("Einsum", [a, b], {"equation": "ik,kj->ij"}, opset=12))
+
+
+def test_nonzero_pieces_at_a_lowered_limit(low_loop_pool):
+    x = (RNG.random((40, 50)) < 0.3).astype(np.float32)
+    run_and_compare(low_loop_pool, one_node("NonZero", [x], constants=(0,)))
+
+
+@pytest.mark.parametrize("op,inputs,attrs", [
+    ("Hardmax", [np.zeros((2, 400), np.float32)], {"axis": 1}),
+    ("DFT", [np.zeros((1, 400, 1), np.float32)], {"axis": 1}),
+])
+def test_serial_kernels_past_a_lowered_limit_are_refused(low_loop_pool, op, inputs, attrs):
+    model, feeds, _ = one_node(op, inputs, attrs, opset=17)
+    with pytest.raises(Exception, match=f"{op}.*loop iterations in one invocation exceed the device's limit of 300"):
+        with vkpool.Session(model, pool=low_loop_pool, device=low_loop_pool.vulkan_members[0].id) as session:
+            session.run(None, feeds)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, groups_1d,
+    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, check_serial, groups_1d,
 )
 
 
@@ -198,6 +198,11 @@ class Attention(Op):
             "CAUSAL": int(self.causal), "NONPAD": int(self.has_nonpad), "WL": self.wl, "WR": self.wr,
             "SOFTCAP": int(self.softcap > 0), "QK_MODE": self.qk_mode if want[3] else -1,
         }
+        # each of 64 lanes: its keys' scores (D each), two softmax passes, then a column of the output
+        # over every key
+        lanes = -(-self.t // 64)
+        check_serial(lanes * (self.d + 3) + -(-self.dv // 64) * (self.t + 1), ctx.caps,
+                     f"Attention over {self.t} keys")
         q = Ptr(ctx.inputs[0])
         args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
                 Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.workspace), Ptr(ctx.outputs[0]),

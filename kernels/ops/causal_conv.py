@@ -7,7 +7,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d
+from vkpool.kernels.base import (
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, check_serial, groups_1d,
+)
 from vkpool.kernels.ops.dtypes import FLOAT_TYPES, element_defines, require
 
 
@@ -67,6 +69,7 @@ class CausalConvWithState(Op):
         state = ctx.outputs[1] if self.num_outputs > 1 and ctx.outputs[1] is not None else None
         if state is None:  # no state wanted: only the output's invocations
             total = self.n * self.c * self.length
+        check_serial(self.k, ctx.caps, f"causal convolution of width {self.k}")
         args = [Ptr(x), Ptr(ctx.inputs[1]), Ptr(ctx.inputs[2] if self.has_input(2) else x),
                 Ptr(ctx.inputs[3] if self.has_input(3) else x), Ptr(ctx.outputs[0]),
                 Ptr(state if state is not None else ctx.outputs[0]), U32(total), U32(self.n * self.c),

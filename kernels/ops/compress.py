@@ -8,7 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, groups_1d
+from vkpool.kernels.base import (
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, check_serial, groups_1d,
+)
 from vkpool.kernels.ops.dtypes import BOOL, word_defines
 
 
@@ -55,6 +57,7 @@ class Compress(Op):
         if n == 0:
             return []
         outer, d, inner = self.view
+        check_serial(min(d, self.input(1).size), ctx.caps, f"Compress along {d} elements")
         args = [Ptr(ctx.inputs[0]), Ptr(ctx.inputs[1]), Ptr(ctx.outputs[0]), U32(n), U32(d), U32(self.kept),
                 U32(inner), U32(self.input(1).size)]
         return [Dispatch("compress", args, groups_1d(n, 256, ctx.caps), word_defines(self.input(0).dtype))]

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial, groups_1d,
 )
 
 _F32 = np.dtype(np.float32)
@@ -73,6 +73,7 @@ class DFT(Op):
         if total == 0:
             return []
         inner = math.prod(x.shape[self.axis + 1:-1])
+        check_serial(min(x.shape[self.axis], self.length), ctx.caps, f"DFT of length {self.length}")
         args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(total), U32(x.shape[self.axis]),
                 U32(self.out_len), U32(self.length), U32(inner)]
         defines = {"MODE": self.mode, "CIN": x.shape[-1], "COUT": out.shape[-1]}

@@ -10,7 +10,8 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, groups_1d, type_defines,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, serial_pieces,
+    type_defines,
 )
 from vkpool.kernels.ops.attrs import str_attr
 
@@ -157,7 +158,10 @@ class Einsum(Op):
             }
             results.append(dst)
             if nout:
-                out.append(Dispatch("einsum", [pa, pb, dst], groups_1d(nout, 64, ctx.caps), defines))
+                # a long sum runs as several dispatches, each adding its piece to what the last wrote
+                out += [Dispatch("einsum", [pa, pb, dst, U32(start), U32(count)], groups_1d(nout, 64, ctx.caps),
+                                 defines)
+                        for start, count in serial_pieces(nsum, len(summed) + 1, ctx.caps, "Einsum")]
         return out
 
 

@@ -12,7 +12,8 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, type_defines,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial, groups_1d,
+    type_defines,
 )
 from vkpool.kernels.ops.attrs import str_attr
 from vkpool.kernels.ops.reduce import normalize_axes
@@ -139,6 +140,7 @@ class ScatterElements(_Indexed):
             out.append(Dispatch("scatter_elements", io + [U32(x.size)] + tail, groups_1d(x.size, 64, ctx.caps),
                                 self.defines(COPY=1)))
         if upd.size:
+            check_serial(upd.shape[self.axis], ctx.caps, f"{self.op_type} of {upd.shape[self.axis]} updates a line")
             lines = upd.size // upd.shape[self.axis]
             out.append(Dispatch("scatter_elements", io + [U32(lines)] + tail, groups_1d(lines, 64, ctx.caps),
                                 self.defines(COPY=0)))
@@ -243,6 +245,7 @@ class ScatterND(_Indexed):
             out.append(Dispatch("scatter_nd", io + [U32(x.size)] + tail, groups_1d(x.size, 64, ctx.caps),
                                 self.defines(COPY=1)))
             if tuples and slice_:
+                check_serial(tuples * (k + 1), ctx.caps, f"ScatterND of {tuples} index tuples")
                 out.append(Dispatch("scatter_nd", io + [U32(slice_)] + tail, groups_1d(slice_, 64, ctx.caps),
                                     self.defines(COPY=0)))
         return out

@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    Dispatch, DispatchContext, Op, Ptr, TensorInfo, U32, UnsupportedOp, check_serial, groups_1d,
 )
 from vkpool.kernels.ops.reduce import axis_view, normalize_axes
 
@@ -48,6 +48,7 @@ class Hardmax(Op):
         lines = outer * inner
         if lines == 0 or n == 0:
             return []
+        check_serial(2 * n, ctx.caps, f"Hardmax along {n} elements")
         args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(lines), U32(n), U32(inner)]
         return [Dispatch("hardmax", args, groups_1d(lines, 64, ctx.caps))]
 

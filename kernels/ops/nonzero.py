@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, Ptr, TensorInfo, U32, U64, UnsupportedOp, type_defines,
+    Dispatch, DispatchContext, Op, Ptr, TensorInfo, U32, U64, UnsupportedOp, serial_pieces, type_defines,
 )
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.bool_))
@@ -57,7 +57,10 @@ class NonZero(Op):
         shape = list(x.shape) or [1]
         args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(x.size), U32(self.nnz), U32(len(shape))]
         args += [U32(v) for v in shape + [1] * (6 - len(shape))]
-        return [Dispatch("nonzero", args, (1, 1, 1), type_defines(x.dtype))]
+        flat = np.asarray(self.constants[0]).reshape(-1)
+        pieces = serial_pieces(x.size, len(shape) + 1, ctx.caps, "NonZero")
+        return [Dispatch("nonzero", [*args, U32(start), U32(count), U32(np.count_nonzero(flat[:start]))], (1, 1, 1),
+                         type_defines(x.dtype)) for start, count in pieces]
 
     def flops(self) -> int:
         return self.input(0).size

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial, groups_1d,
 )
 from vkpool.kernels.ops.dtypes import element_defines
 
@@ -64,6 +64,7 @@ class _QuantizedMatMul(Op):
             p = pos.get(name)
             return ctx.inputs[p] if p is not None and self.has_input(p) else fallback
 
+        check_serial(self.k, ctx.caps, f"{self.op_type} over K = {self.k}")
         b = ctx.inputs[self.b_pos]
         y = ctx.outputs[0]
         args = [Ptr(a), Ptr(b), Ptr(opt("a_zero", a)), Ptr(opt("b_zero", b)), Ptr(opt("a_scale", a)),

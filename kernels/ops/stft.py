@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial, groups_1d,
 )
 
 _F32 = np.dtype(np.float32)
@@ -62,6 +62,7 @@ class STFT(Op):
         total = x.shape[0] * self.frames * self.bins
         if total == 0:
             return []
+        check_serial(self.frame, ctx.caps, f"STFT frames of {self.frame} samples")
         window = ctx.inputs[2] if self.has_input(2) else ctx.inputs[0]
         args = [Ptr(ctx.inputs[0]), Ptr(window), Ptr(ctx.outputs[0]), U32(total), U32(x.shape[1]),
                 U32(self.frames), U32(self.bins), U32(self.step), U32(self.frame)]

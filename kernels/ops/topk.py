@@ -11,11 +11,15 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, type_defines,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial, groups_1d,
+    serial_pieces, type_defines,
 )
 from vkpool.kernels.ops.reduce import axis_view, normalize_axes
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32))
+#: lines at least this long may be counted in pieces (a device's loop limit): they carry a rank
+#: per element in the workspace between the pieces
+_PIECES_FROM = 1024
 
 
 class TopK(Op):
@@ -55,10 +59,19 @@ class TopK(Op):
         _, n, inner = axis_view(x.shape, self.axis)
         if self.k == 0 or x.size == 0:
             return []
-        args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), Ptr(ctx.outputs[1]), U32(x.size), U32(n), U32(inner),
-                U32(self.k)]
+        if ctx.workspace is None:
+            check_serial(n, ctx.caps, f"TopK along {n} elements")
+        pieces = serial_pieces(n, 1, ctx.caps, "TopK")
+        ranks = ctx.workspace if ctx.workspace is not None else ctx.inputs[0]
+        args = [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), Ptr(ctx.outputs[1]), Ptr(ranks), U32(x.size), U32(n),
+                U32(inner), U32(self.k)]
         defines = {"LARGEST": int(self.largest), **type_defines(x.dtype)}
-        return [Dispatch("topk", args, groups_1d(x.size, 64, ctx.caps), defines)]
+        groups = groups_1d(x.size, 64, ctx.caps)
+        return [Dispatch("topk", [*args, U32(start), U32(count)], groups, defines) for start, count in pieces]
+
+    def workspace_bytes(self) -> int:
+        x = self.input(0)
+        return 4 * x.size if x.shape[self.axis] >= _PIECES_FROM else 0
 
     def flops(self) -> int:
         x = self.input(0)

@@ -4,7 +4,8 @@
 // (0 where the operand lacks the letter; the sum of strides for a repeated letter, which is a
 // diagonal). Letters, extents and strides are defines: one pipeline per node.
 // NO/NS: numbers of output/summed letters; OEXT/OSA/OSB and SEXT/SSA/SSB: comma lists with a
-// trailing pad entry (arrays must not be empty).
+// trailing pad entry (arrays must not be empty). The sum runs over s = start .. start+count-1;
+// a piece after the first adds to what the previous piece wrote (the same order as one pass).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 layout(local_size_x = 64) in;
@@ -13,6 +14,8 @@ layout(push_constant) uniform Args {
     TBUF a;
     TBUF b;
     TBUF y;
+    uint start;
+    uint count;
 } pc;
 
 const uint OEXT_[NO + 1] = uint[NO + 1](OEXT);
@@ -32,8 +35,8 @@ void main() {
         ia += c * OSA_[d];
         ib += c * OSB_[d];
     }
-    T acc = T(0);
-    for (uint s = 0; s < NSUM; ++s) {
+    T acc = pc.start > 0 ? pc.y.v[e] : T(0);
+    for (uint s = pc.start; s < min(NSUM, pc.start + pc.count); ++s) {
         uint r = s, ja = ia, jb = ib;
         for (int d = NS - 1; d >= 0; --d) {
             uint c = r % SEXT_[d];
