@@ -1,7 +1,11 @@
 """RNN, GRU and LSTM (``shaders/recurrent.comp``) with their default activations (Tanh; Sigmoid
 and Tanh; Sigmoid, Tanh and Tanh): forward, reverse and bidirectional, sequence lengths, initial
-states, GRU's linear_before_reset, LSTM's peepholes, clipping, both layouts; float32, hidden
-size up to 256. The steps run serially in one workgroup per direction and batch row."""
+states, GRU's linear_before_reset, LSTM's peepholes, clipping, both layouts; float32.
+
+Up to 256 hidden units, the steps run serially in one workgroup per direction and batch row, the
+state in shared memory. A larger hidden size, or a sequence whose steps would run more loop
+iterations in one invocation than the device completes (``DeviceCaps.max_loop_iterations``),
+runs one dispatch per step instead (two for GRU), the state in the workspace."""
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -10,11 +14,13 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, F32, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    LOOP_SLACK, Dispatch, DispatchContext, F32, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial,
+    groups_1d,
 )
 
 _F32 = np.dtype(np.float32)
-_MAX_HIDDEN = 256
+#: the largest hidden size one workgroup holds (one invocation per unit, the state in shared memory)
+_WORKGROUP_HIDDEN = 256
 
 
 def _text(value: Any) -> str:
@@ -54,8 +60,6 @@ class Recurrent(Op):
         rows = self.gates * self.h
         if w.shape != (self.dirs, rows, self.i) or r.shape != (self.dirs, rows, self.h):
             raise OpError(f"{self.op_type}: W {w.shape} / R {r.shape} do not fit")
-        if self.h > _MAX_HIDDEN:
-            raise UnsupportedOp(f"{self.op_type}: hidden size {self.h} (at most {_MAX_HIDDEN})")
         self.clip = float(self.attr("clip", 0.0))
         if self.has_input(4) and self.input(4).dtype != np.dtype(np.int32):
             raise OpError(f"{self.op_type}: sequence_lens must be int32")
@@ -74,6 +78,21 @@ class Recurrent(Op):
     def extra_defines(self) -> dict[str, int]:
         return {}
 
+    def step_iterations(self) -> int:
+        """Loop iterations one unit runs in a step: every gate's products over the input and the
+        state (GRU computes its reset gate twice in the one-workgroup kernel)."""
+        return (self.gates + int(self.gates == 3)) * (self.i + self.h) + 1
+
+    def workspace_bytes(self) -> int:
+        # the stepwise state (two h, c, GRU's reset values); the one-workgroup kernel needs none,
+        # but which kernel runs is known only with the device, so the size is always reserved
+        # where the hidden size leaves the choice
+        return 4 * 4 * self.dirs * self.n * self.h
+
+    def stepwise(self, caps: Any) -> bool:
+        limit = caps.max_loop_iterations
+        return self.h > _WORKGROUP_HIDDEN or bool(limit) and self.s * self.step_iterations() + LOOP_SLACK > limit
+
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         x = ctx.inputs[0]
 
@@ -84,16 +103,30 @@ class Recurrent(Op):
             return ctx.outputs[pos] if pos < len(ctx.outputs) and ctx.outputs[pos] is not None else None
 
         outs = [opt_out(k) for k in range(3)]
+        stepwise = self.stepwise(ctx.caps)
         args = [Ptr(x), Ptr(ctx.inputs[1]), Ptr(ctx.inputs[2]), *(Ptr(opt_in(k)) for k in range(3, 8)),
-                *(Ptr(o if o is not None else x) for o in outs),
+                *(Ptr(o if o is not None else x) for o in outs), Ptr(ctx.workspace if stepwise else x),
                 U32(self.s), U32(self.n), U32(self.i), U32(self.h), U32(self.dirs), F32(self.clip)]
-        local = max(32, 1 << max(0, self.h - 1).bit_length())
+        local = 64 if stepwise else max(32, 1 << max(0, self.h - 1).bit_length())
         defines = {"CELL": self.cell, "LAYOUT": self.layout, "REVERSE_FIRST": self.reverse_first,
-                   "LOCAL_SIZE": local, **{f"HAS_{name}": int(self.has_input(pos)) for name, pos in
+                   "STEPWISE": int(stepwise), "LOCAL_SIZE": local,
+                   **{f"HAS_{name}": int(self.has_input(pos)) for name, pos in
                                              (("B", 3), ("LENS", 4), ("H0", 5), ("C0", 6), ("P", 7))},
                    "HAS_Y": int(outs[0] is not None), "HAS_YH": int(outs[1] is not None),
                    "HAS_YC": int(outs[2] is not None), "LINEAR_BEFORE_RESET": 0, **self.extra_defines()}
-        return [Dispatch("recurrent", args, groups_1d(self.dirs * self.n, 1, ctx.caps), defines)]
+        if not stepwise:
+            return [Dispatch("recurrent", [*args, U32(0), U32(0)], groups_1d(self.dirs * self.n, 1, ctx.caps),
+                             defines)]
+        check_serial(self.step_iterations(), ctx.caps, f"{self.op_type} step of {self.h} hidden units")
+        groups = groups_1d(self.dirs * self.n * self.h, local, ctx.caps)
+
+        def run(step: int, phase: int) -> Dispatch:
+            return Dispatch("recurrent", [*args, U32(step), U32(phase)], groups, defines)
+
+        steps = [run(0, 0)]
+        for step in range(self.s):
+            steps += [run(step, 2), run(step, 1)] if self.cell == 1 else [run(step, 1)]
+        return steps + [run(self.s, 3)] if outs[1] is not None or outs[2] is not None else steps
 
     # -- numpy reference ----------------------------------------------------------------------
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
