@@ -375,3 +375,91 @@ class CutPlan:
 
 __all__ = ["CutCounters", "CutPlan", "CutPoint", "DynamicModel", "Graph", "Split", "SUFFIX_CACHE_SIZE",
            "find_cut", "kernel_nodes", "resolve"]
+
+
+# -- shapes bound per request --------------------------------------------------------------------
+
+#: sessions kept per model whose inputs have symbolic dims, one per distinct set of input shapes
+SHAPE_CACHE_SIZE = 8
+
+
+@dataclass
+class ShapeCounters:
+    compiles: int = 0
+    reuses: int = 0
+    evictions: int = 0
+
+
+class ShapeSessions:
+    """A model whose inputs have symbolic dims, compiled once per distinct set of input shapes.
+
+    ``compile_shapes`` loads and compiles the model with every input's shape given (input name →
+    shape) and returns a session; the sessions are kept in a least-recently-used cache of
+    ``cache_size`` entries (an evicted one is closed once no run uses it). Compiles are
+    serialised; runs of compiled shapes are not.
+    """
+
+    def __init__(self, compile_shapes: Callable[[dict[str, tuple[int, ...]]], Any], cache_size: int) -> None:
+        if cache_size < 1:
+            raise ValueError(f"shape_cache must be at least 1, got {cache_size}")
+        self._compile = compile_shapes
+        self.cache_size = cache_size
+        self.counters = ShapeCounters()
+        self._cache: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiling = threading.Lock()
+        self._latest: _Entry | None = None
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The outputs ``names`` for ``feeds``, by the session compiled for their shapes."""
+        shapes = {n: tuple(int(d) for d in v.shape) for n, v in feeds.items()}
+        entry = self._acquire(shapes)
+        try:
+            return dict(zip(names, entry.part.run(names, feeds)))
+        finally:
+            with self._lock:
+                entry.users -= 1
+                if entry.retired and entry.users == 0:
+                    entry.part.close()
+
+    def _acquire(self, shapes: dict[str, tuple[int, ...]]) -> _Entry:
+        key = tuple(sorted(shapes.items()))
+        with self._compiling:
+            with self._lock:
+                entry = self._cache.get(key)
+                if entry is not None:
+                    self._cache.move_to_end(key)
+                    self.counters.reuses += 1
+                    entry.users += 1
+                    self._latest = entry
+                    return entry
+            part = self._compile(shapes)  # outside the cache's lock: runs of other shapes go on
+            with self._lock:
+                entry = _Entry(part, ", ".join(f"{n} {list(s)}" for n, s in key))
+                self.counters.compiles += 1
+                self._cache[key] = entry
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)[1].close_when_idle()
+                    self.counters.evictions += 1
+                entry.users += 1
+                self._latest = entry
+                return entry
+
+    @property
+    def latest(self) -> Any:
+        """The session the last run used (None before the first)."""
+        return self._latest.part if self._latest is not None else None
+
+    @property
+    def shapes(self) -> list[str]:
+        """The input shapes compiled and kept, least recently used first."""
+        with self._lock:
+            return [e.what for e in self._cache.values()]
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._cache.values())
+            self._cache.clear()
+            self._latest = None
+        for entry in entries:
+            entry.part.close()

@@ -6,10 +6,17 @@
    model's own folder only (no ``..``, absolute paths, links leading out, or hardlinks);
 2. ``onnx.checker.check_model`` (full check) on the graph with its large weights declared as
    typed inputs: the checker never copies the weights, so models over 2 GiB work too;
-3. bind symbolic dimensions (``dims`` by name, else ``batch`` for an input's first dimension);
+3. bind symbolic dimensions of the inputs (``shapes`` by input and axis, else ``dims`` by name,
+   else ``batch`` for an input's first dimension). A dim is symbolic when it has a name, no
+   value, or a negative value (Paddle2ONNX writes -1); one name may stand for dims that differ
+   ("?" for height and width), so names bind only what ``dims`` names. A dim left unbound raises
+   :class:`UnboundDims`, naming the input and axis (a :class:`vkpool.Session` then binds it from
+   each run's feeds);
 4. repeat ``onnx.shape_inference.infer_shapes(data_prop=True, strict_mode=True)`` and constant
    folding until nothing changes, so shapes computed by ``Shape → Gather → Concat → Reshape``
-   chains become static;
+   chains become static. Shapes come from the graph, as onnxruntime takes them: the declared
+   shapes of outputs and ``value_info`` are not inputs to the inference, and one that disagrees
+   with what the graph computes gives a :class:`DeclaredShapeWarning`;
 5. fail with :class:`ModelError` naming any tensor whose shape or dtype is still unknown (with
    ``partial=True``, list them in ``LoadedModel.unresolved`` instead: their shapes depend on
    values known only at run time, and :mod:`vkpool.dynamic` cuts the model there).
@@ -48,6 +55,22 @@ class ModelError(ValueError):
     that stay unknown after binding every symbolic dimension."""
 
 
+class UnboundDims(ModelError):
+    """Symbolic dims of the inputs that nothing bound. ``inputs`` and ``outputs`` are as the
+    model declares them, -1 for each symbolic dim (an output declared without a shape has
+    shape ``()`` here)."""
+
+    def __init__(self, message: str, inputs: list[tuple[str, TensorInfo]], outputs: list[tuple[str, TensorInfo]]):
+        super().__init__(message)
+        self.inputs = inputs
+        self.outputs = outputs
+
+
+class DeclaredShapeWarning(UserWarning):
+    """A shape the model declares for an output or a ``value_info`` disagrees with what its graph
+    computes; the graph's shape is used, as onnxruntime does."""
+
+
 @dataclass
 class Node:
     name: str
@@ -72,6 +95,9 @@ class LoadedModel:
     #: products divided into column blocks before planning (:mod:`vkpool.column_split`):
     #: node name → blocks; a worker process loading the model applies the same
     column_splits: dict[str, int] = field(default_factory=dict)
+    #: input name → the axes the model leaves symbolic (bound at load by ``batch``, ``dims`` or
+    #: ``shapes``): a run may bind them to other values
+    symbolic: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def op_types(self) -> list[tuple[str, str]]:
         """``(op_type, domain)`` of every node, in node order."""
@@ -111,11 +137,14 @@ def load_model(
     fuse: bool = True,
     partial: bool = False,
     cache: bool = True,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> LoadedModel:
     """Loads, checks, binds and folds an ONNX model; see the module docstring. With ``fuse``
     (the default), biases and Relus are folded into the products before them
     (:mod:`vkpool.fusion`). With ``partial``, a tensor of unknown shape is listed in
     ``unresolved`` instead of failing the load (an output needs its dtype and rank known).
+    ``shapes`` binds inputs' symbolic dims by position (input name → its whole shape; a fixed dim
+    that differs is a :class:`ModelError` naming the input and axis).
 
     A model loaded from a path is looked up in, and else written to, the loaded-model cache
     (:mod:`vkpool.model_cache`); ``cache=False`` or ``VKPOOL_NO_MODEL_CACHE=1`` skip it."""
@@ -123,7 +152,7 @@ def load_model(
         raise ModelError(f"batch must be at least 1, got {batch}")
     what = Path(os.fspath(src)).name if isinstance(src, (str, os.PathLike)) else ""
     with progress.task("load", _LOAD_STEPS, what=what):
-        return _load_cached(src, batch, dict(dims or {}), fuse, partial, cache)
+        return _load_cached(src, batch, dict(dims or {}), fuse, partial, cache, shapes or {})
 
 
 #: the steps of a load :func:`progress.advance` counts: parsed, checked, shapes known, fused
@@ -131,11 +160,11 @@ _LOAD_STEPS = 4
 
 
 def _load_cached(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dims: dict[str, int],
-                 fuse: bool, partial: bool, cache: bool) -> LoadedModel:
+                 fuse: bool, partial: bool, cache: bool, shapes: dict[str, tuple[int, ...]]) -> LoadedModel:
     """:func:`load_model` once its progress task is open: from the loaded-model cache or the file."""
     trace = LoadTrace()
-    if not cache or not isinstance(src, (str, os.PathLike)):
-        return _load(src, batch, dims, fuse, partial, trace)
+    if not cache or not isinstance(src, (str, os.PathLike)) or shapes:
+        return _load(src, batch, dims, fuse, partial, trace, shapes)
     from vkpool import model_cache
 
     if not model_cache.enabled():
@@ -164,7 +193,8 @@ class LoadTrace:
 
 
 def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dims: dict[str, int],
-          fuse: bool, partial: bool, trace: LoadTrace) -> LoadedModel:
+          fuse: bool, partial: bool, trace: LoadTrace, shapes: dict[str, tuple[int, ...]] | None = None
+          ) -> LoadedModel:
     """The load itself, without the cache; ``trace`` gets the files it read."""
     proto, base_dir, in_place = _parse(src)
     for array in in_place.values():
@@ -174,11 +204,13 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
     # external paths are vetted (and every weight read) before the checker sees the graph
     constants = _take_initializers(proto, base_dir, in_place, trace)
     progress.advance("load")
+    _negative_dims_unknown(proto.graph)
     _check(_weightless(proto, constants))
     progress.advance("load")
     opset = _onnx_opset(proto)
     graph = proto.graph
-    bound = _bind_dims(graph, batch, dims)
+    declared = _declared_shapes(graph)
+    bound, symbolic = _bind_dims(graph, batch, dims, shapes or {}, set(constants))
 
     nodes = list(graph.node)
     input_names = [i.name for i in graph.input if i.name not in constants]
@@ -191,6 +223,7 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
         if not changed:
             break
     progress.advance("load")
+    _warn_declared(declared, types)
 
     kept_nodes = [_to_node(n) for n in nodes]
     used = {t for n in kept_nodes for t in n.inputs if t} | set(output_names)
@@ -224,6 +257,7 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
         tensors=tensors,
         opset=opset,
         unresolved=unresolved,
+        symbolic=symbolic,
     )
     if fuse:
         from vkpool.fusion import fuse as fuse_epilogues
@@ -314,7 +348,37 @@ def _weightless(proto: onnx.ModelProto, constants: dict[str, np.ndarray]) -> onn
             out.graph.initializer.append(numpy_helper.from_array(np.array(value, order="C", copy=None), name))
         elif name not in declared:
             out.graph.input.append(_value_info(name, TensorInfo(value.shape, value.dtype)))
+    _outputs_as_computed(out)
     return out
+
+
+def _outputs_as_computed(proto: onnx.ModelProto) -> None:
+    """Gives the graph's outputs the types its inference computes and drops its value_infos, so
+    that the checker (which requires an output's shape, and fails where a declared one disagrees
+    with the graph's) judges the graph, not what an exporter declared about it. An output whose
+    shape the inference cannot find keeps its declared rank, every dim unknown."""
+    import onnx
+    from onnx import helper
+
+    graph = proto.graph
+    del graph.value_info[:]
+    declared = {o.name: onnx.ValueInfoProto.FromString(o.SerializeToString()) for o in graph.output}
+    for o in graph.output:
+        if o.type.HasField("tensor_type"):
+            o.type.tensor_type.ClearField("shape")
+    try:
+        inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(proto).graph.output}
+    except Exception:  # the checker that follows names what is wrong
+        inferred = {}
+    for o in graph.output:
+        found = inferred.get(o.name)
+        if found is not None and found.type.tensor_type.HasField("shape"):
+            o.type.tensor_type.shape.CopyFrom(found.type.tensor_type.shape)
+            continue
+        old = declared[o.name].type.tensor_type if declared[o.name].type.HasField("tensor_type") else None
+        if old is not None and old.HasField("shape"):
+            o.type.tensor_type.shape.CopyFrom(helper.make_tensor_type_proto(
+                old.elem_type, [None] * len(old.shape.dim)).tensor_type.shape)
 
 
 def _check(proto: onnx.ModelProto) -> None:
@@ -460,55 +524,129 @@ def _onnx_opset(proto: onnx.ModelProto) -> int:
 # -- symbolic dimensions and shape inference -----------------------------------------------------
 
 
-def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int]) -> dict[str, int]:
-    """Writes concrete values for symbolic dims of the graph inputs; returns the binding used.
+def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int], shapes: dict[str, tuple[int, ...]],
+               constants: set[str]) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    """Writes concrete values for the symbolic dims of the graph inputs; returns the names bound
+    and, per input, the axes that were symbolic.
 
-    A named dim takes ``dims[name]``; the first dim of an input, named or anonymous, else takes
-    ``batch``. The same name gets the same value everywhere (inputs, outputs, value_info).
+    ``shapes[input]`` gives every dim of that input; else a named dim takes ``dims[name]``; else
+    the first dim of an input takes ``batch``. A negative value is a symbolic dim without a name.
     """
+    import onnx
+
     binding = dict(dims)
-    symbolic: set[str] = set()
+    symbolic: dict[str, tuple[int, ...]] = {}
+    names: set[str] = set()
     batch_used = False
+    unbound: list[str] = []
+    inputs = _declared_values(graph.input, constants)
     for value in graph.input:
-        shape = value.type.tensor_type.shape if value.type.HasField("tensor_type") else None
-        if shape is None:
+        if value.name in constants or not value.type.HasField("tensor_type"):
             continue
-        for axis, dim in enumerate(shape.dim):
-            if dim.HasField("dim_value"):
+        ttype = value.type.tensor_type
+        if not ttype.HasField("shape"):
+            raise ModelError(f"input {value.name!r} has no shape; vkpool needs each input's rank")
+        given = shapes.get(value.name)
+        if given is not None and len(given) != len(ttype.shape.dim):
+            raise ModelError(f"input {value.name!r} has rank {len(ttype.shape.dim)}; a feed of shape "
+                             f"{list(given)} cannot bind it")
+        axes = []
+        for axis, dim in enumerate(ttype.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value >= 0:
+                if given is not None and given[axis] != dim.dim_value:
+                    raise ModelError(f"input {value.name!r} axis {axis} is {dim.dim_value} in the model; "
+                                     f"a feed of shape {list(given)} cannot bind it")
                 continue
             name = dim.dim_param
-            symbolic.add(name)
-            if name and name in binding:
+            axes.append(axis)
+            names.add(name)
+            if given is not None:
+                dim.dim_value = int(given[axis])
+                batch_used |= axis == 0
+            elif name and name in binding:
                 dim.dim_value = binding[name]
             elif axis == 0:
                 if name:
                     binding[name] = batch
                 dim.dim_value = batch
                 batch_used = True
+            else:
+                dim.dim_param = name  # a negative value becomes an unnamed dim
+                unbound.append(f"input {value.name!r} axis {axis}" + (f" ({name!r})" if name else " (no name)"))
+        if axes:
+            symbolic[value.name] = tuple(axes)
     # a binding the model has no use for would load another identical copy: refuse it
-    unknown_dims = sorted(set(dims) - symbolic)
+    unknown_dims = sorted(set(dims) - names)
     if unknown_dims or (batch != 1 and not batch_used):
         what = f"dims {unknown_dims}" if unknown_dims else f"batch={batch}"
-        inputs = ", ".join(f"{v.name} {[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]}"
-                           for v in graph.input if v.type.HasField("tensor_type"))
-        raise ModelError(f"{what}: no input of the model has such a symbolic dim (inputs: {inputs}; batch "
+        described = ", ".join(f"{v.name} {[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]}"
+                              for v in graph.input if v.type.HasField("tensor_type") and v.name not in constants)
+        raise ModelError(f"{what}: no input of the model has such a symbolic dim (inputs: {described}; batch "
                          "binds an input's symbolic first dim, dims a named one)")
-    for value in [*graph.output, *graph.value_info]:
+    if unbound:
+        raise UnboundDims(f"{'; '.join(unbound)}: a symbolic dim nothing binds; give dims={{name: value}} for a "
+                          "named one, or run the model in a vkpool.Session, which binds them from each run's feeds",
+                          inputs, _declared_values(graph.output, constants))
+    return binding, symbolic
+
+
+def _negative_dims_unknown(graph: onnx.GraphProto) -> None:
+    """A negative dim (Paddle2ONNX writes -1 for a dynamic one) becomes a dim without a name."""
+    for value in [*graph.input, *graph.output, *graph.value_info]:
         if value.type.HasField("tensor_type"):
             for dim in value.type.tensor_type.shape.dim:
-                if not dim.HasField("dim_value") and dim.dim_param in binding:
-                    dim.dim_value = binding[dim.dim_param]
-    for value in graph.input:
-        if not value.type.HasField("tensor_type"):
+                if dim.HasField("dim_value") and dim.dim_value < 0:
+                    dim.dim_param = ""
+
+
+def _declared_values(values: Any, constants: set[str]) -> list[tuple[str, TensorInfo]]:
+    """Name and info of each typed value as declared, -1 for each symbolic dim."""
+    import onnx
+
+    out = []
+    for v in values:
+        if v.name in constants or not v.type.HasField("tensor_type"):
             continue
-        shape = value.type.tensor_type.shape
-        unknown = [d.dim_param or "?" for d in shape.dim if not d.HasField("dim_value")]
-        if unknown or not value.type.tensor_type.HasField("shape"):
-            what = f"symbolic dims {unknown}" if unknown else "no shape"
-            raise ModelError(
-                f"input {value.name!r} has {what}; bind them with dims={{name: value}}"
-            )
-    return binding
+        t = v.type.tensor_type
+        if t.elem_type == onnx.TensorProto.UNDEFINED:
+            continue
+        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else -1 for d in t.shape.dim)
+        out.append((v.name, TensorInfo(shape, _np_dtype(t.elem_type))))
+    return out
+
+
+def _np_dtype(elem_type: int) -> np.dtype:
+    from onnx import helper
+
+    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def _declared_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
+    """The shapes the model declares for its outputs and value_infos, -1 for a symbolic dim."""
+    out: dict[str, tuple[int, ...]] = {}
+    for value in [*graph.output, *graph.value_info]:
+        ttype = value.type.tensor_type if value.type.HasField("tensor_type") else None
+        if ttype is not None and ttype.HasField("shape"):
+            out[value.name] = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else -1
+                                    for d in ttype.shape.dim)
+    return out
+
+
+def _warn_declared(declared: dict[str, tuple[int, ...]], types: dict[str, TensorInfo]) -> None:
+    """One warning listing the declared shapes the graph's own shapes contradict."""
+    import warnings
+
+    wrong = []
+    for name, shape in declared.items():
+        info = types.get(name)
+        if info is None:
+            continue
+        if len(shape) != len(info.shape) or any(d >= 0 and d != c for d, c in zip(shape, info.shape)):
+            wrong.append(f"{name!r} declared {['?' if d < 0 else d for d in shape]}, computed {list(info.shape)}")
+    if wrong:
+        warnings.warn(f"the graph's shapes are used where the model declares others: {'; '.join(wrong[:8])}"
+                      + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""), DeclaredShapeWarning,
+                      stacklevel=4)
 
 
 def _value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
@@ -541,10 +679,12 @@ def _infer(
         else:
             inputs.append(_value_info(name, TensorInfo(value.shape, value.dtype)))
     produced = {t for n in nodes for t in n.output}
-    # an output folded into a constant is no longer produced by any node
-    outputs = [o for o in src.output if o.name in produced or o.name in {i.name for i in inputs}]
-    graph = helper.make_graph(nodes, src.name or "g", inputs, outputs, inits,
-                              value_info=[v for v in src.value_info if v.name in produced])
+    # an output folded into a constant is no longer produced by any node; outputs keep their
+    # element type only (the graph computes their shapes) and value_infos are left out
+    outputs = [helper.make_tensor_value_info(o.name, o.type.tensor_type.elem_type, None)
+               if o.type.HasField("tensor_type") else o
+               for o in src.output if o.name in produced or o.name in {i.name for i in inputs}]
+    graph = helper.make_graph(nodes, src.name or "g", inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
     model.functions.extend(proto.functions)
     try:

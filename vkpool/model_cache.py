@@ -274,6 +274,7 @@ def store(src: str | os.PathLike[str], args: LoadArgs, model: LoadedModel, trace
             "outputs": [[n, _dtype_code(i.dtype), list(i.shape)] for n, i in model.outputs],
             "tensors": [[n, _dtype_code(i.dtype), list(i.shape)] for n, i in model.tensors.items()],
             "unresolved": list(model.unresolved),
+            "symbolic": {n: list(axes) for n, axes in model.symbolic.items()},
             "nodes": [[n.name, n.op_type, n.domain, list(n.inputs), list(n.outputs), dict(n.attrs)]
                       for n in model.nodes],
             "constants": constants,
@@ -348,6 +349,7 @@ def _read(f: Any, path: Path, fd: int, args: LoadArgs) -> LoadedModel:
         tensors={n: _info([c, s]) for n, c, s in header["tensors"]},
         opset=opset,
         unresolved=[str(n) for n in header["unresolved"]],
+        symbolic={str(n): tuple(int(a) for a in axes) for n, axes in header["symbolic"].items()},
     )
 
 

@@ -11,10 +11,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from vkpool.errors import InvalidInput
-from vkpool.kernels.base import UnsupportedOp
+from vkpool.kernels.base import OpError, UnsupportedOp
 from vkpool.kernels.registry import unsupported_in
 from vkpool.memory import DeviceOutOfMemory
-from vkpool.model import LoadedModel, ModelError, load_model
+from vkpool.model import LoadedModel, ModelError, UnboundDims, load_model
 from vkpool.pool import DevicePool, HostMember, Member, VulkanMember
 
 ORT_TYPES = {
@@ -75,6 +75,13 @@ class Session:
     at batch sizes 2, 4, ... and ``max_batch`` are compiled here, each holding its own weights and
     counted against the budgets. :meth:`run` still runs one request at once. ``batching``
     gives the batcher's figures.
+
+    A model whose inputs have symbolic dims runs with whatever sizes the feeds give those dims:
+    ``batch``/``dims`` choose the shapes compiled at load (when they bind every symbolic dim),
+    other shapes are compiled at their first run and kept in a cache of ``shape_cache`` entries
+    (:data:`vkpool.dynamic.SHAPE_CACHE_SIZE` by default); ``shapes`` is then the
+    :class:`~vkpool.dynamic.ShapeSessions` (None when every input dim is fixed). A dim that
+    ``batch``/``dims`` leave unbound is bound by the first run.
     """
 
     def __init__(
@@ -94,6 +101,7 @@ class Session:
         processes: bool | None = None,
         max_batch: int | None = None,
         max_queue_delay: float = 0.0,
+        shape_cache: int | None = None,
     ) -> None:
         self._own_pool = pool is None
         self._source = (model if isinstance(model, (bytes, bytearray)) else os.fspath(model), batch, dict(dims or {}))
@@ -103,12 +111,22 @@ class Session:
         try:
             for member_id, size in (budgets or {}).items():
                 self.pool.set_budget(member_id, size)
-            loaded = load_model(model, batch=batch, dims=dict(dims or {}), partial=True)
-            self._setup(loaded, device, devices, plan, objective, suffix_cache)
+            try:
+                loaded = load_model(model, batch=batch, dims=dict(dims or {}), partial=True)
+            except UnboundDims as exc:
+                self._bind_per_run(exc, device, devices)
+                loaded = None
+            if loaded is None or loaded.symbolic:
+                self._keep_shapes(device, devices, objective, suffix_cache, shape_cache)
+            if loaded is not None:
+                self._setup(loaded, device, devices, plan, objective, suffix_cache)
             if max_batch is not None:
                 if batch != 1:
                     raise ValueError("batch= fixes the batch dimension and max_batch= batches requests "
                                      "along it: give one of them")
+                if loaded is None:
+                    raise ValueError("max_batch= batches along the batch dimension of shapes compiled at load: "
+                                     "give dims= for every other symbolic input dim")
                 self._batcher = self._make_batcher(
                     model, dict(dims or {}), max_batch, max_queue_delay,
                     dict(device=device, devices=devices, objective=objective, processes=processes))
@@ -142,6 +160,7 @@ class Session:
         self._placement: Any = None
         self._placement_members: list[Any] = []
         self.dynamic: Any = None
+        self.shapes: Any = None
         self._closed = False
         self._lock = threading.Lock()
 
@@ -196,6 +215,47 @@ class Session:
             self.member = self.dynamic.prefix.member
         else:
             self.member = self._candidates(device if devices is None else devices[0])[0]
+
+    # -- shapes bound per run --------------------------------------------------------------
+    def _bind_per_run(self, unbound: UnboundDims, device: str | None, devices: Sequence[str] | None) -> None:
+        """Nothing compiled at load: the inputs' symbolic dims are bound by each run's feeds."""
+        symbolic = {n: tuple(a for a, d in enumerate(i.shape) if d < 0) for n, i in unbound.inputs}
+        self.model = LoadedModel(inputs=unbound.inputs, outputs=unbound.outputs, nodes=[], constants={},
+                                 tensors={}, opset=0, symbolic={n: a for n, a in symbolic.items() if a})
+        self.member = self._candidates(device if devices is None else devices[0])[0]
+
+    def _keep_shapes(self, device: str | None, devices: Sequence[str] | None, objective: str,
+                     suffix_cache: int | None, shape_cache: int | None) -> None:
+        from vkpool.dynamic import SHAPE_CACHE_SIZE, ShapeSessions
+
+        assert self._source is not None
+        source, batch, dims = self._source
+        pool = self.pool  # not self: the sessions per shape must not keep this one alive
+
+        def compile_shapes(shapes: dict[str, tuple[int, ...]]) -> Session:
+            where = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
+            try:
+                part = load_model(source, batch=batch, dims=dims, partial=True, shapes=shapes)
+                return Session._part(part, pool, device, devices, objective, suffix_cache)
+            except (ModelError, OpError, UnsupportedOp) as exc:
+                raise type(exc)(f"the model cannot run with input shapes {where}: {exc}") from exc
+
+        self.shapes = ShapeSessions(compile_shapes, SHAPE_CACHE_SIZE if shape_cache is None else int(shape_cache))
+
+    def _compiled_here(self) -> bool:
+        return self._chunk is not None or self._executor is not None or self.dynamic is not None
+
+    def _other_shapes(self, feeds: Mapping[str, np.ndarray]) -> bool:
+        """Whether ``feeds`` run on a session compiled for their shapes rather than on this one."""
+        if self.shapes is None:
+            return False
+        if not self._compiled_here():
+            return True
+        return any(feeds[n].shape != info.shape for n, info in self.model.inputs)
+
+    def _latest(self) -> Session | None:
+        """Where the last run ran when nothing is compiled here (None before the first run)."""
+        return self.shapes.latest if self.shapes is not None and not self._compiled_here() else None
 
     # -- placement -------------------------------------------------------------------------
     def _make_batcher(self, model: Any, dims: dict[str, int], max_batch: int, max_queue_delay: float,
@@ -370,8 +430,14 @@ class Session:
         return PlanExecutor(self.pool, self.model, plan, graph)
 
     # -- ONNX Runtime-shaped API ----------------------------------------------------------------
-    def get_inputs(self) -> list[NodeArg]:
-        return [NodeArg(n, list(i.shape), i.dtype) for n, i in self.model.inputs]
+    def get_inputs(self, symbolic: bool = False) -> list[NodeArg]:
+        """The inputs, with the shapes compiled at load; a dim not bound at load is None, and with
+        ``symbolic`` so is every dim a run may give another size."""
+        def dims(name: str, shape: tuple[int, ...]) -> list[int | None]:
+            free = self.model.symbolic.get(name, ()) if symbolic else ()
+            return [None if d < 0 or a in free else d for a, d in enumerate(shape)]
+
+        return [NodeArg(n, dims(n, i.shape), i.dtype) for n, i in self.model.inputs]
 
     def get_outputs(self) -> list[NodeArg]:
         """The outputs; a dim known only at run time (an output after a cut) is None."""
@@ -384,7 +450,9 @@ class Session:
             raise RuntimeError("the session is closed")
         feeds = self._check_feeds(input_feed)
         names = self._output_list(output_names)
-        if self.dynamic is not None:
+        if self._other_shapes(feeds):
+            produced = self.shapes.run(names, feeds)
+        elif self.dynamic is not None:
             produced = self.dynamic.run(feeds)
         elif self._executor is not None:
             produced = self._executor.run(feeds)
@@ -403,7 +471,7 @@ class Session:
             raise RuntimeError("the session is closed")
         if self._batcher is not None:
             return self._batcher.submit(input_feed, output_names)
-        if self._executor is None:
+        if self._executor is None or self._other_shapes(self._check_feeds(input_feed)):
             done: Future = Future()
             try:
                 done.set_result(self.run(output_names, input_feed))
@@ -447,8 +515,12 @@ class Session:
             value = np.asarray(input_feed[name])
             if value.dtype != info.dtype:
                 raise InvalidInput(f"input {name!r} must be {info.dtype}, got {value.dtype}")
-            if tuple(value.shape) != info.shape:
-                raise InvalidInput(f"input {name!r} must have shape {list(info.shape)}, got {list(value.shape)}")
+            free = self.model.symbolic.get(name, ()) if self.shapes is not None else ()
+            wrong = [a for a, (d, v) in enumerate(zip(info.shape, value.shape)) if a not in free and d != v]
+            if value.ndim != len(info.shape) or wrong:
+                shape = ["?" if a in free or d < 0 else d for a, d in enumerate(info.shape)]
+                where = f" (axis {wrong[0]})" if value.ndim == len(info.shape) else f" (rank {len(shape)})"
+                raise InvalidInput(f"input {name!r} must have shape {shape}, got {list(value.shape)}{where}")
             feeds[name] = value
         return feeds
 
@@ -458,10 +530,15 @@ class Session:
         """Where the model runs: a SingleMemberPlan, the partition Plan as a MultiMemberPlan, or
         for a cut model a :class:`~vkpool.dynamic.CutPlan` (where it is cut, the prefix's plan
         and the plan of the suffix the last run used)."""
+        latest = self._latest()
+        if latest is not None:
+            return latest.plan
         if self.dynamic is not None:
             return self.dynamic.plan
         if self._executor is not None:
             return self._chunk_plan
+        if self._chunk is None:
+            raise RuntimeError("nothing is compiled yet: the model's symbolic input dims are bound by the first run")
         from vkpool.placement import SingleMemberPlan
 
         return SingleMemberPlan(self.model, self.member.id, self._chunk.stats)
@@ -484,6 +561,9 @@ class Session:
         return self._placement
 
     def memory_by_member(self) -> dict[str, int]:
+        if self.shapes is not None and not self._compiled_here():
+            latest = self._latest()
+            return latest.memory_by_member() if latest is not None else {}
         if self.dynamic is not None:
             return self.dynamic.memory_by_member()
         if self._executor is not None:
@@ -494,6 +574,11 @@ class Session:
     @property
     def stats(self) -> Any:
         """The compiled chunks' statistics; for a cut model, its prefix's (empty without one)."""
+        if self.shapes is not None and not self._compiled_here():
+            from vkpool.engine import ChunkStats
+
+            latest = self._latest()
+            return latest.stats if latest is not None else ChunkStats()
         if self.dynamic is not None:
             from vkpool.engine import ChunkStats
 
@@ -528,6 +613,9 @@ class Session:
             if self.dynamic is not None:
                 self.dynamic.close()
                 self.dynamic = None
+            if self.shapes is not None:
+                self.shapes.close()
+                self.shapes = None
             if self._own_pool and getattr(self, "pool", None) is not None:
                 self.pool.close()
 

@@ -1,0 +1,145 @@
+"""Shapes as exporters write them, on the real Vulkan device against onnxruntime on the CPU
+(float32 rtol 1e-4, atol 1e-5): -1 for a dynamic dim (Paddle2ONNX), one dim_param name for dims
+that differ ("?" for height and width), dims without a name, declared output and value_info
+shapes the graph contradicts (the graph wins, with a warning, as in onnxruntime), outputs with a
+type but no shape; and symbolic dims bound by each run's feeds, compiled per distinct shape and
+kept in a bounded cache."""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+from vkpool.kernels.base import OpError
+from vkpool.model import DeclaredShapeWarning, UnboundDims, load_model
+from vkpool.session import InvalidInput, Session
+
+ort = pytest.importorskip("onnxruntime", reason="onnxruntime computes the expected outputs")
+RNG = np.random.default_rng(21)
+
+
+def conv_model(in_shape: list[Any], out_shape: list[Any] | None, value_info: list[Any] = ()) -> onnx.ModelProto:
+    """Conv 3→4 (3x3, pad 1) → Relu → MaxPool 2x2: works at any height and width."""
+    w = numpy_helper.from_array((RNG.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+    y = helper.make_tensor_value_info("y", T.FLOAT, out_shape)
+    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", T.FLOAT, in_shape)], [y], [w],
+                              value_info=list(value_info))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def expected(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def compare(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def image(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def test_minus_one_dims_bind_per_run(pool):
+    """Paddle2ONNX's -1: the load used to divide by it."""
+    model = conv_model([-1, 3, -1, -1], [-1, 4, -1, -1])
+    with Session(model.SerializeToString(), pool=pool) as s:
+        assert [i.shape for i in s.get_inputs()] == [[None, 3, None, None]]
+        for shape in [(1, 3, 8, 12), (2, 3, 6, 6), (1, 3, 8, 12)]:
+            x = image(*shape)
+            compare(s.run(None, {"x": x}), expected(model, {"x": x}))
+        assert (s.shapes.counters.compiles, s.shapes.counters.reuses) == (2, 1)
+
+
+def test_one_name_for_dims_that_differ(pool):
+    model = conv_model(["N", 3, "?", "?"], ["N", 4, "?", "?"])
+    with Session(model.SerializeToString(), pool=pool) as s:
+        x = image(1, 3, 10, 6)  # "?" is 10 and 6 at once
+        compare(s.run(None, {"x": x}), expected(model, {"x": x}))
+
+
+def test_unnamed_dims_and_dims_precompile(pool):
+    model = conv_model([1, 3, "H", None], [1, 4, None, None])
+    with pytest.raises(UnboundDims, match=r"input 'x' axis 3 \(no name\)"):
+        load_model(model)
+    with Session(model.SerializeToString(), pool=pool, dims={"H": 8}) as s:
+        # H alone does not bind the unnamed axis: compiled at the first run
+        assert s.shapes.counters.compiles == 0
+        x = image(1, 3, 8, 4)
+        compare(s.run(None, {"x": x}), expected(model, {"x": x}))
+        assert s.shapes.counters.compiles == 1
+        assert s.plan is not None and s.stats.dispatches > 0
+
+
+def test_dims_precompile_and_other_shapes_still_run(pool):
+    model = conv_model(["N", 3, "H", "W"], ["N", 4, "h", "w"])
+    with Session(model.SerializeToString(), pool=pool, dims={"H": 8, "W": 8}, shape_cache=2) as s:
+        assert s.get_inputs()[0].shape == [1, 3, 8, 8]
+        assert s.get_inputs(symbolic=True)[0].shape == [None, 3, None, None]
+        x = image(1, 3, 8, 8)
+        compare(s.run(None, {"x": x}), expected(model, {"x": x}))
+        assert s.shapes.counters.compiles == 0  # the shapes compiled at load ran it
+        for h in (4, 6, 10, 4):
+            x = image(2, 3, h, 6)
+            compare(s.run(None, {"x": x}), expected(model, {"x": x}))
+        counters = s.shapes.counters
+        assert (counters.compiles, counters.evictions) == (4, 2)  # 4 was evicted by 6 and 10
+        assert len(s.shapes.shapes) == 2
+        compare(s.submit({"x": x}).result(), expected(model, {"x": x}))
+
+
+def test_a_fixed_dim_that_differs_names_the_input_and_axis(pool):
+    model = conv_model([-1, 3, -1, -1], None)
+    with Session(model.SerializeToString(), pool=pool) as s:
+        with pytest.raises(InvalidInput, match=r"input 'x' must have shape \['\?', 3, '\?', '\?'\], got \[1, 4, 8, 8\] "
+                                               r"\(axis 1\)"):
+            s.run(None, {"x": image(1, 4, 8, 8)})
+        with pytest.raises(InvalidInput, match=r"\(rank 4\)"):
+            s.run(None, {"x": image(3, 8, 8)})
+        # a size the graph cannot take is refused naming the shapes, and the session stays usable
+        with pytest.raises(OpError, match=r"input shapes x \[1, 3, 1, 1\]: MaxPool"):
+            s.run(None, {"x": image(1, 3, 1, 1)})
+        x = image(1, 3, 4, 4)
+        compare(s.run(None, {"x": x}), expected(model, {"x": x}))
+
+
+def test_output_with_a_type_but_no_shape(pool):
+    model = conv_model([1, 3, 8, 8], None)
+    assert not model.graph.output[0].type.tensor_type.HasField("shape")
+    assert load_model(model).outputs[0][1].shape == (1, 4, 4, 4)
+    with Session(model.SerializeToString(), pool=pool) as s:
+        x = image(1, 3, 8, 8)
+        compare(s.run(None, {"x": x}), expected(model, {"x": x}))
+
+
+def test_declared_shapes_the_graph_contradicts_warn_and_the_graph_wins(pool):
+    wrong_vi = [helper.make_tensor_value_info("c", T.FLOAT, [1, 4, 5, 5]),
+                helper.make_tensor_value_info("r", T.FLOAT, [7])]
+    model = conv_model([1, 3, 8, 8], [1, 4, 8, 8], wrong_vi)
+    with pytest.warns(DeclaredShapeWarning, match=r"'y' declared \[1, 4, 8, 8\], computed \[1, 4, 4, 4\]"):
+        loaded = load_model(model, cache=False)
+    assert loaded.outputs[0][1].shape == (1, 4, 4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeclaredShapeWarning)
+        with Session(model.SerializeToString(), pool=pool) as s:
+            x = image(1, 3, 8, 8)
+            truthful = onnx.ModelProto.FromString(model.SerializeToString())
+            del truthful.graph.value_info[:]
+            truthful.graph.output[0].type.tensor_type.ClearField("shape")
+            compare(s.run(None, {"x": x}), expected(truthful, {"x": x}))
+
+
+def test_agreeing_declarations_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeclaredShapeWarning)
+        load_model(conv_model([1, 3, 8, 8], [1, 4, "h", 4], [helper.make_tensor_value_info("c", T.FLOAT, [1, 4, 8, 8])]))
