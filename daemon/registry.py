@@ -162,7 +162,10 @@ class ModelEntry:
         if self.batching is not None:  # requests carry 1..max_batch rows along the first dim
             for value in (*self.inputs, *self.outputs):
                 value["shape"][0] = "batch"
-        self.input_specs = {i["name"]: i for i in self.inputs}
+            self.input_specs = {i["name"]: i for i in self.inputs}
+        else:  # a dim the model leaves symbolic may take another size per request (the session
+            # compiles that shape on first use), so the check leaves it free
+            self.input_specs = {i["name"]: i for i in describe_values(self.session.get_inputs(symbolic=True))}
         self.input_dtypes = {i["name"]: np.dtype(i["dtype"]) for i in self.inputs}
         self.output_names = [o["name"] for o in self.outputs]
         self.memory = {k: int(v) for k, v in self.session.memory_by_member().items()}

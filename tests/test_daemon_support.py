@@ -165,7 +165,7 @@ class StandInSession:
         self.plan = _Plan({"cpu": need})
         self.closed = False
 
-    def get_inputs(self) -> list[_Arg]:
+    def get_inputs(self, symbolic: bool = False) -> list[_Arg]:
         return self._inputs
 
     def get_outputs(self) -> list[_Arg]:

@@ -143,3 +143,25 @@ def test_agreeing_declarations_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeclaredShapeWarning)
         load_model(conv_model([1, 3, 8, 8], [1, 4, "h", 4], [helper.make_tensor_value_info("c", T.FLOAT, [1, 4, 8, 8])]))
+
+
+def test_the_daemon_binds_shapes_per_request():
+    """Through the daemon: a model whose H and W are "?" runs at two sizes, each compared with
+    onnxruntime; the published inputs keep the shapes compiled at load."""
+    from test_daemon_e2e import Daemon
+    from test_daemon_support import short_folder
+
+    model = conv_model(["N", 3, "?", "?"], None)
+    with short_folder("vks") as path:
+        daemon = Daemon(path)
+        try:
+            with daemon.client() as client:
+                session = client.session(model.SerializeToString(), dims={"?": 8})
+                assert list(session.get_inputs()[0].shape) == [1, 3, 8, 8]
+                for shape in [(1, 3, 8, 8), (2, 3, 6, 10)]:
+                    x = image(*shape)
+                    compare(session.run(None, {"x": x}), expected(model, {"x": x}))
+                with pytest.raises(Exception, match=r"input 'x' must have shape"):
+                    session.run(None, {"x": image(1, 2, 8, 8)})
+        finally:
+            assert daemon.stop() == 0
