@@ -16,7 +16,7 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 from vkpool.kernels.base import OpError
-from vkpool.model import DeclaredShapeWarning, UnboundDims, load_model
+from vkpool.model import DeclaredShapeWarning, ModelError, UnboundDims, load_model
 from vkpool.session import InvalidInput, Session
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime computes the expected outputs")
@@ -165,3 +165,60 @@ def test_the_daemon_binds_shapes_per_request():
                     session.run(None, {"x": image(1, 2, 8, 8)})
         finally:
             assert daemon.stop() == 0
+
+
+# -- sizes that cannot exist, opsets and domains vkpool cannot run ---------------------------------
+
+BIG = 2 ** 40
+
+
+def _one(nodes: list[Any], inputs: list[Any], inits: dict[str, np.ndarray] | None = None, opset: int = 17,
+         out_type: int = T.FLOAT) -> bytes:
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", out_type, None)],
+                              [numpy_helper.from_array(v, k) for k, v in (inits or {}).items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9).SerializeToString()
+
+
+SHAPE = {"s": np.array([BIG, BIG], np.int64)}
+X11 = helper.make_tensor_value_info("x", T.FLOAT, [1, 1])
+
+
+@pytest.mark.parametrize("name,model", [
+    ("declared", _one([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", T.FLOAT, [BIG, BIG])])),
+    ("ConstantOfShape", _one([helper.make_node("ConstantOfShape", ["s"], ["y"])], [], SHAPE)),
+    ("Expand", _one([helper.make_node("Expand", ["x", "s"], ["y"])], [X11], SHAPE)),
+    ("Reshape", _one([helper.make_node("Reshape", ["x", "s"], ["y"])], [X11], SHAPE)),
+])
+def test_sizes_past_any_device_are_refused_at_load(pool, name, model):
+    """2^40 x 2^40 elements: an OverflowError from the planner reached the daemon's log before."""
+    with pytest.raises(ModelError, match=r"refuses tensors over 4 TiB|Dimension product overflow"):
+        Session(model, pool=pool)
+
+
+@pytest.mark.parametrize("op", ["ConstantOfShape", "Expand"])
+def test_sizes_past_any_device_computed_at_run_time_are_refused(pool, op):
+    inputs = [helper.make_tensor_value_info("s", T.INT64, [2])] + ([X11] if op == "Expand" else [])
+    node = helper.make_node(op, ["x", "s"] if op == "Expand" else ["s"], ["y"])
+    feeds = {"x": np.ones((1, 1), np.float32)} if op == "Expand" else {}
+    with Session(_one([node], inputs), pool=pool) as s:
+        with pytest.raises(ModelError, match=r"tensor 'y' of shape \[1099511627776, 1099511627776\].*over 4 TiB"):
+            s.run(None, {**feeds, "s": np.array([BIG, BIG], np.int64)})
+        assert s.run(None, {**feeds, "s": np.array([3, 5], np.int64)})[0].shape == (3, 5)
+
+
+@pytest.mark.parametrize("opset", [9999, 6])
+def test_an_opset_out_of_range_is_refused_naming_the_range(opset):
+    import onnx.defs
+
+    model = _one([helper.make_node("Relu", ["x"], ["y"])], [X11], opset=opset)
+    with pytest.raises(ModelError, match=f"opset {opset}; vkpool loads opsets 7 to {onnx.defs.onnx_opset_version()}"):
+        load_model(model)
+
+
+def test_a_vendor_domain_is_refused_first_naming_op_and_domain():
+    from vkpool.kernels.base import UnsupportedOp
+
+    node = helper.make_node("FusedConv", ["x"], ["y"], domain="com.microsoft")
+    model = _one([node, helper.make_node("Gelu", ["y"], ["z"], domain="com.microsoft")], [X11])
+    with pytest.raises(UnsupportedOp, match=r"FusedConv \(domain com.microsoft\), Gelu \(domain com.microsoft\)"):
+        load_model(model)

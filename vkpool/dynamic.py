@@ -36,7 +36,7 @@ from vkpool.kernels.base import OpError, UnsupportedOp
 from vkpool.kernels.ops.nonzero import nonzero_indices
 from vkpool.kernels.registry import op_class
 from vkpool.memory import DeviceOutOfMemory
-from vkpool.model import LoadedModel, ModelError, Node
+from vkpool.model import LoadedModel, ModelError, Node, check_tensor_sizes
 
 #: compiled suffixes kept per cut, one per distinct set of bound values; the least recently
 #: used is closed (its device memory freed) when a new one would exceed this
@@ -227,6 +227,7 @@ class DynamicModel:
         )
         try:
             resolved = resolve(part_graph)
+            check_tensor_sizes(resolved.tensors)
         except (OpError, UnsupportedOp, ModelError) as exc:
             raise type(exc)(f"{exc} (in the part of the model after {self._what(bound)})") from exc
         for attempt in range(2):

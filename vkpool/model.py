@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vkpool import inline_weights, progress
-from vkpool.kernels.base import TensorInfo
+from vkpool.kernels.base import TensorInfo, UnsupportedOp
+from vkpool.units import format_size
 
 if TYPE_CHECKING:
     import onnx
@@ -127,6 +128,14 @@ NONDETERMINISTIC = frozenset(
 # propagation sees their values; larger ones are declared as typed inputs instead, which keeps
 # that proto small (a 1 GiB weight never needs its values for shape inference).
 _INLINE_CONSTANT_BYTES = 1 << 16
+#: the oldest ai.onnx opset whose models load (7: the opset of the classic model-zoo CNNs)
+MIN_OPSET = 7
+#: a tensor larger than this is refused at load: no device or pool holds one, and sizes past it
+#: (a declared 2^40 x 2^40) would overflow the planner's 64-bit arithmetic
+MAX_TENSOR_BYTES = 1 << 42
+#: a node whose outputs together exceed this is left to the device rather than folded on the host
+#: at load (a ConstantOfShape or Expand to a huge size would take the host's memory)
+_FOLD_BYTES = 1 << 30
 
 
 def load_model(
@@ -205,9 +214,10 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
     constants = _take_initializers(proto, base_dir, in_place, trace)
     progress.advance("load")
     _negative_dims_unknown(proto.graph)
+    opset = _onnx_opset(proto)
+    _refuse_vendor_ops(proto)
     _check(_weightless(proto, constants))
     progress.advance("load")
-    opset = _onnx_opset(proto)
     graph = proto.graph
     declared = _declared_shapes(graph)
     bound, symbolic = _bind_dims(graph, batch, dims, shapes or {}, set(constants))
@@ -249,6 +259,7 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
             skipped.add(name)
             continue
         tensors[name] = info
+    check_tensor_sizes(tensors)
     model = LoadedModel(
         inputs=[(n, tensors[n]) for n in input_names],
         outputs=[(n, tensors[n] if n in tensors else ranked[n]) for n in output_names],
@@ -366,10 +377,11 @@ def _outputs_as_computed(proto: onnx.ModelProto) -> None:
     for o in graph.output:
         if o.type.HasField("tensor_type"):
             o.type.tensor_type.ClearField("shape")
+    failed = ""
     try:
-        inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(proto).graph.output}
-    except Exception:  # the checker that follows names what is wrong
-        inferred = {}
+        inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(proto, strict_mode=True).graph.output}
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        inferred, failed = {}, str(exc)
     for o in graph.output:
         found = inferred.get(o.name)
         if found is not None and found.type.tensor_type.HasField("shape"):
@@ -379,6 +391,8 @@ def _outputs_as_computed(proto: onnx.ModelProto) -> None:
         if old is not None and old.HasField("shape"):
             o.type.tensor_type.shape.CopyFrom(helper.make_tensor_type_proto(
                 old.elem_type, [None] * len(old.shape.dim)).tensor_type.shape)
+        elif failed:
+            raise ModelError(f"output {o.name!r} is declared without a shape, and shape inference failed: {failed}")
 
 
 def _check(proto: onnx.ModelProto) -> None:
@@ -515,10 +529,40 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
 
 
 def _onnx_opset(proto: onnx.ModelProto) -> int:
+    import onnx.defs
+
+    newest = onnx.defs.onnx_opset_version()
     for entry in proto.opset_import:
         if entry.domain in ("", "ai.onnx"):
+            if not MIN_OPSET <= entry.version <= newest:
+                raise ModelError(f"the model imports ai.onnx opset {entry.version}; vkpool loads opsets {MIN_OPSET} "
+                                 f"to {newest} (re-export it at one of those, or convert it with "
+                                 "onnx.version_converter)")
             return int(entry.version)
     raise ModelError("the model imports no ai.onnx opset")
+
+
+def _refuse_vendor_ops(proto: onnx.ModelProto) -> None:
+    """Refuses, before any other check, nodes of domains other than ai.onnx (com.microsoft's fused
+    ops, ai.onnx.ml, ...) that are not functions the model defines: there are no kernels for them."""
+    local = {(f.domain, f.name) for f in proto.functions}
+    vendor = {(n.domain, n.op_type) for n in proto.graph.node
+              if n.domain not in ("", "ai.onnx") and (n.domain, n.op_type) not in local}
+    if vendor:
+        ops = ", ".join(f"{op} (domain {domain})" for domain, op in sorted(vendor))
+        raise UnsupportedOp(f"the model uses ops outside the ai.onnx domain: {ops}; vkpool has kernels for ai.onnx "
+                            "ops only (export without vendor-specific fusions, e.g. onnxruntime graph optimizations "
+                            "at the 'basic' level or below)")
+
+
+def check_tensor_sizes(tensors: dict[str, TensorInfo]) -> None:
+    """Refuses (:class:`ModelError`) a tensor over :data:`MAX_TENSOR_BYTES`."""
+    for name, info in tensors.items():
+        nbytes = _nbytes(info)
+        if nbytes > MAX_TENSOR_BYTES:
+            raise ModelError(f"tensor {name!r} of shape {list(info.shape)} ({info.dtype}) needs {format_size(nbytes)}; "
+                             f"vkpool refuses tensors over {format_size(MAX_TENSOR_BYTES)} (no device holds "
+                             "one): check the model's shapes and the dims bound to its inputs")
 
 
 # -- symbolic dimensions and shape inference -----------------------------------------------------
@@ -773,6 +817,9 @@ def _fold_node(
         return [_shape_or_size(node, infos[present[0]])]
     if not all(t in constants for t in present):
         return None
+    outputs = [infos.get(t) for t in node.output if t]
+    if all(o is not None for o in outputs) and sum(_nbytes(o) for o in outputs if o is not None) > _FOLD_BYTES:
+        return None
     try:
         values = evaluate_node(node, constants, list(proto.opset_import), proto.ir_version, proto.functions)
     except Exception:  # an op the reference cannot evaluate stays a node; the runtime runs it
@@ -787,6 +834,14 @@ def _fold_node(
             array = array.astype(infos[name].dtype)  # keep the declared dtype (int64 shapes ...)
         out.append(array)
     return out
+
+
+def _nbytes(info: TensorInfo) -> int:
+    """Bytes of ``info`` in Python integers (a product of huge dims must not wrap around)."""
+    count = 1
+    for d in info.shape:
+        count *= max(int(d), 0)
+    return count * info.dtype.itemsize
 
 
 def _shape_or_size(node: onnx.NodeProto, info: TensorInfo) -> np.ndarray:
