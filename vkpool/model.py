@@ -235,7 +235,7 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
     progress.advance("load")
     _warn_declared(declared, types)
 
-    kept_nodes = [_to_node(n) for n in nodes]
+    kept_nodes = _without_unknown_unread_outputs([_to_node(n) for n in nodes], types, set(output_names))
     used = {t for n in kept_nodes for t in n.inputs if t} | set(output_names)
     constants = {k: v for k, v in constants.items() if k in used}
     tensors: dict[str, TensorInfo] = {}
@@ -276,6 +276,23 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
         fuse_epilogues(model)
     progress.advance("load")
     return model
+
+
+def _without_unknown_unread_outputs(nodes: list[Node], types: dict[str, TensorInfo], graph_outputs: set[str]
+                                    ) -> list[Node]:
+    """An output nobody reads never blocks a load: one whose shape stays unknown (Dropout's mask
+    at opset 7, say) is dropped from its node, as an omitted optional output; a node left with no
+    output is dropped."""
+    read = {t for n in nodes for t in n.inputs if t} | graph_outputs
+    kept = []
+    for node in nodes:
+        outputs = [o if not o or o in read or o in types else "" for o in node.outputs]
+        while outputs and not outputs[-1]:
+            outputs.pop()
+        if outputs:
+            node.outputs = outputs
+            kept.append(node)
+    return kept
 
 
 # -- parsing and external data -------------------------------------------------------------------
@@ -729,7 +746,9 @@ def _infer(
                if o.type.HasField("tensor_type") else o
                for o in src.output if o.name in produced or o.name in {i.name for i in inputs}]
     graph = helper.make_graph(nodes, src.name or "g", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+    # IR 4 at least: before it, an initializer types a tensor only when it is also a graph input
+    # (IR 3 models list every weight there), and the inputs here leave the constants out
+    model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=max(proto.ir_version, 4))
     model.functions.extend(proto.functions)
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
