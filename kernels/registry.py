@@ -84,6 +84,8 @@ OPS: list[tuple[str, str, str]] = [
     ("MatMul", "matmul", "MatMul"),
     ("MatMulInteger", "qmatmul", "MatMulInteger"),
     ("QLinearMatMul", "qmatmul", "QLinearMatMul"),
+    ("ConvInteger", "qconv", "ConvInteger"),
+    ("QLinearConv", "qconv", "QLinearConv"),
     ("Conv", "conv", "Conv"),
     ("MaxPool", "pool", "MaxPool"),
     ("AveragePool", "pool", "AveragePool"),
