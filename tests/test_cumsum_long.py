@@ -1,4 +1,6 @@
 """Long serial loops on the device against onnxruntime on the CPU (float32 rtol 1e-4).
+CumSum, TopK, Einsum, NonZero and the direct Conv run past the limit in pieces; the kernels that
+cannot split are refused at load.
 
 lavapipe ends every loop of a shader invocation once all of them together have run 65,535
 iterations (Mesa's LP_MAX_TGSI_LOOP_ITERATIONS), without an error: a CumSum along 131,072
@@ -142,9 +144,30 @@ def test_nonzero_pieces_at_a_lowered_limit(low_loop_pool):
     run_and_compare(low_loop_pool, one_node("NonZero", [x], constants=(0,)))
 
 
+def test_conv_over_channels_past_the_loop_limit(pool):
+    """A direct convolution (few output channels) summing 70,000 input channels; small whole
+    numbers, so any order of summation is exact."""
+    x = RNG.integers(-3, 4, (1, 70000, 1, 2)).astype(np.float32)
+    w = RNG.integers(-3, 4, (2, 70000, 1, 1)).astype(np.float32)
+    run_and_compare(pool, one_node("Conv", [x, w], constants=(1,)))
+
+
+def test_conv_pieces_with_bias_and_relu_at_a_lowered_limit(low_loop_pool):
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["y"])],
+        "conv", [helper.make_tensor_value_info("x", 1, [1, 40, 6, 6])], [helper.make_tensor_value_info("y", 1, [1, 3, 6, 6])],
+        [numpy_helper.from_array(RNG.standard_normal((3, 40, 3, 3)).astype(np.float32), "w"),
+         numpy_helper.from_array(RNG.standard_normal(3).astype(np.float32), "b")]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    x = RNG.standard_normal((1, 40, 6, 6)).astype(np.float32)
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    run_and_compare(low_loop_pool, (model.SerializeToString(), {"x": x}, expected))
+
+
 @pytest.mark.parametrize("op,inputs,attrs", [
     ("Hardmax", [np.zeros((2, 400), np.float32)], {"axis": 1}),
     ("DFT", [np.zeros((1, 400, 1), np.float32)], {"axis": 1}),
+    ("AveragePool", [np.zeros((1, 1, 20, 20), np.float32)], {"kernel_shape": [20, 20]}),
 ])
 def test_serial_kernels_past_a_lowered_limit_are_refused(low_loop_pool, op, inputs, attrs):
     model, feeds, _ = one_node(op, inputs, attrs, opset=17)

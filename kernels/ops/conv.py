@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, serial_pieces,
 )
 from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem, fused_relu
 from vkpool.kernels.ops.spatial import Window, window, window_view
@@ -94,13 +94,15 @@ class Conv(Op):
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
             return self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)
         total = math.prod(self.out_shape)
-        return [Dispatch(
-            "conv",
-            [Ptr(x), Ptr(w), Ptr(b if b is not None else y), Ptr(y), U32(total)],
-            groups_1d(total, 256, ctx.caps),
-            {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None), "RELU": int(self.relu),
-             **{k: v for k, v in geometry.items() if not k.startswith("Q")}},
-        )]
+        args = [Ptr(x), Ptr(w), Ptr(b if b is not None else y), Ptr(y), U32(total)]
+        defines = {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None), "RELU": int(self.relu),
+                   **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
+        # loop iterations per input channel: every level of the window's loops
+        k = self.win.kernel
+        per_channel = sum(math.prod(k[:level]) for level in range(1, len(k) + 1)) + 1
+        pieces = serial_pieces(c // self.group, per_channel, ctx.caps, "Conv")
+        return [Dispatch("conv", [*args, U32(start), U32(count), U32(int(start + count == c // self.group))],
+                         groups_1d(total, 256, ctx.caps), defines) for start, count in pieces]
 
     def flops(self) -> int:
         w = self.input(1)

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, groups_1d,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, check_serial, groups_1d,
 )
 from vkpool.kernels.ops.attrs import str_attr
 
@@ -105,6 +105,9 @@ class ConvTranspose(Op):
             defines.update({f"IN{d}": ins[d], f"OUT{d}": outs[d], f"K{d}": ks[d], f"S{d}": ss[d],
                             f"P{d}": ps[d], f"D{d}": ds[d]})
         n = math.prod(self.out_shape)
+        # every kernel position, and every input channel of the group at each
+        check_serial(math.prod(self.ks) * (1 + 3 + x.shape[1] // self.group), ctx.caps,
+                     f"ConvTranspose over {x.shape[1] // self.group} channels and {math.prod(self.ks)} kernel positions")
         xp = Ptr(ctx.inputs[0])
         args = [xp, Ptr(ctx.inputs[1]), Ptr(ctx.inputs[2]) if self.has_input(2) else xp, Ptr(ctx.outputs[0])]
         return [Dispatch("convtranspose", args, groups_1d(n, 64, ctx.caps), defines)]

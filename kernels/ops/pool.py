@@ -7,7 +7,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div, groups_1d,
+    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div, check_serial, groups_1d,
     type_defines,
 )
 from vkpool.kernels.ops.spatial import Window, window, window_view
@@ -58,6 +58,9 @@ class Pool(Op):
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         total = math.prod(self.out_shape)
         idx = ctx.outputs[1] if len(ctx.outputs) > 1 and ctx.outputs[1] is not None else ctx.outputs[0]
+        k = self.win.kernel  # every level of the window's loops
+        check_serial(sum(math.prod(k[:level]) for level in range(1, len(k) + 1)), ctx.caps,
+                     f"{self.op_type} window of {math.prod(k)} elements")
         return [Dispatch(
             "pool", [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), Ptr(idx), U32(total)],
             groups_1d(total, 256, ctx.caps), self.defines(),

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, I32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    F32, I32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial, groups_1d,
     type_defines,
 )
 from vkpool.kernels.ops.attrs import str_attr
@@ -233,6 +233,7 @@ class Resize(Op):
             last = k == len(passes) - 1
             dst = Ptr(ctx.outputs[0]) if last else Ptr(ctx.workspace, (k % 2) * half)
             tap0, taps, aa = self._taps(a)
+            check_serial(taps, ctx.caps, f"{self.op_type} with {taps} taps along axis {a}")
             lo, hi = self._roi_index(a, rank) if has_roi else (0, 0)
             n = math.prod(shape)
             identity = not self.passes

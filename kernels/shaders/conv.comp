@@ -4,6 +4,9 @@
 // Geometry is compiled in (defines), spatial dimensions padded to 3 with extent 1:
 // C input channels, M output channels, G groups, ID/IH/IW input, OD/OH/OW output,
 // KD/KH/KW kernel, SD/SH/SW strides, PD/PH/PW leading pads, DD/DH/DW dilations.
+// The sum runs over the input channels c_start .. c_start+c_count-1 of the group: many channels
+// run as several dispatches (a device may bound the loop iterations of one invocation), each
+// adding to what the last wrote; the last adds the bias and applies the fused Relu.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
@@ -14,6 +17,9 @@ layout(push_constant) uniform Args {
     F32Buf b;
     F32Buf y;
     uint n;
+    uint c_start;
+    uint c_count;
+    uint last;
 } pc;
 
 #define CG (C / G)
@@ -27,10 +33,10 @@ void main() {
     uint od = t % OD; t /= OD;
     uint m = t % M; uint img = t / M;
     uint g = m / MG;
-    float acc = 0.0;
-    uint xc = (img * C + g * CG) * (ID * IH * IW);
+    float acc = pc.c_start > 0 ? pc.y.v[i] : 0.0;
+    uint xc = (img * C + g * CG + pc.c_start) * (ID * IH * IW);
     uint wc = m * (CG * KD * KH * KW);
-    for (uint c = 0; c < CG; ++c) {
+    for (uint c = pc.c_start; c < min(CG, pc.c_start + pc.c_count); ++c) {
         for (uint kd = 0; kd < KD; ++kd) {
             int id = int(od * SD + kd * DD) - PD;
             if (id < 0 || id >= ID) continue;
@@ -48,11 +54,13 @@ void main() {
         }
         xc += ID * IH * IW;
     }
+    if (pc.last != 0u) {
 #if HAS_BIAS
-    acc += pc.b.v[m];
+        acc += pc.b.v[m];
 #endif
 #if RELU
-    acc = max(acc, 0.0);
+        acc = max(acc, 0.0);
 #endif
+    }
     pc.y.v[i] = acc;
 }
