@@ -591,7 +591,7 @@ def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int], shapes:
     and, per input, the axes that were symbolic.
 
     ``shapes[input]`` gives every dim of that input; else a named dim takes ``dims[name]``; else
-    the first dim of an input takes ``batch``. A negative value is a symbolic dim without a name.
+    the first dim of an input takes ``batch``. (A negative dim was made one without a name.)
     """
     import onnx
 
@@ -613,7 +613,7 @@ def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int], shapes:
                              f"{list(given)} cannot bind it")
         axes = []
         for axis, dim in enumerate(ttype.shape.dim):
-            if dim.HasField("dim_value") and dim.dim_value >= 0:
+            if dim.HasField("dim_value"):
                 if given is not None and given[axis] != dim.dim_value:
                     raise ModelError(f"input {value.name!r} axis {axis} is {dim.dim_value} in the model; "
                                      f"a feed of shape {list(given)} cannot bind it")
@@ -632,7 +632,6 @@ def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int], shapes:
                 dim.dim_value = batch
                 batch_used = True
             else:
-                dim.dim_param = name  # a negative value becomes an unnamed dim
                 unbound.append(f"input {value.name!r} axis {axis}" + (f" ({name!r})" if name else " (no name)"))
         if axes:
             symbolic[value.name] = tuple(axes)
@@ -671,7 +670,7 @@ def _declared_values(values: Any, constants: set[str]) -> list[tuple[str, Tensor
         t = v.type.tensor_type
         if t.elem_type == onnx.TensorProto.UNDEFINED:
             continue
-        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else -1 for d in t.shape.dim)
+        shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
         out.append((v.name, TensorInfo(shape, _np_dtype(t.elem_type))))
     return out
 
@@ -688,8 +687,7 @@ def _declared_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
     for value in [*graph.output, *graph.value_info]:
         ttype = value.type.tensor_type if value.type.HasField("tensor_type") else None
         if ttype is not None and ttype.HasField("shape"):
-            out[value.name] = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else -1
-                                    for d in ttype.shape.dim)
+            out[value.name] = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in ttype.shape.dim)
     return out
 
 
@@ -740,18 +738,29 @@ def _infer(
         else:
             inputs.append(_value_info(name, TensorInfo(value.shape, value.dtype)))
     produced = {t for n in nodes for t in n.output}
-    # an output folded into a constant is no longer produced by any node; outputs keep their
-    # element type only (the graph computes their shapes) and value_infos are left out
-    outputs = [helper.make_tensor_value_info(o.name, o.type.tensor_type.elem_type, None)
-               if o.type.HasField("tensor_type") else o
-               for o in src.output if o.name in produced or o.name in {i.name for i in inputs}]
-    graph = helper.make_graph(nodes, src.name or "g", inputs, outputs, inits)
-    # IR 4 at least: before it, an initializer types a tensor only when it is also a graph input
-    # (IR 3 models list every weight there), and the inputs here leave the constants out
-    model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=max(proto.ir_version, 4))
-    model.functions.extend(proto.functions)
+    # an output folded into a constant is no longer produced by any node. The graph computes the
+    # shapes: value_infos are left out, and outputs keep their element type and declared rank
+    # (a rank the graph leaves open, as after a Squeeze of run-time axes), or with a rank the
+    # graph contradicts, their element type only
+    kept = [o for o in src.output if o.name in produced or o.name in {i.name for i in inputs}]
+
+    def inferred_with(rank: bool) -> onnx.ModelProto:
+        outputs = [helper.make_tensor_value_info(
+            o.name, o.type.tensor_type.elem_type,
+            [None] * len(o.type.tensor_type.shape.dim) if rank and o.type.tensor_type.HasField("shape") else None)
+            if o.type.HasField("tensor_type") else o for o in kept]
+        graph = helper.make_graph(nodes, src.name or "g", inputs, outputs, inits)
+        # IR 4 at least: before it, an initializer types a tensor only when it is also a graph
+        # input (IR 3 models list every weight there), and the inputs here leave the constants out
+        model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=max(proto.ir_version, 4))
+        model.functions.extend(proto.functions)
+        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        try:
+            inferred = inferred_with(rank=True)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+            inferred = inferred_with(rank=False)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise ModelError(f"shape inference failed: {exc}") from exc
     infos = dict(known)
