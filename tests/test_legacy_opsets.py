@@ -126,3 +126,21 @@ def test_an_output_nobody_reads_and_nobody_can_type_is_dropped():
     loaded = load_model(classic_cnn(7), fuse=False)
     dropout = next(n for n in loaded.nodes if n.op_type == "Dropout")
     assert dropout.outputs == ["d1"]
+
+
+def test_batchnorm_statistics_outputs_are_not_dropped(pool):
+    """Before opset 14, BatchNormalization's statistics outputs select training mode (onnxruntime
+    then normalises by the batch's statistics): nobody reads them, yet leaving them out would
+    change Y, so such a model is refused rather than run in inference mode."""
+    from vkpool.model import ModelError, load_model
+    from vkpool.kernels.base import OpError
+
+    stats = [numpy_helper.from_array(np.ones(4, np.float32), k) for k in ("s", "b", "m", "v")]
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv", "sm", "sv"])
+    graph = helper.make_graph([node], "bn", [helper.make_tensor_value_info("x", T.FLOAT, [1, 4, 2, 2])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [1, 4, 2, 2])], stats)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=4)
+    with pytest.raises((ModelError, OpError)):
+        with vkpool.Session(model.SerializeToString(), pool=pool) as session:
+            session.run(None, {"x": np.ones((1, 4, 2, 2), np.float32)})
+    assert load_model(classic_cnn(9)).nodes  # the same op without those outputs loads

@@ -278,21 +278,22 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
     return model
 
 
+#: ops whose trailing optional outputs may be left out without changing the others (not
+#: BatchNormalization: before opset 14 its statistics outputs select training mode)
+_DROPPABLE_OUTPUTS = frozenset({"Dropout"})
+
+
 def _without_unknown_unread_outputs(nodes: list[Node], types: dict[str, TensorInfo], graph_outputs: set[str]
                                     ) -> list[Node]:
-    """An output nobody reads never blocks a load: one whose shape stays unknown (Dropout's mask
-    at opset 7, say) is dropped from its node, as an omitted optional output; a node left with no
-    output is dropped."""
+    """An output nobody reads does not block a load: a trailing one whose shape stays unknown
+    (Dropout's mask at opset 7) leaves its node, as an omitted optional output, where the op's
+    other outputs do not depend on it being asked for."""
     read = {t for n in nodes for t in n.inputs if t} | graph_outputs
-    kept = []
     for node in nodes:
-        outputs = [o if not o or o in read or o in types else "" for o in node.outputs]
-        while outputs and not outputs[-1]:
-            outputs.pop()
-        if outputs:
-            node.outputs = outputs
-            kept.append(node)
-    return kept
+        if node.op_type in _DROPPABLE_OUTPUTS and node.domain in ("", "ai.onnx"):
+            while len(node.outputs) > 1 and node.outputs[-1] not in read and node.outputs[-1] not in types:
+                node.outputs.pop()
+    return nodes
 
 
 # -- parsing and external data -------------------------------------------------------------------
