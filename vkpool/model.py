@@ -773,9 +773,30 @@ def _infer(
             rank_only = _ranked_info(value)
             if rank_only is not None:
                 ranked[value.name] = rank_only
+    # where the graph says nothing (an op whose inference onnx leaves open), the declared shape is
+    # taken, its named dims as bound
+    for value in [*src.value_info, *src.output]:
+        if value.name in produced and value.name not in infos:
+            declared = _static_info(_with_bound_names(value, bound))
+            if declared is not None:
+                infos[value.name] = declared
+                ranked.pop(value.name, None)
     for name, value in constants.items():
         infos[name] = TensorInfo(value.shape, value.dtype)
     return infos
+
+
+def _with_bound_names(value: onnx.ValueInfoProto, bound: dict[str, int]) -> onnx.ValueInfoProto:
+    """A copy of ``value`` whose dims named in ``bound`` have its values."""
+    import onnx
+
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(value)
+    if out.type.HasField("tensor_type"):
+        for dim in out.type.tensor_type.shape.dim:
+            if not dim.HasField("dim_value") and dim.dim_param in bound:
+                dim.dim_value = bound[dim.dim_param]
+    return out
 
 
 def _static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
