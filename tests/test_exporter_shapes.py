@@ -98,6 +98,20 @@ def test_dims_precompile_and_other_shapes_still_run(pool):
         compare(s.submit({"x": x}).result(), expected(model, {"x": x}))
 
 
+def test_runs_of_several_shapes_from_threads(pool):
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = conv_model([1, 3, "H", "W"], None)
+    shapes = [(1, 3, 4, 4), (1, 3, 6, 4), (1, 3, 4, 8)] * 3
+    feeds = [{"x": image(*shape)} for shape in shapes]
+    with Session(model.SerializeToString(), pool=pool, shape_cache=3) as s:
+        with ThreadPoolExecutor(3) as threads:
+            results = list(threads.map(lambda f: s.run(None, f), feeds, timeout=120))
+        for f, got in zip(feeds, results):
+            compare(got, expected(model, f))
+        assert s.shapes.counters.compiles == 3 and s.shapes.counters.evictions == 0
+
+
 def test_a_fixed_dim_that_differs_names_the_input_and_axis(pool):
     model = conv_model([-1, 3, -1, -1], None)
     with Session(model.SerializeToString(), pool=pool) as s:

@@ -396,8 +396,9 @@ class ShapeSessions:
 
     ``compile_shapes`` loads and compiles the model with every input's shape given (input name →
     shape) and returns a session; the sessions are kept in a least-recently-used cache of
-    ``cache_size`` entries (an evicted one is closed once no run uses it). Compiles are
-    serialised; runs of compiled shapes are not.
+    ``cache_size`` entries (an evicted one is closed once no run uses it; when a compile runs out
+    of budget, the idle ones are closed and it is tried once more). Compiles are serialised;
+    runs of kept shapes are not.
     """
 
     def __init__(self, compile_shapes: Callable[[dict[str, tuple[int, ...]]], Any], cache_size: int) -> None:
@@ -425,16 +426,19 @@ class ShapeSessions:
 
     def _acquire(self, shapes: dict[str, tuple[int, ...]]) -> _Entry:
         key = tuple(sorted(shapes.items()))
-        with self._compiling:
-            with self._lock:
-                entry = self._cache.get(key)
-                if entry is not None:
-                    self._cache.move_to_end(key)
-                    self.counters.reuses += 1
-                    entry.users += 1
-                    self._latest = entry
-                    return entry
-            part = self._compile(shapes)  # outside the cache's lock: runs of other shapes go on
+        entry = self._lookup(key)
+        if entry is not None:
+            return entry
+        with self._compiling:  # one compile at a time; runs of kept shapes go on meanwhile
+            entry = self._lookup(key)  # compiled while this run waited
+            if entry is not None:
+                return entry
+            try:
+                part = self._compile(shapes)
+            except DeviceOutOfMemory:
+                if not self._evict_idle():
+                    raise
+                part = self._compile(shapes)  # once more, with the idle shapes' memory freed
             with self._lock:
                 entry = _Entry(part, ", ".join(f"{n} {list(s)}" for n, s in key))
                 self.counters.compiles += 1
@@ -445,6 +449,28 @@ class ShapeSessions:
                 entry.users += 1
                 self._latest = entry
                 return entry
+
+    def _evict_idle(self) -> bool:
+        """Closes the kept sessions no run is using; whether there was one."""
+        with self._lock:
+            idle = [k for k, e in self._cache.items() if e.users == 0]
+            for k in idle:
+                evicted = self._cache.pop(k)
+                if evicted is self._latest:
+                    self._latest = None
+                evicted.close_when_idle()
+                self.counters.evictions += 1
+        return bool(idle)
+
+    def _lookup(self, key: tuple[Any, ...]) -> _Entry | None:
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                self.counters.reuses += 1
+                entry.users += 1
+                self._latest = entry
+            return entry
 
     @property
     def latest(self) -> Any:
