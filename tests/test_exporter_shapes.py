@@ -160,10 +160,12 @@ def test_agreeing_declarations_do_not_warn():
 
 
 def test_the_daemon_binds_shapes_per_request():
-    """Through the daemon: a model whose H and W are "?" runs at two sizes, each compared with
-    onnxruntime; the published inputs keep the shapes compiled at load."""
+    """Through the daemon: a model whose H and W are "?" runs at several sizes, each compared with
+    onnxruntime; the published inputs keep the shapes compiled at load. Models vkpool refuses at
+    load get typed error replies (an OverflowError once reached the daemon's log)."""
     from test_daemon_e2e import Daemon
     from test_daemon_support import short_folder
+    from vkpool.daemon import errors as E
 
     model = conv_model(["N", 3, "?", "?"], None)
     with short_folder("vks") as path:
@@ -177,6 +179,17 @@ def test_the_daemon_binds_shapes_per_request():
                     compare(session.run(None, {"x": x}), expected(model, {"x": x}))
                 with pytest.raises(Exception, match=r"input 'x' must have shape"):
                     session.run(None, {"x": image(1, 2, 8, 8)})
+                # sizes no device holds, an opset out of range and a vendor op: typed error replies
+                huge = _one([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", T.FLOAT,
+                                                                                                     [BIG, BIG])])
+                with pytest.raises(E.ModelError, match="refuses tensors over 4 TiB"):
+                    client.load_model(huge)
+                with pytest.raises(E.ModelError, match="opset 9999"):
+                    client.load_model(_one([helper.make_node("Relu", ["x"], ["y"])], [X11], opset=9999))
+                with pytest.raises(E.UnsupportedOp, match=r"FusedConv \(domain com.microsoft\)"):
+                    client.load_model(_one([helper.make_node("FusedConv", ["x"], ["y"], domain="com.microsoft")], [X11]))
+                x = image(1, 3, 5, 5)  # and the daemon serves on
+                compare(session.run(None, {"x": x}), expected(model, {"x": x}))
         finally:
             assert daemon.stop() == 0
 

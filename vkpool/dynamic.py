@@ -21,6 +21,9 @@ them (its output has one column per non-zero). Where such a tensor is known only
 
 A model without such points is not touched: the check is one pass over the nodes at load.
 Finding the cut and binding values is :mod:`vkpool.cut`; this module compiles and runs the parts.
+
+:class:`ShapeSessions` does the same for the shapes of a model's inputs: a model with symbolic
+input dims is compiled per distinct set of input shapes its runs bring, kept in a bounded cache.
 """
 from __future__ import annotations
 
