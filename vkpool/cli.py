@@ -301,14 +301,20 @@ def random_inputs(inputs: list[Any], seed: int = 0) -> dict[str, Any]:
 def _load_feeds(specs: list[str], inputs: list[Any], seed: int) -> dict[str, Any]:
     import numpy as np
 
-    feeds = random_inputs(inputs, seed)
+    # an input with dims bound only at run time gets no random values: it needs --input
+    feeds = random_inputs([i for i in inputs if None not in i.shape], seed)
+    names = [i.name for i in inputs]
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep:
             raise ValueError(f"--input takes NAME=FILE.npy, got {spec!r}")
-        if name not in feeds:
-            raise ValueError(f"--input {name}: the model has no input {name!r} (inputs: {', '.join(feeds)})")
+        if name not in names:
+            raise ValueError(f"--input {name}: the model has no input {name!r} (inputs: {', '.join(names)})")
         feeds[name] = np.load(path)
+    for i in inputs:
+        if i.name not in feeds:
+            raise ValueError(f"input {i.name!r} has dims its feed binds ({['?' if d is None else d for d in i.shape]}): "
+                             f"give --input {i.name}=FILE.npy")
     return feeds
 
 
