@@ -249,3 +249,13 @@ def test_a_vendor_domain_is_refused_first_naming_op_and_domain():
     model = _one([node, helper.make_node("Gelu", ["y"], ["z"], domain="com.microsoft")], [X11])
     with pytest.raises(UnsupportedOp, match=r"FusedConv \(domain com.microsoft\), Gelu \(domain com.microsoft\)"):
         load_model(model)
+
+
+def test_the_loaded_model_cache_keeps_the_symbolic_axes(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.onnx"
+    onnx.save(conv_model(["N", 3, "H", 8], None), path)
+    first = load_model(path, dims={"H": 8})
+    assert list((tmp_path / "cache" / "models").glob("*.vkm"))
+    again = load_model(path, dims={"H": 8})  # from the cache this time
+    assert first.symbolic == again.symbolic == {"x": (0, 2)}
