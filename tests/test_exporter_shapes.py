@@ -6,6 +6,7 @@ type but no shape; and symbolic dims bound by each run's feeds, compiled per dis
 kept in a bounded cache."""
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -255,6 +256,7 @@ def test_the_loaded_model_cache_keeps_the_symbolic_axes(tmp_path, monkeypatch):
     monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "m.onnx"
     onnx.save(conv_model(["N", 3, "H", 8], None), path)
+    os.utime(path, (1e9, 1e9))  # a file changed just now is not cached yet
     first = load_model(path, dims={"H": 8})
     assert list((tmp_path / "cache" / "models").glob("*.vkm"))
     again = load_model(path, dims={"H": 8})  # from the cache this time
