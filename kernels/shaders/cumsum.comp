@@ -27,7 +27,8 @@ void main() {
     uint n = pc.shape[a];
     uint inner = 1;
     for (uint d = uint(a) + 1; d < pc.rank; ++d) inner *= pc.shape[d];
-    if (n == 0 || line >= pc.total / n) return;
+    // a piece past a run-time axis's extent (pieces cover the longest dim) has nothing to do
+    if (n == 0 || line >= pc.total / n || pc.start >= n) return;
     uint base = (line / inner) * n * inner + line % inner;
 #if PROD  // CumProd
     T acc = T(1);
