@@ -111,9 +111,12 @@ def test_cumsum_pieces_at_a_lowered_limit(low_loop_pool, exclusive, reverse):
                                             {"exclusive": exclusive, "reverse": reverse}, constants=(1,)))
 
 
-def test_cumsum_run_time_axis_at_a_lowered_limit(low_loop_pool):
+@pytest.mark.parametrize("axis", [-2, 1])
+def test_cumsum_run_time_axis_at_a_lowered_limit(low_loop_pool, axis):
+    """The axis is fed at run time: pieces cover the longest dim, and along the short one every
+    piece past its extent does nothing."""
     x = RNG.standard_normal((700, 3)).astype(np.float32)
-    run_and_compare(low_loop_pool, one_node("CumSum", [x, np.array(-2, np.int64)]))
+    run_and_compare(low_loop_pool, one_node("CumSum", [x, np.array(axis, np.int64)]))
 
 
 def test_topk_along_a_line_past_the_loop_limit(pool):
