@@ -84,6 +84,7 @@ def test_conv_integer(pool, x_shape, w_shape, attrs):
 
 @pytest.mark.parametrize("x_type,w_type,per_channel,bias", [
     (np.uint8, np.uint8, False, True), (np.uint8, np.int8, True, True), (np.int8, np.int8, True, False),
+    (np.uint8, np.uint8, True, True),
 ])
 def test_qlinear_conv(pool, x_type, w_type, per_channel, bias):
     m = 5
