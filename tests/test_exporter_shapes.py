@@ -261,3 +261,21 @@ def test_the_loaded_model_cache_keeps_the_symbolic_axes(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "models").glob("*.vkm"))
     again = load_model(path, dims={"H": 8})  # from the cache this time
     assert first.symbolic == again.symbolic == {"x": (0, 2)}
+
+
+def test_an_op_without_kernel_is_refused_at_load_even_when_shapes_bind_per_run(pool):
+    """Nothing is compiled before the first run of such a model, but an op no kernel runs is
+    refused when the session opens, as for any model."""
+    from vkpool.kernels.base import UnsupportedOp
+
+    then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", T.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMax", ["x"], ["m"], keepdims=0),
+         helper.make_node("Greater", ["m", "zero"], ["c"]),
+         helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=then)],
+        "if", [helper.make_tensor_value_info("x", T.FLOAT, [1, "L"])], [helper.make_tensor_value_info("y", T.FLOAT, None)],
+        [numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    with pytest.raises(UnsupportedOp, match="does not support: If"):
+        Session(model.SerializeToString(), pool=pool)

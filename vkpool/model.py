@@ -59,12 +59,15 @@ class ModelError(ValueError):
 class UnboundDims(ModelError):
     """Symbolic dims of the inputs that nothing bound. ``inputs`` and ``outputs`` are as the
     model declares them, -1 for each symbolic dim (an output declared without a shape has
-    shape ``()`` here)."""
+    shape ``()`` here); ``run_time_ops`` are the ``(op_type, domain)`` of the nodes that read
+    the inputs, directly or not (no binding of the dims can fold them away at load)."""
 
-    def __init__(self, message: str, inputs: list[tuple[str, TensorInfo]], outputs: list[tuple[str, TensorInfo]]):
+    def __init__(self, message: str, inputs: list[tuple[str, TensorInfo]], outputs: list[tuple[str, TensorInfo]],
+                 run_time_ops: list[tuple[str, str]]):
         super().__init__(message)
         self.inputs = inputs
         self.outputs = outputs
+        self.run_time_ops = run_time_ops
 
 
 class DeclaredShapeWarning(UserWarning):
@@ -647,8 +650,19 @@ def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int], shapes:
     if unbound:
         raise UnboundDims(f"{'; '.join(unbound)}: a symbolic dim nothing binds; give dims={{name: value}} for a "
                           "named one, or run the model in a vkpool.Session, which binds them from each run's feeds",
-                          inputs, _declared_values(graph.output, constants))
+                          inputs, _declared_values(graph.output, constants), _run_time_ops(graph, constants))
     return binding, symbolic
+
+
+def _run_time_ops(graph: onnx.GraphProto, constants: set[str]) -> list[tuple[str, str]]:
+    """``(op_type, domain)`` of the nodes that read a graph input, directly or through others."""
+    live = {i.name for i in graph.input if i.name not in constants}
+    ops = []
+    for node in graph.node:  # graph order is topological
+        if any(t in live for t in node.input):
+            live.update(node.output)
+            ops.append((node.op_type, node.domain))
+    return ops
 
 
 def _negative_dims_unknown(graph: onnx.GraphProto) -> None:
@@ -706,7 +720,7 @@ def _warn_declared(declared: dict[str, tuple[int, ...]], types: dict[str, Tensor
     if wrong:
         warnings.warn(f"the graph's shapes are used where the model declares others: {'; '.join(wrong[:8])}"
                       + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""), DeclaredShapeWarning,
-                      stacklevel=4)
+                      stacklevel=5)
 
 
 def _value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:

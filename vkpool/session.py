@@ -26,6 +26,13 @@ ORT_TYPES = {
 }
 
 
+def _refuse_unsupported(op_types: Sequence[tuple[str, str]]) -> None:
+    missing = unsupported_in(op_types)
+    if missing:
+        raise UnsupportedOp(f"the model uses ops vkpool does not support: {', '.join(missing)}. "
+                            "`vkpool ops` lists the supported ops.")
+
+
 @dataclass(frozen=True)
 class NodeArg:
     """An input or output of the model, as ONNX Runtime describes it."""
@@ -170,12 +177,7 @@ class Session:
         from vkpool.dynamic import SUFFIX_CACHE_SIZE, DynamicModel
 
         self.model: LoadedModel = loaded
-        missing = unsupported_in(loaded.op_types())
-        if missing:
-            raise UnsupportedOp(
-                f"the model uses ops vkpool does not support: {', '.join(missing)}. "
-                "`vkpool ops` lists the supported ops."
-            )
+        _refuse_unsupported(loaded.op_types())
         if device is not None and (devices is not None or plan is not None):
             raise ValueError("give one of device (one member), devices (a plan over them) or plan")
         if self._processes and devices is None and plan is None:
@@ -218,7 +220,9 @@ class Session:
 
     # -- shapes bound per run --------------------------------------------------------------
     def _bind_per_run(self, unbound: UnboundDims, device: str | None, devices: Sequence[str] | None) -> None:
-        """Nothing compiled at load: the inputs' symbolic dims are bound by each run's feeds."""
+        """Nothing compiled at load: the inputs' symbolic dims are bound by each run's feeds. An op
+        without a kernel that reads the inputs is refused now all the same."""
+        _refuse_unsupported(unbound.run_time_ops)
         symbolic = {n: tuple(a for a, d in enumerate(i.shape) if d < 0) for n, i in unbound.inputs}
         self.model = LoadedModel(inputs=unbound.inputs, outputs=unbound.outputs, nodes=[], constants={},
                                  tensors={}, opset=0, symbolic={n: a for n, a in symbolic.items() if a})
