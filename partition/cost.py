@@ -116,7 +116,7 @@ def calibration_path(device_uuid: str) -> Path:
     safe = "".join(c for c in device_uuid if c.isalnum() or c in "-_")
     if not safe:
         raise ValueError(f"bad device UUID {device_uuid!r}")
-    return cache_dir("calibration") / f"{safe}.json"
+    return cache_dir("calibration", create=False) / f"{safe}.json"
 
 
 def pool_member_cost(member: Any) -> MemberCost:
@@ -142,6 +142,7 @@ def save_calibration(device_uuid: str, cost: MemberCost, *, device_name: str = "
     from vkpool.cache import write_atomic
 
     path = calibration_path(device_uuid)
+    path.parent.mkdir(parents=True, exist_ok=True)
     record = {"version": CALIBRATION_VERSION, "uuid": device_uuid, "device": device_name, "driver": driver,
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cost": cost.to_dict()}
     write_atomic(path, (json.dumps(record, indent=2) + "\n").encode())

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-def cache_dir(*parts: str) -> Path:
-    """``$VKPOOL_CACHE_DIR`` (else ``$XDG_CACHE_HOME/vkpool``, else ``~/.cache/vkpool``) / parts."""
+def cache_dir(*parts: str, create: bool = True) -> Path:
+    """``$VKPOOL_CACHE_DIR`` (else ``$XDG_CACHE_HOME/vkpool``, else ``~/.cache/vkpool``) / parts,
+    created unless ``create`` is False (a path only read from need not exist)."""
     root = os.environ.get("VKPOOL_CACHE_DIR")
     if root:
         base = Path(root)
@@ -16,7 +17,8 @@ def cache_dir(*parts: str) -> Path:
         xdg = os.environ.get("XDG_CACHE_HOME")
         base = (Path(xdg) if xdg else Path.home() / ".cache") / "vkpool"
     path = base.joinpath(*parts)
-    path.mkdir(parents=True, exist_ok=True)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
