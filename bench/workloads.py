@@ -289,9 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.workloads", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the .onnx files")
     parser.add_argument("names", nargs="*", help="workloads (default: all; add chains as add_chain_<N>)")
+    parser.add_argument("--symbolic-batch", action="store_true",
+                        help="write <name>-batch.onnx, whose first dim is a symbolic batch N (for dynamic batching)")
     args = parser.parse_args(argv)
     for name in args.names or all_names():
-        path = save(name, args.out)
+        if args.symbolic_batch:
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / f"{name}-batch.onnx"
+            onnx.save_model(symbolic_batch(build(name)), path)
+        else:
+            path = save(name, args.out)
         print(f"{path}  {path.stat().st_size / 2**20:.2f} MiB", file=sys.stderr)
     return 0
 

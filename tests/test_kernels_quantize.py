@@ -61,3 +61,20 @@ def test_dynamic_quantize(pool, low, high):
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-6)
     np.testing.assert_array_equal(got[2], expected[2])
     np.testing.assert_array_equal(got[0], expected[0])
+
+
+def test_quotients_next_to_a_tie_round_as_ieee_division_does(pool):
+    """x / scale within an ulp of k + 0.5, where a division a few ulp off (as Vulkan allows) would
+    round to the other step: every value lands where numpy's correctly rounded division puts it,
+    for QuantizeLinear and for DynamicQuantizeLinear (whose scale is computed on the device too)."""
+    scale = np.float32(0.0156862754)
+    ties = np.array([(k + 0.5) * scale for k in range(-60, 60)], np.float32)
+    x = np.concatenate([ties, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf)),
+                        np.array([-2.0, 2.0], np.float32)]).reshape(1, -1)
+    zero = np.array(0, np.int8)
+    got, _ = run_node(pool, "QuantizeLinear", [x, scale, zero], opset=21)
+    exact = np.clip(np.rint(x / scale), -128, 127).astype(np.int8)
+    np.testing.assert_array_equal(got[0], exact)
+    got, expected = run_node(pool, "DynamicQuantizeLinear", [x], num_outputs=3, opset=11)
+    assert got[1] == expected[1]  # the scale itself: (max - min) / 255, rounded as IEEE rounds it
+    np.testing.assert_array_equal(got[0], expected[0])

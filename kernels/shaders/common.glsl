@@ -21,6 +21,42 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4Buf { vec
 #define LOCAL_SIZE 256
 #endif
 
+// a / b rounded as IEEE 754 rounds it. NOTE: Vulkan lets OpFDiv be 2.5 ulp off and does not promise
+// that fma() is fused (GPUs divide through an approximate reciprocal); harmless for most ops, but a
+// quantizer that rounds the quotient to an integer then lands one step away from onnxruntime near a
+// tie. The quotient and its neighbours within 2 ulp are compared by their exact residuals
+// a - q * b (Dekker's product: plain multiplies and adds), and the nearest wins, ties to the even one.
+// (lavapipe divides exactly already: tests/test_kernels_quantize.py checks the ties there.)
+float exact_residual(float a, float b, float q) {
+    precise float p = q * b;
+    precise float cq = 4097.0 * q;
+    precise float qh = cq - (cq - q);
+    precise float ql = q - qh;
+    precise float cb = 4097.0 * b;
+    precise float bh = cb - (cb - b);
+    precise float bl = b - bh;
+    precise float e = ((qh * bh - p) + qh * bl + ql * bh) + ql * bl;  // q * b == p + e exactly
+    precise float r = (a - p) - e;
+    return r;
+}
+
+float div_rn(float a, float b) {
+    precise float q = a / b;
+    if (q == 0.0 || isinf(q) || isnan(q) || abs(q) > 1e30 || abs(b) > 1e30 || abs(b) < 1e-30) return q;
+    float best = q;
+    float best_r = abs(exact_residual(a, b, q));
+    for (int k = -2; k <= 2; ++k) {
+        if (k == 0) continue;
+        float c = uintBitsToFloat(uint(int(floatBitsToUint(q)) + k));
+        float r = abs(exact_residual(a, b, c));
+        if (r < best_r || (r == best_r && (floatBitsToUint(c) & 1u) == 0u)) {
+            best = c;
+            best_r = r;
+        }
+    }
+    return best;
+}
+
 // Flat invocation index for 1-D work folded into x, y and z (see kernels.base.groups_1d).
 // NOTE: a macro, not a function: it reads gl_WorkGroupSize, whose value is only known after the
 // shader's `layout(local_size_x = ...) in;` line. glslang compiles a function defined before that

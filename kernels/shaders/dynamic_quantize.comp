@@ -33,9 +33,9 @@ void main() {
         barrier();
     }
     if (lane == 0u) {
-        float scale = (part[0].y - part[0].x) / 255.0;
+        float scale = div_rn(part[0].y - part[0].x, 255.0);
         pc.scale.v[0] = scale;
-        pc.zero.v[0] = uint8_t(uint(scale > 0.0 ? clamp(roundEven(-part[0].x / scale), 0.0, 255.0) : 0.0));
+        pc.zero.v[0] = uint8_t(uint(scale > 0.0 ? clamp(roundEven(div_rn(-part[0].x, scale)), 0.0, 255.0) : 0.0));
     }
 }
 #else
@@ -43,7 +43,7 @@ void main() {
     uint i = flat_index();
     if (i >= pc.n) return;
     float scale = pc.scale.v[0];
-    float q = scale > 0.0 ? roundEven(pc.x.v[i] / scale) + float(uint(pc.zero.v[0])) : 0.0;
+    float q = scale > 0.0 ? roundEven(div_rn(pc.x.v[i], scale)) + float(uint(pc.zero.v[0])) : 0.0;
     pc.y.v[i] = uint8_t(uint(clamp(q, 0.0, 255.0)));
 }
 #endif

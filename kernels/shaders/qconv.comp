@@ -65,7 +65,7 @@ void main() {
 #if HAS_BIAS
     acc += pc.bias.v[m];
 #endif
-    float scale = pc.x_scale.v[0] * pc.w_scale.v[W_SCALE_PER_M != 0 ? m : 0u] / pc.y_scale.v[0];
+    float scale = div_rn(pc.x_scale.v[0] * pc.w_scale.v[W_SCALE_PER_M != 0 ? m : 0u], pc.y_scale.v[0]);
     float zero = float(YCT(pc.y_zero.v[0]));
     pc.y.v[i] = YT(YCT(clamp(roundEven(float(acc) * scale) + zero, QMIN, QMAX)));
 #endif

@@ -49,9 +49,9 @@ void main() {
 #else
     float scale = float(pc.a_scale.v[0]) * float(pc.b_scale.v[0]);
 #if HALF_SCALES
-    scale = to_half(to_half(scale) / float(pc.y_scale.v[0]));
+    scale = to_half(div_rn(to_half(scale), float(pc.y_scale.v[0])));
 #else
-    scale /= float(pc.y_scale.v[0]);
+    scale = div_rn(scale, float(pc.y_scale.v[0]));
 #endif
     float zero = pc.has_y_zero != 0u ? float(YCT(pc.y_zero.v[0])) : 0.0;
     pc.y.v[i] = YT(YCT(clamp(roundEven(float(acc) * scale) + zero, QMIN, QMAX)));

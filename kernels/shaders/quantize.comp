@@ -50,7 +50,7 @@ void main() {
 #if MODE == 0
     pc.y.v[i] = FT((q_value(pc.x, i) - zero) * scale);
 #else
-    float v = float(pc.x.v[i]) / scale;
+    float v = div_rn(float(pc.x.v[i]), scale);
 #if NARROW && FORMAT == 0
     pc.y.v[i] = uint8_t(encode(v + zero));
 #else
