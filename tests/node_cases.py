@@ -41,3 +41,15 @@ def run_node(pool: Any, op_type: str, inputs: list[np.ndarray | None], attrs: di
     with vkpool.Session(model(typed), pool=pool) as session:
         got = session.run(None, feeds)
     return got, expected
+
+
+def assert_outputs_match(got: list[np.ndarray], expected: list[np.ndarray], rtol: float = 1e-4,
+                         atol: float = 1e-5) -> None:
+    """Same shapes; floats within ``rtol``/``atol``, everything else equal."""
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape, (g.shape, e.shape)
+        if e.dtype.kind == "f":
+            np.testing.assert_allclose(g, e, rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_array_equal(g, e)

@@ -19,6 +19,7 @@ from onnx import helper, numpy_helper
 
 import vkpool
 from conftest import vulkan_pool
+from node_cases import assert_outputs_match
 from vkpool.kernels.base import DeviceCaps, UnsupportedOp, check_serial, serial_pieces
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime computes the expected outputs")
@@ -53,13 +54,7 @@ def one_node(op: str, inputs: list[np.ndarray], attrs: dict[str, Any] | None = N
 def run_and_compare(pool: Any, case: tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]) -> None:
     model, feeds, expected = case
     with vkpool.Session(model, pool=pool, device=pool.vulkan_members[0].id) as session:
-        got = session.run(None, feeds)
-    for g, e in zip(got, expected):
-        assert g.shape == e.shape
-        if e.dtype.kind == "f":
-            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
-        else:
-            np.testing.assert_array_equal(g, e)
+        assert_outputs_match(session.run(None, feeds), expected)
 
 
 def test_pieces_cover_the_steps_within_the_limit():

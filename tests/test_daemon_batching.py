@@ -16,7 +16,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import vkpool
-from test_daemon_support import InprocDaemon, daemon_env, mlp_model, short_folder, spawn_daemon, wait_ready
+from test_daemon_support import (InprocDaemon, assert_balanced, daemon_env, mlp_model, short_folder, spawn_daemon,
+                                 wait_ready)
 from vkpool.daemon import errors as E
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,12 +49,6 @@ def daemon() -> Iterator[InprocDaemon]:
                                                           "max_queue_delay": 0.05},))
     yield d
     d.stop()
-
-
-def assert_balanced(client: Any) -> dict[str, int]:
-    c = client.status()["counters"]
-    assert c["accepted"] == c["ok"] + c["error"] + c["client_gone"] + c["in_flight"], c
-    return c
 
 
 def test_clients_requests_run_together_and_match_unbatched_runs(daemon: InprocDaemon) -> None:

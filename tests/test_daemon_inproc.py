@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from test_daemon_support import (InprocDaemon, StandInEngine, add_model, batched_model, big_model,
+from test_daemon_support import (InprocDaemon, StandInEngine, add_model, assert_balanced, batched_model, big_model,
                                  external_outside_model, inproc, mlp_model, reference_run, unsupported_model)
 from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
@@ -26,12 +26,6 @@ def raw_request(sock: zmq.Socket, frames: list[Any], timeout_ms: int = 5000) -> 
     assert sock.poll(timeout_ms), "no reply"
     _, body = P.split_routing(sock.recv_multipart())
     return P.unpack(body[0]), P.unpack(body[1]), body[2:]
-
-
-def assert_balanced(client: Any) -> dict[str, int]:
-    c = client.status()["counters"]
-    assert c["accepted"] == c["ok"] + c["error"] + c["client_gone"] + c["in_flight"], c
-    return c
 
 
 def test_every_request_gets_a_reply_with_every_documented_field(inproc: InprocDaemon) -> None:

@@ -258,6 +258,13 @@ class InprocDaemon:
         self.ctx.term()
 
 
+def assert_balanced(client: Any) -> dict[str, int]:
+    """The daemon's counters, after checking that every accepted request is answered or in flight."""
+    c = client.status()["counters"]
+    assert c["accepted"] == c["ok"] + c["error"] + c["client_gone"] + c["in_flight"], c
+    return c
+
+
 @contextmanager
 def short_folder(prefix: str = "vkd") -> Iterator[Path]:
     """A fresh folder under /tmp, removed afterwards: short, since ipc paths are limited to 107 bytes."""

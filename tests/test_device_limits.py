@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import vkpool
 from conftest import vulkan_pool
+from node_cases import assert_outputs_match
 from vkpool.discovery import DeviceLimitsError, lower_limits, parse_limits
 from vkpool.kernels.base import DeviceCaps, UnsupportedOp, groups_1d
 from vkpool.shaders import SHADER_DIR, ShaderCompileError, workgroup_size_misuse
@@ -177,13 +178,7 @@ def test_ops_through_a_folded_grid_match_onnxruntime(capped_pool, name):
         CASES.update(_cases())
     model, feeds, expected = CASES[name]
     with vkpool.Session(model, pool=capped_pool, device=member.id) as session:
-        got = session.run(None, feeds)
-    for g, e in zip(got, expected):
-        assert g.shape == e.shape
-        if e.dtype.kind == "f":
-            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
-        else:
-            np.testing.assert_array_equal(g, e)
+        assert_outputs_match(session.run(None, feeds), expected)
 
 
 def test_a_grid_past_the_limit_is_refused_not_run():

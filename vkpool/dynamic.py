@@ -98,6 +98,18 @@ class _Entry:
             self.part.close()
 
 
+def _keep(cache: OrderedDict, key: Any, entry: _Entry, size: int) -> int:
+    """Puts a new entry in a least-recently-used ``cache`` of ``size`` entries, takes it for a run
+    and closes (once idle) what falls out; how many fell out. Call with the cache's lock held."""
+    cache[key] = entry
+    evicted = 0
+    while len(cache) > size:
+        cache.popitem(last=False)[1].close_when_idle()
+        evicted += 1
+    entry.users += 1
+    return evicted
+
+
 class DynamicModel:
     """A graph cut at ``split``: the prefix compiled once, the suffix per value (see the module
     docstring). ``compile_static`` compiles a static part (a :class:`~vkpool.model.LoadedModel`)
@@ -204,10 +216,9 @@ class DynamicModel:
             else:
                 entry = _Entry(self._compile_suffix(bound), self._what(bound))
                 self.counters.suffix_compiles += 1
-                self._cache[key] = entry
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)[1].close_when_idle()
-                    self.counters.suffix_evictions += 1
+                self.counters.suffix_evictions += _keep(self._cache, key, entry, self.cache_size)
+                self._latest = entry
+                return entry
             entry.users += 1
             self._latest = entry
             return entry
@@ -445,11 +456,7 @@ class ShapeSessions:
             with self._lock:
                 entry = _Entry(part, ", ".join(f"{n} {list(s)}" for n, s in key))
                 self.counters.compiles += 1
-                self._cache[key] = entry
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)[1].close_when_idle()
-                    self.counters.evictions += 1
-                entry.users += 1
+                self.counters.evictions += _keep(self._cache, key, entry, self.cache_size)
                 self._latest = entry
                 return entry
 
