@@ -18,7 +18,7 @@ TORCH_INDEX ?=
 
 help:
 	@echo "make demo         set up (Vulkan packages, .venv with the engine) and run the demo"
-	@echo "make test         add the test tools to .venv and run the suite on the local Vulkan device"
+	@echo "make test         add the test and benchmark tools to .venv and run the suite on the local Vulkan device"
 	@echo "make serve        run the daemon in the foreground on the default config"
 	@echo "make conformance  run every ONNX backend node test, write docs/conformance.md"
 	@echo "make realworld    run models nobody here wrote against onnxruntime, table into docs/conformance.md"
@@ -43,7 +43,8 @@ demo: venv
 	$(PY) -m vkpool.demo
 	@echo "next: '. $(VENV)/bin/activate' puts the vkpool command on PATH; then vkpool devices (README.md, Use)"
 
-test: system-deps $(call EXTRAS,test)
+# the suite tests the benchmark runners too (ncnn through pnnx, the plots): it takes the bench extra
+test: system-deps $(call EXTRAS,test+bench)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 serve: venv
