@@ -63,6 +63,9 @@ def make_socket(ctx: zmq.Context, endpoint: str, curve: tuple[bytes, bytes, byte
     sock = ctx.socket(zmq.DEALER)
     sock.routing_id = b"\x01" + uuid.uuid4().bytes  # a leading zero byte is reserved by libzmq
     sock.linger = 0
+    # replies are taken off the wire as they come, however many requests are in flight: the daemon
+    # keeps only a few unread replies per client (daemon.server.REPLY_HWM) before dropping the rest
+    sock.rcvhwm = 0
     if curve is not None:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
     sock.connect(endpoint)

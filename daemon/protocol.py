@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 import numpy as np
-from zmq import RCVMORE, SNDMORE
+from zmq import NOBLOCK, RCVMORE, SNDMORE
 
 PROTOCOL_VERSION = 1
 DELIMITER = b"<VKPOOL>"
@@ -349,11 +349,14 @@ ZERO_COPY_MIN = 1 << 16
 SMALL_FRAME = 1 << 12
 
 
-def send_parts(sock: Any, parts: Sequence[Any]) -> None:
-    """Send a multipart message, copying only the small frames."""
+def send_parts(sock: Any, parts: Sequence[Any], *, dontwait: bool = False) -> None:
+    """Send a multipart message, copying only the small frames. ``dontwait``: raise ``zmq.Again``
+    instead of waiting when the peer's queue is full (decided at the first frame: a multipart
+    message goes whole or not at all)."""
     last = len(parts) - 1
     for i, part in enumerate(parts):
-        sock.send(part, SNDMORE if i < last else 0, copy=len(part) < ZERO_COPY_MIN)
+        flags = (SNDMORE if i < last else 0) | (NOBLOCK if dontwait and i == 0 else 0)
+        sock.send(part, flags, copy=len(part) < ZERO_COPY_MIN)
 
 
 def recv_parts(sock: Any, copied: int) -> list[Any]:

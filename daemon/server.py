@@ -48,6 +48,10 @@ _PROBE_DELAY_S = 0.3     # a disconnect is seen before the ROUTER drops the peer
 _TICK_S = 0.05
 _REPLY_GRACE_S = 10.0      # after the drain deadline: time for the replies of running jobs to go out
 _REPLAY_BYTES = 64 << 20  # replies kept for retried request ids
+#: replies a ZeroMQ client may leave unread in the daemon; the ones past that are dropped and counted
+#: client_gone, so a client that reads nothing costs only itself (vkpool's own client takes every
+#: reply off the wire as it comes, whatever it has in flight)
+REPLY_HWM = 256
 _COMPACT_MIN = 4096       # deadline entries before finished jobs are swept out
 _INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id (P.packed_id)
 _INFER_REPLY = {status: P.header_parts("infer_reply", status) for status in ("ok", "error")}
@@ -87,6 +91,7 @@ class Server:
         self._deadline_lock = threading.Lock()
         self._compact_at = _COMPACT_MIN
         self._peers: dict[bytes, int] = {}              # client -> source fd of its last message
+        self._unread_warned: set[bytes] = set()          # clients logged once for leaving replies unread
         self._probes: list[tuple[float, int]] = []      # (when, fd)
         self._in_progress: set[tuple[bytes, str]] = set()
         self._replay: OrderedDict[tuple[bytes, str], tuple[list[Any], int]] = OrderedDict()  # reply, bytes
@@ -121,7 +126,7 @@ class Server:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
-        router.setsockopt(zmq.SNDHWM, 0)  # replies exist only for accepted (bounded) requests
+        router.setsockopt(zmq.SNDHWM, REPLY_HWM)  # every send is non-blocking: see _router_send
         router.setsockopt(zmq.LINGER, 2000)
         router.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         if self.endpoint.startswith("tcp://"):
@@ -203,11 +208,7 @@ class Server:
         key = (client, rid)
         with self._book:
             self._in_progress.discard(key)
-        try:
-            P.send_parts(self._router, [client, *body])
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
+        if not self._router_send(client, body):
             self.stats.count("client_gone")
             return
         self.stats.count(status)
@@ -215,6 +216,23 @@ class Server:
             self.stats.error_reply(body)
         with self._book:
             self._remember(key, body)
+
+    def _router_send(self, client: bytes, body: list[Any]) -> bool:
+        """Send to a ZeroMQ client without waiting; False when it is gone, or has REPLY_HWM replies
+        unread (this one is then dropped; the first drop per client is logged)."""
+        try:
+            P.send_parts(self._router, [client, *body], dontwait=True)
+        except zmq.Again:
+            if client not in self._unread_warned:
+                self._unread_warned.add(client)
+                log.warning("client %s leaves %d replies unread; its further replies are dropped while it does",
+                            client.hex()[:12], REPLY_HWM)
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
     def _remember(self, key: tuple[bytes, str], frames: list[Any], size: int | None = None) -> None:
         """Keep the reply for a retry of the same request id, within a count and a byte bound
@@ -273,7 +291,7 @@ class Server:
             rid = header.get("id")
             if isinstance(rid, str) and (replay := self._retried((client, rid))) is not None:
                 if replay:  # answered before: send the same reply again, run nothing
-                    P.send_parts(self._router, [client, *replay])
+                    self._router_send(client, replay)
                 return
             raw_content = _infer_content(header, body)
             plan = None if raw_content is None else self.service.cached_plan(raw_content, client)
@@ -713,7 +731,9 @@ class Server:
         probe = P.encode({"v": P.PROTOCOL_VERSION, "id": None, "type": "probe"}, {})
         for client in [c for c, fd in self._peers.items() if fd in due]:
             try:
-                self._router.send_multipart([client, *probe])
+                self._router.send_multipart([client, *probe], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # alive, with replies unread
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
@@ -721,6 +741,7 @@ class Server:
 
     def _client_gone(self, client: bytes) -> None:
         del self._peers[client]
+        self._unread_warned.discard(client)
         dropped = self.service.client_gone(client)
         for job in dropped:
             job.fail("Cancelled", "client left")  # the send fails and counts client_gone

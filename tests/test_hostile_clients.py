@@ -483,3 +483,49 @@ def test_more_clients_than_descriptors_leave_the_daemon_serving() -> None:
         log = daemon.proc.stderr.read().decode()
         assert code == 0, log[-3000:]
         assert "not accepting connections" in log and "accepting connections again" in log, log[-3000:]
+
+
+def test_a_zeromq_client_that_never_reads_costs_only_itself(shared: Shared) -> None:
+    """1,200 jobs with 32 KiB replies, none read (the client's socket takes 8): the daemon keeps at
+    most REPLY_HWM of them, drops the rest (counted client_gone), serves others meanwhile, and its
+    memory comes back. The first such client leaves libzmq a few descriptors of its own, once; a
+    second leaves nothing more."""
+    from vkpool.daemon.server import REPLY_HWM
+
+    n = 8 * 1024  # float32[1, 8192]: 32 KiB out (the replay window keeps up to 1,024 replies sent)
+    echo = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "echo",
+                             [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
+                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])])
+    path = shared.folder / "echo.onnx"
+    path.write_bytes(helper.make_model(echo, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    metas, frames = P.tensor_frames([("x", np.ones((1, n), np.float32))])
+    jobs = 1200
+    for attempt in range(2):
+        before = shared.watcher.status()["counters"]["client_gone"]
+        hog = shared.raw()
+        hog.sock.setsockopt(zmq.RCVHWM, 8)
+        hog.sock.setsockopt(zmq.RCVBUF, 1 << 16)
+        try:
+            model = hog.ask(request("load_model", "l", {"path": str(path)}))[1]["model"]["id"]
+            for j in range(jobs):
+                hog.send(request("infer", f"j{j}", {"model": model, "inputs": metas}, frames))
+            with Client(shared.endpoint, local_lane=False) as other:
+                other_model = shared.model(other)
+                x = np.ones((1, 4), np.float32)
+                for _ in range(5):
+                    np.testing.assert_array_equal(other.infer(other_model, {"x": x}, timeout=10.0)[0], x + 1)
+            deadline = time.monotonic() + 60
+            while shared.watcher.status()["counters"]["client_gone"] - before < jobs - REPLY_HWM - 64:
+                assert time.monotonic() < deadline, shared.watcher.status()["counters"]
+                time.sleep(0.2)
+            assert any("replies unread" in line for line in shared.log)
+        finally:
+            hog.close()
+        deadline = time.monotonic() + 30
+        while not shared.watcher.request("unload_model", {"model": model, "now": True})[0]["unloaded"]:
+            assert time.monotonic() < deadline, "the echo model stays loaded"
+            time.sleep(0.2)
+        if attempt == 0:
+            time.sleep(1.0)
+            shared.fds = max(shared.fds, _fds(shared.pid))
+        shared.check()
