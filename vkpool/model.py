@@ -555,12 +555,34 @@ def _onnx_opset(proto: onnx.ModelProto) -> int:
     newest = onnx.defs.onnx_opset_version()
     for entry in proto.opset_import:
         if entry.domain in ("", "ai.onnx"):
-            if not MIN_OPSET <= entry.version <= newest:
-                raise ModelError(f"the model imports ai.onnx opset {entry.version}; vkpool loads opsets {MIN_OPSET} "
-                                 f"to {newest} (re-export it at one of those, or convert it with "
-                                 "onnx.version_converter)")
+            if entry.version > newest:
+                raise ModelError(f"the model imports ai.onnx opset {entry.version}; vkpool loads opsets up to "
+                                 f"{newest} (re-export it at one of those, or convert it with onnx.version_converter)")
+            if entry.version < MIN_OPSET:
+                # an older opset loads when none of its ops changed before MIN_OPSET (Not, Relu, ...):
+                # the kernels implement the definitions in force from MIN_OPSET on
+                changed = sorted({n.op_type for n in proto.graph.node if n.domain in ("", "ai.onnx")
+                                  and not _same_definition(n.op_type, int(entry.version))})
+                if changed:
+                    raise ModelError(
+                        f"the model imports ai.onnx opset {entry.version}, where {', '.join(changed)} "
+                        f"{'has' if len(changed) == 1 else 'have'} an older definition than vkpool's kernels "
+                        f"(opset {MIN_OPSET} on); re-export it at opset {MIN_OPSET} or later, or convert it "
+                        "with onnx.version_converter")
+                return MIN_OPSET
             return int(entry.version)
     raise ModelError("the model imports no ai.onnx opset")
+
+
+def _same_definition(op_type: str, opset: int) -> bool:
+    """Whether ``op_type`` at ``opset`` is the definition in force at MIN_OPSET."""
+    import onnx.defs
+
+    try:
+        return (onnx.defs.get_schema(op_type, opset).since_version
+                == onnx.defs.get_schema(op_type, MIN_OPSET).since_version)
+    except onnx.defs.SchemaError:
+        return False
 
 
 def _refuse_vendor_ops(proto: onnx.ModelProto) -> None:
