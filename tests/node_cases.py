@@ -53,3 +53,30 @@ def assert_outputs_match(got: list[np.ndarray], expected: list[np.ndarray], rtol
             np.testing.assert_allclose(g, e, rtol=rtol, atol=atol)
         else:
             np.testing.assert_array_equal(g, e)
+
+
+def ort_case(op: str, inputs: list[np.ndarray], attrs: dict[str, Any] | None = None, constants: tuple[int, ...] = (),
+             outputs: int = 1, opset: int = 17) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
+    """(model, feeds, onnxruntime's outputs) of one node; ``constants`` positions become initializers."""
+    names = [f"in{i}" for i in range(len(inputs))]
+    outs = [f"out{i}" for i in range(outputs)]
+    graph_inputs, inits, feeds = [], [], {}
+    for i, (name, x) in enumerate(zip(names, inputs)):
+        if i in constants:
+            inits.append(numpy_helper.from_array(x, name))
+        else:
+            graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape))
+            feeds[name] = x
+    node = helper.make_node(op, names, outs, **(attrs or {}))
+
+    def model(values: list[Any]) -> bytes:
+        graph = helper.make_graph([node], op, graph_inputs, values, initializer=inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9).SerializeToString()
+
+    import onnxruntime as ort
+
+    expected = ort.InferenceSession(model([helper.make_empty_tensor_value_info(o) for o in outs]),
+                                    providers=["CPUExecutionProvider"]).run(None, feeds)
+    typed = [helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(e.dtype), e.shape)
+             for o, e in zip(outs, expected)]
+    return model(typed), feeds, expected

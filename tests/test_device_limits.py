@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
 import vkpool
 from conftest import vulkan_pool
-from node_cases import assert_outputs_match
+from node_cases import assert_outputs_match, ort_case as _case
 from vkpool.discovery import DeviceLimitsError, lower_limits, parse_limits
 from vkpool.kernels.base import DeviceCaps, UnsupportedOp, groups_1d
 from vkpool.shaders import SHADER_DIR, ShaderCompileError, workgroup_size_misuse
@@ -101,30 +101,6 @@ def test_a_misusing_shader_is_refused_at_compile(tmp_path, monkeypatch):
 
 def _f(*shape: int, scale: float = 1.0) -> np.ndarray:
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
-
-
-def _case(op: str, inputs: list[np.ndarray], attrs: dict[str, Any] | None = None, constants: tuple[int, ...] = (),
-          opset: int = 17) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
-    """(model, feeds, onnxruntime's outputs) of one node; ``constants`` positions become initializers."""
-    names = [f"in{i}" for i in range(len(inputs))]
-    graph_inputs, inits, feeds = [], [], {}
-    for i, (name, x) in enumerate(zip(names, inputs)):
-        if i in constants:
-            inits.append(numpy_helper.from_array(x, name))
-        else:
-            graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape))
-            feeds[name] = x
-    node = helper.make_node(op, names, ["out"], **(attrs or {}))
-
-    def model(output: Any) -> bytes:
-        graph = helper.make_graph([node], op, graph_inputs, [output], initializer=inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9).SerializeToString()
-
-    expected = ort.InferenceSession(model(helper.make_empty_tensor_value_info("out")),
-                                    providers=["CPUExecutionProvider"]).run(None, feeds)
-    out = expected[0]
-    return model(helper.make_tensor_value_info("out", helper.np_dtype_to_tensor_dtype(out.dtype), out.shape)), \
-        feeds, expected
 
 
 def _cases() -> dict[str, tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]]:
