@@ -1,4 +1,4 @@
-"""Load-time fusion of biases and Relus into products: which graphs are rewritten, and that the
+"""Load-time fusion of biases and Relus into products (GELU and attention: tests/test_fusion_transformer.py): which graphs are rewritten, and that the
 fused kernels (direct and implicit-GEMM convolution, GEMV in both layouts, tiled GEMM) give the
 unfused graph's outputs on the real Vulkan device (ONNX reference evaluator, rtol 1e-4, atol 1e-5)."""
 from __future__ import annotations
@@ -68,7 +68,8 @@ def test_matmul_add_relu_becomes_one_gemm(pool, m, trans_b):
                  helper.make_node("Relu", ["a"], ["y"])]
     model = _model(nodes, (m, k), (m, n), inits)
     loaded = load_model(model)
-    assert [(n.op_type, n.attrs.get("activation")) for n in loaded.nodes] == [("Gemm", "Relu")]
+    assert [(n.op_type, n.attrs.get("activation")) for n in loaded.nodes] == [("Gemm" if trans_b else "MatMul", "Relu")]
+    assert len(loaded.nodes[0].inputs) == 3
     _check(pool, model, (m, k))
 
 
@@ -85,8 +86,8 @@ def test_what_is_not_fused():
     nodes2 = nodes[:2] + [helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Add", ["r", "a"], ["y"])]
     two = _model(nodes2, (1, 3, 12, 12), (1, 4, 12, 12), inits)
     assert [n.op_type for n in load_model(two).nodes] == ["Conv", "Relu", "Add"]
-    # a batched MatMul is not a Gemm
-    inits3 = [_const("w", (6, 5)), _const("b", (5,))]
+    # a bias that broadcasts along more than the last axis stays an Add
+    inits3 = [_const("w", (6, 5)), _const("b", (3, 5))]
     nodes3 = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["y"])]
     batched = _model(nodes3, (2, 3, 6), (2, 3, 5), inits3)
     assert [n.op_type for n in load_model(batched).nodes] == ["MatMul", "Add"]

@@ -13,8 +13,8 @@ places the blocks like any other ops: on one member, or on several with the prod
 crossing to each (:mod:`vkpool.partition`). Every output column is computed by the same kernel
 from the same row and column as before, so results are those of the whole product.
 
-``Gemm`` keeps its attributes (``alpha``, ``beta``, ``transB``, vkpool's fused ``activation``);
-a constant bias with one value per column is divided with the columns, and one that broadcasts
+A block keeps the product's attributes (``alpha``, ``beta``, ``transB``, vkpool's fused
+``activation``); a constant bias (Gemm's C, or the one :mod:`vkpool.fusion` gives a MatMul) with one value per column is divided with the columns, and one that broadcasts
 along them is given whole to each block. A product with a bias computed at run time, or with
 fewer columns than blocks, is left whole. The blocks are named ``NAME/cols<i>`` and the join
 ``NAME/join`` (``NAME`` the node's name, else its output's), as ``Session.plan`` shows them.
@@ -46,7 +46,7 @@ def _weight(model: LoadedModel, node: Node) -> tuple[np.ndarray, bool] | None:
     if node.inputs[0] in model.constants or node.outputs[0] not in model.tensors:
         return None
     by_rows = node.op_type == "Gemm" and bool(node.attrs.get("transB", 0))
-    if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2]:
+    if len(node.inputs) > 2 and node.inputs[2]:  # Gemm's C, or the bias vkpool.fusion gave a MatMul
         columns = weight.shape[0 if by_rows else 1]
         bias = model.constants.get(node.inputs[2])
         if bias is None and model.tensors[node.inputs[2]].shape[-1:] == (columns,) and columns > 1:
@@ -123,7 +123,7 @@ def _split(model: LoadedModel, node: Node, weight: np.ndarray, by_rows: bool, k:
     out = model.tensors[out_name]
     columns = weight.shape[0 if by_rows else 1]
     edges = [columns * i // k for i in range(k + 1)]  # k blocks as even as the columns allow
-    bias = model.constants.get(node.inputs[2]) if node.op_type == "Gemm" and len(node.inputs) > 2 else None
+    bias = model.constants.get(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
     name = _name(node)
     parts: list[Node] = []
     for i, (a, b) in enumerate(zip(edges, edges[1:])):

@@ -1,33 +1,54 @@
-"""Load-time rewrites that fold a bias and an activation into the product before them.
+"""Load-time rewrites that fold the ops around products into fewer dispatches.
 
 Each dispatch of a recorded model costs a few microseconds of GPU time of its own (the barrier
-before it and the launch), so on small models the number of dispatches is the latency. Three
-rewrites, applied in node order until nothing changes, remove the commonest extra dispatches:
+before it and the launch), so on small models and transformer blocks the number of dispatches is
+the latency. The rewrites, applied in node order until nothing changes:
 
 - ``Conv(X, W[, B])`` then ``Add(·, b)`` with a constant per-channel ``b`` (shape [C], [C,1,1]
   or [1,C,1,1], …) becomes ``Conv(X, W, B + b)``: a framework's ``Conv2d`` bias as exporters
   spell it;
-- ``MatMul(A, W)`` with a 2-D ``A`` and a constant 2-D ``W``, then ``Add(·, b)`` with a
-  constant ``b`` of shape [N] or [1, N], becomes ``Gemm(A, W, b)``;
-- ``Conv`` or ``Gemm`` then ``Relu`` becomes the product with ``activation = "Relu"``, an
-  attribute of vkpool's own that the kernels apply in their epilogue.
+- ``MatMul(A, W)`` with a constant 2-D float32 ``W`` (A of any rank), then ``Add`` of a
+  constant ``b`` that broadcasts along the last axis only ([N], [1, N], [1, 1, N], in either
+  operand order), becomes ``MatMul(A, W, b)``: a bias input of vkpool's own that the product
+  adds in its epilogue (a ``Linear`` layer as exporters spell it);
+- a ``Conv``, ``Gemm`` or such ``MatMul`` then an activation becomes the product with the
+  attribute ``activation`` (vkpool's own, applied in the epilogue, ``kernels/shaders/
+  epilogue.glsl``): a ``Relu`` or ``Gelu`` node, or a chain of element-wise ops with scalar
+  constants that computes GELU (exact or tanh approximation) however the exporter spelled it
+  (``x * 0.5 * (1 + Erf(x / sqrt 2))``, ``0.5 * x * (1 + Tanh(c * (x + 0.044715 * x * x * x)))``,
+  with Pow or Mul, constants on either side). Such a chain is recognised by evaluating it on the
+  host over a dense probe of inputs (-12 to 12 and large magnitudes) and comparing with each
+  activation's formula: a chain that agrees everywhere within 1e-6 (relative to 1 + |x|) is that
+  activation, whatever its ops; any other chain stays as it is;
+- scaled dot-product attention as exporters spell it, ``Softmax(MatMul(Q, Kᵀ) / c [+ mask]) @ V``
+  with the heads split by ``Reshape`` + ``Transpose`` and merged back the same way, becomes one
+  ``Attention`` node (``kernels/ops/attention.py``) on the [batch, sequence, heads·size] tensors
+  the projections produced, so neither the transposed heads nor the score matrix pass through
+  memory as tensors of their own. The scale is ``1/c`` (or the ``Mul``'s factor); a mask is an
+  ``Add`` of a float tensor, or a ``Where(cond, very negative, scores)`` of a constant
+  condition, which is given as a causal flag when it is exactly the causal pattern.
 
-A rewrite applies only when the intermediate tensor has that one reader and is not a graph
-output, so every tensor a caller can see keeps its value. Results equal the unfused graph's up
-to float rounding of the bias sum (exact when the product had no bias of its own).
+A rewrite applies only when every intermediate tensor it removes is read by nothing else and is
+not a graph output, so every tensor a caller can see keeps its value. Results equal the unfused
+graph's up to float rounding (the bias sum, ``1/c`` for a scale that is not a power of two, the
+activation's formula against the exporter's rounded constants).
 The element-wise chains of the ``add_chain`` benchmark are never touched.
 """
 from __future__ import annotations
 
-from collections import Counter
-from typing import TYPE_CHECKING
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from vkpool.kernels.base import TensorInfo
+from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
+from vkpool.kernels.ops.gemm import ACTIVATIONS, apply_activation
 
 if TYPE_CHECKING:
     from vkpool.model import LoadedModel, Node
+
+_F32 = np.dtype(np.float32)
 
 
 def fuse(model: LoadedModel) -> int:
@@ -40,28 +61,50 @@ def fuse(model: LoadedModel) -> int:
     return before - len(model.nodes)
 
 
+class _Graph:
+    """Who reads and who produces each tensor of ``model``, as the nodes stand now."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+        self.readers: dict[str, list[Node]] = defaultdict(list)
+        for node in model.nodes:
+            for name in dict.fromkeys(n for n in node.inputs if n):
+                self.readers[name].append(node)
+        self.producer = {out: node for node in model.nodes for out in node.outputs if out}
+        self.outputs = {name for name, _ in model.outputs}
+
+    def private(self, tensor: str, reader: Node | None = None) -> bool:
+        """Whether ``tensor`` is read only by ``reader`` (or by one node) and is not a graph output."""
+        readers = self.readers.get(tensor, [])
+        return tensor not in self.outputs and len(readers) == 1 and (reader is None or readers[0] is reader)
+
+    def made_by(self, tensor: str, op_type: str) -> Node | None:
+        node = self.producer.get(tensor)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    def constant(self, name: str) -> np.ndarray | None:
+        return self.model.constants.get(name)
+
+
 def _fuse_once(model: LoadedModel) -> bool:
-    readers: Counter[str] = Counter(name for node in model.nodes for name in node.inputs if name)
-    graph_outputs = {name for name, _ in model.outputs}
-    producer = {out: node for node in model.nodes for out in node.outputs if out}
+    g = _Graph(model)
     for node in model.nodes:
         if node.domain not in ("", "ai.onnx") or not node.inputs:
             continue
-        first = node.inputs[0]
-        prev = producer.get(first)
-        if prev is None or readers[first] != 1 or first in graph_outputs:
-            continue
-        if node.op_type == "Add" and prev.op_type == "Conv" and "activation" not in prev.attrs:
-            if _fold_conv_bias(model, prev, node):
-                _splice(model, prev, node)
-                return True
-        elif node.op_type == "Add" and prev.op_type == "MatMul":
-            if _matmul_to_gemm(model, prev, node):
-                _splice(model, prev, node)
-                return True
-        elif node.op_type == "Relu" and prev.op_type in ("Conv", "Gemm") and "activation" not in prev.attrs:
-            prev.attrs["activation"] = "Relu"
-            _splice(model, prev, node)
+        if node.op_type == "Add":
+            for first in dict.fromkeys(node.inputs):
+                prev = g.producer.get(first)
+                if prev is None or not g.private(first) or "activation" in prev.attrs:
+                    continue
+                if prev.op_type == "Conv" and _fold_conv_bias(model, prev, node, first):
+                    _splice(model, prev, node)
+                    return True
+                if prev.op_type == "MatMul" and _fold_matmul_bias(model, g, prev, node, first):
+                    _splice(model, prev, node)
+                    return True
+        if node.op_type in ("Conv", "Gemm", "MatMul") and "activation" not in node.attrs and _fuse_activation(g, node):
+            return True
+        if node.op_type == "Softmax" and _fuse_attention(g, node):
             return True
     return False
 
@@ -74,16 +117,18 @@ def _splice(model: LoadedModel, kept: Node, removed: Node) -> None:
 
 
 def _other_constant(model: LoadedModel, add: Node, first: str) -> np.ndarray | None:
-    if len(add.inputs) != 2 or add.inputs[0] != first:
+    """The float32 constant ``add`` adds to ``first``."""
+    if len(add.inputs) != 2 or add.inputs[0] == add.inputs[1]:
         return None
-    value = model.constants.get(add.inputs[1])
-    return value if value is not None and value.dtype == np.float32 else None
+    other = add.inputs[1] if add.inputs[0] == first else add.inputs[0]
+    value = model.constants.get(other)
+    return value if value is not None and value.dtype == _F32 else None
 
 
-def _fold_conv_bias(model: LoadedModel, conv: Node, add: Node) -> bool:
-    bias = _other_constant(model, add, conv.outputs[0])
+def _fold_conv_bias(model: LoadedModel, conv: Node, add: Node, first: str) -> bool:
+    bias = _other_constant(model, add, first)
     out = model.tensors.get(conv.outputs[0])
-    if bias is None or out is None or len(out.shape) < 3:
+    if bias is None or out is None or len(out.shape) < 3 or model.tensors.get(add.outputs[0]) != out:
         return False
     channels = out.shape[1]
     rank = len(out.shape)
@@ -101,24 +146,291 @@ def _fold_conv_bias(model: LoadedModel, conv: Node, add: Node) -> bool:
         total = (own.astype(np.float32) + total).astype(np.float32)
     name = model.fresh_name(f"{conv.name or conv.outputs[0]}_fused_bias")
     model.constants[name] = total
-    model.tensors[name] = TensorInfo((channels,), np.dtype(np.float32))
+    model.tensors[name] = TensorInfo((channels,), _F32)
     conv.inputs[2:] = [name]
     return True
 
 
-def _matmul_to_gemm(model: LoadedModel, matmul: Node, add: Node) -> bool:
-    bias = _other_constant(model, add, matmul.outputs[0])
+def _fold_matmul_bias(model: LoadedModel, g: _Graph, matmul: Node, add: Node, first: str) -> bool:
+    bias = _other_constant(model, add, first)
     a = model.tensors.get(matmul.inputs[0])
-    weight = model.constants.get(matmul.inputs[1])
-    if bias is None or a is None or weight is None or len(a.shape) != 2 or weight.ndim != 2:
+    weight = g.constant(matmul.inputs[1])
+    out = model.tensors.get(matmul.outputs[0])
+    if bias is None or a is None or weight is None or out is None or len(matmul.inputs) != 2:
         return False
-    if a.dtype != np.float32 or weight.dtype != np.float32:
+    if a.dtype != _F32 or weight.dtype != _F32 or weight.ndim != 2 or model.tensors.get(add.outputs[0]) != out:
         return False
     n = weight.shape[1]
-    if tuple(bias.shape) not in ((n,), (1, n)):
+    if bias.ndim > len(out.shape) or bias.shape[-1:] != (n,) or any(d != 1 for d in bias.shape[:-1]):
         return False
-    matmul.op_type = "Gemm"
-    matmul.inputs = [matmul.inputs[0], matmul.inputs[1], add.inputs[1]]
-    matmul.attrs = {}
+    name = add.inputs[1] if add.inputs[0] == first else add.inputs[0]
+    if bias.shape != (n,):
+        name = model.fresh_name(f"{matmul.name or matmul.outputs[0]}_bias")
+        model.constants[name] = bias.reshape(n)
+        model.tensors[name] = TensorInfo((n,), _F32)
+    matmul.inputs = [matmul.inputs[0], matmul.inputs[1], name]
     return True
 
+
+# -- activations ------------------------------------------------------------------------------
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+#: element-wise ops a spelled-out activation may use, as float64 numpy functions
+_SMOOTH: dict[str, Callable[..., np.ndarray]] = {
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
+    "Erf": _erf, "Tanh": np.tanh, "Sqrt": np.sqrt, "Neg": np.negative, "Reciprocal": np.reciprocal,
+}
+#: the most nodes a spelled-out activation may take (GELU's tanh form takes 8 or 9)
+_MAX_CHAIN = 12
+_PROBE = np.concatenate([np.linspace(-12.0, 12.0, 4801), [-1e3, -100.0, -50.0, -20.0, 20.0, 50.0, 100.0, 1e3]])
+
+
+def _fusable_product(g: _Graph, node: Node) -> bool:
+    if node.op_type == "MatMul":
+        b = g.model.tensors.get(node.inputs[1]) if len(node.inputs) > 1 else None
+        a = g.model.tensors.get(node.inputs[0])
+        return a is not None and b is not None and a.dtype == _F32 and b.dtype == _F32 and len(b.shape) == 2
+    return node.op_type in ("Conv", "Gemm")
+
+
+def _fuse_activation(g: _Graph, product: Node) -> bool:
+    x = product.outputs[0]
+    if not x or x in g.outputs or not _fusable_product(g, product):
+        return False
+    readers = g.readers.get(x, [])
+    if len(readers) == 1 and readers[0].op_type in ("Relu", "Gelu") and readers[0].domain in ("", "ai.onnx"):
+        act = readers[0]
+        if act.op_type == "Relu":
+            product.attrs["activation"] = "Relu"
+        else:
+            approximate = act.attrs.get("approximate", "none")
+            approximate = approximate.decode() if isinstance(approximate, bytes) else str(approximate)
+            if approximate not in ("none", "tanh"):
+                return False
+            product.attrs["activation"] = "Gelu" if approximate == "none" else "GeluTanh"
+        _splice(g.model, product, act)
+        return True
+    chain = _elementwise_chain(g, x)
+    if chain is None:
+        return False
+    nodes, exit_name = chain
+    values = _evaluate_chain(g, nodes, x, exit_name)
+    if values is None:
+        return False
+    for name, code in ACTIVATIONS.items():
+        if code == 1:
+            continue  # a Relu spelled out (Max, Where) is not smooth: only the node is taken
+        want = apply_activation(code, _PROBE)
+        if np.all(np.abs(values - want) <= 1e-6 * (1.0 + np.abs(_PROBE))):
+            product.attrs["activation"] = name
+            info = g.model.tensors[exit_name]
+            for node in nodes:
+                g.model.tensors.pop(node.outputs[0], None)
+                g.model.nodes.remove(node)
+            g.model.tensors.pop(x, None)
+            g.model.tensors[exit_name] = info
+            product.outputs[0] = exit_name
+            return True
+    return False
+
+
+def _scalar(g: _Graph, name: str) -> bool:
+    value = g.constant(name)
+    return value is not None and value.size == 1 and value.dtype == _F32
+
+
+def _elementwise_chain(g: _Graph, x: str) -> tuple[list[Node], str] | None:
+    """The element-wise nodes computing a function of ``x`` alone (with scalar constants), and the
+    one tensor of theirs read elsewhere; None where there is no such chain."""
+    produced = {x}
+    chain: list[Node] = []
+    grew = True
+    while grew:
+        grew = False
+        for name in list(produced):
+            for node in g.readers.get(name, []):
+                if any(node is c for c in chain) or node.op_type not in _SMOOTH or node.domain not in ("", "ai.onnx"):
+                    continue
+                if len(node.outputs) != 1 or not all(i in produced or _scalar(g, i) for i in node.inputs):
+                    continue
+                chain.append(node)
+                produced.add(node.outputs[0])
+                grew = True
+                if len(chain) > _MAX_CHAIN:
+                    return None
+    if not chain:
+        return None
+    members = {id(n) for n in chain}
+    outside = [t for t in produced
+               if t in g.outputs or any(id(r) not in members for r in g.readers.get(t, []))]
+    if len(outside) != 1 or outside[0] == x:
+        return None
+    info = g.model.tensors.get(x)
+    if info is None or g.model.tensors.get(outside[0]) != info:
+        return None
+    order = {id(n): i for i, n in enumerate(g.model.nodes)}
+    chain.sort(key=lambda n: order[id(n)])
+    return chain, outside[0]
+
+
+def _evaluate_chain(g: _Graph, chain: list[Node], x: str, exit_name: str) -> np.ndarray | None:
+    values: dict[str, np.ndarray] = {x: _PROBE}
+    with np.errstate(all="ignore"):
+        for node in chain:
+            args = [values[i] if i in values else g.constant(i).astype(np.float64).reshape(()) for i in node.inputs]
+            values[node.outputs[0]] = np.asarray(_SMOOTH[node.op_type](*args), dtype=np.float64)
+    out = values[exit_name]
+    return out if out.shape == _PROBE.shape else None
+
+
+# -- attention --------------------------------------------------------------------------------
+
+def _heads(g: _Graph, t4: str, perm: list[int]) -> tuple[str, int] | None:
+    """``(t3, heads)`` where ``t4 = Transpose(Reshape(t3, [B, S, H, D]), perm)`` with t3 of shape
+    [B, S, H·D] and every intermediate read only on this path."""
+    tr = g.made_by(t4, "Transpose")
+    if tr is None or [int(p) for p in tr.attrs.get("perm", [])] != perm or not g.private(t4):
+        return None
+    reshaped = tr.inputs[0]
+    rs = g.made_by(reshaped, "Reshape")
+    if rs is None or not g.private(reshaped):
+        return None
+    t3 = rs.inputs[0]
+    src, mid = g.model.tensors.get(t3), g.model.tensors.get(reshaped)
+    if src is None or mid is None or len(src.shape) != 3 or len(mid.shape) != 4 or src.dtype != _F32:
+        return None
+    b, s, h, d = mid.shape
+    if src.shape != (b, s, h * d):
+        return None
+    return t3, h
+
+
+def _key_heads(g: _Graph, kt: str) -> tuple[str, int] | None:
+    """K's [B, T, H·D] tensor where ``kt`` is its heads transposed to [B, H, D, T]."""
+    direct = _heads(g, kt, [0, 2, 3, 1])
+    if direct is not None:
+        return direct
+    tr = g.made_by(kt, "Transpose")
+    if tr is None or [int(p) for p in tr.attrs.get("perm", [])] != [0, 1, 3, 2] or not g.private(kt):
+        return None
+    return _heads(g, tr.inputs[0], [0, 2, 1, 3])
+
+
+def _masks(g: _Graph, z: str, shape: tuple[int, ...]) -> list[tuple[str, dict, list[Node]]]:
+    """The ways ``z`` (the softmax's input) may be scores with a mask applied: ``(scores, extra
+    attributes, mask nodes)``, the unmasked reading last."""
+    found: list[tuple[str, dict, list[Node]]] = []
+    add = g.made_by(z, "Add")
+    if add is not None and g.private(z) and len(add.inputs) == 2 and add.inputs[0] != add.inputs[1]:
+        for scores, mask in (add.inputs, add.inputs[::-1]):
+            info = g.model.tensors.get(mask)
+            if info is not None and info.dtype == _F32:
+                found.append((scores, {"mask": mask}, [add]))
+    where = g.made_by(z, "Where")
+    if where is not None and g.private(z) and len(where.inputs) == 3:
+        cond = g.constant(where.inputs[0])
+        for fill_at, scores_at, masked_when in ((1, 2, True), (2, 1, False)):
+            fill = g.constant(where.inputs[fill_at])
+            if cond is None or fill is None or cond.dtype != np.bool_ or fill.size != 1:
+                continue
+            if float(fill.reshape(())) > -1e30 or cond.ndim < 2 or cond.ndim > 4:
+                continue
+            keep = ~cond if masked_when else cond
+            try:
+                every = np.broadcast_to(keep, shape)
+            except ValueError:
+                continue
+            if not every.any(axis=-1).all():
+                continue  # a fully masked row: -inf and a finite fill differ there
+            s, t = shape[-2:]
+            if keep.shape[-2:] == (s, t) and every.shape == shape and all(d == 1 for d in keep.shape[:-2]) \
+                    and (keep.reshape(s, t) == np.tril(np.ones((s, t), bool))).all():
+                found.append((where.inputs[scores_at], {"causal": True}, [where]))
+                continue
+            name = g.model.fresh_name(f"{where.inputs[0]}_keep")
+            g.model.constants[name] = np.ascontiguousarray(keep)
+            g.model.tensors[name] = TensorInfo(keep.shape, np.bool_)
+            found.append((where.inputs[scores_at], {"mask": name}, [where]))
+    found.append((z, {}, []))
+    return found
+
+
+def _fuse_attention(g: _Graph, softmax: Node) -> bool:
+    model = g.model
+    p = softmax.outputs[0]
+    z = softmax.inputs[0]
+    info = model.tensors.get(z)
+    if info is None or len(info.shape) != 4 or info.dtype != _F32 or not g.private(p):
+        return False
+    axis = int(softmax.attrs.get("axis", -1 if model.opset >= 13 else 1))
+    if axis % 4 != 3:
+        return False
+    pv = g.readers[p][0]
+    if pv.op_type != "MatMul" or pv.inputs[0] != p or len(pv.inputs) != 2:
+        return False
+    return any(_fuse_attention_from(g, softmax, pv, *masked) for masked in _masks(g, z, info.shape))
+
+
+def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict, mask_nodes: list[Node]) -> bool:
+    model = g.model
+    p = softmax.outputs[0]
+    scale, scale_nodes = 1.0, []
+    for op_type in ("Div", "Mul"):
+        node = g.made_by(y, op_type)
+        if node is not None and g.private(y) and len(node.inputs) == 2 and _scalar(g, node.inputs[1]):
+            c = float(g.constant(node.inputs[1]).reshape(()))
+            if c == 0.0 or not math.isfinite(c):
+                return False
+            scale, scale_nodes, y = (1.0 / c if op_type == "Div" else c), [node], node.inputs[0]
+            break
+    qk = g.made_by(y, "MatMul")
+    if qk is None or not g.private(y) or len(qk.inputs) != 2:
+        return False
+    q = _heads(g, qk.inputs[0], [0, 2, 1, 3])
+    k = _key_heads(g, qk.inputs[1])
+    v = _heads(g, pv.inputs[1], [0, 2, 1, 3])
+    o4 = pv.outputs[0]
+    out_tr = g.readers.get(o4, [])
+    if q is None or k is None or v is None or not g.private(o4) or out_tr[0].op_type != "Transpose":
+        return False
+    tr = out_tr[0]
+    if [int(x) for x in tr.attrs.get("perm", [])] != [0, 2, 1, 3] or not g.private(tr.outputs[0]):
+        return False
+    merge = g.readers[tr.outputs[0]][0]
+    o3 = merge.outputs[0] if merge.op_type == "Reshape" else ""
+    oinfo, qinfo = model.tensors.get(o3), model.tensors.get(q[0])
+    if not o3 or oinfo is None or qinfo is None or len(oinfo.shape) != 3 or oinfo.shape[:2] != qinfo.shape[:2]:
+        return False
+    inputs = [q[0], k[0], v[0], extra.get("mask", "")]
+    attrs = {"q_num_heads": q[1], "kv_num_heads": k[1], "scale": scale, "is_causal": int(extra.get("causal", False))}
+    from vkpool.kernels.registry import create_op  # the registry imports every op module
+
+    try:
+        op = create_op("Attention", attrs, [model.tensors[i] if i else None for i in inputs],
+                       {}, opset=model.opset, num_outputs=1)
+        if op.output_infos()[0] != oinfo:
+            return False
+    except (OpError, UnsupportedOp):
+        return False
+    if v[1] != k[1]:
+        return False
+    removed = [qk, *scale_nodes, *mask_nodes, softmax, pv, tr, merge]
+    for t4 in (qk.inputs[0], qk.inputs[1], pv.inputs[1]):
+        node = g.producer[t4]
+        removed.append(node)
+        inner = g.producer.get(node.inputs[0])
+        if inner is not None and inner.op_type == "Transpose":  # K's heads transposed twice
+            removed.append(inner)
+            inner = g.producer.get(inner.inputs[0])
+        if inner is not None:
+            removed.append(inner)
+    fused = type(softmax)(f"{softmax.name or p}_attention", "Attention", "", inputs[:3] + ([inputs[3]] if inputs[3] else []),
+                          [o3], attrs)
+    gone = {id(n) for n in removed}
+    for node in removed:
+        for out in node.outputs:
+            if out != o3:
+                model.tensors.pop(out, None)
+    # in the merge's place: every input of the attention is computed before it
+    model.nodes[:] = [fused if n is merge else n for n in model.nodes if n is merge or id(n) not in gone]
+    return True

@@ -7,6 +7,11 @@ or float ``attn_mask`` broadcast over (batch, heads, query), masks shorter than 
 sliding windows, and every ``qk_matmul_output_mode``. Scores and softmax are float32 whatever
 ``softmax_precision`` asks (float32 is at least as precise as any type it may name for float32
 inputs).
+
+Two kernels: ``attention_tiled.comp`` (16 query rows per workgroup, keys and values through
+shared memory in tiles with an online softmax) wherever the ``qk_matmul_output`` stage is not
+asked for and a tile fits the device's shared memory; else ``attention.comp`` (one workgroup per
+query row, the scores in a workspace row).
 """
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, check_serial, groups_1d,
+    F32, LOOP_SLACK, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, check_grid,
+    check_serial,
+    groups_1d,
 )
 
 
@@ -98,6 +105,23 @@ class Attention(Op):
 
     def workspace_bytes(self) -> int:
         return 4 * self.b * self.hq * self.s * self.t
+
+    def _tile_keys(self, caps: DeviceCaps | None) -> int | None:
+        """Keys per tile of ``attention_tiled.comp`` (the most of 64, 32, 16 whose shared memory
+        fits the device and that the keys fill), or None where no tile fits or the device runs
+        fewer than its 256 invocations per workgroup."""
+        limit = caps.shared_memory_bytes if caps is not None else 16384
+        if caps is not None and caps.max_workgroup_invocations < 256:
+            return None
+        for kb in (64, 32, 16):
+            if kb > 16 and kb // 2 >= self.t:
+                continue
+            floats = 16 * (self.d + 1) + kb * (self.d + 1) + kb * self.dv + 16 * kb + 16 * 16
+            tiles = -(-self.t // kb)
+            serial = tiles * (kb * (self.d + self.dv) // 256 + 2 + kb // 16 * self.d + 32 + -(-self.dv // 16) * kb)
+            if 4 * floats <= limit and (caps is None or not caps.max_loop_iterations or serial + LOOP_SLACK <= caps.max_loop_iterations):
+                return kb
+        return None
 
     # -- numpy reference ----------------------------------------------------------------------
     def _bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None) -> np.ndarray:
@@ -200,10 +224,18 @@ class Attention(Op):
         }
         # each of 64 lanes: its keys' scores (D each), two softmax passes, then a column of the output
         # over every key
+        q = Ptr(ctx.inputs[0])
+        tiled = None if want[3] else self._tile_keys(ctx.caps)
+        if tiled is not None:
+            args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
+                    Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
+            groups = (-(-self.s // 16), self.hq, self.b)
+            check_grid(groups, ctx.caps, f"Attention over {self.s} queries")
+            out.append(Dispatch("attention_tiled", args, groups, {**defines, "KB": tiled}))
+            return out
         lanes = -(-self.t // 64)
         check_serial(lanes * (self.d + 3) + -(-self.dv // 64) * (self.t + 1), ctx.caps,
                      f"Attention over {self.t} keys")
-        q = Ptr(ctx.inputs[0])
         args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
                 Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.workspace), Ptr(ctx.outputs[0]),
                 Ptr(ctx.outputs[3]) if want[3] else q, F32(self.scale), F32(self.softcap)]

@@ -16,7 +16,7 @@ import numpy as np
 from vkpool.kernels.base import (
     Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, serial_pieces,
 )
-from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem, fused_relu
+from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem, apply_activation, fused_activation
 from vkpool.kernels.ops.spatial import Window, window, window_view
 
 _F32 = np.dtype(np.float32)
@@ -50,7 +50,7 @@ class Conv(Op):
         if self.has_input(2) and self.input(2).shape != (m,):
             raise OpError(f"Conv: B must have shape ({m},), got {self.input(2).shape}")
         self.win: Window = window("Conv", self.attrs, x.shape[2:], kernel)
-        self.relu = fused_relu(self)
+        self.act = fused_activation(self)
         self.out_shape = (n, m, *self.win.out_shape)
         mg, kred = m // self.group, cg * math.prod(kernel)
         self.plan: MatmulPlan | None = None
@@ -60,7 +60,7 @@ class Conv(Op):
                 M=mg, N=math.prod(self.win.out_shape), K=kred, sAm=kred, sAk=1, sBk=0, sBn=1,
                 has_bias=self.has_input(2), sCm=1, sCn=0,
                 batch=[BatchDim(n * self.group, mg * kred, cg * in_size, mg, 0)], bias_rows=m,
-                relu=self.relu,
+                act=self.act,
             ), force_gemm=True)
 
     def output_infos(self) -> list[TensorInfo]:
@@ -80,8 +80,7 @@ class Conv(Op):
         y = np.einsum("gmk,ngkp->ngmp", wg, cols, optimize=True).reshape(self.out_shape)
         if b is not None:
             y = y + b.reshape(1, m, *([1] * self.win.rank))
-        if self.relu:
-            y = np.maximum(y, 0)
+        y = apply_activation(self.act, y)
         return [y.astype(np.float32, copy=False)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
@@ -95,7 +94,7 @@ class Conv(Op):
             return self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)
         total = math.prod(self.out_shape)
         args = [Ptr(x), Ptr(w), Ptr(b if b is not None else y), Ptr(y), U32(total)]
-        defines = {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None), "RELU": int(self.relu),
+        defines = {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None), "ACT": self.act,
                    **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
         # loop iterations per input channel: every level of the window's loops
         k = self.win.kernel

@@ -15,6 +15,7 @@ once, at load time:
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -27,6 +28,7 @@ from vkpool.kernels.base import (
 from vkpool.kernels.broadcast import broadcast_strides
 
 _F32 = np.dtype(np.float32)
+_erf = np.vectorize(math.erf, otypes=[np.float64])
 _MAX_GROUPS = 65535
 #: workgroups a GEMV should spread over so that every multiprocessor of a large GPU streams
 _GEMV_TARGET_GROUPS = 1024
@@ -79,8 +81,8 @@ class MatmulProblem:
     #: rows of C's pattern when a split-K reduction indexes it flat: M, or all output channels
     #: of a grouped convolution (whose batch runs over groups)
     bias_rows: int | None = None
-    #: a Relu fused into the epilogue (see ``fused_relu``)
-    relu: bool = False
+    #: the activation fused into the epilogue, one of ``ACTIVATIONS``' codes (see ``fused_activation``)
+    act: int = 0
 
     @property
     def batch_count(self) -> int:
@@ -117,23 +119,33 @@ class MatmulPlan:
         self.col_groups = col_groups
 
     def _plan_gemm(self) -> None:
+        big = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
+        small = {"BM": 32, "BN": 32, "BK": 16, "TM": 2, "TN": 2}
+        # NOTE: few large tiles leave most multiprocessors of a big GPU idle. 32x32 tiles give
+        # four times the workgroups, but each does a quarter of the work per shared-memory load:
+        # 64x64 tiles are taken wherever they fill half the target with the reduction split over
+        # K. H200, bench/gemm_tiles.py, BERT-base's products at 128 tokens: 128x768x3072 in 51 µs
+        # against 115, 128x3072x768 in 81 against 114; ResNet-50 1.48 ms against 2.05. The 1x1
+        # convolutions of MobileNetV2's last stages (7x7 outputs, K up to 960) keep 32x32.
+        groups, splits = self._workgroups(big)
+        self.tile = big if groups * 2 >= _GEMM_TARGET_GROUPS else small
+        _, splits = self._workgroups(self.tile)
+        if splits > 1:
+            # a long reduction over too few tiles (deep layers of a batch-1 CNN: 256 channels of
+            # 7x7) is split over workgroups, the partial tiles summed by a second pass
+            bk = self.tile["BK"]
+            self.kchunk = ceil_div(ceil_div(self.p.K, splits), bk) * bk
+            self.splits = ceil_div(self.p.K, self.kchunk)
+
+    def _workgroups(self, tile: dict[str, int]) -> tuple[int, int]:
+        """The workgroups of a product in ``tile`` tiles, and the K splits that give them."""
         p = self.p
-        tiles64 = ceil_div(p.M, 64) * ceil_div(p.N, 64) * p.batch_count
-        # NOTE: few large tiles leave most multiprocessors of a big GPU idle; 32x32 tiles give
-        # four times the workgroups for the small spatial sizes of batch-1 convolutions.
-        if tiles64 >= 128:
-            self.tile = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
-        else:
-            self.tile = {"BM": 32, "BN": 32, "BK": 16, "TM": 2, "TN": 2}
-        # Still too few workgroups for a long reduction (deep layers of a batch-1 CNN: 256
-        # channels of 7x7): split K over workgroups, the partial tiles summed by a second pass.
-        tiles = ceil_div(p.M, self.tile["BM"]) * ceil_div(p.N, self.tile["BN"]) * p.batch_count
+        tiles = ceil_div(p.M, tile["BM"]) * ceil_div(p.N, tile["BN"]) * p.batch_count
         splits = min(ceil_div(_GEMM_TARGET_GROUPS, tiles), p.K // _GEMM_MIN_K_PER_SPLIT)
         inner = p.batch[-1].count if p.batch else 1
-        if len(p.batch) <= 1 and splits > 1 and inner * splits <= _MAX_GROUPS:
-            bk = self.tile["BK"]
-            self.kchunk = ceil_div(ceil_div(p.K, splits), bk) * bk
-            self.splits = ceil_div(p.K, self.kchunk)
+        if len(p.batch) > 1 or splits <= 1 or inner * splits > _MAX_GROUPS:
+            splits = 1
+        return tiles * splits, splits
 
     def workspace_bytes(self) -> int:
         p = self.p
@@ -150,7 +162,7 @@ class MatmulPlan:
             "gemm_reduce",
             [Ptr(ws), Ptr(c), Ptr(y), U32(total), U32(self.splits), U32(p.N), U32(bias_rows),
              U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta)],
-            groups_1d(total, 256, caps), {"HAS_BIAS": int(p.has_bias), "RELU": int(p.relu)},
+            groups_1d(total, 256, caps), {"HAS_BIAS": int(p.has_bias), "ACT": p.act},
         )
 
     # -- dispatches ----------------------------------------------------------------------
@@ -172,7 +184,7 @@ class MatmulPlan:
         split = self.splits > 1
         defines = {
             **self.tile, "A_KCONTIG": int(p.sAk == 1), "B_NCONTIG": int(p.sBn == 1),
-            "HAS_BIAS": int(p.has_bias), "RELU": int(p.relu), "SPLITS": self.splits, **(extra_defines or {}),
+            "HAS_BIAS": int(p.has_bias), "ACT": p.act, "SPLITS": self.splits, **(extra_defines or {}),
         }
         if split:
             defines["KCHUNK"] = self.kchunk
@@ -199,7 +211,7 @@ class MatmulPlan:
         p = self.p
         split = self.splits > 1
         defines = {"VEC": self.vec, "TXG": self.txg, "TYG": self.tyg, "SPLIT": int(split),
-                   "HAS_BIAS": int(p.has_bias), "RELU": int(p.relu)}
+                   "HAS_BIAS": int(p.has_bias), "ACT": p.act}
         first = Dispatch(
             "gemv",
             [Ptr(a), Ptr(b), Ptr(c), Ptr(ws if split else y), U32(p.N), U32(p.K), U32(p.sAk), U32(p.sBk),
@@ -221,7 +233,7 @@ class MatmulPlan:
             [Ptr(a), Ptr(b), Ptr(c), Ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
             groups_1d(p.N, rows, caps), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
-             "RELU": int(p.relu), "SUBGROUP_REDUCE": int(rows == 1 and caps is not None and caps.subgroup_arithmetic)},
+             "ACT": p.act, "SUBGROUP_REDUCE": int(rows == 1 and caps is not None and caps.subgroup_arithmetic)},
         )
 
     def flops(self) -> int:
@@ -229,13 +241,31 @@ class MatmulPlan:
         return 2 * p.M * p.N * p.K * p.batch_count
 
 
-def fused_relu(op: Op) -> bool:
-    """Whether the load-time rewrite (``vkpool.fusion``) folded a Relu into ``op``: the node
-    then carries the internal attribute ``activation = "Relu"``, never present in a file."""
+#: activations a product applies in its epilogue (``shaders/epilogue.glsl``'s ``ACT``): the
+#: load-time rewrites of ``vkpool.fusion`` set them as the internal node attribute ``activation``
+ACTIVATIONS = {"Relu": 1, "Gelu": 2, "GeluTanh": 3}
+
+
+def fused_activation(op: Op) -> int:
+    """The code of the activation ``vkpool.fusion`` folded into ``op`` (0: none); the attribute
+    ``activation`` is vkpool's own, never present in a file."""
     activation = op.attr("activation", None)
-    if activation not in (None, "Relu"):
+    if activation is None:
+        return 0
+    if activation not in ACTIVATIONS:
         raise OpError(f"{op.op_type}: unknown fused activation {activation!r}")
-    return activation == "Relu"
+    return ACTIVATIONS[activation]
+
+
+def apply_activation(code: int, y: np.ndarray) -> np.ndarray:
+    """The host reference of ``epilogue()`` in ``shaders/epilogue.glsl``."""
+    if code == 1:
+        return np.maximum(y, 0)
+    if code == 2:
+        return 0.5 * y * (1 + _erf(y / np.sqrt(2)))
+    if code == 3:
+        return 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+    return y
 
 
 class Gemm(Op):
@@ -277,7 +307,7 @@ class Gemm(Op):
             M=M, N=N, K=K,
             sAm=1 if ta else K, sAk=M if ta else 1,
             sBk=1 if tb else N, sBn=K if tb else 1,
-            has_bias=has_bias, sCm=sCm, sCn=sCn, alpha=alpha, beta=beta, relu=fused_relu(self),
+            has_bias=has_bias, sCm=sCm, sCn=sCn, alpha=alpha, beta=beta, act=fused_activation(self),
         ))
 
     def output_infos(self) -> list[TensorInfo]:
@@ -294,8 +324,7 @@ class Gemm(Op):
         c = inputs[2] if len(inputs) > 2 else None
         if c is not None:
             y = y + np.float32(self.attr("beta", 1.0)) * c
-        if self.plan.p.relu:
-            y = np.maximum(y, 0)
+        y = apply_activation(self.plan.p.act, y)
         return [np.asarray(y, dtype=np.float32).reshape(self.M, self.N)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
@@ -309,4 +338,4 @@ class Gemm(Op):
         return self.plan.workspace_bytes()
 
 
-__all__ = ["Gemm", "MatmulPlan", "MatmulProblem", "BatchDim", "fused_relu"]
+__all__ = ["Gemm", "MatmulPlan", "MatmulProblem", "BatchDim", "ACTIVATIONS", "fused_activation", "apply_activation"]

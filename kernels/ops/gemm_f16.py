@@ -97,7 +97,7 @@ class HalfMatmulPlan:
     """The float16 product of one ``MatmulProblem`` with row-major operands and no bias."""
 
     def __init__(self, p: MatmulProblem) -> None:
-        if p.sAk != 1 or p.sAm != p.K or p.sBn != 1 or p.sBk != p.N or p.has_bias or p.relu:
+        if p.sAk != 1 or p.sAm != p.K or p.sBn != 1 or p.sBk != p.N or p.has_bias or p.act:
             raise UnsupportedOp("float16 product: only row-major A and B without bias or activation")
         if p.batch and p.batch[-1].count > _MAX_GROUPS:
             raise UnsupportedOp(f"matrix product with an inner batch of {p.batch[-1].count} > {_MAX_GROUPS}")

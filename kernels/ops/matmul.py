@@ -1,7 +1,11 @@
 """MatMul with numpy semantics: batched, broadcast batch dimensions, 1-D operands.
 
 float32 through ``MatmulPlan`` (``gemm.py``); float16 through ``HalfMatmulPlan`` (``gemm_f16.py``:
-cooperative matrices where the device has them), accumulated in float32 and rounded once."""
+cooperative matrices where the device has them), accumulated in float32 and rounded once.
+
+The load-time rewrites of ``vkpool.fusion`` may give a float32 MatMul whose B is one matrix a
+third input, a bias of shape [N] added to every output row, and the attribute ``activation``
+applied after it; neither exists in ONNX's MatMul."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -10,7 +14,7 @@ import numpy as np
 
 from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.broadcast import broadcast_shape, collapse
-from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem
+from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem, apply_activation, fused_activation
 from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan
 
 _F32 = np.dtype(np.float32)
@@ -44,6 +48,11 @@ class MatMul(Op):
         if len(b.shape) > 1:
             out.append(N)
         self.out_shape = tuple(out)
+        self.act = fused_activation(self)
+        fused = self.has_input(2) or self.act
+        if fused and (half or len(b.shape) != 2 or (self.has_input(2) and self.input(2).shape != (N,))):
+            raise OpError(f"MatMul: a fused bias or activation needs a float32 2-D B and a bias of shape "
+                          f"({N},), got B {b.shape}")
         if all(d == 1 for d in b2[:-2]):
             # B is one matrix: A's batch folds into its rows (A is contiguous), one product.
             rows = int(np.prod(a2[:-1], dtype=np.int64))
@@ -53,6 +62,7 @@ class MatMul(Op):
                 problem = MatmulProblem(M=1, N=N, K=K, sAm=K, sAk=1, sBk=1, sBn=K)
             else:
                 problem = MatmulProblem(M=rows, N=N, K=K, sAm=K, sAk=1, sBk=N, sBn=1)
+            problem.has_bias, problem.sCn, problem.act = self.has_input(2), 1, self.act
         else:
             dims, (sa, sb) = collapse(batch, a2[:-2], b2[:-2])
             ystrides = [int(np.prod(dims[i + 1:], dtype=np.int64)) for i in range(len(dims))]
@@ -71,16 +81,20 @@ class MatMul(Op):
         assert a is not None and b is not None
         # float16 as the kernels do it: a float32 product of the halves, rounded once
         y = np.matmul(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
+        if len(inputs) > 2 and inputs[2] is not None:
+            y = y + inputs[2]
+        y = apply_activation(self.act, y)
         return [y.astype(self.dtype, copy=False).reshape(self.out_shape)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         a, b, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
         if isinstance(self.plan, HalfMatmulPlan):
             return self.plan.dispatches(a, b, y, ctx.caps)
-        return self.plan.dispatches(a, b, None, y, ctx.workspace, caps=ctx.caps)
+        c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+        return self.plan.dispatches(a, b, c, y, ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
-        return self.plan.flops()
+        return self.plan.flops() + (int(np.prod(self.out_shape)) if self.has_input(2) else 0)
 
     def workspace_bytes(self) -> int:
         return self.plan.workspace_bytes() if isinstance(self.plan, MatmulPlan) else 0

@@ -9,6 +9,7 @@
 // adding to what the last wrote; the last adds the bias and applies the fused Relu.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#include "epilogue.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
 
 layout(push_constant) uniform Args {
@@ -58,9 +59,7 @@ void main() {
 #if HAS_BIAS
         acc += pc.b.v[m];
 #endif
-#if RELU
-        acc = max(acc, 0.0);
-#endif
+        acc = epilogue(acc);
     }
     pc.y.v[i] = acc;
 }

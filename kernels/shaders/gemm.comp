@@ -13,6 +13,7 @@
 // columns), z = image * G + group and the bias is per output channel (row).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#include "epilogue.glsl"
 
 #ifndef BM
 #define BM 64
@@ -152,9 +153,7 @@ void main() {
 #if HAS_BIAS
             v += pc.beta * pc.c.v[cBase + m * pc.sCm + n * pc.sCn];
 #endif
-#if RELU
-            v = max(v, 0.0);
-#endif
+            v = epilogue(v);
             pc.y.v[yBase + m * N + n] = v;
         }
     }

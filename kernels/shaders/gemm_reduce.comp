@@ -4,6 +4,7 @@
 // a Gemm bias broadcast by strides, or a convolution's per-channel bias (rows = channels).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#include "epilogue.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
 
 layout(push_constant) uniform Args {
@@ -23,8 +24,6 @@ void main() {
 #if HAS_BIAS
     v += pc.beta * pc.c.v[((i / pc.cols) % pc.rows) * pc.sCm + (i % pc.cols) * pc.sCn];
 #endif
-#if RELU
-    v = max(v, 0.0);
-#endif
+    v = epilogue(v);
     pc.y.v[i] = v;
 }

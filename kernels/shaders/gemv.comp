@@ -7,6 +7,7 @@
 // K chunk and raw partial sums go to ws[chunk][n] for gemm_reduce.comp to finish.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#include "epilogue.glsl"
 
 #ifndef TXG
 #define TXG 64
@@ -75,9 +76,7 @@ void main() {
 #if HAS_BIAS
         v += pc.beta * pc.c.v[n * pc.sCn];
 #endif
-#if RELU
-        v = max(v, 0.0);
-#endif
+        v = epilogue(v);
         pc.y.v[n] = v;
 #endif
     }

@@ -5,6 +5,7 @@
 // so a row is streamed in contiguous chunks; partial dots are combined in shared memory.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#include "epilogue.glsl"
 // SUBGROUP_REDUCE (one row per workgroup only): the partial dots are summed within each subgroup
 // first, so one barrier replaces the shared-memory tree's log2(TPR)
 #ifndef SUBGROUP_REDUCE
@@ -89,8 +90,6 @@ void main() {
 #if HAS_BIAS
     v += pc.beta * pc.c.v[n * pc.sCn];
 #endif
-#if RELU
-    v = max(v, 0.0);
-#endif
+    v = epilogue(v);
     pc.y.v[n] = v;
 }
