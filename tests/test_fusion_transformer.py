@@ -192,3 +192,27 @@ def test_attention_follows_the_device_limits(limits, keys):
         assert_outputs_match(got, want)
     finally:
         p.close()
+
+
+# -- residual Add into LayerNormalization ----------------------------------------------------------
+
+def _residual_block(pre_norm: bool) -> bytes:
+    """x + Linear(x) normalised; in the pre-norm spelling the sum also feeds a later Add."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["x", "h"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "g", "bn"], ["n"], axis=-1, epsilon=1e-5)]
+    outputs = ["n"]
+    if pre_norm:
+        nodes.append(helper.make_node("Add", ["s", "n"], ["y"]))
+        outputs = ["y"]
+    return _model(nodes, [("x", (2, 9, 13))], [_w("w", 13, 13), _w("g", 13), _w("bn", 13)], outputs)
+
+
+@pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
+def test_a_residual_add_joins_the_layernorm(pool, pre_norm):
+    model = _residual_block(pre_norm)
+    nodes = load_model(model, cache=False).nodes
+    norm = next(n for n in nodes if n.op_type == "LayerNormalization")
+    assert norm.attrs["residual"] == 1 and norm.inputs[3] == "h"
+    assert [n.op_type for n in nodes] == ["MatMul", "LayerNormalization"] + (["Add"] if pre_norm else [])
+    assert (len(norm.outputs) == 4 and norm.outputs[3] == "s") if pre_norm else len(norm.outputs) == 1
+    _check(pool, model, {"x": RNG.standard_normal((2, 9, 13)).astype(np.float32)}).close()

@@ -16,8 +16,10 @@ A :class:`HostChunk` runs the same nodes with the ops' numpy references (the ``c
 from __future__ import annotations
 
 import bisect
+import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -169,6 +171,31 @@ def _copy(src: TensorHandle, dst: TensorHandle, caps: Any) -> list[Any]:
     if rest or not aligned or words >= 2**31:
         return [("copy", src, dst)]
     return strided_copy(src, dst, [words], [1], np.dtype(np.uint32), caps)
+
+
+#: outputs at least this large are copied out of mapped memory by several threads at once: one
+#: thread's copy of GPT-2's 25.7 MB logits took 2.7 ms on the H200's host (NOTE: see
+#: docs/benchmarks.md, "After the transformer fusion")
+PARALLEL_COPY_BYTES = 8 << 20
+_COPY_THREADS = max(1, min(8, (os.cpu_count() or 1)))
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def copy_out(view: np.ndarray) -> np.ndarray:
+    """A copy of ``view`` (a mapped output) that the caller owns; large ones in parallel slices
+    (numpy releases the interpreter lock while it copies)."""
+    if view.nbytes < PARALLEL_COPY_BYTES or _COPY_THREADS == 1 or not view.flags.c_contiguous:
+        return view.copy()
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="vkpool-copy")
+    out = np.empty_like(view)
+    src, dst = view.reshape(-1), out.reshape(-1)
+    step = -(-src.size // _COPY_THREADS)
+    list(_copy_pool.map(lambda i: np.copyto(dst[i:i + step], src[i:i + step]), range(0, src.size, step)))
+    return out
 
 
 def _io_view(handle: TensorHandle, info: TensorInfo) -> np.ndarray:
@@ -632,7 +659,7 @@ class VulkanChunk:
         try:
             self.wait_in_place(slot, spin=spin)
             views = self._slots[slot].out_views
-            return {name: views[name].copy() for name in (self.output_names if outputs is None else outputs)}
+            return {name: copy_out(views[name]) for name in (self.output_names if outputs is None else outputs)}
         finally:
             if self._slots[slot].pooled:
                 self._idle.put(slot)

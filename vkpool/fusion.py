@@ -20,6 +20,10 @@ the latency. The rewrites, applied in node order until nothing changes:
   host over a dense probe of inputs (-12 to 12 and large magnitudes) and comparing with each
   activation's formula: a chain that agrees everywhere within 1e-6 (relative to 1 + |x|) is that
   activation, whatever its ops; any other chain stays as it is;
+- ``LayerNormalization(Add(a, b))`` of two tensors of one shape becomes the norm of ``a`` with the
+  residual ``b`` added as it is read (vkpool's attribute ``residual``, input 3); where the sum is
+  read elsewhere too (a pre-norm block's residual stream) the norm also writes it, as its
+  output 3;
 - scaled dot-product attention as exporters spell it, ``Softmax(MatMul(Q, Kᵀ) / c [+ mask]) @ V``
   with the heads split by ``Reshape`` + ``Transpose`` and merged back the same way, becomes one
   ``Attention`` node (``kernels/ops/attention.py``) on the [batch, sequence, heads·size] tensors
@@ -106,7 +110,34 @@ def _fuse_once(model: LoadedModel) -> bool:
             return True
         if node.op_type == "Softmax" and _fuse_attention(g, node):
             return True
+        if node.op_type == "LayerNormalization" and "residual" not in node.attrs and _fuse_residual(g, node):
+            return True
     return False
+
+
+def _fuse_residual(g: _Graph, norm: Node) -> bool:
+    """``LayerNormalization(Add(a, b), ...)`` with a and b of the normalised tensor's shape becomes
+    the norm of ``a`` with residual ``b``; a sum read elsewhere becomes the norm's fourth output."""
+    x = norm.inputs[0]
+    add = g.made_by(x, "Add")
+    info = g.model.tensors.get(x)
+    if add is None or info is None or info.dtype != _F32 or len(add.inputs) != 2 or len(norm.inputs) > 3:
+        return False
+    a, b = add.inputs
+    if any(g.model.tensors.get(t) != info or t in g.model.constants for t in (a, b)):
+        return False
+    others = [r for r in g.readers.get(x, []) if r is not norm]
+    order = {id(n): i for i, n in enumerate(g.model.nodes)}
+    if any(order[id(r)] < order[id(norm)] for r in others):
+        return False  # a reader of the sum before the norm would lose its producer
+    norm.inputs = [a, *norm.inputs[1:3], *([""] * (3 - len(norm.inputs))), b]
+    norm.attrs["residual"] = 1
+    if others or x in g.outputs:
+        norm.outputs = [*norm.outputs, *([""] * (3 - len(norm.outputs))), x]
+    else:
+        g.model.tensors.pop(x, None)
+    g.model.nodes.remove(add)
+    return True
 
 
 def _splice(model: LoadedModel, kept: Node, removed: Node) -> None:

@@ -42,6 +42,9 @@ class RowNorm(Op):
     a reshaped view of x), ``self.sdiv``/``self.smod``/``self.bmod`` and ``self.eps``."""
 
     mode: ClassVar[int]
+    #: a residual input added to x before normalising (input 3) and its sum as output 3: set by
+    #: LayerNormalization's internal attribute ``residual`` (vkpool.fusion), never by a file
+    residual: bool = False
     scale_pos: ClassVar[int | None] = 1
     bias_pos: ClassVar[int | None] = 2
     p: int = 2
@@ -107,9 +110,15 @@ class RowNorm(Op):
             U32(nrows), U32(nred), U32(len(dims)), U32(mask),
         ]
         args += [U32(v) for v in dims + [1] * (MAX_VIEW_RANK - len(dims))]
-        args += [F32(self.eps), U32(self.sdiv), U32(self.smod), U32(self.bmod)]
+        residual = self.residual and ctx.inputs[3] is not None
+        sum_out = ctx.outputs[3] if len(ctx.outputs) > 3 else None
+        args += [F32(self.eps), U32(self.sdiv), U32(self.smod), U32(self.bmod),
+                 Ptr(ctx.inputs[3]) if residual else x_ptr, Ptr(sum_out) if sum_out is not None else x_ptr]
+        reduced = bin(mask).count("1")
+        tail = mask == ((1 << reduced) - 1) << (len(dims) - reduced)
         defines = {"MODE": self.mode, "ROW_THREADS": threads, "HAS_SCALE": int(has_scale),
-                   "HAS_BIAS": int(has_bias), "HAS_STATS": int(has_stats), "P": self.p}
+                   "HAS_BIAS": int(has_bias), "HAS_STATS": int(has_stats), "P": self.p, "TAIL": int(tail),
+                   "RESIDUAL": int(residual), "SUM_OUT": int(sum_out is not None)}
         return [Dispatch("norm", args, groups, defines)]
 
 
@@ -124,6 +133,11 @@ class LayerNormalization(RowNorm):
         self.require_float32_stash()
         self.view_shape = x.shape
         self.axes = list(range(self.axis, rank))
+        self.residual = bool(self.attr("residual", 0))
+        if self.residual and (not self.has_input(3) or self.input(3) != x):
+            raise OpError(f"LayerNormalization: a fused residual must be a float32 tensor of X's shape {x.shape}")
+        if self.num_outputs > 3 and not self.residual:
+            raise OpError("LayerNormalization: an output of the residual sum needs a fused residual")
         norm_shape = x.shape[self.axis:]
         self.smod = tail_broadcast_size(self.input(1).shape, norm_shape, "scale")
         if self.has_input(2):
@@ -133,18 +147,20 @@ class LayerNormalization(RowNorm):
     def output_infos(self) -> list[TensorInfo]:
         x = self.input(0)
         stats = TensorInfo(self.stats_shape, np.float32)
-        return [x, stats, stats][: max(1, self.num_outputs)]
+        return [x, stats, stats, x][: max(1, self.num_outputs)]
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
         assert x is not None and scale is not None
+        if self.residual:
+            x = (x + inputs[3]).astype(np.float32)
         axes = tuple(self.axes)
         mean = x.mean(axis=axes, keepdims=True)
         inv = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + np.float32(self.eps))
         y = (x - mean) * inv * scale
         if bias is not None:
             y = y + bias
-        out = [y.astype(np.float32), mean.astype(np.float32), inv.astype(np.float32)]
+        out = [y.astype(np.float32), mean.astype(np.float32), inv.astype(np.float32), x]
         return out[: max(1, self.num_outputs)]
 
 

@@ -7,6 +7,9 @@
 // MODE 3: y = x / ||x||_P, 0 where the norm is 0           (LpNormalization, P 1 or 2)
 // Scale/bias element of input element i: (i / sdiv) % smod (bmod): a channel or a broadcast tail.
 // HAS_STATS: also write the row's mean and 1/sqrt(var + eps) (LayerNormalization outputs).
+// TAIL: the reduced dimensions are the trailing ones (a row is nred contiguous elements).
+// RESIDUAL: x is the sum of x and res, element by element (a residual Add fused in front of a
+// LayerNormalization by vkpool.fusion); SUM_OUT: that sum is also written to sum_out.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
@@ -33,9 +36,22 @@ layout(push_constant) uniform Args {
     uint sdiv;
     uint smod;
     uint bmod;
+    F32Buf res;
+    F32Buf sum_out;
 } pc;
 
+float x_at(uint i) {
+#if RESIDUAL
+    return pc.x.v[i] + pc.res.v[i];
+#else
+    return pc.x.v[i];
+#endif
+}
+
 uint offset_of(uint i, bool reduced) {
+#if TAIL
+    return reduced ? i : i * pc.nred;
+#endif
     uint off = 0, st = 1;
     for (int d = int(pc.rank) - 1; d >= 0; --d) {
         uint n = pc.shape[d];
@@ -52,7 +68,7 @@ uint offset_of(uint i, bool reduced) {
 float row_sum(uint base, uint lane, uint nthreads, uint kind, float c) {
     float acc = 0.0;
     for (uint r = lane; r < pc.nred; r += nthreads) {
-        float v = pc.x.v[base + offset_of(r, true)];
+        float v = x_at(base + offset_of(r, true));
         acc += kind == 0u ? v : kind == 1u ? (v - c) * (v - c) : kind == 2u ? v * v : abs(v);
     }
 #if ROW_THREADS > 1
@@ -109,9 +125,13 @@ void main() {
 #endif
     for (uint r = lane; r < pc.nred; r += nthreads) {
         uint i = base + offset_of(r, true);
-        float v = (pc.x.v[i] - sub) * mul;
+        float xi = x_at(i);
+#if SUM_OUT
+        pc.sum_out.v[i] = xi;
+#endif
+        float v = (xi - sub) * mul;
 #if MODE == 3
-        v = norm == 0.0 ? 0.0 : pc.x.v[i] / norm;
+        v = norm == 0.0 ? 0.0 : xi / norm;
 #endif
 #if HAS_SCALE
         v *= pc.scale.v[(i / pc.sdiv) % pc.smod];
