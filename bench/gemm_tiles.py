@@ -22,8 +22,17 @@ DEFAULT_SHAPES = ["128x768x768", "128x3072x768", "128x768x3072", "128x2304x768"]
 CONFIGS = [
     (32, 32, 16, 2, 2), (64, 64, 16, 4, 4), (64, 64, 8, 8, 8), (64, 64, 16, 8, 8), (32, 64, 16, 4, 4),
     (64, 32, 16, 4, 4), (32, 64, 16, 4, 8), (64, 128, 8, 8, 8), (128, 64, 8, 8, 8), (32, 128, 16, 4, 8),
-    (128, 128, 8, 8, 8),
+    (128, 128, 8, 8, 8), (32, 128, 16, 2, 8), (32, 256, 16, 4, 8), (16, 128, 16, 2, 4), (32, 64, 16, 2, 4),
 ]
+
+
+def _conv_model(c: int, h: int, w: int, m: int) -> bytes:
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((m, c, 3, 3)).astype(np.float32) * 0.1, "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["a", "w"], ["y"], pads=[1, 1, 1, 1])], "g",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, c, h, w])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, m, h, w])], [weight])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
 def _model(m: int, n: int, k: int) -> bytes:
@@ -32,7 +41,7 @@ def _model(m: int, n: int, k: int) -> bytes:
     graph = helper.make_graph([helper.make_node("MatMul", ["a", "w"], ["y"])], "g",
                               [helper.make_tensor_value_info("a", TensorProto.FLOAT, [m, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])], [w])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
 def _time(model: bytes, device: str | None, runs: int, feeds: dict) -> tuple[float, str, float]:
@@ -43,28 +52,37 @@ def _time(model: bytes, device: str | None, runs: int, feeds: dict) -> tuple[flo
         chunk = sess._chunk
         labels = chunk.dispatch_labels
         samples = [sum(chunk.device.profile(chunk.commands)) for _ in range(runs)]
-        err = float(np.abs(got - feeds["a"] @ _WEIGHTS[model]).max() / np.abs(got).max())
+        ref = _REFERENCE[model](feeds["a"])
+        err = float(np.abs(got - ref).max() / np.abs(ref).max())
         return statistics.median(samples), ",".join(label.rsplit("[", 1)[-1].rstrip("]") for label in labels), err
 
 
-_WEIGHTS: dict[bytes, np.ndarray] = {}
+_REFERENCE: dict[bytes, object] = {}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None)
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, metavar="MxNxK")
+    ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, metavar="MxNxK",
+                    help="products A[M,K] @ W[K,N]; or convolutions conv:CxHxW:M (3x3, pad 1, M output channels)")
     args = ap.parse_args()
     from vkpool.kernels.ops import gemm
 
     planned = gemm.MatmulPlan._plan_gemm
     for shape in args.shapes:
-        m, n, k = (int(v) for v in shape.split("x"))
-        model = _model(m, n, k)
-        from onnx import load_from_string, numpy_helper as nh
-        _WEIGHTS[model] = nh.to_array(load_from_string(model).graph.initializer[0])
-        feeds = {"a": np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)}
+        import onnxruntime as ort
+
+        if shape.startswith("conv:"):
+            (c, h, w), m = (int(v) for v in shape.split(":")[1].split("x")), int(shape.split(":")[2])
+            model, n, k = _conv_model(c, h, w, m), h * w, 9 * c
+            feeds = {"a": np.random.default_rng(1).standard_normal((1, c, h, w)).astype(np.float32)}
+        else:
+            m, n, k = (int(v) for v in shape.split("x"))
+            model = _model(m, n, k)
+            feeds = {"a": np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)}
+        session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        _REFERENCE[model] = lambda a, _s=session: _s.run(None, {"a": a})[0]
         rows = []
         gemm.MatmulPlan._plan_gemm = planned
         us, kinds, err = _time(model, args.device, args.runs, feeds)
@@ -88,7 +106,7 @@ def main() -> None:
                 rows.append((f"{bm}x{bn}x{bk} t{tm}x{tn}: {type(exc).__name__}: {exc}"[:120], float("inf"), "", 0.0))
         gemm.MatmulPlan._plan_gemm = planned
         flops = 2 * m * n * k
-        print(f"\n### M={m} N={n} K={k}\n\n| tile | GPU µs | GFLOP/s | dispatches | max rel err |\n|---|---|---|---|---|")
+        print(f"\n### {shape}: M={m} N={n} K={k}\n\n| tile | GPU µs | GFLOP/s | dispatches | max rel err |\n|---|---|---|---|---|")
         for name, us, kinds, err in sorted(rows, key=lambda r: r[1]):
             print(f"| {name} | {us:.1f} | {flops / us / 1e3:.0f} | {kinds} | {err:.1e} |")
 

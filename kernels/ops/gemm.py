@@ -89,6 +89,39 @@ class MatmulProblem:
         return int(np.prod([d.count for d in self.batch], dtype=np.int64)) if self.batch else 1
 
 
+#: the tiles of gemm.comp: BM x BN outputs per workgroup, BK of K per shared-memory stage, TM x TN
+#: outputs per invocation
+TILES: dict[str, dict[str, int]] = {
+    "64x64": {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4},
+    "32x32": {"BM": 32, "BN": 32, "BK": 16, "TM": 2, "TN": 2},
+    "32x256": {"BM": 32, "BN": 256, "BK": 16, "TM": 4, "TN": 8},
+    "128x128": {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8},
+}
+
+
+def choose_tile(p: MatmulProblem, workgroups: Any) -> str:
+    """The name of the tile a product takes; ``workgroups(tile)`` gives a tile's workgroups
+    with the reduction split over K as the plan would split it."""
+    # NOTE: few large tiles leave most multiprocessors of a big GPU idle. 32x32 tiles give
+    # four times the workgroups, but each does a quarter of the work per shared-memory load:
+    # 64x64 tiles are taken wherever they fill half the target with the reduction split over
+    # K. H200, bench/gemm_tiles.py (docs/gpu/h200-gemm-tiles-*.md), BERT-base's products at
+    # 128 tokens: 128x768x3072 in 51 µs against 115, 128x3072x768 in 81 against 114;
+    # ResNet-50 1.48 ms against 2.05. The 1x1 convolutions of MobileNetV2's last stages
+    # (7x7 outputs, K up to 960) keep 32x32. Two shapes gain from other tiles: 32 rows or
+    # fewer over 8,192 columns or more (a U-Net's full-resolution 3x3 convolutions: 356 µs
+    # against 434 with 32x256 tiles of 4x8 outputs) and 128 rows or more with K of 2,048 or
+    # more over at least 32 tiles of 128x128 (its deep convolutions: 160 µs against 218, 139
+    # against 198 with 8x8 outputs per invocation); BERT's 128 x 768 x 3072 and GPT-2's
+    # 128 x 50257 x 768 are slower in those (60 against 51, 1026 against 947).
+    if p.M <= 32 and p.N >= 8192:
+        return "32x256"
+    if p.M >= 128 and p.K >= 2048 and ceil_div(p.M, 128) * ceil_div(p.N, 128) * p.batch_count >= 32:
+        return "128x128"
+    groups, _ = workgroups(TILES["64x64"])
+    return "64x64" if groups * 2 >= _GEMM_TARGET_GROUPS else "32x32"
+
+
 class MatmulPlan:
     """The kernels chosen for one ``MatmulProblem``; built once, at load time."""
 
@@ -119,16 +152,7 @@ class MatmulPlan:
         self.col_groups = col_groups
 
     def _plan_gemm(self) -> None:
-        big = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
-        small = {"BM": 32, "BN": 32, "BK": 16, "TM": 2, "TN": 2}
-        # NOTE: few large tiles leave most multiprocessors of a big GPU idle. 32x32 tiles give
-        # four times the workgroups, but each does a quarter of the work per shared-memory load:
-        # 64x64 tiles are taken wherever they fill half the target with the reduction split over
-        # K. H200, bench/gemm_tiles.py, BERT-base's products at 128 tokens: 128x768x3072 in 51 µs
-        # against 115, 128x3072x768 in 81 against 114; ResNet-50 1.48 ms against 2.05. The 1x1
-        # convolutions of MobileNetV2's last stages (7x7 outputs, K up to 960) keep 32x32.
-        groups, splits = self._workgroups(big)
-        self.tile = big if groups * 2 >= _GEMM_TARGET_GROUPS else small
+        self.tile = dict(TILES[choose_tile(self.p, self._workgroups)])
         _, splits = self._workgroups(self.tile)
         if splits > 1:
             # a long reduction over too few tiles (deep layers of a batch-1 CNN: 256 channels of
@@ -338,4 +362,4 @@ class Gemm(Op):
         return self.plan.workspace_bytes()
 
 
-__all__ = ["Gemm", "MatmulPlan", "MatmulProblem", "BatchDim", "ACTIVATIONS", "fused_activation", "apply_activation"]
+__all__ = ["Gemm", "MatmulPlan", "TILES", "choose_tile", "MatmulProblem", "BatchDim", "ACTIVATIONS", "fused_activation", "apply_activation"]
