@@ -1,5 +1,12 @@
 """ConvTranspose (1-D to 3-D) on ``shaders/convtranspose.comp``: group, strides, pads,
-dilations, output_padding, output_shape and auto_pad, float32."""
+dilations, output_padding, output_shape and auto_pad, float32.
+
+With 16 or more input channels per group the products run as one tiled GEMM per image and
+group (``gemm.comp``: every output channel and kernel tap against every input position, into
+the workspace) and ``convtranspose.comp`` only gathers them onto the outputs (col2im, one read
+per tap); with fewer, or where those products would take more than ``COLS_MAX_BYTES``, it
+gathers straight from the inputs. NOTE: H200, a U-Net's 2x2 stride-2 up-convolutions (256 to
+128 channels at 16x16, ...): 80-98 µs each gathering from the inputs."""
 from __future__ import annotations
 
 import math
@@ -11,6 +18,12 @@ from vkpool.kernels.base import (
     Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, check_serial, groups_1d,
 )
 from vkpool.kernels.ops.attrs import str_attr
+from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem
+
+#: input channels per group from which the products go through the tiled GEMM
+GEMM_MIN_CHANNELS = 16
+#: the most workspace the GEMM's products may take; beyond it, the direct gather
+COLS_MAX_BYTES = 256 << 20
 
 
 class ConvTranspose(Op):
@@ -61,9 +74,23 @@ class ConvTranspose(Op):
             raise OpError(f"ConvTranspose: output spatial shape {out} is empty")
         self.ks, self.strides, self.dil, self.begin, self.out_sp = ks, strides, dil, begin, out
         self.out_shape = (x.shape[0], self.cout, *out)
+        self.plan: MatmulPlan | None = None
+        n, cig, cog, ksize, isize = x.shape[0], cin // self.group, w.shape[1], math.prod(ks), math.prod(ins)
+        self.cols_bytes = 4 * n * self.cout * ksize * isize
+        if cig >= GEMM_MIN_CHANNELS and self.cols_bytes <= COLS_MAX_BYTES and isize > 0:
+            m, g = cog * ksize, self.group
+            per_group = BatchDim(g, cig * m, cig * isize, 0, m * isize)
+            per_image = BatchDim(n, 0, cin * isize, 0, g * m * isize)
+            batch = [per_image] if g == 1 else [per_group] if n == 1 else [per_image, per_group]
+            if batch[-1].count <= 65535:
+                self.plan = MatmulPlan(MatmulProblem(M=m, N=isize, K=cig, sAm=1, sAk=m, sBk=isize, sBn=1,
+                                                     batch=batch), force_gemm=True)
 
     def output_infos(self) -> list[TensorInfo]:
         return [TensorInfo(self.out_shape, np.float32)]
+
+    def workspace_bytes(self) -> int:
+        return self.cols_bytes + self.plan.workspace_bytes() if self.plan is not None else 0
 
     def flops(self) -> int:
         # every input element meets every kernel tap of every output channel of its group
@@ -100,17 +127,26 @@ class ConvTranspose(Op):
         ins, outs = pad3(x.shape[2:], 1), pad3(self.out_sp, 1)
         ks, ss, ps, ds = pad3(self.ks, 1), pad3(self.strides, 1), pad3(self.begin, 0), pad3(self.dil, 1)
         defines: dict[str, object] = {"N": x.shape[0], "CIN": x.shape[1], "COUT": self.cout, "G": self.group,
-                                      "HAS_BIAS": int(self.has_input(2))}
+                                      "HAS_BIAS": int(self.has_input(2)), "COLS": int(self.plan is not None)}
         for d in range(3):
             defines.update({f"IN{d}": ins[d], f"OUT{d}": outs[d], f"K{d}": ks[d], f"S{d}": ss[d],
                             f"P{d}": ps[d], f"D{d}": ds[d]})
         n = math.prod(self.out_shape)
-        # every kernel position, and every input channel of the group at each
-        check_serial(math.prod(self.ks) * (1 + 3 + x.shape[1] // self.group), ctx.caps,
-                     f"ConvTranspose over {x.shape[1] // self.group} channels and {math.prod(self.ks)} kernel positions")
         xp = Ptr(ctx.inputs[0])
-        args = [xp, Ptr(ctx.inputs[1]), Ptr(ctx.inputs[2]) if self.has_input(2) else xp, Ptr(ctx.outputs[0])]
-        return [Dispatch("convtranspose", args, groups_1d(n, 64, ctx.caps), defines)]
+        products: list[Dispatch] = []
+        cols = xp
+        if self.plan is not None:
+            cols = Ptr(ctx.workspace)
+            products = self.plan.dispatches(ctx.inputs[1], ctx.inputs[0], None, cols,
+                                            Ptr(ctx.workspace, self.cols_bytes), caps=ctx.caps)
+            check_serial(math.prod(self.ks) * (1 + 3 + 1), ctx.caps,
+                         f"ConvTranspose over {math.prod(self.ks)} kernel positions")
+        else:
+            # every kernel position, and every input channel of the group at each
+            check_serial(math.prod(self.ks) * (1 + 3 + x.shape[1] // self.group), ctx.caps,
+                         f"ConvTranspose over {x.shape[1] // self.group} channels and {math.prod(self.ks)} kernel positions")
+        args = [xp, Ptr(ctx.inputs[1]), Ptr(ctx.inputs[2]) if self.has_input(2) else xp, Ptr(ctx.outputs[0]), cols]
+        return [*products, Dispatch("convtranspose", args, groups_1d(n, 64, ctx.caps), defines)]
 
 
 __all__ = ["ConvTranspose"]

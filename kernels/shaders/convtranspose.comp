@@ -3,6 +3,9 @@
 // of its group and the kernel taps, the inputs that scatter onto it (o + pad - k*dil must be a
 // multiple of the stride and land inside the input). Shapes are defines (one pipeline per
 // node); spatial rank ND <= 3, missing dimensions are 1. W is [CIN, COUT/G, k...].
+// COLS: the products over the input channels were made beforehand by the tiled GEMM, one per
+// output channel and kernel tap: cols[image][co][tap][input position] (col2im); each output
+// element then sums at most one value per tap.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 layout(local_size_x = 64) in;
@@ -12,6 +15,7 @@ layout(push_constant) uniform Args {
     F32Buf w;
     F32Buf bias;
     F32Buf y;
+    F32Buf cols;
 } pc;
 
 const int IN_[3] = int[3](IN0, IN1, IN2);
@@ -47,6 +51,10 @@ void main() {
             ioff = ioff * uint(IN_[d]) + uint(t / S_[d]);
         }
         if (!ok) continue;
+#if COLS
+        acc += pc.cols.v[((n * uint(COUT) + co) * KSIZE + kk) * ISIZE + ioff];
+        continue;
+#endif
         for (uint c = 0; c < CIG; ++c) {
             uint ci = g * CIG + c;
             acc += pc.x.v[(n * uint(CIN) + ci) * ISIZE + ioff] * pc.w.v[(ci * COG + cog) * KSIZE + kk];
