@@ -66,6 +66,40 @@ float load_b(uint base, uint k, uint n) {
 }
 #endif
 
+// Element e of a stage's A tile (BM x BK) and B tile (BK x BN): consecutive invocations take
+// consecutive addresses of the operand's contiguous dimension.
+#if A_KCONTIG
+uint a_k(uint e) { return e % BK; }
+uint a_m(uint e) { return e / BK; }
+#else
+uint a_k(uint e) { return e / BM; }
+uint a_m(uint e) { return e % BM; }
+#endif
+#if B_NCONTIG
+uint b_k(uint e) { return e / BN; }
+uint b_n(uint e) { return e % BN; }
+#else
+uint b_k(uint e) { return e % BK; }
+uint b_n(uint e) { return e / BK; }
+#endif
+#define LA ((BM * BK + NT - 1) / NT)
+#define LB ((BK * BN + NT - 1) / NT)
+
+float fetch_a(uint e, uint k0, uint row0, uint aBase, uint kEnd) {
+    uint gm = row0 + a_m(e), gk = k0 + a_k(e);
+    return (e < BM * BK && gm < pc.M && gk < kEnd) ? pc.a.v[aBase + gm * pc.sAm + gk * pc.sAk] : 0.0;
+}
+
+float fetch_b(uint e, uint k0, uint col0, uint bBase, uint kEnd) {
+    uint gn = col0 + b_n(e), gk = k0 + b_k(e);
+    if (e >= BK * BN || gn >= pc.N || gk >= kEnd) return 0.0;
+#ifdef CONV
+    return load_b(bBase, gk, gn);
+#else
+    return pc.b.v[bBase + gk * pc.sBk + gn * pc.sBn];
+#endif
+}
+
 void main() {
     const uint tid = gl_LocalInvocationIndex;
     const uint tx = tid % TX;
@@ -99,30 +133,25 @@ void main() {
     for (uint i = 0; i < TM; ++i)
         for (uint j = 0; j < TN; ++j) acc[i][j] = 0.0;
 
+    // each stage's tile elements are read from memory into registers while the stage before
+    // is multiplied out of shared memory, so the loads' latency overlaps the arithmetic
+    float ra[LA], rb[LB];
+    for (uint u = 0; u < LA; ++u) ra[u] = fetch_a(tid + u * NT, kBegin, row0, aBase, kEnd);
+    for (uint u = 0; u < LB; ++u) rb[u] = fetch_b(tid + u * NT, kBegin, col0, bBase, kEnd);
     for (uint k0 = kBegin; k0 < kEnd; k0 += BK) {
-        for (uint e = tid; e < BM * BK; e += NT) {
-#if A_KCONTIG
-            uint kk = e % BK, mm = e / BK;
-#else
-            uint mm = e % BM, kk = e / BM;
-#endif
-            uint gm = row0 + mm, gk = k0 + kk;
-            As[kk][mm] = (gm < M && gk < kEnd) ? pc.a.v[aBase + gm * pc.sAm + gk * pc.sAk] : 0.0;
+        for (uint u = 0; u < LA; ++u) {
+            uint e = tid + u * NT;
+            if (e < BM * BK) As[a_k(e)][a_m(e)] = ra[u];
         }
-        for (uint e = tid; e < BK * BN; e += NT) {
-#if B_NCONTIG
-            uint nn = e % BN, kk = e / BN;
-#else
-            uint kk = e % BK, nn = e / BK;
-#endif
-            uint gn = col0 + nn, gk = k0 + kk;
-#ifdef CONV
-            Bs[kk][nn] = (gn < N && gk < kEnd) ? load_b(bBase, gk, gn) : 0.0;
-#else
-            Bs[kk][nn] = (gn < N && gk < kEnd) ? pc.b.v[bBase + gk * pc.sBk + gn * pc.sBn] : 0.0;
-#endif
+        for (uint u = 0; u < LB; ++u) {
+            uint e = tid + u * NT;
+            if (e < BK * BN) Bs[b_k(e)][b_n(e)] = rb[u];
         }
         barrier();
+        if (k0 + BK < kEnd) {
+            for (uint u = 0; u < LA; ++u) ra[u] = fetch_a(tid + u * NT, k0 + BK, row0, aBase, kEnd);
+            for (uint u = 0; u < LB; ++u) rb[u] = fetch_b(tid + u * NT, k0 + BK, col0, bBase, kEnd);
+        }
         for (uint kk = 0; kk < BK; ++kk) {
             float av[TM], bv[TN];
             for (uint i = 0; i < TM; ++i) av[i] = As[kk][ty + i * TY];
