@@ -43,7 +43,7 @@ def test_loads_all_sources_with_static_shapes(tmp_path: Path) -> None:
         assert m.outputs[0][1].shape == (1, 4)
         assert m.op_types() == [("MatMul", ""), ("Add", ""), ("Relu", "")]
         assert m.opset == 17
-        assert load_model(src).op_types() == [("Gemm", "")]
+        assert load_model(src).op_types() == [("MatMul", "")]  # bias and Relu fused (vkpool.fusion)
         assert set(m.constants) == {"w", "b"}
         np.testing.assert_array_equal(m.constants["w"], numpy_helper.to_array(proto.graph.initializer[0]))
     # the caller's proto still holds its weights
