@@ -3,7 +3,7 @@
 A chunk built with ``waits`` runs only once each timeline reaches the value its start gives;
 a chunk built with ``signal`` signals one more value per run. Here the host signals the value a
 chunk waits for, from another thread, so the test sees the run end only after that, with no
-second chunk to finish first. Both submission shapes are covered: the run alone (``TRANSFER_QUEUE="off"``),
+second chunk to finish first. Both submission shapes are covered: the run alone (``transfer_queue: off``),
 and the run between copies on the transfer queue (``"main"``), where the first copy waits and
 the last one signals. Results must equal the ONNX reference evaluator (rtol 1e-4, atol 1e-5).
 Last, a large tensor between two members of one device is written straight into the memory
@@ -31,8 +31,8 @@ def _model() -> bytes:
 
 
 @pytest.fixture(params=["off", "main"])
-def member(request, monkeypatch):
-    pool, member = transfer_queue_pool(request.param, monkeypatch)  # with "main" the input is copied in first
+def member(request):
+    pool, member = transfer_queue_pool(request.param)  # with "main" the input is copied in first
     yield member
     pool.close()
 

@@ -349,6 +349,7 @@ class ProcessExecutor(LaneReports):
         spec = {
             "model": source, "batch": batch, "dims": dims, "member": member.id, "uuid": member.info.uuid,
             "index": member.info.index, "split_index": member.split_index, "budget": member.budget.free_bytes,
+            "transfer_queue": member.device.transfer_queue_mode,
             "shm": home.path, "slots": home.slots, "slot_bytes": home.slot_bytes,
             "column_splits": self.model.column_splits, "groups": groups, "stage": stage.index,
             "in_place": IN_PLACE, "crossing": home.crossing,
@@ -773,7 +774,7 @@ def _serve(spec: dict[str, Any]) -> None:
         info = next((i for i in discover() if i.uuid == spec["uuid"] and i.index == spec["index"]), None)
         if info is None:
             raise RuntimeError(f"no Vulkan device with UUID {spec['uuid']} at index {spec['index']}")
-        device = LogicalDevice(info)
+        device = LogicalDevice(info, spec["transfer_queue"])
         member = VulkanMember(spec["member"], info, device, int(spec["budget"]), spec["split_index"])
         model = load_model(spec["model"], batch=int(spec["batch"]), dims=dict(spec["dims"]), partial=True)
         split_products(model, spec["column_splits"])
