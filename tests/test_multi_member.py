@@ -18,7 +18,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench import workloads
 from conftest import vulkan_pool
-from vkpool import executor as executor_module
 from vkpool.config.loader import parse_config
 from vkpool.partition.graph import build_graph
 from vkpool.partition.plan import chunk_peak_bytes
@@ -184,11 +183,10 @@ def test_plan_falls_back_to_cpu_when_vulkan_members_cannot_hold_it(pool4) -> Non
 
 
 @pytest.fixture(params=[True, False], ids=["on-device", "through-host"])
-def link_on_device(request, monkeypatch) -> bool:
-    """Both ways a tensor goes between chunks on one device: kept on the device with a timeline
-    semaphore ordering the chunks, or staged through host memory as between two devices
-    (which split members of one lavapipe device then stand for)."""
-    monkeypatch.setattr(executor_module, "LINK_ON_DEVICE", request.param)
+def link_on_device(request) -> bool:
+    """Both ways a tensor goes between chunks on one device (``Session(link_on_device=...)``):
+    kept on the device with a timeline semaphore ordering the chunks, or staged through host
+    memory as between two devices (which split members of one lavapipe device then stand for)."""
     return request.param
 
 
@@ -199,7 +197,7 @@ def test_branches_on_two_members_run_at_once(pool4, link_on_device: bool) -> Non
     order = graph.graph["order"]
     tower_b = {op for op in order if op.startswith("b")}
     assignment = {op: ("vk0.1" if op in tower_b else "vk0.0") for op in order}
-    with Session(model, pool=pool4, plan=assignment) as session:
+    with Session(model, pool=pool4, plan=assignment, link_on_device=link_on_device) as session:
         chunks = session.plan.chunks
         assert len(chunks) == 3 and chunks[0].succs == [2] and chunks[1].succs == [2]  # two independent towers
         for _ in range(3):
@@ -234,7 +232,7 @@ def test_four_requests_in_flight_pipeline_over_two_stages(pool4, link_on_device:
         expected = [single.run(None, f)[0] for f in inputs]
     cut = order.index(next(op for op in order if op.startswith("Reshape")))
     assignment = {op: ("vk0.0" if i < cut else "vk0.1") for i, op in enumerate(order)}
-    with Session(model, pool=pool4, plan=assignment) as session:
+    with Session(model, pool=pool4, plan=assignment, link_on_device=link_on_device) as session:
         assert [c.member for c in session.plan.chunks] == ["vk0.0", "vk0.1"]
         futures = [session.submit(f) for f in inputs]
         results = [f.result(timeout=60)[0] for f in futures]

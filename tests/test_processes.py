@@ -279,15 +279,12 @@ def test_a_chunk_reads_and_writes_imported_host_memory_in_place(pool2, mnist) ->
             imp.allocation.free()
 
 
-def test_tensors_crossing_chunks_stay_in_the_shared_slots_where_the_devices_import_them(pool2, mnist,
-                                                                                       monkeypatch) -> None:
-    import vkpool.processes as processes
-
+def test_tensors_crossing_chunks_stay_in_the_shared_slots_where_the_devices_import_them(pool2, mnist) -> None:
     model, feeds, expected = mnist
     can = pool2.member("vk0.0").device.host_import_alignment is not None
     for in_place in (True, False):
-        monkeypatch.setattr(processes, "IN_PLACE", in_place)
-        with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
+        with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True,
+                     in_place=in_place) as session:
             crossing = sorted({t.tensor for t in session.executor.planned_transfers})
             assert crossing and session.executor.in_place == (crossing if in_place and can else [])
             futures = [session.submit(feeds[k]) for k in range(len(feeds))]
@@ -312,6 +309,9 @@ def test_a_plan_over_software_devices_stays_in_this_process_unless_asked(pool2, 
         assert type(session.executor) is PlanExecutor
         assert "Compiled, run by threads of this process:" in session.plan.to_text()
         np.testing.assert_array_equal(session.run(None, feeds[0])[0], expected[0])
+    # the workers' shared slots are what in_place= is about: threads have none, so it is refused
+    with pytest.raises(ValueError, match="in_place=True is for a plan run in worker processes"):
+        Session(model, pool=pool2, plan=dict(_halves(model, pool2)), in_place=True)
     with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
         assert type(session.executor) is ProcessExecutor
         text = session.plan.to_text()

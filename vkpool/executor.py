@@ -52,9 +52,6 @@ from vkpool.partition.plan import Transfer  # one tensor staged device → host 
 RUN_SLOTS = 2
 #: requests whose chunk timings :meth:`PlanExecutor.trace` keeps (oldest dropped first)
 TRACE_REQUESTS = 4096
-#: whether chunks on one device hand tensors over on the device, ordered by timeline
-#: semaphores (False: through host memory like chunks on different devices)
-LINK_ON_DEVICE = True
 
 
 @dataclass(frozen=True)
@@ -382,11 +379,13 @@ class LaneReports:
 
 
 class PlanExecutor(LaneReports):
-    """Builds a plan's chunks on pool members and runs requests through them (see module doc)."""
+    """Builds a plan's chunks on pool members and runs requests through them (see module doc).
+    ``link_on_device``: chunks on one device hand tensors over on the device, ordered by
+    timeline semaphores (False: through host memory, as between devices)."""
 
     runs_in = "threads of this process"
 
-    def __init__(self, pool: Any, model: LoadedModel, plan: Any, graph: Any) -> None:
+    def __init__(self, pool: Any, model: LoadedModel, plan: Any, graph: Any, *, link_on_device: bool = True) -> None:
         self.model = model
         self.plan = plan
         self._closed = False
@@ -405,7 +404,7 @@ class PlanExecutor(LaneReports):
         self._shared: list[tuple[str, Any]] = []
         self._boundary: dict[str, list[Any]] = {}  # linked tensor → its memory per run slot
         lane = self.lanes[0]  # replicas run one chunk each: nothing to link
-        if LINK_ON_DEVICE and link_stages(model, lane.stages):
+        if link_on_device and link_stages(model, lane.stages):
             lane.free_slots = list(range(RUN_SLOTS))
         try:
             for lane in self.lanes:

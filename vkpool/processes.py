@@ -18,8 +18,8 @@ last chunk answers, a copy out.
   a tensor crossing members goes device → host (the mapping) → device without passing
   through the caller. Where both devices import host memory (``VK_EXT_external_memory_host``)
   that hop can copy nothing on the host: the producer's kernels write the tensor into the
-  slot and the consumer's commands read it from there (``IN_PLACE``, off by default: see
-  there); otherwise the workers copy it out of and into their chunks' own memory. The file
+  slot and the consumer's commands read it from there (``in_place``, off by default: see
+  :class:`ProcessExecutor`); otherwise the workers copy it out of and into their chunks' own memory. The file
   is unlinked once the lane's workers have mapped it, so nothing is left behind however the
   processes end.
 - **Wire.** Caller → worker: one byte per run, the request's slot (``CLOSE`` asks the worker to
@@ -79,17 +79,6 @@ AVAILABLE = os.name == "posix" and hasattr(select, "poll")
 #: request slots of a one-chunk lane: two on the device (the chunk's run slots) and two
 #: waiting; a lane gets two more for each further chunk, so every chunk can keep two runs
 PROCESS_SLOTS = 4
-#: whether a worker imports the slots' tensors that cross between chunks into its device
-#: (``VK_EXT_external_memory_host``) where the device can: the producing chunk's kernels write
-#: them into the shared slot and the consuming chunk's commands read them from there, with no
-#: copy by any process (the model's own inputs and outputs are copied either way: kernels
-#: reading a request across the bus made one mnist12_like worker slower, 21.0 k against
-#: 22.8 k requests/s on an H200). Off by default: on two H200s the workloads at hand ran
-#: faster with the workers copying, whose copies overlap the device's work while the
-#: consumer's read across the bus does not (conv_many_255MB cut after its convolutions, a
-#: 49 KiB tensor crossing: 9.40-9.44 k requests/s over four runs copying, 8.98-9.22 k over
-#: three in place; matmul_1GB_16layers 5.79-5.83 k over four against 5.65-5.76 k over two)
-IN_PLACE = False
 #: seconds a worker may take to load and record the model before the session gives up
 START_TIMEOUT_S = 600.0
 #: seconds a waiting thread reads answers before it looks at its future again; the reader
@@ -261,12 +250,23 @@ class ProcessExecutor(LaneReports):
     """Runs ``plan`` (its chunks, and the whole model on each replica) with one worker process
     per chunk and per replica (see the module doc). ``source`` is the model as the session got
     it (a path or its bytes) with ``batch`` and ``dims``, which each worker loads; ``graph`` is
-    the partition graph the plan was made on. ``slots`` overrides the request slots per lane."""
+    the partition graph the plan was made on. ``slots`` overrides the request slots per lane.
+
+    ``in_place``: a worker imports the slots' tensors that cross between chunks into its device
+    (``VK_EXT_external_memory_host``) where the device can: the producing chunk's kernels write
+    them into the shared slot and the consuming chunk's commands read them from there, with no
+    copy by any process (the model's own inputs and outputs are copied either way: kernels
+    reading a request across the bus made one mnist12_like worker slower, 21.0 k against 22.8 k
+    requests/s on an H200). Off by default: on two H200s the workloads at hand ran faster with
+    the workers copying, whose copies overlap the device's work while the consumer's read across
+    the bus does not (conv_many_255MB cut after its convolutions, a 49 KiB tensor crossing:
+    9.40-9.44 k requests/s over four runs copying, 8.98-9.22 k over three in place;
+    matmul_1GB_16layers 5.79-5.83 k over four against 5.65-5.76 k over two)."""
 
     runs_in = "a worker process per chunk and per replica"
 
     def __init__(self, pool: Any, model: LoadedModel, plan: Any, graph: Any, source: str | bytes, batch: int,
-                 dims: Mapping[str, int], slots: int | None = None) -> None:
+                 dims: Mapping[str, int], slots: int | None = None, *, in_place: bool = False) -> None:
         from vkpool.pool import VulkanMember
 
         if not AVAILABLE:
@@ -274,6 +274,7 @@ class ProcessExecutor(LaneReports):
                              "leave processes unset (or False)")
         self.model = model
         self.plan = plan
+        self._in_place = in_place
         self.transfers_executed: Counter[tuple[str, str, str]] = Counter()
         self._closed = False
         self._lock = threading.Lock()
@@ -352,7 +353,7 @@ class ProcessExecutor(LaneReports):
             "transfer_queue": member.device.transfer_queue_mode,
             "shm": home.path, "slots": home.slots, "slot_bytes": home.slot_bytes,
             "column_splits": self.model.column_splits, "groups": groups, "stage": stage.index,
-            "in_place": IN_PLACE, "crossing": home.crossing,
+            "in_place": self._in_place, "crossing": home.crossing,
             "inputs": [vars(by_name[n]) for n in stage.inputs], "outputs": [vars(by_name[n]) for n in stage.outputs],
             "fds": [from_caller, to_caller],
         }
@@ -877,4 +878,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ProcessExecutor", "PROCESS_SLOTS", "IN_PLACE", "AVAILABLE"]
+__all__ = ["ProcessExecutor", "PROCESS_SLOTS", "AVAILABLE"]

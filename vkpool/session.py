@@ -68,7 +68,14 @@ class Session:
     replicates the model (a plan split over members of one device runs in threads, where its
     chunks hand tensors over on the device: ``docs/execution.md``), True
     asks for it on any Vulkan members (one member included), False keeps everything in this
-    process.
+    process. ``link_on_device``: chunks of a plan in this process that share a device hand
+    tensors over on the device, ordered by timeline semaphores (the default), or with False
+    through host memory as between devices (13 µs faster for a tiny mlp split on one H200, slower
+    or equal for the other workloads measured: ``docs/execution.md``). ``in_place``: worker
+    processes whose devices import host memory read and write the tensors crossing between
+    chunks in the shared slots themselves instead of copying them (off by default, slower on the
+    H200s measured: :class:`vkpool.processes.ProcessExecutor`); refused unless the plan runs in
+    worker processes.
 
     A model whose shapes depend on run-time values (NonZero of a computed tensor, TopK with a
     computed k, a Range of computed bounds, ...) is cut there (:mod:`vkpool.dynamic`): the part
@@ -109,10 +116,13 @@ class Session:
         max_batch: int | None = None,
         max_queue_delay: float = 0.0,
         shape_cache: int | None = None,
+        link_on_device: bool = True,
+        in_place: bool = False,
     ) -> None:
         self._own_pool = pool is None
         self._source = (model if isinstance(model, (bytes, bytearray)) else os.fspath(model), batch, dict(dims or {}))
         self._processes = processes
+        self._handover = {"link_on_device": link_on_device, "in_place": in_place}
         self.pool = pool if pool is not None else DevicePool.from_config(None if config is None else str(config))
         self._reset()
         try:
@@ -136,7 +146,7 @@ class Session:
                                      "give dims= for every other symbolic input dim")
                 self._batcher = self._make_batcher(
                     model, dict(dims or {}), max_batch, max_queue_delay,
-                    dict(device=device, devices=devices, objective=objective, processes=processes))
+                    dict(device=device, devices=devices, objective=objective, processes=processes, **self._handover))
         except BaseException:
             self.close()
             raise
@@ -145,12 +155,13 @@ class Session:
 
     @classmethod
     def _part(cls, model: LoadedModel, pool: DevicePool, device: str | None, devices: Sequence[str] | None,
-              objective: str, suffix_cache: int | None) -> Session:
+              objective: str, suffix_cache: int | None, link_on_device: bool = True) -> Session:
         """A session on ``model``, a part of a cut model (:mod:`vkpool.dynamic`), on the same pool
         and placed as the whole model's session was asked to be."""
         self = cls.__new__(cls)
         self._own_pool = False
         self._source, self._processes = None, False  # a part is compiled from the loaded graph
+        self._handover = {"link_on_device": link_on_device, "in_place": False}
         self.pool = pool
         self._reset()
         try:
@@ -208,9 +219,10 @@ class Session:
                              "to plan each part over those members")
         size = SUFFIX_CACHE_SIZE if suffix_cache is None else int(suffix_cache)
         pool = self.pool  # not self: the parts must not keep this session alive
+        link_on_device = self._handover["link_on_device"]
 
         def compile_static(part: LoadedModel) -> Session:
-            return Session._part(part, pool, device, devices, objective, size)
+            return Session._part(part, pool, device, devices, objective, size, link_on_device)
 
         self.dynamic = DynamicModel(graph, split, compile_static, size)
         if self.dynamic.prefix is not None:
@@ -235,12 +247,13 @@ class Session:
         assert self._source is not None
         source, batch, dims = self._source
         pool = self.pool  # not self: the sessions per shape must not keep this one alive
+        link_on_device = self._handover["link_on_device"]
 
         def compile_shapes(shapes: dict[str, tuple[int, ...]]) -> Session:
             where = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
             try:
                 part = load_model(source, batch=batch, dims=dims, partial=True, shapes=shapes)
-                return Session._part(part, pool, device, devices, objective, suffix_cache)
+                return Session._part(part, pool, device, devices, objective, suffix_cache, link_on_device)
             except (ModelError, OpError, UnsupportedOp) as exc:
                 raise type(exc)(f"the model cannot run with input shapes {where}: {exc}") from exc
 
@@ -430,8 +443,12 @@ class Session:
             and (len({m.info.index for m in members}) > 1 or (len(members) > 1 and bool(plan.replicas))))
         if chosen:
             source, batch, dims = self._source
-            return ProcessExecutor(self.pool, self.model, plan, graph, source, batch, dims)
-        return PlanExecutor(self.pool, self.model, plan, graph)
+            return ProcessExecutor(self.pool, self.model, plan, graph, source, batch, dims,
+                                   in_place=self._handover["in_place"])
+        if self._handover["in_place"]:
+            raise ValueError("in_place=True is for a plan run in worker processes, and this one runs in threads "
+                             "of this process: give processes=True, or leave in_place unset")
+        return PlanExecutor(self.pool, self.model, plan, graph, link_on_device=self._handover["link_on_device"])
 
     # -- ONNX Runtime-shaped API ----------------------------------------------------------------
     def get_inputs(self, symbolic: bool = False) -> list[NodeArg]:
