@@ -71,13 +71,13 @@ _MALLOC_TRIM = _libc_function("malloc_trim")
 
 
 class Server:
-    def __init__(self, engine: Any, settings: DaemonSettings, endpoint: str,
+    def __init__(self, runtime: Any, settings: DaemonSettings, endpoint: str,
                  context: zmq.Context | None = None, metrics: Any = None) -> None:
         self.settings = settings
         self.endpoint = endpoint
         self.ctx = context or zmq.Context.instance()
         self.stats = Stats(metrics)
-        self.service = Service(engine, settings, self._reply_from_thread, self.stats)
+        self.service = Service(runtime, settings, self._reply_from_thread, self.stats)
         self.service.watch = self._watch  # type: ignore[method-assign]
         self.service.inline_allowed = self._nothing_waiting  # type: ignore[method-assign]
         self.service.lane_offer = self._lane_offer  # type: ignore[method-assign]

@@ -1,4 +1,4 @@
-"""The local lane: a real ``vkpool serve`` subprocess (lavapipe, or the stand-in engine where a job
+"""The local lane: a real ``vkpool serve`` subprocess (lavapipe, or the stand-in runtime where a job
 must be slow on purpose), real client processes, jobs on the daemon's Unix stream socket."""
 from __future__ import annotations
 
