@@ -66,7 +66,7 @@ def measure(pool: Any, name: str, smoke: bool, runs: int, requests: int, in_flig
                 samples[way]["ms"].append(latency_ms(session, feeds, runs))
                 if way == "one":
                     continue
-                stages = session.executor.lanes[0].stages
+                stages = session.executor.copies[0].stages
                 row.setdefault("boundary_bytes", sum(t.nbytes for t in session.plan.transfers))
                 row[f"{way}_linked"] = sum(len(getattr(s, "linked_preds", [])) for s in stages)
                 if way != "processes":

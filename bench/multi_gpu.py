@@ -205,7 +205,7 @@ def _split_row(split: Any, feeds: dict[str, np.ndarray], expected: list[np.ndarr
     # GPU time: the slower stage bounds what the pipeline can give
     row["stage_ms"] = [statistics.median(e.ms for e in split.trace() if e.chunk == c.index)
                        for c in split.plan.chunks]
-    row["stage_gpu_us"] = [_gpu_us(stage.chunk) for stage in split.executor.lanes[0].stages]
+    row["stage_gpu_us"] = [_gpu_us(stage.chunk) for stage in split.executor.copies[0].stages]
     row["split_per_s"] = throughput(split, feeds, requests, stats=row)
     row["in_place"] = getattr(split.executor, "in_place", None)
     return row
@@ -285,12 +285,12 @@ def replicated(pool: Any, gpus: list[str], name: str, smoke: bool, requests: int
         with Session(model, pool=pool, devices=gpus, objective="throughput", processes=processes,
                      in_place=IN_PLACE and processes) as both:
             out = both.run(None, feeds)
-            row[key] = dict(replicas=list(both.plan.replicas), lanes=len(both.executor.lanes),
+            row[key] = dict(replicas=list(both.plan.replicas), copies=len(both.executor.copies),
                             identical=all(np.array_equal(a, b) for a, b in zip(out, expected)))
             row[key]["per_s"] = throughput(both, feeds, requests, stats=row[key])
             row[key]["in_place"] = getattr(both.executor, "in_place", None)
-            row[key]["requests_per_lane"] = {lane: sum(1 for e in both.trace() if e.lane == lane and e.chunk == 0)
-                                             for lane in range(len(both.executor.lanes))}
+            row[key]["requests_per_copy"] = {copy: sum(1 for e in both.trace() if e.copy == copy and e.chunk == 0)
+                                             for copy in range(len(both.executor.copies))}
     return row
 
 
@@ -378,7 +378,7 @@ def markdown(result: dict) -> str:
                          "replicated req/s", "ratio", "requests per copy", "caller CPU µs/req", "placement"],
                         [[r["workload"], _mode(how, r[how]), ", ".join(r[how]["replicas"]) or "none", r[how]["identical"],
                           _one_gpu(r), f"{r[how]['per_s']:.1f}",
-                          f"{r[how]['per_s'] / r['one_gpu_per_s']:.2f}×", r[how]["requests_per_lane"],
+                          f"{r[how]['per_s'] / r['one_gpu_per_s']:.2f}×", r[how]["requests_per_copy"],
                           r[how].get("caller_cpu_us", "—"), _placed(r[how].get("placement"))]
                          for r in result["replicated"] for how in ("threads", "processes")])
     if "gpu_and_host" in result:

@@ -53,7 +53,7 @@ def measure(mode: str, model: bytes, feeds: dict[str, np.ndarray], requests: int
             whole = {op: member.id for op in build_graph(probe.model).nodes}
         with Session(model, pool=pool, plan=whole, processes=False) as s:
             (y,) = s.run(None, feeds)
-            chunk = s.executor.lanes[0].stages[0].chunk
+            chunk = s.executor.copies[0].stages[0].chunk
             return {"mode": mode, "transfer_family": member.device.transfer_family,
                     "queue_family": member.device.queue_family, "links": len(chunk._links),
                     "latency_ms": latency_ms(s, feeds, 30), "per_s": throughput(s, feeds, requests), "y": y}

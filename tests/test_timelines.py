@@ -160,7 +160,7 @@ def test_a_large_tensor_between_chunks_on_one_device(member, monkeypatch) -> Non
         with Session(data, pool=pool, device="vk0.0") as one:
             want = one.run(None, feeds)[0]
         with Session(data, pool=pool, plan={"first": "vk0.0", "second": "vk0.1"}, processes=False) as split:
-            producer, consumer = (s.chunk for s in split.executor.lanes[0].stages)
+            producer, consumer = (s.chunk for s in split.executor.copies[0].stages)
             assert producer.tensors["y"].kind == "output" and "y" not in consumer._staged_inputs
             assert not producer._links  # nothing for a transfer queue to copy
             shared = producer._io[0]["y"]  # the device's own memory, not what the host writes inputs to
