@@ -457,7 +457,7 @@ class Server:
                 log.info("no ring for a local lane: %s", exc)
         self.stats.count("accepted")
         try:
-            self._lane_reply(conn, None, "open_lane", "ok", {"ring": None if ring is None else ring.slot}, [],
+            self._lane_reply(conn, None, "open_lane", "ok", {"ring": None if ring is None else ring.half}, [],
                              () if ring is None else (fd,))
         finally:
             if ring is not None:
@@ -784,7 +784,7 @@ class Server:
                 if monitor in ready:
                     while monitor.poll(0):
                         self._on_monitor()
-                if inbox in ready:  # worker replies first: they free queue slots
+                if inbox in ready:  # worker replies first: they free room in the queues
                     for _ in range(256):
                         if not inbox.get(zmq.EVENTS) & zmq.POLLIN:
                             break

@@ -74,7 +74,7 @@ class Session:
     through host memory as between devices (13 µs faster for a tiny mlp split on one H200, slower
     or equal for the other workloads measured: ``docs/execution.md``). ``in_place``: worker
     processes whose devices import host memory read and write the tensors crossing between
-    chunks in the shared slots themselves instead of copying them (off by default, slower on the
+    chunks in the shared mailboxes themselves instead of copying them (off by default, slower on the
     H200s measured: :class:`vkpool.processes.ProcessExecutor`); refused unless the plan runs in
     worker processes.
 
