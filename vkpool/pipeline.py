@@ -14,8 +14,9 @@ runners are:
 - :class:`~vkpool.processes.ProcessExecutor`: each chunk of the plan, and each replica, in a
   worker process of its own.
 
-:class:`vkpool.session.Session` is a façade over one of them (``session.runner``), and the
-daemon runs its jobs through sessions.
+:class:`vkpool.session.Session` is a façade over one of them (``session.runner``). The daemon
+queues jobs per model and client (:mod:`vkpool.daemon.scheduler`: priorities, fairness, timeouts,
+one reply per job) and runs each through its model's session, so through one of these runners.
 
 The two plan executors share :class:`Pipeline`, which holds a request's bookkeeping once; they
 only say how a chunk run is started and how its end is seen. A request's life:
@@ -58,13 +59,15 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from vkpool.engine import ChunkStats
 from vkpool.model import LoadedModel, Node
-from vkpool.partition.plan import Transfer  # one tensor staged device → host → device
+
+if TYPE_CHECKING:  # the partitioner (and networkx) stays off the import path of a session on one member
+    from vkpool.partition.plan import Transfer
 
 #: requests whose chunk timings :meth:`Pipeline.trace` keeps (oldest dropped first)
 TRACE_REQUESTS = 4096
@@ -235,6 +238,8 @@ class ChunkEvent:
 
 def stage_nodes(model: LoadedModel, node_indices: Sequence[Sequence[int]], members: Sequence[Any]) -> list[Stage]:
     """Stages (chunk inputs, outputs, preds) for node index groups given in execution order."""
+    from vkpool.partition.plan import Transfer  # one tensor staged device → host → device
+
     produced_by: dict[str, int] = {}
     for s, indices in enumerate(node_indices):
         for i in indices:
@@ -417,6 +422,7 @@ class Pipeline:
         because the request had failed already."""
         now = time.perf_counter_ns()
         ready: list[Stage] = []
+        finished = False
         stages = request.copy.stages  # type: ignore[union-attr]
         with request.lock:
             request.active -= 1
