@@ -63,10 +63,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from vkpool.engine import ChunkStats
 from vkpool.model import LoadedModel, Node
 
 if TYPE_CHECKING:  # the partitioner (and networkx) stays off the import path of a session on one member
+    from vkpool.engine import ChunkStats
     from vkpool.partition.plan import Transfer
 
 #: requests whose chunk timings :meth:`Pipeline.trace` keeps (oldest dropped first)
@@ -565,6 +565,8 @@ class Pipeline:
 
     def chunk_stats(self) -> ChunkStats:
         """The chunks' statistics summed (largest live set: the largest of any chunk)."""
+        from vkpool.engine import ChunkStats
+
         total = ChunkStats()
         for copy in self.copies:
             for stage in copy.stages:
