@@ -11,7 +11,7 @@ given plan three ways, alternating, ``--rounds`` times:
 - **on the device** (threads of this process): the second chunk reads the first one's outputs
   where they were written and is submitted right after it, waiting on the device for the first
   chunk's timeline value;
-- **through the host** (threads, ``vkpool.executor.LINK_ON_DEVICE = False``): the first chunk's
+- **through the host** (threads, ``Session(link_on_device=False)``): the first chunk's
   outputs are read into host memory when it is seen done, then written into the second chunk's
   inputs, which is then submitted (as between two devices);
 - **processes**: one worker process per chunk (``Session(processes=True)``), each with its own
@@ -41,7 +41,6 @@ CONFIG = "devices:\n  - match: {index: 0}\n    split: 2\n"
 
 
 def measure(pool: Any, name: str, smoke: bool, runs: int, requests: int, in_flight: int, rounds: int) -> dict:
-    import vkpool.executor
     from vkpool.placement import balanced_cut
     from vkpool.session import Session
 
@@ -53,28 +52,25 @@ def measure(pool: Any, name: str, smoke: bool, runs: int, requests: int, in_flig
         halves = balanced_cut(_graph(one), 2)
     plan = {op: members[k] for k, ops in enumerate(halves) for op in ops}
     samples: dict[str, dict[str, list[Any]]] = {way: {"ms": [], "per_s": []} for way in WAYS}
-    try:
-        for _ in range(rounds):
-            for way in WAYS:
-                vkpool.executor.LINK_ON_DEVICE = way == "device"
-                session = (Session(model, pool=pool, device=members[0]) if way == "one" else
-                           Session(model, pool=pool, plan=plan, processes=way == "processes"))
-                with session:
-                    out = session.run(None, feeds)
-                    row[f"{way}_identical"] = row.get(f"{way}_identical", True) and all(
-                        np.array_equal(a, b) for a, b in zip(out, expected))
-                    # throughput first: its second of load brings the clocks up for the latency after it
-                    samples[way]["per_s"].append(throughput(session, feeds, requests, in_flight))
-                    samples[way]["ms"].append(latency_ms(session, feeds, runs))
-                    if way == "one":
-                        continue
-                    stages = session.executor.lanes[0].stages
-                    row.setdefault("boundary_bytes", sum(t.nbytes for t in session.plan.transfers))
-                    row[f"{way}_linked"] = sum(len(getattr(s, "linked_preds", [])) for s in stages)
-                    if way != "processes":
-                        samples[way].setdefault("stages_us", []).append(_stage_times(session, runs))
-    finally:
-        vkpool.executor.LINK_ON_DEVICE = True
+    for _ in range(rounds):
+        for way in WAYS:
+            session = (Session(model, pool=pool, device=members[0]) if way == "one" else
+                       Session(model, pool=pool, plan=plan, processes=way == "processes",
+                               link_on_device=way == "device"))
+            with session:
+                out = session.run(None, feeds)
+                row[f"{way}_identical"] = row.get(f"{way}_identical", True) and all(
+                    np.array_equal(a, b) for a, b in zip(out, expected))
+                # throughput first: its second of load brings the clocks up for the latency after it
+                samples[way]["per_s"].append(throughput(session, feeds, requests, in_flight))
+                samples[way]["ms"].append(latency_ms(session, feeds, runs))
+                if way == "one":
+                    continue
+                stages = session.executor.copies[0].stages
+                row.setdefault("boundary_bytes", sum(t.nbytes for t in session.plan.transfers))
+                row[f"{way}_linked"] = sum(len(getattr(s, "linked_preds", [])) for s in stages)
+                if way != "processes":
+                    samples[way].setdefault("stages_us", []).append(_stage_times(session, runs))
     for way, s in samples.items():
         row[f"{way}_ms"] = statistics.median(s["ms"])
         row[f"{way}_per_s"] = statistics.median(s["per_s"])

@@ -54,6 +54,8 @@ PARTS = ("split", "replicated", "mixed")
 WARMUP_S = 1.0
 #: requests a throughput figure keeps outstanding (``--in-flight``)
 IN_FLIGHT = 8
+#: worker processes read and write the tensors crossing chunks in the shared slots (``--in-place``)
+IN_PLACE = False
 SMOKE_CONFIG = ("devices:\n  - match: {index: 0}\n    split: 3\n    budget: [600MiB, 600MiB, 600MiB]\n"
                 "host:\n  enabled: true\n  budget: 1GiB\n")
 
@@ -167,7 +169,7 @@ def one_gpu_throughput(pool: Any, gpu: str, model: bytes, feeds: dict[str, np.nd
     with Session(model, pool=pool, plan=whole, processes=False) as queued:
         out["one_gpu_queued_per_s"] = throughput(queued, feeds, requests)
     if process:
-        with Session(model, pool=pool, plan=whole, processes=True) as worker:
+        with Session(model, pool=pool, plan=whole, processes=True, in_place=IN_PLACE) as worker:
             out["one_gpu_process_per_s"] = throughput(worker, feeds, requests)
     out["one_gpu_per_s"] = max(out.values())
     return out
@@ -203,7 +205,7 @@ def _split_row(split: Any, feeds: dict[str, np.ndarray], expected: list[np.ndarr
     # GPU time: the slower stage bounds what the pipeline can give
     row["stage_ms"] = [statistics.median(e.ms for e in split.trace() if e.chunk == c.index)
                        for c in split.plan.chunks]
-    row["stage_gpu_us"] = [_gpu_us(stage.chunk) for stage in split.executor.lanes[0].stages]
+    row["stage_gpu_us"] = [_gpu_us(stage.chunk) for stage in split.executor.copies[0].stages]
     row["split_per_s"] = throughput(split, feeds, requests, stats=row)
     row["in_place"] = getattr(split.executor, "in_place", None)
     return row
@@ -265,7 +267,7 @@ def _both_ways(model: Any, pool: Any, feeds: dict[str, np.ndarray], expected: li
 
     measured: dict[str, Any] = {"how": how}
     for processes, key in ((False, "threads"), (True, "processes")):
-        with Session(model, pool=pool, plan=plan, processes=processes) as split:
+        with Session(model, pool=pool, plan=plan, processes=processes, in_place=IN_PLACE and processes) as split:
             measured["column_splits"] = split.model.column_splits
             measured[key] = _split_row(split, feeds, expected, runs, requests)
     return measured
@@ -280,14 +282,15 @@ def replicated(pool: Any, gpus: list[str], name: str, smoke: bool, requests: int
         row: dict[str, Any] = {"workload": name,
                                **one_gpu_throughput(pool, gpus[0], model, feeds, requests, one, process=True)}
     for processes, key in ((False, "threads"), (True, "processes")):
-        with Session(model, pool=pool, devices=gpus, objective="throughput", processes=processes) as both:
+        with Session(model, pool=pool, devices=gpus, objective="throughput", processes=processes,
+                     in_place=IN_PLACE and processes) as both:
             out = both.run(None, feeds)
-            row[key] = dict(replicas=list(both.plan.replicas), lanes=len(both.executor.lanes),
+            row[key] = dict(replicas=list(both.plan.replicas), copies=len(both.executor.copies),
                             identical=all(np.array_equal(a, b) for a, b in zip(out, expected)))
             row[key]["per_s"] = throughput(both, feeds, requests, stats=row[key])
             row[key]["in_place"] = getattr(both.executor, "in_place", None)
-            row[key]["requests_per_lane"] = {lane: sum(1 for e in both.trace() if e.lane == lane and e.chunk == 0)
-                                             for lane in range(len(both.executor.lanes))}
+            row[key]["requests_per_copy"] = {copy: sum(1 for e in both.trace() if e.copy == copy and e.chunk == 0)
+                                             for copy in range(len(both.executor.copies))}
     return row
 
 
@@ -375,7 +378,7 @@ def markdown(result: dict) -> str:
                          "replicated req/s", "ratio", "requests per copy", "caller CPU µs/req", "placement"],
                         [[r["workload"], _mode(how, r[how]), ", ".join(r[how]["replicas"]) or "none", r[how]["identical"],
                           _one_gpu(r), f"{r[how]['per_s']:.1f}",
-                          f"{r[how]['per_s'] / r['one_gpu_per_s']:.2f}×", r[how]["requests_per_lane"],
+                          f"{r[how]['per_s'] / r['one_gpu_per_s']:.2f}×", r[how]["requests_per_copy"],
                           r[how].get("caller_cpu_us", "—"), _placed(r[how].get("placement"))]
                          for r in result["replicated"] for how in ("threads", "processes")])
     if "gpu_and_host" in result:
@@ -389,7 +392,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global WARMUP_S, IN_FLIGHT
+    global WARMUP_S, IN_FLIGHT, IN_PLACE
     parser = argparse.ArgumentParser(prog="python -m bench.multi_gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="pool config (default: $VKPOOL_CONFIG or the packaged default)")
     parser.add_argument("--smoke", action="store_true",
@@ -407,14 +410,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"requests each throughput figure keeps outstanding (default {IN_FLIGHT})")
     parser.add_argument("--in-place", action="store_true",
                         help="worker processes' devices write and read the tensors crossing between chunks in the "
-                             "shared slots themselves instead of the workers copying them (vkpool.processes.IN_PLACE)")
+                             "shared slots themselves instead of the workers copying them (Session(in_place=True))")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     IN_FLIGHT = args.in_flight
-    if args.in_place:
-        import vkpool.processes
-
-        vkpool.processes.IN_PLACE = True
+    IN_PLACE = args.in_place
     WARMUP_S = args.warmup_s if args.warmup_s is not None else 0.0 if args.smoke else WARMUP_S
     from vkpool.config.loader import parse_config
     from vkpool.pool import DevicePool

@@ -2,7 +2,7 @@
 
 A chunk with several run slots (as in a multi-member plan) copies a slot's inputs from host
 memory and its large outputs back to host memory. With a transfer-only queue family
-(``vkpool.device.TRANSFER_QUEUE = "auto"``) those copies run on the copy engine, overlapping
+(the config's ``transfer_queue: auto``) those copies run on the copy engine, overlapping
 other runs' compute; with ``"off"`` they are copy shaders inside the run's command buffer. The
 member keeps its inputs in host memory either way (``member.inputs = None``: a GPU whose memory
 the host cannot map), so both directions cross the bus. One model: ``x`` [ROWS, 4096] times a
@@ -38,14 +38,13 @@ def model_bytes(rows: int, width: int = 4096) -> bytes:
 
 
 def measure(mode: str, model: bytes, feeds: dict[str, np.ndarray], requests: int, host_inputs: bool) -> dict[str, Any]:
-    import vkpool.device
     from bench.multi_gpu import latency_ms, throughput
+    from vkpool.config.loader import parse_config
     from vkpool.partition.graph import build_graph
     from vkpool.pool import DevicePool
     from vkpool.session import Session
 
-    vkpool.device.TRANSFER_QUEUE = mode
-    pool = DevicePool.from_config(None)
+    pool = DevicePool.from_config(parse_config(f'devices:\n  - match: {{name: "*"}}\n    transfer_queue: "{mode}"\n'))
     try:
         member = min(pool.vulkan_members, key=lambda m: m.info.type == "cpu")  # a GPU where there is one
         if host_inputs:
@@ -54,7 +53,7 @@ def measure(mode: str, model: bytes, feeds: dict[str, np.ndarray], requests: int
             whole = {op: member.id for op in build_graph(probe.model).nodes}
         with Session(model, pool=pool, plan=whole, processes=False) as s:
             (y,) = s.run(None, feeds)
-            chunk = s.executor.lanes[0].stages[0].chunk
+            chunk = s.executor.copies[0].stages[0].chunk
             return {"mode": mode, "transfer_family": member.device.transfer_family,
                     "queue_family": member.device.queue_family, "links": len(chunk._links),
                     "latency_ms": latency_ms(s, feeds, 30), "per_s": throughput(s, feeds, requests), "y": y}

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 SELECTOR_KEYS = ("index", "name", "vendor", "type", "uuid")
 DEVICE_TYPES = ("discrete", "integrated", "virtual", "cpu", "other")
+#: where a device runs the copies of a run slot's I/O (``devices[].transfer_queue``; :mod:`vkpool.device`)
+TRANSFER_QUEUE_MODES = ("auto", "off", "main")
 
 
 class ConfigError(ValueError):
@@ -59,6 +61,7 @@ class DeviceRule:
     exclude: bool = False
     key: str = ""  # e.g. "devices[1]": for error messages
     cost: dict[str, float] = field(default_factory=dict)  # planner speeds that replace calibration's
+    transfer_queue: str = "auto"  # which queue copies run slots' I/O (vkpool.device.TRANSFER_QUEUE_MODES)
 
 
 @dataclass
@@ -126,8 +129,9 @@ def _device_rules(raw: Any, where: Where) -> list[DeviceRule]:
     for i, item in enumerate(raw):
         key = f"devices[{i}]"
         if not isinstance(item, dict):
-            raise where.error(key, "a device rule is a mapping with match, split, budget, exclude, cost")
-        _only(item, ("match", "split", "budget", "exclude", "cost"), key, where)
+            raise where.error(key, "a device rule is a mapping with match, split, budget, exclude, cost, "
+                              "transfer_queue")
+        _only(item, ("match", "split", "budget", "exclude", "cost", "transfer_queue"), key, where)
         match = item.get("match")
         if not isinstance(match, dict) or not match:
             raise where.error(f"{key}.match", f"needs a mapping with one of {', '.join(SELECTOR_KEYS)}")
@@ -151,7 +155,14 @@ def _device_rules(raw: Any, where: Where) -> list[DeviceRule]:
                 raise where.error(f"{key}.budget", f"give one budget or one per split member ({split})")
             for j, b in enumerate(budgets):
                 _check_size(b, f"{key}.budget", where, allow_percent=True)
-        rules.append(DeviceRule(dict(match), split, budgets, exclude, key, _cost(item.get("cost"), f"{key}.cost", where)))
+        transfer_queue = item.get("transfer_queue", "auto")
+        if transfer_queue is False:  # YAML 1.1 reads a bare `off` as false
+            transfer_queue = "off"
+        if transfer_queue not in TRANSFER_QUEUE_MODES:
+            raise where.error(f"{key}.transfer_queue", f"must be one of {', '.join(TRANSFER_QUEUE_MODES)} "
+                              f"(got {transfer_queue!r})")
+        rules.append(DeviceRule(dict(match), split, budgets, exclude, key, _cost(item.get("cost"), f"{key}.cost", where),
+                                transfer_queue))
     return rules
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vkpool.daemon.engine import classify
+from vkpool.daemon.runtime import classify
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.units import format_size
 
@@ -23,11 +23,11 @@ log = logging.getLogger("vkpool.daemon")
 
 
 def change_budget(service: "Service", member: str, nbytes: int) -> dict[str, Any]:
-    engine = service.engine
-    old = engine.budget_of(member)
+    runtime = service.runtime
+    old = runtime.budget_of(member)
     try:
-        engine.set_budget(member, nbytes)
-        return {"member": member, "budget_bytes": engine.budget_of(member), "replanned": []}
+        runtime.set_budget(member, nbytes)
+        return {"member": member, "budget_bytes": runtime.budget_of(member), "replanned": []}
     except ValueError as exc:
         first_reason = str(exc)
     affected = [e for e in service.registry.all() if e.memory.get(member)]
@@ -44,11 +44,11 @@ def change_budget(service: "Service", member: str, nbytes: int) -> dict[str, Any
 
 def _replan(service: "Service", member: str, nbytes: int, old: int, affected: list["ModelEntry"],
             first_reason: str) -> dict[str, Any]:
-    engine = service.engine
+    runtime = service.runtime
     for entry in affected:
         entry.session.close()
     try:
-        engine.set_budget(member, nbytes)
+        runtime.set_budget(member, nbytes)
     except ValueError as exc:
         _reopen(service, affected)
         raise _refused(member, nbytes, f"{first_reason}; even with its models unloaded: {exc}") from None
@@ -60,7 +60,7 @@ def _replan(service: "Service", member: str, nbytes: int, old: int, affected: li
         reason = classify(exc).message
         for _, session in opened:
             session.close()
-        engine.set_budget(member, old)
+        runtime.set_budget(member, old)
         _reopen(service, affected)
         raise _refused(member, nbytes, f"model {entry.name} ({entry.id[:12]}) would not fit: {reason}",
                        model=entry.id) from None
@@ -68,7 +68,7 @@ def _replan(service: "Service", member: str, nbytes: int, old: int, affected: li
         entry.session = session
         entry.refresh()
     log.info("budget of %s set to %s; re-planned %s", member, format_size(nbytes), [e.id[:12] for e in affected])
-    return {"member": member, "budget_bytes": engine.budget_of(member), "replanned": [e.id for e in affected]}
+    return {"member": member, "budget_bytes": runtime.budget_of(member), "replanned": [e.id for e in affected]}
 
 
 def _reopen(service: "Service", entries: list["ModelEntry"]) -> None:

@@ -95,9 +95,9 @@ class Poller:
 # ---------------------------------------------------------------------------------------------
 # The ring: shared memory beside the socket.
 
-#: bytes of each of a ring's two slots (request, reply); a message larger than its slot travels
+#: bytes of each of a ring's two halves (request, reply); a message larger than its half travels
 #: on the socket.
-RING_SLOT = 256 << 10
+RING_HALF = 256 << 10
 _RING_HEAD = 4096
 #: ring words, 8-byte aligned, each on a cache line of its own: 0 request sequence (written by the
 #: client), 8 reply sequence (the daemon), 16 "the daemon sleeps in recv" (the daemon), 24 "the
@@ -127,9 +127,9 @@ def ring_supported() -> bool:
 
 
 class Ring:
-    """A lane's shared memory: one request slot written by the client, one reply slot written by
+    """A lane's shared memory: a request half written by the client, a reply half written by
     the daemon, each followed by a sequence number that says a new message is there. A lane's
-    client sends one request at a time and reads its reply before the next one, so each slot has
+    client sends one request at a time and reads its reply before the next one, so each half has
     one message in flight at most. Messages are framed as on the socket
     (:func:`vkpool.daemon.protocol.lane_pack_into`).
 
@@ -145,31 +145,31 @@ class Ring:
 
     Only offered on x86-64 Linux (memfd, SCM_RIGHTS, that ordering)."""
 
-    __slots__ = ("mm", "words", "request", "reply", "slot")
+    __slots__ = ("mm", "words", "request", "reply", "half")
 
-    def __init__(self, fd: int, slot: int) -> None:
+    def __init__(self, fd: int, half: int) -> None:
         import mmap
 
-        self.slot = slot
-        self.mm = mmap.mmap(fd, _RING_HEAD + 2 * slot)
+        self.half = half
+        self.mm = mmap.mmap(fd, _RING_HEAD + 2 * half)
         view = memoryview(self.mm)
         self.words = view[:_RING_HEAD].cast("Q")
-        self.request = view[_RING_HEAD:_RING_HEAD + slot]
-        self.reply = view[_RING_HEAD + slot:_RING_HEAD + 2 * slot]
+        self.request = view[_RING_HEAD:_RING_HEAD + half]
+        self.reply = view[_RING_HEAD + half:_RING_HEAD + 2 * half]
 
     @classmethod
-    def create(cls, slot: int = RING_SLOT) -> tuple["Ring", int]:
+    def create(cls, half: int = RING_HALF) -> tuple["Ring", int]:
         """A new ring and its file descriptor (the caller passes it on and closes it)."""
         fd = os.memfd_create("vkpool-lane", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, _RING_HEAD + 2 * slot)
-            return cls(fd, slot), fd
+            os.ftruncate(fd, _RING_HEAD + 2 * half)
+            return cls(fd, half), fd
         except BaseException:
             os.close(fd)
             raise
 
     def post(self, parts: list[Any], which: int, start: int = 0) -> int | None:
-        """Write a message (``parts[start:]``) into the request (``_REQ``) or reply (``_REP``) slot
+        """Write a message (``parts[start:]``) into the request (``_REQ``) or reply (``_REP``) half
         and publish it: the bytes of its frames, or None when it does not fit (nothing written)."""
         size = P.lane_pack_into(self.request if which == _REQ else self.reply, parts, start)
         if size is not None:
@@ -348,7 +348,7 @@ class LaneConnection:
                     self.ring_reply = False
                     size = ring.post(body, _REP, start)
                     if size is None:
-                        # too large for the slot: on the socket, and in the ring a pointer to it
+                        # too large for the ring: on the socket, and in the ring a pointer to it
                         buffers, size = P.lane_buffers(body, start)
                         self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
                         ring.post([], _REP)
@@ -531,9 +531,9 @@ class ClientLane:
             if header.get("status") != "ok":
                 sock.close()
                 raise LaneRefused(reply if isinstance(reply, dict) else {})
-            slot = reply.get("ring") if isinstance(reply, dict) else None
-            if fds and type(slot) is int and slot > 0:
-                self.ring = Ring(fds[0], slot)
+            half = reply.get("ring") if isinstance(reply, dict) else None
+            if fds and type(half) is int and half > 0:
+                self.ring = Ring(fds[0], half)
                 self.reader.wakes = True
         finally:
             for fd in fds:

@@ -1,4 +1,4 @@
-"""``vkpool serve``: build the engine and settings from the config file, run the server; with
+"""``vkpool serve``: build the runtime and settings from the config file, run the server; with
 ``--detach``, in a process of its own that outlives the command, found again by its pid file."""
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def setup_logging(settings: DaemonSettings) -> None:
         root.addHandler(handler)
 
 
-def serve(config: str | Path | None = None, endpoint: str | None = None, engine: Any = None, *,
+def serve(config: str | Path | None = None, endpoint: str | None = None, runtime: Any = None, *,
           pid_file: Path | None = None, log_file: Path | None = None) -> int:
     """Run the daemon in the foreground until SIGTERM/SIGINT or a shutdown request; exit status.
     ``pid_file`` (else ``daemon.pid_file``): written once the daemon listens, removed at exit;
@@ -82,22 +82,22 @@ def serve(config: str | Path | None = None, endpoint: str | None = None, engine:
             log.error("cannot serve metrics on %s:%d: %s", *settings.metrics, exc)
             return 1
     try:
-        return _run(cfg, settings, endpoint, engine, pid_file, metrics)
+        return _run(cfg, settings, endpoint, runtime, pid_file, metrics)
     finally:
         if metrics is not None:
             metrics.close()
 
 
-def _run(cfg: Any, settings: DaemonSettings, endpoint: str, engine: Any, pid_file: Path | None,
+def _run(cfg: Any, settings: DaemonSettings, endpoint: str, runtime: Any, pid_file: Path | None,
          metrics: Any) -> int:
     from vkpool.daemon.server import Server
 
-    if engine is None:
-        from vkpool.daemon.engine import Engine
+    if runtime is None:
+        from vkpool.daemon.runtime import Runtime
 
-        engine = Engine.from_config(cfg)
+        runtime = Runtime.from_config(cfg)
     try:
-        server = Server(engine, settings, endpoint, metrics=metrics)
+        server = Server(runtime, settings, endpoint, metrics=metrics)
     except EndpointError as exc:
         log.error("%s", exc)
         return 1

@@ -11,8 +11,8 @@ The families (``docs/daemon.md`` lists them with their labels):
 
 - ``vkpool_jobs_total{model, model_id, status}``: jobs run, ``status`` is ``ok`` or the error type;
 - ``vkpool_job_seconds{model, model_id}``: a job's time from acceptance to the end of its run;
-- ``vkpool_job_run_seconds{model, model_id}``: the engine's run time alone (of its batch, when batched);
-- ``vkpool_batch_size{model, model_id}``: jobs per engine run (1, or the jobs of a batch);
+- ``vkpool_job_run_seconds{model, model_id}``: the runtime's run time alone (of its batch, when batched);
+- ``vkpool_batch_size{model, model_id}``: jobs per run (1, or the jobs of a batch);
 - ``vkpool_errors_total{type}``: error replies to any request, by error type;
 - ``vkpool_queue_depth{model, model_id}``: jobs queued;
 - ``vkpool_member_used_bytes{member}``, ``vkpool_member_budget_bytes{member}``;
@@ -83,7 +83,7 @@ class Metrics:
         self._server: Any = None
 
     def ran(self, entry: Any, status: str, run_s: float, queued_s: Sequence[float]) -> None:
-        """One engine run of the jobs that were queued for ``queued_s`` (one job, or a batch)."""
+        """One run of the jobs that were queued for ``queued_s`` (one job, or a batch)."""
         labels = (entry.name, entry.id[:12])
         with self._lock:
             series = self._models.get(labels)
@@ -101,8 +101,8 @@ class Metrics:
                                    labels=[*_MODEL, "status"])
         latency = HistogramMetricFamily("vkpool_job_seconds", "Time from a job's acceptance to the end of its run",
                                         labels=_MODEL)
-        run = HistogramMetricFamily("vkpool_job_run_seconds", "Time the engine spent running a job", labels=_MODEL)
-        batch = HistogramMetricFamily("vkpool_batch_size", "Jobs per engine run: 1, or the jobs of a batch",
+        run = HistogramMetricFamily("vkpool_job_run_seconds", "Time the runtime spent running a job", labels=_MODEL)
+        batch = HistogramMetricFamily("vkpool_batch_size", "Jobs per run: 1, or the jobs of a batch",
                                       labels=_MODEL)
         with self._lock:
             for labels, series in self._models.items():
@@ -113,7 +113,7 @@ class Metrics:
         yield from (jobs, latency, run, batch)
 
     def watch(self, service: Any, stats: Any) -> None:
-        """Collect the state of ``service`` (its registry, scheduler and engine), ``stats`` and
+        """Collect the state of ``service`` (its registry, scheduler and runtime), ``stats`` and
         the jobs at each scrape."""
         self.registry.register(_DaemonCollector(self, service, stats))
 
@@ -154,7 +154,7 @@ class _DaemonCollector:
                                  labels=["member"])
         budget = GaugeMetricFamily("vkpool_member_budget_bytes", "A pool member's budget in bytes",
                                    labels=["member"])
-        for member in service.engine.members():
+        for member in service.runtime.members():
             used.add_metric([member["id"]], member["used_bytes"])
             budget.add_metric([member["id"]], member["budget_bytes"])
         yield used

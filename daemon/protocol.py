@@ -187,7 +187,7 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                      _f("token", "str", "`local_lane.token` from this client's `hello` reply"),
                      _f("ring", "bool", "ask for a shared-memory ring beside the socket (see *Ring*)",
                         required=False)),
-            reply=(_f("ring", "int", "bytes of each of the ring's two slots when one was granted (its "
+            reply=(_f("ring", "int", "bytes of each of the ring's two halves when one was granted (its "
                       "file descriptor travels with this reply), else null", nullable=True),),
             control=True, transport="lane"),
 )}
@@ -637,7 +637,7 @@ class LaneError(Exception):
 
 
 #: a message of no frames: on a lane with a ring (see :class:`vkpool.daemon.lane.Ring`), a
-#: wake-up for a side asleep in ``recv``; in a ring slot, "this reply travels on the socket".
+#: wake-up for a side asleep in ``recv``; in a ring's half, "this reply travels on the socket".
 LANE_WAKE = _LANE_COUNT.pack(0)
 
 
@@ -682,12 +682,12 @@ def _send_rest(sock: socket.socket, buffers: list[Any], sent: int) -> None:
         sent = sock.sendmsg(views[:_IOV_MAX], (), _NOSIGNAL)
 
 
-#: a message up to this size is joined into one bytes object and copied into a ring slot at once
+#: a message up to this size is joined into one bytes object and copied into a ring's half at once
 _JOIN_MAX = 1 << 14
 
 
-def lane_pack_into(slot: Any, parts: Sequence[Any], start: int = 0) -> int | None:
-    """Write ``parts[start:]`` framed as on the socket into ``slot`` (a writable byte buffer: a
+def lane_pack_into(half: Any, parts: Sequence[Any], start: int = 0) -> int | None:
+    """Write ``parts[start:]`` framed as on the socket into ``half`` (a writable byte buffer: a
     memoryview, or the mmap itself); the bytes of its frames, or None, having written nothing,
     when they do not fit."""
     if start:
@@ -696,41 +696,41 @@ def lane_pack_into(slot: Any, parts: Sequence[Any], start: int = 0) -> int | Non
     sizes = list(map(len, parts))
     body = sum(sizes)
     head = 4 + 8 * n
-    if head + body > len(slot):
+    if head + body > len(half):
         return None
-    if body <= _JOIN_MAX:  # small: one copy into the slot
-        slot[:head + body] = (_LANE_HEADS.get(n) or _lane_head(n)).pack(n, *sizes) + b"".join(parts)
+    if body <= _JOIN_MAX:  # small: one copy into the half
+        half[:head + body] = (_LANE_HEADS.get(n) or _lane_head(n)).pack(n, *sizes) + b"".join(parts)
         return body
-    (_LANE_HEADS.get(n) or _lane_head(n)).pack_into(slot, 0, n, *sizes)
+    (_LANE_HEADS.get(n) or _lane_head(n)).pack_into(half, 0, n, *sizes)
     at = head
     for part, size in zip(parts, sizes):
-        slot[at:at + size] = part
+        half[at:at + size] = part
         at += size
     return body
 
 
-def lane_parse(slot: memoryview, max_frames: int = 1 << 20, max_bytes: int = 1 << 62,
+def lane_parse(half: memoryview, max_frames: int = 1 << 20, max_bytes: int = 1 << 62,
                copy: bool = False) -> list[memoryview]:
-    """The frames of a message framed in ``slot`` by :func:`lane_pack_into`: views into it, or
+    """The frames of a message framed in ``half`` by :func:`lane_pack_into`: views into it, or
     with ``copy`` into a writable copy of the message; [] for :data:`LANE_WAKE`. Raises
     :class:`LaneError` when the framing does not hold."""
-    size = len(slot)
-    (n,) = _LANE_COUNT.unpack_from(slot) if size >= 4 else (1,)
+    size = len(half)
+    (n,) = _LANE_COUNT.unpack_from(half) if size >= 4 else (1,)
     if n == 0:
         return []
     head = 4 + 8 * n
     if n < 2 or n > max_frames or head > size:
         raise LaneError(ProtocolViolation("ProtocolError", f"a ring message of {n} frame(s) does not fit its "
-                                          f"slot or the limits (max_frames {max_frames})", {"frames": n}))
-    sizes = (_LANE_HEADS.get(n) or _lane_head(n)).unpack_from(slot)[1:]
+                                          f"half of the ring or the limits (max_frames {max_frames})", {"frames": n}))
+    sizes = (_LANE_HEADS.get(n) or _lane_head(n)).unpack_from(half)[1:]
     body = sum(sizes)
     if body > max_bytes or head + body > size:
-        raise LaneError(ProtocolViolation("MessageTooLarge", f"a ring message of {body} bytes exceeds its slot "
+        raise LaneError(ProtocolViolation("MessageTooLarge", f"a ring message of {body} bytes exceeds its half of the ring "
                                           f"({size - head} bytes) or max_message_bytes {max_bytes}",
                                           {"frames": n, "bytes": body}))
     if copy:
-        slot = memoryview(bytearray(slot[:head + body]))
-    return _split(slot, head, sizes)
+        half = memoryview(bytearray(half[:head + body]))
+    return _split(half, head, sizes)
 
 
 def _split(view: memoryview, at: int, sizes: Sequence[int]) -> list[memoryview]:

@@ -1,7 +1,7 @@
 """Loaded models: identified by content hash, shared, reference-counted per client.
 
 A model loaded twice (by path or by bytes, by one client or several) is one entry with one
-engine session. Each client holds references; when none is left and the model has had no job
+runtime session. Each client holds references; when none is left and the model has had no job
 for its keep-alive (as Ollama's ``keep_alive``), the daemon frees it.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ def content_id(source: Path | bytes, max_bytes: int = 1 << 62) -> str:
     """sha256 of the model bytes and, for a path, of the external data files it names.
 
     External locations that leave the model's folder are refused here, before anything reads
-    them (the engine refuses them too). Only regular files are read, and at most ``max_bytes``
+    them (the runtime refuses them too). Only regular files are read, and at most ``max_bytes``
     in all (see :func:`open_regular`).
     """
     digest = hashlib.sha256()
@@ -108,7 +108,7 @@ def _external_locations(data: bytes) -> list[str]:
     try:
         proto.ParseFromString(data)  # parsing never reads external files
     except Exception:
-        return []  # not ONNX: the engine says so with its own message
+        return []  # not ONNX: the runtime says so with its own message
     found: list[str] = []
     tensors = list(proto.graph.initializer)
     for node in proto.graph.node:
@@ -149,7 +149,7 @@ class ModelEntry:
     last_used: float = field(default_factory=time.monotonic)
     # Workers hold it shared while running; a re-plan holds it exclusively to swap the session.
     gate: "SharedGate" = field(default_factory=lambda: SharedGate())
-    run_s: float | None = None      # moving average of the engine's run time, once measured
+    run_s: float | None = None      # moving average of the runtime's run time, once measured
     batch_config: dict[str, Any] = field(default_factory=dict)  # {max_batch, max_queue_delay}; empty: off
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ priority heap per client and serves clients round-robin, so a client that floods
 with jobs delays only its own jobs. Queues are bounded (per model and in total): a job
 that does not fit is refused with ``Busy`` instead of growing memory.
 
-The engine's ``run`` releases the GIL inside its C calls, so while workers wait on devices
+The runtime's ``run`` releases the GIL inside its C calls, so while workers wait on devices
 the I/O thread keeps receiving, decoding and replying.
 
 A job is finished exactly once (:meth:`Job.finish`): by its worker, by a timeout, by a

@@ -71,13 +71,13 @@ _MALLOC_TRIM = _libc_function("malloc_trim")
 
 
 class Server:
-    def __init__(self, engine: Any, settings: DaemonSettings, endpoint: str,
+    def __init__(self, runtime: Any, settings: DaemonSettings, endpoint: str,
                  context: zmq.Context | None = None, metrics: Any = None) -> None:
         self.settings = settings
         self.endpoint = endpoint
         self.ctx = context or zmq.Context.instance()
         self.stats = Stats(metrics)
-        self.service = Service(engine, settings, self._reply_from_thread, self.stats)
+        self.service = Service(runtime, settings, self._reply_from_thread, self.stats)
         self.service.watch = self._watch  # type: ignore[method-assign]
         self.service.inline_allowed = self._nothing_waiting  # type: ignore[method-assign]
         self.service.lane_offer = self._lane_offer  # type: ignore[method-assign]
@@ -457,7 +457,7 @@ class Server:
                 log.info("no ring for a local lane: %s", exc)
         self.stats.count("accepted")
         try:
-            self._lane_reply(conn, None, "open_lane", "ok", {"ring": None if ring is None else ring.slot}, [],
+            self._lane_reply(conn, None, "open_lane", "ok", {"ring": None if ring is None else ring.half}, [],
                              () if ring is None else (fd,))
         finally:
             if ring is not None:
@@ -784,7 +784,7 @@ class Server:
                 if monitor in ready:
                     while monitor.poll(0):
                         self._on_monitor()
-                if inbox in ready:  # worker replies first: they free queue slots
+                if inbox in ready:  # worker replies first: they free room in the queues
                     for _ in range(256):
                         if not inbox.get(zmq.EVENTS) & zmq.POLLIN:
                             break

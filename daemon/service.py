@@ -15,7 +15,7 @@ import numpy as np
 
 from vkpool import progress
 from vkpool.daemon import protocol as P
-from vkpool.daemon.engine import classify
+from vkpool.daemon.runtime import classify
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.registry import ModelEntry, Registry, bound_id, check_regular, content_id
 from vkpool.daemon.scheduler import Busy, Job, Scheduler
@@ -63,8 +63,8 @@ class InferPlan:
 
 
 class Service:
-    def __init__(self, engine: Any, settings: DaemonSettings, reply: Reply, stats: Stats) -> None:
-        self.engine = engine
+    def __init__(self, runtime: Any, settings: DaemonSettings, reply: Reply, stats: Stats) -> None:
+        self.runtime = runtime
         self.settings = settings
         self.reply = reply
         self.stats = stats
@@ -146,7 +146,7 @@ class Service:
                 "local_lane": None if self.draining else self.lane_offer(client)}
 
     def _devices(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
-        return {"members": self.engine.members()}
+        return {"members": self.runtime.members()}
 
     def model_infos(self) -> list[dict[str, Any]]:
         return [e.info(*self.scheduler.counts(e.id)) for e in self.registry.all()]
@@ -159,7 +159,7 @@ class Service:
         counters = snap["counters"]  # as they stood before this request: it is not counted as in flight
         counters["accepted"] -= 1
         counters["in_flight"] -= 1
-        return {**snap, "members": self.engine.members(), "models": self.model_infos(),
+        return {**snap, "members": self.runtime.members(), "models": self.model_infos(),
                 "loading": self.registry.loading_infos(), "queues": self.scheduler.depths(),
                 "draining": self.draining}
 
@@ -419,7 +419,7 @@ class Service:
     def open_session(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
         if isinstance(source, Path):  # read again at a re-plan: it may have been replaced since
             check_regular(source, self.settings.max_model_bytes)
-        return self.engine.open(source, binding, batching)
+        return self.runtime.open(source, binding, batching)
 
     def _open_admitted(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
         """Open a session; when it does not fit and eviction is on, free idle models first."""
@@ -433,7 +433,7 @@ class Service:
                 idle = sorted((e for e in self.registry.unreferenced() if not self.scheduler.active(e.id)),
                               key=lambda e: e.last_used)
                 if not self.settings.evict_idle or not idle:
-                    free = {m["id"]: m["budget_bytes"] - m["used_bytes"] for m in self.engine.members()}
+                    free = {m["id"]: m["budget_bytes"] - m["used_bytes"] for m in self.runtime.members()}
                     size = len(source) if isinstance(source, bytes) else source.stat().st_size
                     raise ProtocolViolation("InsufficientMemory", (
                         f"the model ({format_size(size)} of ONNX) does not fit the free budgets "
@@ -487,13 +487,13 @@ class Service:
     # -- plans and budgets ----------------------------------------------------------------------
     def _prepare_plan(self, client: bytes, content: dict[str, Any], frames: list[Any]) -> Callable[[], dict]:
         entry = self._model_for(client, content["model"])
-        budgets = _parse_budgets(content.get("budgets"), self.engine)
+        budgets = _parse_budgets(content.get("budgets"), self.runtime)
 
         def plan() -> dict[str, Any]:
             entry.gate.acquire_shared()
             try:
                 # as `vkpool plan` renders the same placement
-                the_plan = self.engine.what_if(entry.session, budgets)
+                the_plan = self.runtime.what_if(entry.session, budgets)
             finally:
                 entry.gate.release_shared()
             as_json = the_plan.to_json()
@@ -502,7 +502,7 @@ class Service:
 
     def _prepare_set_budget(self, client: bytes, content: dict[str, Any], frames: list[Any]) -> Callable[[], dict]:
         member = content["member"]
-        nbytes = _parse_budgets({member: content["size"]}, self.engine)[member]
+        nbytes = _parse_budgets({member: content["size"]}, self.runtime)[member]
         from vkpool.daemon.budgets import change_budget
 
         return lambda: change_budget(self, member, nbytes)
@@ -580,14 +580,14 @@ def _batching(max_batch: Any, max_queue_delay: Any) -> dict[str, Any]:
     return {"max_batch": max_batch, "max_queue_delay": float(delay)}
 
 
-def _parse_budgets(raw: dict[str, Any] | None, engine: Any) -> dict[str, int]:
+def _parse_budgets(raw: dict[str, Any] | None, runtime: Any) -> dict[str, int]:
     from vkpool.units import parse_size
 
     out: dict[str, int] = {}
     for member, size in (raw or {}).items():
-        if not engine.has_member(member):
+        if not runtime.has_member(member):
             raise ProtocolViolation("UnknownMember", f"no pool member {member!r}",
-                                    {"member": member, "members": [m["id"] for m in engine.members()]})
+                                    {"member": member, "members": [m["id"] for m in runtime.members()]})
         try:
             if isinstance(size, bool) or not isinstance(size, (int, str)):
                 raise ValueError(f"{size!r} is not a size")

@@ -38,7 +38,7 @@ class DaemonSettings:
     job_timeout: float | None = 300.0    # default infer timeout (seconds); None = no limit
     drain_deadline: float = 30.0         # seconds SIGTERM waits for in-flight jobs
     evict_idle: bool = False             # free unused models to admit a load that does not fit
-    workers_per_model: int = 2           # engine calls in flight per model
+    workers_per_model: int = 2           # runtime calls in flight per model
     inline_run_max: float = 0.001        # jobs of models this fast run on the I/O thread when idle; 0 = never
     replay_window: int = 1024            # remembered replies per daemon for retried request ids
     log_file: Path | None = None

@@ -76,7 +76,7 @@ class Stats:
                 self._finished_at.popleft()
 
     def ran(self, entry: Any, status: str, run_s: float, *queued_s: float) -> None:
-        """One engine run on ``entry`` (a registry ModelEntry) of a job, or of a batch of jobs,
+        """One run on ``entry`` (a registry ModelEntry) of a job, or of a batch of jobs,
         each queued for one of ``queued_s``; ``status`` is ``ok`` or the error type."""
         metrics = self.metrics
         if metrics is not None:

@@ -58,14 +58,13 @@ def matmul_model(rows: int, k: int, n: int, seed: int) -> bytes:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
 
 
-def transfer_queue_pool(mode: str, monkeypatch):
-    """A pool whose devices take transfer-queue mode ``mode`` (``vkpool.device.TRANSFER_QUEUE``),
-    and its first Vulkan member made to keep its inputs in host memory (as on a GPU the host
-    cannot map), so a chunk's inputs are copied in: ``(pool, member)``."""
-    import vkpool.device
+def transfer_queue_pool(mode: str):
+    """A pool whose devices take transfer-queue mode ``mode`` (the config's
+    ``devices[].transfer_queue``), and its first Vulkan member made to keep its inputs in host
+    memory (as on a GPU the host cannot map), so a chunk's inputs are copied in: ``(pool, member)``."""
+    from vkpool.config.loader import parse_config
 
-    monkeypatch.setattr(vkpool.device, "TRANSFER_QUEUE", mode)
-    p = vulkan_pool()
+    p = vulkan_pool(parse_config(f"devices:\n  - match: {{index: 0}}\n    transfer_queue: {mode}\n"))
     member = p.vulkan_members[0]
     member.inputs = None
     return p, member

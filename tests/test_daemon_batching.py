@@ -43,9 +43,9 @@ def reference(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[InprocDaemon]:
-    from vkpool.daemon.engine import Engine
+    from vkpool.daemon.runtime import Runtime
 
-    d = InprocDaemon(Engine.from_config(None), batching=({"match": "auto-*", "max_batch": 4,
+    d = InprocDaemon(Runtime.from_config(None), batching=({"match": "auto-*", "max_batch": 4,
                                                           "max_queue_delay": 0.05},))
     yield d
     d.stop()
@@ -69,7 +69,7 @@ def test_clients_requests_run_together_and_match_unbatched_runs(daemon: InprocDa
         for t in threads:
             t.join(60)
         assert sorted(results) == list(range(len(xs)))
-        with vkpool.Session(batch_model(1), pool=daemon.engine.pool) as single:
+        with vkpool.Session(batch_model(1), pool=daemon.runtime.pool) as single:
             for i, x in enumerate(xs):
                 assert results[i].shape == (x.shape[0], 8)
                 unbatched = np.concatenate([single.run(None, {"x": x[r:r + 1]})[0] for r in range(x.shape[0])])

@@ -1,4 +1,4 @@
-"""The server over inproc:// with the stand-in engine: every request, every bad input."""
+"""The server over inproc:// with the stand-in runtime: every request, every bad input."""
 from __future__ import annotations
 
 import threading
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from test_daemon_support import (InprocDaemon, StandInEngine, add_model, assert_balanced, batched_model, big_model,
+from test_daemon_support import (InprocDaemon, StandInRuntime, add_model, assert_balanced, batched_model, big_model,
                                  external_outside_model, inproc, mlp_model, reference_run, unsupported_model)
 from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
@@ -63,7 +63,7 @@ def _load(model: bytes) -> tuple[dict[str, Any], list[bytes]]:
 def test_remote_session_matches_in_process_and_shares_models(inproc: InprocDaemon) -> None:
     with inproc.client() as a, inproc.client() as b:
         sa, sb = a.session(mlp_model()), b.session(mlp_model())
-        assert sa.model_id == sb.model_id and inproc.engine.opened == 1
+        assert sa.model_id == sb.model_id and inproc.runtime.opened == 1
         assert [i.name for i in sa.get_inputs()] == ["x"] and sa.get_inputs()[0].dtype == np.float32
         assert [o.name for o in sa.get_outputs()] == ["y", "z"]
         y, z = sa.run(None, {"x": X})
@@ -159,11 +159,11 @@ def test_bad_models_are_refused_with_their_reason(inproc: InprocDaemon, tmp_path
 def test_unload_then_infer_is_unknown_model_and_keep_alive_frees(inproc: InprocDaemon) -> None:
     with inproc.client() as client:
         model = client.load_model(add_model(), keep_alive=0)["id"]
-        used = inproc.engine.members()[0]["used_bytes"]
+        used = inproc.runtime.members()[0]["used_bytes"]
         assert used > 0
         reply = client.unload_model(model)
         assert reply == {"model": model, "refs": 0, "unloaded": True}
-        assert inproc.engine.members()[0]["used_bytes"] == 0
+        assert inproc.runtime.members()[0]["used_bytes"] == 0
         with pytest.raises(E.UnknownModel):
             client.infer(model, {"x": np.zeros((1, 4), np.float32)})
         with pytest.raises(E.UnknownModel):
@@ -173,13 +173,13 @@ def test_unload_then_infer_is_unknown_model_and_keep_alive_frees(inproc: InprocD
         assert len(client.list_models()) == 1
         deadline = time.monotonic() + 5
         # the entry leaves the list first (no new job finds it), then its memory is freed
-        while (client.list_models() or inproc.engine.members()[0]["used_bytes"]) and time.monotonic() < deadline:
+        while (client.list_models() or inproc.runtime.members()[0]["used_bytes"]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert client.list_models() == [] and inproc.engine.members()[0]["used_bytes"] == 0
+        assert client.list_models() == [] and inproc.runtime.members()[0]["used_bytes"] == 0
 
 
 def test_an_idle_model_is_evicted_to_admit_a_load_when_configured() -> None:
-    daemon = InprocDaemon(StandInEngine(budget_bytes=3 << 20), evict_idle=True)
+    daemon = InprocDaemon(StandInRuntime(budget_bytes=3 << 20), evict_idle=True)
     try:
         with daemon.client() as client:
             idle = client.load_model(big_model(2 << 20), keep_alive=-1)["id"]
@@ -197,7 +197,7 @@ def test_an_idle_model_is_evicted_to_admit_a_load_when_configured() -> None:
 
 
 def test_ten_thousand_jobs_against_a_small_queue_get_busy_not_growth() -> None:
-    daemon = InprocDaemon(StandInEngine(delay_s=0.002), queue_limit=16, workers_per_model=1)
+    daemon = InprocDaemon(StandInRuntime(delay_s=0.002), queue_limit=16, workers_per_model=1)
     try:
         with daemon.client() as client:
             model = client.load_model(add_model())["id"]
@@ -224,7 +224,7 @@ def _infer_request(model: str, n: int = 4, **extra: Any) -> tuple[dict[str, Any]
 
 
 def test_one_flooding_client_does_not_starve_another() -> None:
-    daemon = InprocDaemon(StandInEngine(delay_s=0.005), queue_limit=512, workers_per_model=1)
+    daemon = InprocDaemon(StandInRuntime(delay_s=0.005), queue_limit=512, workers_per_model=1)
     try:
         with daemon.client() as flood, daemon.client() as polite:
             model = flood.load_model(add_model())["id"]
@@ -246,7 +246,7 @@ def test_one_flooding_client_does_not_starve_another() -> None:
 
 
 def test_priority_orders_a_clients_own_jobs() -> None:
-    daemon = InprocDaemon(StandInEngine(delay_s=0.02), workers_per_model=1)
+    daemon = InprocDaemon(StandInRuntime(delay_s=0.02), workers_per_model=1)
     try:
         with daemon.client() as client:
             model = client.load_model(add_model())["id"]
@@ -261,7 +261,7 @@ def test_priority_orders_a_clients_own_jobs() -> None:
 
 
 def test_cancel_and_timeout_answer_once_while_compute_is_busy() -> None:
-    daemon = InprocDaemon(StandInEngine(delay_s=0.5), workers_per_model=1)
+    daemon = InprocDaemon(StandInRuntime(delay_s=0.5), workers_per_model=1)
     try:
         with daemon.client() as client:
             model = client.load_model(add_model())["id"]
@@ -320,13 +320,13 @@ def test_oversized_and_too_many_frames_are_refused() -> None:
 def test_budget_change_at_run_time_replans_or_is_refused(inproc: InprocDaemon) -> None:
     with inproc.client() as client:
         model = client.load_model(mlp_model())["id"]
-        used = inproc.engine.members()[0]["used_bytes"]
+        used = inproc.runtime.members()[0]["used_bytes"]
         assert client.set_budget("cpu", used + 100) == {"member": "cpu", "budget_bytes": used + 100,
                                                          "replanned": []}
         with pytest.raises(E.BudgetRefused, match="would not fit") as info:
             client.set_budget("cpu", used - 1)
         assert info.value.details["model"] == model
-        assert inproc.engine.budget_of("cpu") == used + 100
+        assert inproc.runtime.budget_of("cpu") == used + 100
         np.testing.assert_array_equal(client.infer(model, {"x": X})[0], reference_run(mlp_model(), {"x": X})[0])
 
 

@@ -1,4 +1,4 @@
-"""The local lane: a real ``vkpool serve`` subprocess (lavapipe, or the stand-in engine where a job
+"""The local lane: a real ``vkpool serve`` subprocess (lavapipe, or the stand-in runtime where a job
 must be slow on purpose), real client processes, jobs on the daemon's Unix stream socket."""
 from __future__ import annotations
 
@@ -155,14 +155,14 @@ def test_lane_jobs_from_several_processes_and_threads_match_in_process_runs(shar
 
 def test_the_ring_carries_small_jobs_the_socket_large_ones_and_wakes_a_sleeping_side(shared: Daemon) -> None:
     """A client that polls gets a ring (the shared daemon polls too): small requests and replies
-    travel in shared memory, one over the ring's slot on the socket; pauses between jobs let the
+    travel in shared memory, one over the ring's half on the socket; pauses between jobs let the
     daemon's lane thread fall asleep, so the wake-up on the socket is needed, and a job slower
     than the client's polling makes the client sleep and be woken."""
-    from vkpool.daemon.lane import RING_SLOT
+    from vkpool.daemon.lane import RING_HALF
 
     small, large = shared.folder / "ring_small.onnx", shared.folder / "ring_large.onnx"
     small.write_bytes(mlp_model(8, 16, seed=3))
-    n = RING_SLOT // 4 + 1000  # float32 input and output each over the slot
+    n = RING_HALF // 4 + 1000  # float32 input and output each over the ring's half
     large.write_bytes(add_model(n, 2.0))
     with shared.client() as client:
         before = settled(client)

@@ -1,9 +1,9 @@
-"""Helpers for the daemon tests: tiny ONNX models, a numpy stand-in engine, daemon launchers.
+"""Helpers for the daemon tests: tiny ONNX models, a numpy stand-in runtime, daemon launchers.
 
-The stand-in engine runs models with ``onnx.reference`` and accounts memory like a pool with
+The stand-in runtime runs models with ``onnx.reference`` and accounts memory like a pool with
 budgets, so protocol, scheduling and failure handling are tested quickly and deterministically
 (a configurable delay per run makes jobs slow on purpose). The end-to-end tests use the real
-engine on the Vulkan device instead.
+runtime on the Vulkan device instead.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def batched_model(n: int = 4) -> bytes:
 
 
 def unsupported_model() -> bytes:
-    """A valid model whose op (Det) no engine here implements."""
+    """A valid model whose op (Det) no runtime here implements."""
     graph = helper.make_graph([helper.make_node("Det", ["x"], ["y"])], "det",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
@@ -102,7 +102,7 @@ def reference_run(model: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray
     return list(ReferenceEvaluator(onnx.load_model_from_string(model)).run(None, feeds))
 
 
-# -- stand-in engine ---------------------------------------------------------------------------
+# -- stand-in runtime ---------------------------------------------------------------------------
 class ModelError(ValueError):
     pass
 
@@ -140,7 +140,7 @@ class _Plan:
 class StandInSession:
     SUPPORTED = {"Add", "MatMul", "Relu", "Mul"}
 
-    def __init__(self, engine: "StandInEngine", model: bytes, delay_s: float,
+    def __init__(self, runtime: "StandInRuntime", model: bytes, delay_s: float,
                  binding: dict[str, Any] | None = None) -> None:
         from onnx.reference import ReferenceEvaluator
 
@@ -153,12 +153,12 @@ class StandInSession:
         if bad:
             raise UnsupportedOp(f"no kernel for {bad}; supported: {sorted(self.SUPPORTED)}")
         need = sum(numpy_helper.to_array(t).nbytes for t in proto.graph.initializer) + 1024
-        member = engine.members_[0]
+        member = runtime.members_[0]
         if member["used_bytes"] + need > member["budget_bytes"]:
             raise DeviceOutOfMemory(f"cpu: cannot allocate {need} bytes; {member['used_bytes']} of "
                                     f"{member['budget_bytes']} in use")
         member["used_bytes"] += need
-        self.engine, self.need, self.delay_s = engine, need, delay_s
+        self.runtime, self.need, self.delay_s = runtime, need, delay_s
         self._ref = ReferenceEvaluator(proto)
         self._inputs = [_Arg(v, binding or {}) for v in proto.graph.input]
         self._outputs = [_Arg(v, binding or {}) for v in proto.graph.output]
@@ -183,11 +183,11 @@ class StandInSession:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.engine.members_[0]["used_bytes"] -= self.need
+            self.runtime.members_[0]["used_bytes"] -= self.need
 
 
-class StandInEngine:
-    """The daemon's Engine contract over onnx.reference, with a single 'cpu' member."""
+class StandInRuntime:
+    """The daemon's Runtime contract over onnx.reference, with a single 'cpu' member."""
 
     def __init__(self, budget_bytes: int = 1 << 20, delay_s: float = 0.0) -> None:
         self.members_ = [{"id": "cpu", "kind": "host", "name": "host CPU", "budget_bytes": budget_bytes,
@@ -207,7 +207,7 @@ class StandInEngine:
     def open(self, source: Path | bytes, binding: dict[str, Any] | None = None,
              batching: dict[str, Any] | None = None) -> StandInSession:
         if batching:
-            raise UnsupportedOp("the stand-in engine does not batch requests")
+            raise UnsupportedOp("the stand-in runtime does not batch requests")
         data = source.read_bytes() if isinstance(source, Path) else bytes(source)
         self.opened += 1
         return StandInSession(self, data, self.delay_s, binding)
@@ -225,7 +225,7 @@ class StandInEngine:
 class InprocDaemon:
     """A Server on an inproc:// endpoint, in a thread of this process."""
 
-    def __init__(self, engine: Any = None, **settings: Any) -> None:
+    def __init__(self, runtime: Any = None, **settings: Any) -> None:
         import zmq
 
         from vkpool.daemon.server import Server
@@ -233,8 +233,8 @@ class InprocDaemon:
 
         self.ctx = zmq.Context()
         self.endpoint = f"inproc://vkpool-test-{id(self)}"
-        self.engine = engine or StandInEngine()
-        self.server = Server(self.engine, DaemonSettings(**settings), self.endpoint, context=self.ctx)
+        self.runtime = runtime or StandInRuntime()
+        self.server = Server(self.runtime, DaemonSettings(**settings), self.endpoint, context=self.ctx)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -283,13 +283,13 @@ def daemon_env() -> dict[str, str]:
 
 def spawn_daemon(endpoint: str, *, config: Path | None = None, stand_in: str | None = None,
                  extra_env: dict[str, str] | None = None, preexec: Any = None) -> subprocess.Popen[bytes]:
-    """``vkpool serve`` in a subprocess; ``stand_in`` is a StandInEngine(...) argument list."""
+    """``vkpool serve`` in a subprocess; ``stand_in`` is a StandInRuntime(...) argument list."""
     code = "import sys; from vkpool.daemon.main import serve; "
     if stand_in is not None:
-        code += f"from test_daemon_support import StandInEngine; engine = StandInEngine({stand_in}); "
+        code += f"from test_daemon_support import StandInRuntime; runtime = StandInRuntime({stand_in}); "
     else:
-        code += "engine = None; "
-    code += f"sys.exit(serve({str(config)!r} if {config is not None} else None, {endpoint!r}, engine=engine))"
+        code += "runtime = None; "
+    code += f"sys.exit(serve({str(config)!r} if {config is not None} else None, {endpoint!r}, runtime=runtime))"
     env = daemon_env()
     env.update(extra_env or {})
     return subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE,
@@ -320,11 +320,11 @@ def inproc() -> Iterator[InprocDaemon]:
 
 
 def test_stand_in_engine_matches_reference() -> None:
-    engine = StandInEngine()
-    session = engine.open(mlp_model())
+    runtime = StandInRuntime()
+    session = runtime.open(mlp_model())
     x = np.arange(8, dtype=np.float32).reshape(1, 8)
     for got, want in zip(session.run(None, {"x": x}), reference_run(mlp_model(), {"x": x})):
         np.testing.assert_array_equal(got, want)
-    assert engine.members()[0]["used_bytes"] == session.need
+    assert runtime.members()[0]["used_bytes"] == session.need
     session.close()
-    assert engine.members()[0]["used_bytes"] == 0
+    assert runtime.members()[0]["used_bytes"] == 0

@@ -1,5 +1,5 @@
 """One mistake, one exception class: the same wrong call raises the in-process exception in a
-``Session`` and a class derived from it through the daemon's client (a real engine on the
+``Session`` and a class derived from it through the daemon's client (a real runtime on the
 Vulkan pool, served in this process)."""
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ WRONG_INPUTS: list[tuple[str, dict[str, Any], type[Exception]]] = [
 @pytest.fixture(scope="module")
 def served(pool: Any) -> Iterator[tuple[Session, Any]]:
     """(an in-process Session of mlp_model, the same model through the daemon's client)."""
-    from vkpool.daemon.engine import Engine
+    from vkpool.daemon.runtime import Runtime
 
-    daemon = InprocDaemon(Engine(pool))
+    daemon = InprocDaemon(Runtime(pool))
     client = daemon.client()
     local = Session(mlp_model(), pool=pool)
     try:
@@ -61,12 +61,12 @@ def test_an_unknown_output_name_raises_the_same_class_both_ways(served: tuple[Se
 
 def test_a_model_too_large_for_the_budgets_raises_a_memory_error_both_ways() -> None:
     from vkpool.config.loader import parse_config
-    from vkpool.daemon.engine import Engine
+    from vkpool.daemon.runtime import Runtime
     from vkpool.pool import DevicePool
 
     small = DevicePool.from_config(parse_config(
         "devices:\n  - match: {name: 'llvmpipe*'}\n    budget: 1MiB\nhost:\n  budget: 1MiB\n"))
-    daemon = InprocDaemon(Engine(small))
+    daemon = InprocDaemon(Runtime(small))
     client = daemon.client()
     try:
         here = raised(lambda: Session(big_model(4 << 20), pool=small))

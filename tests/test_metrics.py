@@ -174,13 +174,13 @@ def test_a_batching_models_runs_are_counted_as_batches() -> None:
     from prometheus_client import generate_latest
 
     from test_daemon_batching import batch_model
-    from vkpool.daemon.engine import Engine
+    from vkpool.daemon.runtime import Runtime
     from vkpool.daemon.metrics import Metrics
     from vkpool.daemon.server import Server
 
     metrics, ctx = Metrics(), zmq.Context()
     endpoint = "inproc://vkpool-test-metrics-batching"
-    server = Server(Engine.from_config(None), DaemonSettings(), endpoint, context=ctx, metrics=metrics)
+    server = Server(Runtime.from_config(None), DaemonSettings(), endpoint, context=ctx, metrics=metrics)
     metrics.watch(server.service, server.stats)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

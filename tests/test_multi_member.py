@@ -18,10 +18,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench import workloads
 from conftest import vulkan_pool
-from vkpool import executor as executor_module
 from vkpool.config.loader import parse_config
 from vkpool.partition.graph import build_graph
 from vkpool.partition.plan import chunk_peak_bytes
+from vkpool.pipeline import RequestStats
 from vkpool.placement import balanced_cut
 from vkpool.session import Session
 
@@ -184,11 +184,10 @@ def test_plan_falls_back_to_cpu_when_vulkan_members_cannot_hold_it(pool4) -> Non
 
 
 @pytest.fixture(params=[True, False], ids=["on-device", "through-host"])
-def link_on_device(request, monkeypatch) -> bool:
-    """Both ways a tensor goes between chunks on one device: kept on the device with a timeline
-    semaphore ordering the chunks, or staged through host memory as between two devices
-    (which split members of one lavapipe device then stand for)."""
-    monkeypatch.setattr(executor_module, "LINK_ON_DEVICE", request.param)
+def link_on_device(request) -> bool:
+    """Both ways a tensor goes between chunks on one device (``Session(link_on_device=...)``):
+    kept on the device with a timeline semaphore ordering the chunks, or staged through host
+    memory as between two devices (which split members of one lavapipe device then stand for)."""
     return request.param
 
 
@@ -199,7 +198,7 @@ def test_branches_on_two_members_run_at_once(pool4, link_on_device: bool) -> Non
     order = graph.graph["order"]
     tower_b = {op for op in order if op.startswith("b")}
     assignment = {op: ("vk0.1" if op in tower_b else "vk0.0") for op in order}
-    with Session(model, pool=pool4, plan=assignment) as session:
+    with Session(model, pool=pool4, plan=assignment, link_on_device=link_on_device) as session:
         chunks = session.plan.chunks
         assert len(chunks) == 3 and chunks[0].succs == [2] and chunks[1].succs == [2]  # two independent towers
         for _ in range(3):
@@ -212,7 +211,7 @@ def test_branches_on_two_members_run_at_once(pool4, link_on_device: bool) -> Non
             assert {mine[0].member, mine[1].member} == {"vk0.0", "vk0.1"}
             assert mine[2].start_ns >= max(mine[0].start_ns, mine[1].start_ns)
             early += mine[2].start_ns < max(mine[0].end_ns, mine[1].end_ns)
-        stages = session.executor.lanes[0].stages
+        stages = session.executor.copies[0].stages
         if link_on_device:
             # the head is submitted right after the towers and waits for them on the device
             # (lavapipe runs each tower for milliseconds, the submissions follow in microseconds)
@@ -234,7 +233,7 @@ def test_four_requests_in_flight_pipeline_over_two_stages(pool4, link_on_device:
         expected = [single.run(None, f)[0] for f in inputs]
     cut = order.index(next(op for op in order if op.startswith("Reshape")))
     assignment = {op: ("vk0.0" if i < cut else "vk0.1") for i, op in enumerate(order)}
-    with Session(model, pool=pool4, plan=assignment) as session:
+    with Session(model, pool=pool4, plan=assignment, link_on_device=link_on_device) as session:
         assert [c.member for c in session.plan.chunks] == ["vk0.0", "vk0.1"]
         futures = [session.submit(f) for f in inputs]
         results = [f.result(timeout=60)[0] for f in futures]
@@ -249,7 +248,7 @@ def test_four_requests_in_flight_pipeline_over_two_stages(pool4, link_on_device:
         assert overlaps, events  # stage 2 of request k was in flight while stage 1 of a later request was
         # each stage holds two runs: a later request's stage 1 was on the device before an
         # earlier one's was seen done (its inputs in the chunk's second slot)
-        assert [s.chunk.slots for s in session.executor.lanes[0].stages] == [2, 2]
+        assert [s.chunk.slots for s in session.executor.copies[0].stages] == [2, 2]
         assert any(stage1[b].start_ns < stage1[a].end_ns for a in stage1 for b in stage1 if b > a), events
         if link_on_device:
             # stage 2 is submitted with stage 1 and waits for it on the device: its submission
@@ -274,12 +273,12 @@ def test_replicas_take_requests_by_load(pool4) -> None:
     model, feeds, expected = _reference("mnist12_like", pool4)
     with Session(model, pool=pool4, devices=["vk0.0", "vk0.1"], objective="throughput") as session:
         assert session.plan.replicas, session.plan.to_text()
-        assert len(session.executor.lanes) == 2
+        assert len(session.executor.copies) == 2
         futures = [session.submit(feeds) for _ in range(8)]
         for f in futures:
             np.testing.assert_array_equal(f.result(timeout=60)[0], expected[0])
-        lanes = {e.lane for e in session.trace()}
-        assert lanes == {0, 1}  # with requests queued on one copy, the next went to the other
+        copies = {e.copy for e in session.trace()}
+        assert copies == {0, 1}  # with requests queued on one copy, the next went to the other
         assert set(session.memory_by_member()) == {"vk0.0", "vk0.1"}
 
 
@@ -291,7 +290,7 @@ def test_given_plan_for_another_model_is_refused(pool4) -> None:
 
 def test_failed_requests_give_their_run_slots_back(pool4) -> None:
     """On a plan whose chunks hand tensors over on the device, each request holds one of the
-    lane's two run slots: requests that fail (a feed of the wrong shape, caught when its chunk
+    plan's two run slots: requests that fail (a feed of the wrong shape, caught when its chunk
     starts) must give theirs back, or the requests after them would wait forever."""
     model, feeds, expected = _reference("conv_few_15MB", pool4)
     with Session(model, pool=pool4, device="vk0.0") as single:
@@ -300,7 +299,7 @@ def test_failed_requests_give_their_run_slots_back(pool4) -> None:
     assignment = {op: ("vk0.0" if i < cut else "vk0.1") for i, op in enumerate(order)}
     with Session(model, pool=pool4, plan=assignment) as session:
         executor = session.executor
-        assert executor.lanes[0].free_slots == [0, 1]
+        assert executor.copies[0].free == [0, 1]
         bad = {name: np.zeros((2, *value.shape), value.dtype) for name, value in feeds.items()}
         futures = [executor.submit(bad) for _ in range(3)] + [executor.submit(feeds) for _ in range(3)]
         for f in futures[:3]:
@@ -309,11 +308,12 @@ def test_failed_requests_give_their_run_slots_back(pool4) -> None:
         output = session.get_outputs()[0].name
         for f in futures[3:]:
             np.testing.assert_array_equal(f.result(timeout=60)[output], expected[0])
-        assert sorted(executor.lanes[0].free_slots) == [0, 1] and not executor.lanes[0].backlog
+        assert sorted(executor.copies[0].free) == [0, 1] and not executor._backlog
+        assert executor.stats() == RequestStats(accepted=6, ok=3, failed=3, pending=0)
 
 
 def test_closing_ends_the_requests_waiting_for_a_run_slot(pool4) -> None:
-    """Requests beyond the lane's two run slots wait for one; closing the session while they
+    """Requests beyond the plan's two run slots wait for one; closing the session while they
     wait ends each of them (a result, or the error that says the session was closed), none hangs."""
     model, feeds, expected = _reference("conv_few_15MB", pool4)
     with Session(model, pool=pool4, device="vk0.0") as single:
@@ -323,7 +323,7 @@ def test_closing_ends_the_requests_waiting_for_a_run_slot(pool4) -> None:
     session = Session(model, pool=pool4, plan=assignment)
     executor = session.executor
     futures = [executor.submit(feeds) for _ in range(8)]
-    assert executor.lanes[0].backlog  # six of them wait for a slot
+    assert len(executor._backlog) == 6  # six of them wait for a slot
     session.close()
     output = session.get_outputs()[0].name
     closed = 0
@@ -333,4 +333,6 @@ def test_closing_ends_the_requests_waiting_for_a_run_slot(pool4) -> None:
         except RuntimeError as exc:
             assert "closed before this request finished" in str(exc)
             closed += 1
-    assert closed >= 1 and not executor.lanes[0].backlog
+    assert closed >= 1 and not executor._backlog
+    counts = executor.stats()
+    assert counts.accepted == 8 and counts.failed == closed and counts.ok == 8 - closed and counts.pending == 0

@@ -49,14 +49,14 @@ def replicated(pool2, mnist):
 def test_each_replica_runs_in_its_own_process_and_results_match_their_requests(pool2, mnist, replicated) -> None:
     _, feeds, expected = mnist
     session, _ = replicated
-    assert session.plan.replicas and len(session.executor.lanes) == 2
+    assert session.plan.replicas and len(session.executor.copies) == 2
     pids = {w.proc.pid for w in session.executor.workers}
     assert len(pids) == 2 and os.getpid() not in pids
-    futures = [session.submit(feeds[k % len(feeds)]) for k in range(24)]  # more than the 2 x 4 slots
+    futures = [session.submit(feeds[k % len(feeds)]) for k in range(24)]  # more than the 2 x 4 mailboxes
     for k, f in enumerate(futures):
         np.testing.assert_array_equal(f.result(timeout=120)[0], expected[k % len(feeds)])
-    lanes = {e.lane for e in session.trace()}
-    assert lanes == {0, 1}  # the least-loaded replica took the requests the other could not
+    copies = {e.copy for e in session.trace()}
+    assert copies == {0, 1}  # the least-loaded replica took the requests the other could not
     np.testing.assert_array_equal(session.run(None, feeds[0])[0], expected[0])
 
 
@@ -139,7 +139,7 @@ def test_a_split_plan_runs_each_chunk_in_its_own_process_and_pipelines(pool2, mn
         assert [c.member for c in session.plan.chunks] == MEMBERS
         pids = {w.proc.pid for w in session.executor.workers}
         assert len(pids) == 2 and os.getpid() not in pids
-        futures = [session.submit(feeds[k % len(feeds)]) for k in range(12)]  # more than the lane's 6 slots
+        futures = [session.submit(feeds[k % len(feeds)]) for k in range(12)]  # more than the copy's 6 mailboxes
         for k, f in enumerate(futures):
             np.testing.assert_array_equal(f.result(timeout=120)[0], expected[k % len(feeds)])
         planned = [(t.tensor, t.src, t.dst) for t in session.executor.planned_transfers]
@@ -178,7 +178,7 @@ def test_branches_in_their_own_processes_join_in_a_third(pool2) -> None:
             assert mine[2].start_ns >= max(mine[0].end_ns, mine[1].end_ns)
 
 
-def test_a_dead_chunk_worker_fails_its_lane_with_the_reason(pool2, mnist) -> None:
+def test_a_dead_chunk_worker_fails_its_copy_with_the_reason(pool2, mnist) -> None:
     model, feeds, expected = mnist
     before = {m: pool2.member(m).used_bytes for m in MEMBERS}
     with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
@@ -192,7 +192,7 @@ def test_a_dead_chunk_worker_fails_its_lane_with_the_reason(pool2, mnist) -> Non
         with pytest.raises(RuntimeError, match="chunk 1 on vk0.1 exited with status -9"):
             session.run(None, feeds[0])
         first = session.executor.workers[0]
-        assert first.proc.wait(timeout=60) == 0  # the lane's other worker was told to stop
+        assert first.proc.wait(timeout=60) == 0  # the copy's other worker was told to stop
     assert {m: pool2.member(m).used_bytes for m in MEMBERS} == before
 
 
@@ -242,7 +242,8 @@ def test_the_session_does_not_keep_the_model_bytes_once_workers_loaded_them(repl
 def test_a_chunk_reads_and_writes_imported_host_memory_in_place(pool2, mnist) -> None:
     import mmap
 
-    from vkpool.executor import build_chunk, stage_nodes
+    from vkpool.executor import build_chunk
+    from vkpool.pipeline import stage_nodes
     from vkpool.memory import HostImport
     from vkpool.model import load_model
 
@@ -279,15 +280,12 @@ def test_a_chunk_reads_and_writes_imported_host_memory_in_place(pool2, mnist) ->
             imp.allocation.free()
 
 
-def test_tensors_crossing_chunks_stay_in_the_shared_slots_where_the_devices_import_them(pool2, mnist,
-                                                                                       monkeypatch) -> None:
-    import vkpool.processes as processes
-
+def test_tensors_crossing_chunks_stay_in_the_shared_mailboxes_where_the_devices_import_them(pool2, mnist) -> None:
     model, feeds, expected = mnist
     can = pool2.member("vk0.0").device.host_import_alignment is not None
     for in_place in (True, False):
-        monkeypatch.setattr(processes, "IN_PLACE", in_place)
-        with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
+        with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True,
+                     in_place=in_place) as session:
             crossing = sorted({t.tensor for t in session.executor.planned_transfers})
             assert crossing and session.executor.in_place == (crossing if in_place and can else [])
             futures = [session.submit(feeds[k]) for k in range(len(feeds))]
@@ -299,7 +297,7 @@ def test_tensors_crossing_chunks_stay_in_the_shared_slots_where_the_devices_impo
 
 def test_replicas_copy_the_models_own_inputs_and_outputs(replicated) -> None:
     session, _ = replicated
-    assert session.executor.in_place == []  # nothing crosses between chunks of a one-chunk lane
+    assert session.executor.in_place == []  # nothing crosses between chunks of a one-chunk copy
 
 
 def test_a_plan_over_software_devices_stays_in_this_process_unless_asked(pool2, mnist) -> None:
@@ -312,6 +310,9 @@ def test_a_plan_over_software_devices_stays_in_this_process_unless_asked(pool2, 
         assert type(session.executor) is PlanExecutor
         assert "Compiled, run by threads of this process:" in session.plan.to_text()
         np.testing.assert_array_equal(session.run(None, feeds[0])[0], expected[0])
+    # the workers' shared mailboxes are what in_place= is about: threads have none, so it is refused
+    with pytest.raises(ValueError, match="in_place=True is for a plan run in worker processes"):
+        Session(model, pool=pool2, plan=dict(_halves(model, pool2)), in_place=True)
     with Session(model, pool=pool2, plan=dict(_halves(model, pool2)), processes=True) as session:
         assert type(session.executor) is ProcessExecutor
         text = session.plan.to_text()

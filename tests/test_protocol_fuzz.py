@@ -1,7 +1,7 @@
 """Property tests of the decoder and of the daemon's answer to anything: whatever msgpack
 structures and frame lists a client sends, decoding either succeeds or raises
 :class:`ProtocolViolation`, a reply always packs, and the daemon answers every message exactly
-once (an in-process daemon on the stand-in engine, see ``test_daemon_support``)."""
+once (an in-process daemon on the stand-in runtime, see ``test_daemon_support``)."""
 from __future__ import annotations
 
 from typing import Any, Iterator
@@ -146,7 +146,7 @@ def test_the_daemon_answers_every_message_once(sender: Sender, data: st.DataObje
     content = data.draw(contents(sender.model))
     raw = data.draw(frames)
     body = [P.DELIMITER, _packed(header), _packed(content), *raw]
-    if data.draw(st.booleans()):  # infer with real tensors now and then, to reach the engine
+    if data.draw(st.booleans()):  # infer with real tensors now and then, to reach the runtime
         x = np.arange(4, dtype=np.float32).reshape(1, 4)
         tensor_metas, tensor_frames = P.tensor_frames([("x", x)])
         body = [P.DELIMITER, _packed({**header, "type": "infer_request"}),

@@ -3,7 +3,7 @@
 A chunk built with ``waits`` runs only once each timeline reaches the value its start gives;
 a chunk built with ``signal`` signals one more value per run. Here the host signals the value a
 chunk waits for, from another thread, so the test sees the run end only after that, with no
-second chunk to finish first. Both submission shapes are covered: the run alone (``TRANSFER_QUEUE="off"``),
+second chunk to finish first. Both submission shapes are covered: the run alone (``transfer_queue: off``),
 and the run between copies on the transfer queue (``"main"``), where the first copy waits and
 the last one signals. Results must equal the ONNX reference evaluator (rtol 1e-4, atol 1e-5).
 Last, a large tensor between two members of one device is written straight into the memory
@@ -31,8 +31,8 @@ def _model() -> bytes:
 
 
 @pytest.fixture(params=["off", "main"])
-def member(request, monkeypatch):
-    pool, member = transfer_queue_pool(request.param, monkeypatch)  # with "main" the input is copied in first
+def member(request):
+    pool, member = transfer_queue_pool(request.param)  # with "main" the input is copied in first
     yield member
     pool.close()
 
@@ -160,7 +160,7 @@ def test_a_large_tensor_between_chunks_on_one_device(member, monkeypatch) -> Non
         with Session(data, pool=pool, device="vk0.0") as one:
             want = one.run(None, feeds)[0]
         with Session(data, pool=pool, plan={"first": "vk0.0", "second": "vk0.1"}, processes=False) as split:
-            producer, consumer = (s.chunk for s in split.executor.lanes[0].stages)
+            producer, consumer = (s.chunk for s in split.executor.copies[0].stages)
             assert producer.tensors["y"].kind == "output" and "y" not in consumer._staged_inputs
             assert not producer._links  # nothing for a transfer queue to copy
             shared = producer._io[0]["y"]  # the device's own memory, not what the host writes inputs to

@@ -1,5 +1,5 @@
 """Copies between a run slot's host memory and the device on a queue of their own
-(``vkpool.device.TRANSFER_QUEUE``), on the real Vulkan device.
+(the config's ``devices[].transfer_queue``), on the real Vulkan device.
 
 Lavapipe has one queue family, so "auto" (the default) gives it no transfer queue; ``"main"`` submits
 the same transfer command buffers, semaphores and landing buffers on the compute queue itself,
@@ -17,7 +17,7 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 import vkpool.device
-from conftest import matmul_model, transfer_queue_pool, vulkan_pool
+from conftest import matmul_model, transfer_queue_pool
 from vkpool.engine import STAGED_OUTPUT_BYTES, VulkanChunk
 from vkpool.model import load_model
 
@@ -38,14 +38,14 @@ def _runs(member, model, feeds: list[dict[str, np.ndarray]], slots: int) -> tupl
 
 
 @pytest.mark.parametrize("mode", ["main", "off"])
-def test_copies_on_their_own_queue_give_the_same_results(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copies_on_their_own_queue_give_the_same_results(mode: str) -> None:
     data = _model()
     model = load_model(data)
     assert ROWS * N * 4 >= STAGED_OUTPUT_BYTES
     rng = np.random.default_rng(9)
     feeds = [{"x": rng.standard_normal((ROWS, K)).astype(np.float32)} for _ in range(6)]
     reference = ReferenceEvaluator(onnx.load_from_string(data))
-    pool, member = transfer_queue_pool(mode, monkeypatch)
+    pool, member = transfer_queue_pool(mode)
     try:
         device = member.device
         chunk, got = _runs(member, model, feeds, slots=2)
@@ -70,7 +70,7 @@ def test_copies_on_their_own_queue_give_the_same_results(mode: str, monkeypatch:
         pool.close()
 
 
-def test_auto_takes_a_transfer_only_family_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_takes_a_transfer_only_family_or_none() -> None:
     from vkpool import vk
     from vkpool.device import choose_transfer_family
 
@@ -79,7 +79,7 @@ def test_auto_takes_a_transfer_only_family_or_none(monkeypatch: pytest.MonkeyPat
     assert choose_transfer_family([main]) is None  # lavapipe's one family
     assert choose_transfer_family([main, b.VK_QUEUE_TRANSFER_BIT, b.VK_QUEUE_COMPUTE_BIT]) == 1  # NVIDIA's order
     assert choose_transfer_family([main, b.VK_QUEUE_COMPUTE_BIT | b.VK_QUEUE_TRANSFER_BIT]) is None
-    pool, member = transfer_queue_pool("auto", monkeypatch)
+    pool, member = transfer_queue_pool("auto")
     try:
         device = member.device
         assert device.transfer_family == choose_transfer_family(device.queue_flags)
@@ -88,7 +88,12 @@ def test_auto_takes_a_transfer_only_family_or_none(monkeypatch: pytest.MonkeyPat
         pool.close()
 
 
-def test_an_unknown_mode_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vkpool.device, "TRANSFER_QUEUE", "sometimes")
-    with pytest.raises(ValueError, match="'sometimes' \\(VKPOOL_TRANSFER_QUEUE\\): use one of auto, off, main"):
-        vulkan_pool()
+def test_an_unknown_mode_is_refused_naming_the_key(pool) -> None:
+    from vkpool.config.loader import ConfigError, parse_config
+
+    text = "devices:\n  - match: {index: 0}\n    transfer_queue: sometimes\n"
+    with pytest.raises(ConfigError, match="devices\\[0\\].transfer_queue: must be one of auto, off, main "
+                                          "\\(got 'sometimes'\\)"):
+        parse_config(text, "vkpool.yaml")
+    with pytest.raises(ValueError, match="transfer queue mode 'sometimes': use one of auto, off, main"):
+        vkpool.device.LogicalDevice(pool.vulkan_members[0].info, "sometimes")

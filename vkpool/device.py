@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import numpy as np
 
 from vkpool import shaders, vk
 from vkpool.cache import cache_dir, write_atomic
+from vkpool.config.loader import TRANSFER_QUEUE_MODES
 from vkpool.discovery import PhysicalDeviceInfo
 from vkpool.kernels.base import DeviceCaps, UnsupportedOp
 
@@ -35,19 +35,6 @@ class Counters:
 #: bounds of the window in which :meth:`LogicalDevice.wait` polls a fence before blocking
 WAIT_POLL_MIN_S = 0.0002
 WAIT_POLL_MAX_S = 0.005
-#: which queue runs the copies between a run slot's host memory and device memory
-#: (:meth:`LogicalDevice.submission` with ``before``/``after``): ``"auto"`` a queue of a
-#: transfer-only family where the device has one (copies then overlap other runs' compute),
-#: else none; ``"off"`` none (copies are copy shaders in the run's own command buffer);
-#: ``"main"`` separate submissions on the compute queue itself, which overlaps nothing and
-#: exists to check the mechanism on devices without a transfer family. Read when a device is
-#: created; the environment variable ``VKPOOL_TRANSFER_QUEUE`` sets it for a process and the
-#: worker processes it starts. Only chunks with several run slots (plans' chunks, replicas)
-#: use it. "auto" by default: on two H200s it gave plans split over both GPUs lower latency at
-#: the same throughput (docs/benchmarks.md, "Several GPUs"; one product with 16 MiB inputs
-#: and outputs ran 6 % slower with it, ``bench/transfer_queue.py``).
-TRANSFER_QUEUE = os.environ.get("VKPOOL_TRANSFER_QUEUE", "auto")
-TRANSFER_QUEUE_MODES = ("auto", "off", "main")
 
 
 @dataclass(eq=False)
@@ -88,7 +75,20 @@ class Submission:
 
 
 class LogicalDevice:
-    def __init__(self, info: PhysicalDeviceInfo) -> None:
+    def __init__(self, info: PhysicalDeviceInfo, transfer_queue: str = "auto") -> None:
+        if transfer_queue not in TRANSFER_QUEUE_MODES:
+            raise ValueError(f"transfer queue mode {transfer_queue!r}: use one of {', '.join(TRANSFER_QUEUE_MODES)}")
+        # which queue runs the copies between a run slot's host memory and device memory
+        # (:meth:`submission` with ``before``/``after``; the ``transfer_queue`` of the device's
+        # config rule): "auto" a queue of a transfer-only family where the device has one (copies
+        # then overlap other runs' compute), else none; "off" none (copies are copy shaders in the
+        # run's own command buffer); "main" separate submissions on the compute queue itself, which
+        # overlaps nothing and exists to check the mechanism on devices without a transfer family.
+        # Only chunks with several run slots (plans' chunks, replicas) use it. "auto" by default: on
+        # two H200s it gave plans split over both GPUs lower latency at the same throughput
+        # (docs/benchmarks.md, "Several GPUs"; one product with 16 MiB inputs and outputs ran 6 %
+        # slower with it, bench/transfer_queue.py).
+        self.transfer_queue_mode = transfer_queue
         if not info.usable:
             raise vk.VulkanUnavailable(f"device {info.index} ({info.name}) cannot be used: {info.unusable_reason}")
         self.info = info
@@ -135,11 +135,9 @@ class LogicalDevice:
         if family is None:
             raise vk.VulkanUnavailable(f"{info.name} has no compute queue")
         self.queue_family = family
-        if TRANSFER_QUEUE not in TRANSFER_QUEUE_MODES:
-            raise ValueError(f"transfer queue mode {TRANSFER_QUEUE!r} (VKPOOL_TRANSFER_QUEUE): use one of "
-                             f"{', '.join(TRANSFER_QUEUE_MODES)}")
         #: the family of the queue that runs run slots' copies (None: copies are copy shaders)
-        self.transfer_family: int | None = {"auto": choose_transfer_family(flags), "main": family}.get(TRANSFER_QUEUE)
+        self.transfer_family: int | None = {"auto": choose_transfer_family(flags), "main": family}.get(
+            self.transfer_queue_mode)
         families = list(dict.fromkeys([family, self.transfer_family if self.transfer_family is not None else family]))
         priority = ffi.new("float[]", [1.0])
         qinfo = ffi.new("VkDeviceQueueCreateInfo[]", [{

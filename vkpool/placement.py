@@ -81,10 +81,10 @@ class MultiMemberPlan:
 
         out = to_json_dict(self.partition_plan)
         out["compiled"] = [
-            {"lane": lane.index, "chunk": stage.index, "member": stage.member.id, "ops": len(stage.nodes),
+            {"copy": copy.index, "chunk": stage.index, "member": stage.member.id, "ops": len(stage.nodes),
              "weights": stage.chunk.stats.weight_bytes, "activations": stage.chunk.stats.arena_bytes,
              "io": stage.chunk.stats.io_bytes, "dispatches": stage.chunk.stats.dispatches}
-            for lane in self._executor.lanes for stage in lane.stages
+            for copy in self._executor.copies for stage in copy.stages
         ]
         return out
 
@@ -95,10 +95,10 @@ class MultiMemberPlan:
         from vkpool.partition.render import to_text
 
         lines = [to_text(self.partition_plan).rstrip("\n"), "", f"Compiled, run by {self._executor.runs_in}:"]
-        for lane in self._executor.lanes:
-            for stage in lane.stages:
+        for copy in self._executor.copies:
+            for stage in copy.stages:
                 s = stage.chunk.stats
-                where = f"chunk {stage.index}" if lane.index == 0 else f"replica {lane.index}"
+                where = f"chunk {stage.index}" if copy.index == 0 else f"replica {copy.index}"
                 lines.append(f"  {where} on {stage.member.id}: {len(stage.nodes)} ops, "
                              f"{s.dispatches} dispatches; weights {format_size(s.weight_bytes)}, "
                              f"activations {format_size(s.arena_bytes)}, inputs/outputs {format_size(s.io_bytes)}")

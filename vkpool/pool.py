@@ -258,11 +258,11 @@ class DevicePool:
         members: list[Member] = []
         splits = Counter(info.index for _, info, _, _ in plan)
         for member_id, info, budget, split_index in plan:
+            rule = next((r for r in cfg.devices if matches(info, r.match)), None)
             if info.index not in devices:
-                devices[info.index] = LogicalDevice(info)
+                devices[info.index] = LogicalDevice(info, rule.transfer_queue if rule is not None else "auto")
             key = member_key(info.uuid, split_index, splits[info.index])
             members.append(VulkanMember(member_id, info, devices[info.index], budget, split_index, key))
-            rule = next((r for r in cfg.devices if matches(info, r.match)), None)
             members[-1].cost_override = dict(rule.cost) if rule is not None else {}
         if cfg.host.enabled:
             members.append(HostMember(parse_size(cfg.host.budget), HOST_KEY))

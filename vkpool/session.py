@@ -15,6 +15,7 @@ from vkpool.kernels.base import OpError, UnsupportedOp
 from vkpool.kernels.registry import unsupported_in
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel, ModelError, UnboundDims, load_model
+from vkpool.pipeline import InlineRunner
 from vkpool.pool import DevicePool, HostMember, Member, VulkanMember
 
 ORT_TYPES = {
@@ -68,7 +69,14 @@ class Session:
     replicates the model (a plan split over members of one device runs in threads, where its
     chunks hand tensors over on the device: ``docs/execution.md``), True
     asks for it on any Vulkan members (one member included), False keeps everything in this
-    process.
+    process. ``link_on_device``: chunks of a plan in this process that share a device hand
+    tensors over on the device, ordered by timeline semaphores (the default), or with False
+    through host memory as between devices (13 µs faster for a tiny mlp split on one H200, slower
+    or equal for the other workloads measured: ``docs/execution.md``). ``in_place``: worker
+    processes whose devices import host memory read and write the tensors crossing between
+    chunks in the shared mailboxes themselves instead of copying them (off by default, slower on the
+    H200s measured: :class:`vkpool.processes.ProcessExecutor`); refused unless the plan runs in
+    worker processes.
 
     A model whose shapes depend on run-time values (NonZero of a computed tensor, TopK with a
     computed k, a Range of computed bounds, ...) is cut there (:mod:`vkpool.dynamic`): the part
@@ -109,10 +117,13 @@ class Session:
         max_batch: int | None = None,
         max_queue_delay: float = 0.0,
         shape_cache: int | None = None,
+        link_on_device: bool = True,
+        in_place: bool = False,
     ) -> None:
         self._own_pool = pool is None
         self._source = (model if isinstance(model, (bytes, bytearray)) else os.fspath(model), batch, dict(dims or {}))
         self._processes = processes
+        self._handover = {"link_on_device": link_on_device, "in_place": in_place}
         self.pool = pool if pool is not None else DevicePool.from_config(None if config is None else str(config))
         self._reset()
         try:
@@ -136,7 +147,7 @@ class Session:
                                      "give dims= for every other symbolic input dim")
                 self._batcher = self._make_batcher(
                     model, dict(dims or {}), max_batch, max_queue_delay,
-                    dict(device=device, devices=devices, objective=objective, processes=processes))
+                    dict(device=device, devices=devices, objective=objective, processes=processes, **self._handover))
         except BaseException:
             self.close()
             raise
@@ -145,12 +156,13 @@ class Session:
 
     @classmethod
     def _part(cls, model: LoadedModel, pool: DevicePool, device: str | None, devices: Sequence[str] | None,
-              objective: str, suffix_cache: int | None) -> Session:
+              objective: str, suffix_cache: int | None, link_on_device: bool = True) -> Session:
         """A session on ``model``, a part of a cut model (:mod:`vkpool.dynamic`), on the same pool
         and placed as the whole model's session was asked to be."""
         self = cls.__new__(cls)
         self._own_pool = False
         self._source, self._processes = None, False  # a part is compiled from the loaded graph
+        self._handover = {"link_on_device": link_on_device, "in_place": False}
         self.pool = pool
         self._reset()
         try:
@@ -164,6 +176,7 @@ class Session:
         self._batcher: Any = None
         self._chunk: Any = None
         self._executor: Any = None
+        self._runner: Any = None  # what runs requests (vkpool.pipeline): every run and submit goes to it
         self._placement: Any = None
         self._placement_members: list[Any] = []
         self.dynamic: Any = None
@@ -208,11 +221,13 @@ class Session:
                              "to plan each part over those members")
         size = SUFFIX_CACHE_SIZE if suffix_cache is None else int(suffix_cache)
         pool = self.pool  # not self: the parts must not keep this session alive
+        link_on_device = self._handover["link_on_device"]
 
         def compile_static(part: LoadedModel) -> Session:
-            return Session._part(part, pool, device, devices, objective, size)
+            return Session._part(part, pool, device, devices, objective, size, link_on_device)
 
         self.dynamic = DynamicModel(graph, split, compile_static, size)
+        self._runner = InlineRunner(self.dynamic.run, self.dynamic.close)
         if self.dynamic.prefix is not None:
             self.member = self.dynamic.prefix.member
         else:
@@ -235,19 +250,20 @@ class Session:
         assert self._source is not None
         source, batch, dims = self._source
         pool = self.pool  # not self: the sessions per shape must not keep this one alive
+        link_on_device = self._handover["link_on_device"]
 
         def compile_shapes(shapes: dict[str, tuple[int, ...]]) -> Session:
             where = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
             try:
                 part = load_model(source, batch=batch, dims=dims, partial=True, shapes=shapes)
-                return Session._part(part, pool, device, devices, objective, suffix_cache)
+                return Session._part(part, pool, device, devices, objective, suffix_cache, link_on_device)
             except (ModelError, OpError, UnsupportedOp) as exc:
                 raise type(exc)(f"the model cannot run with input shapes {where}: {exc}") from exc
 
         self.shapes = ShapeSessions(compile_shapes, SHAPE_CACHE_SIZE if shape_cache is None else int(shape_cache))
 
     def _compiled_here(self) -> bool:
-        return self._chunk is not None or self._executor is not None or self.dynamic is not None
+        return self._runner is not None
 
     def _other_shapes(self, feeds: Mapping[str, np.ndarray]) -> bool:
         """Whether ``feeds`` run on a session compiled for their shapes rather than on this one."""
@@ -328,8 +344,10 @@ class Session:
         self._chunk_outputs = [name for name, _ in m.outputs if name not in m.constants]
         self._chunk_inputs = [name for name, _ in m.inputs if name in used or name in self._chunk_outputs]
         cls = VulkanChunk if isinstance(member, VulkanMember) else HostChunk
-        self._chunk = cls(member, m.nodes, dict(m.tensors), m.constants, self._chunk_inputs,
-                          self._chunk_outputs, m.opset)
+        chunk = self._chunk = cls(member, m.nodes, dict(m.tensors), m.constants, self._chunk_inputs,
+                                  self._chunk_outputs, m.opset)
+        inputs = self._chunk_inputs
+        self._runner = InlineRunner(lambda feeds: chunk.run({n: feeds[n] for n in inputs}), chunk.close)
         self.member = member
 
     def _planner_members(self, ids: Sequence[str]) -> list[Any]:
@@ -410,7 +428,7 @@ class Session:
         from vkpool.executor import MemberGroup
         from vkpool.placement import MultiMemberPlan
 
-        self._executor = self._run_plan(plan, graph)
+        self._executor = self._runner = self._run_plan(plan, graph)
         self._placement = plan
         self._chunk_plan = MultiMemberPlan(self._executor.plan, graph, self._executor)
         self.member = MemberGroup([self.pool.member(i) for i in self._executor.members])
@@ -430,8 +448,12 @@ class Session:
             and (len({m.info.index for m in members}) > 1 or (len(members) > 1 and bool(plan.replicas))))
         if chosen:
             source, batch, dims = self._source
-            return ProcessExecutor(self.pool, self.model, plan, graph, source, batch, dims)
-        return PlanExecutor(self.pool, self.model, plan, graph)
+            return ProcessExecutor(self.pool, self.model, plan, graph, source, batch, dims,
+                                   in_place=self._handover["in_place"])
+        if self._handover["in_place"]:
+            raise ValueError("in_place=True is for a plan run in worker processes, and this one runs in threads "
+                             "of this process: give processes=True, or leave in_place unset")
+        return PlanExecutor(self.pool, self.model, plan, graph, link_on_device=self._handover["link_on_device"])
 
     # -- ONNX Runtime-shaped API ----------------------------------------------------------------
     def get_inputs(self, symbolic: bool = False) -> list[NodeArg]:
@@ -456,12 +478,8 @@ class Session:
         names = self._output_list(output_names)
         if self._other_shapes(feeds):
             produced = self.shapes.run(names, feeds)
-        elif self.dynamic is not None:
-            produced = self.dynamic.run(feeds)
-        elif self._executor is not None:
-            produced = self._executor.run(feeds)
         else:
-            produced = self._chunk.run({n: feeds[n] for n in self._chunk_inputs})
+            produced = self._runner.run(feeds)
         return self._select(names, produced)
 
     def submit(self, input_feed: Mapping[str, Any], output_names: Sequence[str] | None = None) -> Future:
@@ -469,22 +487,24 @@ class Session:
 
         On a plan over several members, requests submitted back to back are pipelined: one
         member runs a later request's chunk while another runs an earlier one's. On one
-        member, and for a cut model, the run happens before this returns.
+        member, and for a cut model, the run happens before this returns. Feeds that do not
+        fit the model are refused here (:class:`~vkpool.errors.InvalidInput`); an error while
+        running is the future's.
         """
         if self._closed:
             raise RuntimeError("the session is closed")
         if self._batcher is not None:
             return self._batcher.submit(input_feed, output_names)
-        if self._executor is None or self._other_shapes(self._check_feeds(input_feed)):
+        feeds = self._check_feeds(input_feed)
+        names = self._output_list(output_names)
+        if self._other_shapes(feeds):
             done: Future = Future()
             try:
-                done.set_result(self.run(output_names, input_feed))
+                done.set_result(self._select(names, self.shapes.run(names, feeds)))
             except Exception as exc:
                 done.set_exception(exc)
             return done
-        feeds = self._check_feeds(input_feed)
-        names = self._output_list(output_names)
-        return self._executor.submit(feeds, lambda produced: self._select(names, produced))
+        return self._runner.submit(feeds, lambda produced: self._select(names, produced))
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
         all_outputs = [n for n, _ in self.model.outputs]
@@ -587,7 +607,16 @@ class Session:
             from vkpool.engine import ChunkStats
 
             return self.dynamic.prefix.stats if self.dynamic.prefix is not None else ChunkStats()
-        return self._executor.stats() if self._executor is not None else self._chunk.stats
+        return self._executor.chunk_stats() if self._executor is not None else self._chunk.stats
+
+    @property
+    def runner(self) -> Any:
+        """What runs this session's requests (:mod:`vkpool.pipeline`): an
+        :class:`~vkpool.pipeline.InlineRunner` (one member, a cut model), or the plan's executor;
+        for a model whose symbolic input dims each run binds, the runner of the shapes the last
+        run had (None before the first run)."""
+        latest = self._latest()
+        return latest.runner if latest is not None else self._runner
 
     @property
     def executor(self) -> Any:
@@ -608,15 +637,9 @@ class Session:
                 self._batcher.close()
                 self._batcher.runner.close()
                 self._batcher = None
-            if self._chunk is not None:
-                self._chunk.close()
-                self._chunk = None
-            if self._executor is not None:
-                self._executor.close()
-                self._executor = None
-            if self.dynamic is not None:
-                self.dynamic.close()
-                self.dynamic = None
+            if self._runner is not None:  # it closes what it runs: the chunk, the plan's, the cut model's parts
+                self._runner.close()
+                self._runner = self._chunk = self._executor = self.dynamic = None
             if self.shapes is not None:
                 self.shapes.close()
                 self.shapes = None

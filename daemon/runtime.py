@@ -1,6 +1,6 @@
 """The daemon's view of the runtime: one device pool, sessions opened on it, error mapping.
 
-Everything the daemon asks of the engine goes through :class:`Engine`, so tests can hand the
+Everything the daemon asks of the runtime goes through :class:`Runtime`, so tests can hand the
 server another object with the same methods.
 """
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Any, Mapping
 from vkpool.daemon.protocol import ProtocolViolation
 
 
-class Engine:
+class Runtime:
     """vkpool's runtime: a :class:`vkpool.pool.DevicePool` shared by every loaded model."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
 
     @classmethod
-    def from_config(cls, config: Any) -> "Engine":
+    def from_config(cls, config: Any) -> "Runtime":
         """``config``: a path, a parsed config object, or None for the default."""
         from vkpool.pool import DevicePool
 
@@ -100,7 +100,7 @@ class _RenderedPlan:
 
 
 def classify(exc: BaseException) -> ProtocolViolation:
-    """The error reply for an exception raised by the engine."""
+    """The error reply for an exception raised by the runtime."""
     if isinstance(exc, ProtocolViolation):
         return exc
     names = {cls.__name__ for cls in type(exc).__mro__}
