@@ -71,7 +71,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from vkpool import vk
-from vkpool.engine import ChunkStats
+from vkpool.engine import ChunkStats, copy_out
 from vkpool.executor import RUN_SLOTS
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel
@@ -424,7 +424,7 @@ class ProcessExecutor(Pipeline):
 
     def _outputs(self, request: Request) -> dict[str, np.ndarray]:
         views = self._homes[request.copy.index].views[request.place]  # type: ignore[union-attr]
-        return {name: views[name].copy() if name in views else np.array(request.feeds[name], copy=True)
+        return {name: copy_out(views[name]) if name in views else np.array(request.feeds[name], copy=True)
                 for name in self._output_names}
 
     def _after_submit(self) -> None:
