@@ -62,12 +62,12 @@ def run_plan(args: argparse.Namespace) -> int:
     from vkpool.partition.cost import load_device_spec
     from vkpool.partition.render import render
 
-    if args.remote is not None:
-        return run_remote_plan(args)
     if args.cluster:
         from vkpool.cluster.cli import run_cluster_plan
 
         return run_cluster_plan(args)
+    if args.remote is not None:
+        return run_remote_plan(args)
     members = apply_budgets(load_device_spec(args.devices), args.budget) if args.devices else pool_members(args.budget)
     model = _static_model(args.model, args.batch or 1)
     G, plan = place_model(model, members, objective=args.objective or "latency", algorithm=args.algorithm or "dp",

@@ -190,6 +190,11 @@ links:
     assert main(["plan", str(mnist[0]), "--cluster", str(spec), "--budget", "a/gpu0=20KiB",
                  "--budget", "b/gpu0=20KiB"]) == 1
     assert "no member's budget holds the whole model" in capsys.readouterr().err
+    # what the cluster decides, or cannot do, is refused with the reason
+    assert main(["plan", str(mnist[0]), "--cluster", str(spec), "--remote"]) == 1
+    assert "drop --devices and --remote" in capsys.readouterr().err
+    assert main(["serve", "--cluster", "127.0.0.1:1", "--detach"]) == 2
+    assert "--detach cannot be honoured here" in capsys.readouterr().err
 
 
 def test_serve_cluster_offers_the_cluster_to_a_daemon_client(cluster: Any, mnist: Any) -> None:
