@@ -107,6 +107,22 @@ def test_the_cluster_pool_lists_every_nodes_members(cluster: Any, capsys: pytest
     assert "n0/vk0.0" in text and "n1/vk0.1" in text and "64 MiB" in text
 
 
+def test_the_gpus_ray_gives_a_node_are_its_vulkan_devices_of_those_uuids() -> None:
+    from vkpool.cluster.node import node_pool, ray_gpu_uuids
+
+    pool = vulkan_pool()
+    uuid = pool.vulkan_members[0].info.uuid
+    pool.close()
+    assert ray_gpu_uuids([f"GPU-{uuid.upper()}"]) == [uuid.lower()]
+    given = node_pool([uuid])
+    try:
+        assert [m.info.uuid for m in given.vulkan_members] == [uuid]
+    finally:
+        given.close()
+    with pytest.raises(RuntimeError, match="that no Vulkan device has"):
+        node_pool(["00000000-0000-0000-0000-00000000beef"])
+
+
 def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, mnist: Any) -> None:
     path, feeds, want = mnist
     with cluster[1].session(path, budgets=split_budgets()) as session:

@@ -18,7 +18,6 @@ import os
 import socket
 import subprocess
 import threading
-import time
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
@@ -164,7 +163,6 @@ class NodeActor:
         self.opened: dict[str, Any] = {}
         self.link: dict[str, float] | None = None
         self._lock = threading.Lock()
-        self.started = time.time()
 
     # -- what the node has ---------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
