@@ -229,6 +229,9 @@ def test_serve_cluster_offers_the_cluster_to_a_daemon_client(cluster: Any, mnist
                 remote = client.session(str(path))
                 assert_same(remote.run(None, feeds), want)
                 assert set(remote.info["members"]) <= {"n0/vk0.0", "n1/vk0.1"}
+                status = client.status()
+                assert {m["id"] for m in status["members"]} == {"n0/vk0.0", "n1/vk0.1"}
+                assert [m["id"] for m in status["models"]] == [remote.model_id]
                 remote.close()
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -237,6 +240,38 @@ def test_serve_cluster_offers_the_cluster_to_a_daemon_client(cluster: Any, mnist
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_replicas_batch_the_requests_of_each_node(cluster: Any, mnist: Any, tmp_path: Path) -> None:
+    import onnx
+
+    path, feeds, want = mnist
+    batched = tmp_path / "mnist-batch.onnx"
+    onnx.save_model(workloads.symbolic_batch(onnx.load(path)), batched)
+    with cluster[1].session(batched, objective="throughput", max_batch=4, max_queue_delay=0.01) as session:
+        assert len(session.lanes) == 2
+        futures = [session.submit(feeds) for _ in range(16)]
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+        figures = session.batching
+        assert [f["max_batch"] for f in figures] == [4, 4]
+        assert sum(f["requests"] for f in figures) == 16
+    with pytest.raises(ValueError, match="max_batch batches requests on one member"):
+        cluster[1].session(batched, budgets=split_budgets(), max_batch=4)
+
+
+def test_links_given_instead_of_measured_price_the_plan(cluster: Any, mnist: Any, tmp_path: Path) -> None:
+    measured = {name: link.to_dict() for name, link in cluster[1].links().items()}
+    args = [str(mnist[0]), "--cluster", address(cluster), *[f"--budget={k}={v}" for k, v in split_budgets().items()]]
+    try:
+        cluster[1].set_links({"default": {"bytes_per_s": 1e6, "latency_s": 0.5}})
+        slow = shown(*args, tmp=tmp_path)
+        assert slow["latency_s"] > 1.0  # a trip over each link: the feeds in, the hop, the outputs out
+        with pytest.raises(KeyError, match="no vkpool node"):
+            cluster[1].set_links({"n7": {"bytes_per_s": 1e6, "latency_s": 0.5}})
+    finally:
+        cluster[1].set_links(measured)
+    assert shown(*args, tmp=tmp_path)["latency_s"] < slow["latency_s"]
 
 
 # -- faults: these kill a node's actor, so they come last ------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vkpool.cluster.links import Link, cluster_members, load_cluster_spec, measure_link
+from vkpool.cluster.links import Link, cluster_members, load_cluster_spec, measure_link, read_links
 
 #: the Ray namespace of vkpool's actors, so that every driver finds the same ones
 NAMESPACE = "vkpool"
@@ -33,11 +33,15 @@ def _ray() -> Any:
     return ray
 
 
-def connect(address: str | None = None) -> Cluster:
+def connect(address: str | None = None, *, links: Any = None) -> Cluster:
     """The vkpool nodes of the Ray cluster at ``address`` (``host:port`` of its head, or
     ``ray://...``; None: ``$RAY_ADDRESS``, else the cluster running on this machine). A process
-    already connected to Ray keeps its connection."""
-    return Cluster(address)
+    already connected to Ray keeps its connection. ``links``: the nodes' links instead of those
+    measured (:meth:`Cluster.set_links`)."""
+    cluster = Cluster(address)
+    if links is not None:
+        cluster.set_links(links)
+    return cluster
 
 
 class Cluster:
@@ -106,6 +110,21 @@ class Cluster:
             out.append({**d, "node": name})
         return out
 
+    def set_links(self, links: Any) -> None:
+        """Gives the nodes these links (:func:`vkpool.cluster.links.read_links`: a mapping by node
+        name or ``default``, or a cluster spec file) for every later plan, of every driver."""
+        from vkpool.cluster.links import read_links
+
+        given = read_links(links)
+        unknown = sorted(set(given) - set(self.actors) - {"default"})
+        if unknown:
+            raise KeyError(f"links name no vkpool node {unknown}; nodes: {', '.join(self.actors)}")
+        for name, actor in self.actors.items():
+            link = given.get(name, given.get("default"))
+            if link is not None:
+                _ray().get(actor.set_link.remote(link.to_dict()))
+                self._links[name] = link.to_dict()
+
     @property
     def nodes(self) -> list[str]:
         return list(self.actors)
@@ -152,4 +171,4 @@ class Cluster:
         self.close()
 
 
-__all__ = ["connect", "Cluster", "Link", "cluster_members", "load_cluster_spec", "measure_link"]
+__all__ = ["connect", "Cluster", "Link", "cluster_members", "load_cluster_spec", "measure_link", "read_links"]

@@ -83,19 +83,27 @@ def cluster_members(nodes: Sequence[Mapping[str, Any]], budgets: Mapping[str, in
     return [m for m in out if m.kind == "vulkan"] + [m for m in out if m.kind != "vulkan"]
 
 
+def read_links(source: str | Path | Mapping[str, Any]) -> dict[str, Link]:
+    """Links by node name (or ``default``): a mapping of :class:`Link` or of their two figures,
+    or a YAML file (a cluster spec file) with such a ``links`` mapping."""
+    where = "links"
+    if isinstance(source, (str, Path)):
+        import yaml
+
+        where = f"{source}: links"
+        data = yaml.safe_load(Path(source).read_text())
+        source = data.get("links") if isinstance(data, dict) else None
+    if not isinstance(source, Mapping) or not source:
+        raise ValueError(f"{where}: expected a mapping of node name (or default) → {{bytes_per_s, latency_s}}")
+    return {str(k): v if isinstance(v, Link) else Link.from_dict(v or {}, f"{where}.{k}") for k, v in source.items()}
+
+
 def load_cluster_spec(path: str | Path) -> list[Member]:
     """The members of a cluster spec file (see the module doc), links folded in."""
-    import yaml
-
     from vkpool.partition.cost import load_device_spec
 
     members = load_device_spec(path)
-    data = yaml.safe_load(Path(path).read_text())
-    links = data.get("links")
-    if not isinstance(links, dict) or not links:
-        raise ValueError(f"{path}: a cluster spec needs 'links': node name (or default) → "
-                         "{bytes_per_s, latency_s}")
-    parsed = {str(k): Link.from_dict(v or {}, f"{path}: links.{k}") for k, v in links.items()}
+    parsed = read_links(path)
     out = []
     for m in members:
         try:

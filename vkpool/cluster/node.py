@@ -259,6 +259,11 @@ class NodeActor:
             merged.update(part)
         return self._get(key).run(indices, merged)
 
+    def batching(self, key: str) -> dict[str, Any] | None:
+        """The batcher's figures of a replica opened with ``max_batch`` (None without)."""
+        opened = self._get(key)
+        return opened.batching if not isinstance(opened, _Chunks) else None
+
     def memory_by_member(self, key: str) -> dict[str, int]:
         return self._get(key).memory_by_member()
 

@@ -379,6 +379,14 @@ class ClusterSession:
 
         return ClusterPlan(self.placement, self.graph)
 
+    @property
+    def batching(self) -> list[dict[str, Any] | None]:
+        """Per lane, the figures of its node's batcher (:attr:`vkpool.Session.batching`; None:
+        the lane does not batch, or is down)."""
+        return [None if lane.down is not None or lane.member is None
+                else self._ray.get(self.cluster.actors[lane.nodes[0]].batching.remote(lane.key))
+                for lane in self._lanes]
+
     def memory_by_member(self) -> dict[str, int]:
         """What the model holds on each cluster member, as the nodes' actors count it."""
         out: dict[str, int] = {}
