@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import threading
+from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
@@ -110,12 +111,14 @@ class _Chunks:
                    for m, _ in chunks]
         self.stages = stage_nodes(model, [[index_of[op] for op in ops] for _, ops in chunks], members)
         self.compiled: dict[int, Any] = {}
-        self.locks: dict[int, threading.Lock] = {}
+        # a Vulkan chunk takes runs from several threads (each in a run slot of its own); a host
+        # chunk one at a time
+        self.locks: dict[int, Any] = {}
         try:
             for stage, (member, _) in zip(self.stages, chunks):
                 if member.startswith(prefix):
                     self.compiled[stage.index] = build_chunk(model, stage)
-                    self.locks[stage.index] = threading.Lock()
+                    self.locks[stage.index] = threading.Lock() if stage.member.kind == "host" else nullcontext()
         except BaseException:
             self.close()
             raise
@@ -247,7 +250,7 @@ class NodeActor:
     def run(self, key: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """One request on a replica: every output, in the model's order."""
         session = self._get(key)
-        if session.batching is not None:
+        if session.batch_runner is not None:  # the request joins a batch
             return session.submit(feeds).result()
         return session.run(None, feeds)
 
