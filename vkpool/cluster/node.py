@@ -214,8 +214,7 @@ class NodeActor:
 
         self._check_member(member)
         session = Session(model, device=member, pool=self.pool, **options)
-        with self._lock:
-            self.opened[key] = session
+        self._keep(key, session)
         return [o.name for o in session.get_outputs()]
 
     def open_chunks(self, key: str, model: bytes, node: str, member_of: dict[str, str],
@@ -233,9 +232,15 @@ class NodeActor:
             where, _, local = member.rpartition("/")
             if where == node:
                 self._check_member(local)
-        opened = _Chunks(self.pool, loaded, member_of, chunks, node)
+        self._keep(key, _Chunks(self.pool, loaded, member_of, chunks, node))
+
+    def _keep(self, key: str, opened: Any) -> None:
+        """Keeps what was opened under ``key``, closing what an earlier open left there."""
         with self._lock:
+            earlier = self.opened.get(key)
             self.opened[key] = opened
+        if earlier is not None:
+            earlier.close()
 
     def _check_member(self, member: str) -> None:
         if member not in self.offered:

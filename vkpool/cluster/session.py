@@ -332,6 +332,10 @@ class ClusterSession:
                     continue
                 with self._lock:
                     lane.down = None
+                    closed = self._closed
+                if closed:  # close() may have run before this lane was opened again
+                    for node in lane.nodes:
+                        self.cluster.actors[node].close.remote(lane.key)
             time.sleep(REVIVE_EVERY_S)
 
     @property
