@@ -39,8 +39,9 @@ def node_name() -> str:
 
 def ray_gpu_uuids(gpu_ids: Sequence[Any]) -> list[str]:
     """The UUIDs of the GPUs Ray gave this process (``ray.get_gpu_ids()``: NVML indices, or
-    ``GPU-<uuid>`` strings), lower case without the prefix. NVML numbers GPUs in PCI bus order,
-    as ``nvidia-smi`` does, which maps its indices to UUIDs (Vulkan reports the same UUID)."""
+    ``GPU-<uuid>`` strings), lower case without the prefix. An index is looked up in NVML (the
+    copy Ray ships, as Ray numbers GPUs by it), else in ``nvidia-smi``'s table, both in PCI bus
+    order; Vulkan reports the same UUID for the device."""
     table: dict[str, str] | None = None
     out = []
     for gpu in gpu_ids:
@@ -49,11 +50,33 @@ def ray_gpu_uuids(gpu_ids: Sequence[Any]) -> list[str]:
             out.append(text[4:].lower())
             continue
         if table is None:
-            table = _nvidia_smi_uuids()
+            table = _nvml_uuids() or _nvidia_smi_uuids()
         if text not in table:
-            raise RuntimeError(f"Ray gave GPU {text}, which nvidia-smi does not list ({sorted(table)})")
+            raise RuntimeError(f"Ray gave GPU {text}, which NVML does not list ({sorted(table)})")
         out.append(table[text])
     return out
+
+
+def _uuid_text(raw: Any) -> str:
+    text = (raw.decode() if isinstance(raw, bytes) else str(raw)).strip()
+    return (text[4:] if text.upper().startswith("GPU-") else text).lower()
+
+
+def _nvml_uuids() -> dict[str, str]:
+    """Index → UUID of every NVIDIA GPU through NVML; empty where NVML cannot be reached."""
+    try:
+        from ray._private.thirdparty import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    try:
+        return {str(i): _uuid_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(pynvml.nvmlDeviceGetCount())}
+    except Exception:
+        return {}
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _nvidia_smi_uuids() -> dict[str, str]:
@@ -61,12 +84,12 @@ def _nvidia_smi_uuids() -> dict[str, str]:
         text = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
                               capture_output=True, text=True, check=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"Ray gave this actor GPUs, but nvidia-smi cannot map them to UUIDs: {exc}") from None
+        raise RuntimeError(f"Ray gave this actor GPUs, but neither NVML nor nvidia-smi maps them to UUIDs: "
+                           f"{exc}") from None
     table = {}
     for line in text.splitlines():
         index, _, uuid = line.partition(",")
-        uuid = uuid.strip()
-        table[index.strip()] = (uuid[4:] if uuid.upper().startswith("GPU-") else uuid).lower()
+        table[index.strip()] = _uuid_text(uuid)
     return table
 
 
