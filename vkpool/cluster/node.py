@@ -18,9 +18,9 @@ import os
 import socket
 import subprocess
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -189,6 +189,10 @@ class NodeActor:
         self.opened: dict[str, Any] = {}
         self.link: dict[str, float] | None = None
         self._lock = threading.Lock()
+        # runs in progress per opened model (by id): what is closed waits for them, so that no
+        # run meets a chunk being closed
+        self._users: dict[int, int] = {}
+        self._idle = threading.Condition(self._lock)
 
     # -- what the node has ---------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -263,7 +267,14 @@ class NodeActor:
             earlier = self.opened.get(key)
             self.opened[key] = opened
         if earlier is not None:
-            earlier.close()
+            self._close_when_idle(earlier)
+
+    def _close_when_idle(self, opened: Any) -> None:
+        """Closes ``opened`` (no longer under any key) once the runs using it have ended."""
+        with self._idle:
+            while self._users.get(id(opened)):
+                self._idle.wait()
+        opened.close()
 
     def _check_member(self, member: str) -> None:
         if member not in self.offered:
@@ -273,14 +284,31 @@ class NodeActor:
         try:
             return self.opened[key]
         except KeyError:
-            raise NotOpen(f"model {key} {NOT_OPEN} {self.name} (its vkpool actor restarted)") from None
+            raise NotOpen(f"model {key} {NOT_OPEN} {self.name} (its vkpool actor restarted, or the "
+                          "session closed or reopened it)") from None
+
+    @contextmanager
+    def _using(self, key: str) -> Iterator[Any]:
+        """The model opened under ``key``, kept open while the block runs."""
+        with self._lock:
+            opened = self._get(key)
+            self._users[id(opened)] = self._users.get(id(opened), 0) + 1
+        try:
+            yield opened
+        finally:
+            with self._idle:
+                left = self._users.pop(id(opened)) - 1
+                if left:
+                    self._users[id(opened)] = left
+                else:
+                    self._idle.notify_all()
 
     def run(self, key: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """One request on a replica: every output, in the model's order."""
-        session = self._get(key)
-        if session.batch_runner is not None:  # the request joins a batch
-            return session.submit(feeds).result()
-        return session.run(None, feeds)
+        with self._using(key) as session:
+            if session.batch_runner is not None:  # the request joins a batch
+                return session.submit(feeds).result()
+            return session.run(None, feeds)
 
     def run_chunks(self, key: str, indices: list[int], *values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Chunks ``indices`` of one request; ``values``: the request's feeds and what the
@@ -288,7 +316,8 @@ class NodeActor:
         merged: dict[str, np.ndarray] = {}
         for part in values:
             merged.update(part)
-        return self._get(key).run(indices, merged)
+        with self._using(key) as opened:
+            return opened.run(indices, merged)
 
     def batching(self, key: str) -> dict[str, Any] | None:
         """The batcher's figures of a replica opened with ``max_batch`` (None without)."""
@@ -299,10 +328,11 @@ class NodeActor:
         return self._get(key).memory_by_member()
 
     def close(self, key: str) -> None:
+        """Closes what is open under ``key`` once the runs using it have ended (no new one starts)."""
         with self._lock:
             opened = self.opened.pop(key, None)
         if opened is not None:
-            opened.close()
+            self._close_when_idle(opened)
 
     def exit(self) -> None:
         """Ends the actor for good (Ray does not restart it)."""
