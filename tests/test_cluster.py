@@ -135,6 +135,10 @@ def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, 
             assert_same(future.result(timeout=60), want)
         assert set(session.memory_by_member()) == set(members)
         assert [i.name for i in session.get_inputs()] == ["x"]
+        shown_plan = session.plan
+    with cluster[1].session(path, plan=shown_plan) as again:  # the plan given is the plan run
+        assert again.placement.member_of == shown_plan.member_of
+        assert_same(again.run(None, feeds), want)
 
 
 def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) -> None:

@@ -43,6 +43,7 @@ def place_on_cluster(model: bytes | str, members: Sequence[Any], *, objective: s
             raise KeyError(f"no cluster member {unknown[0]!r}; members: {', '.join(by_id)}")
         members = [by_id[d] for d in devices]
     if plan is not None:
+        plan = getattr(plan, "partition_plan", plan)  # a ClusterPlan: the Plan it shows
         if not isinstance(plan, Plan):
             raise TypeError("plan must be a vkpool.partition.Plan made for this model on the cluster's members")
         from vkpool.column_split import blocks_named, split_products
