@@ -20,6 +20,7 @@ def place_on_cluster(model: bytes | str, members: Sequence[Any], *, objective: s
     """(loaded model, op graph, Plan) of ``model`` on ``members`` (cluster planner members, in
     order); ``devices``: plan over exactly these member ids; ``plan``: a Plan made for this
     model on these members, checked and kept."""
+    from vkpool.column_split import blocks_named, split_products
     from vkpool.cut import Graph, find_cut
     from vkpool.model import load_model
     from vkpool.partition.api import place_model
@@ -46,8 +47,11 @@ def place_on_cluster(model: bytes | str, members: Sequence[Any], *, objective: s
         plan = getattr(plan, "partition_plan", plan)  # a ClusterPlan: the Plan it shows
         if not isinstance(plan, Plan):
             raise TypeError("plan must be a vkpool.partition.Plan made for this model on the cluster's members")
-        from vkpool.column_split import blocks_named, split_products
-
+        known = {m.id for m in members}
+        strangers = sorted(({c.member for c in plan.chunks} | set(plan.replicas)) - known)
+        if strangers:
+            raise KeyError(f"the plan names members the cluster lacks: {', '.join(strangers)}; members: "
+                           f"{', '.join(sorted(known))}")
         split_products(loaded, blocks_named(loaded, plan.member_of))
         graph = build_graph(loaded)
         chosen = plan
