@@ -59,7 +59,6 @@ class Cluster:
                                       f"`ray start --head --resources '{{\"{RESOURCE}\": 1}}'` "
                                       "(docs/cluster.md)") from None
         self.actors: dict[str, Any] = {}
-        self.node_ids: dict[str, str] = {}
         self._links: dict[str, dict[str, float]] = {}  # node → the link its actor keeps
         self.refresh()
 
@@ -87,10 +86,10 @@ class Cluster:
             raise RuntimeError(f"the Ray cluster has no vkpool node: start nodes with `ray start --resources "
                                f"'{{\"{RESOURCE}\": 1}}'` (docs/cluster.md)")
         names = ray.get([a.ping.remote() for _, a in found], timeout=START_TIMEOUT_S)
-        self.actors, self.node_ids = {}, {}
+        self.actors = {}
         for (node_id, actor), d in zip(found, names):
             name = d if names.count(d) == 1 else f"{d}-{node_id[:6]}"
-            self.actors[name], self.node_ids[name] = actor, node_id
+            self.actors[name] = actor
         self.actors = dict(sorted(self.actors.items()))
         self.describe()
 

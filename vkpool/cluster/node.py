@@ -333,12 +333,3 @@ class NodeActor:
             opened = self.opened.pop(key, None)
         if opened is not None:
             self._close_when_idle(opened)
-
-    def exit(self) -> None:
-        """Ends the actor for good (Ray does not restart it)."""
-        import ray
-
-        for key in list(self.opened):
-            self.close(key)
-        self.pool.close()
-        ray.actor.exit_actor()
