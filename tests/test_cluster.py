@@ -236,6 +236,8 @@ def test_serve_cluster_offers_the_cluster_to_a_daemon_client(cluster: Any, mnist
                 status = client.status()
                 assert {m["id"] for m in status["members"]} == {"n0/vk0.0", "n1/vk0.1"}
                 assert [m["id"] for m in status["models"]] == [remote.model_id]
+                assert client.set_budget("n1/vk0.1", "32MiB")["budget_bytes"] == 32 << 20
+                assert {m["id"]: m["budget_bytes"] for m in client.devices()}["n1/vk0.1"] == 32 << 20
                 remote.close()
         finally:
             proc.send_signal(signal.SIGTERM)
