@@ -424,6 +424,12 @@ class ClusterSession:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass  # at interpreter exit Ray may be gone already
+
 
 def _settle(future: Future, exc: BaseException | None, result: Any = None) -> None:
     """Completes ``future`` unless it is complete already (a closed session failed it)."""
