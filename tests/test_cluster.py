@@ -320,7 +320,7 @@ def test_a_node_killed_mid_run_sends_its_requests_to_the_other_replica(cluster: 
 
 
 def test_a_node_killed_mid_run_without_a_replica_fails_each_request_clearly(cluster: Any, mnist: Any) -> None:
-    from vkpool.cluster.session import NodeLost
+    from vkpool.cluster import NodeLost
 
     path, feeds, want = mnist
     with cluster[1].session(path, budgets=split_budgets()) as session:

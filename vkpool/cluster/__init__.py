@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from vkpool.cluster.links import Link, cluster_members, load_cluster_spec, measure_link, read_links
+from vkpool.cluster.session import ClusterSession, NodeLost
 
 #: the Ray namespace of vkpool's actors, so that every driver finds the same ones
 NAMESPACE = "vkpool"
@@ -153,8 +154,6 @@ class Cluster:
 
     def session(self, model: Any, **options: Any) -> Any:
         """A :class:`~vkpool.cluster.session.ClusterSession` of ``model`` on this cluster."""
-        from vkpool.cluster.session import ClusterSession
-
         return ClusterSession(self, model, **options)
 
     def close(self) -> None:
@@ -170,4 +169,5 @@ class Cluster:
         self.close()
 
 
-__all__ = ["connect", "Cluster", "Link", "cluster_members", "load_cluster_spec", "measure_link", "read_links"]
+__all__ = ["connect", "Cluster", "ClusterSession", "NodeLost", "Link", "cluster_members", "load_cluster_spec",
+           "measure_link", "read_links"]
