@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", action="store_true", help="one GPU per node (GPU i for node i) instead of "
                         "splits of device 0")
-    parser.add_argument("--replicated", default="mnist12_like", help="model of the replicas row (default mnist12_like)")
+    parser.add_argument("--replicated", default="mnist12_like",
+                        help="model of the replicas row (default mnist12_like)")
     parser.add_argument("--split", default=None, help="model of the split row (default: conv_many_255MB with "
                         "--gpus, else mnist12_like)")
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per figure (default 5)")
@@ -148,18 +149,20 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "replicas":
                     options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
                 else:  # budgets under the model on each node: the planner must cut it in two
-                    options = {"objective": "throughput", "budgets": {a: (cap := split_budget(cluster, path, a)),
-                                                                      b: cap}}
+                    cap = split_budget(cluster, path, a)
+                    options = {"objective": "throughput", "budgets": {a: cap, b: cap}}
                 with cluster.session(path, **options) as two:
                     plan = two.placement
-                    shape = (f"replicas on {', '.join([plan.chunks[0].member, *plan.replicas])}" if plan.replicas
+                    copies = ", ".join([plan.chunks[0].member, *plan.replicas])
+                    shape = (f"replicas on {copies}" if plan.replicas
                              else " → ".join(c.member for c in plan.chunks))
                     if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
                         raise RuntimeError(f"the {kind} plan does not span both nodes: {shape}")
                     both = jobs_per_s(two, feeds, want, args.seconds, args.window)
                 for member in (a, b):
                     cluster.set_budget(member, budgets[member])
-                rows.append((f"{kind}: {name}", f"{single:.1f}", f"{both:.1f}", f"{both / single:.2f}  ({shape})"))
+                rows.append((f"{kind}: {name}", f"{single:.1f}", f"{both:.1f}",
+                             f"{both / single:.2f}  ({shape})"))
             slope, fixed, points = hop_s_per_mib(cluster)
     finally:
         ray_cluster.shutdown()

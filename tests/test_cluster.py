@@ -268,7 +268,8 @@ def test_replicas_batch_the_requests_of_each_node(cluster: Any, mnist: Any, tmp_
 
 def test_links_given_instead_of_measured_price_the_plan(cluster: Any, mnist: Any, tmp_path: Path) -> None:
     measured = {name: link.to_dict() for name, link in cluster[1].links().items()}
-    args = [str(mnist[0]), "--cluster", address(cluster), *[f"--budget={k}={v}" for k, v in split_budgets().items()]]
+    budgets = [f"--budget={k}={v}" for k, v in split_budgets().items()]
+    args = [str(mnist[0]), "--cluster", address(cluster), *budgets]
     try:
         cluster[1].set_links({"default": {"bytes_per_s": 1e6, "latency_s": 0.5}})
         slow = shown(*args, tmp=tmp_path)

@@ -57,7 +57,8 @@ def run_cluster_plan(args: argparse.Namespace) -> int:
     if args.devices or args.remote is not None:
         raise ValueError("--cluster plans over the cluster's members; drop --devices and --remote")
     model = Path(args.model).read_bytes()
-    options = dict(objective=args.objective or "latency", algorithm=args.algorithm or "dp", batch=args.batch or 1)
+    options = dict(objective=args.objective or "latency", algorithm=args.algorithm or "dp",
+                   batch=args.batch or 1)
     if is_spec_file(args.cluster):
         members = apply_budgets(load_cluster_spec(args.cluster), args.budget)
         _, graph, plan = place_on_cluster(model, members, **options)
@@ -68,7 +69,8 @@ def run_cluster_plan(args: argparse.Namespace) -> int:
         with connect(args.cluster) as cluster:
             listed = cluster.members()
             used = {m["id"]: m["used_bytes"] for m in listed}
-            what_if = {k: parse_size(v) - used[k] for k, v in parse_overrides(args.budget, list(used)).items()}
+            overrides = parse_overrides(args.budget, list(used))
+            what_if = {k: parse_size(v) - used[k] for k, v in overrides.items()}
             members = cluster.planner_members(what_if)
         _, graph, plan = place_on_cluster(model, members, **options)
     text = render(graph, plan, args.format)

@@ -36,7 +36,8 @@ class ClusterEngine:
         shape, batching = shape or {}, batching or {}
         options: dict[str, Any] = {"batch": shape.get("batch") or 1, "dims": shape.get("dims") or None}
         if batching.get("max_batch"):
-            options.update(max_batch=batching["max_batch"], max_queue_delay=batching.get("max_queue_delay", 0.0))
+            options.update(max_batch=batching["max_batch"],
+                           max_queue_delay=batching.get("max_queue_delay", 0.0))
         return self.cluster.session(source if isinstance(source, Path) else bytes(source), **options)
 
     def what_if(self, session: Any, budgets: Mapping[str, int]) -> Any:

@@ -68,7 +68,8 @@ def node_of(member_id: str) -> str:
     return node
 
 
-def cluster_members(nodes: Sequence[Mapping[str, Any]], budgets: Mapping[str, int] | None = None) -> list[Member]:
+def cluster_members(nodes: Sequence[Mapping[str, Any]],
+                    budgets: Mapping[str, int] | None = None) -> list[Member]:
     """Planner members of described nodes (:meth:`vkpool.cluster.node.NodeActor.describe`, each
     with its ``link``), in the nodes' order: Vulkan members of every node first, then host ones
     (the order a local pool has); each budget what the member has free, or ``budgets[id]``."""
@@ -78,7 +79,8 @@ def cluster_members(nodes: Sequence[Mapping[str, Any]], budgets: Mapping[str, in
         for m in node["members"]:
             member_id = f"{node['node']}/{m['id']}"
             free = (budgets or {}).get(member_id, m["free_bytes"])
-            member = Member(member_id, max(0, int(free)), MemberCost.from_dict(m["cost"]), m["kind"], m["name"])
+            cost = MemberCost.from_dict(m["cost"])
+            member = Member(member_id, max(0, int(free)), cost, m["kind"], m["name"])
             out.append(with_link(member, link))
     return [m for m in out if m.kind == "vulkan"] + [m for m in out if m.kind != "vulkan"]
 
@@ -94,8 +96,10 @@ def read_links(source: str | Path | Mapping[str, Any]) -> dict[str, Link]:
         data = yaml.safe_load(Path(source).read_text())
         source = data.get("links") if isinstance(data, dict) else None
     if not isinstance(source, Mapping) or not source:
-        raise ValueError(f"{where}: expected a mapping of node name (or default) → {{bytes_per_s, latency_s}}")
-    return {str(k): v if isinstance(v, Link) else Link.from_dict(v or {}, f"{where}.{k}") for k, v in source.items()}
+        raise ValueError(f"{where}: expected a mapping of node name (or default) → "
+                         "{bytes_per_s, latency_s}")
+    return {str(k): v if isinstance(v, Link) else Link.from_dict(v or {}, f"{where}.{k}")
+            for k, v in source.items()}
 
 
 def load_cluster_spec(path: str | Path) -> list[Member]:

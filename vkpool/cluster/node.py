@@ -119,8 +119,8 @@ def node_pool(gpu_uuids: Sequence[str]) -> Any:
 class _Chunks:
     """A node's chunks of a plan over several nodes, compiled; ``run`` runs some of them in order."""
 
-    def __init__(self, pool: Any, model: Any, member_of: Mapping[str, str], chunks: Sequence[tuple[str, list[str]]],
-                 node: str) -> None:
+    def __init__(self, pool: Any, model: Any, member_of: Mapping[str, str],
+                 chunks: Sequence[tuple[str, list[str]]], node: str) -> None:
         from vkpool.executor import build_chunk, stage_nodes
         from vkpool.partition.graph import build_graph
 
@@ -141,7 +141,8 @@ class _Chunks:
             for stage, (member, _) in zip(self.stages, chunks):
                 if member.startswith(prefix):
                     self.compiled[stage.index] = build_chunk(model, stage)
-                    self.locks[stage.index] = threading.Lock() if stage.member.kind == "host" else nullcontext()
+                    host = stage.member.kind == "host"
+                    self.locks[stage.index] = threading.Lock() if host else nullcontext()
         except BaseException:
             self.close()
             raise
@@ -205,15 +206,18 @@ class NodeActor:
             member, seen = self.pool.member(member_id), planned[member_id]
             info = getattr(member, "info", None)
             members.append({
-                "id": member_id, "kind": member.kind, "name": seen.name or ("host (numpy)" if info is None else ""),
+                "id": member_id, "kind": member.kind,
+                "name": seen.name or ("host (numpy)" if info is None else ""),
                 "uuid": None if info is None else info.uuid, "budget_bytes": member.budget_bytes,
-                "used_bytes": member.used_bytes, "free_bytes": seen.budget_bytes, "cost": seen.cost.to_dict()})
+                "used_bytes": member.used_bytes, "free_bytes": seen.budget_bytes,
+                "cost": seen.cost.to_dict()})
         return {"node": self.name, "pid": os.getpid(), "members": members, "link": self.link,
                 "models": sorted(self.opened)}
 
     def set_budget(self, member_id: str, size: int | str) -> None:
         if member_id not in self.offered:
-            raise KeyError(f"node {self.name} has no member {member_id!r}; members: {', '.join(self.offered)}")
+            raise KeyError(f"node {self.name} has no member {member_id!r}; members: "
+                           f"{', '.join(self.offered)}")
         self.pool.set_budget(member_id, size)
 
     def set_link(self, link: dict[str, float]) -> None:
@@ -278,7 +282,8 @@ class NodeActor:
 
     def _check_member(self, member: str) -> None:
         if member not in self.offered:
-            raise KeyError(f"node {self.name} offers no member {member!r}; it offers {', '.join(self.offered)}")
+            raise KeyError(f"node {self.name} offers no member {member!r}; it offers "
+                           f"{', '.join(self.offered)}")
 
     def _get(self, key: str) -> Any:
         try:
@@ -310,7 +315,8 @@ class NodeActor:
                 return session.submit(feeds).result()
             return session.run(None, feeds)
 
-    def run_chunks(self, key: str, indices: list[int], *values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run_chunks(self, key: str, indices: list[int],
+                   *values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Chunks ``indices`` of one request; ``values``: the request's feeds and what the
         chunks before sent, each a mapping (Ray hands them over from the nodes that made them)."""
         merged: dict[str, np.ndarray] = {}

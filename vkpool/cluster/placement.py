@@ -46,7 +46,8 @@ def place_on_cluster(model: bytes | str, members: Sequence[Any], *, objective: s
     if plan is not None:
         plan = getattr(plan, "partition_plan", plan)  # a ClusterPlan: the Plan it shows
         if not isinstance(plan, Plan):
-            raise TypeError("plan must be a vkpool.partition.Plan made for this model on the cluster's members")
+            raise TypeError("plan must be a vkpool.partition.Plan made for this model on the cluster's "
+                            "members")
         known = {m.id for m in members}
         strangers = sorted(({c.member for c in plan.chunks} | set(plan.replicas)) - known)
         if strangers:

@@ -262,7 +262,8 @@ class ClusterSession:
                     _settle(future, error)
             elif self._node_failed(exc):
                 self._lane_down(lane, exc)
-                self._dispatch(feeds, names, future, tried, why=f"lane {lane.index} failed: {_first_line(exc)}")
+                why = f"lane {lane.index} failed: {_first_line(exc)}"
+                self._dispatch(feeds, names, future, tried, why=why)
             else:
                 _settle(future, _cause(exc))
 
@@ -275,7 +276,8 @@ class ClusterSession:
         except RuntimeError:
             pass  # the session closed, which failed the request
 
-    def _select(self, lane: _Lane, parts: list[Any], feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
+    def _select(self, lane: _Lane, parts: list[Any], feeds: dict[str, np.ndarray],
+                names: list[str]) -> list[np.ndarray]:
         if lane.member is not None:
             produced = dict(zip(self._output_names, parts[0]))
         else:
@@ -310,7 +312,8 @@ class ClusterSession:
             if lane.down is None:
                 lane.down = _first_line(exc)
             if self._reviver is None and not self._closed:
-                self._reviver = threading.Thread(target=self._revive, name="vkpool-cluster-revive", daemon=True)
+                self._reviver = threading.Thread(target=self._revive, name="vkpool-cluster-revive",
+                                                 daemon=True)
                 self._reviver.start()
 
     def _revive(self) -> None:
@@ -326,7 +329,8 @@ class ClusterSession:
                     for node in lane.nodes:
                         self._ray.get(self.cluster.actors[node].ping.remote(), timeout=PING_TIMEOUT_S)
                     for node in lane.nodes:  # what survived on another node of the lane is opened anew
-                        self._ray.get(self.cluster.actors[node].close.remote(lane.key), timeout=PING_TIMEOUT_S)
+                        closing = self.cluster.actors[node].close.remote(lane.key)
+                        self._ray.get(closing, timeout=PING_TIMEOUT_S)
                     self._ray.get(self._open(lane), timeout=PING_TIMEOUT_S * 10)
                 except Exception:
                     continue
@@ -342,8 +346,8 @@ class ClusterSession:
     def lanes(self) -> list[dict[str, Any]]:
         """Each lane: index, members, nodes, requests in flight and served, and why it is down (None: up)."""
         with self._lock:
-            return [{"index": ln.index, "nodes": list(ln.nodes), "in_flight": ln.in_flight, "served": ln.served,
-                     "down": ln.down,
+            return [{"index": ln.index, "nodes": list(ln.nodes), "in_flight": ln.in_flight,
+                     "served": ln.served, "down": ln.down,
                      "members": [ln.member] if ln.member else
                      list(dict.fromkeys(self.placement.chunks[c].member for s in ln.steps for c in s.chunks))}
                     for ln in self._lanes]
@@ -362,7 +366,8 @@ class ClusterSession:
             if value.dtype != info.dtype:
                 raise InvalidInput(f"input {name!r} must be {info.dtype}, got {value.dtype}")
             if value.shape != tuple(info.shape):
-                raise InvalidInput(f"input {name!r} must have shape {list(info.shape)}, got {list(value.shape)}")
+                raise InvalidInput(f"input {name!r} must have shape {list(info.shape)}, "
+                                   f"got {list(value.shape)}")
             feeds[name] = value
         return feeds
 
@@ -371,7 +376,8 @@ class ClusterSession:
             return list(self._output_names)
         unknown = [n for n in output_names if n not in self._output_names]
         if unknown:
-            raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are {sorted(self._output_names)}")
+            raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are "
+                               f"{sorted(self._output_names)}")
         return list(output_names)
 
     # -- what it holds -------------------------------------------------------------------------
