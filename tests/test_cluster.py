@@ -229,13 +229,19 @@ def test_serve_cluster_offers_the_cluster_to_a_daemon_client(cluster: Any, mnist
         try:
             wait_ready(endpoint, proc, timeout=120)
             with Client(endpoint) as client:
-                assert {m["id"] for m in client.devices()} == {"n0/vk0.0", "n1/vk0.1"}
+                ids = {"n0/vk0.0", "n1/vk0.1"}
+                assert {m["id"] for m in client.devices()} == ids
                 remote = client.session(str(path))
                 assert_same(remote.run(None, feeds), want)
                 assert set(remote.info["members"]) <= {"n0/vk0.0", "n1/vk0.1"}
                 status = client.status()
                 assert {m["id"] for m in status["members"]} == {"n0/vk0.0", "n1/vk0.1"}
                 assert [m["id"] for m in status["models"]] == [remote.model_id]
+                # the daemon's plan is the cluster's, and a what-if over the cluster's budgets
+                served_plan = client.plan(remote.model_id)["plan"]
+                assert placement(served_plan)[1] and set(placement(served_plan)[1]) <= ids
+                what_if = client.plan(remote.model_id, {"n0/vk0.0": 56 << 10, "n1/vk0.1": 56 << 10})["plan"]
+                assert sorted(placement(what_if)[1]) == ["n0/vk0.0", "n1/vk0.1"]
                 assert client.set_budget("n1/vk0.1", "32MiB")["budget_bytes"] == 32 << 20
                 assert {m["id"]: m["budget_bytes"] for m in client.devices()}["n1/vk0.1"] == 32 << 20
                 remote.close()
