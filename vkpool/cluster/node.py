@@ -1,7 +1,8 @@
 """The vkpool actor of one Ray node: it owns the node's pool and runs what sessions open on it.
 
 One actor per node (the node's ``vkpool`` custom resource, one unit, and node-affinity
-scheduling): :func:`node_actor` names it after the node, so every driver finds the same one.
+scheduling): :meth:`vkpool.cluster.Cluster.refresh` names it after the node, so that every
+driver finds the same one.
 Ray sets ``CUDA_VISIBLE_DEVICES`` for the GPUs it gives the actor, which Vulkan ignores: the
 pool holds exactly the Vulkan devices whose UUIDs those GPUs have (:func:`ray_gpu_uuids`).
 An actor given no GPU builds its pool from the node's own config. ``VKPOOL_NODE_MEMBERS``
@@ -23,10 +24,6 @@ from types import SimpleNamespace
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
-
-#: what a cluster actor reports when asked for a model it does not hold (it restarted meanwhile)
-NOT_OPEN = "is not open on this node"
-
 
 class NotOpen(KeyError):
     """The node holds no model under this key: its actor restarted since the session opened it."""
@@ -289,7 +286,7 @@ class NodeActor:
         try:
             return self.opened[key]
         except KeyError:
-            raise NotOpen(f"model {key} {NOT_OPEN} {self.name} (its vkpool actor restarted, or the "
+            raise NotOpen(f"model {key} is not open on node {self.name} (its vkpool actor restarted, or the "
                           "session closed or reopened it)") from None
 
     @contextmanager
