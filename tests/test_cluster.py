@@ -287,6 +287,28 @@ def test_links_given_instead_of_measured_price_the_plan(cluster: Any, mnist: Any
     assert shown(*args, tmp=tmp_path)["latency_s"] < slow["latency_s"]
 
 
+def test_what_a_driver_that_died_opened_is_closed_on_the_nodes(cluster: Any, mnist: Any) -> None:
+    from test_daemon_support import daemon_env
+
+    def held() -> list[str]:
+        return [key for d in cluster[1].describe() for key in d["models"]]
+
+    assert held() == []
+    code = ("import sys, time, vkpool.cluster; c = vkpool.cluster.connect(sys.argv[1]); "
+            "s = c.session(sys.argv[2], devices=['n1/vk0.1']); print('open', flush=True); time.sleep(120)")
+    driver = subprocess.Popen([sys.executable, "-c", code, address(cluster), str(mnist[0])], env=daemon_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert driver.stdout is not None and driver.stdout.readline().strip() == "open"
+        assert len(held()) == 1
+        assert next(m for m in cluster[1].members() if m["id"] == "n1/vk0.1")["used_bytes"] > 0
+    finally:
+        driver.kill()
+        driver.wait()
+    wait_until(lambda: held() == [])  # each look at the nodes closes what a gone driver left
+    assert next(m for m in cluster[1].members() if m["id"] == "n1/vk0.1")["used_bytes"] == 0
+
+
 # -- faults: these kill a node's actor, so they come last ------------------------------------------
 def actor_pid(cluster: Any, node: str) -> int:
     return next(d["pid"] for d in cluster[1].describe() if d["node"] == node)

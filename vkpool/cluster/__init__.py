@@ -10,6 +10,7 @@ the planners of :mod:`vkpool.partition` over the cluster's members with their ne
 """
 from __future__ import annotations
 
+import uuid
 from typing import Any, Mapping
 
 from vkpool.cluster.links import Link, cluster_members, load_cluster_spec, measure_link, read_links
@@ -61,6 +62,14 @@ class Cluster:
                                       "(docs/cluster.md)") from None
         self.actors: dict[str, Any] = {}
         self._links: dict[str, dict[str, float]] = {}  # node → the link its actor keeps
+        from vkpool.cluster.node import Lease
+
+        # nodes close what this driver opened once it is gone (Ray ends the lease with its owner);
+        # they look the lease up by its name, holding no reference to it
+        self.lease = f"vkpool-lease-{uuid.uuid4().hex}"
+        lease = ray.remote(Lease).options(name=self.lease, namespace=NAMESPACE, num_cpus=0)
+        self._lease: Any = lease.remote()
+        ray.get(self._lease.ping.remote(), timeout=START_TIMEOUT_S)
         self.refresh()
 
     def refresh(self) -> None:
@@ -157,9 +166,14 @@ class Cluster:
         return ClusterSession(self, model, **options)
 
     def close(self) -> None:
-        """Leaves the cluster (its actors and what other drivers opened stay)."""
+        """Leaves the cluster: the nodes close what this driver left open (its lease ends); their
+        actors, and what other drivers opened, stay."""
+        ray = _ray()
+        if self._lease is not None:
+            ray.kill(self._lease)
+            self._lease = None
         if self._own_connection:
-            _ray().shutdown()
+            ray.shutdown()
             self._own_connection = False
 
     def __enter__(self) -> Cluster:

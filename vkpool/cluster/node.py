@@ -25,6 +25,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+#: the Ray namespace of the drivers' leases (vkpool.cluster.NAMESPACE)
+LEASE_NAMESPACE = "vkpool"
+
+
 class NotOpen(KeyError):
     """The node holds no model under this key: its actor restarted since the session opened it."""
 
@@ -169,6 +173,14 @@ class _Chunks:
         self.compiled = {}
 
 
+class Lease:
+    """A named actor that lives as long as the driver that made it (Ray ends an actor with its
+    owner): a node closes what a driver opened once no actor has that driver's lease name."""
+
+    def ping(self) -> bool:
+        return True
+
+
 class NodeActor:
     """The node's pool and the models sessions opened on it (see the module doc). Ray runs its
     methods in several threads at once: requests of different sessions and replicas overlap."""
@@ -185,6 +197,7 @@ class NodeActor:
         if unknown:
             raise ValueError(f"VKPOOL_NODE_MEMBERS names {unknown}, which this node's pool lacks ({ids})")
         self.opened: dict[str, Any] = {}
+        self.leases: dict[str, str] = {}  # key → the lease name of the driver that opened it
         self.link: dict[str, float] | None = None
         self._lock = threading.Lock()
         # runs in progress per opened model (by id): what is closed waits for them, so that no
@@ -197,6 +210,7 @@ class NodeActor:
         """The node's name, process, and each offered member: budget, use, what the planner sees."""
         from vkpool.placement import planner_members
 
+        self._drop_orphans()
         planned = {m.id: m for m in planner_members(self.pool, self.offered)}
         members = []
         for member_id in self.offered:
@@ -236,39 +250,60 @@ class NodeActor:
         return [ray.put(np.ones(nbytes, np.uint8))]
 
     # -- models ------------------------------------------------------------------------------------
-    def open_replica(self, key: str, model: bytes, member: str, options: dict[str, Any]) -> list[str]:
-        """A whole :class:`vkpool.Session` of ``model`` on ``member``; returns its output names."""
+    def open_replica(self, key: str, lease: str, model: bytes, member: str,
+                     options: dict[str, Any]) -> list[str]:
+        """A whole :class:`vkpool.Session` of ``model`` on ``member``, for the driver whose
+        :class:`Lease` is named ``lease``; returns its output names."""
         from vkpool.session import Session
 
         self._check_member(member)
+        self._drop_orphans()
         session = Session(model, device=member, pool=self.pool, **options)
-        self._keep(key, session)
+        self._keep(key, session, lease)
         return [o.name for o in session.get_outputs()]
 
-    def open_chunks(self, key: str, model: bytes, node: str, member_of: dict[str, str],
+    def open_chunks(self, key: str, lease: str, model: bytes, node: str, member_of: dict[str, str],
                     chunks: list[tuple[str, list[str]]], column_splits: dict[str, int], batch: int,
                     dims: dict[str, int]) -> None:
         """The chunks on ``node`` (this node's name in the cluster) of a plan over several nodes
-        (op → ``node/member``; the chunks in the plan's order as (member, ops));
-        ``column_splits`` as the plan divided the products."""
+        (op → ``node/member``; the chunks in the plan's order as (member, ops)), for the driver
+        whose lease is named ``lease``; ``column_splits`` as the plan divided the products."""
         from vkpool.column_split import split_products
         from vkpool.model import load_model
 
+        self._drop_orphans()
         loaded = load_model(model, batch=batch, dims=dims)
         split_products(loaded, column_splits)
         for member, _ in chunks:
             where, _, local = member.rpartition("/")
             if where == node:
                 self._check_member(local)
-        self._keep(key, _Chunks(self.pool, loaded, member_of, chunks, node))
+        self._keep(key, _Chunks(self.pool, loaded, member_of, chunks, node), lease)
 
-    def _keep(self, key: str, opened: Any) -> None:
+    def _keep(self, key: str, opened: Any, lease: str) -> None:
         """Keeps what was opened under ``key``, closing what an earlier open left there."""
         with self._lock:
             earlier = self.opened.get(key)
-            self.opened[key] = opened
+            self.opened[key], self.leases[key] = opened, lease
         if earlier is not None:
             self._close_when_idle(earlier)
+
+    def _drop_orphans(self) -> None:
+        """Closes what drivers that are gone opened (their leases ended with them)."""
+        import ray
+
+        with self._lock:
+            held = list(self.leases.items())
+        alive: dict[str, bool] = {}
+        for key, lease in held:
+            if lease not in alive:
+                try:
+                    ray.get_actor(lease, namespace=LEASE_NAMESPACE)
+                    alive[lease] = True
+                except ValueError:  # no live actor has that name: the driver is gone
+                    alive[lease] = False
+            if not alive[lease]:
+                self.close(key)
 
     def _close_when_idle(self, opened: Any) -> None:
         """Closes ``opened`` (no longer under any key) once the runs using it have ended."""
@@ -334,5 +369,6 @@ class NodeActor:
         """Closes what is open under ``key`` once the runs using it have ended (no new one starts)."""
         with self._lock:
             opened = self.opened.pop(key, None)
+            self.leases.pop(key, None)
         if opened is not None:
             self._close_when_idle(opened)

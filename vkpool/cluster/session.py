@@ -163,12 +163,13 @@ class ClusterSession:
         actors = self.cluster.actors
         if lane.member is not None:
             node = node_of(lane.member)
-            return [actors[node].open_replica.remote(lane.key, self._model_ref, lane.member[len(node) + 1:],
-                                                     self._options)]
+            return [actors[node].open_replica.remote(lane.key, self.cluster.lease, self._model_ref,
+                                                     lane.member[len(node) + 1:], self._options)]
         plan = self.placement
         chunks = [(c.member, list(c.ops)) for c in plan.chunks]
-        return [actors[node].open_chunks.remote(lane.key, self._model_ref, node, dict(plan.member_of), chunks,
-                                                dict(self.model.column_splits), self._batch, self._dims)
+        return [actors[node].open_chunks.remote(lane.key, self.cluster.lease, self._model_ref, node,
+                                                dict(plan.member_of), chunks, dict(self.model.column_splits),
+                                                self._batch, self._dims)
                 for node in lane.nodes]
 
     # -- running -------------------------------------------------------------------------------
