@@ -43,8 +43,9 @@ demo: venv
 	$(PY) -m vkpool.demo
 	@echo "next: '. $(VENV)/bin/activate' puts the vkpool command on PATH; then vkpool devices (README.md, Use)"
 
-# the suite tests the benchmark runners too (ncnn through pnnx, the plots): it takes the bench extra
-test: system-deps $(call EXTRAS,test+bench)
+# the suite tests the benchmark runners too (ncnn through pnnx, the plots) and a local Ray cluster
+# (vkpool.cluster): it takes the bench and cluster extras
+test: system-deps $(call EXTRAS,test+bench+cluster)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 serve: venv

@@ -41,7 +41,12 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--log-file", type=Path, metavar="FILE",
                    help="log here too (default: daemon.log_file; with --detach, "
                         "$XDG_STATE_HOME/vkpool/daemon.log)")
-    p.set_defaults(func=cmd_serve)
+    p.add_argument("--cluster", metavar="ADDRESS",
+                   help="serve the pool of the Ray cluster at ADDRESS (its vkpool nodes) instead of this "
+                        "machine's devices (docs/cluster.md)")
+    p.set_defaults(func=cmd_serve, refuse=[
+        ("--detach", "detach", lambda a: a.cluster, "a cluster's daemon runs in the foreground (or under "
+         "a service manager)")])
 
     p = subparsers.add_parser("service", help="install the daemon as a systemd user service",
                               description="Write the shipped systemd user unit, its ExecStart naming this "
@@ -131,7 +136,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config, endpoint = getattr(args, "config", None), endpoint_of(args)
     if args.detach:
         return detach(config, endpoint, args.pid_file, args.log_file)
-    return serve(config, endpoint, pid_file=args.pid_file, log_file=args.log_file)
+    engine = None
+    if args.cluster:
+        from vkpool.cluster import connect
+        from vkpool.cluster.engine import ClusterEngine
+
+        engine = ClusterEngine(connect(args.cluster))
+    return serve(config, endpoint, engine, pid_file=args.pid_file, log_file=args.log_file)
 
 
 def cmd_service_install(args: argparse.Namespace) -> int:

@@ -46,6 +46,9 @@ def add_parser(subparsers: Any) -> None:
                    help="ask the running daemon to plan MODEL on its pool (at ENDPOINT, default: "
                         "$VKPOOL_ENDPOINT, else the ipc socket in the runtime directory); --budget "
                         "becomes a what-if; text or json only")
+    p.add_argument("--cluster", metavar="ADDRESS|SPEC.yaml",
+                   help="plan on the vkpool nodes of the Ray cluster at ADDRESS (--budget becomes a what-if), "
+                        "or on a cluster spec file's members and links (docs/cluster.md)")
     p.set_defaults(func=run_plan, refuse=[
         ("--config", "config", lambda a: a.devices,
          "--devices describes the members and their budgets; the config's are not read")])
@@ -59,6 +62,10 @@ def run_plan(args: argparse.Namespace) -> int:
     from vkpool.partition.cost import load_device_spec
     from vkpool.partition.render import render
 
+    if args.cluster:
+        from vkpool.cluster.cli import run_cluster_plan
+
+        return run_cluster_plan(args)
     if args.remote is not None:
         return run_remote_plan(args)
     members = apply_budgets(load_device_spec(args.devices), args.budget) if args.devices else pool_members(args.budget)

@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List every member of the pool built from the config: Vulkan devices "
                                    "(or their splits) and the host member, with budgets and capabilities.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--cluster", metavar="ADDRESS", help="every node's members of the Ray cluster at ADDRESS "
+                   "(host:port of its head; docs/cluster.md)")
     p.set_defaults(func=cmd_devices)
 
     p = sub.add_parser("ops", help="list the supported ONNX ops", description="List the ONNX ops vkpool has kernels for.")
@@ -199,6 +201,11 @@ def refused_flag(args: argparse.Namespace) -> str | None:
 def cmd_devices(args: argparse.Namespace) -> int:
     from vkpool.pool import DevicePool
     from vkpool.units import format_size
+
+    if args.cluster:
+        from vkpool.cluster.cli import cmd_devices as cluster_devices
+
+        return cluster_devices(args)
 
     pool = DevicePool.from_config(None)
     try:

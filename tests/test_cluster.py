@@ -1,0 +1,376 @@
+"""vkpool on a real local Ray cluster (vkpool.cluster): two Ray nodes on this machine, each with its
+own vkpool actor, its own split of the Vulkan device and its own object store, shared by every test
+of this file (starting one costs seconds). The tests that kill a node's actor come last."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is the extra vkpool[cluster] (make test installs it)")
+
+from bench import workloads  # noqa: E402
+from conftest import vulkan_pool  # noqa: E402
+from vkpool.cli import main  # noqa: E402
+
+NODES = ("n0", "n1")
+#: a budget under which neither node holds mnist12_like alone (61.6 KiB) and both together do
+SPLIT_BUDGET = "56KiB"
+NODE_CONFIG = """\
+devices:
+  - match: {index: 0}
+    split: 3
+    budget: [64MiB, 64MiB, 64MiB]
+host:
+  enabled: false
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """(Ray cluster, vkpool Cluster): node ``n<i>`` offers split ``vk0.<i>`` of the device."""
+    from ray.cluster_utils import Cluster
+
+    import vkpool.cluster
+
+    vulkan_pool().close()
+    folder = tmp_path_factory.mktemp("cluster")
+    config = folder / "node.yaml"
+    config.write_text(NODE_CONFIG)
+
+    def node(i: int) -> dict[str, Any]:
+        return dict(num_cpus=1, resources={"vkpool": 1}, object_store_memory=200 << 20,
+                    env_vars={"VKPOOL_NODE_NAME": NODES[i], "VKPOOL_NODE_MEMBERS": f"vk0.{i}",
+                              "VKPOOL_CONFIG": str(config)})
+
+    ray_cluster = Cluster(initialize_head=True, head_node_args=dict(include_dashboard=False, **node(0)))
+    try:
+        ray_cluster.add_node(**node(1))
+        ray_cluster.wait_for_nodes()
+        with vkpool.cluster.connect(ray_cluster.address) as joined:
+            yield ray_cluster, joined
+    finally:
+        ray_cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray], list[np.ndarray]]:
+    """mnist12_like, its feeds and the outputs of one member of this machine's pool."""
+    from vkpool.session import Session
+
+    path = workloads.save("mnist12_like", tmp_path_factory.mktemp("models"))
+    feeds = workloads.input_for("mnist12_like")
+    with Session(path, device="vk0") as local:
+        return path, feeds, local.run(None, feeds)
+
+
+@pytest.fixture(autouse=True)
+def node_budgets(cluster: Any) -> Iterator[None]:
+    """Every test starts and ends with the nodes' budgets of their config."""
+    yield
+    for node in NODES:
+        cluster[1].set_budget(f"{node}/vk0.{NODES.index(node)}", "64MiB")
+
+
+def address(cluster: Any) -> str:
+    return cluster[0].address
+
+
+def assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def split_budgets() -> dict[str, str]:
+    return {"n0/vk0.0": SPLIT_BUDGET, "n1/vk0.1": SPLIT_BUDGET}
+
+
+def test_the_cluster_pool_lists_every_nodes_members(cluster: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    members = cluster[1].members()
+    assert [m["id"] for m in members] == ["n0/vk0.0", "n1/vk0.1"]
+    assert all(m["budget_bytes"] == 64 << 20 and m["kind"] == "vulkan" for m in members)
+    assert main(["devices", "--cluster", address(cluster), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [m["id"] for m in listed["members"]] == ["n0/vk0.0", "n1/vk0.1"]
+    assert all(n["link"]["bytes_per_s"] > 0 for n in listed["nodes"])
+    assert main(["devices", "--cluster", address(cluster)]) == 0
+    text = capsys.readouterr().out
+    assert "n0/vk0.0" in text and "n1/vk0.1" in text and "64 MiB" in text
+
+
+def test_the_gpus_ray_gives_a_node_are_its_vulkan_devices_of_those_uuids() -> None:
+    from vkpool.cluster.node import node_pool, ray_gpu_uuids
+
+    pool = vulkan_pool()
+    uuid = pool.vulkan_members[0].info.uuid
+    pool.close()
+    assert ray_gpu_uuids([f"GPU-{uuid.upper()}"]) == [uuid.lower()]
+    given = node_pool([uuid])
+    try:
+        assert [m.info.uuid for m in given.vulkan_members] == [uuid]
+    finally:
+        given.close()
+    with pytest.raises(RuntimeError, match="that no Vulkan device has"):
+        node_pool(["00000000-0000-0000-0000-00000000beef"])
+
+
+def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, mnist: Any) -> None:
+    path, feeds, want = mnist
+    with cluster[1].session(path, budgets=split_budgets()) as session:
+        members = [c.member for c in session.plan.chunks]
+        assert members == ["n0/vk0.0", "n1/vk0.1"] or members == ["n1/vk0.1", "n0/vk0.0"]
+        assert [t.src != t.dst for t in session.plan.transfers] == [True]
+        assert_same(session.run(None, feeds), want)
+        futures = [session.submit(feeds) for _ in range(8)]
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+        assert set(session.memory_by_member()) == set(members)
+        assert [i.name for i in session.get_inputs()] == ["x"]
+        shown_plan = session.plan
+    with cluster[1].session(path, plan=shown_plan) as again:  # the plan given is the plan run
+        assert again.placement.member_of == shown_plan.member_of
+        assert_same(again.run(None, feeds), want)
+
+
+def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) -> None:
+    path, feeds, want = mnist
+    with cluster[1].session(path, objective="throughput") as session:
+        assert session.plan.replicas and len(session.lanes) == 2
+        assert {n for lane in session.lanes for n in lane["nodes"]} == set(NODES)
+        futures = [session.submit(feeds) for _ in range(32)]
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+        assert all(lane["served"] > 0 for lane in session.lanes), session.lanes
+
+
+def test_budgets_that_hold_nothing_are_refused_as_on_one_machine(cluster: Any, mnist: Any) -> None:
+    from vkpool.partition.plan import PartitionUnfeasible
+
+    with pytest.raises(PartitionUnfeasible, match="n0/vk0.0 .* n1/vk0.1"):
+        cluster[1].session(mnist[0], budgets={"n0/vk0.0": "20KiB", "n1/vk0.1": "20KiB"})
+
+
+def shown(*argv: str, tmp: Path) -> dict[str, Any]:
+    out = tmp / "plan.json"
+    assert main(["plan", *argv, "--format", "json", "-o", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def placement(plan: dict[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
+    return ({op["name"]: op["member"] for op in plan["ops"]}, [c["member"] for c in plan["chunks"]],
+            plan.get("replicas", []))
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+def test_vkpool_plan_cluster_is_what_a_cluster_session_runs(cluster: Any, mnist: Any, tmp_path: Path,
+                                                            objective: str) -> None:
+    from vkpool.partition.render import to_json_dict
+
+    path = mnist[0]
+    budgets = [f"--budget={k}={v}" for k, v in split_budgets().items()] if objective == "latency" else []
+    plan = shown(str(path), "--cluster", address(cluster), "--objective", objective, *budgets, tmp=tmp_path)
+    with cluster[1].session(path, objective=objective,
+                            budgets=split_budgets() if objective == "latency" else None) as session:
+        assert placement(to_json_dict(session.placement)) == placement(plan)
+        runs_on = {m for m, n in session.memory_by_member().items() if n}
+        assert runs_on == set(placement(plan)[1]) | set(placement(plan)[2])
+    assert len(runs_on) == 2
+    svg = tmp_path / "plan.svg"
+    assert main(["plan", str(path), "--cluster", address(cluster), "--format", "svg", "-o", str(svg)]) == 0
+    assert "<svg" in svg.read_text() and "n0/vk0.0" in svg.read_text()
+
+
+def test_a_cluster_spec_file_plans_without_a_cluster(mnist: Any, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("""\
+version: 1
+name: two nodes of one H200 each
+members:
+  - {id: a/gpu0, kind: vulkan, budget: 56KiB, flops_per_s: 5.0e13, bytes_per_s: 4.3e12}
+  - {id: b/gpu0, kind: vulkan, budget: 56KiB, flops_per_s: 5.0e13, bytes_per_s: 4.3e12}
+links:
+  default: {bytes_per_s: 1.25e9, latency_s: 5.0e-5}
+""")
+    plan = shown(str(mnist[0]), "--cluster", str(spec), tmp=tmp_path)
+    assert placement(plan)[1] == ["a/gpu0", "b/gpu0"]
+    slow = shown(str(mnist[0]), "--cluster", str(spec), "--budget", "a/gpu0=1MiB", tmp=tmp_path)
+    assert placement(slow)[1] == ["a/gpu0"]  # one member holds it: no hop over the network
+    # the network's cost is in the plan: the hop costs at least one trip over the link
+    assert plan["latency_s"] > slow["latency_s"] + 5e-5
+    assert main(["plan", str(mnist[0]), "--cluster", str(spec), "--budget", "a/gpu0=20KiB",
+                 "--budget", "b/gpu0=20KiB"]) == 1
+    assert "no member's budget holds the whole model" in capsys.readouterr().err
+    # what the cluster decides, or cannot do, is refused with the reason
+    assert main(["plan", str(mnist[0]), "--cluster", str(spec), "--remote"]) == 1
+    assert "drop --devices and --remote" in capsys.readouterr().err
+    assert main(["serve", "--cluster", "127.0.0.1:1", "--detach"]) == 2
+    assert "--detach cannot be honoured here" in capsys.readouterr().err
+
+
+def test_serve_cluster_offers_the_cluster_to_a_daemon_client(cluster: Any, mnist: Any) -> None:
+    from test_daemon_support import daemon_env, short_folder, wait_ready
+    from vkpool.daemon.client import Client
+
+    path, feeds, want = mnist
+    with short_folder() as folder:
+        endpoint = f"ipc://{folder}/d.sock"
+        proc = subprocess.Popen([sys.executable, "-m", "vkpool", "serve", "--cluster", address(cluster),
+                                 "--endpoint", endpoint], env=daemon_env(), stderr=subprocess.PIPE)
+        try:
+            wait_ready(endpoint, proc, timeout=120)
+            with Client(endpoint) as client:
+                ids = {"n0/vk0.0", "n1/vk0.1"}
+                assert {m["id"] for m in client.devices()} == ids
+                remote = client.session(str(path))
+                assert_same(remote.run(None, feeds), want)
+                assert set(remote.info["members"]) <= {"n0/vk0.0", "n1/vk0.1"}
+                status = client.status()
+                assert {m["id"] for m in status["members"]} == {"n0/vk0.0", "n1/vk0.1"}
+                assert [m["id"] for m in status["models"]] == [remote.model_id]
+                # the daemon's plan is the cluster's, and a what-if over the cluster's budgets
+                served_plan = client.plan(remote.model_id)["plan"]
+                assert placement(served_plan)[1] and set(placement(served_plan)[1]) <= ids
+                what_if = client.plan(remote.model_id, {"n0/vk0.0": 56 << 10, "n1/vk0.1": 56 << 10})["plan"]
+                assert sorted(placement(what_if)[1]) == ["n0/vk0.0", "n1/vk0.1"]
+                assert client.set_budget("n1/vk0.1", "32MiB")["budget_bytes"] == 32 << 20
+                assert {m["id"]: m["budget_bytes"] for m in client.devices()}["n1/vk0.1"] == 32 << 20
+                remote.close()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_replicas_batch_the_requests_of_each_node(cluster: Any, mnist: Any, tmp_path: Path) -> None:
+    import onnx
+
+    path, feeds, want = mnist
+    batched = tmp_path / "mnist-batch.onnx"
+    onnx.save_model(workloads.symbolic_batch(onnx.load(path)), batched)
+    with cluster[1].session(batched, objective="throughput", max_batch=4, max_queue_delay=0.01) as session:
+        assert len(session.lanes) == 2
+        futures = [session.submit(feeds) for _ in range(16)]
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+        figures = session.batching
+        assert [f["max_batch"] for f in figures] == [4, 4]
+        assert sum(f["requests"] for f in figures) == 16
+    with pytest.raises(ValueError, match="max_batch batches requests on one member"):
+        cluster[1].session(batched, budgets=split_budgets(), max_batch=4)
+
+
+def test_links_given_instead_of_measured_price_the_plan(cluster: Any, mnist: Any, tmp_path: Path) -> None:
+    measured = {name: link.to_dict() for name, link in cluster[1].links().items()}
+    budgets = [f"--budget={k}={v}" for k, v in split_budgets().items()]
+    args = [str(mnist[0]), "--cluster", address(cluster), *budgets]
+    try:
+        cluster[1].set_links({"default": {"bytes_per_s": 1e6, "latency_s": 0.5}})
+        slow = shown(*args, tmp=tmp_path)
+        assert slow["latency_s"] > 1.0  # a trip over each link: the feeds in, the hop, the outputs out
+        with pytest.raises(KeyError, match="no vkpool node"):
+            cluster[1].set_links({"n7": {"bytes_per_s": 1e6, "latency_s": 0.5}})
+    finally:
+        cluster[1].set_links(measured)
+    assert shown(*args, tmp=tmp_path)["latency_s"] < slow["latency_s"]
+
+
+def test_what_a_driver_that_died_opened_is_closed_on_the_nodes(cluster: Any, mnist: Any) -> None:
+    from test_daemon_support import daemon_env
+
+    def held() -> list[str]:
+        return [key for d in cluster[1].describe() for key in d["models"]]
+
+    assert held() == []
+    code = ("import sys, time, vkpool.cluster; c = vkpool.cluster.connect(sys.argv[1]); "
+            "s = c.session(sys.argv[2], devices=['n1/vk0.1']); print('open', flush=True); time.sleep(120)")
+    driver = subprocess.Popen([sys.executable, "-c", code, address(cluster), str(mnist[0])], env=daemon_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert driver.stdout is not None and driver.stdout.readline().strip() == "open"
+        assert len(held()) == 1
+        assert next(m for m in cluster[1].members() if m["id"] == "n1/vk0.1")["used_bytes"] > 0
+    finally:
+        driver.kill()
+        driver.wait()
+    wait_until(lambda: held() == [])  # each look at the nodes closes what a gone driver left
+    assert next(m for m in cluster[1].members() if m["id"] == "n1/vk0.1")["used_bytes"] == 0
+
+
+# -- faults: these kill a node's actor, so they come last ------------------------------------------
+def actor_pid(cluster: Any, node: str) -> int:
+    return next(d["pid"] for d in cluster[1].describe() if d["node"] == node)
+
+
+def wait_until(condition: Any, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def kill_after(futures: list[Any], done: int, pid: int) -> None:
+    """SIGKILL ``pid`` once ``done`` of ``futures`` completed (the others are in flight)."""
+    wait_until(lambda: sum(f.done() for f in futures) >= done, timeout=60)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_node_killed_mid_run_sends_its_requests_to_the_other_replica(cluster: Any, mnist: Any) -> None:
+    path, feeds, want = mnist
+    with cluster[1].session(path, objective="throughput") as session:
+        lane_of = {lane["nodes"][0]: lane["index"] for lane in session.lanes}
+        before = actor_pid(cluster, "n1")
+        futures = [session.submit(feeds) for _ in range(300)]
+        kill_after(futures, 10, before)
+        for future in futures:  # every request is answered, by the replica that lived
+            assert_same(future.result(timeout=120), want)
+        # Ray restarts the actor; the session opens the model there again and sends it requests
+        wait_until(lambda: actor_pid(cluster, "n1") != before)
+        served = session.lanes[lane_of["n1"]]["served"]
+
+        def n1_serves() -> bool:
+            for future in [session.submit(feeds) for _ in range(8)]:
+                assert_same(future.result(timeout=60), want)
+            return session.lanes[lane_of["n1"]]["served"] > served
+
+        wait_until(n1_serves)
+
+
+def test_a_node_killed_mid_run_without_a_replica_fails_each_request_clearly(cluster: Any, mnist: Any) -> None:
+    from vkpool.cluster import NodeLost
+
+    path, feeds, want = mnist
+    with cluster[1].session(path, budgets=split_budgets()) as session:
+        before = actor_pid(cluster, "n1")
+        futures = [session.submit(feeds) for _ in range(300)]
+        kill_after(futures, 5, before)
+        lost = 0
+        for future in futures:  # each ends: with the right outputs, or a clear error; none hangs
+            try:
+                assert_same(future.result(timeout=120), want)
+            except NodeLost as exc:
+                assert "n1" in str(exc) and "no other replica" in str(exc)
+                lost += 1
+        assert lost > 0
+        wait_until(lambda: actor_pid(cluster, "n1") != before)
+
+        def runs() -> bool:  # once the session has opened its part on the restarted actor
+            try:
+                assert_same(session.run(None, feeds), want)
+            except NodeLost:
+                return False
+            return True
+
+        wait_until(runs)

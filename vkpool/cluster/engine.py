@@ -1,0 +1,66 @@
+"""``vkpool serve --cluster``: the daemon's engine (:class:`vkpool.daemon.engine.Engine`'s
+methods) over a Ray cluster, so that local clients reach the cluster's pool through the daemon
+protocol unchanged: models open as :class:`~vkpool.cluster.session.ClusterSession`, members are
+the cluster's (``<node>/<member>``), budgets are set on the nodes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ClusterEngine:
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+
+    def members(self) -> list[dict[str, Any]]:
+        return [{"id": m["id"], "kind": m["kind"], "name": m["name"], "budget_bytes": int(m["budget_bytes"]),
+                 "used_bytes": int(m["used_bytes"])} for m in self.cluster.members()]
+
+    def has_member(self, member: str) -> bool:
+        return any(m["id"] == member for m in self.members())
+
+    def budget_of(self, member: str) -> int:
+        return next(m["budget_bytes"] for m in self.members() if m["id"] == member)
+
+    def set_budget(self, member: str, nbytes: int) -> None:
+        from vkpool.cluster.session import _cause
+
+        try:
+            self.cluster.set_budget(member, nbytes)
+        except Exception as exc:  # the node's refusal (a ValueError), not Ray's wrapper of it
+            raise _cause(exc) from None
+
+    def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
+             batching: Mapping[str, Any] | None = None) -> Any:
+        """A cluster session of the model; ``shape`` and ``batching`` as :meth:`Engine.open` takes them."""
+        shape, batching = shape or {}, batching or {}
+        options: dict[str, Any] = {"batch": shape.get("batch") or 1, "dims": shape.get("dims") or None}
+        if batching.get("max_batch"):
+            options.update(max_batch=batching["max_batch"],
+                           max_queue_delay=batching.get("max_queue_delay", 0.0))
+        return self.cluster.session(source if isinstance(source, Path) else bytes(source), **options)
+
+    def what_if(self, session: Any, budgets: Mapping[str, int]) -> Any:
+        """The plan ``session``'s model would have were the members' budgets ``budgets`` (none:
+        the plan it runs), rendered as ``vkpool plan`` renders it; allocates nothing."""
+        from vkpool.cluster.placement import ClusterPlan, place_on_cluster
+
+        if not budgets:
+            return _Rendered(session.plan)
+        used = {m["id"]: m["used_bytes"] for m in self.cluster.members()}
+        mine = session.memory_by_member()
+        free = {k: int(v) - used[k] + int(mine.get(k, 0)) for k, v in budgets.items()}
+        _, graph, plan = place_on_cluster(session.model_bytes, self.cluster.planner_members(free),
+                                          objective=session.placement.objective, **session.load_options)
+        return _Rendered(ClusterPlan(plan, graph))
+
+
+class _Rendered:
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    def to_text(self) -> str:
+        return self.plan.to_text()
+
+    def to_json(self) -> dict[str, Any]:
+        return self.plan.to_dict()

@@ -1,0 +1,374 @@
+"""The vkpool actor of one Ray node: it owns the node's pool and runs what sessions open on it.
+
+One actor per node (the node's ``vkpool`` custom resource, one unit, and node-affinity
+scheduling): :meth:`vkpool.cluster.Cluster.refresh` names it after the node, so that every
+driver finds the same one.
+Ray sets ``CUDA_VISIBLE_DEVICES`` for the GPUs it gives the actor, which Vulkan ignores: the
+pool holds exactly the Vulkan devices whose UUIDs those GPUs have (:func:`ray_gpu_uuids`).
+An actor given no GPU builds its pool from the node's own config. ``VKPOOL_NODE_MEMBERS``
+(member ids, comma-separated) narrows what a node offers, for nodes sharing one host's devices.
+
+What a session opens on a node is either a replica (a whole :class:`vkpool.Session` on one
+member, batching included) or the node's chunks of a plan over several nodes (compiled with
+:func:`vkpool.executor.build_chunk` exactly as the plan cuts them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import threading
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+#: the Ray namespace of the drivers' leases (vkpool.cluster.NAMESPACE)
+LEASE_NAMESPACE = "vkpool"
+
+
+class NotOpen(KeyError):
+    """The node holds no model under this key: its actor restarted since the session opened it."""
+
+
+def node_name() -> str:
+    """``$VKPOOL_NODE_NAME``, else the host's name."""
+    return os.environ.get("VKPOOL_NODE_NAME") or socket.gethostname()
+
+
+def ray_gpu_uuids(gpu_ids: Sequence[Any]) -> list[str]:
+    """The UUIDs of the GPUs Ray gave this process (``ray.get_gpu_ids()``: NVML indices, or
+    ``GPU-<uuid>`` strings), lower case without the prefix. An index is looked up in NVML (the
+    copy Ray ships, as Ray numbers GPUs by it), else in ``nvidia-smi``'s table, both in PCI bus
+    order; Vulkan reports the same UUID for the device."""
+    table: dict[str, str] | None = None
+    out = []
+    for gpu in gpu_ids:
+        text = str(gpu)
+        if text.upper().startswith("GPU-"):
+            out.append(text[4:].lower())
+            continue
+        if table is None:
+            table = _nvml_uuids() or _nvidia_smi_uuids()
+        if text not in table:
+            raise RuntimeError(f"Ray gave GPU {text}, which NVML does not list ({sorted(table)})")
+        out.append(table[text])
+    return out
+
+
+def _uuid_text(raw: Any) -> str:
+    text = (raw.decode() if isinstance(raw, bytes) else str(raw)).strip()
+    return (text[4:] if text.upper().startswith("GPU-") else text).lower()
+
+
+def _nvml_uuids() -> dict[str, str]:
+    """Index → UUID of every NVIDIA GPU through NVML; empty where NVML cannot be reached."""
+    try:
+        from ray._private.thirdparty import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    try:
+        return {str(i): _uuid_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(pynvml.nvmlDeviceGetCount())}
+    except Exception:
+        return {}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvidia_smi_uuids() -> dict[str, str]:
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"Ray gave this actor GPUs, but neither NVML nor nvidia-smi maps them to UUIDs: "
+                           f"{exc}") from None
+    table = {}
+    for line in text.splitlines():
+        index, _, uuid = line.partition(",")
+        table[index.strip()] = _uuid_text(uuid)
+    return table
+
+
+def _bare(uuid: str) -> str:
+    return uuid.lower().replace("-", "")
+
+
+def node_pool(gpu_uuids: Sequence[str]) -> Any:
+    """The node's pool: the node's config over the Vulkan devices with these UUIDs (every device
+    the config allows when none are given)."""
+    from vkpool.discovery import discover
+    from vkpool.pool import DevicePool
+
+    infos = discover()
+    if gpu_uuids:
+        wanted = {_bare(u) for u in gpu_uuids}
+        missing = wanted - {_bare(i.uuid) for i in infos}
+        if missing:
+            raise RuntimeError(f"Ray gave GPUs {sorted(missing)} that no Vulkan device has (Vulkan sees "
+                               f"{', '.join(f'{i.name} {i.uuid}' for i in infos)})")
+        # the others stay described (config rules that name them still match) but are not used
+        infos = [i if _bare(i.uuid) in wanted else dataclasses.replace(
+            i, usable=False, unusable_reason="Ray gave this node's vkpool actor other GPUs") for i in infos]
+    return DevicePool.from_config(None, infos=infos)
+
+
+class _Chunks:
+    """A node's chunks of a plan over several nodes, compiled; ``run`` runs some of them in order."""
+
+    def __init__(self, pool: Any, model: Any, member_of: Mapping[str, str],
+                 chunks: Sequence[tuple[str, list[str]]], node: str) -> None:
+        from vkpool.executor import build_chunk, stage_nodes
+        from vkpool.partition.graph import build_graph
+
+        graph = build_graph(model)
+        index_of = {op: int(graph.nodes[op]["index"]) for op in graph.nodes}
+        unknown = sorted(set(member_of) ^ set(index_of))
+        if unknown:
+            raise ValueError(f"the plan was made for another model: ops {unknown[:5]} differ")
+        prefix = f"{node}/"
+        members = [pool.member(m[len(prefix):]) if m.startswith(prefix) else SimpleNamespace(id=m)
+                   for m, _ in chunks]
+        self.stages = stage_nodes(model, [[index_of[op] for op in ops] for _, ops in chunks], members)
+        self.compiled: dict[int, Any] = {}
+        # a Vulkan chunk takes runs from several threads (each in a run slot of its own); a host
+        # chunk one at a time
+        self.locks: dict[int, Any] = {}
+        try:
+            for stage, (member, _) in zip(self.stages, chunks):
+                if member.startswith(prefix):
+                    self.compiled[stage.index] = build_chunk(model, stage)
+                    host = stage.member.kind == "host"
+                    self.locks[stage.index] = threading.Lock() if host else nullcontext()
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, indices: Sequence[int], values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Runs chunks ``indices`` (in order) on ``values``; returns every output they send on."""
+        out: dict[str, np.ndarray] = {}
+        for index in indices:
+            stage = self.stages[index]
+            with self.locks[index]:
+                produced = self.compiled[index].run({n: values[n] for n in stage.inputs})
+            values.update(produced)
+            out.update(produced)
+        return out
+
+    def memory_by_member(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for index, chunk in self.compiled.items():
+            s = chunk.stats
+            member = self.stages[index].member.id
+            out[member] = out.get(member, 0) + s.weight_bytes + s.arena_bytes + s.io_bytes
+        return out
+
+    def close(self) -> None:
+        for chunk in self.compiled.values():
+            chunk.close()
+        self.compiled = {}
+
+
+class Lease:
+    """A named actor that lives as long as the driver that made it (Ray ends an actor with its
+    owner): a node closes what a driver opened once no actor has that driver's lease name."""
+
+    def ping(self) -> bool:
+        return True
+
+
+class NodeActor:
+    """The node's pool and the models sessions opened on it (see the module doc). Ray runs its
+    methods in several threads at once: requests of different sessions and replicas overlap."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self.name = node_name()
+        self.pool = node_pool(ray_gpu_uuids(ray.get_gpu_ids()))
+        offered = os.environ.get("VKPOOL_NODE_MEMBERS", "")
+        ids = [m.id for m in self.pool.members]
+        self.offered = [i.strip() for i in offered.split(",") if i.strip()] or ids
+        unknown = [i for i in self.offered if i not in ids]
+        if unknown:
+            raise ValueError(f"VKPOOL_NODE_MEMBERS names {unknown}, which this node's pool lacks ({ids})")
+        self.opened: dict[str, Any] = {}
+        self.leases: dict[str, str] = {}  # key → the lease name of the driver that opened it
+        self.link: dict[str, float] | None = None
+        self._lock = threading.Lock()
+        # runs in progress per opened model (by id): what is closed waits for them, so that no
+        # run meets a chunk being closed
+        self._users: dict[int, int] = {}
+        self._idle = threading.Condition(self._lock)
+
+    # -- what the node has ---------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """The node's name, process, and each offered member: budget, use, what the planner sees."""
+        from vkpool.placement import planner_members
+
+        self._drop_orphans()
+        planned = {m.id: m for m in planner_members(self.pool, self.offered)}
+        members = []
+        for member_id in self.offered:
+            member, seen = self.pool.member(member_id), planned[member_id]
+            info = getattr(member, "info", None)
+            members.append({
+                "id": member_id, "kind": member.kind,
+                "name": seen.name or ("host (numpy)" if info is None else ""),
+                "uuid": None if info is None else info.uuid, "budget_bytes": member.budget_bytes,
+                "used_bytes": member.used_bytes, "free_bytes": seen.budget_bytes,
+                "cost": seen.cost.to_dict()})
+        return {"node": self.name, "pid": os.getpid(), "members": members, "link": self.link,
+                "models": sorted(self.opened)}
+
+    def set_budget(self, member_id: str, size: int | str) -> None:
+        if member_id not in self.offered:
+            raise KeyError(f"node {self.name} has no member {member_id!r}; members: "
+                           f"{', '.join(self.offered)}")
+        self.pool.set_budget(member_id, size)
+
+    def set_link(self, link: dict[str, float]) -> None:
+        """Keeps the node's measured link for every later plan (the same figures every driver sees)."""
+        self.link = dict(link)
+
+    def ping(self) -> str:
+        return self.name
+
+    def pull(self, blob: np.ndarray) -> int:
+        """Receives ``blob`` (a calibration transfer through the object store); returns its size."""
+        return int(blob.nbytes)
+
+    def put(self, nbytes: int) -> list[Any]:
+        """An object of ``nbytes`` in this node's object store (the reference inside a list, so
+        the caller receives the reference rather than the bytes)."""
+        import ray
+
+        return [ray.put(np.ones(nbytes, np.uint8))]
+
+    # -- models ------------------------------------------------------------------------------------
+    def open_replica(self, key: str, lease: str, model: bytes, member: str,
+                     options: dict[str, Any]) -> list[str]:
+        """A whole :class:`vkpool.Session` of ``model`` on ``member``, for the driver whose
+        :class:`Lease` is named ``lease``; returns its output names."""
+        from vkpool.session import Session
+
+        self._check_member(member)
+        self._drop_orphans()
+        session = Session(model, device=member, pool=self.pool, **options)
+        self._keep(key, session, lease)
+        return [o.name for o in session.get_outputs()]
+
+    def open_chunks(self, key: str, lease: str, model: bytes, node: str, member_of: dict[str, str],
+                    chunks: list[tuple[str, list[str]]], column_splits: dict[str, int], batch: int,
+                    dims: dict[str, int]) -> None:
+        """The chunks on ``node`` (this node's name in the cluster) of a plan over several nodes
+        (op → ``node/member``; the chunks in the plan's order as (member, ops)), for the driver
+        whose lease is named ``lease``; ``column_splits`` as the plan divided the products."""
+        from vkpool.column_split import split_products
+        from vkpool.model import load_model
+
+        self._drop_orphans()
+        loaded = load_model(model, batch=batch, dims=dims)
+        split_products(loaded, column_splits)
+        for member, _ in chunks:
+            where, _, local = member.rpartition("/")
+            if where == node:
+                self._check_member(local)
+        self._keep(key, _Chunks(self.pool, loaded, member_of, chunks, node), lease)
+
+    def _keep(self, key: str, opened: Any, lease: str) -> None:
+        """Keeps what was opened under ``key``, closing what an earlier open left there."""
+        with self._lock:
+            earlier = self.opened.get(key)
+            self.opened[key], self.leases[key] = opened, lease
+        if earlier is not None:
+            self._close_when_idle(earlier)
+
+    def _drop_orphans(self) -> None:
+        """Closes what drivers that are gone opened (their leases ended with them)."""
+        import ray
+
+        with self._lock:
+            held = list(self.leases.items())
+        alive: dict[str, bool] = {}
+        for key, lease in held:
+            if lease not in alive:
+                try:
+                    ray.get_actor(lease, namespace=LEASE_NAMESPACE)
+                    alive[lease] = True
+                except ValueError:  # no live actor has that name: the driver is gone
+                    alive[lease] = False
+            if not alive[lease]:
+                self.close(key)
+
+    def _close_when_idle(self, opened: Any) -> None:
+        """Closes ``opened`` (no longer under any key) once the runs using it have ended."""
+        with self._idle:
+            while self._users.get(id(opened)):
+                self._idle.wait()
+        opened.close()
+
+    def _check_member(self, member: str) -> None:
+        if member not in self.offered:
+            raise KeyError(f"node {self.name} offers no member {member!r}; it offers "
+                           f"{', '.join(self.offered)}")
+
+    def _get(self, key: str) -> Any:
+        try:
+            return self.opened[key]
+        except KeyError:
+            raise NotOpen(f"model {key} is not open on node {self.name} (its vkpool actor restarted, or the "
+                          "session closed or reopened it)") from None
+
+    @contextmanager
+    def _using(self, key: str) -> Iterator[Any]:
+        """The model opened under ``key``, kept open while the block runs."""
+        with self._lock:
+            opened = self._get(key)
+            self._users[id(opened)] = self._users.get(id(opened), 0) + 1
+        try:
+            yield opened
+        finally:
+            with self._idle:
+                left = self._users.pop(id(opened)) - 1
+                if left:
+                    self._users[id(opened)] = left
+                else:
+                    self._idle.notify_all()
+
+    def run(self, key: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """One request on a replica: every output, in the model's order."""
+        with self._using(key) as session:
+            if session.batch_runner is not None:  # the request joins a batch
+                return session.submit(feeds).result()
+            return session.run(None, feeds)
+
+    def run_chunks(self, key: str, indices: list[int],
+                   *values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Chunks ``indices`` of one request; ``values``: the request's feeds and what the
+        chunks before sent, each a mapping (Ray hands them over from the nodes that made them)."""
+        merged: dict[str, np.ndarray] = {}
+        for part in values:
+            merged.update(part)
+        with self._using(key) as opened:
+            return opened.run(indices, merged)
+
+    def batching(self, key: str) -> dict[str, Any] | None:
+        """The batcher's figures of a replica opened with ``max_batch`` (None without)."""
+        opened = self._get(key)
+        return opened.batching if not isinstance(opened, _Chunks) else None
+
+    def memory_by_member(self, key: str) -> dict[str, int]:
+        return self._get(key).memory_by_member()
+
+    def close(self, key: str) -> None:
+        """Closes what is open under ``key`` once the runs using it have ended (no new one starts)."""
+        with self._lock:
+            opened = self.opened.pop(key, None)
+            self.leases.pop(key, None)
+        if opened is not None:
+            self._close_when_idle(opened)

@@ -1,0 +1,463 @@
+"""A model on the cluster: placed over every node's members, run by the nodes' actors.
+
+The plan is :func:`vkpool.partition.place_model`'s over the cluster's members (their links
+include the network, :mod:`vkpool.cluster.links`), as ``vkpool plan --cluster`` shows it. It
+runs in *lanes*, as :class:`vkpool.executor.PlanExecutor` does on one machine: lane 0 is the
+plan's chunks, lane k the whole model on replica k. A lane whose plan is one chunk, and every
+replica, is a :class:`vkpool.Session` on that member's node (batching included). A plan over
+several nodes runs as steps, each a run of consecutive chunks on one node: the request's feeds
+are put in the object store once, and each step is a call on its node's actor that receives the
+object references of the steps it reads from, so that Ray moves a tensor from the node that made
+it to the node that reads it, never through the caller. Only the steps that make model outputs
+return to the caller.
+
+Each request goes to the lane with the fewest requests in flight. When a node's actor dies, its
+lanes go down and their requests in flight go to another lane where there is one; each gets a
+clear error where there is none. A thread then waits for Ray to restart the actor, opens the
+model on it again and puts the lane back.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from vkpool.errors import InvalidInput
+
+#: how often a session looks for a restarted actor of a lane that went down, in seconds
+REVIVE_EVERY_S = 0.5
+#: how long a restarted actor may take to answer before the next look
+PING_TIMEOUT_S = 5.0
+
+
+class NodeLost(RuntimeError):
+    """A node's actor died while it ran the request, and no other lane could take it."""
+
+
+@dataclass
+class _Step:
+    """Consecutive chunks of lane 0 on one node."""
+
+    node: str
+    chunks: list[int]
+    preds: list[int]  # steps whose outputs it reads
+    reads_feeds: bool
+    outputs: list[str]  # model outputs it makes
+
+
+@dataclass(eq=False)
+class _Lane:
+    index: int
+    key: str
+    nodes: list[str]
+    member: str | None  # a lane on one member (a Session there); None: steps
+    steps: list[_Step] = field(default_factory=list)
+    in_flight: int = 0
+    served: int = 0  # requests it completed
+    down: str | None = None  # why it is down
+
+
+class ClusterSession:
+    """``vkpool.Session`` over a cluster (see the module doc). ``model``: a path or the model's
+    bytes; ``objective``, ``devices`` (cluster member ids), ``budgets`` (cluster member id →
+    size, set on the nodes), ``plan`` (a Plan made for this model on these members),
+    ``batch``, ``dims``, ``max_batch``, ``max_queue_delay`` as for :class:`vkpool.Session`."""
+
+    def __init__(self, cluster: Any, model: str | os.PathLike | bytes, *, objective: str = "latency",
+                 devices: Sequence[str] | None = None, budgets: Mapping[str, int | str] | None = None,
+                 plan: Any = None, batch: int = 1, dims: Mapping[str, int] | None = None,
+                 max_batch: int | None = None, max_queue_delay: float = 0.0) -> None:
+        import ray
+
+        from vkpool.cluster.placement import place_on_cluster
+
+        self.cluster = cluster
+        self._ray = ray
+        self._closed = False
+        self._lock = threading.Lock()
+        self._lanes: list[_Lane] = []
+        self._reviver: threading.Thread | None = None
+        # completions are handled here, not in Ray's thread that completes a reference: handling
+        # one may start calls (a request sent to another lane) and runs the callers' callbacks
+        self._completions = ThreadPoolExecutor(1, thread_name_prefix="vkpool-cluster")
+        self._pending: set[Future] = set()  # requests not yet answered
+        data = bytes(model) if isinstance(model, (bytes, bytearray)) else Path(os.fspath(model)).read_bytes()
+        self._batch, self._dims = batch, dict(dims or {})
+        for member_id, size in (budgets or {}).items():
+            cluster.set_budget(member_id, size)
+        members = cluster.planner_members()
+        self.model, self.graph, self.placement = place_on_cluster(
+            data, members, objective=objective, devices=devices, plan=plan, batch=batch, dims=self._dims)
+        self.load_options = {"batch": batch, "dims": self._dims}
+        self._options: dict[str, Any] = dict(self.load_options)
+        if max_batch is not None:
+            self._options.update(max_batch=max_batch, max_queue_delay=max_queue_delay)
+        if max_batch is not None and len(self.placement.chunks) > 1:
+            raise ValueError("max_batch batches requests on one member; this plan splits the model over "
+                             f"{', '.join(dict.fromkeys(c.member for c in self.placement.chunks))}: leave "
+                             "max_batch unset, or give budgets that hold the model on one member")
+        self.model_bytes = data
+        self._model_ref = ray.put(data)
+        self._key = uuid.uuid4().hex[:12]
+        self._inputs = {name: info for name, info in self.model.inputs}
+        self._output_names = [name for name, _ in self.model.outputs]
+        try:
+            self._lanes = self._make_lanes()
+            ray.get([ref for lane in self._lanes for ref in self._open(lane)])
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lanes ---------------------------------------------------------------------------------
+    def _make_lanes(self) -> list[_Lane]:
+        from vkpool.cluster.links import node_of
+
+        plan = self.placement
+        lanes = []
+        if len(plan.chunks) == 1:
+            member = plan.chunks[0].member
+            lanes.append(_Lane(0, f"{self._key}:0", [node_of(member)], member))
+        else:
+            lanes.append(_Lane(0, f"{self._key}:0", [], None, self._steps()))
+            lanes[0].nodes = list(dict.fromkeys(s.node for s in lanes[0].steps))
+        for k, member in enumerate(plan.replicas, start=1):
+            lanes.append(_Lane(k, f"{self._key}:{k}", [node_of(member)], member))
+        return lanes
+
+    def _steps(self) -> list[_Step]:
+        from vkpool.cluster.links import node_of
+
+        plan = self.placement
+        uses = self.graph.graph["tensors"]
+        outputs = set(self._output_names)
+        steps: list[_Step] = []
+        step_of: dict[int, int] = {}
+        for chunk in plan.chunks:
+            node = node_of(chunk.member)
+            if not steps or steps[-1].node != node:
+                steps.append(_Step(node, [], [], False, []))
+            steps[-1].chunks.append(chunk.index)
+            step_of[chunk.index] = len(steps) - 1
+        for s, step in enumerate(steps):
+            for index in step.chunks:
+                chunk = plan.chunks[index]
+                step.preds += [step_of[p] for p in chunk.preds if step_of[p] != s]
+                for op in chunk.ops:
+                    attrs = self.graph.nodes[op]
+                    step.reads_feeds |= any(uses[t].producer is None for t in attrs["inputs"])
+                    step.outputs += [t for t in attrs["outputs"] if t in outputs]
+            step.preds = sorted(set(step.preds))
+        return steps
+
+    def _open(self, lane: _Lane) -> list[Any]:
+        """Opens the lane on its nodes; returns the calls' references."""
+        from vkpool.cluster.links import node_of
+
+        actors = self.cluster.actors
+        if lane.member is not None:
+            node = node_of(lane.member)
+            return [actors[node].open_replica.remote(lane.key, self.cluster.lease, self._model_ref,
+                                                     lane.member[len(node) + 1:], self._options)]
+        plan = self.placement
+        chunks = [(c.member, list(c.ops)) for c in plan.chunks]
+        return [actors[node].open_chunks.remote(lane.key, self.cluster.lease, self._model_ref, node,
+                                                dict(plan.member_of), chunks, dict(self.model.column_splits),
+                                                self._batch, self._dims)
+                for node in lane.nodes]
+
+    # -- running -------------------------------------------------------------------------------
+    def get_inputs(self, symbolic: bool = False) -> list[Any]:
+        """The inputs, with the shapes fixed at load (``symbolic`` is accepted as
+        :meth:`vkpool.Session.get_inputs` takes it: a cluster runs the shapes bound at load)."""
+        from vkpool.session import NodeArg
+
+        return [NodeArg(n, list(i.shape), i.dtype) for n, i in self.model.inputs]
+
+    def get_outputs(self) -> list[Any]:
+        from vkpool.session import NodeArg
+
+        return [NodeArg(n, list(i.shape), i.dtype) for n, i in self.model.outputs]
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[np.ndarray]:
+        """Runs the model; returns the outputs named (all, in model order, when None)."""
+        return self.submit(input_feed, output_names).result()
+
+    def submit(self, input_feed: Mapping[str, Any], output_names: Sequence[str] | None = None) -> Future:
+        """Starts a run on the least-loaded lane; returns a future of its outputs."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        feeds = self._check_feeds(input_feed)
+        names = self._output_list(output_names)
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        self._dispatch(feeds, names, future, tried=set())
+        return future
+
+    def _dispatch(self, feeds: dict[str, np.ndarray], names: list[str], future: Future, tried: set[int],
+                  why: str = "") -> None:
+        with self._lock:
+            up = [ln for ln in self._lanes if ln.down is None and ln.index not in tried]
+            lane = min(up, key=lambda ln: (ln.in_flight, ln.index)) if up else None
+            if lane is not None:
+                lane.in_flight += 1
+            down = [f"lane {ln.index} on {', '.join(ln.nodes)}: {ln.down}" for ln in self._lanes if ln.down]
+        if lane is None:
+            _settle(future, NodeLost(
+                (why or "every lane of this model is down") + "; no other replica can take the request"
+                + (f" ({'; '.join(down)})" if down else "") + ". It runs again once Ray restarts the node's "
+                "vkpool actor (the session reopens the model there)."))
+            return
+        try:
+            refs = self._start(lane, feeds)
+        except BaseException as exc:
+            self._ended(lane)
+            _settle(future, exc)
+            return
+        self._gather(lane, refs, feeds, names, future, tried | {lane.index})
+
+    def _start(self, lane: _Lane, feeds: dict[str, np.ndarray]) -> list[Any]:
+        """The calls of one request on ``lane``: the references whose values hold its outputs."""
+        actors = self.cluster.actors
+        if lane.member is not None:
+            return [actors[lane.nodes[0]].run.remote(lane.key, feeds)]
+        feeds_ref = self._ray.put(feeds)
+        refs: list[Any] = []
+        for step in lane.steps:
+            args = ([feeds_ref] if step.reads_feeds else []) + [refs[p] for p in step.preds]
+            refs.append(actors[step.node].run_chunks.remote(lane.key, step.chunks, *args))
+        return [refs[s] for s, step in enumerate(lane.steps) if step.outputs]
+
+    def _gather(self, lane: _Lane, refs: list[Any], feeds: dict[str, np.ndarray], names: list[str],
+                future: Future, tried: set[int]) -> None:
+        left = [len(refs)]
+        parts: list[Any] = [None] * len(refs)
+        gate = threading.Lock()
+
+        def done(k: int, part: Future) -> None:
+            with gate:
+                if left[0] <= 0:
+                    return
+                exc = part.exception()
+                if exc is not None:
+                    left[0] = 0
+                else:
+                    parts[k] = part.result()
+                    left[0] -= 1
+                    if left[0]:
+                        return
+            self._ended(lane, served=exc is None)
+            if exc is None:
+                try:
+                    _settle(future, None, self._select(lane, parts, feeds, names))
+                except Exception as error:
+                    _settle(future, error)
+            elif self._node_failed(exc):
+                self._lane_down(lane, exc)
+                why = f"lane {lane.index} failed: {_first_line(exc)}"
+                self._dispatch(feeds, names, future, tried, why=why)
+            else:
+                _settle(future, _cause(exc))
+
+        for k, ref in enumerate(refs):
+            ref.future().add_done_callback(lambda part, k=k: self._later(done, k, part))
+
+    def _later(self, handle: Any, *args: Any) -> None:
+        try:
+            self._completions.submit(handle, *args)
+        except RuntimeError:
+            pass  # the session closed, which failed the request
+
+    def _select(self, lane: _Lane, parts: list[Any], feeds: dict[str, np.ndarray],
+                names: list[str]) -> list[np.ndarray]:
+        if lane.member is not None:
+            produced = dict(zip(self._output_names, parts[0]))
+        else:
+            produced = {}
+            for part in parts:
+                produced.update(part)
+        out = []
+        for name in names:
+            if name in produced:
+                out.append(produced[name])
+            elif name in feeds:
+                out.append(feeds[name].copy())
+            else:
+                out.append(np.array(self.model.constants[name], copy=True))
+        return out
+
+    def _ended(self, lane: _Lane, served: bool = False) -> None:
+        with self._lock:
+            lane.in_flight -= 1
+            lane.served += served
+
+    def _node_failed(self, exc: BaseException) -> bool:
+        from ray.exceptions import RayActorError
+
+        from vkpool.cluster.node import NotOpen
+
+        return isinstance(exc, (RayActorError, NotOpen))
+
+    # -- faults --------------------------------------------------------------------------------
+    def _lane_down(self, lane: _Lane, exc: BaseException) -> None:
+        with self._lock:
+            if lane.down is None:
+                lane.down = _first_line(exc)
+            if self._reviver is None and not self._closed:
+                self._reviver = threading.Thread(target=self._revive, name="vkpool-cluster-revive",
+                                                 daemon=True)
+                self._reviver.start()
+
+    def _revive(self) -> None:
+        """Puts lanes back once their nodes' actors answer again and hold the model again."""
+        while not self._closed:
+            with self._lock:
+                down = [ln for ln in self._lanes if ln.down is not None]
+                if not down:
+                    self._reviver = None
+                    return
+            for lane in down:
+                try:
+                    for node in lane.nodes:
+                        self._ray.get(self.cluster.actors[node].ping.remote(), timeout=PING_TIMEOUT_S)
+                    for node in lane.nodes:  # what survived on another node of the lane is opened anew
+                        closing = self.cluster.actors[node].close.remote(lane.key)
+                        self._ray.get(closing, timeout=PING_TIMEOUT_S)
+                    self._ray.get(self._open(lane), timeout=PING_TIMEOUT_S * 10)
+                except Exception:
+                    continue
+                with self._lock:
+                    lane.down = None
+                    closed = self._closed
+                if closed:  # close() may have run before this lane was opened again
+                    for node in lane.nodes:
+                        self.cluster.actors[node].close.remote(lane.key)
+            time.sleep(REVIVE_EVERY_S)
+
+    @property
+    def lanes(self) -> list[dict[str, Any]]:
+        """Each lane: index, members, nodes, requests in flight and served, and why it is down (None: up)."""
+        with self._lock:
+            return [{"index": ln.index, "nodes": list(ln.nodes), "in_flight": ln.in_flight,
+                     "served": ln.served, "down": ln.down,
+                     "members": [ln.member] if ln.member else
+                     list(dict.fromkeys(self.placement.chunks[c].member for s in ln.steps for c in s.chunks))}
+                    for ln in self._lanes]
+
+    # -- checks --------------------------------------------------------------------------------
+    def _check_feeds(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        extra = sorted(set(input_feed) - set(self._inputs))
+        if extra:
+            raise InvalidInput(f"unknown input(s) {extra}; the model's inputs are {sorted(self._inputs)}")
+        missing = sorted(set(self._inputs) - set(input_feed))
+        if missing:
+            raise InvalidInput(f"missing input(s) {missing}")
+        feeds = {}
+        for name, info in self._inputs.items():
+            value = np.ascontiguousarray(input_feed[name])
+            if value.dtype != info.dtype:
+                raise InvalidInput(f"input {name!r} must be {info.dtype}, got {value.dtype}")
+            if value.shape != tuple(info.shape):
+                raise InvalidInput(f"input {name!r} must have shape {list(info.shape)}, "
+                                   f"got {list(value.shape)}")
+            feeds[name] = value
+        return feeds
+
+    def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
+        if output_names is None:
+            return list(self._output_names)
+        unknown = [n for n in output_names if n not in self._output_names]
+        if unknown:
+            raise InvalidInput(f"unknown output(s) {unknown}; the model's outputs are "
+                               f"{sorted(self._output_names)}")
+        return list(output_names)
+
+    # -- what it holds -------------------------------------------------------------------------
+    @property
+    def plan(self) -> Any:
+        """The plan that runs (:class:`~vkpool.cluster.placement.ClusterPlan`), as ``vkpool plan
+        --cluster`` shows it."""
+        from vkpool.cluster.placement import ClusterPlan
+
+        return ClusterPlan(self.placement, self.graph)
+
+    @property
+    def batching(self) -> list[dict[str, Any] | None]:
+        """Per lane, the figures of its node's batcher (:attr:`vkpool.Session.batching`; None:
+        the lane does not batch, or is down)."""
+        return [None if lane.down is not None or lane.member is None
+                else self._ray.get(self.cluster.actors[lane.nodes[0]].batching.remote(lane.key))
+                for lane in self._lanes]
+
+    def memory_by_member(self) -> dict[str, int]:
+        """What the model holds on each cluster member, as the nodes' actors count it."""
+        out: dict[str, int] = {}
+        for lane in self._lanes:
+            if lane.down is not None:
+                continue
+            for node in lane.nodes:
+                held = self._ray.get(self.cluster.actors[node].memory_by_member.remote(lane.key))
+                for member, nbytes in held.items():
+                    out[f"{node}/{member}"] = out.get(f"{node}/{member}", 0) + nbytes
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for lane in self._lanes:
+            for node in lane.nodes:
+                try:
+                    self._ray.get(self.cluster.actors[node].close.remote(lane.key), timeout=PING_TIMEOUT_S)
+                except Exception:
+                    pass  # a node that is gone holds nothing of it
+        self._completions.shutdown(wait=False)
+        for future in list(self._pending):  # their completions will not be handled now
+            _settle(future, RuntimeError("the session was closed before this request finished"))
+
+    def __enter__(self) -> ClusterSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass  # at interpreter exit Ray may be gone already
+
+
+def _settle(future: Future, exc: BaseException | None, result: Any = None) -> None:
+    """Completes ``future`` unless it is complete already (a closed session failed it)."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception an actor raised, rather than Ray's wrapper of it."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        return exc.cause
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(_cause(exc)).strip().splitlines()
+    return f"{type(_cause(exc)).__name__}: {text[0] if text else ''}"
