@@ -136,13 +136,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config, endpoint = getattr(args, "config", None), endpoint_of(args)
     if args.detach:
         return detach(config, endpoint, args.pid_file, args.log_file)
-    engine = None
+    runtime = None
     if args.cluster:
         from vkpool.cluster import connect
-        from vkpool.cluster.engine import ClusterEngine
+        from vkpool.cluster.runtime import ClusterRuntime
 
-        engine = ClusterEngine(connect(args.cluster))
-    return serve(config, endpoint, engine, pid_file=args.pid_file, log_file=args.log_file)
+        runtime = ClusterRuntime(connect(args.cluster))
+    return serve(config, endpoint, runtime, pid_file=args.pid_file, log_file=args.log_file)
 
 
 def cmd_service_install(args: argparse.Namespace) -> int:

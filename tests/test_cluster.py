@@ -144,12 +144,12 @@ def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, 
 def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) -> None:
     path, feeds, want = mnist
     with cluster[1].session(path, objective="throughput") as session:
-        assert session.plan.replicas and len(session.lanes) == 2
-        assert {n for lane in session.lanes for n in lane["nodes"]} == set(NODES)
+        assert session.plan.replicas and len(session.copies) == 2
+        assert {n for copy in session.copies for n in copy["nodes"]} == set(NODES)
         futures = [session.submit(feeds) for _ in range(32)]
         for future in futures:
             assert_same(future.result(timeout=60), want)
-        assert all(lane["served"] > 0 for lane in session.lanes), session.lanes
+        assert all(copy["served"] > 0 for copy in session.copies), session.copies
 
 
 def test_budgets_that_hold_nothing_are_refused_as_on_one_machine(cluster: Any, mnist: Any) -> None:
@@ -261,7 +261,7 @@ def test_replicas_batch_the_requests_of_each_node(cluster: Any, mnist: Any, tmp_
     batched = tmp_path / "mnist-batch.onnx"
     onnx.save_model(workloads.symbolic_batch(onnx.load(path)), batched)
     with cluster[1].session(batched, objective="throughput", max_batch=4, max_queue_delay=0.01) as session:
-        assert len(session.lanes) == 2
+        assert len(session.copies) == 2
         futures = [session.submit(feeds) for _ in range(16)]
         for future in futures:
             assert_same(future.result(timeout=60), want)
@@ -330,7 +330,7 @@ def kill_after(futures: list[Any], done: int, pid: int) -> None:
 def test_a_node_killed_mid_run_sends_its_requests_to_the_other_replica(cluster: Any, mnist: Any) -> None:
     path, feeds, want = mnist
     with cluster[1].session(path, objective="throughput") as session:
-        lane_of = {lane["nodes"][0]: lane["index"] for lane in session.lanes}
+        lane_of = {copy["nodes"][0]: copy["index"] for copy in session.copies}
         before = actor_pid(cluster, "n1")
         futures = [session.submit(feeds) for _ in range(300)]
         kill_after(futures, 10, before)
@@ -338,12 +338,12 @@ def test_a_node_killed_mid_run_sends_its_requests_to_the_other_replica(cluster: 
             assert_same(future.result(timeout=120), want)
         # Ray restarts the actor; the session opens the model there again and sends it requests
         wait_until(lambda: actor_pid(cluster, "n1") != before)
-        served = session.lanes[lane_of["n1"]]["served"]
+        served = session.copies[lane_of["n1"]]["served"]
 
         def n1_serves() -> bool:
             for future in [session.submit(feeds) for _ in range(8)]:
                 assert_same(future.result(timeout=60), want)
-            return session.lanes[lane_of["n1"]]["served"] > served
+            return session.copies[lane_of["n1"]]["served"] > served
 
         wait_until(n1_serves)
 

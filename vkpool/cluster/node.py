@@ -122,7 +122,8 @@ class _Chunks:
 
     def __init__(self, pool: Any, model: Any, member_of: Mapping[str, str],
                  chunks: Sequence[tuple[str, list[str]]], node: str) -> None:
-        from vkpool.executor import build_chunk, stage_nodes
+        from vkpool.executor import build_chunk
+        from vkpool.pipeline import stage_nodes
         from vkpool.partition.graph import build_graph
 
         graph = build_graph(model)

@@ -2,8 +2,8 @@
 
 The plan is :func:`vkpool.partition.place_model`'s over the cluster's members (their links
 include the network, :mod:`vkpool.cluster.links`), as ``vkpool plan --cluster`` shows it. It
-runs in *lanes*, as :class:`vkpool.executor.PlanExecutor` does on one machine: lane 0 is the
-plan's chunks, lane k the whole model on replica k. A lane whose plan is one chunk, and every
+runs in *copies*, as :class:`vkpool.executor.PlanExecutor` does on one machine: copy 0 is the
+plan's chunks, copy k the whole model on replica k. A copy whose plan is one chunk, and every
 replica, is a :class:`vkpool.Session` on that member's node (batching included). A plan over
 several nodes runs as steps, each a run of consecutive chunks on one node: the request's feeds
 are put in the object store once, and each step is a call on its node's actor that receives the
@@ -11,10 +11,10 @@ object references of the steps it reads from, so that Ray moves a tensor from th
 it to the node that reads it, never through the caller. Only the steps that make model outputs
 return to the caller.
 
-Each request goes to the lane with the fewest requests in flight. When a node's actor dies, its
-lanes go down and their requests in flight go to another lane where there is one; each gets a
+Each request goes to the copy with the fewest requests in flight. When a node's actor dies, its
+copies go down and their requests in flight go to another copy where there is one; each gets a
 clear error where there is none. A thread then waits for Ray to restart the actor, opens the
-model on it again and puts the lane back.
+model on it again and puts the copy back.
 """
 from __future__ import annotations
 
@@ -31,19 +31,19 @@ import numpy as np
 
 from vkpool.errors import InvalidInput
 
-#: how often a session looks for a restarted actor of a lane that went down, in seconds
+#: how often a session looks for a restarted actor of a copy that went down, in seconds
 REVIVE_EVERY_S = 0.5
 #: how long a restarted actor may take to answer before the next look
 PING_TIMEOUT_S = 5.0
 
 
 class NodeLost(RuntimeError):
-    """A node's actor died while it ran the request, and no other lane could take it."""
+    """A node's actor died while it ran the request, and no other copy could take it."""
 
 
 @dataclass
 class _Step:
-    """Consecutive chunks of lane 0 on one node."""
+    """Consecutive chunks of copy 0 on one node."""
 
     node: str
     chunks: list[int]
@@ -53,11 +53,11 @@ class _Step:
 
 
 @dataclass(eq=False)
-class _Lane:
+class _Copy:
     index: int
     key: str
     nodes: list[str]
-    member: str | None  # a lane on one member (a Session there); None: steps
+    member: str | None  # a copy on one member (a Session there); None: steps
     steps: list[_Step] = field(default_factory=list)
     in_flight: int = 0
     served: int = 0  # requests it completed
@@ -82,10 +82,10 @@ class ClusterSession:
         self._ray = ray
         self._closed = False
         self._lock = threading.Lock()
-        self._lanes: list[_Lane] = []
+        self._copies: list[_Copy] = []
         self._reviver: threading.Thread | None = None
         # completions are handled here, not in Ray's thread that completes a reference: handling
-        # one may start calls (a request sent to another lane) and runs the callers' callbacks
+        # one may start calls (a request sent to another copy) and runs the callers' callbacks
         self._completions = ThreadPoolExecutor(1, thread_name_prefix="vkpool-cluster")
         self._pending: set[Future] = set()  # requests not yet answered
         data = bytes(model) if isinstance(model, (bytes, bytearray)) else Path(os.fspath(model)).read_bytes()
@@ -109,27 +109,27 @@ class ClusterSession:
         self._inputs = {name: info for name, info in self.model.inputs}
         self._output_names = [name for name, _ in self.model.outputs]
         try:
-            self._lanes = self._make_lanes()
-            ray.get([ref for lane in self._lanes for ref in self._open(lane)])
+            self._copies = self._make_copies()
+            ray.get([ref for copy in self._copies for ref in self._open(copy)])
         except BaseException:
             self.close()
             raise
 
-    # -- lanes ---------------------------------------------------------------------------------
-    def _make_lanes(self) -> list[_Lane]:
+    # -- copies ---------------------------------------------------------------------------------
+    def _make_copies(self) -> list[_Copy]:
         from vkpool.cluster.links import node_of
 
         plan = self.placement
-        lanes = []
+        copies = []
         if len(plan.chunks) == 1:
             member = plan.chunks[0].member
-            lanes.append(_Lane(0, f"{self._key}:0", [node_of(member)], member))
+            copies.append(_Copy(0, f"{self._key}:0", [node_of(member)], member))
         else:
-            lanes.append(_Lane(0, f"{self._key}:0", [], None, self._steps()))
-            lanes[0].nodes = list(dict.fromkeys(s.node for s in lanes[0].steps))
+            copies.append(_Copy(0, f"{self._key}:0", [], None, self._steps()))
+            copies[0].nodes = list(dict.fromkeys(s.node for s in copies[0].steps))
         for k, member in enumerate(plan.replicas, start=1):
-            lanes.append(_Lane(k, f"{self._key}:{k}", [node_of(member)], member))
-        return lanes
+            copies.append(_Copy(k, f"{self._key}:{k}", [node_of(member)], member))
+        return copies
 
     def _steps(self) -> list[_Step]:
         from vkpool.cluster.links import node_of
@@ -156,21 +156,21 @@ class ClusterSession:
             step.preds = sorted(set(step.preds))
         return steps
 
-    def _open(self, lane: _Lane) -> list[Any]:
-        """Opens the lane on its nodes; returns the calls' references."""
+    def _open(self, copy: _Copy) -> list[Any]:
+        """Opens the copy on its nodes; returns the calls' references."""
         from vkpool.cluster.links import node_of
 
         actors = self.cluster.actors
-        if lane.member is not None:
-            node = node_of(lane.member)
-            return [actors[node].open_replica.remote(lane.key, self.cluster.lease, self._model_ref,
-                                                     lane.member[len(node) + 1:], self._options)]
+        if copy.member is not None:
+            node = node_of(copy.member)
+            return [actors[node].open_replica.remote(copy.key, self.cluster.lease, self._model_ref,
+                                                     copy.member[len(node) + 1:], self._options)]
         plan = self.placement
         chunks = [(c.member, list(c.ops)) for c in plan.chunks]
-        return [actors[node].open_chunks.remote(lane.key, self.cluster.lease, self._model_ref, node,
+        return [actors[node].open_chunks.remote(copy.key, self.cluster.lease, self._model_ref, node,
                                                 dict(plan.member_of), chunks, dict(self.model.column_splits),
                                                 self._batch, self._dims)
-                for node in lane.nodes]
+                for node in copy.nodes]
 
     # -- running -------------------------------------------------------------------------------
     def get_inputs(self, symbolic: bool = False) -> list[Any]:
@@ -190,7 +190,7 @@ class ClusterSession:
         return self.submit(input_feed, output_names).result()
 
     def submit(self, input_feed: Mapping[str, Any], output_names: Sequence[str] | None = None) -> Future:
-        """Starts a run on the least-loaded lane; returns a future of its outputs."""
+        """Starts a run on the least-loaded copy; returns a future of its outputs."""
         if self._closed:
             raise RuntimeError("the session is closed")
         feeds = self._check_feeds(input_feed)
@@ -206,38 +206,38 @@ class ClusterSession:
     def _dispatch(self, feeds: dict[str, np.ndarray], names: list[str], future: Future, tried: set[int],
                   why: str = "") -> None:
         with self._lock:
-            up = [ln for ln in self._lanes if ln.down is None and ln.index not in tried]
-            lane = min(up, key=lambda ln: (ln.in_flight, ln.index)) if up else None
-            if lane is not None:
-                lane.in_flight += 1
-            down = [f"lane {ln.index} on {', '.join(ln.nodes)}: {ln.down}" for ln in self._lanes if ln.down]
-        if lane is None:
+            up = [ln for ln in self._copies if ln.down is None and ln.index not in tried]
+            copy = min(up, key=lambda ln: (ln.in_flight, ln.index)) if up else None
+            if copy is not None:
+                copy.in_flight += 1
+            down = [f"copy {ln.index} on {', '.join(ln.nodes)}: {ln.down}" for ln in self._copies if ln.down]
+        if copy is None:
             _settle(future, NodeLost(
-                (why or "every lane of this model is down") + "; no other replica can take the request"
+                (why or "every copy of this model is down") + "; no other replica can take the request"
                 + (f" ({'; '.join(down)})" if down else "") + ". It runs again once Ray restarts the node's "
                 "vkpool actor (the session reopens the model there)."))
             return
         try:
-            refs = self._start(lane, feeds)
+            refs = self._start(copy, feeds)
         except BaseException as exc:
-            self._ended(lane)
+            self._ended(copy)
             _settle(future, exc)
             return
-        self._gather(lane, refs, feeds, names, future, tried | {lane.index})
+        self._gather(copy, refs, feeds, names, future, tried | {copy.index})
 
-    def _start(self, lane: _Lane, feeds: dict[str, np.ndarray]) -> list[Any]:
-        """The calls of one request on ``lane``: the references whose values hold its outputs."""
+    def _start(self, copy: _Copy, feeds: dict[str, np.ndarray]) -> list[Any]:
+        """The calls of one request on ``copy``: the references whose values hold its outputs."""
         actors = self.cluster.actors
-        if lane.member is not None:
-            return [actors[lane.nodes[0]].run.remote(lane.key, feeds)]
+        if copy.member is not None:
+            return [actors[copy.nodes[0]].run.remote(copy.key, feeds)]
         feeds_ref = self._ray.put(feeds)
         refs: list[Any] = []
-        for step in lane.steps:
+        for step in copy.steps:
             args = ([feeds_ref] if step.reads_feeds else []) + [refs[p] for p in step.preds]
-            refs.append(actors[step.node].run_chunks.remote(lane.key, step.chunks, *args))
-        return [refs[s] for s, step in enumerate(lane.steps) if step.outputs]
+            refs.append(actors[step.node].run_chunks.remote(copy.key, step.chunks, *args))
+        return [refs[s] for s, step in enumerate(copy.steps) if step.outputs]
 
-    def _gather(self, lane: _Lane, refs: list[Any], feeds: dict[str, np.ndarray], names: list[str],
+    def _gather(self, copy: _Copy, refs: list[Any], feeds: dict[str, np.ndarray], names: list[str],
                 future: Future, tried: set[int]) -> None:
         left = [len(refs)]
         parts: list[Any] = [None] * len(refs)
@@ -255,15 +255,15 @@ class ClusterSession:
                     left[0] -= 1
                     if left[0]:
                         return
-            self._ended(lane, served=exc is None)
+            self._ended(copy, served=exc is None)
             if exc is None:
                 try:
-                    _settle(future, None, self._select(lane, parts, feeds, names))
+                    _settle(future, None, self._select(copy, parts, feeds, names))
                 except Exception as error:
                     _settle(future, error)
             elif self._node_failed(exc):
-                self._lane_down(lane, exc)
-                why = f"lane {lane.index} failed: {_first_line(exc)}"
+                self._lane_down(copy, exc)
+                why = f"copy {copy.index} failed: {_first_line(exc)}"
                 self._dispatch(feeds, names, future, tried, why=why)
             else:
                 _settle(future, _cause(exc))
@@ -277,9 +277,9 @@ class ClusterSession:
         except RuntimeError:
             pass  # the session closed, which failed the request
 
-    def _select(self, lane: _Lane, parts: list[Any], feeds: dict[str, np.ndarray],
+    def _select(self, copy: _Copy, parts: list[Any], feeds: dict[str, np.ndarray],
                 names: list[str]) -> list[np.ndarray]:
-        if lane.member is not None:
+        if copy.member is not None:
             produced = dict(zip(self._output_names, parts[0]))
         else:
             produced = {}
@@ -295,10 +295,10 @@ class ClusterSession:
                 out.append(np.array(self.model.constants[name], copy=True))
         return out
 
-    def _ended(self, lane: _Lane, served: bool = False) -> None:
+    def _ended(self, copy: _Copy, served: bool = False) -> None:
         with self._lock:
-            lane.in_flight -= 1
-            lane.served += served
+            copy.in_flight -= 1
+            copy.served += served
 
     def _node_failed(self, exc: BaseException) -> bool:
         from ray.exceptions import RayActorError
@@ -308,50 +308,50 @@ class ClusterSession:
         return isinstance(exc, (RayActorError, NotOpen))
 
     # -- faults --------------------------------------------------------------------------------
-    def _lane_down(self, lane: _Lane, exc: BaseException) -> None:
+    def _lane_down(self, copy: _Copy, exc: BaseException) -> None:
         with self._lock:
-            if lane.down is None:
-                lane.down = _first_line(exc)
+            if copy.down is None:
+                copy.down = _first_line(exc)
             if self._reviver is None and not self._closed:
                 self._reviver = threading.Thread(target=self._revive, name="vkpool-cluster-revive",
                                                  daemon=True)
                 self._reviver.start()
 
     def _revive(self) -> None:
-        """Puts lanes back once their nodes' actors answer again and hold the model again."""
+        """Puts copies back once their nodes' actors answer again and hold the model again."""
         while not self._closed:
             with self._lock:
-                down = [ln for ln in self._lanes if ln.down is not None]
+                down = [ln for ln in self._copies if ln.down is not None]
                 if not down:
                     self._reviver = None
                     return
-            for lane in down:
+            for copy in down:
                 try:
-                    for node in lane.nodes:
+                    for node in copy.nodes:
                         self._ray.get(self.cluster.actors[node].ping.remote(), timeout=PING_TIMEOUT_S)
-                    for node in lane.nodes:  # what survived on another node of the lane is opened anew
-                        closing = self.cluster.actors[node].close.remote(lane.key)
+                    for node in copy.nodes:  # what survived on another node of the copy is opened anew
+                        closing = self.cluster.actors[node].close.remote(copy.key)
                         self._ray.get(closing, timeout=PING_TIMEOUT_S)
-                    self._ray.get(self._open(lane), timeout=PING_TIMEOUT_S * 10)
+                    self._ray.get(self._open(copy), timeout=PING_TIMEOUT_S * 10)
                 except Exception:
                     continue
                 with self._lock:
-                    lane.down = None
+                    copy.down = None
                     closed = self._closed
-                if closed:  # close() may have run before this lane was opened again
-                    for node in lane.nodes:
-                        self.cluster.actors[node].close.remote(lane.key)
+                if closed:  # close() may have run before this copy was opened again
+                    for node in copy.nodes:
+                        self.cluster.actors[node].close.remote(copy.key)
             time.sleep(REVIVE_EVERY_S)
 
     @property
-    def lanes(self) -> list[dict[str, Any]]:
-        """Each lane: index, members, nodes, requests in flight and served, and why it is down (None: up)."""
+    def copies(self) -> list[dict[str, Any]]:
+        """Each copy: index, members, nodes, requests in flight and served, and why it is down (None: up)."""
         with self._lock:
             return [{"index": ln.index, "nodes": list(ln.nodes), "in_flight": ln.in_flight,
                      "served": ln.served, "down": ln.down,
                      "members": [ln.member] if ln.member else
                      list(dict.fromkeys(self.placement.chunks[c].member for s in ln.steps for c in s.chunks))}
-                    for ln in self._lanes]
+                    for ln in self._copies]
 
     # -- checks --------------------------------------------------------------------------------
     def _check_feeds(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -392,20 +392,20 @@ class ClusterSession:
 
     @property
     def batching(self) -> list[dict[str, Any] | None]:
-        """Per lane, the figures of its node's batcher (:attr:`vkpool.Session.batching`; None:
-        the lane does not batch, or is down)."""
-        return [None if lane.down is not None or lane.member is None
-                else self._ray.get(self.cluster.actors[lane.nodes[0]].batching.remote(lane.key))
-                for lane in self._lanes]
+        """Per copy, the figures of its node's batcher (:attr:`vkpool.Session.batching`; None:
+        the copy does not batch, or is down)."""
+        return [None if copy.down is not None or copy.member is None
+                else self._ray.get(self.cluster.actors[copy.nodes[0]].batching.remote(copy.key))
+                for copy in self._copies]
 
     def memory_by_member(self) -> dict[str, int]:
         """What the model holds on each cluster member, as the nodes' actors count it."""
         out: dict[str, int] = {}
-        for lane in self._lanes:
-            if lane.down is not None:
+        for copy in self._copies:
+            if copy.down is not None:
                 continue
-            for node in lane.nodes:
-                held = self._ray.get(self.cluster.actors[node].memory_by_member.remote(lane.key))
+            for node in copy.nodes:
+                held = self._ray.get(self.cluster.actors[node].memory_by_member.remote(copy.key))
                 for member, nbytes in held.items():
                     out[f"{node}/{member}"] = out.get(f"{node}/{member}", 0) + nbytes
         return out
@@ -415,10 +415,10 @@ class ClusterSession:
             if self._closed:
                 return
             self._closed = True
-        for lane in self._lanes:
-            for node in lane.nodes:
+        for copy in self._copies:
+            for node in copy.nodes:
                 try:
-                    self._ray.get(self.cluster.actors[node].close.remote(lane.key), timeout=PING_TIMEOUT_S)
+                    self._ray.get(self.cluster.actors[node].close.remote(copy.key), timeout=PING_TIMEOUT_S)
                 except Exception:
                     pass  # a node that is gone holds nothing of it
         self._completions.shutdown(wait=False)

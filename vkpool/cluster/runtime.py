@@ -1,4 +1,4 @@
-"""``vkpool serve --cluster``: the daemon's engine (:class:`vkpool.daemon.engine.Engine`'s
+"""``vkpool serve --cluster``: the daemon's runtime (:class:`vkpool.daemon.runtime.Runtime`'s
 methods) over a Ray cluster, so that local clients reach the cluster's pool through the daemon
 protocol unchanged: models open as :class:`~vkpool.cluster.session.ClusterSession`, members are
 the cluster's (``<node>/<member>``), budgets are set on the nodes."""
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-class ClusterEngine:
+class ClusterRuntime:
     def __init__(self, cluster: Any) -> None:
         self.cluster = cluster
 
@@ -32,7 +32,7 @@ class ClusterEngine:
 
     def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
              batching: Mapping[str, Any] | None = None) -> Any:
-        """A cluster session of the model; ``shape`` and ``batching`` as :meth:`Engine.open` takes them."""
+        """A cluster session of the model; ``shape`` and ``batching`` as :meth:`Runtime.open` takes them."""
         shape, batching = shape or {}, batching or {}
         options: dict[str, Any] = {"batch": shape.get("batch") or 1, "dims": shape.get("dims") or None}
         if batching.get("max_batch"):
