@@ -34,8 +34,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from vkpool.control_flow import host_runner
 from vkpool.cut import CutPoint, Graph, Split, find_cut, resolve
-from vkpool.kernels.base import OpError, UnsupportedOp
+from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.ops.nonzero import nonzero_indices
 from vkpool.kernels.registry import op_class
 from vkpool.memory import DeviceOutOfMemory
@@ -129,6 +130,8 @@ class DynamicModel:
         self._lock = threading.Lock()
         self.prefix: Any = None
         self._prepare_suffix()
+        self._host = [host_runner(node, graph.constants, graph.opset, self._compile_body, run_part)
+                      for node in split.host]
         self._prepare_prefix()
 
     # -- construction -----------------------------------------------------------------------
@@ -141,6 +144,8 @@ class DynamicModel:
         #: output of a NonZero evaluated on the host -> the tensor it reads
         self._nonzero: dict[str, str] = {}
         for point in self.points:
+            if point.position < 0:  # a Loop, Scan or NonMaxSuppression, run on the host
+                continue
             if point.op_type == "NonZero":
                 self._nonzero[point.output] = point.tensor
             elif point.tensor not in self._binding:
@@ -150,10 +155,13 @@ class DynamicModel:
                     name = f"{point.tensor}@value{k}"
                 taken.add(name)
                 self._binding[point.tensor] = name
-        made = {o for n in self.split.suffix for o in n.outputs if o}
+        host = {id(n) for n in self.split.host}
+        made = {o for n in self.split.suffix if id(n) not in host for o in n.outputs if o}
         nodes: list[Node] = []
         for node in self.split.suffix:
             if node.op_type == "NonZero" and node.outputs and node.outputs[0] in self._nonzero:
+                continue
+            if id(node) in host:
                 continue
             fixed = set(op_class(node.op_type, node.domain).constant_inputs)
             inputs = [self._binding.get(t, t) if i in fixed else t for i, t in enumerate(node.inputs)]
@@ -170,7 +178,8 @@ class DynamicModel:
     def _prepare_prefix(self) -> None:
         graph, prefix = self.graph, self.split.prefix
         made = {o for n in prefix for o in n.outputs if o}
-        wanted = [*self._suffix_inputs, *self._binding, *self._nonzero.values(), *graph.outputs]
+        host_inputs = [t for n in self.split.host for t in n.inputs if t]
+        wanted = [*self._suffix_inputs, *self._binding, *self._nonzero.values(), *host_inputs, *graph.outputs]
         self._prefix_outputs = list(dict.fromkeys(t for t in wanted if t in made))
         read = {t for n in prefix for t in n.inputs if t}
         self._prefix_inputs = [n for n, _ in graph.inputs if n in read]
@@ -195,9 +204,17 @@ class DynamicModel:
         if self.prefix is not None:
             values.update(run_part(self.prefix, self._prefix_outputs,
                                    {n: feeds[n] for n in self._prefix_inputs}))
+        for runner in self._host:
+            outs = runner.run(lambda t: values[t] if t in values else self.graph.constants[t])
+            values.update((n, v) for n, v in zip(runner.node.outputs, outs) if n)
         bound = {name: np.asarray(values[t]) for t, name in self._binding.items()}
         bound.update({out: nonzero_indices(values[t]) for out, t in self._nonzero.items()})
-        entry = self._acquire(bound)
+        if not self._suffix_outputs:
+            return {n: values[n] for n in self.graph.outputs}
+        # the host ops' outputs are inputs of the suffix, compiled per their shapes
+        shapes = {n: TensorInfo(values[n].shape, values[n].dtype) for n in self._suffix_inputs
+                  if n not in self.graph.tensors}
+        entry = self._acquire(bound, shapes)
         try:
             values.update(run_part(entry.part, self._suffix_outputs,
                                    {n: values[n] for n in self._suffix_inputs}))
@@ -206,15 +223,16 @@ class DynamicModel:
         return {n: values[n] if n in values else np.array(self.graph.constants[n], copy=True)
                 for n in self.graph.outputs}
 
-    def _acquire(self, bound: dict[str, np.ndarray]) -> _Entry:
+    def _acquire(self, bound: dict[str, np.ndarray], shapes: dict[str, TensorInfo]) -> _Entry:
         key = tuple((n, v.dtype.str, v.shape, v.tobytes()) for n, v in sorted(bound.items()))
+        key += tuple((n, i.dtype.str, i.shape) for n, i in sorted(shapes.items()))
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
                 self.counters.suffix_reuses += 1
             else:
-                entry = _Entry(self._compile_suffix(bound), self._what(bound))
+                entry = _Entry(self._compile_suffix(bound, shapes), self._what(bound))
                 self.counters.suffix_compiles += 1
                 self.counters.suffix_evictions += _keep(self._cache, key, entry, self.cache_size)
                 self._latest = entry
@@ -229,15 +247,15 @@ class DynamicModel:
             if entry.retired and entry.users == 0:
                 entry.part.close()
 
-    def _compile_suffix(self, bound: dict[str, np.ndarray]) -> Any:
-        graph = self.graph
+    def _compile_suffix(self, bound: dict[str, np.ndarray], shapes: dict[str, TensorInfo]) -> Any:
+        infos = {n: shapes[n] if n in shapes else self.graph.tensors[n] for n in self._suffix_inputs}
         part_graph = Graph(
-            inputs=[(n, graph.tensors[n]) for n in self._suffix_inputs],
+            inputs=list(infos.items()),
             outputs=self._suffix_outputs,
             nodes=self._suffix_nodes,
             constants={**self._suffix_constants, **bound},
-            tensors={n: graph.tensors[n] for n in self._suffix_inputs},
-            opset=graph.opset,
+            tensors=dict(infos),
+            opset=self.graph.opset,
         )
         try:
             resolved = resolve(part_graph)
@@ -264,7 +282,9 @@ class DynamicModel:
     def _what(self, bound: dict[str, np.ndarray]) -> str:
         parts = []
         for point in self.points:
-            if point.op_type == "NonZero":
+            if point.position < 0:
+                parts.append(point.describe())
+            elif point.op_type == "NonZero":
                 count = bound[point.output].shape[1]
                 parts.append(f"{point.describe()} ({count} non-zero{'s' if count != 1 else ''})")
             else:
@@ -282,10 +302,15 @@ class DynamicModel:
         """The suffix the last run used (a compiled part), or None before the first run."""
         return None if self._latest is None else self._latest.part
 
+    def _compile_body(self, graph: Graph) -> Any:
+        return compile_part(graph, self._compile_static, self.cache_size)
+
     def parts(self) -> Iterable[Any]:
-        """The prefix (if any) and every suffix kept."""
+        """The prefix (if any), the loop bodies compiled and every suffix kept."""
         if self.prefix is not None:
             yield self.prefix
+        for runner in self._host:
+            yield from runner.parts()
         with self._lock:
             entries = list(self._cache.values())
         yield from (e.part for e in entries)
@@ -323,6 +348,8 @@ class DynamicModel:
             self._latest = None
         for entry in entries:
             entry.close_when_idle()
+        for runner in self._host:
+            runner.close()
         if self.prefix is not None:
             self.prefix.close()
             self.prefix = None
