@@ -261,7 +261,10 @@ class _Logits:
 
 def add_nms(src: Path, dst: Path) -> None:
     """A YOLOv8 detector's raw output (``[1, 4 + classes, anchors]``) followed by the usual
-    post-processing written as ONNX ops: boxes and best scores, then NonMaxSuppression."""
+    post-processing written as ONNX ops: boxes and scores, NonMaxSuppression, and the boxes it
+    selects gathered (``selected_boxes``, of a length known only at run time). The score threshold
+    fits the scores of these inputs (at most ~1e-3): 26 boxes are selected, far enough apart in
+    score that float rounding does not reorder them."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -270,10 +273,10 @@ def add_nms(src: Path, dst: Path) -> None:
     out = g.output[0].name
     classes = 18  # nudenet 320n: 4 box coordinates + 18 classes
     consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
-              (("nms_0", [0]), ("nms_4", [4]), ("nms_end", [4 + classes]), ("nms_ax1", [1]), ("nms_ax2", [2]),
-               ("nms_max", [50]))]
+              (("nms_0", [0]), ("nms_4", [4]), ("nms_end", [4 + classes]), ("nms_ax1", [1]),
+               ("nms_max", [50]), ("nms_pick", [0, 2]))]
     consts += [numpy_helper.from_array(np.array([0.45], np.float32), "nms_iou"),
-               numpy_helper.from_array(np.array([0.25], np.float32), "nms_score")]
+               numpy_helper.from_array(np.array([1.5e-4], np.float32), "nms_score")]
     g.initializer.extend(consts)
     g.node.extend([
         helper.make_node("Slice", [out, "nms_0", "nms_4", "nms_ax1"], ["nms_boxes_t"]),
@@ -281,8 +284,11 @@ def add_nms(src: Path, dst: Path) -> None:
         helper.make_node("Slice", [out, "nms_4", "nms_end", "nms_ax1"], ["nms_scores"]),
         helper.make_node("NonMaxSuppression", ["nms_boxes", "nms_scores", "nms_max", "nms_iou", "nms_score"],
                          ["selected"], center_point_box=1),
+        helper.make_node("Gather", ["selected", "nms_pick"], ["nms_batch_box"], axis=1),
+        helper.make_node("GatherND", ["nms_boxes", "nms_batch_box"], ["selected_boxes"]),
     ])
-    g.output.append(helper.make_tensor_value_info("selected", TensorProto.INT64, None))
+    g.output.append(helper.make_tensor_value_info("selected", TensorProto.INT64, [None, 3]))
+    g.output.append(helper.make_tensor_value_info("selected_boxes", TensorProto.FLOAT, [None, 4]))
     onnx.save(model, str(dst))
 
 
@@ -453,7 +459,7 @@ def run(cases: list[Case], *, small: bool, cache: Path, pool: Any = None) -> lis
 
 
 def _with_nms(path: Path) -> Path:
-    out = path.with_name(path.stem + "-nms.onnx")
+    out = path.with_name(path.stem + "-nms-boxes.onnx")
     if not out.exists():
         add_nms(path, out)
     return out
