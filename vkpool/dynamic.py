@@ -73,11 +73,12 @@ def run_part(part: Any, names: list[str], feeds: dict[str, np.ndarray]) -> dict[
 
 def kernel_nodes(part: Any) -> int:
     """Nodes left to kernels in what ``part`` (a Session or a DynamicModel) compiled: for a cut
-    model, its prefix and the suffix the last run used (0 when everything folded on the host)."""
+    model, its prefix, the loop bodies and the suffix the last run used (0 when everything folded
+    on the host)."""
     cut = part if isinstance(part, DynamicModel) else part.dynamic
     if cut is None:
         return len(part.model.nodes)
-    return sum(kernel_nodes(p) for p in (cut.prefix, cut.latest) if p is not None)
+    return sum(kernel_nodes(p) for p in (cut.prefix, *cut.bodies(), cut.latest) if p is not None)
 
 
 def _summary(value: np.ndarray) -> str:
@@ -302,6 +303,10 @@ class DynamicModel:
         """The suffix the last run used (a compiled part), or None before the first run."""
         return None if self._latest is None else self._latest.part
 
+    def bodies(self) -> list[Any]:
+        """The Loop and Scan bodies compiled and kept (parts of their own)."""
+        return [p for runner in self._host for p in runner.parts()]
+
     def _compile_body(self, graph: Graph) -> Any:
         return compile_part(graph, self._compile_static, self.cache_size)
 
@@ -309,8 +314,7 @@ class DynamicModel:
         """The prefix (if any), the loop bodies compiled and every suffix kept."""
         if self.prefix is not None:
             yield self.prefix
-        for runner in self._host:
-            yield from runner.parts()
+        yield from self.bodies()
         with self._lock:
             entries = list(self._cache.values())
         yield from (e.part for e in entries)
