@@ -27,7 +27,7 @@ import numpy as np
 
 from vkpool.kernels.base import TensorInfo, UnsupportedOp
 from vkpool.kernels.ops.control_flow import non_max_suppression
-from vkpool.model import ModelError, Node, to_node
+from vkpool.model import ModelError, Node, static_info, to_node
 from vkpool.subgraph import formal_inputs, initializers
 
 #: bodies kept compiled per Loop or Scan, one per distinct set of input shapes
@@ -211,6 +211,8 @@ class _Loop:
             info = body.output_infos({body.inputs[0]: _iteration_value(0, np.int64, self._ranks[0]),
                                       body.inputs[1]: _iteration_value(True, np.bool_, self._ranks[1]),
                                       **dict(zip(body.inputs[2:], carried)), **outer}).get(name)
+            if info is None:  # the shape its body declares, where the body alone does not fix it
+                info = static_info(node.attrs["body"].output[1 + self.carried + k])
             if info is None:
                 raise ModelError(f"Loop '{node.name}' ran no iteration and the shape of its scan output {name!r} "
                                  "is not known without one")

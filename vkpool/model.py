@@ -821,7 +821,7 @@ def _infer(
         raise ModelError(f"shape inference failed: {exc}") from exc
     infos = dict(known)
     for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        info = _static_info(value)
+        info = static_info(value)
         if info is not None:
             infos[value.name] = info
         else:
@@ -832,7 +832,7 @@ def _infer(
     # taken, its named dims as bound
     for value in [*src.value_info, *src.output]:
         if value.name in produced and value.name not in infos:
-            declared = _static_info(_with_bound_names(value, bound))
+            declared = static_info(_with_bound_names(value, bound))
             if declared is not None:
                 infos[value.name] = declared
                 ranked.pop(value.name, None)
@@ -854,7 +854,7 @@ def _with_bound_names(value: onnx.ValueInfoProto, bound: dict[str, int]) -> onnx
     return out
 
 
-def _static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
+def static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
     import onnx
     from onnx import helper
 
