@@ -305,7 +305,7 @@ CASES = [
     Case("silero_vad", Wheel(_SILERO, "silero_vad/data/silero_vad.onnx"), "VAD, If with subgraphs",
          silero_feed(True)),
     Case("silero_vad_16k_op15", Wheel(_SILERO, "silero_vad/data/silero_vad_16k_op15.onnx"), "VAD, If (opset 15)",
-         silero_feed(True), small=False),
+         silero_feed(True)),
     Case("silero_vad_ifless", Wheel(_SILERO, "silero_vad/data/silero_vad_op18_ifless.onnx"), "VAD, opset 18",
          silero_feed(True), small=False),
     Case("silero_vad_openvino", Wheel(_SILERO, "silero_vad/data/silero_vad_openvino_16k.onnx"), "VAD, LSTM",
@@ -467,7 +467,7 @@ def _with_nms(path: Path) -> Path:
 
 CASES.append(Case(NMS_CASE, Wheel("nudenet==3.4.2", "nudenet/320n.onnx"),
                   "detection with NonMaxSuppression (YOLOv8 + NMS post-processing)",
-                  image_feed("images", (320, 320), (320, 320)), small=False))
+                  image_feed("images", (320, 320), (320, 320))))
 
 
 def to_markdown(results: list[Result], small: bool, command: str) -> str:

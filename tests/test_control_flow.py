@@ -233,7 +233,8 @@ def test_a_loop_that_runs_no_iteration_with_unknowable_scan_shapes_says_so(pool)
                         [_vi("cond_out", [], T.BOOL), _vi("r", [None], T.INT64)],
                         [nh.from_array(np.array(0, np.int64), "zero"), nh.from_array(np.array(1, np.int64), "one")])
     model = _model([h.make_node("Loop", ["M", "go"], ["rs"], body=body, name="counting")],
-                   [_vi("n", [], T.INT64), _vi("M", [], T.INT64), _vi("go", [], T.BOOL)], [_vi("rs", [None, None], T.INT64)])
+                   [_vi("n", [], T.INT64), _vi("M", [], T.INT64), _vi("go", [], T.BOOL)],
+                   [_vi("rs", [None, None], T.INT64)])
     feeds = {"n": np.array(3, np.int64), "M": np.array(2, np.int64), "go": np.array(True)}
     with _matches(pool, model, feeds) as session:
         with pytest.raises(ModelError, match="Loop 'counting' ran no iteration"):

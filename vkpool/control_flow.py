@@ -100,28 +100,31 @@ class _Body:
         self._lock = threading.Lock()
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """The body's outputs for ``feeds`` (its inputs and the outer values it reads)."""
-        part, inputs, computed, folded, _ = self._compiled(feeds)
-        produced = self._run(part, computed, {n: feeds[n] for n in inputs}) if computed else {}
+        """The body's outputs for ``feeds`` (its inputs and the outer values it reads). Runs of one
+        body are serialised: a part the cache evicts is never one a run is using."""
+        with self._lock:
+            part, inputs, computed, folded, _ = self._compiled(feeds)
+            produced = self._run(part, computed, {n: feeds[n] for n in inputs}) if computed else {}
         return [produced[n] if n in produced else folded[n] if n in folded else feeds[n] for n in self.outputs]
 
     def output_infos(self, feeds: dict[str, np.ndarray]) -> dict[str, TensorInfo]:
-        return self._compiled(feeds)[4]
+        with self._lock:
+            return self._compiled(feeds)[4]
 
     def _compiled(self, feeds: dict[str, np.ndarray]) -> _Compiled:
+        """The body compiled for the shapes of ``feeds``; call with the lock held."""
         key = tuple((n, feeds[n].dtype.str, feeds[n].shape) for n in sorted(feeds))
-        with self._lock:
-            found = self._cache.get(key)
-            if found is not None:
-                self._cache.move_to_end(key)
-                return found
-            found = self._build(feeds)
-            self._cache[key] = found
-            while len(self._cache) > BODY_CACHE_SIZE:
-                evicted = self._cache.popitem(last=False)[1][0]
-                if evicted is not None:
-                    evicted.close()
+        found = self._cache.get(key)
+        if found is not None:
+            self._cache.move_to_end(key)
             return found
+        found = self._build(feeds)
+        self._cache[key] = found
+        while len(self._cache) > BODY_CACHE_SIZE:
+            evicted = self._cache.popitem(last=False)[1][0]
+            if evicted is not None:
+                evicted.close()
+        return found
 
     def _build(self, feeds: dict[str, np.ndarray]) -> _Compiled:
         from vkpool.cut import Graph, resolve

@@ -16,7 +16,7 @@ import numpy as np
 from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.registry import create_op, op_class
 from vkpool.model import NONDETERMINISTIC, LoadedModel, ModelError, Node, evaluate_node, to_node
-from vkpool.subgraph import all_names, inline_branch
+from vkpool.subgraph import all_names, inline_branch, is_graph
 
 #: once values are bound, a suffix node whose inputs are all constants is evaluated on the host
 #: when its outputs take at most this many bytes; a larger one runs on the device
@@ -216,7 +216,7 @@ def _names_in_use(graph: Graph, infos: dict[str, TensorInfo], constants: dict[st
     taken = set(infos) | set(constants) | {t for n in graph.nodes for t in (*n.inputs, *n.outputs)}
     for node in graph.nodes:
         for value in node.attrs.values():
-            if hasattr(value, "node") and hasattr(value, "initializer"):  # a subgraph (GraphProto)
+            if is_graph(value):
                 taken |= all_names(value)
     return taken
 

@@ -157,6 +157,8 @@ class DynamicModel:
                 taken.add(name)
                 self._binding[point.tensor] = name
         host = {id(n) for n in self.split.host}
+        #: outputs of the Loops, Scans and NonMaxSuppressions run on the host
+        self._host_outputs = {o for n in self.split.host for o in n.outputs if o}
         made = {o for n in self.split.suffix if id(n) not in host for o in n.outputs if o}
         nodes: list[Node] = []
         for node in self.split.suffix:
@@ -210,17 +212,16 @@ class DynamicModel:
             values.update((n, v) for n, v in zip(runner.node.outputs, outs) if n)
         bound = {name: np.asarray(values[t]) for t, name in self._binding.items()}
         bound.update({out: nonzero_indices(values[t]) for out, t in self._nonzero.items()})
-        if not self._suffix_outputs:
-            return {n: values[n] for n in self.graph.outputs}
-        # the host ops' outputs are inputs of the suffix, compiled per their shapes
-        shapes = {n: TensorInfo(values[n].shape, values[n].dtype) for n in self._suffix_inputs
-                  if n not in self.graph.tensors}
-        entry = self._acquire(bound, shapes)
-        try:
-            values.update(run_part(entry.part, self._suffix_outputs,
-                                   {n: values[n] for n in self._suffix_inputs}))
-        finally:
-            self._release(entry)
+        if self._suffix_outputs:
+            # the host ops' outputs are inputs of the suffix, compiled per their shapes
+            shapes = {n: TensorInfo(values[n].shape, values[n].dtype) for n in self._suffix_inputs
+                      if n in self._host_outputs}
+            entry = self._acquire(bound, shapes)
+            try:
+                values.update(run_part(entry.part, self._suffix_outputs,
+                                       {n: values[n] for n in self._suffix_inputs}))
+            finally:
+                self._release(entry)
         return {n: values[n] if n in values else np.array(self.graph.constants[n], copy=True)
                 for n in self.graph.outputs}
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from vkpool import inline_weights, progress
 from vkpool.kernels.base import TensorInfo, UnsupportedOp
-from vkpool.subgraph import all_names, inline_branch, node_outer_names
+from vkpool.subgraph import all_names, inline_branch, is_graph, node_outer_names, subgraph_op_types, subgraphs
 from vkpool.units import format_size
 
 if TYPE_CHECKING:
@@ -106,13 +106,11 @@ class LoadedModel:
 
     def op_types(self) -> list[tuple[str, str]]:
         """``(op_type, domain)`` of every node, in node order, and of the nodes of their subgraphs."""
-        from vkpool.subgraph import subgraph_op_types
-
         out = []
         for node in self.nodes:
             out.append((node.op_type, node.domain))
             for value in node.attrs.values():
-                if _is_graph(value):
+                if is_graph(value):
                     out += subgraph_op_types(value)
         return out
 
@@ -130,10 +128,6 @@ class LoadedModel:
         for name in [c for c in self.constants if c not in read]:
             del self.constants[name]
             self.tensors.pop(name, None)
-
-
-def _is_graph(value: Any) -> bool:
-    return type(value).__name__ == "GraphProto"
 
 
 # Ops whose result is not a function of their inputs: folding would freeze one random draw.
@@ -602,8 +596,6 @@ def _same_definition(op_type: str, opset: int) -> bool:
 def _refuse_vendor_ops(proto: onnx.ModelProto) -> None:
     """Refuses, before any other check, nodes of domains other than ai.onnx (com.microsoft's fused
     ops, ai.onnx.ml, ...) that are not functions the model defines: there are no kernels for them."""
-    from vkpool.subgraph import subgraph_op_types
-
     local = {(f.domain, f.name) for f in proto.functions}
     vendor = {(domain, op) for op, domain in subgraph_op_types(proto.graph)
               if domain not in ("", "ai.onnx") and (domain, op) not in local}
@@ -696,8 +688,6 @@ def _run_time_ops(graph: onnx.GraphProto, constants: set[str]) -> list[tuple[str
     """``(op_type, domain)`` of the nodes that read a graph input, directly or through others."""
     live = {i.name for i in graph.input if i.name not in constants}
     ops = []
-    from vkpool.subgraph import node_outer_names, subgraph_op_types, subgraphs
-
     for node in graph.node:  # graph order is topological
         if any(t in live for t in (*node.input, *node_outer_names(node))):
             live.update(node.output)

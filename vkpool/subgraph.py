@@ -17,8 +17,9 @@ import numpy as np
 if TYPE_CHECKING:
     import onnx
 
-#: ops with subgraph attributes, by the attribute names that hold them
-CONTROL_FLOW = {"If": ("then_branch", "else_branch"), "Loop": ("body",), "Scan": ("body",)}
+def is_graph(value: Any) -> bool:
+    """Whether a loaded node's attribute value is a subgraph (checked without importing onnx)."""
+    return type(value).__name__ == "GraphProto"
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:

@@ -72,7 +72,8 @@ def non_max_suppression(boxes: np.ndarray, scores: np.ndarray, max_per_class: in
     for b in range(scores.shape[0]):
         for c in range(scores.shape[1]):
             s = scores[b, c]
-            candidates = np.arange(s.shape[0]) if score_threshold is None else np.flatnonzero(s > np.float32(score_threshold))
+            candidates = (np.arange(s.shape[0]) if score_threshold is None
+                          else np.flatnonzero(s > np.float32(score_threshold)))
             order = candidates[np.argsort(-s[candidates], kind="stable")]
             kept = 0
             while order.size and kept < max_per_class:
@@ -83,7 +84,8 @@ def non_max_suppression(boxes: np.ndarray, scores: np.ndarray, max_per_class: in
                 iy0, iy1 = np.maximum(y0[b, top], y0[b, rest]), np.minimum(y1[b, top], y1[b, rest])
                 inter = (ix1 - ix0) * (iy1 - iy0)
                 union = area[b, top] + area[b, rest] - inter
-                overlaps = (ix1 > ix0) & (iy1 > iy0) & (inter > 0) & (area[b, top] > 0) & (area[b, rest] > 0) & (union > 0)
+                overlaps = ((ix1 > ix0) & (iy1 > iy0) & (inter > 0) & (area[b, top] > 0) & (area[b, rest] > 0)
+                            & (union > 0))
                 with np.errstate(divide="ignore", invalid="ignore"):
                     suppressed = overlaps & (inter / np.where(union > 0, union, np.float32(1)) > iou_threshold)
                 order = rest[~suppressed]
