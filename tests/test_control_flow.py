@@ -125,6 +125,18 @@ def test_if_whose_condition_is_known_at_load_is_replaced_by_its_branch(pool):
         assert session.dynamic is None and [n.op_type for n in session.model.nodes] == ["Neg"]
 
 
+def test_if_branches_that_return_their_own_constant_or_an_outer_value(pool):
+    then = h.make_graph([h.make_node("Identity", ["x"], ["t"])], "then", [], [_vi("t", [3])])
+    other = h.make_graph([], "else", [], [_vi("k", [3])], [nh.from_array(np.array([7, 8, 9], np.float32), "k")])
+    model = _model([h.make_node("ReduceMax", ["x"], ["m"], keepdims=0), h.make_node("Greater", ["m", "zero"], ["c"]),
+                    h.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+                    h.make_node("Mul", ["y", "x"], ["z"])],
+                   [_vi("x", [3])], [_vi("z", [3])], [nh.from_array(np.array(0, np.float32), "zero")])
+    for x in ([1, 2, 3], [-1, -2, -3]):
+        with _matches(pool, model, {"x": np.array(x, np.float32)}):
+            pass
+
+
 # -- Loop -----------------------------------------------------------------------------------------
 
 def _loop_model() -> bytes:
@@ -174,6 +186,26 @@ def test_loop_carried_values_that_grow_compile_the_body_per_shape(pool):
     with _matches(pool, model, feeds) as session:
         assert session.run(None, feeds)[0].shape == (6,)
         assert len(session.dynamic.bodies()) == 4  # carried lengths 2, 3, 4 and 5
+
+
+def test_a_loop_body_slicing_at_its_iteration_number_is_cut_again_per_iteration(pool):
+    """Slice's starts come from the iteration number: the body is a cut model of its own, its
+    part after the Slice compiled per value of i."""
+    body = h.make_graph([h.make_node("Unsqueeze", ["i", "axis0"], ["start"]),
+                         h.make_node("Add", ["start", "one"], ["end"]),
+                         h.make_node("Slice", ["x", "start", "end", "axis0"], ["row"]),
+                         h.make_node("Add", ["acc_in", "row"], ["acc"]),
+                         h.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+                        [_vi("i", [], T.INT64), _vi("cond_in", [], T.BOOL), _vi("acc_in", [1, 4])],
+                        [_vi("cond_out", [], T.BOOL), _vi("acc", [1, 4]), _vi("row", [1, 4])],
+                        [nh.from_array(np.array([0], np.int64), "axis0"), nh.from_array(np.array([1], np.int64), "one")])
+    model = _model([h.make_node("Loop", ["M", "", "acc0"], ["total", "rows"], body=body)],
+                   [_vi("x", [3, 4]), _vi("M", [], T.INT64), _vi("acc0", [1, 4])],
+                   [_vi("total", [1, 4]), _vi("rows", [None, 1, 4])])
+    feeds = {"x": np.arange(12, dtype=np.float32).reshape(3, 4), "M": np.array(3, np.int64),
+             "acc0": np.ones((1, 4), np.float32)}
+    with _matches(pool, model, feeds):
+        pass
 
 
 # -- Scan -----------------------------------------------------------------------------------------
