@@ -208,6 +208,17 @@ def test_a_loop_body_slicing_at_its_iteration_number_is_cut_again_per_iteration(
         pass
 
 
+def test_a_loop_body_reading_the_outer_value_it_also_starts_from(pool):
+    """x is both the Loop's initial value and an outer value its body reads: a = a_in + x."""
+    body = h.make_graph([h.make_node("Add", ["a_in", "x"], ["a"]), h.make_node("Identity", ["c_in"], ["c"])],
+                        "body", [_vi("i", [], T.INT64), _vi("c_in", [], T.BOOL), _vi("a_in", [2, 3])],
+                        [_vi("c", [], T.BOOL), _vi("a", [2, 3])])
+    model = _model([h.make_node("Loop", ["n", "", "x"], ["y"], body=body)], [_vi("x", [2, 3]), _vi("n", [], T.INT64)],
+                   [_vi("y", [2, 3])])
+    with _matches(pool, model, {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array(3, np.int64)}):
+        pass
+
+
 # -- Scan -----------------------------------------------------------------------------------------
 
 def test_scan_in_reverse_along_axis_1_with_reversed_outputs(pool):

@@ -1000,5 +1000,5 @@ def to_node(node: onnx.NodeProto) -> Node:
             value = [numpy_helper.to_array(v) for v in value]
         attrs[attr.name] = value
     # the outer-scope values of subgraphs follow the op's own inputs (vkpool.subgraph.formal_inputs)
-    inputs = [*node.input, *(n for n in node_outer_names(node) if n not in node.input)]
+    inputs = [*node.input, *node_outer_names(node)]
     return Node(node.name, node.op_type, node.domain, inputs, list(node.output), attrs)
