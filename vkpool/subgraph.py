@@ -17,12 +17,14 @@ import numpy as np
 if TYPE_CHECKING:
     import onnx
 
+
 def is_graph(value: Any) -> bool:
     """Whether a loaded node's attribute value is a subgraph (checked without importing onnx)."""
     return type(value).__name__ == "GraphProto"
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The subgraphs in the attributes of ``node``."""
     import onnx
 
     for attr in node.attribute:
@@ -116,8 +118,8 @@ def inline_branch(name: str, outputs: list[str], branch: onnx.GraphProto, taken:
         renames[init.name] = fresh(init.name, taken)
         constants[renames[init.name]] = numpy_helper.to_array(init)
     produced = [o for n in branch.node for o in n.output if o]
-    for name in produced:
-        renames[name] = fresh(name, taken)
+    for value_name in produced:
+        renames[value_name] = fresh(value_name, taken)
     # a branch output made by one of its nodes takes the If's output name directly
     tail: list[onnx.NodeProto] = []
     for value, target in zip(branch.output, outputs):
@@ -151,8 +153,12 @@ def _rename_node(node: onnx.NodeProto, renames: dict[str, str]) -> None:
 
 
 def _rename_references(graph: onnx.GraphProto, renames: dict[str, str]) -> None:
-    """Renames the outer-scope references of a nested subgraph (it defines none of ``renames``:
-    ONNX forbids a subgraph to shadow an outer name)."""
+    """Renames the outer-scope references of a nested subgraph; a name it defines itself (one
+    that shadows an outer name) stays its own."""
+    local = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    local |= {o for n in graph.node for o in n.output}
+    if local & renames.keys():
+        renames = {k: v for k, v in renames.items() if k not in local}
     for node in graph.node:
         for i, name in enumerate(node.input):
             node.input[i] = renames.get(name, name)
@@ -163,6 +169,7 @@ def _rename_references(graph: onnx.GraphProto, renames: dict[str, str]) -> None:
 
 
 def initializers(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The initializers of ``graph`` as arrays, by name."""
     from onnx import numpy_helper
 
     return {t.name: numpy_helper.to_array(t) for t in graph.initializer}
