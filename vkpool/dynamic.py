@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from vkpool.control_flow import host_runner
-from vkpool.cut import CutPoint, Graph, Split, find_cut, resolve
+from vkpool.cut import CutPoint, Graph, Split, find_cut, node_label, resolve
 from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.ops.nonzero import nonzero_indices
 from vkpool.kernels.registry import op_class
@@ -329,12 +329,17 @@ class DynamicModel:
 
     def summary(self) -> list[str]:
         """What is cut where, in a few lines."""
-        points = "; ".join(dict.fromkeys(f"tensor '{p.tensor}' ({p.describe()})" for p in self.points))
+        points = "; ".join(dict.fromkeys(p.describe() if p.position < 0 else f"tensor '{p.tensor}' ({p.describe()})"
+                                         for p in self.points))
         c = self.counters
         lines = [
             f"prefix: {len(self.split.prefix)} ops recorded once",
             f"suffix: {len(self.split.suffix)} ops compiled per value of {points}",
         ]
+        if self._host:
+            lines.append(f"  run at the cut: {', '.join(node_label(n) for n in self.split.host)}; "
+                         f"{len(self.bodies())} loop body part(s) compiled, one per set of input shapes, "
+                         "each replayed once per iteration")
         if self.split.later:
             lines.append(f"  {self.split.later} op(s) of the suffix depend on those values for their own "
                          "shapes: the suffix is cut again")
@@ -412,6 +417,8 @@ class CutPlan:
         if self.suffix is not None:
             lines += [f"suffix for {self.suffix_values}:",
                       *("  " + s for s in self.suffix.to_text().rstrip("\n").splitlines())]
+        elif not self.model._suffix_outputs:
+            lines.append("suffix: none (the prefix and the ops run at the cut give every output)")
         else:
             lines.append("suffix: compiled on the first run")
         return "\n".join(lines) + "\n"
