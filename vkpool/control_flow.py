@@ -45,11 +45,8 @@ def host_runner(node: Node, constants: dict[str, np.ndarray], opset: int, compil
     outputs, ``value(name)`` giving any tensor it reads."""
     if node.op_type == "NonMaxSuppression":
         return _Suppression(node)
-    if node.op_type == "Scan" and opset < 9:
-        raise UnsupportedOp(f"Scan '{node.name}' at opset {opset}: vkpool runs Scan from opset 9 on (opset 8's "
-                            "batch axis and sequence_lens are not supported); re-export at opset 9 or later")
     body = _Body(node, constants, opset, compile_part, run_part)
-    return _Loop(node, body) if node.op_type == "Loop" else _Scan(node, body)
+    return _Loop(node, body) if node.op_type == "Loop" else _Scan(node, body, legacy=opset < 9)
 
 
 class _Suppression:
@@ -91,7 +88,7 @@ class _Body:
         self.outputs = [o.name for o in graph.output]
         self.nodes = [to_node(n) for n in graph.node]
         self.constants = initializers(graph)
-        outer = node.inputs[formal_inputs(node.op_type, node.attrs, node.inputs):]
+        outer = node.inputs[formal_inputs(node.op_type, node.attrs, node.inputs, opset):]
         self.constants.update({n: constants[n] for n in outer if n in constants})
         #: outer-scope values fed to every iteration
         self.outer = [n for n in outer if n not in constants]
@@ -230,8 +227,11 @@ class _Loop:
 
 
 class _Scan:
-    def __init__(self, node: Node, body: _Body) -> None:
-        self.node, self.body = node, body
+    """Scan from opset 9 on; of opset 8 (``legacy``: a batch axis first, then the scan axis; an
+    optional ``sequence_lens`` first input), each batch item is scanned the same way."""
+
+    def __init__(self, node: Node, body: _Body, legacy: bool) -> None:
+        self.node, self.body, self.legacy = node, body, legacy
         self.scan_inputs = int(node.attrs["num_scan_inputs"])
         self.states = len(body.inputs) - self.scan_inputs
         self.scan_outputs = len(body.outputs) - self.states
@@ -239,22 +239,47 @@ class _Scan:
             raise ModelError(f"Scan '{node.name}': num_scan_inputs={self.scan_inputs} does not fit a body of "
                              f"{len(body.inputs)} inputs and {len(body.outputs)} outputs")
         attrs = node.attrs
-        self.in_axes = list(attrs.get("scan_input_axes", [0] * self.scan_inputs))
-        self.in_reverse = [bool(d) for d in attrs.get("scan_input_directions", [0] * self.scan_inputs)]
-        self.out_axes = list(attrs.get("scan_output_axes", [0] * self.scan_outputs))
-        self.out_reverse = [bool(d) for d in attrs.get("scan_output_directions", [0] * self.scan_outputs)]
+        if legacy:
+            self.in_axes, self.out_axes = [0] * self.scan_inputs, [0] * self.scan_outputs
+            self.in_reverse = [bool(d) for d in attrs.get("directions", [0] * self.scan_inputs)]
+            self.out_reverse = [False] * self.scan_outputs
+        else:
+            self.in_axes = list(attrs.get("scan_input_axes", [0] * self.scan_inputs))
+            self.in_reverse = [bool(d) for d in attrs.get("scan_input_directions", [0] * self.scan_inputs)]
+            self.out_axes = list(attrs.get("scan_output_axes", [0] * self.scan_outputs))
+            self.out_reverse = [bool(d) for d in attrs.get("scan_output_directions", [0] * self.scan_outputs)]
 
     def run(self, value: Values) -> list[np.ndarray]:
+        first = 1 if self.legacy else 0
+        inputs = self.node.inputs[first:first + self.states + self.scan_inputs]
+        states = [value(t) for t in inputs[:self.states]]
+        sequences = [value(t) for t in inputs[self.states:]]
+        outer = {n: value(n) for n in self.body.outer}
+        if not self.legacy:
+            return self._scan(states, sequences, outer)
+        lens = value(self.node.inputs[0]).reshape(-1) if self.node.inputs[0] else None
+        batch = {x.shape[0] for x in [*states, *sequences]}
+        if len(batch) != 1:
+            raise ModelError(f"Scan '{self.node.name}': its states and scan inputs have batch sizes {sorted(batch)}")
+        per_item = []
+        for b in range(batch.pop()):
+            full = sequences[0].shape[1] if sequences else 0
+            if lens is not None and int(lens[b]) != full:
+                raise ModelError(f"Scan '{self.node.name}': sequence_lens[{b}] = {int(lens[b])} is shorter than the "
+                                 f"scan inputs' {full} steps; vkpool runs opset 8 Scan over whole sequences only")
+            per_item.append(self._scan([x[b] for x in states], [x[b] for x in sequences], outer))
+        return [np.stack(values) for values in zip(*per_item)]
+
+    def _scan(self, states: list[np.ndarray], sequences: list[np.ndarray], outer: dict[str, np.ndarray]
+              ) -> list[np.ndarray]:
+        """The final states and the stacked scan outputs of one scan over ``sequences``."""
         node, body = self.node, self.body
-        states = [value(t) for t in node.inputs[:self.states]]
-        sequences = [value(t) for t in node.inputs[self.states:self.states + self.scan_inputs]]
         axes = [a + s.ndim if a < 0 else a for a, s in zip(self.in_axes, sequences)]
         lengths = {s.shape[a] for s, a in zip(sequences, axes)}
         if len(lengths) != 1:
             raise ModelError(f"Scan '{node.name}': its scan inputs have different lengths {sorted(lengths)} "
                              "along their scan axes")
         length = lengths.pop()
-        outer = {n: value(n) for n in body.outer}
         scans: list[list[np.ndarray]] = [[] for _ in range(self.scan_outputs)]
         for t in range(length):
             slices = [np.take(s, length - 1 - t if rev else t, axis=a)
@@ -266,8 +291,20 @@ class _Scan:
                 scans[k].append(np.asarray(v))
         stacked = []
         for k, values in enumerate(scans):
-            if not values:
-                raise ModelError(f"Scan '{node.name}': a scan of length 0 leaves its scan outputs' shapes unknown")
+            if not values:  # no step: the shapes of one step's outputs, from the body
+                empty = [np.zeros(tuple(d for i, d in enumerate(s.shape) if i != a), s.dtype)
+                         for s, a in zip(sequences, axes)]
+                name = body.outputs[self.states + k]
+                info = body.output_infos({**dict(zip(body.inputs, states)),
+                                          **dict(zip(body.inputs[self.states:], empty)), **outer}).get(name)
+                if info is None:
+                    raise ModelError(f"Scan '{node.name}' ran no step and the shape of its scan output {name!r} is "
+                                     "not known without one")
+                axis = self.out_axes[k] + len(info.shape) + 1 if self.out_axes[k] < 0 else self.out_axes[k]
+                shape = list(info.shape)
+                shape.insert(axis, 0)
+                stacked.append(np.zeros(shape, info.dtype))
+                continue
             if self.out_reverse[k]:
                 values = values[::-1]
             rank = values[0].ndim + 1

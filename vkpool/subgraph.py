@@ -82,13 +82,15 @@ def subgraph_op_types(graph: onnx.GraphProto) -> list[tuple[str, str]]:
     return out
 
 
-def formal_inputs(op_type: str, attrs: dict[str, Any], inputs: list[str]) -> int:
+def formal_inputs(op_type: str, attrs: dict[str, Any], inputs: list[str], opset: int) -> int:
     """How many of a loaded node's ``inputs`` are the op's own; the rest are outer-scope names
     its subgraphs read."""
     if op_type == "If":
         return 1
-    if op_type in ("Loop", "Scan"):
+    if op_type == "Loop":
         return len(attrs["body"].input)
+    if op_type == "Scan":  # opset 8's Scan takes sequence_lens first
+        return len(attrs["body"].input) + (1 if opset < 9 else 0)
     return len(inputs)
 
 
