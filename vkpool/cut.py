@@ -4,6 +4,10 @@ The analysis half of :mod:`vkpool.dynamic`: :func:`find_cut` splits a graph into
 (nodes that depend on no tensor whose values fix a shape) and the suffix, naming the cut points;
 :func:`resolve` binds the values read at those points and folds what became constant on the
 host, so that every shape of the suffix is known.
+
+Control flow cuts the same way: an If's condition is a cut point, and :func:`resolve` replaces
+an If whose condition it knows by the branch taken; a Loop, a Scan or a NonMaxSuppression is
+always cut before (``Split.host``), to run on the values read back (:mod:`vkpool.control_flow`).
 """
 from __future__ import annotations
 

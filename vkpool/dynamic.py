@@ -19,6 +19,11 @@ them (its output has one column per non-zero). Where such a tensor is known only
   least-recently-used cache of :data:`SUFFIX_CACHE_SIZE` entries (``Session(suffix_cache=)``).
   A suffix that still holds such points (one depending on another) is cut the same way.
 
+Control flow is cut the same way: an If's condition is such a point (the suffix is compiled with
+the branch taken in its place), and a Loop, a Scan or a NonMaxSuppression runs at the cut on the
+values read back (:mod:`vkpool.control_flow`; a loop's body is a part compiled per set of input
+shapes and replayed per iteration), its outputs inputs of the suffix, compiled per their shapes.
+
 A model without such points is not touched: the check is one pass over the nodes at load.
 Finding the cut and binding values is :mod:`vkpool.cut`; this module compiles and runs the parts.
 
