@@ -50,6 +50,8 @@ def host_runner(node: Node, constants: dict[str, np.ndarray], opset: int, compil
 
 
 class _Suppression:
+    """NonMaxSuppression on the boxes and scores read back (its inputs 2 to 4 optional)."""
+
     def __init__(self, node: Node) -> None:
         self.node = node
         self.center = int(node.attrs.get("center_point_box", 0))
@@ -173,6 +175,9 @@ def _declared_rank(graph: Any, index: int) -> int | None:
 
 
 class _Loop:
+    """A Loop: while the trip count lasts and the condition holds (the body's own, from its first
+    iteration on, as onnxruntime does), the body runs on the carried values."""
+
     def __init__(self, node: Node, body: _Body) -> None:
         self.node, self.body = node, body
         self.carried = len(body.inputs) - 2
