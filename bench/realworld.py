@@ -232,6 +232,43 @@ def export_gpt2_kv(path: Path, small: bool) -> None:
     _export(Step(), tuple(args), path, names, outs, dynamic)
 
 
+def export_scripted_loop(path: Path, small: bool) -> None:
+    """A recurrent cell stepped by a loop of run-time length that stops early once no hidden value
+    is above 0.19 (the seventh step on these inputs, of largest value 0.1886; the closest before is
+    the fifth's 0.1918),
+    scripted by TorchScript: ONNX Loop, its condition computed in the body, an If in the body (the
+    early exit)."""
+    import torch
+
+    class Stepper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = torch.nn.Linear(48, 32)
+            self.out = torch.nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor, h: torch.Tensor, total: torch.Tensor, steps: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            for i in range(steps):
+                h = torch.tanh(self.cell(torch.cat([x, h], 1)))
+                x = torch.tanh(self.out(h))
+                if bool(torch.max(h) < 0.19):
+                    break
+                total = total + x * float(i)
+            return h, total
+
+    torch.manual_seed(0)
+    module = torch.jit.script(Stepper().eval())
+    args = (torch.zeros(2, 16), torch.zeros(2, 32), torch.zeros(2, 16), 4)
+    torch.onnx.export(module, args, str(path), input_names=["x", "h0", "total0", "steps"],
+                      output_names=["h", "total"], opset_version=17, dynamo=False)
+
+
+def loop_feed(small: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x": rng.standard_normal((2, 16)).astype(np.float32),
+            "h0": (rng.standard_normal((2, 32)) * 0.1).astype(np.float32),
+            "total0": np.zeros((2, 16), np.float32), "steps": np.array(8 if small else 64, np.int64)}
+
+
 def export_vit_quantized(path: Path, small: bool) -> None:
     """The ViT export, quantized by onnxruntime's dynamic quantization (MatMulInteger,
     DynamicQuantizeLinear)."""
@@ -294,7 +331,7 @@ def add_nms(src: Path, dst: Path) -> None:
 
 EXPORTS: dict[str, Callable[[Path, bool], None]] = {
     "vit": export_vit, "segformer": export_segformer, "gpt2_kv": export_gpt2_kv,
-    "vit_quantized": export_vit_quantized,
+    "vit_quantized": export_vit_quantized, "scripted_loop": export_scripted_loop,
 }
 
 _SILERO = "silero-vad==6.2.3"
@@ -336,6 +373,8 @@ CASES = [
          image_feed("pixel_values", (128, 128), (512, 512))),
     Case("gpt2_kv", Export("gpt2_kv", "transformers GPT-2, one step with its KV cache (random weights)"),
          "transformer decoder with a KV cache", gpt2_kv_feed),
+    Case("scripted_loop", Export("scripted_loop", "torch.jit.script recurrent loop with an early exit (random weights)"),
+         "Loop of run-time length, If in its body", loop_feed),
 ]
 NMS_CASE = "nudenet_320n_nms"
 

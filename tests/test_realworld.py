@@ -17,7 +17,7 @@ from bench import realworld as R  # noqa: E402
 
 CACHE = Path(R.REPO) / "models" / "realworld"
 #: models that run through If, Loop or NonMaxSuppression: a refusal of one of these is a regression
-MUST_MATCH = {"silero_vad", "silero_vad_16k_op15", R.NMS_CASE}
+MUST_MATCH = {"silero_vad", "silero_vad_16k_op15", "scripted_loop", R.NMS_CASE}
 
 
 @pytest.mark.timeout(900)
