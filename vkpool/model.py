@@ -16,7 +16,10 @@
    folding until nothing changes, so shapes computed by ``Shape → Gather → Concat → Reshape``
    chains become static. Shapes come from the graph, as onnxruntime takes them: the declared
    shapes of outputs and ``value_info`` are not inputs to the inference, and one that disagrees
-   with what the graph computes gives a :class:`DeclaredShapeWarning`;
+   with what the graph computes gives a :class:`DeclaredShapeWarning`. Subgraphs (If, Loop,
+   Scan) are inferred with the outer-scope values they read; an If whose condition is known
+   (a constant, or folded) is replaced by the branch it takes (:mod:`vkpool.subgraph`), and
+   inference and folding go on through its nodes;
 5. fail with :class:`ModelError` naming any tensor whose shape or dtype is still unknown (with
    ``partial=True``, list them in ``LoadedModel.unresolved`` instead: their shapes depend on
    values known only at run time, and :mod:`vkpool.dynamic` cuts the model there).
