@@ -20,6 +20,7 @@ from vkpool.model import ModelError
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime computes the expected outputs")
 
+#: float32 outputs within 1e-5 relative; the absolute 1e-6 only matters for values near zero
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -31,13 +32,17 @@ def _model(nodes, inputs, outputs, inits=(), opset=17) -> bytes:
 def _matches(pool, model: bytes, feeds: dict[str, np.ndarray]) -> vkpool.Session:
     expected = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
     session = vkpool.Session(model, pool=pool)
-    got = session.run(None, feeds)
-    for g, e in zip(got, expected, strict=True):
-        assert g.shape == e.shape and g.dtype == e.dtype, (g.shape, g.dtype, e.shape, e.dtype)
-        if e.dtype.kind == "f":
-            np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL)
-        else:
-            np.testing.assert_array_equal(g, e)
+    try:
+        got = session.run(None, feeds)
+        for g, e in zip(got, expected, strict=True):
+            assert g.shape == e.shape and g.dtype == e.dtype, (g.shape, g.dtype, e.shape, e.dtype)
+            if e.dtype.kind == "f":
+                np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL)
+            else:
+                np.testing.assert_array_equal(g, e)
+    except BaseException:
+        session.close()
+        raise
     return session
 
 
