@@ -232,6 +232,43 @@ def export_gpt2_kv(path: Path, small: bool) -> None:
     _export(Step(), tuple(args), path, names, outs, dynamic)
 
 
+def export_scripted_loop(path: Path, small: bool) -> None:
+    """A recurrent cell stepped by a loop of run-time length that stops early once no hidden value
+    is above 0.19 (the seventh step on these inputs, of largest value 0.1886; the closest before is
+    the fifth's 0.1918),
+    scripted by TorchScript: ONNX Loop, its condition computed in the body, an If in the body (the
+    early exit)."""
+    import torch
+
+    class Stepper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = torch.nn.Linear(48, 32)
+            self.out = torch.nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor, h: torch.Tensor, total: torch.Tensor, steps: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            for i in range(steps):
+                h = torch.tanh(self.cell(torch.cat([x, h], 1)))
+                x = torch.tanh(self.out(h))
+                if bool(torch.max(h) < 0.19):
+                    break
+                total = total + x * float(i)
+            return h, total
+
+    torch.manual_seed(0)
+    module = torch.jit.script(Stepper().eval())
+    args = (torch.zeros(2, 16), torch.zeros(2, 32), torch.zeros(2, 16), 4)
+    torch.onnx.export(module, args, str(path), input_names=["x", "h0", "total0", "steps"],
+                      output_names=["h", "total"], opset_version=17, dynamo=False)
+
+
+def loop_feed(small: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x": rng.standard_normal((2, 16)).astype(np.float32),
+            "h0": (rng.standard_normal((2, 32)) * 0.1).astype(np.float32),
+            "total0": np.zeros((2, 16), np.float32), "steps": np.array(8 if small else 64, np.int64)}
+
+
 def export_vit_quantized(path: Path, small: bool) -> None:
     """The ViT export, quantized by onnxruntime's dynamic quantization (MatMulInteger,
     DynamicQuantizeLinear)."""
@@ -261,7 +298,10 @@ class _Logits:
 
 def add_nms(src: Path, dst: Path) -> None:
     """A YOLOv8 detector's raw output (``[1, 4 + classes, anchors]``) followed by the usual
-    post-processing written as ONNX ops: boxes and best scores, then NonMaxSuppression."""
+    post-processing written as ONNX ops: boxes and scores, NonMaxSuppression, and the boxes it
+    selects gathered (``selected_boxes``, of a length known only at run time). The score threshold
+    fits the scores of these inputs (at most ~1e-3): 26 boxes are selected, far enough apart in
+    score that float rounding does not reorder them."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -270,10 +310,10 @@ def add_nms(src: Path, dst: Path) -> None:
     out = g.output[0].name
     classes = 18  # nudenet 320n: 4 box coordinates + 18 classes
     consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
-              (("nms_0", [0]), ("nms_4", [4]), ("nms_end", [4 + classes]), ("nms_ax1", [1]), ("nms_ax2", [2]),
-               ("nms_max", [50]))]
+              (("nms_0", [0]), ("nms_4", [4]), ("nms_end", [4 + classes]), ("nms_ax1", [1]),
+               ("nms_max", [50]), ("nms_pick", [0, 2]))]
     consts += [numpy_helper.from_array(np.array([0.45], np.float32), "nms_iou"),
-               numpy_helper.from_array(np.array([0.25], np.float32), "nms_score")]
+               numpy_helper.from_array(np.array([1.5e-4], np.float32), "nms_score")]
     g.initializer.extend(consts)
     g.node.extend([
         helper.make_node("Slice", [out, "nms_0", "nms_4", "nms_ax1"], ["nms_boxes_t"]),
@@ -281,14 +321,17 @@ def add_nms(src: Path, dst: Path) -> None:
         helper.make_node("Slice", [out, "nms_4", "nms_end", "nms_ax1"], ["nms_scores"]),
         helper.make_node("NonMaxSuppression", ["nms_boxes", "nms_scores", "nms_max", "nms_iou", "nms_score"],
                          ["selected"], center_point_box=1),
+        helper.make_node("Gather", ["selected", "nms_pick"], ["nms_batch_box"], axis=1),
+        helper.make_node("GatherND", ["nms_boxes", "nms_batch_box"], ["selected_boxes"]),
     ])
-    g.output.append(helper.make_tensor_value_info("selected", TensorProto.INT64, None))
+    g.output.append(helper.make_tensor_value_info("selected", TensorProto.INT64, [None, 3]))
+    g.output.append(helper.make_tensor_value_info("selected_boxes", TensorProto.FLOAT, [None, 4]))
     onnx.save(model, str(dst))
 
 
 EXPORTS: dict[str, Callable[[Path, bool], None]] = {
     "vit": export_vit, "segformer": export_segformer, "gpt2_kv": export_gpt2_kv,
-    "vit_quantized": export_vit_quantized,
+    "vit_quantized": export_vit_quantized, "scripted_loop": export_scripted_loop,
 }
 
 _SILERO = "silero-vad==6.2.3"
@@ -299,7 +342,7 @@ CASES = [
     Case("silero_vad", Wheel(_SILERO, "silero_vad/data/silero_vad.onnx"), "VAD, If with subgraphs",
          silero_feed(True)),
     Case("silero_vad_16k_op15", Wheel(_SILERO, "silero_vad/data/silero_vad_16k_op15.onnx"), "VAD, If (opset 15)",
-         silero_feed(True), small=False),
+         silero_feed(True)),
     Case("silero_vad_ifless", Wheel(_SILERO, "silero_vad/data/silero_vad_op18_ifless.onnx"), "VAD, opset 18",
          silero_feed(True), small=False),
     Case("silero_vad_openvino", Wheel(_SILERO, "silero_vad/data/silero_vad_openvino_16k.onnx"), "VAD, LSTM",
@@ -330,6 +373,8 @@ CASES = [
          image_feed("pixel_values", (128, 128), (512, 512))),
     Case("gpt2_kv", Export("gpt2_kv", "transformers GPT-2, one step with its KV cache (random weights)"),
          "transformer decoder with a KV cache", gpt2_kv_feed),
+    Case("scripted_loop", Export("scripted_loop", "torch.jit.script recurrent loop with an early exit (random weights)"),
+         "Loop of run-time length, If in its body", loop_feed),
 ]
 NMS_CASE = "nudenet_320n_nms"
 
@@ -453,7 +498,7 @@ def run(cases: list[Case], *, small: bool, cache: Path, pool: Any = None) -> lis
 
 
 def _with_nms(path: Path) -> Path:
-    out = path.with_name(path.stem + "-nms.onnx")
+    out = path.with_name(path.stem + "-nms-boxes.onnx")
     if not out.exists():
         add_nms(path, out)
     return out
@@ -461,7 +506,7 @@ def _with_nms(path: Path) -> Path:
 
 CASES.append(Case(NMS_CASE, Wheel("nudenet==3.4.2", "nudenet/320n.onnx"),
                   "detection with NonMaxSuppression (YOLOv8 + NMS post-processing)",
-                  image_feed("images", (320, 320), (320, 320)), small=False))
+                  image_feed("images", (320, 320), (320, 320))))
 
 
 def to_markdown(results: list[Result], small: bool, command: str) -> str:

@@ -179,6 +179,11 @@ OPS: list[tuple[str, str, str]] = [
     ("Attention", "attention", "Attention"),
     ("RotaryEmbedding", "rotary", "RotaryEmbedding"),
     ("CausalConvWithState", "causal_conv", "CausalConvWithState"),
+    # -- control flow and host-side selection (run where the model is cut) ------------------------
+    ("If", "control_flow", "If"),
+    ("Loop", "control_flow", "Loop"),
+    ("Scan", "control_flow", "Scan"),
+    ("NonMaxSuppression", "control_flow", "NonMaxSuppression"),
 ]
 
 

@@ -235,6 +235,39 @@ def test_a_model_cut_at_a_data_dependent_shape_runs_through_the_daemon(shared: D
         assert client.request("unload_model", {"model": session.model_id, "now": True})[0]["unloaded"]
 
 
+def test_control_flow_runs_through_the_daemon(shared: Daemon) -> None:
+    """An If whose condition is computed, and a Loop, cut the model (vkpool.control_flow): each
+    run through the daemon matches onnxruntime, whichever branch it takes. (onnx's reference
+    evaluator gets this model wrong: it reads the Loop body's outer ``x`` as the carried value.)"""
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime computes the expected outputs")
+    from onnx import TensorProto, helper
+
+    def vi(name: str, shape: list[Any], dtype: int = TensorProto.FLOAT) -> Any:
+        return helper.make_tensor_value_info(name, dtype, shape)
+
+    body = helper.make_graph([helper.make_node("Add", ["a_in", "x"], ["a"]), helper.make_node("Identity", ["c_in"], ["c"])],
+                             "body", [vi("i", [], TensorProto.INT64), vi("c_in", [], TensorProto.BOOL), vi("a_in", [2, 3])],
+                             [vi("c", [], TensorProto.BOOL), vi("a", [2, 3])])
+    then = helper.make_graph([helper.make_node("Neg", ["looped"], ["t"])], "then", [], [vi("t", [2, 3])])
+    other = helper.make_graph([helper.make_node("Abs", ["looped"], ["e"])], "else", [], [vi("e", [2, 3])])
+    g = helper.make_graph(
+        [helper.make_node("Loop", ["n", "", "x"], ["looped"], body=body),
+         helper.make_node("ReduceSum", ["looped"], ["s"], keepdims=0),
+         helper.make_node("Greater", ["s", "zero"], ["positive"]),
+         helper.make_node("If", ["positive"], ["y"], then_branch=then, else_branch=other)], "cf",
+        [vi("x", [2, 3]), vi("n", [], TensorProto.INT64)], [vi("y", [2, 3])],
+        [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with shared.client() as client:
+        session = client.session(model.SerializeToString())
+        for seed in range(3):
+            feeds = {"x": np.random.default_rng(seed).standard_normal((2, 3)).astype(np.float32),
+                     "n": np.array(seed + 1, np.int64)}
+            np.testing.assert_allclose(session.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-6)
+        assert client.request("unload_model", {"model": session.model_id, "now": True})[0]["unloaded"]
+
+
 def test_a_frame_over_the_size_limit_drops_only_that_connection(folder: Path) -> None:
     import zmq
 

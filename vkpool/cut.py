@@ -4,17 +4,23 @@ The analysis half of :mod:`vkpool.dynamic`: :func:`find_cut` splits a graph into
 (nodes that depend on no tensor whose values fix a shape) and the suffix, naming the cut points;
 :func:`resolve` binds the values read at those points and folds what became constant on the
 host, so that every shape of the suffix is known.
+
+Control flow cuts the same way: an If's condition is a cut point, and :func:`resolve` replaces
+an If whose condition it knows by the branch taken; a Loop, a Scan or a NonMaxSuppression is
+always cut before (``Split.host``), to run on the values read back (:mod:`vkpool.control_flow`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.registry import create_op, op_class
-from vkpool.model import NONDETERMINISTIC, LoadedModel, ModelError, Node, evaluate_node
+from vkpool.model import NONDETERMINISTIC, LoadedModel, ModelError, Node, evaluate_node, to_node
+from vkpool.subgraph import all_names, inline_branch, is_graph
 
 #: once values are bound, a suffix node whose inputs are all constants is evaluated on the host
 #: when its outputs take at most this many bytes; a larger one runs on the device
@@ -22,6 +28,12 @@ FOLD_BYTES = 16 << 20
 # never folded: ops whose results are not a function of their inputs, and Dropout (whose
 # training mode draws a mask)
 _UNFOLDABLE = NONDETERMINISTIC | {"Dropout"}
+#: ops run at a cut on the values read back there (:mod:`vkpool.control_flow`), never as kernels
+HOST_OPS = frozenset({"Loop", "Scan", "NonMaxSuppression"})
+
+
+def is_host_op(node: Node) -> bool:
+    return node.op_type in HOST_OPS and node.domain in ("", "ai.onnx")
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,8 @@ class CutPoint:
     output: str  # the node's first output
 
     def describe(self) -> str:
+        if self.position < 0:
+            return f"{self.op_type} '{self.node}' (run on the values read back)"
         return f"{self.input_name} of {self.op_type} '{self.node}'"
 
 
@@ -73,6 +87,8 @@ class Split:
     points: list[CutPoint]
     #: suffix nodes that need values the suffix computes: it is cut again once compiled
     later: int
+    #: Loops, Scans and NonMaxSuppressions run right after the prefix (position -1 in ``points``)
+    host: list[Node] = field(default_factory=list)
 
 
 def node_label(node: Node) -> str:
@@ -108,10 +124,21 @@ def find_cut(graph: Graph) -> Split | None:
     prefix: list[Node] = []
     suffix: list[Node] = []
     points: list[CutPoint] = []
+    host: list[Node] = []
     later = 0
     for node in graph.nodes:
         missing = missing_constants(node, graph.constants)
         blocked = any(t in dependent for t in node.inputs if t)
+        if is_host_op(node):
+            if blocked:
+                later += 1
+            else:
+                host.append(node)
+                points.append(CutPoint(node_label(node), node.op_type, -1, "", "inputs",
+                                       next((o for o in node.outputs if o), "")))
+            suffix.append(node)
+            dependent.update(o for o in node.outputs if o)
+            continue
         if not missing and not blocked:
             prefix.append(node)
             continue
@@ -128,7 +155,7 @@ def find_cut(graph: Graph) -> Split | None:
     unknown = next((n for n in names if n and n not in graph.tensors and n not in graph.constants), None)
     if unknown is not None:
         raise ModelError(f"tensor {unknown!r}: shape or dtype is still unknown after binding symbolic dims")
-    return Split(prefix, suffix, points, later)
+    return Split(prefix, suffix, points, later, host)
 
 
 def resolve(graph: Graph) -> Graph:
@@ -141,8 +168,20 @@ def resolve(graph: Graph) -> Graph:
         infos[name] = TensorInfo(value.shape, value.dtype)
     blocked: set[str] = set()
     kept: list[Node] = []
-    for node in graph.nodes:
-        if any(t in blocked for t in node.inputs if t) or missing_constants(node, constants):
+    taken: set[str] | None = None
+    pending = deque(graph.nodes)
+    while pending:
+        node = pending.popleft()
+        if node.op_type == "If" and node.inputs[0] in constants:
+            if taken is None:
+                taken = _names_in_use(graph, infos, constants)
+            inlined, values = _inline_if(node, constants[node.inputs[0]], taken)
+            constants.update(values)
+            infos.update((k, TensorInfo(v.shape, v.dtype)) for k, v in values.items())
+            pending.extendleft(reversed(inlined))
+            continue
+        if (is_host_op(node) or any(t in blocked for t in node.inputs if t)
+                or missing_constants(node, constants)):
             blocked.update(o for o in node.outputs if o)
             kept.append(node)
             continue
@@ -175,6 +214,22 @@ def resolve(graph: Graph) -> Graph:
     used = {t for node in kept for t in node.inputs if t} | set(graph.outputs)
     kept_constants = {k: v for k, v in constants.items() if k in used}
     return Graph(list(graph.inputs), list(graph.outputs), kept, kept_constants, infos, graph.opset)
+
+
+def _names_in_use(graph: Graph, infos: dict[str, TensorInfo], constants: dict[str, np.ndarray]) -> set[str]:
+    taken = set(infos) | set(constants) | {t for n in graph.nodes for t in (*n.inputs, *n.outputs)}
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            if is_graph(value):
+                taken |= all_names(value)
+    return taken
+
+
+def _inline_if(node: Node, cond: np.ndarray, taken: set[str]) -> tuple[list[Node], dict[str, np.ndarray]]:
+    """The nodes of the branch an If takes for ``cond``, renamed (:func:`vkpool.subgraph.inline_branch`)."""
+    branch = node.attrs["then_branch" if bool(np.asarray(cond).reshape(-1)[0]) else "else_branch"]
+    protos, values = inline_branch(node.name, node.outputs, branch, taken)
+    return [to_node(p) for p in protos], values
 
 
 def _fold(node: Node, op: Any, outs: list[TensorInfo], constants: dict[str, np.ndarray]) -> list[Any] | None:

@@ -19,6 +19,11 @@ them (its output has one column per non-zero). Where such a tensor is known only
   least-recently-used cache of :data:`SUFFIX_CACHE_SIZE` entries (``Session(suffix_cache=)``).
   A suffix that still holds such points (one depending on another) is cut the same way.
 
+Control flow is cut the same way: an If's condition is such a point (the suffix is compiled with
+the branch taken in its place), and a Loop, a Scan or a NonMaxSuppression runs at the cut on the
+values read back (:mod:`vkpool.control_flow`; a loop's body is a part compiled per set of input
+shapes and replayed per iteration), its outputs inputs of the suffix, compiled per their shapes.
+
 A model without such points is not touched: the check is one pass over the nodes at load.
 Finding the cut and binding values is :mod:`vkpool.cut`; this module compiles and runs the parts.
 
@@ -34,8 +39,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from vkpool.cut import CutPoint, Graph, Split, find_cut, resolve
-from vkpool.kernels.base import OpError, UnsupportedOp
+from vkpool.control_flow import host_runner
+from vkpool.cut import CutPoint, Graph, Split, find_cut, node_label, resolve
+from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.ops.nonzero import nonzero_indices
 from vkpool.kernels.registry import op_class
 from vkpool.memory import DeviceOutOfMemory
@@ -72,11 +78,12 @@ def run_part(part: Any, names: list[str], feeds: dict[str, np.ndarray]) -> dict[
 
 def kernel_nodes(part: Any) -> int:
     """Nodes left to kernels in what ``part`` (a Session or a DynamicModel) compiled: for a cut
-    model, its prefix and the suffix the last run used (0 when everything folded on the host)."""
+    model, its prefix, the loop bodies and the suffix the last run used (0 when everything folded
+    on the host)."""
     cut = part if isinstance(part, DynamicModel) else part.dynamic
     if cut is None:
         return len(part.model.nodes)
-    return sum(kernel_nodes(p) for p in (cut.prefix, cut.latest) if p is not None)
+    return sum(kernel_nodes(p) for p in (cut.prefix, *cut.bodies(), cut.latest) if p is not None)
 
 
 def _summary(value: np.ndarray) -> str:
@@ -129,6 +136,8 @@ class DynamicModel:
         self._lock = threading.Lock()
         self.prefix: Any = None
         self._prepare_suffix()
+        self._host = [host_runner(node, graph.constants, graph.opset, self._compile_body, run_part)
+                      for node in split.host]
         self._prepare_prefix()
 
     # -- construction -----------------------------------------------------------------------
@@ -141,6 +150,8 @@ class DynamicModel:
         #: output of a NonZero evaluated on the host -> the tensor it reads
         self._nonzero: dict[str, str] = {}
         for point in self.points:
+            if point.position < 0:  # a Loop, Scan or NonMaxSuppression, run on the host
+                continue
             if point.op_type == "NonZero":
                 self._nonzero[point.output] = point.tensor
             elif point.tensor not in self._binding:
@@ -150,10 +161,15 @@ class DynamicModel:
                     name = f"{point.tensor}@value{k}"
                 taken.add(name)
                 self._binding[point.tensor] = name
-        made = {o for n in self.split.suffix for o in n.outputs if o}
+        host = {id(n) for n in self.split.host}
+        #: outputs of the Loops, Scans and NonMaxSuppressions run on the host
+        self._host_outputs = {o for n in self.split.host for o in n.outputs if o}
+        made = {o for n in self.split.suffix if id(n) not in host for o in n.outputs if o}
         nodes: list[Node] = []
         for node in self.split.suffix:
             if node.op_type == "NonZero" and node.outputs and node.outputs[0] in self._nonzero:
+                continue
+            if id(node) in host:
                 continue
             fixed = set(op_class(node.op_type, node.domain).constant_inputs)
             inputs = [self._binding.get(t, t) if i in fixed else t for i, t in enumerate(node.inputs)]
@@ -170,7 +186,8 @@ class DynamicModel:
     def _prepare_prefix(self) -> None:
         graph, prefix = self.graph, self.split.prefix
         made = {o for n in prefix for o in n.outputs if o}
-        wanted = [*self._suffix_inputs, *self._binding, *self._nonzero.values(), *graph.outputs]
+        host_inputs = [t for n in self.split.host for t in n.inputs if t]
+        wanted = [*self._suffix_inputs, *self._binding, *self._nonzero.values(), *host_inputs, *graph.outputs]
         self._prefix_outputs = list(dict.fromkeys(t for t in wanted if t in made))
         read = {t for n in prefix for t in n.inputs if t}
         self._prefix_inputs = [n for n, _ in graph.inputs if n in read]
@@ -195,26 +212,34 @@ class DynamicModel:
         if self.prefix is not None:
             values.update(run_part(self.prefix, self._prefix_outputs,
                                    {n: feeds[n] for n in self._prefix_inputs}))
+        for runner in self._host:
+            outs = runner.run(lambda t: values[t] if t in values else self.graph.constants[t])
+            values.update((n, v) for n, v in zip(runner.node.outputs, outs) if n)
         bound = {name: np.asarray(values[t]) for t, name in self._binding.items()}
         bound.update({out: nonzero_indices(values[t]) for out, t in self._nonzero.items()})
-        entry = self._acquire(bound)
-        try:
-            values.update(run_part(entry.part, self._suffix_outputs,
-                                   {n: values[n] for n in self._suffix_inputs}))
-        finally:
-            self._release(entry)
+        if self._suffix_outputs:
+            # the host ops' outputs are inputs of the suffix, compiled per their shapes
+            shapes = {n: TensorInfo(values[n].shape, values[n].dtype) for n in self._suffix_inputs
+                      if n in self._host_outputs}
+            entry = self._acquire(bound, shapes)
+            try:
+                values.update(run_part(entry.part, self._suffix_outputs,
+                                       {n: values[n] for n in self._suffix_inputs}))
+            finally:
+                self._release(entry)
         return {n: values[n] if n in values else np.array(self.graph.constants[n], copy=True)
                 for n in self.graph.outputs}
 
-    def _acquire(self, bound: dict[str, np.ndarray]) -> _Entry:
+    def _acquire(self, bound: dict[str, np.ndarray], shapes: dict[str, TensorInfo]) -> _Entry:
         key = tuple((n, v.dtype.str, v.shape, v.tobytes()) for n, v in sorted(bound.items()))
+        key += tuple((n, i.dtype.str, i.shape) for n, i in sorted(shapes.items()))
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
                 self.counters.suffix_reuses += 1
             else:
-                entry = _Entry(self._compile_suffix(bound), self._what(bound))
+                entry = _Entry(self._compile_suffix(bound, shapes), self._what(bound))
                 self.counters.suffix_compiles += 1
                 self.counters.suffix_evictions += _keep(self._cache, key, entry, self.cache_size)
                 self._latest = entry
@@ -229,15 +254,15 @@ class DynamicModel:
             if entry.retired and entry.users == 0:
                 entry.part.close()
 
-    def _compile_suffix(self, bound: dict[str, np.ndarray]) -> Any:
-        graph = self.graph
+    def _compile_suffix(self, bound: dict[str, np.ndarray], shapes: dict[str, TensorInfo]) -> Any:
+        infos = {n: shapes[n] if n in shapes else self.graph.tensors[n] for n in self._suffix_inputs}
         part_graph = Graph(
-            inputs=[(n, graph.tensors[n]) for n in self._suffix_inputs],
+            inputs=list(infos.items()),
             outputs=self._suffix_outputs,
             nodes=self._suffix_nodes,
             constants={**self._suffix_constants, **bound},
-            tensors={n: graph.tensors[n] for n in self._suffix_inputs},
-            opset=graph.opset,
+            tensors=dict(infos),
+            opset=self.graph.opset,
         )
         try:
             resolved = resolve(part_graph)
@@ -264,7 +289,9 @@ class DynamicModel:
     def _what(self, bound: dict[str, np.ndarray]) -> str:
         parts = []
         for point in self.points:
-            if point.op_type == "NonZero":
+            if point.position < 0:
+                parts.append(point.describe())
+            elif point.op_type == "NonZero":
                 count = bound[point.output].shape[1]
                 parts.append(f"{point.describe()} ({count} non-zero{'s' if count != 1 else ''})")
             else:
@@ -282,10 +309,18 @@ class DynamicModel:
         """The suffix the last run used (a compiled part), or None before the first run."""
         return None if self._latest is None else self._latest.part
 
+    def bodies(self) -> list[Any]:
+        """The Loop and Scan bodies compiled and kept (parts of their own)."""
+        return [p for runner in self._host for p in runner.parts()]
+
+    def _compile_body(self, graph: Graph) -> Any:
+        return compile_part(graph, self._compile_static, self.cache_size)
+
     def parts(self) -> Iterable[Any]:
-        """The prefix (if any) and every suffix kept."""
+        """The prefix (if any), the loop bodies compiled and every suffix kept."""
         if self.prefix is not None:
             yield self.prefix
+        yield from self.bodies()
         with self._lock:
             entries = list(self._cache.values())
         yield from (e.part for e in entries)
@@ -299,12 +334,17 @@ class DynamicModel:
 
     def summary(self) -> list[str]:
         """What is cut where, in a few lines."""
-        points = "; ".join(dict.fromkeys(f"tensor '{p.tensor}' ({p.describe()})" for p in self.points))
+        points = "; ".join(dict.fromkeys(p.describe() if p.position < 0 else f"tensor '{p.tensor}' ({p.describe()})"
+                                         for p in self.points))
         c = self.counters
         lines = [
             f"prefix: {len(self.split.prefix)} ops recorded once",
             f"suffix: {len(self.split.suffix)} ops compiled per value of {points}",
         ]
+        if self._host:
+            lines.append(f"  run at the cut: {', '.join(node_label(n) for n in self.split.host)}; "
+                         f"{len(self.bodies())} loop body part(s) compiled, one per set of input shapes, "
+                         "each replayed once per iteration")
         if self.split.later:
             lines.append(f"  {self.split.later} op(s) of the suffix depend on those values for their own "
                          "shapes: the suffix is cut again")
@@ -323,6 +363,8 @@ class DynamicModel:
             self._latest = None
         for entry in entries:
             entry.close_when_idle()
+        for runner in self._host:
+            runner.close()
         if self.prefix is not None:
             self.prefix.close()
             self.prefix = None
@@ -380,6 +422,8 @@ class CutPlan:
         if self.suffix is not None:
             lines += [f"suffix for {self.suffix_values}:",
                       *("  " + s for s in self.suffix.to_text().rstrip("\n").splitlines())]
+        elif not self.model._suffix_outputs:
+            lines.append("suffix: none (the prefix and the ops run at the cut give every output)")
         else:
             lines.append("suffix: compiled on the first run")
         return "\n".join(lines) + "\n"

@@ -16,7 +16,10 @@
    folding until nothing changes, so shapes computed by ``Shape → Gather → Concat → Reshape``
    chains become static. Shapes come from the graph, as onnxruntime takes them: the declared
    shapes of outputs and ``value_info`` are not inputs to the inference, and one that disagrees
-   with what the graph computes gives a :class:`DeclaredShapeWarning`;
+   with what the graph computes gives a :class:`DeclaredShapeWarning`. Subgraphs (If, Loop,
+   Scan) are inferred with the outer-scope values they read; an If whose condition is known
+   (a constant, or folded) is replaced by the branch it takes (:mod:`vkpool.subgraph`), and
+   inference and folding go on through its nodes;
 5. fail with :class:`ModelError` naming any tensor whose shape or dtype is still unknown (with
    ``partial=True``, list them in ``LoadedModel.unresolved`` instead: their shapes depend on
    values known only at run time, and :mod:`vkpool.dynamic` cuts the model there).
@@ -41,6 +44,7 @@ import numpy as np
 
 from vkpool import inline_weights, progress
 from vkpool.kernels.base import TensorInfo, UnsupportedOp
+from vkpool.subgraph import all_names, inline_branch, is_graph, node_outer_names, subgraph_op_types, subgraphs
 from vkpool.units import format_size
 
 if TYPE_CHECKING:
@@ -104,8 +108,14 @@ class LoadedModel:
     symbolic: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def op_types(self) -> list[tuple[str, str]]:
-        """``(op_type, domain)`` of every node, in node order."""
-        return [(n.op_type, n.domain) for n in self.nodes]
+        """``(op_type, domain)`` of every node, in node order, and of the nodes of their subgraphs."""
+        out = []
+        for node in self.nodes:
+            out.append((node.op_type, node.domain))
+            for value in node.attrs.values():
+                if is_graph(value):
+                    out += subgraph_op_types(value)
+        return out
 
     def fresh_name(self, name: str) -> str:
         """``name``, or ``name_2``, ``name_3``, … : the first no tensor or constant has."""
@@ -230,15 +240,16 @@ def _load(src: str | os.PathLike[str] | bytes | onnx.ModelProto, batch: int, dim
     output_names = [o.name for o in graph.output]
     types: dict[str, TensorInfo] = {}
     ranked: dict[str, TensorInfo] = {}  # dtype and rank known, -1 for each unknown dim
+    taken = all_names(graph) | set(constants)
     while True:
         types = _infer(proto, nodes, bound, constants, types, ranked)
-        nodes, changed = _fold(nodes, constants, types, proto)
+        nodes, changed = _fold(nodes, constants, types, proto, taken)
         if not changed:
             break
     progress.advance("load")
     _warn_declared(declared, types)
 
-    kept_nodes = _without_unknown_unread_outputs([_to_node(n) for n in nodes], types, set(output_names))
+    kept_nodes = _without_unknown_unread_outputs([to_node(n) for n in nodes], types, set(output_names))
     used = {t for n in kept_nodes for t in n.inputs if t} | set(output_names)
     constants = {k: v for k, v in constants.items() if k in used}
     tensors: dict[str, TensorInfo] = {}
@@ -589,8 +600,8 @@ def _refuse_vendor_ops(proto: onnx.ModelProto) -> None:
     """Refuses, before any other check, nodes of domains other than ai.onnx (com.microsoft's fused
     ops, ai.onnx.ml, ...) that are not functions the model defines: there are no kernels for them."""
     local = {(f.domain, f.name) for f in proto.functions}
-    vendor = {(n.domain, n.op_type) for n in proto.graph.node
-              if n.domain not in ("", "ai.onnx") and (n.domain, n.op_type) not in local}
+    vendor = {(domain, op) for op, domain in subgraph_op_types(proto.graph)
+              if domain not in ("", "ai.onnx") and (domain, op) not in local}
     if vendor:
         ops = ", ".join(f"{op} (domain {domain})" for domain, op in sorted(vendor))
         raise UnsupportedOp(f"the model uses ops outside the ai.onnx domain: {ops}; vkpool has kernels for ai.onnx "
@@ -681,9 +692,10 @@ def _run_time_ops(graph: onnx.GraphProto, constants: set[str]) -> list[tuple[str
     live = {i.name for i in graph.input if i.name not in constants}
     ops = []
     for node in graph.node:  # graph order is topological
-        if any(t in live for t in node.input):
+        if any(t in live for t in (*node.input, *node_outer_names(node))):
             live.update(node.output)
             ops.append((node.op_type, node.domain))
+            ops += [t for sub in subgraphs(node) for t in subgraph_op_types(sub)]
     return ops
 
 
@@ -765,7 +777,7 @@ def _infer(
     from onnx import helper, numpy_helper
 
     src = proto.graph
-    needed = {t for n in nodes for t in n.input} | {o.name for o in src.output}
+    needed = {t for n in nodes for t in (*n.input, *node_outer_names(n))} | {o.name for o in src.output}
     inputs = [i for i in src.input if i.name not in constants]
     inits: list[onnx.TensorProto] = []
     for name in sorted(needed & constants.keys()):
@@ -802,7 +814,7 @@ def _infer(
         raise ModelError(f"shape inference failed: {exc}") from exc
     infos = dict(known)
     for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        info = _static_info(value)
+        info = static_info(value)
         if info is not None:
             infos[value.name] = info
         else:
@@ -813,7 +825,7 @@ def _infer(
     # taken, its named dims as bound
     for value in [*src.value_info, *src.output]:
         if value.name in produced and value.name not in infos:
-            declared = _static_info(_with_bound_names(value, bound))
+            declared = static_info(_with_bound_names(value, bound))
             if declared is not None:
                 infos[value.name] = declared
                 ranked.pop(value.name, None)
@@ -835,7 +847,7 @@ def _with_bound_names(value: onnx.ValueInfoProto, bound: dict[str, int]) -> onnx
     return out
 
 
-def _static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
+def static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
     import onnx
     from onnx import helper
 
@@ -869,11 +881,24 @@ def _fold(
     constants: dict[str, np.ndarray],
     infos: dict[str, TensorInfo],
     proto: onnx.ModelProto,
+    taken: set[str],
 ) -> tuple[list[onnx.NodeProto], bool]:
-    """One pass in topological order; a node folded here makes its consumers foldable too."""
+    """One pass in topological order; a node folded here makes its consumers foldable too. An If
+    whose condition is known is replaced by the branch it takes (``taken``: every name in use)."""
     kept: list[onnx.NodeProto] = []
     changed = False
     for node in nodes:
+        if node.op_type == "If" and node.domain in ("", "ai.onnx") and node.input[0] in constants:
+            branches = {a.name: a.g for a in node.attribute}
+            chosen = branches["then_branch" if bool(np.asarray(constants[node.input[0]]).reshape(-1)[0])
+                              else "else_branch"]
+            inlined, values = inline_branch(node.name, list(node.output), chosen, taken)
+            for name, value in values.items():
+                constants[name] = value
+                infos[name] = TensorInfo(value.shape, value.dtype)
+            kept.extend(inlined)
+            changed = True
+            continue
         values = _fold_node(node, constants, infos, proto)
         if values is None:
             kept.append(node)
@@ -963,7 +988,9 @@ def evaluate_node(node: onnx.NodeProto, constants: dict[str, np.ndarray], opset_
     return [next(results) if o else None for o in node.output]
 
 
-def _to_node(node: onnx.NodeProto) -> Node:
+def to_node(node: onnx.NodeProto) -> Node:
+    """A loaded node of ``node``: attributes as Python values (a subgraph stays a GraphProto), the
+    outer-scope names its subgraphs read appended to its inputs."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -975,4 +1002,6 @@ def _to_node(node: onnx.NodeProto) -> Node:
         elif isinstance(value, list) and value and isinstance(value[0], onnx.TensorProto):
             value = [numpy_helper.to_array(v) for v in value]
         attrs[attr.name] = value
-    return Node(node.name, node.op_type, node.domain, list(node.input), list(node.output), attrs)
+    # the outer-scope values of subgraphs follow the op's own inputs (vkpool.subgraph.formal_inputs)
+    inputs = [*node.input, *node_outer_names(node)]
+    return Node(node.name, node.op_type, node.domain, inputs, list(node.output), attrs)

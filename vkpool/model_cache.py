@@ -68,7 +68,7 @@ INLINE_MAX_BYTES = inline_weights.MIN_IN_PLACE_BYTES
 _MAGIC = b"VKPMODEL"
 _ALIGN = 64
 _ARRAY_EXT = 1
-_LOADER_SOURCES = ("model.py", "model_cache.py", "fusion.py", "inline_weights.py")
+_LOADER_SOURCES = ("model.py", "model_cache.py", "fusion.py", "inline_weights.py", "subgraph.py")
 
 
 class Unrepresentable(ValueError):
