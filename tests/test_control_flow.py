@@ -187,6 +187,21 @@ def test_loop_with_a_condition_from_its_body_and_a_nested_if(pool, trip, limit, 
         assert len(session.dynamic.bodies()) == 1 and kernel_nodes(session) > 0
 
 
+def test_a_loop_that_never_stops_fails_at_the_iteration_limit(pool, monkeypatch):
+    """A condition that stays true (and a trip count past the limit): a ModelError naming the Loop
+    at vkpool.control_flow.LOOP_ITERATION_LIMIT iterations, not a caller held forever."""
+    import vkpool.control_flow
+    from vkpool.model import ModelError
+
+    monkeypatch.setattr(vkpool.control_flow, "LOOP_ITERATION_LIMIT", 40)
+    feeds = {"x": np.ones((2, 3), np.float32), "M": np.array(10**12, np.int64), "limit": np.array(1e30, np.float32)}
+    with vkpool.Session(_loop_model(), pool=pool, device=pool.vulkan_members[0].id) as session:
+        with pytest.raises(ModelError, match="ran 40 iterations without stopping"):
+            session.run(None, feeds)
+        feeds["M"] = np.array(5, np.int64)  # the session serves the next request
+        assert session.run(None, feeds)[1].shape == (5, 2, 3)
+
+
 def test_loop_carried_values_that_grow_compile_the_body_per_shape(pool):
     body = h.make_graph([h.make_node("Concat", ["seq_in", "one"], ["seq"], axis=0),
                          h.make_node("Identity", ["cond_in"], ["cond_out"])], "body",

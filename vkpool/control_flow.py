@@ -32,6 +32,10 @@ from vkpool.subgraph import formal_inputs, initializers
 
 #: bodies kept compiled per Loop or Scan, one per distinct set of input shapes
 BODY_CACHE_SIZE = 8
+#: the most iterations one Loop may run: a Loop whose condition never turns false (or whose trip
+#: count is astronomically large) fails with a ModelError there instead of holding its caller,
+#: a daemon's worker among them, forever
+LOOP_ITERATION_LIMIT = 1 << 20
 
 Values = Callable[[str], np.ndarray]
 #: a compiled body: the part (None when every output is known without running), its inputs, the
@@ -198,6 +202,11 @@ class _Loop:
         scans: list[list[np.ndarray]] = [[] for _ in range(self.scanned)]
         i = 0
         while cond and (trip is None or i < trip):
+            if i >= LOOP_ITERATION_LIMIT:
+                raise ModelError(
+                    f"Loop '{node.name}' ran {LOOP_ITERATION_LIMIT:,} iterations without stopping "
+                    f"(trip count {'none' if trip is None else f'{trip:,}'}, its condition still true): vkpool stops a "
+                    "Loop there (vkpool.control_flow.LOOP_ITERATION_LIMIT); check the model's condition and trip count")
             feeds = {body.inputs[0]: _iteration_value(i, np.int64, self._ranks[0]),
                      body.inputs[1]: _iteration_value(cond, np.bool_, self._ranks[1]),
                      **dict(zip(body.inputs[2:], carried)), **outer}
