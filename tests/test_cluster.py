@@ -152,6 +152,28 @@ def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) ->
         assert all(copy["served"] > 0 for copy in session.copies), session.copies
 
 
+def test_requests_that_share_a_call_fail_alone(cluster: Any, mnist: Any) -> None:
+    """Requests arriving together travel in one call per copy (BUNDLE_MAX); one that fails on the
+    node (here a shape the driver would have refused, sent past it) fails only itself."""
+    import ray
+
+    from vkpool.cluster.node import ItemFailed
+    from vkpool.cluster.session import BUNDLE_MAX
+
+    path, feeds, want = mnist
+    with cluster[1].session(path, objective="throughput") as session:
+        copy = session._copies[0]
+        actor = cluster[1].actors[copy.nodes[0]]
+        bad = {"x": np.zeros((1, 3), np.float32)}
+        out = ray.get(actor.run.remote(copy.key, [feeds, bad, feeds]), timeout=60)
+        assert_same(out[0], want)
+        assert_same(out[2], want)
+        assert isinstance(out[1], ItemFailed) and "shape" in str(out[1].error)
+        futures = [session.submit(feeds) for _ in range(3 * BUNDLE_MAX)]
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+
+
 def test_budgets_that_hold_nothing_are_refused_as_on_one_machine(cluster: Any, mnist: Any) -> None:
     from vkpool.partition.plan import PartitionUnfeasible
 

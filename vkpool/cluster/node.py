@@ -174,6 +174,13 @@ class _Chunks:
         self.compiled = {}
 
 
+@dataclasses.dataclass
+class ItemFailed:
+    """One request of a call's several failed (the call itself went through)."""
+
+    error: BaseException
+
+
 class Lease:
     """A named actor that lives as long as the driver that made it (Ray ends an actor with its
     owner): a node closes what a driver opened once no actor has that driver's lease name."""
@@ -341,22 +348,47 @@ class NodeActor:
                 else:
                     self._idle.notify_all()
 
-    def run(self, key: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """One request on a replica: every output, in the model's order."""
+    def run(self, key: str, bundle: list[dict[str, np.ndarray]]) -> list[Any]:
+        """Requests on a replica, several per call: each one's outputs in the model's order, or
+        an :class:`ItemFailed` with its error (one bad request fails only itself). They are all
+        submitted before any is waited for, so they run back to back, batched where the model is."""
         with self._using(key) as session:
-            if session.batch_runner is not None:  # the request joins a batch
-                return session.submit(feeds).result()
-            return session.run(None, feeds)
+            started: list[Any] = []
+            for feeds in bundle:
+                try:
+                    started.append(session.submit(feeds))
+                except Exception as exc:  # an invalid request: its own error
+                    started.append(ItemFailed(exc))
+            out: list[Any] = []
+            for item in started:
+                if isinstance(item, ItemFailed):
+                    out.append(item)
+                    continue
+                try:
+                    out.append(item.result())
+                except Exception as exc:
+                    out.append(ItemFailed(exc))
+            return out
 
-    def run_chunks(self, key: str, indices: list[int],
-                   *values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Chunks ``indices`` of one request; ``values``: the request's feeds and what the
-        chunks before sent, each a mapping (Ray hands them over from the nodes that made them)."""
-        merged: dict[str, np.ndarray] = {}
-        for part in values:
-            merged.update(part)
+    def run_chunks(self, key: str, indices: list[int], *values: list[Any]) -> list[Any]:
+        """Chunks ``indices`` of several requests; ``values``: per request, its feeds and what the
+        chunks before sent (each a list, one entry per request; Ray hands them over from the nodes
+        that made them). A request that failed before keeps its :class:`ItemFailed`."""
+        out: list[Any] = []
         with self._using(key) as opened:
-            return opened.run(indices, merged)
+            for parts in zip(*values):
+                failed = next((p for p in parts if isinstance(p, ItemFailed)), None)
+                if failed is not None:
+                    out.append(failed)
+                    continue
+                merged: dict[str, np.ndarray] = {}
+                for part in parts:
+                    merged.update(part)
+                try:
+                    out.append(opened.run(indices, merged))
+                except Exception as exc:
+                    out.append(ItemFailed(exc))
+        return out
 
     def batching(self, key: str) -> dict[str, Any] | None:
         """The batcher's figures of a replica opened with ``max_batch`` (None without)."""

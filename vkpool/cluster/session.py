@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,11 @@ import numpy as np
 
 from vkpool.errors import InvalidInput
 
+#: requests one call to a copy's node carries at most, and calls a copy keeps in flight: a call
+#: costs the driver and the actor about a millisecond each whatever it carries (two H200 nodes,
+#: bench/cluster.py: 1,268 jobs/s of mnist12_like per node one request per call)
+BUNDLE_MAX = 32
+CALLS_PER_COPY = 2
 #: how often a session looks for a restarted actor of a copy that went down, in seconds
 REVIVE_EVERY_S = 0.5
 #: how long a restarted actor may take to answer before the next look
@@ -59,9 +65,19 @@ class _Copy:
     nodes: list[str]
     member: str | None  # a copy on one member (a Session there); None: steps
     steps: list[_Step] = field(default_factory=list)
-    in_flight: int = 0
+    in_flight: int = 0  # requests given to it: queued or in a call
     served: int = 0  # requests it completed
     down: str | None = None  # why it is down
+    queue: deque = field(default_factory=deque)  # _Pending requests waiting for a call
+    calls: int = 0  # calls in flight
+
+
+@dataclass(eq=False)
+class _Pending:
+    feeds: dict[str, np.ndarray]
+    names: list[str]
+    future: Future
+    tried: set[int]
 
 
 class ClusterSession:
@@ -206,39 +222,54 @@ class ClusterSession:
     def _dispatch(self, feeds: dict[str, np.ndarray], names: list[str], future: Future, tried: set[int],
                   why: str = "") -> None:
         with self._lock:
-            up = [ln for ln in self._copies if ln.down is None and ln.index not in tried]
-            copy = min(up, key=lambda ln: (ln.in_flight, ln.index)) if up else None
+            up = [c for c in self._copies if c.down is None and c.index not in tried]
+            copy = min(up, key=lambda c: (c.in_flight, c.index)) if up else None
             if copy is not None:
                 copy.in_flight += 1
-            down = [f"copy {ln.index} on {', '.join(ln.nodes)}: {ln.down}" for ln in self._copies if ln.down]
+                copy.queue.append(_Pending(feeds, names, future, tried | {copy.index}))
+            down = [f"copy {c.index} on {', '.join(c.nodes)}: {c.down}" for c in self._copies if c.down]
         if copy is None:
             _settle(future, NodeLost(
                 (why or "every copy of this model is down") + "; no other replica can take the request"
                 + (f" ({'; '.join(down)})" if down else "") + ". It runs again once Ray restarts the node's "
                 "vkpool actor (the session reopens the model there)."))
             return
-        try:
-            refs = self._start(copy, feeds)
-        except BaseException as exc:
-            self._ended(copy)
-            _settle(future, exc)
-            return
-        self._gather(copy, refs, feeds, names, future, tried | {copy.index})
+        self._flush(copy)
 
-    def _start(self, copy: _Copy, feeds: dict[str, np.ndarray]) -> list[Any]:
-        """The calls of one request on ``copy``: the references whose values hold its outputs."""
+    def _flush(self, copy: _Copy) -> None:
+        """Sends what waits on ``copy`` while it has fewer than CALLS_PER_COPY calls in flight, up to
+        BUNDLE_MAX requests per call: a Ray call costs about a millisecond of the driver's and the
+        actor's time, so requests that arrive together share one."""
+        while True:
+            with self._lock:
+                if copy.calls >= CALLS_PER_COPY or not copy.queue or copy.down is not None:
+                    return
+                bundle = [copy.queue.popleft() for _ in range(min(BUNDLE_MAX, len(copy.queue)))]
+                copy.calls += 1
+            try:
+                refs = self._start(copy, [p.feeds for p in bundle])
+            except BaseException as exc:
+                with self._lock:
+                    copy.calls -= 1
+                for pending in bundle:
+                    self._ended(copy)
+                    _settle(pending.future, exc)
+                continue
+            self._gather(copy, refs, bundle)
+
+    def _start(self, copy: _Copy, bundle: list[dict[str, np.ndarray]]) -> list[Any]:
+        """The calls of some requests on ``copy``: the references whose values hold their outputs."""
         actors = self.cluster.actors
         if copy.member is not None:
-            return [actors[copy.nodes[0]].run.remote(copy.key, feeds)]
-        feeds_ref = self._ray.put(feeds)
+            return [actors[copy.nodes[0]].run.remote(copy.key, bundle)]
+        feeds_ref = self._ray.put(bundle)
         refs: list[Any] = []
         for step in copy.steps:
             args = ([feeds_ref] if step.reads_feeds else []) + [refs[p] for p in step.preds]
             refs.append(actors[step.node].run_chunks.remote(copy.key, step.chunks, *args))
         return [refs[s] for s, step in enumerate(copy.steps) if step.outputs]
 
-    def _gather(self, copy: _Copy, refs: list[Any], feeds: dict[str, np.ndarray], names: list[str],
-                future: Future, tried: set[int]) -> None:
+    def _gather(self, copy: _Copy, refs: list[Any], bundle: list[_Pending]) -> None:
         left = [len(refs)]
         parts: list[Any] = [None] * len(refs)
         gate = threading.Lock()
@@ -255,21 +286,38 @@ class ClusterSession:
                     left[0] -= 1
                     if left[0]:
                         return
-            self._ended(copy, served=exc is None)
+            with self._lock:
+                copy.calls -= 1
             if exc is None:
-                try:
-                    _settle(future, None, self._select(copy, parts, feeds, names))
-                except Exception as error:
-                    _settle(future, error)
+                for i, pending in enumerate(bundle):
+                    self._settle_one(copy, pending, [part[i] for part in parts])
             elif self._node_failed(exc):
-                self._lane_down(copy, exc)
+                self._copy_down(copy, exc)
                 why = f"copy {copy.index} failed: {_first_line(exc)}"
-                self._dispatch(feeds, names, future, tried, why=why)
+                for pending in bundle:
+                    self._ended(copy)
+                    self._dispatch(pending.feeds, pending.names, pending.future, pending.tried, why=why)
             else:
-                _settle(future, _cause(exc))
+                for pending in bundle:
+                    self._ended(copy)
+                    _settle(pending.future, _cause(exc))
+            self._flush(copy)
 
         for k, ref in enumerate(refs):
             ref.future().add_done_callback(lambda part, k=k: self._later(done, k, part))
+
+    def _settle_one(self, copy: _Copy, pending: _Pending, items: list[Any]) -> None:
+        from vkpool.cluster.node import ItemFailed
+
+        failed = next((item for item in items if isinstance(item, ItemFailed)), None)
+        self._ended(copy, served=failed is None)
+        if failed is not None:
+            _settle(pending.future, failed.error)
+            return
+        try:
+            _settle(pending.future, None, self._select(copy, items, pending.feeds, pending.names))
+        except Exception as error:
+            _settle(pending.future, error)
 
     def _later(self, handle: Any, *args: Any) -> None:
         try:
@@ -308,14 +356,21 @@ class ClusterSession:
         return isinstance(exc, (RayActorError, NotOpen))
 
     # -- faults --------------------------------------------------------------------------------
-    def _lane_down(self, copy: _Copy, exc: BaseException) -> None:
+    def _copy_down(self, copy: _Copy, exc: BaseException) -> None:
+        """Marks ``copy`` down and sends the requests waiting on it to another copy."""
         with self._lock:
             if copy.down is None:
                 copy.down = _first_line(exc)
+            waiting = list(copy.queue)
+            copy.queue.clear()
             if self._reviver is None and not self._closed:
                 self._reviver = threading.Thread(target=self._revive, name="vkpool-cluster-revive",
                                                  daemon=True)
                 self._reviver.start()
+        why = f"copy {copy.index} failed: {_first_line(exc)}"
+        for pending in waiting:
+            self._ended(copy)
+            self._dispatch(pending.feeds, pending.names, pending.future, pending.tried, why=why)
 
     def _revive(self) -> None:
         """Puts copies back once their nodes' actors answer again and hold the model again."""
