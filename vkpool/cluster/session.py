@@ -33,10 +33,15 @@ import numpy as np
 from vkpool.errors import InvalidInput
 
 #: requests one call to a copy's node carries at most, and calls a copy keeps in flight: a call
-#: costs the driver and the actor about a millisecond each whatever it carries (two H200 nodes,
-#: bench/cluster.py: 1,268 jobs/s of mnist12_like per node one request per call)
-BUNDLE_MAX = 32
-CALLS_PER_COPY = 2
+#: costs the driver and the actor about a millisecond each whatever it carries. NOTE: two H200
+#: nodes on one host, bench/cluster.py --gpus (docs/gpu/h200x2-cluster.md): one request per call,
+#: 1,268-1,354 jobs/s of mnist12_like per node (8 or 32 in flight); with 256 in flight, 32 per
+#: call with 2 calls in flight, 10,673
+#: on one node and 15,605 on two, but a two-stage split at 0.30x one node (a stage waits for
+#: the whole call before the next starts it); 16 with 4 in flight, 7,397 and 10,636, the split
+#: at 0.84x
+BUNDLE_MAX = 16
+CALLS_PER_COPY = 4
 #: how often a session looks for a restarted actor of a copy that went down, in seconds
 REVIVE_EVERY_S = 0.5
 #: how long a restarted actor may take to answer before the next look
