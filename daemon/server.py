@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
@@ -48,10 +48,14 @@ _PROBE_DELAY_S = 0.3     # a disconnect is seen before the ROUTER drops the peer
 _TICK_S = 0.05
 _REPLY_GRACE_S = 10.0      # after the drain deadline: time for the replies of running jobs to go out
 _REPLAY_BYTES = 64 << 20  # replies kept for retried request ids
-#: replies a ZeroMQ client may leave unread in the daemon; the ones past that are dropped and counted
-#: client_gone, so a client that reads nothing costs only itself (vkpool's own client takes every
-#: reply off the wire as it comes, whatever it has in flight)
+#: replies a ZeroMQ client may leave in the daemon's socket unread (SNDHWM). A reply that finds
+#: them all there waits in the daemon, in order, for up to REPLY_WAIT_S and REPLY_WAIT_BYTES per
+#: client: a burst (thousands of Busy replies answered at once) reaches a client that reads, while
+#: one that reads nothing has the replies past that dropped and counted client_gone, so it costs
+#: only itself (vkpool's own client takes every reply off the wire as it comes)
 REPLY_HWM = 256
+REPLY_WAIT_S = 5.0
+REPLY_WAIT_BYTES = 64 << 20
 _COMPACT_MIN = 4096       # deadline entries before finished jobs are swept out
 _INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id (P.packed_id)
 _INFER_REPLY = {status: P.header_parts("infer_reply", status) for status in ("ok", "error")}
@@ -92,6 +96,9 @@ class Server:
         self._compact_at = _COMPACT_MIN
         self._peers: dict[bytes, int] = {}              # client -> source fd of its last message
         self._unread_warned: set[bytes] = set()          # clients logged once for leaving replies unread
+        # replies waiting for room in a client's socket: client -> [(since, frames, status, bytes)]
+        self._waiting: dict[bytes, deque[tuple[float, list[Any], str | None, int]]] = {}
+        self._waiting_bytes: dict[bytes, int] = {}
         self._probes: list[tuple[float, int]] = []      # (when, fd)
         self._in_progress: set[tuple[bytes, str]] = set()
         self._replay: OrderedDict[tuple[bytes, str], tuple[list[Any], int]] = OrderedDict()  # reply, bytes
@@ -208,31 +215,77 @@ class Server:
         key = (client, rid)
         with self._book:
             self._in_progress.discard(key)
-        if not self._router_send(client, body):
+        if not self._router_send(client, body, status):
             self.stats.count("client_gone")
             return
-        self.stats.count(status)
-        if status == "error":
-            self.stats.error_reply(body)
         with self._book:
             self._remember(key, body)
 
-    def _router_send(self, client: bytes, body: list[Any]) -> bool:
-        """Send to a ZeroMQ client without waiting; False when it is gone, or has REPLY_HWM replies
-        unread (this one is then dropped; the first drop per client is logged)."""
-        try:
-            P.send_parts(self._router, [client, *body], dontwait=True)
-        except zmq.Again:
-            if client not in self._unread_warned:
-                self._unread_warned.add(client)
-                log.warning("client %s leaves %d replies unread; its further replies are dropped while it does",
-                            client.hex()[:12], REPLY_HWM)
+    def _sent(self, status: str | None, body: list[Any]) -> None:
+        if status is not None:
+            self.stats.count(status)
+            if status == "error":
+                self.stats.error_reply(body)
+
+    def _router_send(self, client: bytes, body: list[Any], status: str | None = None) -> bool:
+        """Send to a ZeroMQ client without waiting; a reply that finds its socket full waits in the
+        daemon (REPLY_WAIT_S, REPLY_WAIT_BYTES) after the ones already waiting. False when the
+        client is gone, or leaves so much unread that this one is dropped (logged once per client).
+        ``status``: the outcome counted once the reply is out (None: not counted)."""
+        if client not in self._waiting:
+            try:
+                P.send_parts(self._router, [client, *body], dontwait=True)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                return False
+            else:
+                self._sent(status, body)
+                return True
+        size = sum(len(memoryview(f.buffer if isinstance(f, zmq.Frame) else f)) for f in body)
+        if self._waiting_bytes.get(client, 0) + size > REPLY_WAIT_BYTES:
+            self._unread(client)
             return False
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            return False
+        self._waiting.setdefault(client, deque()).append((time.monotonic(), body, status, size))
+        self._waiting_bytes[client] = self._waiting_bytes.get(client, 0) + size
         return True
+
+    def _unread(self, client: bytes) -> None:
+        if client not in self._unread_warned:
+            self._unread_warned.add(client)
+            log.warning("client %s leaves replies unread (%d in its socket, more waiting %.0f s); its further "
+                        "replies are dropped while it does", client.hex()[:12], REPLY_HWM, REPLY_WAIT_S)
+
+    def _send_waiting(self, now: float) -> None:
+        """Sends the replies waiting for room, in order; a client whose oldest has waited past
+        REPLY_WAIT_S reads nothing: what waits for it is dropped, each counted client_gone."""
+        for client in list(self._waiting):
+            queue = self._waiting[client]
+            while queue:
+                since, body, status, size = queue[0]
+                try:
+                    P.send_parts(self._router, [client, *body], dontwait=True)
+                except zmq.Again:
+                    if now - since <= REPLY_WAIT_S:
+                        break
+                    self._unread(client)
+                    self.stats.count("client_gone", len(queue))
+                    queue.clear()
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EHOSTUNREACH:
+                        raise
+                    self.stats.count("client_gone", len(queue))
+                    queue.clear()
+                    break
+                queue.popleft()
+                self._waiting_bytes[client] -= size
+                self._sent(status, body)
+            if not queue:
+                del self._waiting[client]
+                self._waiting_bytes.pop(client, None)
 
     def _remember(self, key: tuple[bytes, str], frames: list[Any], size: int | None = None) -> None:
         """Keep the reply for a retry of the same request id, within a count and a byte bound
@@ -742,6 +795,10 @@ class Server:
     def _client_gone(self, client: bytes) -> None:
         del self._peers[client]
         self._unread_warned.discard(client)
+        waiting = self._waiting.pop(client, None)
+        self._waiting_bytes.pop(client, None)
+        if waiting:
+            self.stats.count("client_gone", len(waiting))
         dropped = self.service.client_gone(client)
         for job in dropped:
             job.fail("Cancelled", "client left")  # the send fails and counts client_gone
@@ -778,7 +835,7 @@ class Server:
         last_sweep = 0.0
         try:
             while True:
-                ready = [sock for sock, _ in poller.poll(_TICK_S * 1000)]
+                ready = [sock for sock, _ in poller.poll(1 if self._waiting else _TICK_S * 1000)]
                 if lane_fd in ready:
                     self._accept_lanes()
                 if monitor in ready:
@@ -803,6 +860,8 @@ class Server:
                             log.exception("unexpected failure handling a message; dropped")
                             self.stats.count("dropped")
                 now = time.monotonic()
+                if self._waiting:
+                    self._send_waiting(now)
                 if self._deadlines:
                     self._expire_jobs(now)
                 if self._probes:
@@ -830,7 +889,7 @@ class Server:
         # only an empty set of unanswered requests says that every reply has been sent
         with self._book:  # and from here on, a lane accepts nothing more
             if (not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0)
-                    and not any(conn.backlogged() for conn in list(self._lanes))):
+                    and not self._waiting and not any(conn.backlogged() for conn in list(self._lanes))):
                 self._lanes_closed = True
                 return True
         if now >= self._drain_until:
