@@ -428,7 +428,9 @@ def run_case(path: Path, feeds: dict[str, np.ndarray], pool: Any) -> tuple[str, 
     noise = compare(names, itself, expected, rtol=float("inf"))[2] or 0.0
     rtol = max(RTOL, 2 * noise)
     try:
-        session = vkpool.Session(str(path), pool=pool, dims=_dims_of(path, feeds))
+        # vkpool's own kernels against onnxruntime: the Vulkan member, whatever the placement policy
+        vulkan = pool.vulkan_members[0].id if pool.vulkan_members else None
+        session = vkpool.Session(str(path), pool=pool, dims=_dims_of(path, feeds), device=vulkan)
     except (UnsupportedOp, ModelError) as exc:  # a refusal that names the op or feature
         return "refused", f"{type(exc).__name__}: {exc}".splitlines()[0][:300], None, 0.0, ort_ms
     except Exception as exc:  # anything else at load is a bug

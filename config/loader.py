@@ -69,6 +69,13 @@ class HostSettings:
     enabled: bool = True
     budget: str | int = "2GiB"
     cost: dict[str, float] = field(default_factory=dict)
+    engine: str = "auto"  # one of HOST_ENGINES
+
+
+#: how the ``cpu`` member runs its chunks: onnxruntime where it is installed and takes the chunk, else numpy
+HOST_ENGINES = ("auto", "onnxruntime", "numpy")
+#: where a model goes when no member is asked for (``docs/partitioning.md``, "Where a model runs")
+PLACEMENTS = ("fastest", "vulkan")
 
 
 @dataclass
@@ -77,6 +84,7 @@ class Config:
     host: HostSettings
     daemon: dict[str, Any]
     where: Where
+    placement: str = "fastest"  # one of PLACEMENTS; $VKPOOL_PLACEMENT wins (placement_policy)
 
     @property
     def path(self) -> str:
@@ -105,14 +113,26 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     where = Where(source)
     data = _values(text, where)
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the config must be a mapping with keys devices, host, daemon")
-    _only(data, ("devices", "host", "daemon"), "", where)
+        raise ConfigError(f"{source}: the config must be a mapping with keys devices, host, daemon, placement")
+    _only(data, ("devices", "host", "daemon", "placement"), "", where)
     rules = _device_rules(data.get("devices") or [], where)
     host = _host(data.get("host") or {}, where)
     daemon = data.get("daemon") or {}
     if not isinstance(daemon, dict):
         raise where.error("daemon", "must be a mapping")
-    return Config(rules, host, daemon, where)
+    placement = data.get("placement", "fastest")
+    if placement not in PLACEMENTS:
+        raise where.error("placement", f"must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    return Config(rules, host, daemon, where, placement)
+
+
+def placement_policy(config: Config | None) -> str:
+    """Where a model goes when no member is asked for: ``$VKPOOL_PLACEMENT``, else the config's
+    ``placement``, else ``fastest``. Raises ConfigError for a value not in :data:`PLACEMENTS`."""
+    value = os.environ.get("VKPOOL_PLACEMENT") or (config.placement if config is not None else "fastest")
+    if value not in PLACEMENTS:
+        raise ConfigError(f"VKPOOL_PLACEMENT must be one of {', '.join(PLACEMENTS)}, got {value!r}")
+    return value
 
 
 def _only(mapping: dict[str, Any], allowed: tuple[str, ...], prefix: str, where: Where) -> None:
@@ -168,14 +188,17 @@ def _device_rules(raw: Any, where: Where) -> list[DeviceRule]:
 
 def _host(raw: Any, where: Where) -> HostSettings:
     if not isinstance(raw, dict):
-        raise where.error("host", "must be a mapping with enabled, budget, cost")
-    _only(raw, ("enabled", "budget", "cost"), "host", where)
+        raise where.error("host", "must be a mapping with enabled, budget, cost, engine")
+    _only(raw, ("enabled", "budget", "cost", "engine"), "host", where)
     enabled = raw.get("enabled", True)
     if not isinstance(enabled, bool):
         raise where.error("host.enabled", "must be true or false")
     budget = raw.get("budget", "2GiB")
     _check_size(budget, "host.budget", where, allow_percent=False)
-    return HostSettings(enabled, budget, _cost(raw.get("cost"), "host.cost", where))
+    engine = raw.get("engine", "auto")
+    if engine not in HOST_ENGINES:
+        raise where.error("host.engine", f"must be one of {', '.join(HOST_ENGINES)}, got {engine!r}")
+    return HostSettings(enabled, budget, _cost(raw.get("cost"), "host.cost", where), engine)
 
 
 #: the planner's speeds a config may set (vkpool.partition.cost.MemberCost, SI units)

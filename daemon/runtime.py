@@ -56,6 +56,7 @@ class Runtime:
         (:func:`vkpool.partition.place_model`) with its own memory given back. Allocates nothing."""
         import dataclasses
 
+        from vkpool.config.loader import placement_policy
         from vkpool.partition import place_model
         from vkpool.partition.render import to_json_dict, to_text
         from vkpool.placement import planner_members
@@ -74,7 +75,8 @@ class Runtime:
             m = session.model  # placing may divide products: on a copy, the session runs this one
             model = dataclasses.replace(m, nodes=list(m.nodes), constants=dict(m.constants),
                                         tensors=dict(m.tensors), column_splits=dict(m.column_splits))
-            placement = place_model(model, planner_members(self.pool, budgets=free))[1]
+            placement = place_model(model, planner_members(self.pool, budgets=free),
+                                    policy=placement_policy(self.pool.config))[1]
         return _RenderedPlan(to_text(placement), to_json_dict(placement))
 
 

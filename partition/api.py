@@ -9,12 +9,15 @@ from typing import Any, Sequence
 
 import networkx as nx
 
+from vkpool.config.loader import PLACEMENTS
 from vkpool.partition.algorithms import OBJECTIVES, dp_partition, greedy_partition
 from vkpool.partition.cost import Member
 from vkpool.partition.graph import build_graph
 from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan
 
 ALGORITHMS = {"dp": dp_partition, "greedy": greedy_partition}
+#: how :func:`place_model` picks the member that runs a whole model (config ``placement``)
+POLICIES = PLACEMENTS
 #: ``Plan.algorithm`` of a placement that puts the whole model on one member without planning
 WHOLE = "whole"
 
@@ -45,6 +48,7 @@ def place_model(
     objective: str = "latency",
     algorithm: str = "dp",
     plan_over_all: bool = False,
+    policy: str = "fastest",
 ) -> tuple[nx.DiGraph, Plan]:
     """Where vkpool runs ``model`` (a :class:`~vkpool.model.LoadedModel`) on ``members`` (planner
     members in the pool's order, each budget being what the member has free): the model's graph
@@ -53,9 +57,12 @@ def place_model(
     With ``plan_over_all`` (``Session(devices=...)``, ``vkpool plan --devices``) it is the
     planner's plan over exactly these members. Otherwise the first that fits of:
 
-    1. with the latency objective, the whole model on the first Vulkan member whose budget holds
-       it (its peak memory as :mod:`vkpool.partition.plan` prices it); ``algorithm`` is
-       :data:`WHOLE`;
+    1. with the latency objective, the whole model on one member whose budget holds it (its peak
+       memory as :mod:`vkpool.partition.plan` prices it); ``algorithm`` is :data:`WHOLE`. Which
+       one is ``policy``'s choice (:data:`POLICIES`): ``fastest``, the one whose predicted latency
+       is least (the earlier member on a tie) when every member's speeds are measured (``vkpool
+       calibrate``) or given (``Member.measured``), else as ``vulkan``; ``vulkan``, the first
+       Vulkan member (the host member only when there is none);
     2. the planner's plan over the Vulkan members;
     3. the planner's plan over every member (the host member joins only here).
 
@@ -67,7 +74,7 @@ def place_model(
     """
     from vkpool.column_split import split_for_budgets
 
-    _check(objective, algorithm)
+    _check(objective, algorithm, policy)
     if not members:
         raise ValueError("no members to place on: check the config's device rules and host.enabled")
     if plan_over_all:
@@ -78,11 +85,18 @@ def place_model(
     G = build_graph(model)
     reasons: list[str] = []
     if objective == "latency":
-        for m in first:
+        fitting: list[Plan] = []
+        by_speed = policy == "fastest" and all(m.measured for m in members)
+        for m in members if by_speed else first:
             whole = build_plan(G, {op: m.id for op in G.graph["order"]}, [m], objective=objective, algorithm=WHOLE)
-            if whole.memory_bytes[m.id] <= m.budget_bytes:
+            if whole.memory_bytes[m.id] > m.budget_bytes:
+                reasons.append(f"{m.id} alone needs {whole.memory_bytes[m.id]} bytes of {m.budget_bytes} free")
+            elif not by_speed:
                 return G, whole
-            reasons.append(f"{m.id} alone needs {whole.memory_bytes[m.id]} bytes of {m.budget_bytes} free")
+            else:
+                fitting.append(whole)
+        if fitting:
+            return G, min(fitting, key=lambda p: p.latency_s)  # min keeps the first of equals
     if split_for_budgets(model, [m.budget_bytes for m in first]):
         G = build_graph(model)
     shortfall: dict[str, int] = {}
@@ -96,7 +110,9 @@ def place_model(
                               + "; ".join(reasons), shortfall_bytes=shortfall)
 
 
-def _check(objective: str, algorithm: str) -> None:
+def _check(objective: str, algorithm: str, policy: str = "fastest") -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"placement policy must be one of {POLICIES}, got {policy!r}")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if algorithm not in ALGORITHMS:

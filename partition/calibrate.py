@@ -280,9 +280,11 @@ the figures the planner's cost model reads:
 
 Each figure is a difference of two medians, so the fixed cost of a run cancels out. Results go to
 $VKPOOL_CACHE_DIR/calibration/<device uuid>.json (default ~/.cache/vkpool/calibration/), one file
-per physical device (splits of a device share it), host-<hostname>.json for the host member.
-`vkpool plan` and vkpool.Session price Vulkan members with them; a member without a file uses
-the defaults of its kind. A member with a figure within timing noise (floored) gets no file: the
+per physical device (splits of a device share it), host-<hostname>.json for the host member,
+each valid for the driver (for the host, the engine: onnxruntime or numpy) it was measured with.
+`vkpool plan`, vkpool.Session and the daemon price members with them; a member without a file
+uses the defaults of its kind. Once every member is measured, a model no one places goes to the
+member predicted fastest (config `placement: fastest`, the default). A member with a figure within timing noise (floored) gets no file: the
 command says which and exits 1 (a transfer within noise is priced at the memory bandwidth and
 kept). --quick uses tiny models (seconds on a software device) to check the setup: it prints the
 figures and writes nothing.
@@ -308,7 +310,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from vkpool.partition.cost import host_calibration_key, save_calibration
+    from vkpool.host_engine import engine_label
+    from vkpool.partition.cost import calibration_driver, calibration_key, save_calibration
     from vkpool.pool import DevicePool
 
     sizes = QUICK if args.quick else FULL
@@ -325,12 +328,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
         done: dict[str, str] = {}
         for member in chosen:
             info = getattr(member, "info", None)
-            key = info.uuid if info is not None else host_calibration_key()
+            key = calibration_key(member)
             if key in done:
                 print(f"{member.id}: same device as {done[key]}, measured once", flush=True)
                 continue
             done[key] = member.id
-            name = info.name if info is not None else "host (numpy)"
+            name = info.name if info is not None else f"host ({engine_label(member.engine)})"
             print(f"{member.id}: {name}, calibrating{' (quick)' if args.quick else ''}", flush=True)
             noisy: list[str] = []
             with progress.task("calibrate", FIGURES, what=member.id):
@@ -346,8 +349,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 print(f"  not written: {', '.join(floored)} within timing noise would mislead every plan; "
                       "calibrate again on an idle machine", flush=True)
             else:
-                driver = f"{info.driver_name} {info.driver_info}".strip() if info is not None else ""
-                path = save_calibration(key, cost, device_name=name, driver=driver)
+                path = save_calibration(key, cost, device_name=name, driver=calibration_driver(member))
                 print(f"  wrote {path}", flush=True)
     finally:
         pool.close()

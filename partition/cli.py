@@ -58,6 +58,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """The plan ``vkpool run``, a Session and the daemon would run MODEL with on this machine
     (:func:`vkpool.partition.place_model` over the pool, each member's budget less what every
     vkpool process holds), or with ``--devices`` the planner's plan over that file's members."""
+    from vkpool.config.loader import load_config, placement_policy
     from vkpool.partition.api import place_model
     from vkpool.partition.cost import load_device_spec
     from vkpool.partition.render import render
@@ -71,7 +72,7 @@ def run_plan(args: argparse.Namespace) -> int:
     members = apply_budgets(load_device_spec(args.devices), args.budget) if args.devices else pool_members(args.budget)
     model = _static_model(args.model, args.batch or 1)
     G, plan = place_model(model, members, objective=args.objective or "latency", algorithm=args.algorithm or "dp",
-                          plan_over_all=bool(args.devices))
+                          plan_over_all=bool(args.devices), policy=placement_policy(load_config(None)))
     text = render(G, plan, args.format)
     if args.output:
         Path(args.output).write_text(text)

@@ -94,6 +94,9 @@ class Member:
     cost: MemberCost
     kind: str = "vulkan"  # 'vulkan' or 'host'
     name: str = ""
+    #: whether ``cost`` was measured (``vkpool calibrate``) or given (config, spec file) rather
+    #: than its kind's default: the ``fastest`` placement ranks members only by such speeds
+    measured: bool = True
 
     def with_budget(self, budget_bytes: int) -> Member:
         return dataclasses.replace(self, budget_bytes=int(budget_bytes))
@@ -121,13 +124,38 @@ def calibration_path(device_uuid: str) -> Path:
 
 def pool_member_cost(member: Any) -> MemberCost:
     """The planner's speeds of a pool member: its cached calibration (``vkpool calibrate``; by
-    device UUID, or ``host-<hostname>`` for the host member), else its kind's default; then the
+    device UUID, or ``host-<hostname>`` for the host member) when it was measured with the
+    member's driver (:func:`calibration_driver`), else its kind's :data:`DEFAULT_COSTS`; then the
     config's ``cost:`` values for it, which win."""
-    info = getattr(member, "info", None)
-    key = info.uuid if info is not None else host_calibration_key()
-    cost = load_calibration(key) or DEFAULT_COSTS[member.kind]
+    cost = load_calibration(calibration_key(member), driver=calibration_driver(member)) or DEFAULT_COSTS[member.kind]
     override = getattr(member, "cost_override", None)
     return dataclasses.replace(cost, **override) if override else cost
+
+
+def has_measured_cost(member: Any) -> bool:
+    """Whether a pool member's speeds are known rather than its kind's default: a calibration
+    for its driver or engine, or ``cost:`` values in the config."""
+    if getattr(member, "cost_override", None):
+        return True
+    return load_calibration(calibration_key(member), driver=calibration_driver(member)) is not None
+
+
+def calibration_key(member: Any) -> str:
+    """The file a member's calibration is kept in: its device's UUID (splits share it), or
+    :func:`host_calibration_key` for the host member."""
+    info = getattr(member, "info", None)
+    return info.uuid if info is not None else host_calibration_key()
+
+
+def calibration_driver(member: Any) -> str:
+    """What a calibration holds for: the Vulkan driver's name and version, or for the host
+    member the engine its chunks run with (``onnxruntime 1.32.0``, ``numpy``)."""
+    info = getattr(member, "info", None)
+    if info is not None:
+        return f"{info.driver_name} {info.driver_info}".strip()
+    from vkpool.host_engine import engine_name
+
+    return engine_name(getattr(member, "engine", "auto"))
 
 
 def host_calibration_key() -> str:

@@ -13,6 +13,10 @@ import pytest
 # checkout (kept between runs so shaders compile once; another checkout has its own).
 os.environ.setdefault("VKPOOL_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".test-cache"))
 os.environ.pop("VKPOOL_CONFIG", None)
+# The suite runs vkpool's Vulkan kernels: a model no test places goes to the Vulkan member, not to
+# the member the default policy (`placement: fastest`) finds fastest, which on lavapipe is the
+# host. Tests of that policy set VKPOOL_PLACEMENT themselves (tests/test_host_member.py).
+os.environ["VKPOOL_PLACEMENT"] = "vulkan"
 # Budgets are machine-wide (vkpool.ledger): this run's pools account in a ledger of its own, and
 # each test's in one of the test's (own_ledger), so that runs and tests side by side do not meet.
 LEDGER_BASE = tempfile.mkdtemp(prefix="vkpool-ledger-")

@@ -55,14 +55,14 @@ def test_measured_figures_are_what_the_planner_reads(pool, tmp_path: Path,
 
     from vkpool.partition.calibrate import QUICK, measure
     from vkpool.partition.cli import pool_members
-    from vkpool.partition.cost import save_calibration
+    from vkpool.partition.cost import calibration_driver, save_calibration
 
     monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path))
     vk = pool.vulkan_members[0]
     cost = measure(pool, vk.id, dataclasses.replace(QUICK, repeat=3), out=io.StringIO())
     for f in dataclasses.fields(cost):
         assert math.isfinite(getattr(cost, f.name)) and getattr(cost, f.name) > 0
-    save_calibration(vk.info.uuid, cost)
+    save_calibration(vk.info.uuid, cost, driver=calibration_driver(vk))  # a record of another driver is not read
     assert load_calibration(vk.info.uuid) == cost
     assert {m.id: m.cost for m in pool_members()}[vk.id] == cost
 

@@ -119,3 +119,30 @@ def test_vkpool_plan_remote_is_what_the_daemon_runs(models: dict[str, Path], tmp
         if daemon.stderr:
             daemon.stderr.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("faster", ["cpu", "vk0"])
+def test_under_the_fastest_policy_the_plan_shown_is_run(faster: str, models: dict[str, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With measured speeds (a calibration per member) the default placement follows them, and
+    ``vkpool plan`` shows what the session then runs: the host member's onnxruntime session or vk0."""
+    import dataclasses
+
+    from vkpool.partition.cost import DEFAULT_COSTS, calibration_driver, calibration_key, save_calibration
+    from vkpool.partition.render import to_json_dict
+    from vkpool.session import Session
+
+    monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("VKPOOL_PLACEMENT", "fastest")
+    p = vulkan_pool()
+    try:
+        for member in p.members:
+            cost = dataclasses.replace(DEFAULT_COSTS["vulkan"], flops_per_s=1e13 if member.id == faster else 1e8)
+            save_calibration(calibration_key(member), cost, driver=calibration_driver(member))
+    finally:
+        p.close()
+    for name in WORKLOADS:
+        plan = shown(str(models[name]), tmp=tmp_path)
+        with Session(models[name]) as session:
+            assert placement(to_json_dict(session.placement)) == placement(plan)
+            assert runs_on(session) == set(placement(plan)[1]) == {faster}, name

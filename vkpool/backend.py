@@ -2,7 +2,8 @@
 
 The ONNX project's backend node tests (``onnx.backend.test``) run against vkpool through it.
 ONNX's device names map to pool members: ``"CPU"`` (what the test suite asks for) is the
-default Vulkan member, so the Vulkan kernels are what the tests exercise; ``"VK"``/``"GPU"``
+first Vulkan member, whatever the placement policy would choose, so the Vulkan kernels are what
+the tests exercise (``member=`` of :meth:`VkpoolBackend.prepare` names another); ``"VK"``/``"GPU"``
 are accepted too. A model with an op vkpool lacks is "not compatible" (the suite skips it).
 Inputs whose values fix output shapes (Reshape's shape, TopK's k, ...) need nothing of the
 backend: :class:`vkpool.Session` cuts the model where such values are needed and compiles the
@@ -38,8 +39,11 @@ def shared_pool() -> DevicePool:
 
 
 def _open(model: onnx.ModelProto, member: str | None) -> Session:
+    pool = shared_pool()
+    if member is None and pool.vulkan_members:  # vkpool's kernels, whatever the placement policy
+        member = pool.vulkan_members[0].id
     try:
-        return Session(model.SerializeToString(), pool=shared_pool(), device=member)
+        return Session(model.SerializeToString(), pool=pool, device=member)
     except UnsupportedOp as exc:
         # the suite counts this as "not supported" (a skip), not as a failure
         raise BackendIsNotSupposedToImplementIt(str(exc)) from None

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
     p.add_argument("--device", metavar="ID", help="pool member to run on (vk0, vk0.1, cpu); default: "
-                   "first that fits (not with --remote: the daemon places its models)")
+                   "the config's placement, as `vkpool plan` shows (not with --remote: the daemon "
+                   "places its models)")
     p.add_argument("--check", action="store_true", help="compare with onnxruntime (CPU); exit 1 when an "
                    "output differs by more than --tolerance")
     p.add_argument("--tolerance", type=positive_float, metavar="REL",
@@ -199,6 +200,9 @@ def refused_flag(args: argparse.Namespace) -> str | None:
 
 # -- devices -----------------------------------------------------------------------------------
 def cmd_devices(args: argparse.Namespace) -> int:
+    from vkpool.config.loader import placement_policy
+    from vkpool.host_engine import engine_label
+    from vkpool.partition.cost import has_measured_cost
     from vkpool.pool import DevicePool
     from vkpool.units import format_size
 
@@ -210,8 +214,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
     pool = DevicePool.from_config(None)
     try:
         if args.json:
-            print(json.dumps({"config": pool.config.path if pool.config else None, "members": pool.describe()},
-                             indent=2))
+            members = [{**d, "measured_speeds": has_measured_cost(m)} for d, m in zip(pool.describe(), pool.members)]
+            print(json.dumps({"config": pool.config.path if pool.config else None,
+                              "placement": placement_policy(pool.config), "members": members}, indent=2))
             return 0
         rows = [("MEMBER", "DEVICE", "VENDOR", "TYPE", "DRIVER", "API", "HEAP", "BUDGET", "USED")]
         for m in pool.members:
@@ -222,9 +227,11 @@ def cmd_devices(args: argparse.Namespace) -> int:
                              i.api_version, format_size(heap.size), format_size(m.budget_bytes),
                              format_size(m.used_bytes)))
             else:
-                rows.append((m.id, "host (numpy)", "-", "cpu", "-", "-", "-", format_size(m.budget_bytes),
+                rows.append((m.id, f"host ({engine_label(m.engine)})", "-", "cpu", "-", "-", "-",
+                             format_size(m.budget_bytes),
                              format_size(m.used_bytes)))
         _table(rows)
+        print(_placement_line(pool))
         _print_holders(pool.members)
         seen = set()
         for m in pool.vulkan_members:
@@ -248,6 +255,20 @@ def cmd_devices(args: argparse.Namespace) -> int:
         return 0
     finally:
         pool.close()
+
+
+def _placement_line(pool: Any) -> str:
+    """Where a model no one places goes (``placement`` in the config, ``docs/partitioning.md``)."""
+    from vkpool.config.loader import placement_policy
+    from vkpool.partition.cost import has_measured_cost
+
+    policy = placement_policy(pool.config)
+    unmeasured = [m.id for m in pool.members if not has_measured_cost(m)]
+    if policy == "fastest" and not unmeasured:
+        return "\nPlacement (fastest): a model goes whole to the member with the least predicted latency."
+    why = (f"placement: {policy}" if policy != "fastest" else
+           f"speeds not measured for {', '.join(unmeasured)}: `vkpool calibrate` lets the fastest member take it")
+    return f"\nPlacement: a model goes whole to the first Vulkan member that holds it ({why})."
 
 
 def _print_holders(members: list[Any]) -> None:
@@ -343,7 +364,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         t1 = time.perf_counter()
         outputs = sess.run(None, feeds)
         t_first = time.perf_counter() - t1
-        print(f"model {args.model} on {sess.member.id}: loaded in {t_load * 1e3:.1f} ms, "
+        print(f"model {args.model} on {_where(sess)}: loaded in {t_load * 1e3:.1f} ms, "
               f"first run {t_first * 1e3:.2f} ms")
         print_outputs(sess, outputs)
         # timed before the check: onnxruntime in this process slowed the runs after it (a 1 GiB
@@ -359,6 +380,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             sess.close()
     return code
+
+
+def _where(sess: Any) -> str:
+    """The member a session runs on, with the engine of a host chunk (``cpu (onnxruntime 1.32.0)``)."""
+    from vkpool.placement import engine_suffix
+
+    plan = sess.plan
+    return sess.member.id + (engine_suffix(plan) if hasattr(plan, "engine") else "")
 
 
 def print_outputs(sess: Any, outputs: list[Any]) -> None:

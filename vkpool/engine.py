@@ -11,7 +11,9 @@ A :class:`VulkanChunk` is what one member executes as one command buffer:
    barrier stands only between levels, never between independent dispatches;
 5. one command buffer recorded once; a run writes the inputs, submits, waits, reads outputs.
 
-A :class:`HostChunk` runs the same nodes with the ops' numpy references (the ``cpu`` member).
+A :class:`HostChunk` runs the same nodes on the host (the ``cpu`` member): as one onnxruntime
+session of the chunk's subgraph where it can, else with the ops' numpy references
+(:mod:`vkpool.host_engine`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from vkpool import progress
+from vkpool.host_engine import open_engine
 from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, check_grid, pack_push_constants
 from vkpool.kernels.registry import create_op
 from vkpool.memory import DeviceOutOfMemory
@@ -206,6 +209,10 @@ def _io_view(handle: TensorHandle, info: TensorInfo) -> np.ndarray:
 
 class VulkanChunk:
     """Nodes compiled for one Vulkan member, recorded once into one command buffer."""
+
+    #: what runs the chunk (a :class:`HostChunk` names its engine)
+    engine = "vulkan"
+    engine_note = ""
 
     def __init__(self, member: Any, nodes: Sequence[Node], tensors: dict[str, TensorInfo],
                  constants: dict[str, np.ndarray], inputs: Sequence[str], outputs: Sequence[str],
@@ -699,7 +706,8 @@ class _Slot:
 
 
 class HostChunk:
-    """Nodes run on the host with the ops' numpy references (the ``cpu`` member)."""
+    """Nodes run on the host (the ``cpu`` member) by :attr:`engine`: an onnxruntime session of
+    the chunk, or the ops' numpy references (``member.engine`` and :func:`~vkpool.host_engine.open_engine`)."""
 
     def __init__(self, member: Any, nodes: Sequence[Node], tensors: dict[str, TensorInfo],
                  constants: dict[str, np.ndarray], inputs: Sequence[str], outputs: Sequence[str],
@@ -716,6 +724,22 @@ class HostChunk:
             (sum(tensors[o].nbytes for o in node.outputs if o) for node in self.nodes), default=0)
         member.budget.reserve(self._charge)
         self._feeds: dict[str, np.ndarray] = {}
+        try:
+            self._engine = open_engine(getattr(member, "engine", "auto"), self.nodes, tensors, constants,
+                                       self.input_names, self.output_names, opset, label=member.id)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def engine(self) -> str:
+        """What runs the chunk: ``onnxruntime <version>`` or ``numpy``."""
+        return self._engine.name
+
+    @property
+    def engine_note(self) -> str:
+        """Why onnxruntime does not run the chunk ('' when it does, or numpy was asked for)."""
+        return self._engine.note
 
     #: runs held at once (one: the work happens in :meth:`finish`)
     slots = 1
@@ -731,6 +755,8 @@ class HostChunk:
         return self.run(feeds)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._engine.uses_onnxruntime:
+            return self._engine.run({n: feeds[n] for n in self.input_names}, self.output_names)
         values: dict[str, np.ndarray] = dict(self.constants)
         values.update(feeds)
         for op, node in zip(self.ops, self.nodes):
@@ -741,6 +767,9 @@ class HostChunk:
         return {n: np.asarray(values[n]) for n in self.output_names}
 
     def close(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
         if self._charge:
             self.member.budget.release(self._charge)
             self._charge = 0

@@ -11,11 +11,24 @@ from typing import Any, Mapping, Sequence
 from vkpool.units import format_size
 
 
+def engine_suffix(chunk: Any) -> str:
+    """`` (onnxruntime 1.32.0)`` for a host chunk: what runs it, and why numpy where it fell back;
+    '' for a Vulkan chunk."""
+    engine = getattr(chunk, "engine", "vulkan")
+    if engine == "vulkan":
+        return ""
+    note = getattr(chunk, "engine_note", "")
+    return f" ({engine}{'; onnxruntime refused it: ' + note if note else ''})"
+
+
 class SingleMemberPlan:
-    def __init__(self, model: Any, member_id: str, stats: Any) -> None:
+    def __init__(self, model: Any, member_id: str, stats: Any, engine: str = "vulkan", engine_note: str = "") -> None:
         self.model = model
         self.member_id = member_id
         self.stats = stats
+        #: what runs the chunk: ``vulkan``, ``onnxruntime <version>`` or ``numpy`` (the ``cpu`` member)
+        self.engine = engine
+        self.engine_note = engine_note
 
     @property
     def assignment(self) -> dict[str, str]:
@@ -26,7 +39,7 @@ class SingleMemberPlan:
         s = self.stats
         return {
             "members": [self.member_id],
-            "chunks": [{"member": self.member_id, "ops": len(self.model.nodes)}],
+            "chunks": [{"member": self.member_id, "ops": len(self.model.nodes), "engine": self.engine}],
             "transfers": [],
             "memory": {self.member_id: {"weights": s.weight_bytes, "activations": s.arena_bytes,
                                         "io": s.io_bytes, "peak_live_activations": s.peak_live_bytes}},
@@ -41,7 +54,7 @@ class SingleMemberPlan:
         s = self.stats
         ops = ", ".join(f"{k}×{v}" for k, v in sorted(Counter(n.op_type for n in self.model.nodes).items()))
         return (
-            f"chunk 0 on {self.member_id}: {len(self.model.nodes)} ops ({ops})\n"
+            f"chunk 0 on {self.member_id}{engine_suffix(self)}: {len(self.model.nodes)} ops ({ops})\n"
             f"  {s.dispatches} dispatches in {s.levels} dependency levels, {s.barriers} barriers\n"
             f"  memory on {self.member_id}: weights {format_size(s.weight_bytes)}, "
             f"activations {format_size(s.arena_bytes)} (largest live set {format_size(s.peak_live_bytes)}), "
@@ -83,7 +96,8 @@ class MultiMemberPlan:
         out["compiled"] = [
             {"copy": copy.index, "chunk": stage.index, "member": stage.member.id, "ops": len(stage.nodes),
              "weights": stage.chunk.stats.weight_bytes, "activations": stage.chunk.stats.arena_bytes,
-             "io": stage.chunk.stats.io_bytes, "dispatches": stage.chunk.stats.dispatches}
+             "io": stage.chunk.stats.io_bytes, "dispatches": stage.chunk.stats.dispatches,
+             "engine": getattr(stage.chunk, "engine", "vulkan")}
             for copy in self._executor.copies for stage in copy.stages
         ]
         return out
@@ -99,7 +113,7 @@ class MultiMemberPlan:
             for stage in copy.stages:
                 s = stage.chunk.stats
                 where = f"chunk {stage.index}" if copy.index == 0 else f"replica {copy.index}"
-                lines.append(f"  {where} on {stage.member.id}: {len(stage.nodes)} ops, "
+                lines.append(f"  {where} on {stage.member.id}{engine_suffix(stage.chunk)}: {len(stage.nodes)} ops, "
                              f"{s.dispatches} dispatches; weights {format_size(s.weight_bytes)}, "
                              f"activations {format_size(s.arena_bytes)}, inputs/outputs {format_size(s.io_bytes)}")
         return "\n".join(lines) + "\n"
@@ -112,16 +126,17 @@ def planner_members(pool: Any, ids: Sequence[str] | None = None,
                     budgets: Mapping[str, int] | None = None) -> list[Any]:
     """The partitioner's view of ``pool``'s members (``ids``, else all, in the pool's order):
     what each has free of its budget, counting every vkpool process on the machine
-    (:mod:`vkpool.ledger`), and its speeds (:func:`vkpool.partition.cost.pool_member_cost`).
+    (:mod:`vkpool.ledger`), and its speeds (:func:`vkpool.partition.cost.pool_member_cost`,
+    ``measured`` when calibrated or set in the config).
     ``budgets``: member id → bytes free instead, for a what-if."""
-    from vkpool.partition.cost import Member as PlanMember, pool_member_cost
+    from vkpool.partition.cost import Member as PlanMember, has_measured_cost, pool_member_cost
 
     out = []
     for member_id in ids if ids is not None else [m.id for m in pool.members]:
         member = pool.member(member_id)
         free = member.budget.free_bytes if budgets is None or member.id not in budgets else budgets[member.id]
         out.append(PlanMember(member.id, max(0, int(free)), pool_member_cost(member), member.kind,
-                              getattr(getattr(member, "info", None), "name", "")))
+                              getattr(getattr(member, "info", None), "name", ""), has_measured_cost(member)))
     return out
 
 

@@ -94,11 +94,20 @@ class HostAllocation:
 
 
 class HostMember(Member):
+    """The host CPU: chunks run as onnxruntime sessions or with numpy (``engine``, the config's
+    ``host.engine``: :mod:`vkpool.host_engine`)."""
+
     kind = "host"
 
-    def __init__(self, budget_bytes: int, ledger_key: str | None = None) -> None:
+    def __init__(self, budget_bytes: int, ledger_key: str | None = None, engine: str = "auto") -> None:
         super().__init__("cpu", budget_bytes, ledger_key)
         self.info = None
+        self.engine = engine
+
+    def describe(self) -> dict[str, Any]:
+        from vkpool.host_engine import engine_label
+
+        return {**super().describe(), "engine": engine_label(self.engine)}
 
     def alloc(self, nbytes: int) -> HostAllocation:
         self.budget.reserve(int(nbytes))
@@ -265,7 +274,7 @@ class DevicePool:
             members.append(VulkanMember(member_id, info, devices[info.index], budget, split_index, key))
             members[-1].cost_override = dict(rule.cost) if rule is not None else {}
         if cfg.host.enabled:
-            members.append(HostMember(parse_size(cfg.host.budget), HOST_KEY))
+            members.append(HostMember(parse_size(cfg.host.budget), HOST_KEY, cfg.host.engine))
             members[-1].cost_override = dict(cfg.host.cost)
         return cls(members, devices, cfg)
 

@@ -52,8 +52,9 @@ class Session:
 
     ``model``: a path or the model's bytes. ``device``: a member id (``"vk0"``, ``"vk0.1"``,
     ``"cpu"``); by default where :func:`vkpool.partition.place_model` puts it, as ``vkpool plan``
-    shows: the first Vulkan member whose free budget (every vkpool process counted) holds the
-    model, and when none does, a plan over the Vulkan members (the ``cpu`` member joins only when
+    shows: one member whose free budget (every vkpool process counted) holds the model (the first
+    Vulkan member, or with every member's speeds measured the fastest: the config's ``placement``),
+    and when none does, a plan over the Vulkan members (the ``cpu`` member joins only when
     they cannot hold it together) run by :class:`vkpool.executor.PlanExecutor`; :attr:`placement`
     is the plan that runs. ``devices``: plan over exactly these members (in priority order) even
     when one would do; ``plan``: run this plan, a :class:`~vkpool.partition.plan.Plan` made for
@@ -365,6 +366,7 @@ class Session:
         member refuses a chunk, its budget as the planner sees it is cut by what the compile
         lacked below what the refused placement gave it, and the model is placed again.
         """
+        from vkpool.config.loader import placement_policy
         from vkpool.partition import place_model
         from vkpool.partition.api import WHOLE
         from vkpool.partition.plan import PartitionUnfeasible, plan_problems
@@ -375,7 +377,8 @@ class Session:
         members = self._planner_members(list(devices) if over_all else [m.id for m in self.pool.members])
         for _attempt in range(2 * len(members) + 2):
             try:
-                graph, chosen = place_model(self.model, members, objective=objective, plan_over_all=over_all)
+                graph, chosen = place_model(self.model, members, objective=objective, plan_over_all=over_all,
+                                            policy=placement_policy(self.pool.config))
             except PartitionUnfeasible as exc:
                 if over_all:
                     raise
@@ -565,7 +568,8 @@ class Session:
             raise RuntimeError("nothing is compiled yet: the model's symbolic input dims are bound by the first run")
         from vkpool.placement import SingleMemberPlan
 
-        return SingleMemberPlan(self.model, self.member.id, self._chunk.stats)
+        return SingleMemberPlan(self.model, self.member.id, self._chunk.stats, self._chunk.engine,
+                                self._chunk.engine_note)
 
     @property
     def placement(self) -> Any:

@@ -1,0 +1,180 @@
+"""How the ``cpu`` member runs a chunk: one onnxruntime CPU session of the chunk's subgraph, or
+the ops' numpy references.
+
+:func:`open_engine` builds the chunk's nodes, constants and boundary tensors into an ONNX model
+(:func:`submodel`) and opens it in onnxruntime; where onnxruntime is not installed, or refuses the
+model (an op or a type it has no CPU kernel for), the chunk runs with numpy and the reason is
+logged and kept (:attr:`Engine.note`), so the plan a session shows names what runs.
+
+Constants of 4 KiB or more reach onnxruntime as external initializers over the same memory
+(``SessionOptions.add_external_initializers``): a weight is neither copied into the ONNX model
+nor limited by protobuf's 2 GiB.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from vkpool.kernels.base import TensorInfo
+from vkpool.model import Node
+
+log = logging.getLogger("vkpool.host")
+
+ONNXRUNTIME = "onnxruntime"
+NUMPY = "numpy"
+#: constants at least this large are handed to onnxruntime as external initializers, in place
+EXTERNAL_BYTES = 4096
+
+
+def onnxruntime_version() -> str | None:
+    """The installed onnxruntime's version, or None when it cannot be imported."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    return str(onnxruntime.__version__)
+
+
+def engine_name(setting: str) -> str:
+    """What a host member with ``host.engine: setting`` runs its chunks with where onnxruntime
+    takes them: ``onnxruntime <version>`` or ``numpy``."""
+    version = onnxruntime_version()
+    return NUMPY if setting == NUMPY or version is None else f"{ONNXRUNTIME} {version}"
+
+
+def engine_label(setting: str) -> str:
+    """What a host member with ``host.engine: setting`` runs its chunks with, as ``vkpool
+    devices`` shows it (a chunk onnxruntime refuses still falls back to numpy)."""
+    version = onnxruntime_version()
+    if setting == NUMPY:
+        return "numpy (host.engine: numpy)"
+    if version is None:
+        return "numpy (onnxruntime not installed)"
+    return f"onnxruntime {version}"
+
+
+class Engine:
+    """What runs one host chunk: ``name`` is ``onnxruntime <version>`` or ``numpy``; ``note``
+    says why a chunk that could have used onnxruntime does not ('' otherwise)."""
+
+    def __init__(self, name: str, session: Any = None, keep: Sequence[Any] = (), note: str = "") -> None:
+        self.name = name
+        self.note = note
+        self._session = session
+        self._keep = list(keep)  # OrtValues over the constants' memory: alive while the session is
+
+    @property
+    def uses_onnxruntime(self) -> bool:
+        return self._session is not None
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        results = self._session.run(list(outputs), {k: np.ascontiguousarray(v) for k, v in feeds.items()})
+        return dict(zip(outputs, results))
+
+    def close(self) -> None:
+        self._session = None
+        self._keep = []
+
+
+def _attribute_value(value: Any) -> Any:
+    from onnx import numpy_helper
+
+    if isinstance(value, np.ndarray):
+        return numpy_helper.from_array(value)
+    if isinstance(value, list) and value and isinstance(value[0], np.ndarray):
+        return [numpy_helper.from_array(v) for v in value]
+    return value
+
+
+def _node_protos(node: Node) -> list[Any]:
+    """The ONNX node(s) of a vkpool node: a product carrying vkpool's fused ``activation``
+    (:mod:`vkpool.fusion`) becomes the product and its ``Relu`` again."""
+    from onnx import helper
+
+    attrs = {k: _attribute_value(v) for k, v in node.attrs.items() if k != "activation"}
+    activation = node.attrs.get("activation")
+    if activation is None:
+        return [helper.make_node(node.op_type, node.inputs, node.outputs, name=node.name, domain=node.domain,
+                                 **attrs)]
+    if activation != "Relu":
+        raise ValueError(f"{node.name}: fused activation {activation!r} has no ONNX spelling here")
+    inner = f"{node.outputs[0]}/before_relu"
+    return [helper.make_node(node.op_type, node.inputs, [inner], name=node.name, domain=node.domain, **attrs),
+            helper.make_node("Relu", [inner], node.outputs[:1], name=f"{node.outputs[0]}/relu")]
+
+
+def _value_info(name: str, info: TensorInfo) -> Any:
+    from onnx import helper
+
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype)),
+                                         list(info.shape))
+
+
+def submodel(nodes: Sequence[Node], tensors: Mapping[str, TensorInfo], constants: Mapping[str, np.ndarray],
+             inputs: Sequence[str], outputs: Sequence[str], opset: int) -> tuple[Any, dict[str, np.ndarray]]:
+    """The chunk as an ONNX model, and the constants left out of it to be given as external
+    initializers (name → contiguous array, ``EXTERNAL_BYTES`` or more each)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    protos = [p for node in nodes for p in _node_protos(node)]
+    used = list(dict.fromkeys(n for node in nodes for n in node.inputs if n in constants))
+    used += [n for n in outputs if n in constants and n not in used]
+    initializers, external = [], {}
+    for name in used:
+        value = np.asarray(constants[name])
+        if value.nbytes >= EXTERNAL_BYTES:
+            external[name] = np.ascontiguousarray(value)
+            t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(value.dtype),
+                                 dims=list(value.shape), data_location=onnx.TensorProto.EXTERNAL)
+            entry = t.external_data.add()
+            entry.key, entry.value = "location", name
+            initializers.append(t)
+        else:
+            initializers.append(numpy_helper.from_array(value, name))
+    graph = helper.make_graph(protos, "vkpool_host_chunk", [_value_info(n, tensors[n]) for n in inputs],
+                              [_value_info(n, tensors[n]) for n in outputs], initializers)
+    domains = sorted({n.domain for n in nodes} - {"", "ai.onnx"})
+    imports = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains]
+    model = helper.make_model(graph, opset_imports=imports)
+    model.ir_version = helper.find_min_ir_version_for(list(model.opset_import))
+    return model, external
+
+
+def open_engine(setting: str, nodes: Sequence[Node], tensors: Mapping[str, TensorInfo],
+                constants: Mapping[str, np.ndarray], inputs: Sequence[str], outputs: Sequence[str],
+                opset: int, *, label: str = "cpu") -> Engine:
+    """The engine of one host chunk under ``host.engine: setting`` (auto, onnxruntime, numpy).
+
+    ``auto`` falls back to numpy (logged, with the reason in :attr:`Engine.note`) where
+    onnxruntime is missing or refuses the chunk; ``onnxruntime`` raises RuntimeError instead.
+    """
+    if setting == NUMPY:
+        return Engine(NUMPY)
+    version = onnxruntime_version()
+    try:
+        if version is None:
+            raise RuntimeError("onnxruntime is not installed (pip install onnxruntime)")
+        import onnxruntime as ort
+
+        model, external = submodel(nodes, tensors, constants, inputs, outputs, opset)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # its warnings about the subgraph's shapes are not the user's
+        keep = [ort.OrtValue.ortvalue_from_numpy(v) for v in external.values()]
+        if external:
+            options.add_external_initializers(list(external), keep)
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's refusals have no common base class
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        if setting == ONNXRUNTIME:
+            raise RuntimeError(f"{label}: onnxruntime cannot run this chunk ({reason}); "
+                               "set host.engine: auto to let numpy run it") from exc
+        log.info("%s: a chunk of %d op(s) runs with numpy: %s", label, len(nodes), reason)
+        return Engine(NUMPY, note=reason)
+    return Engine(f"{ONNXRUNTIME} {version}", session, keep)
+
+
+__all__ = ["Engine", "open_engine", "submodel", "engine_name", "engine_label", "onnxruntime_version",
+           "ONNXRUNTIME", "NUMPY"]
