@@ -137,9 +137,16 @@ class DeviceCaps:
     int64: bool = True
     #: subgroupAdd/subgroupMax in compute shaders (reductions within a subgroup first)
     subgroup_arithmetic: bool = False
+    #: subgroupShuffle in compute shaders
+    subgroup_shuffle: bool = False
     cooperative_matrix: bool = False
     #: (M, N, K) of subgroup-scope cooperative matrices multiplying float16 into float32
     cooperative_matrix_f16: tuple[tuple[int, int, int], ...] = ()
+    #: the tiling of gemm.comp (products and implicit-GEMM convolutions): "shared" (tiles staged
+    #: in shared memory, for GPUs) or "register" (TM x TN outputs per invocation in registers,
+    #: ``register_tile`` = (TM, TN, WG), for CPU-like devices); see vkpool.kernel_variants
+    gemm_variant: str = "shared"
+    register_tile: tuple[int, int, int] = (32, 8, 8)
 
 
 @dataclass

@@ -267,6 +267,21 @@ def measure(pool: Any, member_id: str, sizes: Sizes, out: TextIO | None = None,
 # -- the command -----------------------------------------------------------------------------------
 
 
+def _tune(pool: Any, member: Any, repeat: int, *, save: bool) -> None:
+    """The tuning pass of a CPU-like device, whose properties do not decide its product tiling
+    (:mod:`vkpool.kernel_variants`): each register tile timed, the fastest kept for the figures
+    that follow and, with ``save``, for every later start of vkpool on this device and driver."""
+    from vkpool.kernel_variants import save_tuned, tune_register_tile
+
+    print("  tuning the product tiling (register tiles TMxTNxWG: a 256² MatMul + a 64-channel 3x3 Conv)",
+          flush=True)
+    with progress.muted():
+        best, timings = tune_register_tile(pool, member, max(3, repeat // 3), sys.stdout)
+    print(f"  fastest: {'x'.join(map(str, best))}", flush=True)
+    if save:
+        print(f"  wrote {save_tuned(member.info, best, timings)}", flush=True)
+
+
 HELP = """\
 Measure each pool member with small generated ONNX models run through vkpool.Session, and write
 the figures the planner's cost model reads:
@@ -284,10 +299,12 @@ per physical device (splits of a device share it), host-<hostname>.json for the 
 each valid for the driver (for the host, the engine: onnxruntime or numpy) it was measured with.
 `vkpool plan`, vkpool.Session and the daemon price members with them; a member without a file
 uses the defaults of its kind. Once every member is measured, a model no one places goes to the
-member predicted fastest (config `placement: fastest`, the default). A member with a figure within timing noise (floored) gets no file: the
-command says which and exits 1 (a transfer within noise is priced at the memory bandwidth and
-kept). --quick uses tiny models (seconds on a software device) to check the setup: it prints the
-figures and writes nothing.
+member predicted fastest (config `placement: fastest`, the default). A member with a figure
+within timing noise (floored) gets no file: the command says which and exits 1 (a transfer
+within noise is priced at the memory bandwidth and kept). On a CPU-like Vulkan device (lavapipe)
+a tuning pass comes first: each register tile of the product kernels is timed and the fastest
+kept in $VKPOOL_CACHE_DIR/tuning/<uuid>.json for that driver. --quick uses tiny models (seconds
+on a software device) to check the setup: it prints the figures and writes nothing.
 """
 
 
@@ -335,6 +352,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             done[key] = member.id
             name = info.name if info is not None else f"host ({engine_label(member.engine)})"
             print(f"{member.id}: {name}, calibrating{' (quick)' if args.quick else ''}", flush=True)
+            if info is not None and member.device.gemm.why != "forced" and info.type == "cpu":
+                _tune(pool, member, sizes.repeat, save=not (args.quick or args.no_save))
             noisy: list[str] = []
             with progress.task("calibrate", FIGURES, what=member.id):
                 cost = measure(pool, member.id, sizes, noisy=noisy)

@@ -202,6 +202,7 @@ def refused_flag(args: argparse.Namespace) -> str | None:
 def cmd_devices(args: argparse.Namespace) -> int:
     from vkpool.config.loader import placement_policy
     from vkpool.host_engine import engine_label
+    from vkpool.kernel_variants import describe as describe_gemm
     from vkpool.partition.cost import has_measured_cost
     from vkpool.pool import DevicePool
     from vkpool.units import format_size
@@ -252,6 +253,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
                   f"{format_size(i.max_storage_buffer_range)}"
                   + (f", loops ≤ {i.max_loop_iterations} iterations per invocation" if i.max_loop_iterations else ""))
             print(f"  capabilities: {caps}")
+            print(f"  products and convolutions: {describe_gemm(m.device.gemm)}")
         return 0
     finally:
         pool.close()

@@ -20,6 +20,7 @@ from vkpool.cache import cache_dir, write_atomic
 from vkpool.config.loader import TRANSFER_QUEUE_MODES
 from vkpool.discovery import PhysicalDeviceInfo
 from vkpool.kernels.base import DeviceCaps, UnsupportedOp
+from vkpool.kernel_variants import gemm_choice
 
 
 @dataclass
@@ -105,6 +106,8 @@ class LogicalDevice:
         self._create_layout_and_cache()
         self.pipelines: dict[str, Any] = {}
         self._pipeline_lock = threading.Lock()
+        #: the product tiling this device runs (vkpool.kernel_variants)
+        self.gemm = gemm_choice(info)
         self.caps = DeviceCaps(
             subgroup_size=info.subgroup_size or 32,
             max_workgroup_invocations=info.max_workgroup_invocations,
@@ -116,8 +119,11 @@ class LogicalDevice:
             int8=info.capabilities.get("int8", False),
             int64=info.capabilities.get("int64", False),
             subgroup_arithmetic=info.capabilities.get("subgroup_arithmetic", False),
+            subgroup_shuffle=info.capabilities.get("subgroup_shuffle", False),
             cooperative_matrix=info.capabilities.get("cooperative_matrix", False),
             cooperative_matrix_f16=tuple(info.cooperative_matrix_f16),
+            gemm_variant=self.gemm.variant,
+            register_tile=self.gemm.register_tile,
         )
         self._closed = False
         atexit.register(self.save_pipeline_cache)

@@ -233,6 +233,8 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
         # subgroupAdd/subgroupMax in compute shaders
         "subgroup_arithmetic": bool(p11.subgroupSupportedStages & b.VK_SHADER_STAGE_COMPUTE_BIT
                                     and p11.subgroupSupportedOperations & b.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT),
+        "subgroup_shuffle": bool(p11.subgroupSupportedStages & b.VK_SHADER_STAGE_COMPUTE_BIT
+                                 and p11.subgroupSupportedOperations & b.VK_SUBGROUP_FEATURE_SHUFFLE_BIT),
     }
     for cap, ext in EXTENSIONS.items():
         caps[cap] = ext in exts

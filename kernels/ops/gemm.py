@@ -11,6 +11,9 @@ once, at load time:
 - anything else: the tiled shared-memory GEMM ``gemm.comp`` (64x64 tiles with 4x4 outputs
   per invocation, 32x32 tiles with 2x2 when 64x64 tiles would leave the device idle, and
   split-K over workgroups, finished by ``gemm_reduce.comp``, when even those are too few).
+  On a device whose ``DeviceCaps.gemm_variant`` is "register" (a CPU-like device:
+  :mod:`vkpool.kernel_variants`) the same shader runs its register tiling instead
+  (:meth:`MatmulPlan.tile_for`), with the same split.
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, ceil_div,
-    check_grid, groups_1d,
+    F32, LOOP_SLACK, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp,
+    ceil_div, check_grid, groups_1d,
 )
 from vkpool.kernels.broadcast import broadcast_strides
 
@@ -194,6 +197,26 @@ class MatmulPlan:
             groups_1d(total, 256, caps), {"HAS_BIAS": int(p.has_bias), "ACT": p.act},
         )
 
+    def tile_for(self, caps: DeviceCaps | None, inner: int = 1) -> dict[str, int]:
+        """The defines of gemm.comp's tiling on a device with ``caps`` for ``inner`` products per
+        dispatch: the shared-memory tile chosen at load, or on a device whose ``gemm_variant``
+        is "register" its register tile (``BM`` = TM rows, ``BN`` = TN x WG columns per
+        workgroup of WG invocations). The register tiling loops up to twice per k: past the
+        device's loop limit (lavapipe ends longer loops early, silently) or with more workgroups
+        than a grid holds, the shared tile runs instead."""
+        if caps is None or caps.gemm_variant != "register":
+            return self.tile
+        p = self.p
+        tm, tn, wg = caps.register_tile
+        steps = self.kchunk if self.splits > 1 else p.K
+        # every k is a step of the inner loop, and at most every k one of the outer
+        if caps.max_loop_iterations and 2 * steps + LOOP_SLACK > caps.max_loop_iterations:
+            return self.tile
+        groups = (ceil_div(p.N, tn * wg), ceil_div(p.M, tm), inner * self.splits)
+        if any(g > m for g, m in zip(groups, caps.max_workgroup_count)):
+            return self.tile
+        return {"REGISTER_TILE": 1, "BM": tm, "BN": tn * wg, "TM": tm, "TN": tn, "WG": wg}
+
     # -- dispatches ----------------------------------------------------------------------
     def dispatches(
         self, a: Any, b: Any, c: Any, y: Any, ws: Any, extra_defines: dict[str, Any] | None = None,
@@ -211,13 +234,17 @@ class MatmulPlan:
         outer = p.batch[:-1]
         inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
         split = self.splits > 1
+        tile = self.tile_for(caps, inner.count)
         defines = {
-            **self.tile, "A_KCONTIG": int(p.sAk == 1), "B_NCONTIG": int(p.sBn == 1),
+            **tile, "A_KCONTIG": int(p.sAk == 1), "B_NCONTIG": int(p.sBn == 1),
             "HAS_BIAS": int(p.has_bias), "ACT": p.act, "SPLITS": self.splits, **(extra_defines or {}),
         }
         if split:
             defines["KCHUNK"] = self.kchunk
-        groups = (ceil_div(p.N, self.tile["BN"]), ceil_div(p.M, self.tile["BM"]), inner.count * self.splits)
+        if tile.get("REGISTER_TILE"):  # a one-subgroup workgroup shares its loads of A by shuffles
+            defines["A_SHUFFLE"] = int(caps is not None and caps.subgroup_shuffle
+                                       and caps.subgroup_size == tile["WG"])
+        groups = (ceil_div(p.N, tile["BN"]), ceil_div(p.M, tile["BM"]), inner.count * self.splits)
         check_grid(groups, caps, f"matrix product of {p.M} x {p.N}")
         for idx in itertools.product(*(range(d.count) for d in outer)):
             oa = sum(i * d.a for i, d in zip(idx, outer)) * 4

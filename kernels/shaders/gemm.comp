@@ -8,12 +8,18 @@
 // With SPLITS > 1 the K range is split over workgroups (z = batch * SPLITS + split) and Y is
 // a workspace of SPLITS raw partial products, summed by gemm_reduce.comp.
 //
+// With REGISTER_TILE (CPU-like devices, vkpool.kernel_variants) a workgroup is WG invocations
+// with TM x TN outputs each in registers, no shared memory and no barrier; see below.
+//
 // With CONV defined this is an implicit-GEMM convolution: A is the weight [G][Mg][K],
 // B is the im2col of the input computed on the fly (K = Cg*KD*KH*KW rows, N = OD*OH*OW
 // columns), z = image * G + group and the bias is per output channel (row).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "epilogue.glsl"
+#if A_SHUFFLE
+#extension GL_KHR_shader_subgroup_shuffle : require
+#endif
 
 #ifndef BM
 #define BM 64
@@ -30,9 +36,24 @@
 #ifndef TN
 #define TN 4
 #endif
+#ifndef REGISTER_TILE
+#define REGISTER_TILE 0
+#endif
+#if REGISTER_TILE
+// The variant for CPU-like devices (lavapipe): no shared memory and no barrier (a barrier makes
+// a CPU implementation switch between the invocations of a workgroup), one SIMD-wide workgroup
+// of WG invocations, each accumulating TM rows x TN columns in registers; the columns of an
+// invocation are WG apart, so a workgroup's loads of B are WG consecutive floats.
+#ifndef WG
+#define WG 8
+#endif
+#define TX WG
+#define NT WG
+#else
 #define TX (BN / TN)
 #define TY (BM / TM)
 #define NT (TX * TY)
+#endif
 layout(local_size_x = NT) in;
 
 layout(push_constant) uniform Args {
@@ -46,8 +67,10 @@ layout(push_constant) uniform Args {
     float alpha, beta;
 } pc;
 
+#if !REGISTER_TILE
 shared float As[BK][BM];
 shared float Bs[BK][BN];
+#endif
 
 #ifdef CONV
 // Geometry (defines): G, CG (input channels per group), ID/IH/IW, OD/OH/OW, KD/KH/KW,
@@ -102,8 +125,14 @@ float fetch_b(uint e, uint k0, uint col0, uint bBase, uint kEnd) {
 
 void main() {
     const uint tid = gl_LocalInvocationIndex;
+#if REGISTER_TILE
+    const uint tx = tid;
+    const uint ty = 0;
+#define TY 1
+#else
     const uint tx = tid % TX;
     const uint ty = tid / TX;
+#endif
     const uint row0 = gl_WorkGroupID.y * BM;
     const uint col0 = gl_WorkGroupID.x * BN;
 #if SPLITS > 1
@@ -133,6 +162,83 @@ void main() {
     for (uint i = 0; i < TM; ++i)
         for (uint j = 0; j < TN; ++j) acc[i][j] = 0.0;
 
+#if REGISTER_TILE
+    // rows and columns past the edge read row or column 0 (always there) and are not written
+    uint aRow[TM];
+    for (uint i = 0; i < TM; ++i) {
+        uint m = row0 + i;
+        aRow[i] = aBase + (m < M ? m : 0) * pc.sAm;
+    }
+#ifdef CONV
+    // each column's window origin once; the reduction index k = ((ch * KD + kd) * KH + kh) * KW + kw
+    // advances by carries instead of a division per element
+    int d0[TN], h0[TN], w0[TN];
+    for (uint j = 0; j < TN; ++j) {
+        uint n = col0 + tx + j * WG;
+        uint ow = n % OW; uint u = n / OW;
+        uint oh = u % OH; uint od = u / OH;
+        d0[j] = int(od * SD) - PD;
+        h0[j] = int(oh * SH) - PH;
+        // a column past the edge gets an origin outside every row: it loads zeros
+        w0[j] = n < N ? int(ow * SW) - PW : -int(IW + KW * DW);
+    }
+    uint kw = kBegin % KW; uint t = kBegin / KW;
+    uint kh = t % KH; t /= KH;
+    uint kd = t % KD; uint ch = t / KD;
+#else
+    uint bCol[TN];
+    for (uint j = 0; j < TN; ++j) {
+        uint n = col0 + tx + j * WG;
+        bCol[j] = n < N ? n : 0;
+    }
+#endif
+    // With A_SHUFFLE the workgroup is one subgroup: lane l loads A[m][k0 + l] of each row and
+    // every lane takes step s's value from lane s, one load of A per WG steps of k (on lavapipe a
+    // load costs a loop over the lanes, a shuffle a register move). Without, each step loads A.
+#if A_SHUFFLE
+    const uint STEP = WG;
+#else
+    const uint STEP = 1;
+#endif
+    for (uint k0 = kBegin; k0 < kEnd; k0 += STEP) {
+#if A_SHUFFLE
+        float ar[TM];
+        for (uint i = 0; i < TM; ++i) ar[i] = k0 + tx < kEnd ? pc.a.v[aRow[i] + (k0 + tx) * pc.sAk] : 0.0;
+#endif
+        const uint steps = min(STEP, kEnd - k0);
+        for (uint s = 0; s < steps; ++s) {
+            const uint k = k0 + s;
+            float bv[TN];
+#ifdef CONV
+            const uint chBase = bBase + ch * (ID * IH * IW);
+            for (uint j = 0; j < TN; ++j) {
+                int id = d0[j] + int(kd * DD), ih = h0[j] + int(kh * DH), iw = w0[j] + int(kw * DW);
+                bool inside = uint(id) < ID && uint(ih) < IH && uint(iw) < IW;
+                bv[j] = inside ? pc.b.v[chBase + (uint(id) * IH + uint(ih)) * IW + uint(iw)] : 0.0;
+            }
+#else
+            for (uint j = 0; j < TN; ++j) bv[j] = pc.b.v[bBase + k * pc.sBk + bCol[j] * pc.sBn];
+#endif
+            for (uint i = 0; i < TM; ++i) {
+#if A_SHUFFLE
+                const float av = subgroupShuffle(ar[i], s);
+#else
+                const float av = pc.a.v[aRow[i] + k * pc.sAk];
+#endif
+                for (uint j = 0; j < TN; ++j) acc[i][j] = fma(av, bv[j], acc[i][j]);
+            }
+#ifdef CONV
+            if (++kw == KW) {
+                kw = 0;
+                if (++kh == KH) {
+                    kh = 0;
+                    if (++kd == KD) { kd = 0; ++ch; }
+                }
+            }
+#endif
+        }
+    }
+#else
     // each stage's tile elements are read from memory into registers while the stage before
     // is multiplied out of shared memory, so the loads' latency overlaps the arithmetic
     float ra[LA], rb[LB];
@@ -161,6 +267,7 @@ void main() {
         }
         barrier();
     }
+#endif
 
 #if SPLITS > 1
     // raw partial sums; gemm_reduce.comp applies alpha and the bias

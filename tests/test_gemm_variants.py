@@ -1,0 +1,154 @@
+"""Both tilings of the products (``vkpool.kernel_variants``), each forced on lavapipe with
+``VKPOOL_KERNEL_VARIANT``, against onnxruntime: matrix products, Gemm and implicit-GEMM
+convolutions of odd sizes, with bias, fused Relu, transposes, broadcast batches, groups and a
+split reduction."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import vulkan_pool
+from node_cases import assert_outputs_match, ort_case
+from vkpool.kernel_variants import DEFAULT_REGISTER_TILE, KernelVariantError, forced, gemm_choice
+from vkpool.session import Session
+
+pytest.importorskip("onnxruntime", reason="the references are onnxruntime's")
+
+VARIANTS = ["gemm=shared", "gemm=register", "gemm=register:3x5x8", "gemm=register:1x2x4"]
+
+
+def rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype(np.float32)
+
+
+CASES: dict[str, tuple[str, list[np.ndarray], dict[str, Any], tuple[int, ...]]] = {
+    "matmul_odd": ("MatMul", [rand(97, 131), rand(131, 67)], {}, (1,)),
+    "matmul_batch_broadcast": ("MatMul", [rand(3, 1, 19, 33), rand(5, 33, 21)], {}, ()),
+    "gemm_transposed_bias": ("Gemm", [rand(45, 29), rand(37, 45), rand(37)], {"transA": 1, "transB": 1}, (1, 2)),
+    "gemm_alpha_beta": ("Gemm", [rand(23, 70), rand(70, 9), rand(23, 1)], {"alpha": 0.5, "beta": -2.0}, ()),
+    "conv_groups_stride": ("Conv", [rand(2, 36, 13, 11), rand(34, 18, 3, 3), rand(34)],
+                           {"group": 2, "strides": [2, 1], "pads": [1, 0, 1, 2], "dilations": [1, 2]}, (1, 2)),
+    "conv_split_k": ("Conv", [rand(1, 256, 7, 7), rand(40, 256, 3, 3)], {"pads": [1, 1, 1, 1]}, (1,)),
+    "conv_1x1": ("Conv", [rand(1, 70, 9, 5), rand(33, 70, 1, 1), rand(33)], {}, (1, 2)),
+}
+
+
+@pytest.fixture(params=VARIANTS)
+def variant_pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", request.param)
+    p = vulkan_pool()
+    yield p
+    p.close()
+
+
+def test_each_variant_matches_onnxruntime(variant_pool: Any) -> None:
+    vk = variant_pool.vulkan_members[0]
+    want = forced()
+    assert want is not None and (vk.device.caps.gemm_variant, vk.device.caps.register_tile) == \
+        (want.variant, want.register_tile)
+    for name, (op, inputs, attrs, constants) in CASES.items():
+        model, feeds, expected = ort_case(op, inputs, attrs, constants)
+        with Session(model, pool=variant_pool, device=vk.id) as s:
+            got = s.run(None, feeds)
+        assert_outputs_match(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def run_under_limits(model: bytes, feeds: dict[str, np.ndarray], limits: str,
+                     monkeypatch: pytest.MonkeyPatch) -> tuple[list[np.ndarray], int, int]:
+    """(outputs, the product's split count, whether it ran the register tiling) under ``limits``."""
+    monkeypatch.setenv("VKPOOL_DEVICE_LIMITS", limits)
+    p = vulkan_pool()
+    try:
+        with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
+            (op,) = s._chunk.ops
+            register = op.plan.tile_for(p.vulkan_members[0].device.caps).get("REGISTER_TILE", 0)
+            return s.run(None, feeds), op.plan.splits, register
+    finally:
+        p.close()
+
+
+def test_a_long_reduction_and_the_loop_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A product whose reduction runs 1,200 steps in one invocation (tiles enough for no split);
+    and one whose 150-step splits pass a loop limit lowered to 300 (two loop steps per k), where
+    the shared tiling, 16 steps of k per loop step, runs instead: all equal onnxruntime's."""
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=register")
+    model, feeds, expected = ort_case("MatMul", [rand(512, 1200), rand(1200, 512)], {}, (1,))
+    got, splits, register = run_under_limits(model, feeds, "", monkeypatch)
+    assert (splits, register) == (1, 1)
+    assert_outputs_match(got, expected, rtol=1e-4, atol=1e-3)
+    model, feeds, expected = ort_case("MatMul", [rand(64, 300), rand(300, 64)], {}, (1,))
+    for limits, tiling in (("", 1), ("max_loop_iterations=300", 0)):
+        got, splits, register = run_under_limits(model, feeds, limits, monkeypatch)
+        assert (splits, register) == (2, tiling)
+        assert_outputs_match(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_relu_fused_into_the_register_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+    import onnxruntime as ort
+
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=register:3x5x8")
+    w = numpy_helper.from_array(rand(24, 3, 3, 3), "w")
+    b = numpy_helper.from_array(rand(24), "b")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["h"], pads=[1, 1, 1, 1]),
+                               helper.make_node("Add", ["h", "b3"], ["s"]), helper.make_node("Relu", ["s"], ["y"])],
+                              "conv_relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 17, 10])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24, 17, 10])],
+                              [w, numpy_helper.from_array(rand(24).reshape(24, 1, 1), "b3"), b])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    x = rand(1, 3, 17, 10, seed=3)
+    p = vulkan_pool()
+    try:
+        with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
+            assert [n.attrs.get("activation") for n in s.model.nodes] == ["Relu"]  # fused: the epilogue runs it
+            got = s.run(None, {"x": x})
+    finally:
+        p.close()
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert_outputs_match(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_device_type_chooses_and_a_bad_override_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Any) -> None:
+    from vkpool.discovery import discover
+
+    monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path))  # no tuning
+    monkeypatch.delenv("VKPOOL_KERNEL_VARIANT", raising=False)
+    for info in discover():
+        choice = gemm_choice(info)
+        assert choice.variant == ("register" if info.type == "cpu" else "shared")
+        if info.type == "cpu":
+            assert choice.register_tile == DEFAULT_REGISTER_TILE
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=fast")
+    with pytest.raises(KernelVariantError, match="gemm=register:TMxTNxWG"):
+        forced()
+
+
+def test_the_tuning_pass_keeps_the_fastest_tile_per_device_and_driver(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Any) -> None:
+    import dataclasses
+    import io
+
+    from vkpool.kernel_variants import load_tuned, save_tuned, tune_register_tile
+
+    monkeypatch.setenv("VKPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VKPOOL_KERNEL_VARIANT", raising=False)
+    p = vulkan_pool()
+    try:
+        vk = p.vulkan_members[0]
+        out = io.StringIO()
+        best, seconds = tune_register_tile(p, vk, 1, out, tiles=((2, 4, 8), (4, 2, 8)))
+        assert set(seconds) == {"2x4x8", "4x2x8"} and seconds["x".join(map(str, best))] == min(seconds.values())
+        assert vk.device.caps.register_tile == best and "register tile 2x4x8" in out.getvalue()
+        save_tuned(vk.info, best, seconds)
+        assert load_tuned(vk.info) is not None and load_tuned(vk.info).register_tile == best
+        if vk.info.type == "cpu":  # a CPU-like device starts with the tile measured on it
+            assert gemm_choice(vk.info).register_tile == best
+        other = dataclasses.replace(vk.info, driver_info=vk.info.driver_info + " (another build)")
+        assert load_tuned(other) is None  # measured with another driver
+        monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=shared")  # forcing wins over tuning
+        assert gemm_choice(vk.info).variant == "shared"
+    finally:
+        p.close()
