@@ -57,31 +57,33 @@ def test_each_variant_matches_onnxruntime(variant_pool: Any) -> None:
 
 def run_under_limits(model: bytes, feeds: dict[str, np.ndarray], limits: str,
                      monkeypatch: pytest.MonkeyPatch) -> tuple[list[np.ndarray], int, int]:
-    """(outputs, the product's split count, whether it ran the register tiling) under ``limits``."""
+    """(outputs, the steps of k one invocation runs, whether the register tiling ran) under ``limits``."""
     monkeypatch.setenv("VKPOOL_DEVICE_LIMITS", limits)
     p = vulkan_pool()
     try:
         with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
             (op,) = s._chunk.ops
             register = op.plan.tile_for(p.vulkan_members[0].device.caps).get("REGISTER_TILE", 0)
-            return s.run(None, feeds), op.plan.splits, register
+            steps = op.plan.kchunk if op.plan.splits > 1 else op.plan.p.K
+            return s.run(None, feeds), steps, register
     finally:
         p.close()
 
 
 def test_a_long_reduction_and_the_loop_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A product whose reduction runs 1,200 steps in one invocation (tiles enough for no split);
-    and one whose 150-step splits pass a loop limit lowered to 300 (two loop steps per k), where
-    the shared tiling, 16 steps of k per loop step, runs instead: all equal onnxruntime's."""
+    """A product whose reduction runs 600 steps or more in one invocation; and one of 300 steps
+    under a loop limit lowered below twice its steps (the register tiling's loop steps per k),
+    where the shared tiling, 16 steps of k per loop step, runs instead: all equal onnxruntime's."""
     monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=register")
-    model, feeds, expected = ort_case("MatMul", [rand(512, 1200), rand(1200, 512)], {}, (1,))
-    got, splits, register = run_under_limits(model, feeds, "", monkeypatch)
-    assert (splits, register) == (1, 1)
+    model, feeds, expected = ort_case("MatMul", [rand(768, 1200), rand(1200, 768)], {}, (1,))
+    got, steps, register = run_under_limits(model, feeds, "", monkeypatch)
+    assert steps >= 600 and register == 1
     assert_outputs_match(got, expected, rtol=1e-4, atol=1e-3)
     model, feeds, expected = ort_case("MatMul", [rand(64, 300), rand(300, 64)], {}, (1,))
-    for limits, tiling in (("", 1), ("max_loop_iterations=300", 0)):
-        got, splits, register = run_under_limits(model, feeds, limits, monkeypatch)
-        assert (splits, register) == (2, tiling)
+    _, steps, _ = run_under_limits(model, feeds, "", monkeypatch)
+    for limits, tiling in (("", 1), (f"max_loop_iterations={2 * steps}", 0)):
+        got, _, register = run_under_limits(model, feeds, limits, monkeypatch)
+        assert register == tiling
         assert_outputs_match(got, expected, rtol=1e-4, atol=1e-4)
 
 

@@ -39,6 +39,26 @@ def conv_model(seed: int = 0) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
+def block_model() -> bytes:
+    """A transformer block's ops as exporters spell them: Linear (MatMul + Add), erf GELU,
+    Linear, residual Add + LayerNormalization. vkpool fuses the bias and the GELU into the first
+    product and the residual into the norm; the host's onnxruntime model spells them out again."""
+    rng = np.random.default_rng(2)
+    init = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) / 4, name)
+            for name, shape in (("w1", (24, 40)), ("b1", (40,)), ("w2", (40, 24)), ("g", (24,)), ("beta", (24,)))]
+    init += [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("r2", 2 ** 0.5), ("one", 1.0),
+                                                                              ("half", 0.5))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"]), helper.make_node("Add", ["m1", "b1"], ["h"]),
+             helper.make_node("Div", ["h", "r2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "e1"], ["he"]),
+             helper.make_node("Mul", ["he", "half"], ["gelu"]), helper.make_node("MatMul", ["gelu", "w2"], ["m2"]),
+             helper.make_node("Add", ["m2", "x"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "g", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 7, 24])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 7, 24])], init)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
 def relu_int16_model() -> bytes:
     """Relu of int16: valid ONNX that vkpool runs and onnxruntime has no CPU kernel for."""
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu16",
@@ -70,6 +90,16 @@ def test_host_chunks_match_onnxruntime_and_the_vulkan_member(engine_pool: Any) -
         np.testing.assert_allclose(host.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(vk.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-4)
         assert "activation" in {k for n in host.model.nodes for k in n.attrs}  # the fused model was what ran
+
+
+def test_fused_transformer_ops_run_in_onnxruntime_written_out(pool: Any) -> None:
+    x = np.random.default_rng(3).standard_normal((1, 7, 24)).astype(np.float32)
+    want = reference(block_model(), {"x": x})[0]
+    with Session(block_model(), pool=pool, device="cpu") as s:
+        fused = {k for n in s.model.nodes for k in n.attrs if k in ("activation", "residual")}
+        assert fused == {"activation", "residual"} and len(s.model.nodes) < 10  # vkpool fused the block
+        assert s.plan.engine.startswith("onnxruntime"), s.plan.engine_note
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_chunk_onnxruntime_refuses_runs_with_numpy_and_says_so(pool: Any) -> None:

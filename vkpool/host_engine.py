@@ -13,6 +13,7 @@ nor limited by protobuf's 2 GiB.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -88,21 +89,72 @@ def _attribute_value(value: Any) -> Any:
     return value
 
 
-def _node_protos(node: Node) -> list[Any]:
-    """The ONNX node(s) of a vkpool node: a product carrying vkpool's fused ``activation``
-    (:mod:`vkpool.fusion`) becomes the product and its ``Relu`` again."""
+def _activation(kind: str, x: str, y: str, name: str) -> list[Any]:
+    """ONNX nodes computing ``y`` = the activation ``kind`` (:data:`vkpool.kernels.ops.gemm.ACTIVATIONS`)
+    of ``x``, in ops of opset 13: GELU as exporters spell it."""
     from onnx import helper
 
-    attrs = {k: _attribute_value(v) for k, v in node.attrs.items() if k != "activation"}
+    def const(tag: str, value: float) -> tuple[Any, str]:
+        out = f"{name}/{tag}"
+        return helper.make_node("Constant", [], [out], name=out, value_float=value), out
+
+    if kind == "Relu":
+        return [helper.make_node("Relu", [x], [y], name=f"{name}/relu")]
+    if kind == "Gelu":  # x * 0.5 * (1 + erf(x / sqrt 2))
+        (c1, n1), (c2, n2), (c3, n3) = const("rsqrt2", 1 / math.sqrt(2)), const("one", 1.0), const("half", 0.5)
+        steps = [("Mul", [x, n1], "scaled"), ("Erf", ["{scaled}"], "erf"), ("Add", ["{erf}", n2], "plus1"),
+                 ("Mul", [x, "{plus1}"], "times_x")]
+        last = ("Mul", ["{times_x}", n3])
+        nodes = [c1, c2, c3]
+    elif kind == "GeluTanh":  # 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))
+        (c1, n1), (c2, n2), (c3, n3), (c4, n4) = (const("k", 0.044715), const("s", math.sqrt(2 / math.pi)),
+                                                  const("one", 1.0), const("half", 0.5))
+        steps = [("Mul", [x, x], "x2"), ("Mul", ["{x2}", x], "x3"), ("Mul", ["{x3}", n1], "kx3"),
+                 ("Add", [x, "{kx3}"], "inner"), ("Mul", ["{inner}", n2], "scaled"), ("Tanh", ["{scaled}"], "tanh"),
+                 ("Add", ["{tanh}", n3], "plus1"), ("Mul", [x, "{plus1}"], "times_x")]
+        last = ("Mul", ["{times_x}", n4])
+        nodes = [c1, c2, c3, c4]
+    else:
+        raise ValueError(f"{name}: fused activation {kind!r} has no ONNX spelling here")
+    names: dict[str, str] = {}
+    for op, ins, tag in steps:
+        names[tag] = f"{name}/{tag}"
+        nodes.append(helper.make_node(op, [i.format(**names) for i in ins], [names[tag]], name=names[tag]))
+    nodes.append(helper.make_node(last[0], [i.format(**names) for i in last[1]], [y], name=f"{name}/out"))
+    return nodes
+
+
+def _node_protos(node: Node) -> list[Any]:
+    """The ONNX node(s) of a vkpool node, with what :mod:`vkpool.fusion` folded into it written
+    out again: a product's ``activation`` (Relu, GELU), a ``MatMul``'s bias (its third input) and
+    a ``LayerNormalization``'s ``residual`` (input 3 added first, the sum its output 3). A node
+    of vkpool's own with no ONNX spelling (the fused ``Attention``) goes as it is, and
+    onnxruntime refuses the chunk."""
+    from onnx import helper
+
+    attrs = {k: _attribute_value(v) for k, v in node.attrs.items() if k not in ("activation", "residual")}
+    inputs, outputs = list(node.inputs), list(node.outputs)
+    tag = outputs[0]  # output names are unique in a graph, node names need not be
+    nodes: list[Any] = []
+    if node.op_type == "LayerNormalization" and node.attrs.get("residual"):
+        total = outputs[3] if len(outputs) > 3 and outputs[3] else f"{tag}/residual_sum"
+        nodes.append(helper.make_node("Add", [inputs[0], inputs[3]], [total], name=f"{tag}/residual"))
+        inputs, outputs = [total, *inputs[1:3]], outputs[:3]
+    bias = inputs[2] if node.op_type == "MatMul" and len(inputs) > 2 and inputs[2] else None
+    if bias is not None:
+        inputs = inputs[:2]
     activation = node.attrs.get("activation")
-    if activation is None:
-        return [helper.make_node(node.op_type, node.inputs, node.outputs, name=node.name, domain=node.domain,
-                                 **attrs)]
-    if activation != "Relu":
-        raise ValueError(f"{node.name}: fused activation {activation!r} has no ONNX spelling here")
-    inner = f"{node.outputs[0]}/before_relu"
-    return [helper.make_node(node.op_type, node.inputs, [inner], name=node.name, domain=node.domain, **attrs),
-            helper.make_node("Relu", [inner], node.outputs[:1], name=f"{node.outputs[0]}/relu")]
+    y = outputs[0]
+    product = f"{tag}/product" if bias is not None or activation is not None else y
+    nodes.append(helper.make_node(node.op_type, inputs, [product, *outputs[1:]], name=node.name,
+                                  domain=node.domain, **attrs))
+    if bias is not None:
+        biased = f"{tag}/biased" if activation is not None else y
+        nodes.append(helper.make_node("Add", [product, bias], [biased], name=f"{tag}/bias"))
+        product = biased
+    if activation is not None:
+        nodes += _activation(str(activation), product, y, tag)
+    return nodes
 
 
 def _value_info(name: str, info: TensorInfo) -> Any:
