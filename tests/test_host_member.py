@@ -223,3 +223,23 @@ def test_an_unknown_placement_policy_is_refused(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("VKPOOL_PLACEMENT", "first")
     with pytest.raises(ConfigError, match="VKPOOL_PLACEMENT must be one of"):
         Session(conv_model(), pool=None)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_fused_attention_runs_in_onnxruntime_written_out(name: str, pool: Any) -> None:
+    """BERT and GPT-2 (causal) exported small: vkpool fuses their attention into Attention nodes
+    of opset 23, which the host's onnxruntime model of opset 17 spells out again."""
+    pytest.importorskip("torch", reason="the models are exported from torch")
+    from bench import export_models as em
+    from test_real_models import SMALL
+
+    built = em.build(name, **SMALL[name])
+    data = em.to_onnx(built)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]).run(None, built.inputs)[0]
+    with Session(data, pool=pool, device="cpu") as s:
+        assert "Attention" in {n.op_type for n in s.model.nodes}
+        assert s.plan.engine.startswith("onnxruntime"), s.plan.engine_note
+        got = s.run(None, built.inputs)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

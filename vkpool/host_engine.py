@@ -124,13 +124,74 @@ def _activation(kind: str, x: str, y: str, name: str) -> list[Any]:
     return nodes
 
 
-def _node_protos(node: Node) -> list[Any]:
+def _attention(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any] | None:
+    """ONNX Attention (opset 23, which :mod:`vkpool.fusion` makes of an exporter's scaled
+    dot-product attention) in ops of opset 13 for the case the fusion makes: 3-D Q/K/V with as
+    many key heads as query heads, an optional float or bool mask, an optional causal flag, one
+    output; None for any other (the chunk then stays as it is)."""
+    from onnx import TensorProto, helper
+
+    a = node.attrs
+    ins = list(node.inputs) + [""] * (4 - len(node.inputs))
+    q, k, v, mask = ins[:4]
+    heads = a.get("q_num_heads")
+    if (len(node.inputs) > 4 or any(ins[4:]) or len([o for o in node.outputs if o]) != 1 or heads is None
+            or a.get("kv_num_heads", heads) != heads or a.get("softcap") or int(a.get("qk_matmul_output_mode", 0))
+            or int(a.get("left_window_size", -1)) != -1 or int(a.get("right_window_size", -1)) != -1
+            or len(tensors[q].shape) != 3):
+        return None
+    (b, sq, hd), (_, sk, _), (_, _, hdv) = tensors[q].shape, tensors[k].shape, tensors[v].shape
+    d, dv = hd // heads, hdv // heads
+    scale = float(a["scale"]) if a.get("scale") is not None else 1.0 / math.sqrt(d)
+    tag = node.outputs[0]
+    nodes: list[Any] = []
+
+    def const(name: str, value: Any) -> str:
+        out = f"{tag}/{name}"
+        arr = np.asarray(value)
+        tensor = helper.make_tensor(out, helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape, arr.ravel().tolist())
+        nodes.append(helper.make_node("Constant", [], [out], name=out, value=tensor))
+        return out
+
+    def add(op: str, inputs: list[str], name: str, **attrs: Any) -> str:
+        out = f"{tag}/{name}"
+        nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    heads_of = {q: (sq, d, [0, 2, 1, 3]), k: (sk, d, [0, 2, 3, 1]), v: (sk, dv, [0, 2, 1, 3])}
+    split = {}
+    for name, (length, size, perm) in heads_of.items():
+        shaped = add("Reshape", [name, const(f"shape_{len(split)}", np.array([b, length, heads, size], np.int64))],
+                     f"heads_{len(split)}")
+        split[name] = add("Transpose", [shaped], f"perm_{len(split)}", perm=perm)
+    scores = add("Mul", [add("MatMul", [split[q], split[k]], "qk"), const("scale", np.float32(scale))], "scaled")
+    if mask:
+        if tensors[mask].dtype == np.bool_:
+            scores = add("Where", [mask, scores, const("masked", np.float32(-np.inf))], "masked_scores")
+        else:
+            scores = add("Add", [scores, mask], "masked_scores")
+    if int(a.get("is_causal", 0)):
+        causal = np.where(np.tril(np.ones((sq, sk), bool), k=sk - sq), 0.0, -np.inf).astype(np.float32)
+        scores = add("Add", [scores, const("causal", causal)], "causal_scores")
+    probs = add("Softmax", [scores], "probs", axis=-1)
+    merged = add("Transpose", [add("MatMul", [probs, split[v]], "pv")], "merged", perm=[0, 2, 1, 3])
+    nodes.append(helper.make_node("Reshape", [merged, const("out_shape", np.array([b, sq, heads * dv], np.int64))],
+                                  [node.outputs[0]], name=f"{tag}/out"))
+    return nodes
+
+
+def _node_protos(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any]:
     """The ONNX node(s) of a vkpool node, with what :mod:`vkpool.fusion` folded into it written
     out again: a product's ``activation`` (Relu, GELU), a ``MatMul``'s bias (its third input) and
-    a ``LayerNormalization``'s ``residual`` (input 3 added first, the sum its output 3). A node
-    of vkpool's own with no ONNX spelling (the fused ``Attention``) goes as it is, and
-    onnxruntime refuses the chunk."""
+    a ``LayerNormalization``'s ``residual`` (input 3 added first, the sum its output 3), an
+    ``Attention`` of opset 23 in the ops of older opsets where :func:`_attention` can. Anything
+    else goes as it is, and onnxruntime may refuse the chunk."""
     from onnx import helper
+
+    if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+        spelled = _attention(node, tensors)
+        if spelled is not None:
+            return spelled
 
     attrs = {k: _attribute_value(v) for k, v in node.attrs.items() if k not in ("activation", "residual")}
     inputs, outputs = list(node.inputs), list(node.outputs)
@@ -171,7 +232,7 @@ def submodel(nodes: Sequence[Node], tensors: Mapping[str, TensorInfo], constants
     import onnx
     from onnx import helper, numpy_helper
 
-    protos = [p for node in nodes for p in _node_protos(node)]
+    protos = [p for node in nodes for p in _node_protos(node, tensors)]
     used = list(dict.fromkeys(n for node in nodes for n in node.inputs if n in constants))
     used += [n for n in outputs if n in constants and n not in used]
     initializers, external = [], {}
