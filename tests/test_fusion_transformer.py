@@ -221,17 +221,25 @@ def test_a_residual_add_joins_the_layernorm(pool, pre_norm):
 # -- every tile of the tiled GEMM ------------------------------------------------------------------
 
 @pytest.mark.parametrize("tile", ["64x64", "32x32", "32x256", "128x128"])
-def test_every_gemm_tile_matches_on_odd_sizes(pool, tile, monkeypatch):
+def test_every_gemm_tile_matches_on_odd_sizes(tile, monkeypatch):
     """Each tile the planner may choose (the choice depends on shapes lavapipe's tests rarely
-    reach), forced on a product and a convolution whose sizes fill no tile evenly."""
+    reach), forced on a product and a convolution whose sizes fill no tile evenly. The shared
+    tiling is forced too: lavapipe, a CPU-like device, runs the register tiling by default."""
+    from conftest import vulkan_pool
     from node_cases import assert_outputs_match, ort_case
     from vkpool.kernels.ops import gemm
 
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=shared")
     monkeypatch.setattr(gemm, "choose_tile", lambda p, workgroups: tile)
+    pool = vulkan_pool()
     a, w = RNG.standard_normal((37, 300)).astype(np.float32), RNG.standard_normal((300, 70)).astype(np.float32)
     x, k = RNG.standard_normal((1, 9, 13, 11)).astype(np.float32), RNG.standard_normal((17, 9, 3, 3)).astype(np.float32)
-    for op, inputs, attrs in (("MatMul", [a, w], {}), ("Conv", [x, k], {"pads": [1, 1, 1, 1]})):
-        model, feeds, expected = ort_case(op, inputs, attrs, constants=(1,))
-        with vkpool.Session(model, pool=pool, device=pool.vulkan_members[0].id) as session:
-            assert "[gemm]" in " ".join(session._chunk.dispatch_labels)
-            assert_outputs_match(session.run(None, feeds), expected)
+    try:
+        assert pool.vulkan_members[0].device.caps.gemm_variant == "shared"
+        for op, inputs, attrs in (("MatMul", [a, w], {}), ("Conv", [x, k], {"pads": [1, 1, 1, 1]})):
+            model, feeds, expected = ort_case(op, inputs, attrs, constants=(1,))
+            with vkpool.Session(model, pool=pool, device=pool.vulkan_members[0].id) as session:
+                assert "[gemm]" in " ".join(session._chunk.dispatch_labels)
+                assert_outputs_match(session.run(None, feeds), expected)
+    finally:
+        pool.close()
