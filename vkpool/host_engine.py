@@ -94,33 +94,32 @@ def _activation(kind: str, x: str, y: str, name: str) -> list[Any]:
     of ``x``, in ops of opset 13: GELU as exporters spell it."""
     from onnx import helper
 
-    def const(tag: str, value: float) -> tuple[Any, str]:
+    nodes: list[Any] = []
+
+    def const(tag: str, value: float) -> str:
         out = f"{name}/{tag}"
-        return helper.make_node("Constant", [], [out], name=out, value_float=value), out
+        nodes.append(helper.make_node("Constant", [], [out], name=out, value_float=value))
+        return out
+
+    def step(op: str, inputs: list[str], tag: str, out: str | None = None) -> str:
+        out = out or f"{name}/{tag}"
+        nodes.append(helper.make_node(op, inputs, [out], name=f"{name}/{tag}"))
+        return out
 
     if kind == "Relu":
-        return [helper.make_node("Relu", [x], [y], name=f"{name}/relu")]
-    if kind == "Gelu":  # x * 0.5 * (1 + erf(x / sqrt 2))
-        (c1, n1), (c2, n2), (c3, n3) = const("rsqrt2", 1 / math.sqrt(2)), const("one", 1.0), const("half", 0.5)
-        steps = [("Mul", [x, n1], "scaled"), ("Erf", ["{scaled}"], "erf"), ("Add", ["{erf}", n2], "plus1"),
-                 ("Mul", [x, "{plus1}"], "times_x")]
-        last = ("Mul", ["{times_x}", n3])
-        nodes = [c1, c2, c3]
+        step("Relu", [x], "relu", y)
+    elif kind == "Gelu":  # x * 0.5 * (1 + erf(x / sqrt 2))
+        erf = step("Erf", [step("Mul", [x, const("rsqrt2", 1 / math.sqrt(2))], "scaled")], "erf")
+        times_x = step("Mul", [x, step("Add", [erf, const("one", 1.0)], "plus1")], "times_x")
+        step("Mul", [times_x, const("half", 0.5)], "out", y)
     elif kind == "GeluTanh":  # 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))
-        (c1, n1), (c2, n2), (c3, n3), (c4, n4) = (const("k", 0.044715), const("s", math.sqrt(2 / math.pi)),
-                                                  const("one", 1.0), const("half", 0.5))
-        steps = [("Mul", [x, x], "x2"), ("Mul", ["{x2}", x], "x3"), ("Mul", ["{x3}", n1], "kx3"),
-                 ("Add", [x, "{kx3}"], "inner"), ("Mul", ["{inner}", n2], "scaled"), ("Tanh", ["{scaled}"], "tanh"),
-                 ("Add", ["{tanh}", n3], "plus1"), ("Mul", [x, "{plus1}"], "times_x")]
-        last = ("Mul", ["{times_x}", n4])
-        nodes = [c1, c2, c3, c4]
+        x3 = step("Mul", [step("Mul", [x, x], "x2"), x], "x3")
+        inner = step("Add", [x, step("Mul", [x3, const("k", 0.044715)], "kx3")], "inner")
+        tanh = step("Tanh", [step("Mul", [inner, const("s", math.sqrt(2 / math.pi))], "scaled")], "tanh")
+        times_x = step("Mul", [x, step("Add", [tanh, const("one", 1.0)], "plus1")], "times_x")
+        step("Mul", [times_x, const("half", 0.5)], "out", y)
     else:
         raise ValueError(f"{name}: fused activation {kind!r} has no ONNX spelling here")
-    names: dict[str, str] = {}
-    for op, ins, tag in steps:
-        names[tag] = f"{name}/{tag}"
-        nodes.append(helper.make_node(op, [i.format(**names) for i in ins], [names[tag]], name=names[tag]))
-    nodes.append(helper.make_node(last[0], [i.format(**names) for i in last[1]], [y], name=f"{name}/out"))
     return nodes
 
 
