@@ -61,7 +61,7 @@ def place_model(
        memory as :mod:`vkpool.partition.plan` prices it); ``algorithm`` is :data:`WHOLE`. Which
        one is ``policy``'s choice (:data:`POLICIES`): ``fastest``, the one whose predicted latency
        is least (the earlier member on a tie) when every member's speeds are measured (``vkpool
-       calibrate``) or given (``Member.measured``), else as ``vulkan``; ``vulkan``, the first
+       calibrate``) or set in the config (``Member.measured``), else as ``vulkan``; ``vulkan``, the first
        Vulkan member (the host member only when there is none);
     2. the planner's plan over the Vulkan members;
     3. the planner's plan over every member (the host member joins only here).

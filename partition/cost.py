@@ -94,9 +94,10 @@ class Member:
     cost: MemberCost
     kind: str = "vulkan"  # 'vulkan' or 'host'
     name: str = ""
-    #: whether ``cost`` was measured (``vkpool calibrate``) or given (config, spec file) rather
-    #: than its kind's default: the ``fastest`` placement ranks members only by such speeds
-    measured: bool = True
+    #: whether ``cost`` was measured (``vkpool calibrate``) or set in the config rather than its
+    #: kind's default (:func:`vkpool.placement.planner_members` says): the ``fastest`` placement
+    #: ranks members only by such speeds
+    measured: bool = False
 
     def with_budget(self, budget_bytes: int) -> Member:
         return dataclasses.replace(self, budget_bytes=int(budget_bytes))

@@ -135,7 +135,8 @@ def test_the_engine_is_shown_by_devices_and_run(tmp_path: Path, capsys: pytest.C
 
 def planner(member_id: str, kind: str, flops: float, budget: int = 1 << 30) -> Member:
     """A member whose speeds differ from the others' in FLOP/s only."""
-    return Member(member_id, budget, dataclasses.replace(DEFAULT_COSTS["vulkan"], flops_per_s=flops), kind)
+    return Member(member_id, budget, dataclasses.replace(DEFAULT_COSTS["vulkan"], flops_per_s=flops), kind,
+                  measured=True)
 
 
 def test_fastest_puts_the_whole_model_on_the_member_predicted_fastest() -> None:
