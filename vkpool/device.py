@@ -99,6 +99,9 @@ class LogicalDevice:
         self._ffi = vk.ffi()
         self._lib = vk.lib()
         self._keep: list[Any] = []
+        #: the product tiling this device runs (vkpool.kernel_variants); a bad VKPOOL_KERNEL_VARIANT
+        #: is refused here, before anything is created
+        self.gemm = gemm_choice(info)
         self._create_device()
         self._choose_memory_types()
         self.queue_lock = threading.Lock()
@@ -106,8 +109,6 @@ class LogicalDevice:
         self._create_layout_and_cache()
         self.pipelines: dict[str, Any] = {}
         self._pipeline_lock = threading.Lock()
-        #: the product tiling this device runs (vkpool.kernel_variants)
-        self.gemm = gemm_choice(info)
         self.caps = DeviceCaps(
             subgroup_size=info.subgroup_size or 32,
             max_workgroup_invocations=info.max_workgroup_invocations,

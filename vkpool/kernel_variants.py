@@ -59,7 +59,7 @@ def forced() -> GemmChoice | None:
     m = _FORCED.match(text)
     if m is None:
         raise KernelVariantError(f"VKPOOL_KERNEL_VARIANT={text!r}: expected gemm=shared, gemm=register or "
-                                 "gemm=register:TMxTNxWG (e.g. gemm=register:4x4x8)")
+                                 "gemm=register:TMxTNxWG (e.g. gemm=register:32x8x8)")
     tile = tuple(int(v) for v in m.groups()[1:]) if m.group(2) else DEFAULT_REGISTER_TILE
     if any(v < 1 for v in tile) or tile[0] * tile[1] > 1024:
         raise KernelVariantError(f"VKPOOL_KERNEL_VARIANT={text!r}: TM, TN, WG must be >= 1 and TM x TN <= 1024")
