@@ -216,6 +216,7 @@ class NodeActor:
     # -- what the node has ---------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """The node's name, process, and each offered member: budget, use, what the planner sees."""
+        from vkpool.host_engine import engine_label
         from vkpool.placement import planner_members
 
         self._drop_orphans()
@@ -226,7 +227,7 @@ class NodeActor:
             info = getattr(member, "info", None)
             members.append({
                 "id": member_id, "kind": member.kind,
-                "name": seen.name or ("host (numpy)" if info is None else ""),
+                "name": seen.name or (f"host ({engine_label(member.engine)})" if info is None else ""),
                 "uuid": None if info is None else info.uuid, "budget_bytes": member.budget_bytes,
                 "used_bytes": member.used_bytes, "free_bytes": seen.budget_bytes,
                 "cost": seen.cost.to_dict()})
