@@ -32,6 +32,9 @@ CASES: dict[str, tuple[str, list[np.ndarray], dict[str, Any], tuple[int, ...]]] 
                            {"group": 2, "strides": [2, 1], "pads": [1, 0, 1, 2], "dilations": [1, 2]}, (1, 2)),
     "conv_split_k": ("Conv", [rand(1, 256, 7, 7), rand(40, 256, 3, 3)], {"pads": [1, 1, 1, 1]}, (1,)),
     "conv_1x1": ("Conv", [rand(1, 70, 9, 5), rand(33, 70, 1, 1), rand(33)], {}, (1, 2)),
+    "conv_1x1_groups_batch": ("Conv", [rand(3, 140, 7, 5), rand(34, 70, 1, 1), rand(34)], {"group": 2}, (1, 2)),
+    "conv_1x1_strided": ("Conv", [rand(1, 70, 9, 5), rand(33, 70, 1, 1)], {"strides": [2, 2]}, (1,)),
+    "conv_1x1_split_k": ("Conv", [rand(1, 1030, 3, 3), rand(20, 1030, 1, 1), rand(20)], {}, (1, 2)),
 }
 
 
@@ -68,6 +71,25 @@ def run_under_limits(model: bytes, feeds: dict[str, np.ndarray], limits: str,
             return s.run(None, feeds), steps, register
     finally:
         p.close()
+
+
+def test_pointwise_convolutions_run_as_plain_products_where_the_tiling_is_register(variant_pool: Any) -> None:
+    """A 1x1 convolution of stride 1 and no padding is a plain product on the register tiling
+    (no window arithmetic: no CONV define), an implicit GEMM on the shared one."""
+    vk = variant_pool.vulkan_members[0]
+    op, inputs, attrs, constants = CASES["conv_1x1_groups_batch"]
+    model, feeds, expected = ort_case(op, inputs, attrs, constants)
+    with Session(model, pool=variant_pool, device=vk.id) as s:
+        (conv,) = s._chunk.ops
+        assert conv.pointwise is not None
+        from vkpool.kernels.base import DispatchContext
+
+        handles = [object(), object(), object()]
+        ctx = DispatchContext(handles, [object()], object(), vk.device.caps, {})
+        defines = [d.defines for d in conv.dispatches(ctx)]
+        register = vk.device.caps.gemm_variant == "register"
+        assert all(("CONV" in d) != register for d in defines)
+        assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_long_reduction_and_the_loop_limit(monkeypatch: pytest.MonkeyPatch) -> None:

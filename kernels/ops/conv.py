@@ -62,6 +62,27 @@ class Conv(Op):
                 batch=[BatchDim(n * self.group, mg * kred, cg * in_size, mg, 0)], bias_rows=m,
                 act=self.act,
             ), force_gemm=True)
+        self.pointwise = self._pointwise_plan() if self.plan is not None else None
+
+    def _pointwise_plan(self) -> MatmulPlan | None:
+        """A 1x1 convolution of stride 1 and no padding as the plain product it is, per image and
+        group ``Y[Mg x P] = W[Mg x Cg] @ X[Cg x P]``: run where the product takes the register
+        tiling (a CPU-like device), whose per-element window arithmetic would otherwise cost more
+        than the loads (lavapipe, 1024 x 256 x 196: 11.4 ms against 19.3 ms); None for any other
+        convolution."""
+        win = self.win
+        if any(k != 1 for k in win.kernel) or any(s != 1 for s in win.strides) or \
+                any(win.pads_begin) or any(win.pads_end):
+            return None
+        n, c = self.input(0).shape[:2]
+        m, cg = self.input(1).shape[:2]
+        mg, size = m // self.group, math.prod(win.in_shape)
+        groups = BatchDim(self.group, mg * cg, cg * size, mg, mg * size)
+        return MatmulPlan(MatmulProblem(
+            M=mg, N=size, K=cg, sAm=cg, sAk=1, sBk=size, sBn=1, has_bias=self.has_input(2), sCm=1, sCn=0,
+            batch=[BatchDim(n, 0, c * size, 0, m * size), groups] if n > 1 else [groups], bias_rows=m,
+            act=self.act,
+        ), force_gemm=True)
 
     def output_infos(self) -> list[TensorInfo]:
         return [TensorInfo(self.out_shape, _F32)]
@@ -88,6 +109,8 @@ class Conv(Op):
         b = ctx.inputs[2] if len(ctx.inputs) > 2 and ctx.inputs[2] is not None else None
         c, m = self.input(0).shape[1], self.input(1).shape[0]
         geometry = self.win.defines()
+        if self.pointwise is not None and ctx.caps is not None and ctx.caps.gemm_variant == "register":
+            return self.pointwise.dispatches(w, x, b, y, ctx.workspace, caps=ctx.caps)
         if self.plan is not None:
             extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
@@ -109,7 +132,8 @@ class Conv(Op):
         return math.prod(self.out_shape) * per_output
 
     def workspace_bytes(self) -> int:
-        return self.plan.workspace_bytes() if self.plan is not None else 0
+        plans = [p for p in (self.plan, self.pointwise) if p is not None]
+        return max((p.workspace_bytes() for p in plans), default=0)
 
 
 __all__ = ["Conv"]
