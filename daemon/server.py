@@ -55,7 +55,7 @@ _REPLAY_BYTES = 64 << 20  # replies kept for retried request ids
 #: only itself (vkpool's own client takes every reply off the wire as it comes)
 REPLY_HWM = 256
 REPLY_WAIT_S = 5.0
-REPLY_WAIT_BYTES = 64 << 20
+REPLY_WAIT_BYTES = 16 << 20
 _COMPACT_MIN = 4096       # deadline entries before finished jobs are swept out
 _INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id (P.packed_id)
 _INFER_REPLY = {status: P.header_parts("infer_reply", status) for status in ("ok", "error")}
