@@ -66,21 +66,17 @@ class SingleMemberPlan:
         return self.to_text()
 
 
-class MultiMemberPlan:
-    """A partition :class:`~vkpool.partition.plan.Plan` as a session runs it.
+class PlanView:
+    """A partition :class:`~vkpool.partition.plan.Plan` as something runs it: reads like the Plan
+    (``member_of``, ``chunks``, ``transfers``, ``replicas``, … are the Plan's) and renders as
+    ``vkpool plan`` does (:mod:`vkpool.partition.render`)."""
 
-    Reads like the Plan (``member_of``, ``chunks``, ``transfers``, ``replicas``, … are the
-    Plan's) and renders with :mod:`vkpool.partition.render`, followed by what each chunk
-    holds once compiled.
-    """
-
-    def __init__(self, plan: Any, graph: Any, executor: Any) -> None:
+    def __init__(self, plan: Any, graph: Any) -> None:
         self.partition_plan = plan
         self.graph = graph
-        self._executor = executor
 
     def __getattr__(self, name: str) -> Any:
-        if name == "partition_plan":  # not set yet (during unpickling or a failed __init__)
+        if name in ("partition_plan", "graph"):  # not set yet (during unpickling or a failed __init__)
             raise AttributeError(name)
         return getattr(self.partition_plan, name)
 
@@ -92,7 +88,36 @@ class MultiMemberPlan:
     def to_dict(self) -> dict[str, Any]:
         from vkpool.partition.render import to_json_dict
 
-        out = to_json_dict(self.partition_plan)
+        return to_json_dict(self.partition_plan)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_text(self) -> str:
+        from vkpool.partition.render import to_text
+
+        return to_text(self.partition_plan)
+
+    def render(self, fmt: str) -> str:
+        """``text``, ``json``, ``dot`` or ``svg``, as ``vkpool plan --format`` writes them."""
+        from vkpool.partition.render import render
+
+        return render(self.graph, self.partition_plan, fmt)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+class MultiMemberPlan(PlanView):
+    """The plan a session runs over several members, followed by what each chunk holds once
+    compiled."""
+
+    def __init__(self, plan: Any, graph: Any, executor: Any) -> None:
+        super().__init__(plan, graph)
+        self._executor = executor
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
         out["compiled"] = [
             {"copy": copy.index, "chunk": stage.index, "member": stage.member.id, "ops": len(stage.nodes),
              "weights": stage.chunk.stats.weight_bytes, "activations": stage.chunk.stats.arena_bytes,
@@ -102,13 +127,8 @@ class MultiMemberPlan:
         ]
         return out
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
     def to_text(self) -> str:
-        from vkpool.partition.render import to_text
-
-        lines = [to_text(self.partition_plan).rstrip("\n"), "", f"Compiled, run by {self._executor.runs_in}:"]
+        lines = [super().to_text().rstrip("\n"), "", f"Compiled, run by {self._executor.runs_in}:"]
         for copy in self._executor.copies:
             for stage in copy.stages:
                 s = stage.chunk.stats
@@ -117,9 +137,6 @@ class MultiMemberPlan:
                              f"{s.dispatches} dispatches; weights {format_size(s.weight_bytes)}, "
                              f"activations {format_size(s.arena_bytes)}, inputs/outputs {format_size(s.io_bytes)}")
         return "\n".join(lines) + "\n"
-
-    def __str__(self) -> str:
-        return self.to_text()
 
 
 def planner_members(pool: Any, ids: Sequence[str] | None = None,

@@ -10,8 +10,9 @@ over every member; with ``objective="throughput"`` whole copies on every member 
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping, Sequence
+
+from vkpool.placement import PlanView
 
 
 def place_on_cluster(model: bytes | str, members: Sequence[Any], *, objective: str = "latency",
@@ -65,41 +66,8 @@ def place_on_cluster(model: bytes | str, members: Sequence[Any], *, objective: s
     return loaded, graph, chosen
 
 
-class ClusterPlan:
+class ClusterPlan(PlanView):
     """A cluster's Plan as a session runs it: reads like the Plan (``member_of``, ``chunks``,
     ``transfers``, ``replicas``, ...) and renders as ``vkpool plan`` does."""
 
-    def __init__(self, plan: Any, graph: Any) -> None:
-        self.partition_plan = plan
-        self.graph = graph
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("partition_plan", "graph"):
-            raise AttributeError(name)
-        return getattr(self.partition_plan, name)
-
-    @property
-    def assignment(self) -> dict[str, str]:
-        return dict(self.partition_plan.member_of)
-
-    def to_dict(self) -> dict[str, Any]:
-        from vkpool.partition.render import to_json_dict
-
-        return to_json_dict(self.partition_plan)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def to_text(self) -> str:
-        from vkpool.partition.render import to_text
-
-        return to_text(self.partition_plan)
-
-    def render(self, fmt: str) -> str:
-        """``text``, ``json``, ``dot`` or ``svg``, as ``vkpool plan --format`` writes them."""
-        from vkpool.partition.render import render
-
-        return render(self.graph, self.partition_plan, fmt)
-
-    def __str__(self) -> str:
-        return self.to_text()
