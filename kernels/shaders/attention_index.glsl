@@ -2,21 +2,17 @@
 // the push constants (``bias`` reads pc.mask and pc.nonpad). Defines as attention.comp describes.
 #define NEG_INF uintBitsToFloat(0xff800000u)
 
-uint q_index(uint b, uint h, uint i, uint d) {
+// Q and Y share a layout: [B, S, HQ*dim] (Q3D) or [B, HQ, S, dim]
+uint query_index(uint b, uint h, uint i, uint d, uint dim) {
 #if Q3D
-    return ((b * S + i) * HQ + h) * D + d;
+    return ((b * S + i) * HQ + h) * dim + d;
 #else
-    return ((b * HQ + h) * S + i) * D + d;
+    return ((b * HQ + h) * S + i) * dim + d;
 #endif
 }
 
-uint y_index(uint b, uint h, uint i, uint d) {
-#if Q3D
-    return ((b * S + i) * HQ + h) * DV + d;
-#else
-    return ((b * HQ + h) * S + i) * DV + d;
-#endif
-}
+uint q_index(uint b, uint h, uint i, uint d) { return query_index(b, h, i, d, D); }
+uint y_index(uint b, uint h, uint i, uint d) { return query_index(b, h, i, d, DV); }
 
 uint kv_index(uint b, uint h, uint j, uint d, uint dim) {
 #if KV3D
