@@ -56,6 +56,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -294,7 +295,7 @@ def plan_copies(pool: Any, model: LoadedModel, plan: Any, graph: Any) -> list[Mo
 
 
 # -- the pipeline of a plan ------------------------------------------------------------------------
-class Pipeline:
+class Pipeline(ABC):
     """A request's bookkeeping over a plan's copies (see the module doc); a backend subclass
     says how a stage is launched (:meth:`_launch`) and reports each launched stage's end
     (:meth:`_run_ended`)."""
@@ -326,9 +327,9 @@ class Pipeline:
     def _prepare(self, request: Request) -> None:
         """Before its first stages launch (the request has its copy and place); may raise."""
 
+    @abstractmethod
     def _launch(self, request: Request, stage: Stage) -> None:
         """Starts ``stage`` for ``request``, or queues it; its end must come to :meth:`_run_ended`."""
-        raise NotImplementedError
 
     def _absorb(self, request: Request, stage: Stage, produced: Mapping[str, np.ndarray]) -> None:
         request.values.update(produced)
