@@ -390,8 +390,7 @@ def remote_plan(args: argparse.Namespace) -> int:
         session.close()
     fmt = getattr(args, "format", "text")
     text = json.dumps(reply["plan"], indent=2) + "\n" if fmt == "json" else reply["text"].rstrip("\n") + "\n"
-    if getattr(args, "output", None):
-        Path(args.output).write_text(text)
-    else:
-        sys.stdout.write(text)
+    from vkpool.partition.cli import write_plan
+
+    write_plan(text, getattr(args, "output", None))
     return 0

@@ -73,12 +73,16 @@ def run_plan(args: argparse.Namespace) -> int:
     model = _static_model(args.model, args.batch or 1)
     G, plan = place_model(model, members, objective=args.objective or "latency", algorithm=args.algorithm or "dp",
                           plan_over_all=bool(args.devices), policy=placement_policy(load_config(None)))
-    text = render(G, plan, args.format)
-    if args.output:
-        Path(args.output).write_text(text)
+    write_plan(render(G, plan, args.format), args.output)
+    return 0
+
+
+def write_plan(text: str, output: str | None) -> None:
+    """A rendered plan to the file ``output`` names, else to standard output."""
+    if output:
+        Path(output).write_text(text)
     else:
         sys.stdout.write(text)
-    return 0
 
 
 def _static_model(path: str, batch: int) -> Any:

@@ -5,7 +5,6 @@ running. The full sizes and the whole corpus run in ``make realworld``."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -48,6 +48,7 @@ import numpy as np
 
 from vkpool.kernels.base import OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.ops.gemm import ACTIVATIONS, apply_activation
+from vkpool.kernels.ops.unary import erf64
 
 if TYPE_CHECKING:
     from vkpool.model import LoadedModel, Node
@@ -205,11 +206,10 @@ def _fold_matmul_bias(model: LoadedModel, g: _Graph, matmul: Node, add: Node, fi
 
 # -- activations ------------------------------------------------------------------------------
 
-_erf = np.vectorize(math.erf, otypes=[np.float64])
 #: element-wise ops a spelled-out activation may use, as float64 numpy functions
 _SMOOTH: dict[str, Callable[..., np.ndarray]] = {
     "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
-    "Erf": _erf, "Tanh": np.tanh, "Sqrt": np.sqrt, "Neg": np.negative, "Reciprocal": np.reciprocal,
+    "Erf": erf64, "Tanh": np.tanh, "Sqrt": np.sqrt, "Neg": np.negative, "Reciprocal": np.reciprocal,
 }
 #: the most nodes a spelled-out activation may take (GELU's tanh form takes 8 or 9)
 _MAX_CHAIN = 12

@@ -128,7 +128,7 @@ def _attention(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any] | Non
     dot-product attention) in ops of opset 13 for the case the fusion makes: 3-D Q/K/V with as
     many key heads as query heads, an optional float or bool mask, an optional causal flag, one
     output; None for any other (the chunk then stays as it is)."""
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     a = node.attrs
     ins = list(node.inputs) + [""] * (4 - len(node.inputs))

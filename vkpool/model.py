@@ -630,7 +630,6 @@ def _bind_dims(graph: onnx.GraphProto, batch: int, dims: dict[str, int], shapes:
     ``shapes[input]`` gives every dim of that input; else a named dim takes ``dims[name]``; else
     the first dim of an input takes ``batch``. (A negative dim was made one without a name.)
     """
-    import onnx
 
     binding = dict(dims)
     symbolic: dict[str, tuple[int, ...]] = {}

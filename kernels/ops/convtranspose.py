@@ -112,7 +112,7 @@ class ConvTranspose(Op):
                        for k, d, s, i in zip(kk, self.dil, self.strides, x.shape[2:]))
             for gi in range(g):
                 xs = x[:, gi * cig:(gi + 1) * cig].astype(np.float64)
-                ws = w[gi * cig:(gi + 1) * cig, :, *kk].astype(np.float64)  # [cig, cog]
+                ws = w[(slice(gi * cig, (gi + 1) * cig), slice(None), *kk)].astype(np.float64)  # [cig, cog]
                 canvas[(slice(None), slice(gi * cog, (gi + 1) * cog), *sl)] += np.einsum("nc...,co->no...", xs, ws)
         crop = tuple(slice(p, p + o) for p, o in zip(self.begin, self.out_sp))
         y = canvas[(slice(None), slice(None), *crop)]

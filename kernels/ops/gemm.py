@@ -18,7 +18,6 @@ once, at load time:
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -29,9 +28,9 @@ from vkpool.kernels.base import (
     ceil_div, check_grid, groups_1d,
 )
 from vkpool.kernels.broadcast import broadcast_strides
+from vkpool.kernels.ops.unary import erf64
 
 _F32 = np.dtype(np.float32)
-_erf = np.vectorize(math.erf, otypes=[np.float64])
 _MAX_GROUPS = 65535
 #: workgroups a GEMV should spread over so that every multiprocessor of a large GPU streams
 _GEMV_TARGET_GROUPS = 1024
@@ -318,7 +317,7 @@ def apply_activation(code: int, y: np.ndarray) -> np.ndarray:
     if code == 1:
         return np.maximum(y, 0)
     if code == 2:
-        return 0.5 * y * (1 + _erf(y / np.sqrt(2)))
+        return 0.5 * y * (1 + erf64(y / np.sqrt(2)))
     if code == 3:
         return 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
     return y

@@ -88,7 +88,8 @@ def _softplus(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
 
 
-_erf = np.vectorize(math.erf, otypes=[np.float64])
+#: erf over an array, in float64: the host references of Erf, Gelu and the fused GELU epilogue
+erf64 = np.vectorize(math.erf, otypes=[np.float64])
 
 
 class Relu(Unary):
@@ -223,7 +224,7 @@ class Erf(Unary):
     code = 18
     cost = 12
 
-    compute = staticmethod(_erf)
+    compute = staticmethod(erf64)
 
 
 class Gelu(Unary):
@@ -244,7 +245,7 @@ class Gelu(Unary):
     def compute(self, x: np.ndarray) -> np.ndarray:
         if self.tanh:
             return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
-        return 0.5 * x * (1 + _erf(x / math.sqrt(2)))
+        return 0.5 * x * (1 + erf64(x / math.sqrt(2)))
 
 
 class Elu(Unary):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +72,7 @@ def run_cluster_plan(args: argparse.Namespace) -> int:
             what_if = {k: parse_size(v) - used[k] for k, v in overrides.items()}
             members = cluster.planner_members(what_if)
         _, graph, plan = place_on_cluster(model, members, **options)
-    text = render(graph, plan, args.format)
-    if args.output:
-        Path(args.output).write_text(text)
-    else:
-        sys.stdout.write(text)
+    from vkpool.partition.cli import write_plan
+
+    write_plan(render(graph, plan, args.format), args.output)
     return 0
