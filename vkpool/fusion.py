@@ -378,10 +378,9 @@ def _masks(g: _Graph, z: str, shape: tuple[int, ...]) -> list[tuple[str, dict, l
                     and (keep.reshape(s, t) == np.tril(np.ones((s, t), bool))).all():
                 found.append((where.inputs[scores_at], {"causal": True}, [where]))
                 continue
-            name = g.model.fresh_name(f"{where.inputs[0]}_keep")
-            g.model.constants[name] = np.ascontiguousarray(keep)
-            g.model.tensors[name] = TensorInfo(keep.shape, np.bool_)
-            found.append((where.inputs[scores_at], {"mask": name}, [where]))
+            # the mask becomes a constant only if the attention is fused (_fuse_attention_from)
+            found.append((where.inputs[scores_at], {"keep": np.ascontiguousarray(keep), "of": where.inputs[0]},
+                          [where]))
     found.append((z, {}, []))
     return found
 
@@ -432,12 +431,14 @@ def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict
     oinfo, qinfo = model.tensors.get(o3), model.tensors.get(q[0])
     if not o3 or oinfo is None or qinfo is None or len(oinfo.shape) != 3 or oinfo.shape[:2] != qinfo.shape[:2]:
         return False
+    keep = extra.get("keep")
+    mask_info = TensorInfo(keep.shape, np.bool_) if keep is not None else model.tensors.get(extra.get("mask", ""))
     inputs = [q[0], k[0], v[0], extra.get("mask", "")]
     attrs = {"q_num_heads": q[1], "kv_num_heads": k[1], "scale": scale, "is_causal": int(extra.get("causal", False))}
     from vkpool.kernels.registry import create_op  # the registry imports every op module
 
     try:
-        op = create_op("Attention", attrs, [model.tensors[i] if i else None for i in inputs],
+        op = create_op("Attention", attrs, [model.tensors[i] for i in inputs[:3]] + [mask_info],
                        {}, opset=model.opset, num_outputs=1)
         if op.output_infos()[0] != oinfo:
             return False
@@ -445,6 +446,10 @@ def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict
         return False
     if v[1] != k[1]:
         return False
+    if keep is not None:
+        inputs[3] = model.fresh_name(f"{extra['of']}_keep")
+        model.constants[inputs[3]] = keep
+        model.tensors[inputs[3]] = mask_info
     removed = [qk, *scale_nodes, *mask_nodes, softmax, pv, tr, merge]
     for t4 in (qk.inputs[0], qk.inputs[1], pv.inputs[1]):
         node = g.producer[t4]
