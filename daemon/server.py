@@ -244,7 +244,7 @@ class Server:
             else:
                 self._sent(status, body)
                 return True
-        size = sum(len(memoryview(f.buffer if isinstance(f, zmq.Frame) else f)) for f in body)
+        size = sum(memoryview(f.buffer if isinstance(f, zmq.Frame) else f).nbytes for f in body)
         if self._waiting_bytes.get(client, 0) + size > REPLY_WAIT_BYTES:
             self._unread(client)
             return False
