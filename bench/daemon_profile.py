@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -51,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--transport", choices=["lane", "zmq"], default="lane")
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     args = parser.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     work = Path(tempfile.mkdtemp(prefix="vkpool-profile-"))
@@ -60,16 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with daemon.client(local_lane=args.transport == "lane") as c:
             c.session(model, **(batching or {}))  # loaded (and compiled) before the clients start
-            result: dict = {}
-            load = threading.Thread(target=lambda: result.update(
-                B.throughput(daemon.endpoint, model, args.clients, args.seconds, args.transport, batching)))
-            load.start()
             raw = args.out / "daemon-profile.txt"
             args.out.mkdir(parents=True, exist_ok=True)
-            subprocess.run([spy, "record", "-p", str(daemon.proc.pid), "-d", str(max(1, int(args.seconds) - 1)),
-                            "-r", "500", "-f", "raw", "-o", str(raw), "--threads", "--nonblocking"],
-                           check=False, capture_output=True)
-            load.join()
+            spy_args = [spy, "record", "-p", str(daemon.proc.pid), "-d", str(max(1, int(args.seconds) - 1)),
+                        "-r", "500", "-f", "raw", "-o", str(raw), "--threads", "--nonblocking",
+                        *(["--gil"] if args.gil else [])]
+            recording: list[subprocess.Popen] = []
+            # sampled while the clients run, not while they start
+            result = B.throughput(daemon.endpoint, model, args.clients, args.seconds, args.transport, batching,
+                                  daemon.proc.pid, lambda: recording.append(subprocess.Popen(
+                                      spy_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+            for proc in recording:
+                proc.wait(60)
         print(f"{args.clients} clients over {args.transport}: {result}")
         if raw.exists():
             print(summarize(raw.read_text()))

@@ -51,6 +51,7 @@ with Client(endpoint, local_lane=lane) as client:
     sys.stdout.write("ready\\n"); sys.stdout.flush()
     sys.stdin.readline()
     lat, clock = [], time.perf_counter
+    cpu0 = time.process_time()
     end = clock() + seconds
     while True:
         t0 = clock()
@@ -58,9 +59,10 @@ with Client(endpoint, local_lane=lane) as client:
             break
         session.run(None, feeds)
         lat.append(clock() - t0)
+    cpu = time.process_time() - cpu0
     lat = np.sort(np.asarray(lat)) * 1e6
     keep = lat[np.linspace(0, len(lat) - 1, min(len(lat), 2000)).astype(int)] if len(lat) else lat
-    print(json.dumps({"jobs": len(lat), "latency_us": [round(float(v), 1) for v in keep]}))
+    print(json.dumps({"jobs": len(lat), "cpu_s": cpu, "latency_us": [round(float(v), 1) for v in keep]}))
 """
 
 
@@ -117,23 +119,42 @@ def interleaved_latency(runs: dict[str, Callable[[], Any]], total: int, warmup: 
     return times
 
 
-def throughput(endpoint: str, model: Path, clients: int, seconds: float, transport: str = "zmq",
-               batching: dict[str, Any] | None = None) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a process has used so far (Linux ``/proc``), 0.0 elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(endpoint: str | list[str], model: Path, clients: int, seconds: float, transport: str = "zmq",
+               batching: dict[str, Any] | None = None, daemon_pid: int | list[int] | None = None,
+               on_start: Callable[[], Any] | None = None) -> dict[str, float]:
     """Jobs per second completed by ``clients`` processes running together over ``transport``, with
-    the p50 and p99 of their latencies (each client's latencies subsampled to 2000, pooled)."""
-    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoint, str(model), str(seconds), transport,
-                               json.dumps(batching or {})],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(clients)]
+    the p50 and p99 of their latencies (each client's latencies subsampled to 2000, pooled), and
+    the CPU the clients (together) and the daemon (``daemon_pid``) used meanwhile, in cores.
+    ``on_start`` is called once the clients are told to start. With several endpoints (and
+    daemons), the clients are dealt to them in turn."""
+    endpoints = [endpoint] if isinstance(endpoint, str) else endpoint
+    pids = [] if daemon_pid is None else [daemon_pid] if isinstance(daemon_pid, int) else daemon_pid
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoints[i % len(endpoints)], str(model), str(seconds),
+                               transport, json.dumps(batching or {})],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(clients)]
     try:
         for p in procs:
             assert p.stdout is not None
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a bench client exited {p.wait()} before it was ready")
+        daemon_cpu = sum(cpu_seconds(pid) for pid in pids)
         for p in procs:  # start together
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
+        if on_start is not None:
+            on_start()
         answers = [json.loads(p.communicate(timeout=seconds + 120)[0].strip().splitlines()[-1]) for p in procs]
+        daemon_cpu = sum(cpu_seconds(pid) for pid in pids) - daemon_cpu
     finally:
         for p in procs:
             if p.poll() is None:
@@ -141,8 +162,11 @@ def throughput(endpoint: str, model: Path, clients: int, seconds: float, transpo
                 p.wait()
     pooled = np.concatenate([np.asarray(a["latency_us"]) for a in answers])
     p50, p99 = np.percentile(pooled, [50, 99]) if pooled.size else (0.0, 0.0)
-    return {"jobs_per_s": round(sum(a["jobs"] for a in answers) / seconds, 1), "p50_us": round(float(p50), 1),
-            "p99_us": round(float(p99), 1)}
+    result = {"jobs_per_s": round(sum(a["jobs"] for a in answers) / seconds, 1), "p50_us": round(float(p50), 1),
+              "p99_us": round(float(p99), 1), "clients_cpu": round(sum(a["cpu_s"] for a in answers) / seconds, 2)}
+    if pids:
+        result["daemon_cpu"] = round(daemon_cpu / seconds, 2)
+    return result
 
 
 class BenchDaemon:
@@ -210,7 +234,8 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
                 for t in transports:
                     entry[t] = summary_us(times[t])
                 entry["added_us"] = {t: round(entry[t]["median_us"] - base["median_us"], 1) for t in transports}
-                entry["throughput"] = {t: {str(n): throughput(daemon.endpoint, path, n, seconds, t, batching)
+                entry["throughput"] = {t: {str(n): throughput(daemon.endpoint, path, n, seconds, t, batching,
+                                                               daemon.proc.pid)
                                            for n in clients} for t in transports}
                 entry["jobs_per_s"] = {t: {n: r["jobs_per_s"] for n, r in by.items()}
                                        for t, by in entry["throughput"].items()}
@@ -258,15 +283,17 @@ def to_markdown(report: dict[str, Any]) -> str:
     if batching:
         lines += ["", f"Batching: max_batch {batching['max_batch']}, max_queue_delay "
                       f"{batching.get('max_queue_delay', 0) * 1e6:g} µs."]
-    lines += ["", "| model | transport | " + " | ".join(f"{n} client{'s' if n > 1 else ''}: jobs/s (p50 / p99 µs)"
-                                                      for n in counts) + " |",
+    lines += ["", "CPU: cores busy in the daemon / in the clients together, while they ran.",
+              "", "| model | transport | " + " | ".join(f"{n} client{'s' if n > 1 else ''}: jobs/s (p50 / p99 µs; "
+                                                          "CPU)" for n in counts) + " |",
               "|---|---|" + "---|" * len(counts)]
     for name, r in report["models"].items():
         for t in transports:
             cells = []
             for n in counts:
                 f = r["throughput"][t][str(n)]
-                cells.append(f"{f['jobs_per_s']:.0f} ({f['p50_us']:.0f} / {f['p99_us']:.0f})")
+                cpu = f"; {f['daemon_cpu']:.2f} / {f['clients_cpu']:.2f}" if "daemon_cpu" in f else ""
+                cells.append(f"{f['jobs_per_s']:.0f} ({f['p50_us']:.0f} / {f['p99_us']:.0f}{cpu})")
             lines.append(f"| {name} | {_NAMES[t]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -545,6 +545,8 @@ def test_the_bench_reports_both_transports(folder: Path) -> None:
         assert entry["added_us"][transport] == pytest.approx(
             entry[transport]["median_us"] - entry["in_process"]["median_us"], abs=0.2)
         assert entry["jobs_per_s"][transport]["1"] > 0
+        figures = entry["throughput"][transport]["1"]
+        assert figures["daemon_cpu"] > 0 and figures["clients_cpu"] > 0  # cores busy while the clients ran
     assert "| local lane |" in done.stdout and "added, ZeroMQ" in done.stdout
 
 
