@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import vkpool
 from vkpool.batching import Batcher, BatchingError, BatchRunner, variant_sizes
+from vkpool.pipeline import RequestStats
 from vkpool.session import InvalidInput
 
 RNG = np.random.default_rng(11)
@@ -141,9 +142,10 @@ def test_a_failing_batch_fails_only_its_own_requests(pool):
             with pytest.raises(MemoryError, match="batch-4"):
                 f.result(timeout=30)
         after = b.submit({"x": three[:2]})
-        np.testing.assert_allclose(after.result(timeout=30)[0], reference(three[:2]), rtol=1e-4, atol=1e-6)
-        s = b.stats.snapshot()
+        np.testing.assert_allclose(after.result(timeout=30)["y"], reference(three[:2]), rtol=1e-4, atol=1e-6)
+        s = b.batch_stats.snapshot()
         assert (s["batches"], s["failed_batches"], s["requests"]) == (3, 1, 4)
+        assert b.stats() == RequestStats(accepted=4, ok=2, failed=2)
     finally:
         b.close()
         runner.close()

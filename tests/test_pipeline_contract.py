@@ -1,10 +1,11 @@
 """The request pipeline's contract (``vkpool.pipeline``), the same test for every runner: one
 member in the caller's thread, a plan over two members in threads, the same plan in worker
-processes, and a model cut at a data-dependent shape. Each runner gives the outputs of the ONNX
-reference evaluator (rtol 1e-4, atol 1e-5: float32 on the device), fails a failing request
-exactly once with that request's error and no other, balances its counts (accepted = ok +
-failed + pending), and on close ends every request it accepted (a result, or the error that
-says it was closed) and refuses new ones. On lavapipe split in two members."""
+processes, a model cut at a data-dependent shape, and the in-process batcher (dynamic batching).
+Each runner gives the outputs of the ONNX reference evaluator (rtol 1e-4, atol 1e-5: float32 on
+the device), fails a failing request exactly once with that request's error and no other,
+balances its counts (accepted = ok + failed + pending), and on close ends every request it
+accepted (a result, or the error that says it was closed) and refuses new ones. On lavapipe
+split in two members."""
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -20,9 +21,9 @@ from conftest import vulkan_pool
 from test_dynamic_shapes import nonzero_model
 from vkpool.config.loader import parse_config
 from vkpool.pipeline import InlineRunner, RequestStats
-from vkpool.session import Session
+from vkpool.session import InvalidInput, Session
 
-KINDS = ["inline", "threads", "processes", "cut"]
+KINDS = ["inline", "threads", "processes", "cut", "batched"]
 #: more than the places of the plan's copy in threads (two run slots: its chunks share a device)
 #: and in processes (six mailboxes), so requests submitted back to back wait in the backlog too
 REQUESTS = 8
@@ -54,6 +55,9 @@ def _open(kind: str, pool: Any) -> tuple[Session, onnx.ModelProto, list[dict[str
     feeds = [{"x": rng.standard_normal((1, 1, 28, 28)).astype(np.float32)} for _ in range(REQUESTS)]
     if kind == "inline":
         return Session(data, pool=pool, device="vk0.0"), model, feeds
+    if kind == "batched":
+        model = workloads.symbolic_batch(model)
+        return Session(model.SerializeToString(), pool=pool, device="vk0.0", max_batch=4), model, feeds
     with Session(data, pool=pool, device="vk0.0") as probe:
         plan = _halves(probe)
     return Session(data, pool=pool, plan=plan, processes=kind == "processes"), model, feeds
@@ -75,7 +79,7 @@ def _balanced(stats: RequestStats) -> bool:
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_runner_keeps_the_contract(pool2, kind: str) -> None:
     session, model, feeds = _open(kind, pool2)
-    runner = session.runner
+    runner = session._batcher if kind == "batched" else session.runner
     try:
         assert isinstance(runner, InlineRunner) == (kind in ("inline", "cut"))
         assert runner.stats() == RequestStats()
@@ -102,13 +106,24 @@ def test_every_runner_keeps_the_contract(pool2, kind: str) -> None:
         _assert_outputs(around[0].result(timeout=120), model, feeds[0])
         _assert_outputs(around[2].result(timeout=120), model, feeds[2])
         assert done == [around[1]]
-        # a request whose input cannot be fed (twice the rows) fails in the runner, and only it
-        wrong = {name: np.concatenate([value, value]) for name, value in feeds[3].items()}
-        bad, good = runner.submit(wrong), runner.submit(feeds[3])
-        assert isinstance(bad.exception(timeout=120), Exception)
+        if kind == "batched":
+            # the batcher checks a request before it joins a batch: one it cannot feed (another
+            # element type) is refused by submit, never accepted, and the next one runs
+            wrong = {name: value.astype(np.float64) for name, value in feeds[3].items()}
+            with pytest.raises(InvalidInput, match="must be float32"):
+                runner.submit(wrong)
+            failed = 1
+        else:
+            # a request whose input cannot be fed (twice the rows) fails in the runner, and only it
+            wrong = {name: np.concatenate([value, value]) for name, value in feeds[3].items()}
+            bad = runner.submit(wrong)
+            assert isinstance(bad.exception(timeout=120), Exception)
+            failed = 2
+        good = runner.submit(feeds[3])
         _assert_outputs(good.result(timeout=120), model, feeds[3])
         stats = runner.stats()
-        assert stats == RequestStats(accepted=6 + REQUESTS, ok=4 + REQUESTS, failed=2), stats
+        accepted = 4 + failed + REQUESTS
+        assert stats == RequestStats(accepted=accepted, ok=4 + REQUESTS, failed=failed), stats
 
         # closing ends every request accepted before it, and refuses the next
         last = [runner.submit(f) for f in feeds]
@@ -122,8 +137,8 @@ def test_every_runner_keeps_the_contract(pool2, kind: str) -> None:
                 assert isinstance(error, RuntimeError) and "closed" in str(error)
                 closed += 1
         stats = runner.stats()
-        assert _balanced(stats) and stats.pending == 0 and stats.accepted == 6 + 2 * REQUESTS
-        assert stats.failed == 2 + closed
+        assert _balanced(stats) and stats.pending == 0 and stats.accepted == accepted + REQUESTS
+        assert stats.failed == failed + closed
         with pytest.raises(RuntimeError, match="closed"):
             runner.submit(feeds[0])
     finally:

@@ -34,6 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from vkpool.pipeline import RequestStats
+
 
 class BatchingError(ValueError):
     """The model cannot be batched as asked (no batch dimension, outputs that do not follow it)."""
@@ -55,6 +57,8 @@ class _Request:
     future: Future
     arrived: float
     deadline: float  # perf_counter time after which it may no longer start; inf: none
+    shape: Callable[[dict[str, np.ndarray]], Any] | None = None  # applied to the request's outputs
+    settled: bool = False  # counted (Batcher._ended)
 
 
 @dataclass
@@ -219,23 +223,31 @@ class BatchRunner:
 
 class Batcher:
     """Groups requests submitted in this process into batched runs (module docstring): a queue
-    and a dispatcher thread (started at the first request) over a :class:`BatchRunner`."""
+    and a dispatcher thread (started at the first request) over a :class:`BatchRunner`. It is a
+    runner of the request pipeline (:mod:`vkpool.pipeline`): ``submit``, ``run``, ``close`` and
+    ``stats`` keep the contract every runner keeps."""
+
+    runs_in = "a batching thread, over a variant per batch size"
 
     def __init__(self, runner: BatchRunner, name: str = "model") -> None:
         self.runner = runner
         self.max_batch = runner.max_batch
         self.max_queue_delay = runner.max_queue_delay
-        self.stats = runner.stats
+        self.batch_stats = runner.stats
         self.name = name
         self._queue: deque[_Request] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._accepted = self._ok = self._failed = 0
 
-    def submit(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
-               timeout: float | None = None) -> Future:
-        """Queues a request; its future gives the outputs named (all, in model order, when None),
-        each with the request's own rows. ``timeout``: seconds it may wait before its batch starts."""
+    def submit(self, feeds: Mapping[str, Any], shape: Callable[[dict[str, np.ndarray]], Any] | None = None, *,
+               output_names: Sequence[str] | None = None, timeout: float | None = None) -> Future:
+        """Queues a request; its future gives ``{output name: array}`` of the outputs named (all
+        when None), each with the request's own rows, or what ``shape`` makes of that (an error
+        ``shape`` raises is the request's). ``timeout``: seconds it may wait before its batch
+        starts. A request that does not fit the model is refused here, before it is accepted
+        (:class:`~vkpool.session.InvalidInput`): it never joins a batch."""
         from vkpool.session import InvalidInput
 
         arrays, rows = self.runner.check(feeds, output_names)
@@ -243,7 +255,7 @@ class Batcher:
             raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout}")
         now = time.perf_counter()
         request = _Request(arrays, rows, list(output_names) if output_names is not None else None, Future(), now,
-                           now + timeout if timeout is not None else float("inf"))
+                           now + timeout if timeout is not None else float("inf"), shape)
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the batcher of {self.name!r} is closed")
@@ -251,8 +263,36 @@ class Batcher:
                 self._thread = threading.Thread(target=self._loop, name=f"vkpool-batcher-{self.name}", daemon=True)
                 self._thread.start()
             self._queue.append(request)
+            self._accepted += 1
             self._cond.notify()
         return request.future
+
+    def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """:meth:`submit` and wait: the request runs in a batch with what else is queued."""
+        return self.submit(feeds).result()
+
+    def stats(self) -> RequestStats:
+        with self._cond:
+            ended = self._ok + self._failed
+            return RequestStats(self._accepted, self._ok, self._failed, self._accepted - ended)
+
+    def _ended(self, request: _Request, result: Any = None, error: BaseException | None = None) -> None:
+        """Settle a request, exactly once: counted, then its future answered (a cancelled one
+        is only counted)."""
+        with self._cond:
+            if request.settled:
+                return
+            request.settled = True
+            if error is None and not request.future.cancelled():
+                self._ok += 1
+            else:
+                self._failed += 1
+        if request.future.cancelled():
+            return
+        if error is None:
+            request.future.set_result(result)
+        else:
+            request.future.set_exception(error)
 
     def _take_batch(self) -> list[_Request] | None:
         """The next batch, waiting for its first request and then up to the queue delay."""
@@ -291,31 +331,39 @@ class Batcher:
             for r in batch:
                 if r.deadline < start:
                     if r.future.set_running_or_notify_cancel():
-                        r.future.set_exception(TimeoutError(f"the request waited past its timeout before its "
-                                                            f"batch started ({(start - r.arrived) * 1e3:.1f} ms)"))
-                        self.stats.timed_out += 1
+                        self.batch_stats.timed_out += 1
+                        self._ended(r, error=TimeoutError(f"the request waited past its timeout before its "
+                                                          f"batch started ({(start - r.arrived) * 1e3:.1f} ms)"))
                     else:
-                        self.stats.cancelled += 1
+                        self.batch_stats.cancelled += 1
+                        self._ended(r)
                 elif r.future.set_running_or_notify_cancel():
                     live.append(r)
                 else:
-                    self.stats.cancelled += 1
+                    self.batch_stats.cancelled += 1
+                    self._ended(r)
             if not live:
                 continue
             for r in live:
-                self.stats.record_delay(start - r.arrived)
+                self.batch_stats.record_delay(start - r.arrived)
             try:
                 results = self.runner.run([(r.feeds, r.outputs) for r in live])
             except Exception as exc:  # the batch's own requests fail, each with the error; the next batch runs
                 for r in live:
-                    r.future.set_exception(exc)
+                    self._ended(r, error=exc)
                 continue
             for r, result in zip(live, results):
-                r.future.set_result(result)
+                produced = dict(zip(r.outputs or self.runner.outputs, result))
+                try:
+                    shaped = produced if r.shape is None else r.shape(produced)
+                except Exception as exc:  # the request's own shaping failed: only it fails
+                    self._ended(r, error=exc)
+                else:
+                    self._ended(r, shaped)
 
     def close(self) -> None:
-        """Stops the dispatcher; requests still queued fail with a RuntimeError. The runner's
-        variants are its owner's to close."""
+        """Stops the dispatcher once the batch it runs has ended; requests still queued fail with
+        a RuntimeError. The runner's variants are its owner's to close."""
         with self._cond:
             if self._closed:
                 return
@@ -326,6 +374,8 @@ class Batcher:
             thread = self._thread
         for r in pending:
             if r.future.set_running_or_notify_cancel():
-                r.future.set_exception(RuntimeError(f"the batcher of {self.name!r} was closed"))
+                self._ended(r, error=RuntimeError(f"the batcher of {self.name!r} was closed"))
+            else:
+                self._ended(r)
         if thread is not None and thread is not threading.current_thread():
             thread.join()

@@ -12,7 +12,10 @@ runners are:
 - :class:`~vkpool.executor.PlanExecutor`: a plan's chunks on their members, driven by one
   thread per member of this process;
 - :class:`~vkpool.processes.ProcessExecutor`: each chunk of the plan, and each replica, in a
-  worker process of its own.
+  worker process of its own;
+- :class:`~vkpool.batching.Batcher`: requests submitted together run as one batch on a variant
+  compiled at that batch size (dynamic batching, ``Session(..., max_batch=N)``), from a
+  dispatcher thread. It refuses a request it cannot feed in ``submit``, before accepting it.
 
 :class:`vkpool.session.Session` is a façade over one of them (``session.runner``). The daemon
 queues jobs per model and client (:mod:`vkpool.daemon.scheduler`: priorities, fairness, timeouts,

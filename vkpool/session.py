@@ -325,7 +325,7 @@ class Session:
         """The batcher's figures (:meth:`vkpool.batching.BatchStats.snapshot`), or None without ``max_batch``."""
         return None if self._batcher is None else {
             "max_batch": self._batcher.max_batch, "max_queue_delay": self._batcher.max_queue_delay,
-            **self._batcher.stats.snapshot()}
+            **self._batcher.batch_stats.snapshot()}
 
     def _candidates(self, device: str | None) -> list[Member]:
         if device is not None:
@@ -496,10 +496,11 @@ class Session:
         """
         if self._closed:
             raise RuntimeError("the session is closed")
-        if self._batcher is not None:
-            return self._batcher.submit(input_feed, output_names)
-        feeds = self._check_feeds(input_feed)
         names = self._output_list(output_names)
+        if self._batcher is not None:
+            return self._batcher.submit(input_feed, lambda produced: self._select(names, produced),
+                                        output_names=names)
+        feeds = self._check_feeds(input_feed)
         if self._other_shapes(feeds):
             done: Future = Future()
             try:
