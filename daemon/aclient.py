@@ -95,8 +95,9 @@ class AsyncClient:
     async def load_model(self, model: str | os.PathLike[str] | bytes, *, name: str | None = None,
                          keep_alive: float | None = None, batch: int | None = None,
                          dims: Mapping[str, int] | None = None, max_batch: int | None = None,
-                         max_queue_delay: float | None = None) -> dict[str, Any]:
-        content, frames = C.load_content(model, name, keep_alive, batch, dims, max_batch, max_queue_delay)
+                         max_queue_delay: float | None = None, objective: str | None = None) -> dict[str, Any]:
+        content, frames = C.load_content(model, name, keep_alive, batch, dims, max_batch, max_queue_delay,
+                                         objective)
         return (await self.request("load_model", content, frames))[0]["model"]
 
     async def infer(self, model_id: str, feeds: Mapping[str, Any], outputs: Iterable[str] | None = None, *,

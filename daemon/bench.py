@@ -38,11 +38,11 @@ _CLIENT = """
 import json, sys, time, numpy as np
 from vkpool.daemon.client import Client
 endpoint, model, seconds, lane = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "lane"
-batching = json.loads(sys.argv[5])
+load_options = json.loads(sys.argv[5])
 with Client(endpoint, local_lane=lane) as client:
     if client.local_lane != lane:
         raise SystemExit("the daemon offers no local lane")
-    session = client.session(model, **batching)
+    session = client.session(model, **load_options)
     rng = np.random.default_rng(0)
     feeds = {i.name: rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(i.dtype)
              for i in session.get_inputs()}
@@ -129,7 +129,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def throughput(endpoint: str | list[str], model: Path, clients: int, seconds: float, transport: str = "zmq",
-               batching: dict[str, Any] | None = None, daemon_pid: int | list[int] | None = None,
+               load_options: dict[str, Any] | None = None, daemon_pid: int | list[int] | None = None,
                on_start: Callable[[], Any] | None = None) -> dict[str, float]:
     """Jobs per second completed by ``clients`` processes running together over ``transport``, with
     the p50 and p99 of their latencies (each client's latencies subsampled to 2000, pooled), and
@@ -139,7 +139,7 @@ def throughput(endpoint: str | list[str], model: Path, clients: int, seconds: fl
     endpoints = [endpoint] if isinstance(endpoint, str) else endpoint
     pids = [] if daemon_pid is None else [daemon_pid] if isinstance(daemon_pid, int) else daemon_pid
     procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoints[i % len(endpoints)], str(model), str(seconds),
-                               transport, json.dumps(batching or {})],
+                               transport, json.dumps(load_options or {})],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(clients)]
     try:
         for p in procs:
@@ -204,12 +204,13 @@ class BenchDaemon:
 
 def measure(models: list[Path], *, config: str | None, runs: int, seconds: float,
             clients: list[int], transports: tuple[str, ...] = TRANSPORTS,
-            batching: dict[str, Any] | None = None) -> dict[str, Any]:
+            batching: dict[str, Any] | None = None, objective: str | None = None) -> dict[str, Any]:
     """Per model: the in-process latency, each transport's latency and added time, and jobs/s."""
     from contextlib import ExitStack
 
     from vkpool.session import Session
 
+    load = {**(batching or {}), **({"objective": objective} if objective else {})}  # load_model's options
     daemon = BenchDaemon(config)
     results: dict[str, Any] = {}
     try:
@@ -221,7 +222,7 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
             for path in models:
                 with Session(str(path), config=config) as local:
                     feeds = feeds_for(local.get_inputs())
-                    remote = {t: client.session(path, **(batching or {})) for t, client in via.items()}
+                    remote = {t: client.session(path, **load) for t, client in via.items()}
                     runners = {"in_process": lambda: local.run(None, feeds)}
                     for t, session in remote.items():
                         runners[t] = lambda session=session: session.run(None, feeds)
@@ -234,7 +235,7 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
                 for t in transports:
                     entry[t] = summary_us(times[t])
                 entry["added_us"] = {t: round(entry[t]["median_us"] - base["median_us"], 1) for t in transports}
-                entry["throughput"] = {t: {str(n): throughput(daemon.endpoint, path, n, seconds, t, batching,
+                entry["throughput"] = {t: {str(n): throughput(daemon.endpoint, path, n, seconds, t, load,
                                                                daemon.proc.pid)
                                            for n in clients} for t in transports}
                 entry["jobs_per_s"] = {t: {n: r["jobs_per_s"] for n, r in by.items()}
@@ -280,6 +281,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines.append(row)
     counts = report["clients"]
     batching = report.get("batching") or {}
+    if report.get("objective", "latency") != "latency":
+        lines += ["", f"Models loaded for {report['objective']} (`--objective`)."]
     if batching:
         lines += ["", f"Batching: max_batch {batching['max_batch']}, max_queue_delay "
                       f"{batching.get('max_queue_delay', 0) * 1e6:g} µs."]
@@ -314,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                              "exported with a symbolic batch dim)")
     parser.add_argument("--max-delay-us", type=float, default=0.0, metavar="US",
                         help="with --max-batch: how long a batch's first request may wait for company")
+    parser.add_argument("--objective", choices=["latency", "throughput"],
+                        help="load the models for this objective (throughput: a copy on every member that holds "
+                             "one; see `vkpool load --objective`)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON (and the table as .md)")
     args = parser.parse_args(argv)
     if args.max_batch is not None and args.max_batch < 1 or args.max_delay_us < 0:
@@ -329,13 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         models = [resolve_model(m, work, symbolic_batch=batching is not None) for m in args.models]
         transports = TRANSPORTS if args.transport == "both" else (args.transport,)
         figures = measure(models, config=args.config, runs=args.runs, seconds=args.seconds, clients=args.clients,
-                          transports=transports, batching=batching)
+                          transports=transports, batching=batching, objective=args.objective)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     command = "python -m vkpool.daemon.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"command": command.strip(), "environment": environment(), "runs": args.runs,
               "seconds": args.seconds, "clients": args.clients, "transports": list(transports), "models": figures,
-              "batching": batching}
+              "batching": batching, "objective": args.objective or "latency"}
     table = to_markdown(report)
     sys.stdout.write(table)
     if args.out is not None:

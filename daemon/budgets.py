@@ -55,7 +55,7 @@ def _replan(service: "Service", member: str, nbytes: int, old: int, affected: li
     opened: list[tuple["ModelEntry", Any]] = []
     try:
         for entry in affected:
-            opened.append((entry, service.open_session(entry.source, entry.binding, entry.batch_config)))
+            opened.append((entry, service.open_session(entry.source, entry.binding, entry.batch_config, entry.objective)))
     except Exception as exc:
         reason = classify(exc).message
         for _, session in opened:
@@ -74,7 +74,7 @@ def _replan(service: "Service", member: str, nbytes: int, old: int, affected: li
 def _reopen(service: "Service", entries: list["ModelEntry"]) -> None:
     for entry in entries:
         try:
-            entry.session = service.open_session(entry.source, entry.binding, entry.batch_config)
+            entry.session = service.open_session(entry.source, entry.binding, entry.batch_config, entry.objective)
             entry.refresh()
         except Exception:  # it fitted before under these budgets; a failure here is a bug
             log.exception("could not restore model %s after a refused budget change", entry.id[:12])

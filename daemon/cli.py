@@ -83,6 +83,10 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--max-delay", metavar="DURATION",
                    help="how long the first request of a batch may wait for company (200us, 2ms; default 0: "
                         "only what is queued already); needs --max-batch")
+    p.add_argument("--objective", choices=["latency", "throughput"],
+                   help="what the plan is made for: latency (default: one request soonest, the model whole on "
+                        "one member when one holds it) or throughput (most requests per second: a copy on every "
+                        "member that holds one, or pipeline stages)")
     endpoint(p)
     p.set_defaults(func=cmd_load, refuse=[
         ("--max-delay", "max_delay", lambda a: a.max_batch is None, "--max-delay needs --max-batch")])
@@ -234,14 +238,14 @@ def cmd_load(args: argparse.Namespace) -> int:
     delay = None if args.max_delay is None else parse_duration(args.max_delay)
     with _client(args) as client, _watch_load(client, args.model):
         model = client.load_model(args.model, keep_alive=keep_alive, batch=args.batch, dims=dims,
-                                  max_batch=args.max_batch, max_queue_delay=delay)
+                                  max_batch=args.max_batch, max_queue_delay=delay, objective=args.objective)
     memory = ", ".join(f"{k} {format_size(v)}" for k, v in model["memory_by_member"].items())
     kept = "forever" if model["keep_alive"] < 0 else f"{model['keep_alive']:g} s once unused"
     inputs = ", ".join(f"{i['name']}{i['shape']}" for i in model["inputs"])
     batching = model.get("batching")
     batched = (f"; batching up to {batching['max_batch']} rows, delay {batching['max_queue_delay'] * 1e6:g} us"
                if batching else "")
-    print(f"{model['id']} {model['name']} ({inputs}) on {memory}; kept {kept}{batched}")
+    print(f"{model['id']} {model['name']} ({inputs}) on {memory}; for {model['objective']}; kept {kept}{batched}")
     return 0
 
 

@@ -116,8 +116,11 @@ def outputs_of(content: dict[str, Any], frames: list[Any]) -> list[np.ndarray]:
 
 def load_content(model: str | os.PathLike[str] | bytes, name: str | None, keep_alive: float | None,
                  batch: int | None = None, dims: Mapping[str, int] | None = None, max_batch: int | None = None,
-                 max_queue_delay: float | None = None) -> tuple[dict[str, Any], list[Any]]:
+                 max_queue_delay: float | None = None, objective: str | None = None
+                 ) -> tuple[dict[str, Any], list[Any]]:
     content: dict[str, Any] = {"name": name, "keep_alive": keep_alive}
+    if objective is not None:
+        content["objective"] = objective
     if batch is not None:
         content["batch"] = int(batch)
     if max_batch is not None:
@@ -522,13 +525,15 @@ class Client:
     def load_model(self, model: str | os.PathLike[str] | bytes, *, name: str | None = None,
                    keep_alive: float | None = None, batch: int | None = None,
                    dims: Mapping[str, int] | None = None, max_batch: int | None = None,
-                   max_queue_delay: float | None = None) -> dict[str, Any]:
+                   max_queue_delay: float | None = None, objective: str | None = None) -> dict[str, Any]:
         """Load (or share) a model; ``batch``/``dims`` bind its symbolic dims as ``vkpool.Session``
         does (the same file with another binding is another model). ``max_batch``/``max_queue_delay``:
         the daemon batches the requests of every client of the model along its first dim
-        (``docs/daemon.md``, "Dynamic batching")."""
+        (``docs/daemon.md``, "Dynamic batching"). ``objective``: ``latency`` (default) or
+        ``throughput``, what the model's plan is made for (a copy per member that holds one, with
+        ``throughput``)."""
         return self.request("load_model", *load_content(model, name, keep_alive, batch, dims, max_batch,
-                                                        max_queue_delay))[0]["model"]
+                                                        max_queue_delay, objective))[0]["model"]
 
     def list_models(self) -> list[dict[str, Any]]:
         return self.request("list_models")[0]["models"]
@@ -567,9 +572,10 @@ class Client:
     def session(self, model: str | os.PathLike[str] | bytes, *, name: str | None = None,
                 keep_alive: float | None = None, batch: int | None = None,
                 dims: Mapping[str, int] | None = None, max_batch: int | None = None,
-                max_queue_delay: float | None = None) -> "RemoteSession":
+                max_queue_delay: float | None = None, objective: str | None = None) -> "RemoteSession":
         return RemoteSession(self, self.load_model(model, name=name, keep_alive=keep_alive, batch=batch, dims=dims,
-                                                   max_batch=max_batch, max_queue_delay=max_queue_delay))
+                                                   max_batch=max_batch, max_queue_delay=max_queue_delay,
+                                                   objective=objective))
 
 
 def value_infos(described: list[dict[str, Any]]) -> list[ValueInfo]:

@@ -73,8 +73,9 @@ def _f(name: str, kind: str, doc: str, *, required: bool = True, nullable: bool 
 
 _TENSOR_LIST = "list of `{name, dtype, shape}`, one per raw frame, in frame order"
 _MODEL_INFO = (
-    "`{id, name, binding, batching, inputs, outputs, memory_by_member, members, refs, keep_alive, idle_s, "
-    "queued, running, done}`; `binding` is `{batch, dims}` as loaded (empty when nothing was bound); "
+    "`{id, name, binding, objective, batching, inputs, outputs, memory_by_member, members, refs, keep_alive, "
+    "idle_s, queued, running, done}`; `binding` is `{batch, dims}` as loaded (empty when nothing was bound); "
+    "`objective` is what the model's plan was made for (`latency` or `throughput`); "
     "`batching` is null, or for a model that batches requests `{max_batch, max_queue_delay, batches, "
     "requests, rows, padded_rows, failed_batches, mean_batch_size, queue_delay_p50_us, queue_delay_p99_us}` "
     "(its first dim is then `\"batch\"`); `inputs`/`outputs` are lists of `{name, shape, type, dtype}`"
@@ -111,6 +112,11 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                         "no batching", required=False, nullable=True),
                      _f("max_queue_delay", "number", "seconds the first request of a batch may wait for "
                         "company (0..10; default 0: only what is queued already); needs `max_batch`",
+                        required=False, nullable=True),
+                     _f("objective", "str", "what the plan is made for: `latency` (the default: the plan "
+                        "that runs one request soonest, the model whole on one member when one holds it) or "
+                        "`throughput` (the most requests per second: a whole copy on every member that holds "
+                        "one, or pipeline stages); a model loaded already with the other objective is refused",
                         required=False, nullable=True)),
             reply=(_f("model", "map", _MODEL_INFO),
                    _f("shared", "bool", "true when the model was already loaded with the same binding")),

@@ -151,6 +151,7 @@ class ModelEntry:
     gate: "SharedGate" = field(default_factory=lambda: SharedGate())
     run_s: float | None = None      # moving average of the runtime's run time, once measured
     batch_config: dict[str, Any] = field(default_factory=dict)  # {max_batch, max_queue_delay}; empty: off
+    objective: str = "latency"  # what the session's plan was made for
 
     def __post_init__(self) -> None:
         self.refresh()
@@ -178,7 +179,8 @@ class ModelEntry:
     def info(self, queued: int = 0, running: int = 0, done: int = 0) -> dict[str, Any]:
         runner = self.batching
         batching = None if runner is None else {**self.batch_config, **runner.stats.snapshot()}
-        return {"id": self.id, "name": self.name, "binding": self.binding, "batching": batching,
+        return {"id": self.id, "name": self.name, "binding": self.binding, "objective": self.objective,
+                "batching": batching,
                 "inputs": self.inputs, "outputs": self.outputs,
                 "memory_by_member": self.memory, "members": sorted(m for m, n in self.memory.items() if n),
                 "refs": sum(self.refs.values()), "keep_alive": self.keep_alive,

@@ -35,14 +35,15 @@ class Runtime:
         return int(self.pool.member(member).budget_bytes)
 
     def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
-             batching: Mapping[str, Any] | None = None) -> Any:
+             batching: Mapping[str, Any] | None = None, objective: str = "latency") -> Any:
         """A session of the model on the pool; ``shape``: ``{batch, dims}`` binding symbolic dims;
-        ``batching``: ``{max_batch, max_queue_delay}`` for a model whose requests are batched."""
+        ``batching``: ``{max_batch, max_queue_delay}`` for a model whose requests are batched;
+        ``objective``: what its plan is made for (``latency`` or ``throughput``)."""
         from vkpool.session import Session
 
         shape, batching = shape or {}, batching or {}
         return Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool,
-                       batch=shape.get("batch") or 1, dims=shape.get("dims") or None,
+                       batch=shape.get("batch") or 1, dims=shape.get("dims") or None, objective=objective,
                        max_batch=batching.get("max_batch"), max_queue_delay=batching.get("max_queue_delay", 0.0))
 
     def set_budget(self, member: str, nbytes: int) -> None:

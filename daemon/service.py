@@ -27,6 +27,7 @@ log = logging.getLogger("vkpool.daemon")
 
 Reply = Callable[[bytes, str, str, str, "dict[str, Any] | bytes", list[Any]], None]  # content packed or not
 _PLANS_MAX = 256  # remembered infer contents; the cache is emptied when it is full
+OBJECTIVES = ("latency", "throughput")  # what a model's plan is made for; the first is the default
 
 
 class InferPlan:
@@ -386,13 +387,18 @@ class Service:
         name = content.get("name") or (source.name if isinstance(source, Path) else "model")
         binding = _binding(content.get("batch"), content.get("dims"))
         asked = _batching(content.get("max_batch"), content.get("max_queue_delay"))
+        objective = content.get("objective")
+        if objective not in (None, *OBJECTIVES):
+            raise ProtocolViolation("InvalidRequest", f"objective must be one of {', '.join(OBJECTIVES)}, got "
+                                    f"{objective!r}", {"objective": objective})
         if asked and binding.get("batch"):
             raise ProtocolViolation("InvalidRequest", "batch fixes the batch dimension and max_batch batches "
                                     "requests along it: give one of them", {"batch": binding["batch"]})
-        return lambda: self._load(client, source, str(name), keep_alive, binding, asked)
+        return lambda: self._load(client, source, str(name), keep_alive, binding, asked, objective)
 
     def _load(self, client: bytes, source: Path | bytes, name: str, keep_alive: float | None,
-              binding: dict[str, Any] | None = None, batching: dict[str, Any] | None = None) -> dict[str, Any]:
+              binding: dict[str, Any] | None = None, batching: dict[str, Any] | None = None,
+              objective: str | None = None) -> dict[str, Any]:
         binding = binding or {}
         with self.registry.loading(name, source) as loading, progress.reporting(loading.report):
             model_id = bound_id(content_id(source, self.settings.max_model_bytes), binding)
@@ -403,29 +409,37 @@ class Service:
                     "InvalidRequest", f"model {entry.name} ({model_id[:12]}) is loaded already with batching "
                     f"{entry.batch_config or 'off'}; clients that open a model share its batching: load it "
                     "without max_batch/max_queue_delay, or unload it first", {"batching": entry.batch_config})
+            if entry is not None and objective and objective != entry.objective:
+                raise ProtocolViolation(
+                    "InvalidRequest", f"model {entry.name} ({model_id[:12]}) is loaded already with objective "
+                    f"{entry.objective}; clients that open a model share its plan: load it without objective, "
+                    "or unload it first", {"objective": entry.objective})
             if entry is None:
                 if not batching and not binding:
                     batching = self.settings.batching_for(name)
-                session = self._open_admitted(source, binding, batching or {})
+                objective = objective or OBJECTIVES[0]
+                session = self._open_admitted(source, binding, batching or {}, objective)
                 entry = ModelEntry(id=model_id, name=name, source=source, session=session, binding=binding,
                                    keep_alive=self.settings.keep_alive if keep_alive is None else keep_alive,
-                                   batch_config=batching or {})
+                                   batch_config=batching or {}, objective=objective)
                 self.registry.add(entry)
                 self.scheduler.add_model(model_id, batching=entry.batching)
                 log.info("loaded %s (%s) on %s", name, model_id[:12], entry.memory)
         self.registry.take_ref(entry, client, keep_alive)
         return {"model": entry.info(*self.scheduler.counts(entry.id)), "shared": shared}
 
-    def open_session(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
+    def open_session(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any],
+                     objective: str = "latency") -> Any:
         if isinstance(source, Path):  # read again at a re-plan: it may have been replaced since
             check_regular(source, self.settings.max_model_bytes)
-        return self.runtime.open(source, binding, batching)
+        return self.runtime.open(source, binding, batching, objective)
 
-    def _open_admitted(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any]) -> Any:
+    def _open_admitted(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any],
+                       objective: str) -> Any:
         """Open a session; when it does not fit and eviction is on, free idle models first."""
         while True:
             try:
-                return self.open_session(source, binding, batching)
+                return self.open_session(source, binding, batching, objective)
             except Exception as exc:
                 violation = classify(exc)
                 if violation.type != "InsufficientMemory":

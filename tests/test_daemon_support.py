@@ -205,9 +205,11 @@ class StandInRuntime:
         return self.members_[0]["budget_bytes"]
 
     def open(self, source: Path | bytes, binding: dict[str, Any] | None = None,
-             batching: dict[str, Any] | None = None) -> StandInSession:
+             batching: dict[str, Any] | None = None, objective: str = "latency") -> StandInSession:
         if batching:
             raise UnsupportedOp("the stand-in runtime does not batch requests")
+        if objective != "latency":
+            raise UnsupportedOp("the stand-in runtime has one member: nothing to plan for throughput")
         data = source.read_bytes() if isinstance(source, Path) else bytes(source)
         self.opened += 1
         return StandInSession(self, data, self.delay_s, binding)

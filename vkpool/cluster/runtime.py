@@ -31,10 +31,12 @@ class ClusterRuntime:
             raise _cause(exc) from None
 
     def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
-             batching: Mapping[str, Any] | None = None) -> Any:
-        """A cluster session of the model; ``shape`` and ``batching`` as :meth:`Runtime.open` takes them."""
+             batching: Mapping[str, Any] | None = None, objective: str = "latency") -> Any:
+        """A cluster session of the model; ``shape``, ``batching`` and ``objective`` as
+        :meth:`Runtime.open` takes them."""
         shape, batching = shape or {}, batching or {}
-        options: dict[str, Any] = {"batch": shape.get("batch") or 1, "dims": shape.get("dims") or None}
+        options: dict[str, Any] = {"batch": shape.get("batch") or 1, "dims": shape.get("dims") or None,
+                                   "objective": objective}
         if batching.get("max_batch"):
             options.update(max_batch=batching["max_batch"],
                            max_queue_delay=batching.get("max_queue_delay", 0.0))
