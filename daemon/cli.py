@@ -202,7 +202,8 @@ def render_status(status: dict[str, Any]) -> str:
     for m in status["models"]:
         memory = ", ".join(f"{k} {format_size(v)}" for k, v in m["memory_by_member"].items())
         lines.append(f"  {m['id'][:12]} {m['name']:<20} refs {m['refs']:<3} queued {m['queued']:<4} "
-                     f"running {m['running']:<2} done {m['done']:<7} on {memory}")
+                     f"running {m['running']:<2} done {m['done']:<7} on {memory}"
+                     + (f" (for {m['objective']})" if m.get("objective", "latency") != "latency" else ""))
         b = m.get("batching")
         if b:
             lines.append(f"  {'':12} batching: max {b['max_batch']}, delay {b['max_queue_delay'] * 1e6:g} us; "

@@ -14,6 +14,7 @@ from conftest import vulkan_pool
 from test_daemon_support import InprocDaemon, assert_balanced, daemon_env, mlp_model
 from vkpool.config.loader import parse_config
 from vkpool.daemon import errors as E
+from vkpool.daemon.cli import render_status
 from vkpool.daemon.runtime import Runtime
 
 RNG = np.random.default_rng(11)
@@ -55,6 +56,8 @@ def test_a_model_loaded_for_throughput_has_a_copy_on_each_member(daemon: InprocD
         assert sorted(model["members"]) == ["vk0.0", "vk0.1"], model
         listed = next(m for m in c.list_models() if m["id"] == model["id"])
         assert listed["objective"] == "throughput" and sorted(listed["members"]) == ["vk0.0", "vk0.1"]
+        shown = render_status(c.status())
+        assert "(for throughput)" in shown and "vk0.0" in shown and "vk0.1" in shown, shown
         plan = c.request("plan", {"model": model["id"]})[0]
         assert "vk0.0" in plan["text"] and "vk0.1" in plan["text"], plan["text"]
 
