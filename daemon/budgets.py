@@ -55,7 +55,8 @@ def _replan(service: "Service", member: str, nbytes: int, old: int, affected: li
     opened: list[tuple["ModelEntry", Any]] = []
     try:
         for entry in affected:
-            opened.append((entry, service.open_session(entry.source, entry.binding, entry.batch_config, entry.objective)))
+            opened.append((entry, service.open_session(entry.source, entry.binding, entry.batch_config,
+                                                       entry.objective)))
     except Exception as exc:
         reason = classify(exc).message
         for _, session in opened:

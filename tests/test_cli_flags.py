@@ -70,6 +70,7 @@ COVERED: dict[tuple[str, str], str] = {
     ("stop", "--timeout"): "test_stop_refuses_a_timeout_it_would_not_wait",
     ("load", "--max-batch"): "test_daemon_batching.test_a_client_killed_while_its_requests_wait_in_a_batch",
     ("load", "--max-delay"): "test_negative_counts_are_refused",
+    ("load", "--objective"): "test_daemon_objective.test_the_command_line_loads_for_throughput",
     ("devices", "--cluster"): "test_cluster.test_the_cluster_pool_lists_every_nodes_members",
     ("plan", "--cluster"): "test_cluster.test_vkpool_plan_cluster_is_what_a_cluster_session_runs",
     ("serve", "--cluster"): "test_cluster.test_serve_cluster_offers_the_cluster_to_a_daemon_client",

@@ -2,6 +2,7 @@
 for latency (the default) on one member. On lavapipe split in two members; outputs against numpy."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import vulkan_pool
-from test_daemon_support import InprocDaemon, assert_balanced, daemon_env, mlp_model
+from test_daemon_support import (InprocDaemon, assert_balanced, daemon_env, mlp_model, short_folder, spawn_daemon,
+                                 wait_ready)
 from vkpool.config.loader import parse_config
 from vkpool.daemon import errors as E
 from vkpool.daemon.cli import render_status
@@ -29,10 +31,12 @@ def reference(x: np.ndarray, seed: int = 0) -> list[np.ndarray]:
     return [y, 2 * y]
 
 
+SPLIT = "devices:\n  - match: {index: 0}\n    split: 2\n    budget: 128MiB\nhost:\n  enabled: false\n"
+
+
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[InprocDaemon]:
-    pool = vulkan_pool(parse_config("devices:\n  - match: {index: 0}\n    split: 2\n    budget: 128MiB\n"
-                                    "host:\n  enabled: false\n"))
+    pool = vulkan_pool(parse_config(SPLIT))
     d = InprocDaemon(Runtime(pool))
     yield d
     d.stop()
@@ -84,10 +88,27 @@ def test_a_model_loaded_for_throughput_has_a_copy_on_each_member(daemon: InprocD
         assert_balanced(c)
 
 
-def test_the_command_line_loads_for_throughput_and_refuses_an_unknown_objective() -> None:
-    done = subprocess.run([sys.executable, "-m", "vkpool", "load", "m.onnx", "--objective", "speed"],
-                          env=daemon_env(), capture_output=True, text=True, timeout=60)
+def test_the_command_line_loads_for_throughput() -> None:
+    cli = [sys.executable, "-m", "vkpool"]
+    done = subprocess.run([*cli, "load", "m.onnx", "--objective", "speed"], env=daemon_env(), capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 2 and "invalid choice: 'speed'" in done.stderr, done.stderr
-    helped = subprocess.run([sys.executable, "-m", "vkpool", "load", "--help"], env=daemon_env(),
-                            capture_output=True, text=True, timeout=60)
-    assert helped.returncode == 0 and "--objective {latency,throughput}" in helped.stdout
+    with short_folder("vko") as folder:
+        config = folder / "pool.yaml"
+        config.write_text(SPLIT)
+        model = folder / "m.onnx"
+        model.write_bytes(mlp_model(seed=4))
+        endpoint = f"ipc://{folder}/d.sock"
+        proc = spawn_daemon(endpoint, config=config)
+        try:
+            wait_ready(endpoint, proc)
+            load = subprocess.run([*cli, "load", str(model), "--objective", "throughput", "--endpoint", endpoint],
+                                  env=daemon_env(), capture_output=True, text=True, timeout=120)
+            assert load.returncode == 0 and "for throughput" in load.stdout, load.stdout + load.stderr
+            assert "vk0.0" in load.stdout and "vk0.1" in load.stdout, load.stdout
+            status = subprocess.run([*cli, "status", "--endpoint", endpoint], env=daemon_env(), capture_output=True,
+                                    text=True, timeout=60)
+            assert status.returncode == 0 and "(for throughput)" in status.stdout, status.stdout
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
