@@ -39,6 +39,8 @@ def broadcast_dispatch(
     args += [U32(v) for v in dims + pad] + [U32(v) for v in sa + zeros] + [U32(v) for v in sb + zeros]
     defines = {"OP": code, **element_defines(ia.dtype, "A"), **element_defines(ib.dtype, "B"),
                **element_defines(iy.dtype, "Y")}
+    if ctx.caps is not None and ctx.caps.cpu_like and len(dims) <= 1 and sa in ([], [1]) and sb in ([], [1]):
+        defines["FLAT"] = 1  # a CPU divides integers one lane at a time
     return Dispatch("binary", args, groups_1d(iy.size, 256, ctx.caps), defines)
 
 

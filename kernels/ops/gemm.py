@@ -303,11 +303,14 @@ class MatmulPlan:
         if vec == 1 and p.sAk != 1:
             raise UnsupportedOp("GEMV with a strided vector operand")  # never built by the ops here
         rows = _GEMV_T_ROWS
+        # a CPU-like device: one subgroup per row (its barrier then switches between no invocations)
+        tpr = caps.subgroup_size if caps is not None and caps.cpu_like and caps.subgroup_arithmetic \
+            else _GEMV_T_THREADS_PER_ROW
         return Dispatch(
             "gemv_t",
             [_ptr(a), _ptr(b), _ptr(c), _ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
-            groups_1d(p.N, rows, caps), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
+            groups_1d(p.N, rows, caps), {"VEC": vec, "TPR": tpr, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
              "ACT": p.act, "SUBGROUP_REDUCE": int(rows == 1 and caps is not None and caps.subgroup_arithmetic)},
         )
 
