@@ -84,3 +84,133 @@ def test_the_device_type_decides_cpu_like() -> None:
             assert member.device.caps.cpu_like == (member.info.type == "cpu")
     finally:
         pool.close()
+
+
+def dispatch_defines(session: Any, caps: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(shader, defines) of every dispatch the ops of ``session`` record on a device with ``caps``
+    (placeholder handles: only the choices are looked at)."""
+    from vkpool.kernels.base import DispatchContext
+
+    out = []
+    for op in session._chunk.ops:
+        handles = [object() for _ in range(8)]
+        ctx = DispatchContext(handles, [object() for _ in range(4)], object(), caps, {})
+        out += [(d.shader, d.defines) for d in op.dispatches(ctx)]
+    return out
+
+
+CONV_CASES: dict[str, tuple[list[np.ndarray], dict[str, Any]]] = {
+    # odd sizes: columns and channels no multiple of the tile, pads on one side
+    "3x3_pads_bias_relu": ([randn(1, 37, 13, 11), randn(35, 37, 3, 3), randn(35)], {"pads": [1, 0, 1, 2]}),
+    "groups_strides_dilations": ([randn(2, 36, 15, 13), randn(34, 18, 3, 2), randn(34)],
+                                 {"group": 2, "strides": [2, 3], "dilations": [2, 1], "pads": [2, 1, 0, 1]}),
+    "7x7_stride_2_64bit_masks": ([randn(1, 3, 29, 31), randn(40, 3, 7, 7)], {"strides": [2, 2], "pads": [3, 3, 3, 3]}),
+    "3d": ([randn(1, 6, 5, 7, 6), randn(33, 6, 3, 2, 3)], {"pads": [1, 0, 1, 1, 1, 0]}),
+    "long_reduction_split": ([randn(1, 300, 5, 5), randn(40, 300, 3, 3)], {"pads": [1, 1, 1, 1]}),
+}
+
+
+@pytest.mark.parametrize("name", list(CONV_CASES))
+def test_conv_taps_on_the_register_tiling_only(name: str) -> None:
+    """conv_taps.comp runs a convolution where the products take the register tiling with
+    shuffles; the shared tiling and a device without shuffles run gemm.comp; all equal
+    onnxruntime's."""
+    inputs, attrs = CONV_CASES[name]
+    model, feeds, expected = ort_case("Conv", inputs, attrs, constants=tuple(range(1, len(inputs))))
+    pool = vulkan_pool()
+    caps = pool.vulkan_members[0].device.caps
+    pool.close()
+    # the shuffles share A within one subgroup: the register tile's WG lanes must be one
+    taps = "conv_taps" if caps.subgroup_shuffle and caps.subgroup_size == caps.register_tile[2] else "gemm"
+    for caps, shader in (({"gemm_variant": "register"}, taps),
+                         ({"gemm_variant": "register", "subgroup_shuffle": False}, "gemm"),
+                         ({"gemm_variant": "shared"}, "gemm")):
+        got, shaders = run_with_caps(model, feeds, **caps)
+        assert shaders[0] == shader, (caps, shaders)
+        assert_outputs_match(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_taps_keeps_a_split_of_few_tiles_and_needs_int64_past_32_taps() -> None:
+    pool = vulkan_pool()
+    try:
+        vk = pool.vulkan_members[0]
+        caps = dataclasses.replace(vk.device.caps, gemm_variant="register", subgroup_shuffle=True,
+                                   subgroup_size=vk.device.caps.register_tile[2])
+        for name, int64, want in (("long_reduction_split", True, "conv_taps"),
+                                  ("7x7_stride_2_64bit_masks", True, "conv_taps"),
+                                  ("7x7_stride_2_64bit_masks", False, "gemm")):
+            inputs, attrs = CONV_CASES[name]
+            model, _, _ = ort_case("Conv", inputs, attrs, constants=tuple(range(1, len(inputs))))
+            with Session(model, pool=pool, device=vk.id) as s:
+                chosen = dispatch_defines(s, dataclasses.replace(caps, int64=int64))
+            assert chosen[0][0] == want
+            if name == "long_reduction_split":  # 2 tiles of 32 x 64: split to fill a CPU's cores
+                assert chosen[0][1]["SPLITS"] > 1 and chosen[-1][0] == "gemm_reduce"
+    finally:
+        pool.close()
+
+
+def test_register_tiling_splits_only_few_tiles() -> None:
+    """The register tiling drops the load-time split of K wherever its tiles alone are 16
+    workgroups or more; the shared tiling keeps the plan's split."""
+    from vkpool.kernels.base import DeviceCaps
+    from vkpool.kernels.ops.gemm import MatmulPlan, MatmulProblem
+
+    def problem(m: int, n: int, k: int) -> MatmulPlan:
+        return MatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1), force_gemm=True)
+
+    register = DeviceCaps(gemm_variant="register", register_tile=(32, 8, 8))
+    shared = DeviceCaps(gemm_variant="shared")
+    many, few = problem(128, 768, 3072), problem(64, 64, 3000)
+    assert many.splits > 1 and few.splits > 1  # the GPU plan splits both
+    assert many.tile_for(shared)["SPLITS"] == many.splits and few.tile_for(shared)["SPLITS"] == few.splits
+    assert many.tile_for(register)["SPLITS"] == 1  # 4 x 12 register tiles
+    kept = few.tile_for(register)  # 2 register tiles: split, within the plan's workspace
+    assert 1 < kept["SPLITS"] <= few.splits and kept["KCHUNK"] * kept["SPLITS"] >= 3000
+
+
+@pytest.mark.parametrize("shape", [(64, 3000, 67), (128, 1100, 300)])
+def test_register_products_with_and_without_split_match_onnxruntime(shape: tuple[int, int, int]) -> None:
+    """2 register tiles keep a split, 20 do not."""
+    m, k, n = shape
+    model, feeds, expected = ort_case("MatMul", [randn(m, k), randn(k, n)], {}, constants=(1,))
+    got, shaders = run_with_caps(model, feeds, gemm_variant="register")
+    assert ("gemm_reduce" in shaders) == (m == 64), shaders
+    assert_outputs_match(got, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_binary_flat_on_same_shapes_of_a_cpu_like_device() -> None:
+    a, b, row = randn(3, 37, 11), randn(3, 37, 11), randn(11)
+    for inputs, flat in (([a, b], True), ([a, row], False)):
+        model, feeds, expected = ort_case("Add", inputs)
+        for cpu_like in (True, False):
+            got, _ = run_with_caps(model, feeds, cpu_like=cpu_like)
+            assert_outputs_match(got, expected, rtol=0, atol=0)
+        pool = vulkan_pool()
+        try:
+            vk = pool.vulkan_members[0]
+            with Session(model, pool=pool, device=vk.id) as s:
+                for cpu_like in (True, False):
+                    ((shader, defines),) = dispatch_defines(s, dataclasses.replace(vk.device.caps, cpu_like=cpu_like))
+                    assert shader == "binary" and bool(defines.get("FLAT")) == (flat and cpu_like)
+        finally:
+            pool.close()
+
+
+def test_gemv_t_one_subgroup_per_row_on_a_cpu_like_device() -> None:
+    model, feeds, expected = ort_case("Gemm", [randn(1, 517), randn(37, 517), randn(37)], {"transB": 1},
+                                      constants=(1, 2))
+    for cpu_like in (True, False):
+        got, shaders = run_with_caps(model, feeds, cpu_like=cpu_like)
+        assert shaders[0] == "gemv_t"
+        assert_outputs_match(got, expected, rtol=1e-4, atol=1e-4)
+    pool = vulkan_pool()
+    try:
+        vk = pool.vulkan_members[0]
+        caps = vk.device.caps
+        with Session(model, pool=pool, device=vk.id) as s:
+            for cpu_like, tpr in ((True, caps.subgroup_size), (False, 256)):
+                ((shader, defines),) = dispatch_defines(s, dataclasses.replace(caps, cpu_like=cpu_like))
+                assert defines["TPR"] == tpr
+    finally:
+        pool.close()
