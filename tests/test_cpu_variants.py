@@ -118,10 +118,10 @@ def test_conv_taps_on_the_register_tiling_only(name: str) -> None:
     inputs, attrs = CONV_CASES[name]
     model, feeds, expected = ort_case("Conv", inputs, attrs, constants=tuple(range(1, len(inputs))))
     pool = vulkan_pool()
-    caps = pool.vulkan_members[0].device.caps
+    device = pool.vulkan_members[0].device.caps
     pool.close()
     # the shuffles share A within one subgroup: the register tile's WG lanes must be one
-    taps = "conv_taps" if caps.subgroup_shuffle and caps.subgroup_size == caps.register_tile[2] else "gemm"
+    taps = "conv_taps" if device.subgroup_shuffle and device.subgroup_size == device.register_tile[2] else "gemm"
     for caps, shader in (({"gemm_variant": "register"}, taps),
                          ({"gemm_variant": "register", "subgroup_shuffle": False}, "gemm"),
                          ({"gemm_variant": "shared"}, "gemm")):
