@@ -214,3 +214,21 @@ def test_gemv_t_one_subgroup_per_row_on_a_cpu_like_device() -> None:
                 assert defines["TPR"] == tpr
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "GlobalMaxPool"])
+def test_global_pool_one_subgroup_per_row_on_a_cpu_like_device(op: str) -> None:
+    model, feeds, expected = ort_case(op, [randn(2, 5, 7, 37)])
+    pool = vulkan_pool()
+    try:
+        vk = pool.vulkan_members[0]
+        with Session(model, pool=pool, device=vk.id) as s:
+            for cpu_like in (True, False):
+                ((_, defines),) = dispatch_defines(s, dataclasses.replace(vk.device.caps, cpu_like=cpu_like))
+                assert (defines["LOCAL_SIZE"] == vk.device.caps.subgroup_size) == cpu_like
+    finally:
+        pool.close()
+    for cpu_like in (True, False):
+        got, shaders = run_with_caps(model, feeds, cpu_like=cpu_like)
+        assert shaders == ["global_pool"]
+        assert_outputs_match(got, expected, rtol=1e-5, atol=1e-6)

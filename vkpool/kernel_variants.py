@@ -17,7 +17,7 @@ other kernels whose GPU form leans on shared memory, barriers or many invocation
 form, each chosen where the op plans its dispatches: attention on ``attention_rows.comp`` (a
 query row per invocation, its online softmax in registers), element-wise binary ops of
 same-shape inputs without the per-element index division, a one-row product by a transposed
-matrix with one subgroup per row. Every other device keeps the GPU kernels.
+matrix and a global pooling with one subgroup per row. Every other device keeps the GPU kernels.
 
 A device of type ``cpu`` runs ``register`` with the tile ``vkpool calibrate``'s tuning pass
 (:func:`tune_register_tile`) measured fastest on it (``vkpool calibrate``, kept per device and driver under
