@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import vulkan_pool
 from node_cases import assert_outputs_match, ort_case
+
 from vkpool.session import Session
 
 pytest.importorskip("onnxruntime", reason="the references are onnxruntime's")
@@ -22,7 +22,8 @@ def randn(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
 
 
-def run_with_caps(model: bytes, feeds: dict[str, np.ndarray], **caps: Any) -> tuple[list[np.ndarray], list[str]]:
+def run_with_caps(model: bytes, feeds: dict[str, np.ndarray],
+                  **caps: Any) -> tuple[list[np.ndarray], list[str]]:
     """(outputs, shader of every dispatch) of ``model`` on the first Vulkan member, its
     DeviceCaps fields replaced by ``caps`` (what the kernels believe about the device)."""
     pool = vulkan_pool()
@@ -43,10 +44,11 @@ def attention_cases() -> dict[str, tuple[list[np.ndarray], dict[str, Any]]]:
     bool_mask[5] = False  # a row with every key masked: zeros
     return {
         # head sizes that are no multiple of the subgroup, keys no multiple of the key block
-        "gqa_4d_bool_mask_softcap": ([randn(b, hq, s, 13), randn(b, hkv, t, 13), randn(b, hkv, t, 11), bool_mask],
-                                     {"softcap": 2.0}),
+        "gqa_4d_bool_mask_softcap": ([randn(b, hq, s, 13), randn(b, hkv, t, 13), randn(b, hkv, t, 11),
+                                      bool_mask], {"softcap": 2.0}),
         "3d_causal_float_mask": ([randn(b, s, hq * 16), randn(b, s, hkv * 16), randn(b, s, hkv * 16),
-                                  randn(1, hq, s, s)], {"q_num_heads": hq, "kv_num_heads": hkv, "is_causal": 1}),
+                                  randn(1, hq, s, s)],
+                                 {"q_num_heads": hq, "kv_num_heads": hkv, "is_causal": 1}),
         "kv_cache_causal": ([randn(1, 3, 5, 24), randn(1, 3, 5, 24), randn(1, 3, 5, 24), randn(5, 14),
                              randn(1, 3, 9, 24), randn(1, 3, 9, 24)], {"is_causal": 1, "scale": 0.3}),
         "bert_like": ([randn(1, 12, 33, 64), randn(1, 12, 33, 64), randn(1, 12, 33, 64)], {}),
@@ -104,7 +106,8 @@ CONV_CASES: dict[str, tuple[list[np.ndarray], dict[str, Any]]] = {
     "3x3_pads_bias_relu": ([randn(1, 37, 13, 11), randn(35, 37, 3, 3), randn(35)], {"pads": [1, 0, 1, 2]}),
     "groups_strides_dilations": ([randn(2, 36, 15, 13), randn(34, 18, 3, 2), randn(34)],
                                  {"group": 2, "strides": [2, 3], "dilations": [2, 1], "pads": [2, 1, 0, 1]}),
-    "7x7_stride_2_64bit_masks": ([randn(1, 3, 29, 31), randn(40, 3, 7, 7)], {"strides": [2, 2], "pads": [3, 3, 3, 3]}),
+    "7x7_stride_2_64bit_masks": ([randn(1, 3, 29, 31), randn(40, 3, 7, 7)],
+                                 {"strides": [2, 2], "pads": [3, 3, 3, 3]}),
     "3d": ([randn(1, 6, 5, 7, 6), randn(33, 6, 3, 2, 3)], {"pads": [1, 0, 1, 1, 1, 0]}),
     "long_reduction_split": ([randn(1, 300, 5, 5), randn(40, 300, 3, 3)], {"pads": [1, 1, 1, 1]}),
 }
@@ -121,7 +124,8 @@ def test_conv_taps_on_the_register_tiling_only(name: str) -> None:
     device = pool.vulkan_members[0].device.caps
     pool.close()
     # the shuffles share A within one subgroup: the register tile's WG lanes must be one
-    taps = "conv_taps" if device.subgroup_shuffle and device.subgroup_size == device.register_tile[2] else "gemm"
+    shares = device.subgroup_shuffle and device.subgroup_size == device.register_tile[2]
+    taps = "conv_taps" if shares else "gemm"
     for caps, shader in (({"gemm_variant": "register"}, taps),
                          ({"gemm_variant": "register", "subgroup_shuffle": False}, "gemm"),
                          ({"gemm_variant": "shared"}, "gemm")):
@@ -191,7 +195,8 @@ def test_binary_flat_on_same_shapes_of_a_cpu_like_device() -> None:
             vk = pool.vulkan_members[0]
             with Session(model, pool=pool, device=vk.id) as s:
                 for cpu_like in (True, False):
-                    ((shader, defines),) = dispatch_defines(s, dataclasses.replace(vk.device.caps, cpu_like=cpu_like))
+                    caps = dataclasses.replace(vk.device.caps, cpu_like=cpu_like)
+                    ((shader, defines),) = dispatch_defines(s, caps)
                     assert shader == "binary" and bool(defines.get("FLAT")) == (flat and cpu_like)
         finally:
             pool.close()
@@ -210,7 +215,7 @@ def test_gemv_t_one_subgroup_per_row_on_a_cpu_like_device() -> None:
         caps = vk.device.caps
         with Session(model, pool=pool, device=vk.id) as s:
             for cpu_like, tpr in ((True, caps.subgroup_size), (False, 256)):
-                ((shader, defines),) = dispatch_defines(s, dataclasses.replace(caps, cpu_like=cpu_like))
+                ((_, defines),) = dispatch_defines(s, dataclasses.replace(caps, cpu_like=cpu_like))
                 assert defines["TPR"] == tpr
     finally:
         pool.close()
@@ -232,3 +237,25 @@ def test_global_pool_one_subgroup_per_row_on_a_cpu_like_device(op: str) -> None:
         got, shaders = run_with_caps(model, feeds, cpu_like=cpu_like)
         assert shaders == ["global_pool"]
         assert_outputs_match(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["Add", "Relu"])
+def test_element_wise_grids_without_bounds_tests_where_exact(op: str) -> None:
+    """On a CPU-like device an element-wise op whose grid holds exactly its elements runs with
+    no bounds test (EXACT); any other size, and any other device, keeps it."""
+    for shape, exact in (((2, 8, 32), True), ((3, 37, 11), False)):
+        inputs = [randn(*shape), randn(*shape)] if op == "Add" else [randn(*shape)]
+        model, feeds, expected = ort_case(op, inputs)
+        pool = vulkan_pool()
+        try:
+            vk = pool.vulkan_members[0]
+            with Session(model, pool=pool, device=vk.id) as s:
+                for cpu_like in (True, False):
+                    caps = dataclasses.replace(vk.device.caps, cpu_like=cpu_like)
+                    ((_, defines),) = dispatch_defines(s, caps)
+                    assert bool(defines.get("EXACT")) == (exact and cpu_like)
+        finally:
+            pool.close()
+        for cpu_like in (True, False):
+            got, _ = run_with_caps(model, feeds, cpu_like=cpu_like)
+            assert_outputs_match(got, expected, rtol=0, atol=0)

@@ -16,7 +16,8 @@ tiles are fewer than 16 workgroups. On a device of type ``cpu`` (``DeviceCaps.cp
 other kernels whose GPU form leans on shared memory, barriers or many invocations take their CPU
 form, each chosen where the op plans its dispatches: attention on ``attention_rows.comp`` (a
 query row per invocation, its online softmax in registers), element-wise binary ops of
-same-shape inputs without the per-element index division, a one-row product by a transposed
+same-shape inputs without the per-element index division, element-wise ops whose grid holds
+exactly their elements without a bounds test, a one-row product by a transposed
 matrix and a global pooling with one subgroup per row. Every other device keeps the GPU kernels.
 
 A device of type ``cpu`` runs ``register`` with the tile ``vkpool calibrate``'s tuning pass

@@ -248,7 +248,8 @@ class Attention(Op):
         if rows is not None or tiled is not None:
             args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
                     Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
-            shader, extra = ("attention_rows", rows) if rows is not None else ("attention_tiled", {"KB": tiled})
+            shader, extra = ("attention_rows", rows) if rows is not None else \
+                ("attention_tiled", {"KB": tiled})
             groups = (-(-self.s // (rows["WG"] if rows is not None else 16)), self.hq, self.b)
             check_grid(groups, ctx.caps, f"Attention over {self.s} queries")
             out.append(Dispatch(shader, args, groups, {**defines, **extra}))

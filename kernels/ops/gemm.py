@@ -231,7 +231,8 @@ class MatmulPlan:
         p = self.p
         tm, tn, wg = caps.register_tile
         tiles = ceil_div(p.N, tn * wg) * ceil_div(p.M, tm) * inner
-        splits = min(self.splits, ceil_div(_REGISTER_TARGET_GROUPS, tiles), max(1, p.K // _GEMM_MIN_K_PER_SPLIT))
+        splits = min(self.splits, ceil_div(_REGISTER_TARGET_GROUPS, tiles),
+                     max(1, p.K // _GEMM_MIN_K_PER_SPLIT))
         if splits <= 1:
             return 1, p.K
         kchunk = ceil_div(p.K, splits)

@@ -186,8 +186,9 @@ class GlobalPool(Op):
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         local = min(256, max(32, 1 << max(0, self.spatial - 1).bit_length()))
-        if ctx.caps is not None and ctx.caps.cpu_like and ctx.caps.subgroup_size & (ctx.caps.subgroup_size - 1) == 0:
-            local = ctx.caps.subgroup_size  # a CPU's barriers switch between invocations: one SIMD-wide group
+        caps = ctx.caps
+        if caps is not None and caps.cpu_like and caps.subgroup_size & (caps.subgroup_size - 1) == 0:
+            local = caps.subgroup_size  # a CPU's barriers switch between invocations: one SIMD-wide group
         return [Dispatch(
             "global_pool",
             [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(self.spatial), U32(self.rows)],

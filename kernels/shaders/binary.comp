@@ -166,7 +166,9 @@ YCT apply(ACT x, BCT z) {
 
 void main() {
     uint i = flat_index();
+#if !EXACT  // EXACT: the grid holds exactly n invocations (CPU-like devices: no mask per access)
     if (i >= pc.n) return;
+#endif
 #if FLAT  // both inputs of the output's shape (CPU-like devices: no division per element)
     uint ia = i, ib = i;
 #else
