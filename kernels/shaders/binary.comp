@@ -166,7 +166,7 @@ YCT apply(ACT x, BCT z) {
 
 void main() {
     uint i = flat_index();
-#if !EXACT  // EXACT: the grid holds exactly n invocations (CPU-like devices: no mask per access)
+#if !EXACT  // EXACT (CPU-like devices): the grid holds exactly n invocations, no bounds test needed
     if (i >= pc.n) return;
 #endif
 #if FLAT  // both inputs of the output's shape (CPU-like devices: no division per element)

@@ -147,7 +147,7 @@ YCT apply(XCT v) {
 
 void main() {
     uint i = flat_index();
-#if !EXACT  // EXACT: the grid holds exactly n invocations (CPU-like devices: no mask per access)
+#if !EXACT  // EXACT (CPU-like devices): the grid holds exactly n invocations, no bounds test needed
     if (i >= pc.n) return;
 #endif
     pc.y.v[i] = YT(apply(XCT(pc.x.v[i])));
