@@ -259,3 +259,24 @@ def test_element_wise_grids_without_bounds_tests_where_exact(op: str) -> None:
         for cpu_like in (True, False):
             got, _ = run_with_caps(model, feeds, cpu_like=cpu_like)
             assert_outputs_match(got, expected, rtol=0, atol=0)
+
+
+def test_one_subgroup_rows_give_way_past_the_loop_limit() -> None:
+    """A row longer than one subgroup's invocations can walk within the device's loop limit keeps
+    the GPU's workgroup width (gemv_t, global pooling), still right."""
+    pool = vulkan_pool()
+    try:
+        vk = pool.vulkan_members[0]
+        for op, inputs, attrs, constants, key, wide in (
+                ("Gemm", [randn(1, 4096), randn(5, 4096)], {"transB": 1}, (1,), "TPR", 256),
+                ("GlobalAveragePool", [randn(1, 2, 64, 64)], {}, (), "LOCAL_SIZE", 256)):
+            model, feeds, expected = ort_case(op, inputs, attrs, constants=constants)
+            with Session(model, pool=pool, device=vk.id) as s:
+                for limit, want in ((0, vk.device.caps.subgroup_size), (150, wide)):
+                    caps = dataclasses.replace(vk.device.caps, cpu_like=True, max_loop_iterations=limit)
+                    ((_, defines),) = dispatch_defines(s, caps)
+                    assert defines[key] == want, (op, limit)
+            got, _ = run_with_caps(model, feeds, cpu_like=True, max_loop_iterations=150)
+            assert_outputs_match(got, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        pool.close()

@@ -304,9 +304,13 @@ class MatmulPlan:
         if vec == 1 and p.sAk != 1:
             raise UnsupportedOp("GEMV with a strided vector operand")  # never built by the ops here
         rows = _GEMV_T_ROWS
-        # a CPU-like device: one subgroup per row (its barrier then switches between no invocations)
-        tpr = caps.subgroup_size if caps is not None and caps.cpu_like and caps.subgroup_arithmetic \
-            else _GEMV_T_THREADS_PER_ROW
+        # a CPU-like device: one subgroup per row (its barrier then switches between no invocations),
+        # where each invocation's share of the row stays within the device's loop limit
+        tpr = _GEMV_T_THREADS_PER_ROW
+        if caps is not None and caps.cpu_like and caps.subgroup_arithmetic:
+            limit = caps.max_loop_iterations
+            if not limit or ceil_div(p.K, vec * caps.subgroup_size) + LOOP_SLACK <= limit:
+                tpr = caps.subgroup_size
         return Dispatch(
             "gemv_t",
             [_ptr(a), _ptr(b), _ptr(c), _ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),

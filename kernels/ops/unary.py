@@ -5,8 +5,9 @@ every numeric type; IsNaN/IsInf produce bool; Not takes bool; BitwiseNot takes i
 """
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
+
+import math
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
