@@ -135,8 +135,10 @@ class Attention(Op):
         dp, dvp = -(-self.d // wg) * wg, -(-self.dv // wg) * wg
         # per key its score (DP/WG loads, DP shuffles) and its share of the output (DVP/WG, DVP);
         # per block of keys one rescale of the output row
-        serial = self.t * ((dp + dvp) * (wg + 1) // wg + 4) + -(-self.t // kb) * (dvp + 2 * kb) + dp + 2 * dvp
-        if caps.max_loop_iterations and serial + LOOP_SLACK > caps.max_loop_iterations:
+        serial = (self.t * ((dp + dvp) * (wg + 1) // wg + 4) + -(-self.t // kb) * (dvp + 2 * kb)
+                  + dp + 2 * dvp)
+        if wg > caps.max_workgroup_invocations or \
+                (caps.max_loop_iterations and serial + LOOP_SLACK > caps.max_loop_iterations):
             return None
         shuffle = int(caps.subgroup_shuffle and caps.subgroup_size == wg)
         return {"WG": wg, "KB": kb, "DP": dp, "DVP": dvp, "SHUFFLE": shuffle}
