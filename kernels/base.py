@@ -147,6 +147,10 @@ class DeviceCaps:
     #: ``register_tile`` = (TM, TN, WG), for CPU-like devices); see vkpool.kernel_variants
     gemm_variant: str = "shared"
     register_tile: tuple[int, int, int] = (32, 8, 8)
+    #: a device of Vulkan type cpu (lavapipe, SwiftShader), where shared memory is ordinary memory
+    #: and a barrier switches between the invocations of a workgroup: kernels that have one run
+    #: their variant without either (see vkpool.kernel_variants)
+    cpu_like: bool = False
 
 
 @dataclass

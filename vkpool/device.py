@@ -125,6 +125,7 @@ class LogicalDevice:
             cooperative_matrix_f16=tuple(info.cooperative_matrix_f16),
             gemm_variant=self.gemm.variant,
             register_tile=self.gemm.register_tile,
+            cpu_like=info.type == "cpu",
         )
         self._closed = False
         atexit.register(self.save_pipeline_cache)

@@ -10,6 +10,16 @@ The products (``gemm.comp``, which also runs implicit-GEMM convolutions) come in
   (lavapipe, SwiftShader), where shared memory is ordinary memory and a barrier switches between
   the invocations of a workgroup.
 
+The register tiling also runs convolutions of at most 64 window taps as ``conv_taps.comp`` (the
+window arithmetic hoisted out of the reduction) and splits a product's reduction only where its
+tiles are fewer than 16 workgroups. On a device of type ``cpu`` (``DeviceCaps.cpu_like``) the
+other kernels whose GPU form leans on shared memory, barriers or many invocations take their CPU
+form, each chosen where the op plans its dispatches: attention on ``attention_rows.comp`` (a
+query row per invocation, its online softmax in registers), element-wise binary ops of
+same-shape inputs without the per-element index division, element-wise ops whose grid holds
+exactly their elements without a bounds test, a one-row product by a transposed
+matrix and a global pooling with one subgroup per row. Every other device keeps the GPU kernels.
+
 A device of type ``cpu`` runs ``register`` with the tile ``vkpool calibrate``'s tuning pass
 (:func:`tune_register_tile`) measured fastest on it (``vkpool calibrate``, kept per device and driver under
 ``$VKPOOL_CACHE_DIR/tuning``), else :data:`DEFAULT_REGISTER_TILE`; any other device runs

@@ -8,10 +8,12 @@ sliding windows, and every ``qk_matmul_output_mode``. Scores and softmax are flo
 ``softmax_precision`` asks (float32 is at least as precise as any type it may name for float32
 inputs).
 
-Two kernels: ``attention_tiled.comp`` (16 query rows per workgroup, keys and values through
+Three kernels: ``attention_tiled.comp`` (16 query rows per workgroup, keys and values through
 shared memory in tiles with an online softmax) wherever the ``qk_matmul_output`` stage is not
-asked for and a tile fits the device's shared memory; else ``attention.comp`` (one workgroup per
-query row, the scores in a workspace row).
+asked for and a tile fits the device's shared memory; on a CPU-like device
+(``DeviceCaps.cpu_like``) ``attention_rows.comp`` instead (a query row per invocation, its
+online softmax in registers, no shared memory or barrier) where its loops fit the device's
+limit; else ``attention.comp`` (one workgroup per query row, the scores in a workspace row).
 """
 from __future__ import annotations
 
@@ -123,6 +125,24 @@ class Attention(Op):
                 return kb
         return None
 
+    def _rows_defines(self, caps: DeviceCaps | None) -> dict[str, int] | None:
+        """The defines of ``attention_rows.comp`` on a CPU-like device whose loop limit its
+        invocations stay within, else None."""
+        if caps is None or not caps.cpu_like:
+            return None
+        wg = caps.subgroup_size if caps.subgroup_shuffle and caps.subgroup_size <= 64 else 8
+        kb = 8
+        dp, dvp = -(-self.d // wg) * wg, -(-self.dv // wg) * wg
+        # per key its score (DP/WG loads, DP shuffles) and its share of the output (DVP/WG, DVP);
+        # per block of keys one rescale of the output row
+        serial = (self.t * ((dp + dvp) * (wg + 1) // wg + 4) + -(-self.t // kb) * (dvp + 2 * kb)
+                  + dp + 2 * dvp)
+        if wg > caps.max_workgroup_invocations or \
+                (caps.max_loop_iterations and serial + LOOP_SLACK > caps.max_loop_iterations):
+            return None
+        shuffle = int(caps.subgroup_shuffle and caps.subgroup_size == wg)
+        return {"WG": wg, "KB": kb, "DP": dp, "DVP": dvp, "SHUFFLE": shuffle}
+
     # -- numpy reference ----------------------------------------------------------------------
     def _bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None) -> np.ndarray:
         b, hq, s, t = self.b, self.hq, self.s, self.t
@@ -225,13 +245,16 @@ class Attention(Op):
         # each of 64 lanes: its keys' scores (D each), two softmax passes, then a column of the output
         # over every key
         q = Ptr(ctx.inputs[0])
-        tiled = None if want[3] else self._tile_keys(ctx.caps)
-        if tiled is not None:
+        rows = None if want[3] else self._rows_defines(ctx.caps)
+        tiled = None if want[3] or rows is not None else self._tile_keys(ctx.caps)
+        if rows is not None or tiled is not None:
             args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
                     Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
-            groups = (-(-self.s // 16), self.hq, self.b)
+            shader, extra = ("attention_rows", rows) if rows is not None else \
+                ("attention_tiled", {"KB": tiled})
+            groups = (-(-self.s // (rows["WG"] if rows is not None else 16)), self.hq, self.b)
             check_grid(groups, ctx.caps, f"Attention over {self.s} queries")
-            out.append(Dispatch("attention_tiled", args, groups, {**defines, "KB": tiled}))
+            out.append(Dispatch(shader, args, groups, {**defines, **extra}))
             return out
         lanes = -(-self.t // 64)
         check_serial(lanes * (self.d + 3) + -(-self.dv // 64) * (self.t + 1), ctx.caps,

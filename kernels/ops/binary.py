@@ -8,6 +8,7 @@ as numpy does).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
@@ -39,7 +40,12 @@ def broadcast_dispatch(
     args += [U32(v) for v in dims + pad] + [U32(v) for v in sa + zeros] + [U32(v) for v in sb + zeros]
     defines = {"OP": code, **element_defines(ia.dtype, "A"), **element_defines(ib.dtype, "B"),
                **element_defines(iy.dtype, "Y")}
-    return Dispatch("binary", args, groups_1d(iy.size, 256, ctx.caps), defines)
+    groups = groups_1d(iy.size, 256, ctx.caps)
+    if ctx.caps is not None and ctx.caps.cpu_like:
+        if len(dims) <= 1 and sa in ([], [1]) and sb in ([], [1]):
+            defines["FLAT"] = 1  # a CPU divides integers one lane at a time
+        defines["EXACT"] = int(math.prod(groups) * 256 == iy.size)
+    return Dispatch("binary", args, groups, defines)
 
 
 class Binary(Op):

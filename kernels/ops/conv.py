@@ -5,6 +5,8 @@ output channels per group or short reductions, where a GEMM tile would be mostly
 otherwise an implicit GEMM (``gemm.comp`` with CONV) that computes the im2col on the fly
 while loading tiles (no im2col buffer): per image and group,
 Y[Mg x P] = W[Mg x Cg*k] @ im2col(X)[Cg*k x P]; its only workspace holds split-K partial sums.
+On a CPU-like device (the register tiling, with shuffles) a window of up to 64 taps runs the
+same product as ``conv_taps.comp``, its window arithmetic hoisted out of the reduction.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d, serial_pieces,
+    DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    serial_pieces,
 )
 from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem, apply_activation, fused_activation
 from vkpool.kernels.ops.spatial import Window, window, window_view
@@ -84,6 +87,17 @@ class Conv(Op):
             act=self.act,
         ), force_gemm=True)
 
+    def _with_taps(self, d: Dispatch, caps: DeviceCaps | None) -> Dispatch:
+        """The implicit GEMM ``d`` as ``conv_taps.comp`` where it runs the register tiling with
+        shuffles (a CPU-like device) and the window has at most 64 taps: the same products, with
+        the window arithmetic per element computed once per column (lavapipe, ResNet-50's 3x3
+        convolutions); else ``d``. Past 32 taps its masks take 64-bit integers."""
+        taps = math.prod(self.win.kernel)
+        if d.shader != "gemm" or not d.defines.get("REGISTER_TILE") or not d.defines.get("A_SHUFFLE") \
+                or taps > 64 or (taps > 32 and not (caps is not None and caps.int64)):
+            return d
+        return Dispatch("conv_taps", d.args, d.groups, d.defines)
+
     def output_infos(self) -> list[TensorInfo]:
         return [TensorInfo(self.out_shape, _F32)]
 
@@ -114,7 +128,8 @@ class Conv(Op):
         if self.plan is not None:
             extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
-            return self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)
+            return [self._with_taps(d, ctx.caps)
+                    for d in self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)]
         total = math.prod(self.out_shape)
         args = [Ptr(x), Ptr(w), Ptr(b if b is not None else y), Ptr(y), U32(total)]
         defines = {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None), "ACT": self.act,

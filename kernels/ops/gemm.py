@@ -13,7 +13,8 @@ once, at load time:
   split-K over workgroups, finished by ``gemm_reduce.comp``, when even those are too few).
   On a device whose ``DeviceCaps.gemm_variant`` is "register" (a CPU-like device:
   :mod:`vkpool.kernel_variants`) the same shader runs its register tiling instead
-  (:meth:`MatmulPlan.tile_for`), with the same split.
+  (:meth:`MatmulPlan.tile_for`), its reduction split only where its tiles are too few
+  workgroups for a CPU's cores (:meth:`MatmulPlan.register_splits`).
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ _GEMV_T_THREADS_PER_ROW = 256
 #: workgroups below which a tiled product splits its reduction, and the least K per split
 _GEMM_TARGET_GROUPS = 256
 _GEMM_MIN_K_PER_SPLIT = 128
+#: workgroups below which the register tiling (CPU-like devices) splits its reduction: a CPU
+#: runs a few workgroups per core at once, and its cores are far fewer than a GPU's
+_REGISTER_TARGET_GROUPS = 16
 
 
 @dataclass(frozen=True)
@@ -183,7 +187,7 @@ class MatmulPlan:
         rows = 1 if self.kind == "gemv" else p.M * p.batch_count
         return self.splits * rows * p.N * 4 if self.splits > 1 else 0
 
-    def _reduce(self, ws: Any, c: Any, y: Any, caps: DeviceCaps | None) -> Dispatch:
+    def _reduce(self, ws: Any, c: Any, y: Any, caps: DeviceCaps | None, splits: int) -> Dispatch:
         """Sums the split partial products in ``ws`` into ``y``, applying alpha and the bias."""
         p = self.p
         rows = 1 if self.kind == "gemv" else p.M * p.batch_count
@@ -191,7 +195,7 @@ class MatmulPlan:
         bias_rows = 1 if self.kind == "gemv" else (p.bias_rows or p.M)
         return Dispatch(
             "gemm_reduce",
-            [_ptr(ws), _ptr(c), _ptr(y), U32(total), U32(self.splits), U32(p.N), U32(bias_rows),
+            [_ptr(ws), _ptr(c), _ptr(y), U32(total), U32(splits), U32(p.N), U32(bias_rows),
              U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta)],
             groups_1d(total, 256, caps), {"HAS_BIAS": int(p.has_bias), "ACT": p.act},
         )
@@ -200,21 +204,39 @@ class MatmulPlan:
         """The defines of gemm.comp's tiling on a device with ``caps`` for ``inner`` products per
         dispatch: the shared-memory tile chosen at load, or on a device whose ``gemm_variant``
         is "register" its register tile (``BM`` = TM rows, ``BN`` = TN x WG columns per
-        workgroup of WG invocations). The register tiling loops up to twice per k: past the
-        device's loop limit (lavapipe ends longer loops early, silently) or with more workgroups
-        than a grid holds, the shared tile runs instead."""
+        workgroup of WG invocations, ``SPLITS``/``KCHUNK`` as :meth:`register_splits` gives
+        them). The register tiling loops up to twice per k: past the device's loop limit
+        (lavapipe ends longer loops early, silently) or with more workgroups than a grid holds,
+        the shared tile runs instead."""
+        shared = {**self.tile, "SPLITS": self.splits, **({"KCHUNK": self.kchunk} if self.splits > 1 else {})}
         if caps is None or caps.gemm_variant != "register":
-            return self.tile
+            return shared
         p = self.p
         tm, tn, wg = caps.register_tile
-        steps = self.kchunk if self.splits > 1 else p.K
+        splits, kchunk = self.register_splits(caps, inner)
+        steps = kchunk if splits > 1 else p.K
         # every k is a step of the inner loop, and at most every k one of the outer
         if caps.max_loop_iterations and 2 * steps + LOOP_SLACK > caps.max_loop_iterations:
-            return self.tile
-        groups = (ceil_div(p.N, tn * wg), ceil_div(p.M, tm), inner * self.splits)
+            return shared
+        groups = (ceil_div(p.N, tn * wg), ceil_div(p.M, tm), inner * splits)
         if any(g > m for g, m in zip(groups, caps.max_workgroup_count)):
-            return self.tile
-        return {"REGISTER_TILE": 1, "BM": tm, "BN": tn * wg, "TM": tm, "TN": tn, "WG": wg}
+            return shared
+        return {"REGISTER_TILE": 1, "BM": tm, "BN": tn * wg, "TM": tm, "TN": tn, "WG": wg, "SPLITS": splits,
+                **({"KCHUNK": kchunk} if splits > 1 else {})}
+
+    def register_splits(self, caps: DeviceCaps, inner: int = 1) -> tuple[int, int]:
+        """(K splits, K per split) of the register tiling: a split costs a pass over a workspace
+        of partial products, worth it on a CPU only where the tiles alone are too few workgroups
+        to keep its cores busy; never more splits than the plan's workspace holds."""
+        p = self.p
+        tm, tn, wg = caps.register_tile
+        tiles = ceil_div(p.N, tn * wg) * ceil_div(p.M, tm) * inner
+        splits = min(self.splits, ceil_div(_REGISTER_TARGET_GROUPS, tiles),
+                     max(1, p.K // _GEMM_MIN_K_PER_SPLIT))
+        if splits <= 1:
+            return 1, p.K
+        kchunk = ceil_div(p.K, splits)
+        return ceil_div(p.K, kchunk), kchunk
 
     # -- dispatches ----------------------------------------------------------------------
     def dispatches(
@@ -232,18 +254,17 @@ class MatmulPlan:
         out: list[Dispatch] = []
         outer = p.batch[:-1]
         inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
-        split = self.splits > 1
         tile = self.tile_for(caps, inner.count)
+        splits = tile["SPLITS"]
+        split = splits > 1
         defines = {
             **tile, "A_KCONTIG": int(p.sAk == 1), "B_NCONTIG": int(p.sBn == 1),
-            "HAS_BIAS": int(p.has_bias), "ACT": p.act, "SPLITS": self.splits, **(extra_defines or {}),
+            "HAS_BIAS": int(p.has_bias), "ACT": p.act, **(extra_defines or {}),
         }
-        if split:
-            defines["KCHUNK"] = self.kchunk
         if tile.get("REGISTER_TILE"):  # a one-subgroup workgroup shares its loads of A by shuffles
             defines["A_SHUFFLE"] = int(caps is not None and caps.subgroup_shuffle
                                        and caps.subgroup_size == tile["WG"])
-        groups = (ceil_div(p.N, tile["BN"]), ceil_div(p.M, tile["BM"]), inner.count * self.splits)
+        groups = (ceil_div(p.N, tile["BN"]), ceil_div(p.M, tile["BM"]), inner.count * splits)
         check_grid(groups, caps, f"matrix product of {p.M} x {p.N}")
         for idx in itertools.product(*(range(d.count) for d in outer)):
             oa = sum(i * d.a for i, d in zip(idx, outer)) * 4
@@ -259,7 +280,7 @@ class MatmulPlan:
             ]
             out.append(Dispatch("gemm", args, groups, defines))
         if split:  # only with a single batch dimension: one product
-            out.append(self._reduce(ws, c_or_y, y, caps))
+            out.append(self._reduce(ws, c_or_y, y, caps, splits))
         return out
 
     def _gemv(self, a: Any, b: Any, c: Any, y: Any, ws: Any, caps: DeviceCaps | None) -> list[Dispatch]:
@@ -275,7 +296,7 @@ class MatmulPlan:
         )
         if not split:
             return [first]
-        return [first, self._reduce(ws, c, y, caps)]
+        return [first, self._reduce(ws, c, y, caps, self.splits)]
 
     def _gemv_t(self, a: Any, b: Any, c: Any, y: Any, caps: DeviceCaps | None) -> Dispatch:
         p = self.p
@@ -283,11 +304,18 @@ class MatmulPlan:
         if vec == 1 and p.sAk != 1:
             raise UnsupportedOp("GEMV with a strided vector operand")  # never built by the ops here
         rows = _GEMV_T_ROWS
+        # a CPU-like device: one subgroup per row (its barrier then switches between no invocations),
+        # where each invocation's share of the row stays within the device's loop limit
+        tpr = _GEMV_T_THREADS_PER_ROW
+        if caps is not None and caps.cpu_like and caps.subgroup_arithmetic:
+            limit = caps.max_loop_iterations
+            if not limit or ceil_div(p.K, vec * caps.subgroup_size) + LOOP_SLACK <= limit:
+                tpr = caps.subgroup_size
         return Dispatch(
             "gemv_t",
             [_ptr(a), _ptr(b), _ptr(c), _ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
-            groups_1d(p.N, rows, caps), {"VEC": vec, "TPR": _GEMV_T_THREADS_PER_ROW, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
+            groups_1d(p.N, rows, caps), {"VEC": vec, "TPR": tpr, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
              "ACT": p.act, "SUBGROUP_REDUCE": int(rows == 1 and caps is not None and caps.subgroup_arithmetic)},
         )
 

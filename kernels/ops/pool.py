@@ -7,8 +7,8 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial, groups_1d,
-    type_defines,
+    LOOP_SLACK, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, check_serial,
+    groups_1d, type_defines,
 )
 from vkpool.kernels.ops.spatial import Window, window, window_view
 
@@ -186,6 +186,11 @@ class GlobalPool(Op):
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         local = min(256, max(32, 1 << max(0, self.spatial - 1).bit_length()))
+        caps = ctx.caps
+        if caps is not None and caps.cpu_like and caps.subgroup_size & (caps.subgroup_size - 1) == 0 and \
+                (not caps.max_loop_iterations or
+                 -(-self.spatial // caps.subgroup_size) + 2 * LOOP_SLACK <= caps.max_loop_iterations):
+            local = caps.subgroup_size  # a CPU's barriers switch between invocations: one SIMD-wide group
         return [Dispatch(
             "global_pool",
             [Ptr(ctx.inputs[0]), Ptr(ctx.outputs[0]), U32(self.spatial), U32(self.rows)],

@@ -166,7 +166,12 @@ YCT apply(ACT x, BCT z) {
 
 void main() {
     uint i = flat_index();
+#if !EXACT  // EXACT (CPU-like devices): the grid holds exactly n invocations, no bounds test needed
     if (i >= pc.n) return;
+#endif
+#if FLAT  // both inputs of the output's shape (CPU-like devices: no division per element)
+    uint ia = i, ib = i;
+#else
     uint ia = 0, ib = 0, rem = i;
     for (int d = int(pc.rank) - 1; d >= 0; --d) {
         uint c = rem % pc.shape[d];
@@ -174,5 +179,6 @@ void main() {
         ia += c * pc.astride[d];
         ib += c * pc.bstride[d];
     }
+#endif
     pc.y.v[i] = YT(apply(ACT(pc.a.v[ia]), BCT(pc.b.v[ib])));
 }
