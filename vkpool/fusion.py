@@ -20,6 +20,10 @@ the latency. The rewrites, applied in node order until nothing changes:
   host over a dense probe of inputs (-12 to 12 and large magnitudes) and comparing with each
   activation's formula: a chain that agrees everywhere within 1e-6 (relative to 1 + |x|) is that
   activation, whatever its ops; any other chain stays as it is;
+- ``Relu(Add(a, b))`` of two computed float tensors (a residual block's sum, as in ResNet) becomes
+  the ``Add`` with the attribute ``activation`` = ``Relu`` (``kernels/shaders/binary.comp``'s
+  ``RELU``): one pass over the sum instead of two. An ``Add`` of a constant is a bias, which the
+  rewrites above take;
 - ``LayerNormalization(Add(a, b))`` of two tensors of one shape becomes the norm of ``a`` with the
   residual ``b`` added as it is read (vkpool's attribute ``residual``, input 3); where the sum is
   read elsewhere too (a pre-norm block's residual stream) the norm also writes it, as its
@@ -108,6 +112,8 @@ def _fuse_once(model: LoadedModel) -> bool:
                     _splice(model, prev, node)
                     return True
         if node.op_type in ("Conv", "Gemm", "MatMul") and "activation" not in node.attrs and _fuse_activation(g, node):
+            return True
+        if node.op_type == "Add" and "activation" not in node.attrs and _fuse_residual_relu(g, node):
             return True
         if node.op_type == "Softmax" and _fuse_attention(g, node):
             return True
@@ -214,6 +220,22 @@ _SMOOTH: dict[str, Callable[..., np.ndarray]] = {
 #: the most nodes a spelled-out activation may take (GELU's tanh form takes 8 or 9)
 _MAX_CHAIN = 12
 _PROBE = np.concatenate([np.linspace(-12.0, 12.0, 4801), [-1e3, -100.0, -50.0, -20.0, 20.0, 50.0, 100.0, 1e3]])
+
+
+def _fuse_residual_relu(g: _Graph, add: Node) -> bool:
+    """``Relu(Add(a, b))`` of two computed float tensors (a residual block's sum, as in ResNet)
+    becomes the ``Add`` with the attribute ``activation`` = ``Relu``. An ``Add`` of a constant is
+    left to the bias rewrites above (a product's bias, then its activation)."""
+    y = add.outputs[0]
+    if len(add.inputs) != 2 or any(g.constant(name) is not None for name in add.inputs) or not g.private(y):
+        return False
+    info = g.model.tensors.get(y)
+    relu = g.readers[y][0]
+    if info is None or np.dtype(info.dtype).kind != "f" or relu.op_type != "Relu" or relu.domain not in ("", "ai.onnx"):
+        return False
+    add.attrs["activation"] = "Relu"
+    _splice(g.model, add, relu)
+    return True
 
 
 def _fusable_product(g: _Graph, node: Node) -> bool:

@@ -56,6 +56,8 @@ class Binary(Op):
     input_types: ClassVar[frozenset[np.dtype]] = NUMERIC_TYPES
     #: comparisons and logic produce bool
     bool_output: ClassVar[bool] = False
+    #: whether vkpool.fusion may fold a Relu after the op into it (attribute ``activation``)
+    takes_relu: ClassVar[bool] = False
 
     def check(self) -> None:
         a, b = self.input(0), self.input(1)
@@ -63,6 +65,15 @@ class Binary(Op):
             raise OpError(f"{self.op_type}: input types differ ({a.dtype} and {b.dtype})")
         require(self.op_type, a.dtype, self.input_types)
         self.out_shape = broadcast_shape(a.shape, b.shape)
+        activation = self.attr("activation", None)
+        if activation is not None and not (self.takes_relu and activation == "Relu" and a.dtype.kind == "f"):
+            raise OpError(f"{self.op_type}: no fused activation {activation!r} on {a.dtype} (only a Relu after a "
+                          "float Add)")
+
+    @property
+    def relu(self) -> bool:
+        """A Relu folded into the op (:mod:`vkpool.fusion`): ``y = max(a (op) b, 0)``, NaN kept."""
+        return self.attr("activation", None) == "Relu"
 
     def op_code(self) -> int:
         """The shader's OP define (an attribute may choose among variants)."""
@@ -79,19 +90,25 @@ class Binary(Op):
         assert a is not None and b is not None
         with np.errstate(all="ignore"):
             y = np.asarray(type(self).numpy_op(a, b))
+            if self.relu:
+                y = np.where(y < 0, np.zeros((), y.dtype), y)
         return [y.astype(self.out_dtype(), copy=False)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
-        return [broadcast_dispatch(
+        dispatch = broadcast_dispatch(
             self.op_code(), (ctx.inputs[0], self.input(0)), (ctx.inputs[1], self.input(1)),
             (ctx.outputs[0], self.output_infos()[0]), ctx,
-        )]
+        )
+        if self.relu:
+            dispatch.defines["RELU"] = 1
+        return [dispatch]
 
 
 class Add(Binary):
     op_type = "Add"
     code = 0
     numpy_op = np.add
+    takes_relu = True
 
 
 class Sub(Binary):

@@ -180,5 +180,10 @@ void main() {
         ib += c * pc.bstride[d];
     }
 #endif
+#if RELU  // a Relu folded into the op (vkpool.fusion): v < 0 keeps NaN, as the Relu op does
+    YCT v = apply(ACT(pc.a.v[ia]), BCT(pc.b.v[ib]));
+    pc.y.v[i] = YT(v < YCT(0) ? YCT(0) : v);
+#else
     pc.y.v[i] = YT(apply(ACT(pc.a.v[ia]), BCT(pc.b.v[ib])));
+#endif
 }
