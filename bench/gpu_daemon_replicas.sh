@@ -12,7 +12,7 @@ icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 export VK_DRIVER_FILES=$icd VKPOOL_CACHE_DIR=/tmp/vkcache PYTHONUNBUFFERED=1
 rm -rf /tmp/benchpkg && mkdir -p /tmp/benchpkg && cp -r bench /tmp/benchpkg/
 export PYTHONPATH=/tmp/site:/tmp/vkpool-src:/tmp/benchpkg
-python3 -m vkpool devices | head -4
+(cd /tmp && python3 -m vkpool devices | head -4)
 common="--runs 200 --seconds ${SECONDS_EACH:-2} --clients ${CLIENTS:-1 16 64} --transport lane"
 for batching in "" "--max-batch ${MAX_BATCH:-32}"; do
   for objective in latency throughput; do
