@@ -22,12 +22,14 @@ import os
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench import workloads
+from vkpool.cluster.session import CALLS_PER_STEP, MAX_BUNDLE
 
 NODE_CONFIG = """\
 devices:
@@ -60,23 +62,113 @@ def start_cluster(gpus: bool, folder: Path) -> Any:
 
 
 def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray], seconds: float,
-               window: int) -> float:
-    """Requests completed per second with ``window`` in flight, for about ``seconds``."""
+               window: int) -> tuple[float, float, float]:
+    """(requests completed per second, p50 and p99 latency in seconds) with ``window`` requests
+    in flight, for about ``seconds``: a request's latency is from its submit to its future's
+    completion."""
     for out, ref in zip(session.run(None, feeds), want):
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
     for _ in range(window):
         session.run(None, feeds)
-    in_flight = [session.submit(feeds) for _ in range(window)]
+    latencies: list[float] = []
+    clock = time.perf_counter
+
+    def submit() -> Any:
+        future = session.submit(feeds)
+        future.add_done_callback(lambda _, t=clock(): latencies.append(clock() - t))
+        return future
+
+    in_flight = deque(submit() for _ in range(window))
     done = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        in_flight.pop(0).result(timeout=300)
+    start = clock()
+    latencies.clear()
+    while clock() - start < seconds:
+        in_flight.popleft().result(timeout=300)
         done += 1
-        in_flight.append(session.submit(feeds))
-    elapsed = time.perf_counter() - start
+        in_flight.append(submit())
+    elapsed = clock() - start
     for future in in_flight:
         future.result(timeout=300)
-    return done / elapsed
+    p50, p99 = np.percentile(latencies, [50, 99])
+    return done / elapsed, float(p50), float(p99)
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process ``pid`` so far, by thread name
+    (threads of one name summed), read from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+class CpuUse:
+    """CPU seconds each thread of the driver and of the nodes' actors spends over a measurement."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.pids = {"driver": os.getpid(), **{f"node {d['node']}": d["pid"] for d in cluster.describe()}}
+
+    def __enter__(self) -> CpuUse:
+        self.before = {who: thread_cpu(pid) for who, pid in self.pids.items()}
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.elapsed = time.perf_counter() - self.start
+        self.used = {}
+        for who, pid in self.pids.items():
+            after = thread_cpu(pid)
+            self.used[who] = {n: s - self.before[who].get(n, 0.0) for n, s in after.items()}
+
+    def report(self, label: str) -> str:
+        lines = [f"CPU over {self.elapsed:.1f} s, {label} (seconds per second of wall time, per thread):"]
+        for who, used in self.used.items():
+            busy = sorted(((s / self.elapsed, n) for n, s in used.items() if s / self.elapsed >= 0.01), reverse=True)
+            total = sum(used.values()) / self.elapsed
+            lines.append(f"  {who}: {total:.2f} in all; " + ", ".join(f"{n} {f:.2f}" for f, n in busy[:8]))
+        return "\n".join(lines)
+
+
+def profile_driver(run: Any, top: int = 25) -> str:
+    """``run()`` under cProfile in every Python thread of the driver (those running already too
+    where Python has ``threading.setprofile_all_threads``, 3.12; else those started meanwhile,
+    and this one); the functions of most own time, all threads together. Ray's C++ threads are
+    seen through per-thread CPU instead."""
+    import cProfile
+    import io
+    import pstats
+    import threading
+
+    profiles = [cProfile.Profile()]
+
+    def start_in_thread(*_: Any) -> None:
+        profile = cProfile.Profile()
+        profiles.append(profile)
+        profile.enable()
+
+    hook = getattr(threading, "setprofile_all_threads", threading.setprofile)
+    hook(start_in_thread)
+    profiles[0].enable()
+    try:
+        run()
+    finally:
+        profiles[0].disable()
+        hook(None)
+    stats = pstats.Stats(profiles[0])
+    for profile in profiles[1:]:
+        profile.disable()
+        stats.add(profile)
+    text = io.StringIO()
+    stats.stream = text  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def hop_s_per_mib(cluster: Any) -> tuple[float, float, list[tuple[int, float]]]:
@@ -102,12 +194,18 @@ def split_budget(cluster: Any, path: Path, member: str) -> int:
     """A budget that holds the larger half of the model's most even two-way cut (5% over what
     the planner prices it at), and not the whole model."""
     from vkpool.partition.plan import chunk_peak_bytes
+
     from vkpool.placement import balanced_cut
 
     with cluster.session(path, devices=[member]) as probe:
         whole = probe.placement.memory_bytes[member]
         half = max(chunk_peak_bytes(probe.graph, ops) for ops in balanced_cut(probe.graph, 2))
     return min(int(half * 1.05), whole - 1)
+
+
+def figure(measured: tuple[float, float, float]) -> str:
+    rate, p50, p99 = measured
+    return f"{rate:.1f} ({p50 * 1e3:.2f} / {p99 * 1e3:.2f})"
 
 
 def member_of(cluster: Any, node: str) -> str:
@@ -124,8 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                         "--gpus, else mnist12_like)")
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per figure (default 5)")
     parser.add_argument("--window", type=int, default=8, help="requests in flight (default 8)")
+    parser.add_argument("--calls", nargs="+", default=[f"{MAX_BUNDLE}x{CALLS_PER_STEP}"], metavar="BUNDLExCALLS",
+                        help="the sessions' max_bundle and calls_per_step, one table row per pair (default "
+                        f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
+    parser.add_argument("--profile", action="store_true", help="after each two-node figure, run it again "
+                        "for --seconds under cProfile (the driver's Python threads) and print where it spends")
     args = parser.parse_args(argv)
     split_model = args.split or ("conv_many_255MB" if args.gpus else "mnist12_like")
+    settings = [tuple(int(v) for v in spec.split("x")) for spec in args.calls]
 
     import vkpool.cluster
     from vkpool.cluster.links import node_of
@@ -133,40 +237,50 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="vkpool-bench-cluster-"))
     os.environ.setdefault("VKPOOL_CACHE_DIR", str(folder / "cache"))
     ray_cluster = start_cluster(args.gpus, folder)
-    rows: list[tuple[str, str, str, str]] = []
+    rows: list[tuple[str, ...]] = []
     try:
         with vkpool.cluster.connect(ray_cluster.address) as cluster:
             a, b = member_of(cluster, "a"), member_of(cluster, "b")
             budgets = {m["id"]: m["budget_bytes"] for m in cluster.members()}
             listed = ", ".join(f"{m['id']} ({m['name']})" for m in cluster.members())
-            print(f"nodes: {listed}", file=sys.stderr)
+            print(f"nodes: {listed}")
             for kind, name in (("replicas", args.replicated), ("split", split_model)):
                 path = workloads.save(name, folder)
                 feeds = workloads.input_for(name)
-                with cluster.session(path, devices=[a]) as one:
-                    want = one.run(None, feeds)
-                    single = jobs_per_s(one, feeds, want, args.seconds, args.window)
-                if kind == "replicas":
-                    options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
-                else:  # budgets under the model on each node: the planner must cut it in two
-                    cap = split_budget(cluster, path, a)
-                    options = {"objective": "throughput", "budgets": {a: cap, b: cap}}
-                with cluster.session(path, **options) as two:
-                    plan = two.placement
-                    copies = ", ".join([plan.chunks[0].member, *plan.replicas])
-                    shape = (f"replicas on {copies}" if plan.replicas
-                             else " → ".join(c.member for c in plan.chunks))
-                    if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
-                        raise RuntimeError(f"the {kind} plan does not span both nodes: {shape}")
-                    both = jobs_per_s(two, feeds, want, args.seconds, args.window)
-                for member in (a, b):
-                    cluster.set_budget(member, budgets[member])
-                rows.append((f"{kind}: {name}", f"{single:.1f}", f"{both:.1f}",
-                             f"{both / single:.2f}  ({shape})"))
+                for bundle, calls in settings:
+                    calling = {"max_bundle": bundle, "calls_per_step": calls}
+                    with cluster.session(path, devices=[a], **calling) as one:
+                        want = one.run(None, feeds)
+                        with CpuUse(cluster) as cpu:
+                            single = jobs_per_s(one, feeds, want, args.seconds, args.window)
+                    print(cpu.report(f"{kind} {name} on node a, {bundle}x{calls}"))
+                    if kind == "replicas":
+                        options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
+                    else:  # budgets under the model on each node: the planner must cut it in two
+                        cap = split_budget(cluster, path, a)
+                        options = {"objective": "throughput", "budgets": {a: cap, b: cap}}
+                    with cluster.session(path, **options, **calling) as two:
+                        plan = two.placement
+                        copies = ", ".join([plan.chunks[0].member, *plan.replicas])
+                        shape = (f"replicas on {copies}" if plan.replicas
+                                 else " → ".join(c.member for c in plan.chunks))
+                        if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
+                            raise RuntimeError(f"the {kind} plan does not span both nodes: {shape}")
+                        with CpuUse(cluster) as cpu:
+                            both = jobs_per_s(two, feeds, want, args.seconds, args.window)
+                        print(cpu.report(f"{kind} {name} on both nodes, {bundle}x{calls}"))
+                        if args.profile:
+                            print(f"cProfile of the driver, {kind} {name} on both nodes, {bundle}x{calls}:")
+                            print(profile_driver(lambda s=two, f=feeds, w=want: jobs_per_s(s, f, w, args.seconds, args.window)))
+                    for member in (a, b):
+                        cluster.set_budget(member, budgets[member])
+                    rows.append((f"{kind}: {name}", f"{bundle}x{calls}", figure(single), figure(both),
+                                 f"{both[0] / single[0]:.2f}", shape))
             slope, fixed, points = hop_s_per_mib(cluster)
     finally:
         ray_cluster.shutdown()
-    print("| figure | one node jobs/s | two nodes jobs/s | two / one |\n|---|---|---|---|")
+    print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
+    print("| figure | max_bundle x calls_per_step | one node | two nodes | two / one | plan |\n|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "

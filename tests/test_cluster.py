@@ -17,8 +17,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is the extra vkpool[cluster] (make test installs it)")
 
-from bench import workloads  # noqa: E402
 from conftest import vulkan_pool  # noqa: E402
+
+from bench import workloads  # noqa: E402
 from vkpool.cli import main  # noqa: E402
 
 NODES = ("n0", "n1")
@@ -153,25 +154,57 @@ def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) ->
 
 
 def test_requests_that_share_a_call_fail_alone(cluster: Any, mnist: Any) -> None:
-    """Requests arriving together travel in one call per copy (BUNDLE_MAX); one that fails on the
-    node (here a shape the driver would have refused, sent past it) fails only itself."""
+    """Requests waiting for a copy travel in one call, packed (vkpool.cluster.rows); one that
+    failed fails only itself, on a replica and through the steps of a split."""
     import ray
 
-    from vkpool.cluster.node import ItemFailed
-    from vkpool.cluster.session import BUNDLE_MAX
+    from vkpool.cluster.rows import Rows
 
     path, feeds, want = mnist
+    earlier = ValueError("failed on an earlier step")
+    packed = Rows.pack([feeds, feeds, feeds], ["x"])
     with cluster[1].session(path, objective="throughput") as session:
         copy = session._copies[0]
         actor = cluster[1].actors[copy.nodes[0]]
-        bad = {"x": np.zeros((1, 3), np.float32)}
-        out = ray.get(actor.run.remote(copy.key, [feeds, bad, feeds]), timeout=60)
-        assert_same(out[0], want)
-        assert_same(out[2], want)
-        assert isinstance(out[1], ItemFailed) and "shape" in str(out[1].error)
-        futures = [session.submit(feeds) for _ in range(3 * BUNDLE_MAX)]
+        out = ray.get(actor.run.remote(copy.key, Rows(3, packed.tensors, {1: earlier})), timeout=60)
+        assert set(out.failed) == {1} and str(out.failed[1]) == str(earlier)
+        for row in (0, 2):
+            assert_same([out.tensors[name][row] for name in [o.name for o in session.get_outputs()]], want)
+        futures = [session.submit(feeds) for _ in range(200)]
         for future in futures:
             assert_same(future.result(timeout=60), want)
+        assert all(copy["served"] > 0 for copy in session.copies), session.copies
+    with cluster[1].session(path, budgets=split_budgets()) as split:
+        copy = split._copies[0]
+        first = copy.steps[0]
+        actor = cluster[1].actors[first.node]
+        out = ray.get(actor.run_chunks.remote(copy.key, first.chunks, Rows(3, packed.tensors, {0: earlier})),
+                      timeout=60)
+        assert set(out.failed) == {0} and not np.any([t[0] for t in out.tensors.values()])
+        assert np.all([np.any(t[1]) and np.array_equal(t[1], t[2]) for t in out.tensors.values()])
+        futures = [split.submit(feeds) for _ in range(100)]
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+
+
+def test_a_request_is_refused_alone_and_its_feeds_are_copied(cluster: Any, mnist: Any) -> None:
+    from vkpool.errors import InvalidInput
+
+    path, feeds, want = mnist
+    with cluster[1].session(path, objective="throughput", max_bundle=4, calls_per_step=1) as session:
+        mine = {"x": feeds["x"].copy()}
+        futures = [session.submit(mine) for _ in range(12)]
+        mine["x"][:] = 0  # the caller reuses its array: the requests already submitted keep their feeds
+        with pytest.raises(InvalidInput, match="shape"):
+            session.submit({"x": np.zeros((1, 3), np.float32)})
+        with pytest.raises(InvalidInput, match="missing"):
+            session.submit({})
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+        futures[0].result()[0][...] = 0  # each request's outputs are its own to write
+        assert_same(futures[1].result(), want)
+    with pytest.raises(ValueError, match="at least 1"):
+        cluster[1].session(path, max_bundle=0)
 
 
 def test_budgets_that_hold_nothing_are_refused_as_on_one_machine(cluster: Any, mnist: Any) -> None:
