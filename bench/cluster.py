@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(cpu.report(f"{kind} {name} on both nodes, {bundle}x{calls}"))
                         if args.profile:
                             print(f"cProfile of the driver, {kind} {name} on both nodes, {bundle}x{calls}:")
-                            print(profile_driver(lambda s=two, f=feeds, w=want: jobs_per_s(s, f, w, args.seconds, args.window)))
+                            print(profile_driver(
+                                lambda s=two, f=feeds, w=want: jobs_per_s(s, f, w, args.seconds, args.window)))
                     for member in (a, b):
                         cluster.set_budget(member, budgets[member])
                     rows.append((f"{kind}: {name}", f"{bundle}x{calls}", figure(single), figure(both),
