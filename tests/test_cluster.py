@@ -207,6 +207,40 @@ def test_a_request_is_refused_alone_and_its_feeds_are_copied(cluster: Any, mnist
         cluster[1].session(path, max_bundle=0)
 
 
+def test_rows_pack_requests_and_a_failure_stays_with_its_request() -> None:
+    from vkpool.cluster.rows import Rows, merge, run_rows
+
+    feeds = [{"x": np.full((1, 2), i, np.float32)} for i in range(5)]
+    rows = Rows.pack(feeds, ["x"])
+    assert rows.tensors["x"].shape == (5, 1, 2) and np.array_equal(rows.row(3)["x"], feeds[3]["x"])
+    in_flight: list[int] = []
+    most = [0]
+
+    def start(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if f["x"][0, 0] == 2:
+            raise ValueError("row 2 refused")
+        in_flight.append(1)
+        most[0] = max(most[0], len(in_flight))
+        return f
+
+    def finish(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        in_flight.pop()
+        if f["x"][0, 0] == 4:
+            raise RuntimeError("row 4 failed")
+        return {"y": f["x"] * 2}
+
+    earlier = KeyError("failed before")
+    out = run_rows(start, finish, Rows(5, rows.tensors, {1: earlier}), depth=2)
+    assert most[0] == 2 and not in_flight  # two runs in flight at most, every one finished
+    assert out.failed[1] is earlier and "row 2" in str(out.failed[2]) and "row 4" in str(out.failed[4])
+    assert out.tensors["y"][:, 0, 0].tolist() == [0, 0, 0, 6, 0]
+    both = merge([out, Rows(5, {"z": rows.tensors["x"]}, {3: ValueError("later")})])
+    assert set(both.tensors) == {"y", "z"} and set(both.failed) == {1, 2, 3, 4}
+    frozen = Rows(5, {"y": np.zeros((5, 2))})
+    frozen.tensors["y"].flags.writeable = False
+    assert frozen.writable().tensors["y"].flags.writeable
+
+
 def test_budgets_that_hold_nothing_are_refused_as_on_one_machine(cluster: Any, mnist: Any) -> None:
     from vkpool.partition.plan import PartitionUnfeasible
 

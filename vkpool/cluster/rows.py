@@ -99,15 +99,3 @@ def run_rows(start: Callable[[dict[str, np.ndarray]], Any], finish: Callable[[An
         finish_one()
     return out.rows
 
-
-def run_each(run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], rows: Rows) -> Rows:
-    """``run(feeds)`` for each request of ``rows`` that has not failed, one after another."""
-    out = _Collector(rows.count, rows.failed)
-    for index in range(rows.count):
-        if index in rows.failed:
-            continue
-        try:
-            out.put(index, run(rows.row(index)))
-        except Exception as exc:
-            out.fail(index, exc)
-    return out.rows
