@@ -64,33 +64,42 @@ def start_cluster(gpus: bool, folder: Path) -> Any:
 def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray], seconds: float,
                window: int) -> tuple[float, float, float]:
     """(requests completed per second, p50 and p99 latency in seconds) with ``window`` requests
-    in flight, for about ``seconds``: a request's latency is from its submit to its future's
-    completion."""
-    for out, ref in zip(session.run(None, feeds), want):
-        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    in flight for about ``seconds``: a new request is submitted as soon as any completes (not
+    the oldest: a request done behind a slower one frees its place at once). A request's
+    latency is from its submit to its future's completion. Outputs are checked before and at
+    the end."""
+    import threading
+
+    def check(out: list[np.ndarray]) -> None:
+        for got, ref in zip(out, want):
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+    check(session.run(None, feeds))
     for _ in range(window):
         session.run(None, feeds)
-    latencies: list[float] = []
     clock = time.perf_counter
+    places = threading.Semaphore(window)
+    ended: list[tuple[float, float]] = []  # (completion, latency) of each request
 
-    def submit() -> Any:
-        future = session.submit(feeds)
-        future.add_done_callback(lambda _, t=clock(): latencies.append(clock() - t))
-        return future
+    def finished(_: Any, submitted: float) -> None:
+        now = clock()
+        ended.append((now, now - submitted))
+        places.release()
 
-    in_flight = deque(submit() for _ in range(window))
-    done = 0
+    last: deque[Any] = deque(maxlen=window)
     start = clock()
-    latencies.clear()
-    while clock() - start < seconds:
-        in_flight.popleft().result(timeout=300)
-        done += 1
-        in_flight.append(submit())
-    elapsed = clock() - start
-    for future in in_flight:
-        future.result(timeout=300)
-    p50, p99 = np.percentile(latencies, [50, 99])
-    return done / elapsed, float(p50), float(p99)
+    deadline = start + seconds
+    while clock() < deadline:
+        if not places.acquire(timeout=300):
+            raise TimeoutError("no request completed in 300 s")
+        future = session.submit(feeds)
+        future.add_done_callback(lambda f, t=clock(): finished(f, t))
+        last.append(future)
+    for future in last:
+        check(future.result(timeout=300))
+    measured = [latency for at, latency in ended if at <= deadline]
+    p50, p99 = np.percentile(measured, [50, 99])
+    return len(measured) / seconds, float(p50), float(p99)
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -136,39 +145,71 @@ class CpuUse:
         return "\n".join(lines)
 
 
-def profile_driver(run: Any, top: int = 25) -> str:
-    """``run()`` under cProfile in every Python thread of the driver (those running already too
-    where Python has ``threading.setprofile_all_threads``, 3.12; else those started meanwhile,
-    and this one); the functions of most own time, all threads together. Ray's C++ threads are
-    seen through per-thread CPU instead."""
-    import cProfile
-    import io
-    import pstats
-    import threading
+class Sampler:
+    """Where the driver's Python threads are: every ``interval`` seconds, the stack of each
+    (``sys._current_frames``; cProfile cannot watch several threads on Python 3.12). A sample
+    whose innermost frame is a wait (``Condition.wait``, an executor's idle worker, Ray's error
+    listener) is idle;
+    the others are busy, or waiting for the interpreter lock, which sampling cannot tell apart.
+    Sampling takes the lock for some microseconds a time: run it apart from the figures."""
 
-    profiles = [cProfile.Profile()]
+    IDLE = {("threading.py", "wait"), ("thread.py", "_worker"), ("worker.py", "listen_error_messages")}
 
-    def start_in_thread(*_: Any) -> None:
-        profile = cProfile.Profile()
-        profiles.append(profile)
-        profile.enable()
+    def __init__(self, interval: float = 0.001) -> None:
+        import threading
 
-    hook = getattr(threading, "setprofile_all_threads", threading.setprofile)
-    hook(start_in_thread)
-    profiles[0].enable()
-    try:
-        run()
-    finally:
-        profiles[0].disable()
-        hook(None)
-    stats = pstats.Stats(profiles[0])
-    for profile in profiles[1:]:
-        profile.disable()
-        stats.add(profile)
-    text = io.StringIO()
-    stats.stream = text  # type: ignore[attr-defined]
-    stats.sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+        self.interval = interval
+        self.samples: dict[str, int] = {}
+        self.own: dict[tuple[str, str], int] = {}
+        self.within: dict[tuple[str, str], int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                thread = names.get(ident, str(ident))
+                self.samples[thread] = self.samples.get(thread, 0) + 1
+                code = frame.f_code
+                if (Path(code.co_filename).name, code.co_name) in self.IDLE:
+                    continue
+                leaf = (thread, f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_qualname}")
+                self.own[leaf] = self.own.get(leaf, 0) + 1
+                seen = set()
+                while frame is not None:
+                    code = frame.f_code
+                    key = (thread, f"{Path(code.co_filename).name} {code.co_qualname}")
+                    if key not in seen:
+                        seen.add(key)
+                        self.within[key] = self.within.get(key, 0) + 1
+                    frame = frame.f_back
+
+    def report(self, top: int = 15) -> str:
+        lines = []
+        for thread, total in sorted(self.samples.items(), key=lambda item: -item[1]):
+            busy = sum(n for (t, _), n in self.own.items() if t == thread)
+            if not busy:
+                continue
+            lines.append(f"  thread {thread}: busy in {busy / total:.0%} of {total} samples")
+            own = sorted(((n, f) for (t, f), n in self.own.items() if t == thread), reverse=True)[:top]
+            lines += [f"    own {n / total:6.1%}  {f}" for n, f in own]
+            within = sorted(((n, f) for (t, f), n in self.within.items() if t == thread), reverse=True)[:top]
+            lines += [f"    in  {n / total:6.1%}  {f}" for n, f in within]
+        return "\n".join(lines)
 
 
 def hop_s_per_mib(cluster: Any) -> tuple[float, float, list[tuple[int, float]]]:
@@ -226,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sessions' max_bundle and calls_per_step, one table row per pair (default "
                         f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
     parser.add_argument("--profile", action="store_true", help="after each two-node figure, run it again "
-                        "for --seconds under cProfile (the driver's Python threads) and print where it spends")
+                        "for --seconds, sampling the driver's Python threads, and print where they are")
     args = parser.parse_args(argv)
     split_model = args.split or ("conv_many_255MB" if args.gpus else "mnist12_like")
     settings = [tuple(int(v) for v in spec.split("x")) for spec in args.calls]
@@ -270,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                             both = jobs_per_s(two, feeds, want, args.seconds, args.window)
                         print(cpu.report(f"{kind} {name} on both nodes, {bundle}x{calls}"))
                         if args.profile:
-                            print(f"cProfile of the driver, {kind} {name} on both nodes, {bundle}x{calls}:")
-                            print(profile_driver(
-                                lambda s=two, f=feeds, w=want: jobs_per_s(s, f, w, args.seconds, args.window)))
+                            with Sampler() as sampler:
+                                jobs_per_s(two, feeds, want, args.seconds, args.window)
+                            print(f"driver's Python threads, {kind} {name} on both nodes, {bundle}x{calls} (a run "
+                                  f"apart, sampled every ms; a share of samples):\n{sampler.report()}")
                     for member in (a, b):
                         cluster.set_budget(member, budgets[member])
                     rows.append((f"{kind}: {name}", f"{bundle}x{calls}", figure(single), figure(both),
