@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", nargs="+", default=[f"{MAX_BUNDLE}x{CALLS_PER_STEP}"], metavar="BUNDLExCALLS",
                         help="the sessions' max_bundle and calls_per_step, one table row per pair (default "
                         f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
+    parser.add_argument("--same-load", action="store_true", help="measure two nodes with twice --window too "
+                        "(as many requests in flight per node as on one node)")
     parser.add_argument("--profile", action="store_true", help="after each two-node figure, run it again "
                         "for --seconds, sampling the driver's Python threads, and print where they are")
     args = parser.parse_args(argv)
@@ -310,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                         with CpuUse(cluster) as cpu:
                             both = jobs_per_s(two, feeds, want, args.seconds, args.window)
                         print(cpu.report(f"{kind} {name} on both nodes, {bundle}x{calls}"))
+                        doubled = (jobs_per_s(two, feeds, want, args.seconds, 2 * args.window)
+                                   if args.same_load else None)
                         if args.profile:
                             with Sampler() as sampler:
                                 jobs_per_s(two, feeds, want, args.seconds, args.window)
@@ -318,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
                     for member in (a, b):
                         cluster.set_budget(member, budgets[member])
                     rows.append((f"{kind}: {name}", f"{bundle}x{calls}", figure(single), figure(both),
-                                 f"{both[0] / single[0]:.2f}", shape))
+                                 f"{both[0] / single[0]:.2f}", shape)
+                                + ((figure(doubled), f"{doubled[0] / single[0]:.2f}") if doubled else ()))
             slope, fixed, points = hop_s_per_mib(cluster)
     finally:
         ray_cluster.shutdown()
     print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
-    print("| figure | max_bundle x calls_per_step | one node | two nodes | two / one | plan |\n|---|---|---|---|---|---|")
+    doubled_head = (f" two nodes, window {2 * args.window} | that / one |", "---|---|") if args.same_load else ("", "")
+    print(f"| figure | max_bundle x calls_per_step | one node | two nodes | two / one | plan |{doubled_head[0]}\n"
+          f"|---|---|---|---|---|---|{doubled_head[1]}")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "

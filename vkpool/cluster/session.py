@@ -32,15 +32,21 @@ import numpy as np
 
 from vkpool.errors import InvalidInput
 
-#: requests one call to a copy carries at most, and calls each step of a copy keeps in flight
+#: requests one call to a copy carries at most, and calls each step of a copy may keep in flight
 #: (a replica is one step; a plan over two nodes two). A Ray call costs the driver and the node's
 #: actor a fixed amount of work whatever it carries, so requests that wait for a copy share a
-#: call, packed (vkpool.cluster.rows); the calls in flight let a node run one call while the
-#: next travels, and every stage of a plan over nodes work at once on calls of its own.
-#: ``ClusterSession(max_bundle=, calls_per_step=)`` sets them per session. NOTE: two H200 nodes
-#: on one host, docs/gpu/h200x2-cluster.md has the figures that chose them
+#: call, packed (vkpool.cluster.rows); calls in flight let a node run one call while the next
+#: travels, and every stage of a plan over nodes work at once on calls of its own. A copy keeps
+#: as many calls in flight as its requests fill, MAX_BUNDLE each, at least MIN_CALLS and at most
+#: CALLS_PER_STEP per step: full calls cost a node the least per request, and under a light load
+#: a node still has the next call while it answers one. ``ClusterSession(max_bundle=,
+#: calls_per_step=)`` sets them per session. NOTE: two H200 nodes on one host, 256 requests in
+#: flight (docs/gpu/h200x2-cluster.md): mnist12_like replicas, 12,353 jobs/s on one node with
+#: calls of 64 (4 in flight) against 10,633 with calls of 32; on two nodes 18,992 with 2 calls of
+#: 64 per node, 16,081 with 4 of 32
 MAX_BUNDLE = 64
 CALLS_PER_STEP = 4
+MIN_CALLS = 2
 #: how often a session looks for a restarted actor of a copy that went down, in seconds
 REVIVE_EVERY_S = 0.5
 #: how long a restarted actor may take to answer before the next look
@@ -93,7 +99,7 @@ class ClusterSession:
     size, set on the nodes), ``plan`` (a Plan made for this model on these members),
     ``batch``, ``dims``, ``max_batch``, ``max_queue_delay`` as for :class:`vkpool.Session`;
     ``max_bundle``: requests one call carries at most, ``calls_per_step``: calls each step of a
-    copy keeps in flight (:data:`MAX_BUNDLE`, :data:`CALLS_PER_STEP`)."""
+    copy may keep in flight (:data:`MAX_BUNDLE`, :data:`CALLS_PER_STEP`)."""
 
     def __init__(self, cluster: Any, model: str | os.PathLike | bytes, *, objective: str = "latency",
                  devices: Sequence[str] | None = None, budgets: Mapping[str, int | str] | None = None,
@@ -242,8 +248,8 @@ class ClusterSession:
                 copy.in_flight += 1
                 pending.tried.add(copy.index)
                 copy.queue.append(pending)
-                send = len(copy.calls) < copy.max_calls and (
-                    not copy.calls or len(copy.queue) * copy.max_calls >= copy.in_flight)
+                free, share = self._room(copy)
+                send = free > 0 and (not copy.calls or len(copy.queue) >= share)
             else:
                 down = [f"copy {c.index} on {', '.join(c.nodes)}: {c.down}" for c in self._copies if c.down]
         if copy is None:
@@ -257,19 +263,17 @@ class ClusterSession:
             self._flush(copy)
 
     def _flush(self, copy: _Copy) -> None:
-        """Sends what waits on ``copy`` while it has room for another call. A call carries an
-        even share of the copy's requests (those in flight over its calls in flight, at most
-        ``max_bundle``): a copy with calls in flight waits for that many to queue before it
-        starts another, or for a call to end, so that calls do not shrink to one request each
-        under load (a call that ends frees room while its requests' callers have not yet sent
-        the next ones); an idle copy sends at once."""
+        """Sends what waits on ``copy`` while it has room for another call (:meth:`_room`). A
+        call carries an even share of the copy's requests in flight: a copy with calls in flight
+        waits for that many to queue before it starts another, or for a call to end, so that
+        calls do not shrink to one request each under load (a call that ends frees room while
+        its requests' callers have not yet sent the next ones); an idle copy sends at once."""
         while True:
             with self._lock:
-                free = copy.max_calls - len(copy.calls)
+                free, share = self._room(copy)
                 waiting = len(copy.queue)
                 if free <= 0 or not waiting or copy.down is not None:
                     return
-                share = max(1, min(self._max_bundle, copy.in_flight // copy.max_calls))
                 if copy.calls and waiting < share:
                     return
                 size = min(waiting, self._max_bundle, max(share, -(-waiting // free)))
@@ -286,6 +290,13 @@ class ClusterSession:
                     _settle(pending.future, exc)
                 continue
             self._gather(copy, call, refs)
+
+    def _room(self, copy: _Copy) -> tuple[int, int]:
+        """(calls ``copy`` may start now, requests a call of it carries when it is busy): as many
+        calls as its requests in flight fill, ``max_bundle`` each, between MIN_CALLS and its
+        ``max_calls``; each an even share of those requests. Under the session's lock."""
+        calls = min(copy.max_calls, max(MIN_CALLS, -(-copy.in_flight // self._max_bundle)))
+        return calls - len(copy.calls), max(1, min(self._max_bundle, copy.in_flight // calls))
 
     def _start(self, copy: _Copy, bundle: list[_Pending]) -> list[Any]:
         """The calls of some requests on ``copy``: the references whose values hold their outputs."""
