@@ -139,10 +139,15 @@ class CpuUse:
     def report(self, label: str) -> str:
         lines = [f"CPU over {self.elapsed:.1f} s, {label} (seconds per second of wall time, per thread):"]
         for who, used in self.used.items():
-            busy = sorted(((s / self.elapsed, n) for n, s in used.items() if s / self.elapsed >= 0.01), reverse=True)
+            shares = ((s / self.elapsed, n) for n, s in used.items())
+            busy = sorted(((f, n) for f, n in shares if f >= 0.01), reverse=True)
             total = sum(used.values()) / self.elapsed
             lines.append(f"  {who}: {total:.2f} in all; " + ", ".join(f"{n} {f:.2f}" for f, n in busy[:8]))
         return "\n".join(lines)
+
+
+def _function(code: Any) -> str:
+    return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11
 
 
 class Sampler:
@@ -153,7 +158,8 @@ class Sampler:
     the others are busy, or waiting for the interpreter lock, which sampling cannot tell apart.
     Sampling takes the lock for some microseconds a time: run it apart from the figures."""
 
-    IDLE = {("threading.py", "wait"), ("thread.py", "_worker"), ("worker.py", "listen_error_messages")}
+    IDLE = frozenset({("threading.py", "wait"), ("thread.py", "_worker"),
+                      ("worker.py", "listen_error_messages")})
 
     def __init__(self, interval: float = 0.001) -> None:
         import threading
@@ -187,12 +193,12 @@ class Sampler:
                 code = frame.f_code
                 if (Path(code.co_filename).name, code.co_name) in self.IDLE:
                     continue
-                leaf = (thread, f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_qualname}")
+                leaf = (thread, f"{Path(code.co_filename).name}:{frame.f_lineno} {_function(code)}")
                 self.own[leaf] = self.own.get(leaf, 0) + 1
                 seen = set()
                 while frame is not None:
                     code = frame.f_code
-                    key = (thread, f"{Path(code.co_filename).name} {code.co_qualname}")
+                    key = (thread, f"{Path(code.co_filename).name} {_function(code)}")
                     if key not in seen:
                         seen.add(key)
                         self.within[key] = self.within.get(key, 0) + 1
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--gpus, else mnist12_like)")
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per figure (default 5)")
     parser.add_argument("--window", type=int, default=8, help="requests in flight (default 8)")
-    parser.add_argument("--calls", nargs="+", default=[f"{MAX_BUNDLE}x{CALLS_PER_STEP}"], metavar="BUNDLExCALLS",
+    parser.add_argument("--calls", nargs="+", default=[f"{MAX_BUNDLE}x{CALLS_PER_STEP}"],
+                        metavar="BUNDLExCALLS",
                         help="the sessions' max_bundle and calls_per_step, one table row per pair (default "
                         f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
     parser.add_argument("--same-load", action="store_true", help="measure two nodes with twice --window too "
@@ -317,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                         if args.profile:
                             with Sampler() as sampler:
                                 jobs_per_s(two, feeds, want, args.seconds, args.window)
-                            print(f"driver's Python threads, {kind} {name} on both nodes, {bundle}x{calls} (a run "
-                                  f"apart, sampled every ms; a share of samples):\n{sampler.report()}")
+                            print(f"driver's Python threads, {kind} {name} on both nodes, {bundle}x{calls} "
+                                  f"(a run apart, sampled every ms; a share of samples):\n{sampler.report()}")
                     for member in (a, b):
                         cluster.set_budget(member, budgets[member])
                     rows.append((f"{kind}: {name}", f"{bundle}x{calls}", figure(single), figure(both),
@@ -328,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray_cluster.shutdown()
     print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
-    doubled_head = (f" two nodes, window {2 * args.window} | that / one |", "---|---|") if args.same_load else ("", "")
-    print(f"| figure | max_bundle x calls_per_step | one node | two nodes | two / one | plan |{doubled_head[0]}\n"
-          f"|---|---|---|---|---|---|{doubled_head[1]}")
+    more = ((f" two nodes, window {2 * args.window} | that / one |", "---|---|") if args.same_load
+            else ("", ""))
+    print(f"| figure | max_bundle x calls_per_step | one node | two nodes | two / one | plan |{more[0]}\n"
+          f"|---|---|---|---|---|---|{more[1]}")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "

@@ -89,7 +89,8 @@ class _Pending:
 
     __slots__ = ("feeds", "names", "future", "tried")
 
-    def __init__(self, feeds: dict[str, np.ndarray], names: list[str], future: Future, tried: set[int]) -> None:
+    def __init__(self, feeds: dict[str, np.ndarray], names: list[str], future: Future,
+                 tried: set[int]) -> None:
         self.feeds, self.names, self.future, self.tried = feeds, names, future, tried
 
 
@@ -242,7 +243,8 @@ class ClusterSession:
         with self._lock:
             copy = None
             for c in self._copies:
-                if c.down is None and c.index not in pending.tried and (copy is None or c.in_flight < copy.in_flight):
+                if c.down is None and c.index not in pending.tried and (
+                        copy is None or c.in_flight < copy.in_flight):
                     copy = c
             if copy is not None and not self._closed:
                 copy.in_flight += 1
@@ -467,8 +469,7 @@ class ClusterSession:
             raise InvalidInput(f"missing input(s) {sorted(set(self._inputs) - set(input_feed))}")
         feeds = {}
         for name, (dtype, shape) in self._inputs.items():
-            value = input_feed[name]
-            value = np.array(value, copy=True, order="C") if isinstance(value, np.ndarray) else np.asarray(value)
+            value = np.array(input_feed[name], order="C")
             if value.dtype != dtype:
                 raise InvalidInput(f"input {name!r} must be {dtype}, got {value.dtype}")
             if value.shape != shape:
@@ -527,7 +528,8 @@ class ClusterSession:
                     pass  # a node that is gone holds nothing of it
         self._completions.shutdown(wait=False)
         with self._lock:  # their completions will not be handled now
-            left = [p for copy in self._copies for p in [*copy.queue, *(p for b in copy.calls.values() for p in b)]]
+            left = [p for copy in self._copies for p in copy.queue]
+            left += [p for copy in self._copies for call in copy.calls.values() for p in call]
             for copy in self._copies:
                 copy.queue.clear()
                 copy.calls.clear()
