@@ -43,7 +43,8 @@ from vkpool.errors import InvalidInput
 #: calls_per_step=)`` sets them per session. NOTE: two H200 nodes on one host, 256 requests in
 #: flight (docs/gpu/h200x2-cluster.md): mnist12_like replicas, 12,353 jobs/s on one node with
 #: calls of 64 (4 in flight) against 10,633 with calls of 32; on two nodes 18,992 with 2 calls of
-#: 64 per node, 16,081 with 4 of 32
+#: 64 per node, 16,081 with 4 of 32. As calls fill: 12,231 on one node, 17,656 on two (20,845
+#: with 512 in flight); a split of conv_many_255MB 1.46x one node
 MAX_BUNDLE = 64
 CALLS_PER_STEP = 4
 MIN_CALLS = 2
