@@ -241,6 +241,24 @@ def test_rows_pack_requests_and_a_failure_stays_with_its_request() -> None:
     assert frozen.writable().tensors["y"].flags.writeable
 
 
+def test_a_copy_keeps_as_many_calls_in_flight_as_its_requests_fill(cluster: Any, mnist: Any) -> None:
+    from vkpool.cluster.session import _Copy
+
+    with cluster[1].session(mnist[0], devices=["n0/vk0.0"], max_bundle=64, calls_per_step=4) as session:
+        def room(in_flight: int, calls: int = 0, max_calls: int = 4) -> tuple[int, int]:
+            copy = _Copy(0, "k", ["n0"], "n0/vk0.0", in_flight=in_flight, max_calls=max_calls)
+            copy.calls = {i: [] for i in range(calls)}
+            return session._room(copy)
+
+        assert room(256) == (4, 64)  # full calls, as many as the ceiling allows
+        assert room(128) == (2, 64)
+        assert room(128, calls=2) == (0, 64)
+        assert room(8) == (2, 4)  # a light load: still a second call behind the first
+        assert room(1000) == (4, 64)
+        assert room(1000, max_calls=8) == (8, 64)  # a split over two nodes: 4 per step
+        assert room(8, max_calls=1) == (1, 8)  # calls_per_step=1
+
+
 def test_budgets_that_hold_nothing_are_refused_as_on_one_machine(cluster: Any, mnist: Any) -> None:
     from vkpool.partition.plan import PartitionUnfeasible
 
