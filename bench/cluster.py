@@ -237,6 +237,30 @@ def hop_s_per_mib(cluster: Any) -> tuple[float, float, list[tuple[int, float]]]:
     return float(slope), float(fixed), points
 
 
+def call_cost(cluster: Any, row_bytes: int, rows: tuple[int, ...] = (1, 16, 31, 33, 64, 128, 256),
+              calls: int = 400, in_flight: int = 8) -> list[tuple[int, float, float]]:
+    """[(rows, wall seconds per call, driver CPU seconds per call)] of calls to node a's actor
+    carrying ``rows`` requests of ``row_bytes`` each (one array, as a packed call carries them),
+    ``in_flight`` at a time: what a call costs the driver as it grows past Ray's inline size."""
+    import ray
+
+    actor = cluster.actors["a"]
+    out = []
+    for count in rows:
+        blob = np.ones(count * row_bytes, np.uint8)
+        ray.get(actor.pull.remote(blob))
+        before, start = sum(thread_cpu(os.getpid()).values()), time.perf_counter()
+        waiting: deque[Any] = deque()
+        for _ in range(calls):
+            waiting.append(actor.pull.remote(blob))
+            if len(waiting) >= in_flight:
+                ray.get(waiting.popleft())
+        ray.get(list(waiting))
+        wall, cpu = time.perf_counter() - start, sum(thread_cpu(os.getpid()).values()) - before
+        out.append((count, wall / calls, cpu / calls))
+    return out
+
+
 def split_budget(cluster: Any, path: Path, member: str) -> int:
     """A budget that holds the larger half of the model's most even two-way cut (5% over what
     the planner prices it at), and not the whole model."""
@@ -275,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
     parser.add_argument("--same-load", action="store_true", help="measure two nodes with twice --window too "
                         "(as many requests in flight per node as on one node)")
+    parser.add_argument("--call-cost", action="store_true", help="also measure what a call to a node costs "
+                        "the driver by the requests it carries (of the replicated model's input size)")
     parser.add_argument("--profile", action="store_true", help="after each two-node figure, run it again "
                         "for --seconds, sampling the driver's Python threads, and print where they are")
     args = parser.parse_args(argv)
@@ -332,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{both[0] / single[0]:.2f}", shape)
                                 + ((figure(doubled), f"{doubled[0] / single[0]:.2f}") if doubled else ()))
             slope, fixed, points = hop_s_per_mib(cluster)
+            row_bytes = sum(v.nbytes for v in workloads.input_for(args.replicated).values())
+            costs = call_cost(cluster, row_bytes) if args.call_cost else []
     finally:
         ray_cluster.shutdown()
     print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
@@ -343,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(row) + " |")
     print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "
           f"({', '.join(f'{m} MiB {s * 1e3:.1f} ms' for m, s in points)})")
+    if costs:
+        print(f"\ncalls to node a, 8 in flight, requests of {row_bytes} B each (one array per call):\n"
+              "| requests per call | KiB | wall µs per call | driver CPU µs per call | per request |\n"
+              "|---|---|---|---|---|")
+        for count, wall, cpu in costs:
+            print(f"| {count} | {count * row_bytes / 1024:.0f} | {wall * 1e6:.0f} | {cpu * 1e6:.0f} | "
+                  f"{cpu * 1e6 / count:.1f} |")
     return 0
 
 
