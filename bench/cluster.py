@@ -3,14 +3,19 @@
 Starts a local Ray cluster (``ray.cluster_utils.Cluster``) of two vkpool nodes, ``a`` and ``b``,
 and prints a table of:
 
-- **replicas**: jobs/s of a model replicated over both nodes (``objective="throughput"``)
-  against the same model on node ``a`` alone, with up to ``--window`` requests in flight;
-- **split**: jobs/s of the model split into two pipeline stages, one per node (each node's
-  budget below the model, so the planner must split it), against node ``a`` alone;
+- **replicas**: jobs/s (and p50/p99 latency) of a model replicated over both nodes
+  (``objective="throughput"``) against the same model on node ``a`` alone, with ``--window``
+  requests in flight (``--same-load``: two nodes at twice the window too), a row per
+  ``--calls`` setting of the sessions' ``max_bundle`` and ``calls_per_step``;
+- **split**: the same for the model split into two pipeline stages, one per node (each node's
+  budget below the model, so the planner must split it);
 - **hop**: the cost of moving a tensor from node ``a`` to node ``b`` through Ray's object store
-  (put on ``a``, pulled by ``b``), per MiB: the slope of a fit over 1–64 MiB.
+  (put on ``a``, pulled by ``b``), per MiB: the slope of a fit over 1–64 MiB;
+- with ``--call-cost``, what a call to a node costs the driver by the requests it carries.
 
-Every output is compared with the single-node session's first. Without ``--gpus`` each node
+After each figure it prints the CPU each thread of the driver and of the nodes' actors used
+(``CpuUse``); ``--profile`` samples the driver's Python threads in a run apart (``Sampler``).
+Outputs are compared with the single-node session's. Without ``--gpus`` each node
 offers a split of device 0 (``vk0.0``, ``vk0.1``; lavapipe on a machine without GPUs); with
 ``--gpus`` node ``i`` is given GPU ``i`` as Ray gives GPUs (``num_gpus=1``,
 ``CUDA_VISIBLE_DEVICES=i``), which its actor maps to the Vulkan device of that UUID.
