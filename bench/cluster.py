@@ -310,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                         "for --seconds, sampling the driver's Python threads, and print where they are")
     args = parser.parse_args(argv)
     split_model = args.split or ("conv_many_255MB" if args.gpus else "mnist12_like")
-    settings = [tuple(int(v) for v in spec.split("x")) for spec in args.calls]
+    try:
+        settings = [(int(bundle), int(calls)) for bundle, calls in (spec.split("x") for spec in args.calls)]
+    except ValueError:
+        parser.error(f"--calls takes BUNDLExCALLS pairs such as 64x4, got {' '.join(args.calls)}")
 
     import vkpool.cluster
     from vkpool.cluster.links import node_of
