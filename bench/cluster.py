@@ -3,14 +3,19 @@
 Starts a local Ray cluster (``ray.cluster_utils.Cluster``) of two vkpool nodes, ``a`` and ``b``,
 and prints a table of:
 
-- **replicas**: jobs/s of a model replicated over both nodes (``objective="throughput"``)
-  against the same model on node ``a`` alone, with up to ``--window`` requests in flight;
-- **split**: jobs/s of the model split into two pipeline stages, one per node (each node's
-  budget below the model, so the planner must split it), against node ``a`` alone;
+- **replicas**: jobs/s (and p50/p99 latency) of a model replicated over both nodes
+  (``objective="throughput"``) against the same model on node ``a`` alone, with ``--window``
+  requests in flight (``--same-load``: two nodes at twice the window too), a row per
+  ``--calls`` setting of the sessions' ``max_bundle`` and ``calls_per_step``;
+- **split**: the same for the model split into two pipeline stages, one per node (each node's
+  budget below the model, so the planner must split it);
 - **hop**: the cost of moving a tensor from node ``a`` to node ``b`` through Ray's object store
-  (put on ``a``, pulled by ``b``), per MiB: the slope of a fit over 1–64 MiB.
+  (put on ``a``, pulled by ``b``), per MiB: the slope of a fit over 1–64 MiB;
+- with ``--call-cost``, what a call to a node costs the driver by the requests it carries.
 
-Every output is compared with the single-node session's first. Without ``--gpus`` each node
+After each figure it prints the CPU each thread of the driver and of the nodes' actors used
+(``CpuUse``); ``--profile`` samples the driver's Python threads in a run apart (``Sampler``).
+Outputs are compared with the single-node session's. Without ``--gpus`` each node
 offers a split of device 0 (``vk0.0``, ``vk0.1``; lavapipe on a machine without GPUs); with
 ``--gpus`` node ``i`` is given GPU ``i`` as Ray gives GPUs (``num_gpus=1``,
 ``CUDA_VISIBLE_DEVICES=i``), which its actor maps to the Vulkan device of that UUID.
@@ -22,12 +27,14 @@ import os
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench import workloads
+from vkpool.cluster.session import CALLS_PER_STEP, MAX_BUNDLE
 
 NODE_CONFIG = """\
 devices:
@@ -60,23 +67,160 @@ def start_cluster(gpus: bool, folder: Path) -> Any:
 
 
 def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray], seconds: float,
-               window: int) -> float:
-    """Requests completed per second with ``window`` in flight, for about ``seconds``."""
-    for out, ref in zip(session.run(None, feeds), want):
-        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+               window: int) -> tuple[float, float, float]:
+    """(requests completed per second, p50 and p99 latency in seconds) with ``window`` requests
+    in flight for about ``seconds``: a new request is submitted as soon as any completes (not
+    the oldest: a request done behind a slower one frees its place at once). A request's
+    latency is from its submit to its future's completion. Outputs are checked before and at
+    the end."""
+    import threading
+
+    def check(out: list[np.ndarray]) -> None:
+        for got, ref in zip(out, want):
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+    check(session.run(None, feeds))
     for _ in range(window):
         session.run(None, feeds)
-    in_flight = [session.submit(feeds) for _ in range(window)]
-    done = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        in_flight.pop(0).result(timeout=300)
-        done += 1
-        in_flight.append(session.submit(feeds))
-    elapsed = time.perf_counter() - start
-    for future in in_flight:
-        future.result(timeout=300)
-    return done / elapsed
+    clock = time.perf_counter
+    places = threading.Semaphore(window)
+    ended: list[tuple[float, float]] = []  # (completion, latency) of each request
+
+    def finished(_: Any, submitted: float) -> None:
+        now = clock()
+        ended.append((now, now - submitted))
+        places.release()
+
+    last: deque[Any] = deque(maxlen=window)
+    start = clock()
+    deadline = start + seconds
+    while clock() < deadline:
+        if not places.acquire(timeout=300):
+            raise TimeoutError("no request completed in 300 s")
+        future = session.submit(feeds)
+        future.add_done_callback(lambda f, t=clock(): finished(f, t))
+        last.append(future)
+    for future in last:
+        check(future.result(timeout=300))
+    measured = [latency for at, latency in ended if at <= deadline]
+    p50, p99 = np.percentile(measured, [50, 99])
+    return len(measured) / seconds, float(p50), float(p99)
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process ``pid`` so far, by thread name
+    (threads of one name summed), read from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+class CpuUse:
+    """CPU seconds each thread of the driver and of the nodes' actors spends over a measurement."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.pids = {"driver": os.getpid(), **{f"node {d['node']}": d["pid"] for d in cluster.describe()}}
+
+    def __enter__(self) -> CpuUse:
+        self.before = {who: thread_cpu(pid) for who, pid in self.pids.items()}
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.elapsed = time.perf_counter() - self.start
+        self.used = {}
+        for who, pid in self.pids.items():
+            after = thread_cpu(pid)
+            self.used[who] = {n: s - self.before[who].get(n, 0.0) for n, s in after.items()}
+
+    def report(self, label: str) -> str:
+        lines = [f"CPU over {self.elapsed:.1f} s, {label} (seconds per second of wall time, per thread):"]
+        for who, used in self.used.items():
+            shares = ((s / self.elapsed, n) for n, s in used.items())
+            busy = sorted(((f, n) for f, n in shares if f >= 0.01), reverse=True)
+            total = sum(used.values()) / self.elapsed
+            lines.append(f"  {who}: {total:.2f} in all; " + ", ".join(f"{n} {f:.2f}" for f, n in busy[:8]))
+        return "\n".join(lines)
+
+
+def _function(code: Any) -> str:
+    return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11
+
+
+class Sampler:
+    """Where the driver's Python threads are: every ``interval`` seconds, the stack of each
+    (``sys._current_frames``; cProfile cannot watch several threads on Python 3.12). A sample
+    whose innermost frame is a wait (``Condition.wait``, an executor's idle worker, Ray's error
+    listener) is idle;
+    the others are busy, or waiting for the interpreter lock, which sampling cannot tell apart.
+    Sampling takes the lock for some microseconds a time: run it apart from the figures."""
+
+    IDLE = frozenset({("threading.py", "wait"), ("thread.py", "_worker"),
+                      ("worker.py", "listen_error_messages")})
+
+    def __init__(self, interval: float = 0.001) -> None:
+        import threading
+
+        self.interval = interval
+        self.samples: dict[str, int] = {}
+        self.own: dict[tuple[str, str], int] = {}
+        self.within: dict[tuple[str, str], int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                thread = names.get(ident, str(ident))
+                self.samples[thread] = self.samples.get(thread, 0) + 1
+                code = frame.f_code
+                if (Path(code.co_filename).name, code.co_name) in self.IDLE:
+                    continue
+                leaf = (thread, f"{Path(code.co_filename).name}:{frame.f_lineno} {_function(code)}")
+                self.own[leaf] = self.own.get(leaf, 0) + 1
+                seen = set()
+                while frame is not None:
+                    code = frame.f_code
+                    key = (thread, f"{Path(code.co_filename).name} {_function(code)}")
+                    if key not in seen:
+                        seen.add(key)
+                        self.within[key] = self.within.get(key, 0) + 1
+                    frame = frame.f_back
+
+    def report(self, top: int = 15) -> str:
+        lines = []
+        for thread, total in sorted(self.samples.items(), key=lambda item: -item[1]):
+            busy = sum(n for (t, _), n in self.own.items() if t == thread)
+            if not busy:
+                continue
+            lines.append(f"  thread {thread}: busy in {busy / total:.0%} of {total} samples")
+            own = sorted(((n, f) for (t, f), n in self.own.items() if t == thread), reverse=True)[:top]
+            lines += [f"    own {n / total:6.1%}  {f}" for n, f in own]
+            within = sorted(((n, f) for (t, f), n in self.within.items() if t == thread), reverse=True)[:top]
+            lines += [f"    in  {n / total:6.1%}  {f}" for n, f in within]
+        return "\n".join(lines)
 
 
 def hop_s_per_mib(cluster: Any) -> tuple[float, float, list[tuple[int, float]]]:
@@ -98,16 +242,46 @@ def hop_s_per_mib(cluster: Any) -> tuple[float, float, list[tuple[int, float]]]:
     return float(slope), float(fixed), points
 
 
+def call_cost(cluster: Any, row_bytes: int, rows: tuple[int, ...] = (1, 16, 31, 33, 64, 128, 256),
+              calls: int = 400, in_flight: int = 8) -> list[tuple[int, float, float]]:
+    """[(rows, wall seconds per call, driver CPU seconds per call)] of calls to node a's actor
+    carrying ``rows`` requests of ``row_bytes`` each (one array, as a packed call carries them),
+    ``in_flight`` at a time: what a call costs the driver as it grows past Ray's inline size."""
+    import ray
+
+    actor = cluster.actors["a"]
+    out = []
+    for count in rows:
+        blob = np.ones(count * row_bytes, np.uint8)
+        ray.get(actor.pull.remote(blob))
+        before, start = sum(thread_cpu(os.getpid()).values()), time.perf_counter()
+        waiting: deque[Any] = deque()
+        for _ in range(calls):
+            waiting.append(actor.pull.remote(blob))
+            if len(waiting) >= in_flight:
+                ray.get(waiting.popleft())
+        ray.get(list(waiting))
+        wall, cpu = time.perf_counter() - start, sum(thread_cpu(os.getpid()).values()) - before
+        out.append((count, wall / calls, cpu / calls))
+    return out
+
+
 def split_budget(cluster: Any, path: Path, member: str) -> int:
     """A budget that holds the larger half of the model's most even two-way cut (5% over what
     the planner prices it at), and not the whole model."""
     from vkpool.partition.plan import chunk_peak_bytes
+
     from vkpool.placement import balanced_cut
 
     with cluster.session(path, devices=[member]) as probe:
         whole = probe.placement.memory_bytes[member]
         half = max(chunk_peak_bytes(probe.graph, ops) for ops in balanced_cut(probe.graph, 2))
     return min(int(half * 1.05), whole - 1)
+
+
+def figure(measured: tuple[float, float, float]) -> str:
+    rate, p50, p99 = measured
+    return f"{rate:.1f} ({p50 * 1e3:.2f} / {p99 * 1e3:.2f})"
 
 
 def member_of(cluster: Any, node: str) -> str:
@@ -124,8 +298,22 @@ def main(argv: list[str] | None = None) -> int:
                         "--gpus, else mnist12_like)")
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per figure (default 5)")
     parser.add_argument("--window", type=int, default=8, help="requests in flight (default 8)")
+    parser.add_argument("--calls", nargs="+", default=[f"{MAX_BUNDLE}x{CALLS_PER_STEP}"],
+                        metavar="BUNDLExCALLS",
+                        help="the sessions' max_bundle and calls_per_step, one table row per pair (default "
+                        f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
+    parser.add_argument("--same-load", action="store_true", help="measure two nodes with twice --window too "
+                        "(as many requests in flight per node as on one node)")
+    parser.add_argument("--call-cost", action="store_true", help="also measure what a call to a node costs "
+                        "the driver by the requests it carries (of the replicated model's input size)")
+    parser.add_argument("--profile", action="store_true", help="after each two-node figure, run it again "
+                        "for --seconds, sampling the driver's Python threads, and print where they are")
     args = parser.parse_args(argv)
     split_model = args.split or ("conv_many_255MB" if args.gpus else "mnist12_like")
+    try:
+        settings = [(int(bundle), int(calls)) for bundle, calls in (spec.split("x") for spec in args.calls)]
+    except ValueError:
+        parser.error(f"--calls takes BUNDLExCALLS pairs such as 64x4, got {' '.join(args.calls)}")
 
     import vkpool.cluster
     from vkpool.cluster.links import node_of
@@ -133,44 +321,71 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="vkpool-bench-cluster-"))
     os.environ.setdefault("VKPOOL_CACHE_DIR", str(folder / "cache"))
     ray_cluster = start_cluster(args.gpus, folder)
-    rows: list[tuple[str, str, str, str]] = []
+    rows: list[tuple[str, ...]] = []
     try:
         with vkpool.cluster.connect(ray_cluster.address) as cluster:
             a, b = member_of(cluster, "a"), member_of(cluster, "b")
             budgets = {m["id"]: m["budget_bytes"] for m in cluster.members()}
             listed = ", ".join(f"{m['id']} ({m['name']})" for m in cluster.members())
-            print(f"nodes: {listed}", file=sys.stderr)
+            print(f"nodes: {listed}")
             for kind, name in (("replicas", args.replicated), ("split", split_model)):
                 path = workloads.save(name, folder)
                 feeds = workloads.input_for(name)
-                with cluster.session(path, devices=[a]) as one:
-                    want = one.run(None, feeds)
-                    single = jobs_per_s(one, feeds, want, args.seconds, args.window)
-                if kind == "replicas":
-                    options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
-                else:  # budgets under the model on each node: the planner must cut it in two
-                    cap = split_budget(cluster, path, a)
-                    options = {"objective": "throughput", "budgets": {a: cap, b: cap}}
-                with cluster.session(path, **options) as two:
-                    plan = two.placement
-                    copies = ", ".join([plan.chunks[0].member, *plan.replicas])
-                    shape = (f"replicas on {copies}" if plan.replicas
-                             else " → ".join(c.member for c in plan.chunks))
-                    if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
-                        raise RuntimeError(f"the {kind} plan does not span both nodes: {shape}")
-                    both = jobs_per_s(two, feeds, want, args.seconds, args.window)
-                for member in (a, b):
-                    cluster.set_budget(member, budgets[member])
-                rows.append((f"{kind}: {name}", f"{single:.1f}", f"{both:.1f}",
-                             f"{both / single:.2f}  ({shape})"))
+                for bundle, calls in settings:
+                    calling = {"max_bundle": bundle, "calls_per_step": calls}
+                    with cluster.session(path, devices=[a], **calling) as one:
+                        want = one.run(None, feeds)
+                        with CpuUse(cluster) as cpu:
+                            single = jobs_per_s(one, feeds, want, args.seconds, args.window)
+                    print(cpu.report(f"{kind} {name} on node a, {bundle}x{calls}"))
+                    if kind == "replicas":
+                        options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
+                    else:  # budgets under the model on each node: the planner must cut it in two
+                        cap = split_budget(cluster, path, a)
+                        options = {"objective": "throughput", "budgets": {a: cap, b: cap}}
+                    with cluster.session(path, **options, **calling) as two:
+                        plan = two.placement
+                        copies = ", ".join([plan.chunks[0].member, *plan.replicas])
+                        shape = (f"replicas on {copies}" if plan.replicas
+                                 else " → ".join(c.member for c in plan.chunks))
+                        if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
+                            raise RuntimeError(f"the {kind} plan does not span both nodes: {shape}")
+                        with CpuUse(cluster) as cpu:
+                            both = jobs_per_s(two, feeds, want, args.seconds, args.window)
+                        print(cpu.report(f"{kind} {name} on both nodes, {bundle}x{calls}"))
+                        doubled = (jobs_per_s(two, feeds, want, args.seconds, 2 * args.window)
+                                   if args.same_load else None)
+                        if args.profile:
+                            with Sampler() as sampler:
+                                jobs_per_s(two, feeds, want, args.seconds, args.window)
+                            print(f"driver's Python threads, {kind} {name} on both nodes, {bundle}x{calls} "
+                                  f"(a run apart, sampled every ms; a share of samples):\n{sampler.report()}")
+                    for member in (a, b):
+                        cluster.set_budget(member, budgets[member])
+                    rows.append((f"{kind}: {name}", f"{bundle}x{calls}", figure(single), figure(both),
+                                 f"{both[0] / single[0]:.2f}", shape)
+                                + ((figure(doubled), f"{doubled[0] / single[0]:.2f}") if doubled else ()))
             slope, fixed, points = hop_s_per_mib(cluster)
+            row_bytes = sum(v.nbytes for v in workloads.input_for(args.replicated).values())
+            costs = call_cost(cluster, row_bytes) if args.call_cost else []
     finally:
         ray_cluster.shutdown()
-    print("| figure | one node jobs/s | two nodes jobs/s | two / one |\n|---|---|---|---|")
+    print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
+    more = ((f" two nodes, window {2 * args.window} | that / one |", "---|---|") if args.same_load
+            else ("", ""))
+    print(f"| figure | max_bundle x calls_per_step | one node | two nodes | two / one | plan |{more[0]}\n"
+          f"|---|---|---|---|---|---|{more[1]}")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "
           f"({', '.join(f'{m} MiB {s * 1e3:.1f} ms' for m, s in points)})")
+    if costs:
+        print(f"\ncalls to node a, 8 in flight, requests of {row_bytes} B each (one array per call):\n"
+              "| requests per call | KiB | wall µs per call | driver CPU µs per call | per request |\n"
+              "|---|---|---|---|---|")
+        for count, wall, cpu in costs:
+            print(f"| {count} | {count * row_bytes / 1024:.0f} | {wall * 1e6:.0f} | {cpu * 1e6:.0f} | "
+                  f"{cpu * 1e6 / count:.1f} |")
     return 0
 
 

@@ -17,8 +17,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is the extra vkpool[cluster] (make test installs it)")
 
-from bench import workloads  # noqa: E402
 from conftest import vulkan_pool  # noqa: E402
+
+from bench import workloads  # noqa: E402
 from vkpool.cli import main  # noqa: E402
 
 NODES = ("n0", "n1")
@@ -153,25 +154,109 @@ def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) ->
 
 
 def test_requests_that_share_a_call_fail_alone(cluster: Any, mnist: Any) -> None:
-    """Requests arriving together travel in one call per copy (BUNDLE_MAX); one that fails on the
-    node (here a shape the driver would have refused, sent past it) fails only itself."""
+    """Requests waiting for a copy travel in one call, packed (vkpool.cluster.rows); one that
+    failed fails only itself, on a replica and through the steps of a split."""
     import ray
 
-    from vkpool.cluster.node import ItemFailed
-    from vkpool.cluster.session import BUNDLE_MAX
+    from vkpool.cluster.rows import Rows
 
     path, feeds, want = mnist
+    earlier = ValueError("failed on an earlier step")
+    packed = Rows.pack([feeds, feeds, feeds], ["x"])
     with cluster[1].session(path, objective="throughput") as session:
         copy = session._copies[0]
         actor = cluster[1].actors[copy.nodes[0]]
-        bad = {"x": np.zeros((1, 3), np.float32)}
-        out = ray.get(actor.run.remote(copy.key, [feeds, bad, feeds]), timeout=60)
-        assert_same(out[0], want)
-        assert_same(out[2], want)
-        assert isinstance(out[1], ItemFailed) and "shape" in str(out[1].error)
-        futures = [session.submit(feeds) for _ in range(3 * BUNDLE_MAX)]
+        out = ray.get(actor.run.remote(copy.key, Rows(3, packed.tensors, {1: earlier})), timeout=60)
+        assert set(out.failed) == {1} and str(out.failed[1]) == str(earlier)
+        for row in (0, 2):
+            assert_same([out.tensors[name][row] for name in [o.name for o in session.get_outputs()]], want)
+        futures = [session.submit(feeds) for _ in range(200)]
         for future in futures:
             assert_same(future.result(timeout=60), want)
+        assert all(copy["served"] > 0 for copy in session.copies), session.copies
+    with cluster[1].session(path, budgets=split_budgets()) as split:
+        copy = split._copies[0]
+        first = copy.steps[0]
+        actor = cluster[1].actors[first.node]
+        out = ray.get(actor.run_chunks.remote(copy.key, first.chunks, Rows(3, packed.tensors, {0: earlier})),
+                      timeout=60)
+        assert set(out.failed) == {0} and not np.any([t[0] for t in out.tensors.values()])
+        assert np.all([np.any(t[1]) and np.array_equal(t[1], t[2]) for t in out.tensors.values()])
+        futures = [split.submit(feeds) for _ in range(100)]
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+
+
+def test_a_request_is_refused_alone_and_its_feeds_are_copied(cluster: Any, mnist: Any) -> None:
+    from vkpool.errors import InvalidInput
+
+    path, feeds, want = mnist
+    with cluster[1].session(path, objective="throughput", max_bundle=4, calls_per_step=1) as session:
+        mine = {"x": feeds["x"].copy()}
+        futures = [session.submit(mine) for _ in range(12)]
+        mine["x"][:] = 0  # the caller reuses its array: the requests already submitted keep their feeds
+        with pytest.raises(InvalidInput, match="shape"):
+            session.submit({"x": np.zeros((1, 3), np.float32)})
+        with pytest.raises(InvalidInput, match="missing"):
+            session.submit({})
+        for future in futures:
+            assert_same(future.result(timeout=60), want)
+        futures[0].result()[0][...] = 0  # each request's outputs are its own to write
+        assert_same(futures[1].result(), want)
+    with pytest.raises(ValueError, match="at least 1"):
+        cluster[1].session(path, max_bundle=0)
+
+
+def test_rows_pack_requests_and_a_failure_stays_with_its_request() -> None:
+    from vkpool.cluster.rows import Rows, merge, run_rows
+
+    feeds = [{"x": np.full((1, 2), i, np.float32)} for i in range(5)]
+    rows = Rows.pack(feeds, ["x"])
+    assert rows.tensors["x"].shape == (5, 1, 2) and np.array_equal(rows.row(3)["x"], feeds[3]["x"])
+    in_flight: list[int] = []
+    most = [0]
+
+    def start(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if f["x"][0, 0] == 2:
+            raise ValueError("row 2 refused")
+        in_flight.append(1)
+        most[0] = max(most[0], len(in_flight))
+        return f
+
+    def finish(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        in_flight.pop()
+        if f["x"][0, 0] == 4:
+            raise RuntimeError("row 4 failed")
+        return {"y": f["x"] * 2}
+
+    earlier = KeyError("failed before")
+    out = run_rows(start, finish, Rows(5, rows.tensors, {1: earlier}), depth=2)
+    assert most[0] == 2 and not in_flight  # two runs in flight at most, every one finished
+    assert out.failed[1] is earlier and "row 2" in str(out.failed[2]) and "row 4" in str(out.failed[4])
+    assert out.tensors["y"][:, 0, 0].tolist() == [0, 0, 0, 6, 0]
+    both = merge([out, Rows(5, {"z": rows.tensors["x"]}, {3: ValueError("later")})])
+    assert set(both.tensors) == {"y", "z"} and set(both.failed) == {1, 2, 3, 4}
+    frozen = Rows(5, {"y": np.zeros((5, 2))})
+    frozen.tensors["y"].flags.writeable = False
+    assert frozen.writable().tensors["y"].flags.writeable
+
+
+def test_a_copy_keeps_as_many_calls_in_flight_as_its_requests_fill(cluster: Any, mnist: Any) -> None:
+    from vkpool.cluster.session import _Copy
+
+    with cluster[1].session(mnist[0], devices=["n0/vk0.0"], max_bundle=64, calls_per_step=4) as session:
+        def room(in_flight: int, calls: int = 0, max_calls: int = 4) -> tuple[int, int]:
+            copy = _Copy(0, "k", ["n0"], "n0/vk0.0", in_flight=in_flight, max_calls=max_calls)
+            copy.calls = {i: [] for i in range(calls)}
+            return session._room(copy)
+
+        assert room(256) == (4, 64)  # full calls, as many as the ceiling allows
+        assert room(128) == (2, 64)
+        assert room(128, calls=2) == (0, 64)
+        assert room(8) == (2, 4)  # a light load: still a second call behind the first
+        assert room(1000) == (4, 64)
+        assert room(1000, max_calls=8) == (8, 64)  # a split over two nodes: 4 per step
+        assert room(8, max_calls=1) == (1, 8)  # calls_per_step=1
 
 
 def test_budgets_that_hold_nothing_are_refused_as_on_one_machine(cluster: Any, mnist: Any) -> None:

@@ -19,11 +19,13 @@ import os
 import socket
 import subprocess
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
+
+from vkpool.cluster.rows import Rows, merge, run_rows
 
 #: the Ray namespace of the drivers' leases (vkpool.cluster.NAMESPACE)
 LEASE_NAMESPACE = "vkpool"
@@ -123,8 +125,8 @@ class _Chunks:
     def __init__(self, pool: Any, model: Any, member_of: Mapping[str, str],
                  chunks: Sequence[tuple[str, list[str]]], node: str) -> None:
         from vkpool.executor import build_chunk
-        from vkpool.pipeline import stage_nodes
         from vkpool.partition.graph import build_graph
+        from vkpool.pipeline import stage_nodes
 
         graph = build_graph(model)
         index_of = {op: int(graph.nodes[op]["index"]) for op in graph.nodes}
@@ -136,29 +138,31 @@ class _Chunks:
                    for m, _ in chunks]
         self.stages = stage_nodes(model, [[index_of[op] for op in ops] for _, ops in chunks], members)
         self.compiled: dict[int, Any] = {}
-        # a Vulkan chunk takes runs from several threads (each in a run slot of its own); a host
-        # chunk one at a time
-        self.locks: dict[int, Any] = {}
+        # one call runs a chunk at a time: it keeps its run slots busy itself (run_rows), and two
+        # calls each holding one slot while waiting for another would wait forever
+        self.locks: dict[int, threading.Lock] = {}
         try:
             for stage, (member, _) in zip(self.stages, chunks):
                 if member.startswith(prefix):
                     self.compiled[stage.index] = build_chunk(model, stage)
-                    host = stage.member.kind == "host"
-                    self.locks[stage.index] = threading.Lock() if host else nullcontext()
+                    self.locks[stage.index] = threading.Lock()
         except BaseException:
             self.close()
             raise
 
-    def run(self, indices: Sequence[int], values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Runs chunks ``indices`` (in order) on ``values``; returns every output they send on."""
-        out: dict[str, np.ndarray] = {}
+    def run(self, indices: Sequence[int], rows: Rows) -> Rows:
+        """Runs chunks ``indices`` (in order) on every request of ``rows``, chunk after chunk,
+        each over all the requests with its run slots in flight (a Vulkan chunk has two: the
+        device runs one request while the host moves the next one's tensors). Returns every
+        output the chunks send on."""
+        sent: list[Rows] = []
         for index in indices:
-            stage = self.stages[index]
+            stage, chunk = self.stages[index], self.compiled[index]
+            wanted = merge([rows, *sent]) if sent else rows
+            feeds = Rows(wanted.count, {n: wanted.tensors[n] for n in stage.inputs}, wanted.failed)
             with self.locks[index]:
-                produced = self.compiled[index].run({n: values[n] for n in stage.inputs})
-            values.update(produced)
-            out.update(produced)
-        return out
+                sent.append(run_rows(chunk.start, chunk.finish, feeds, depth=chunk.slots))
+        return merge(sent)
 
     def memory_by_member(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -172,13 +176,6 @@ class _Chunks:
         for chunk in self.compiled.values():
             chunk.close()
         self.compiled = {}
-
-
-@dataclasses.dataclass
-class ItemFailed:
-    """One request of a call's several failed (the call itself went through)."""
-
-    error: BaseException
 
 
 class Lease:
@@ -349,47 +346,22 @@ class NodeActor:
                 else:
                     self._idle.notify_all()
 
-    def run(self, key: str, bundle: list[dict[str, np.ndarray]]) -> list[Any]:
-        """Requests on a replica, several per call: each one's outputs in the model's order, or
-        an :class:`ItemFailed` with its error (one bad request fails only itself). They are all
-        submitted before any is waited for, so they run back to back, batched where the model is."""
+    def run(self, key: str, rows: Rows) -> Rows:
+        """Requests on a replica, several per call (:class:`~vkpool.cluster.rows.Rows`); returns
+        their outputs, packed the same way. Each is submitted before any is waited for, so they
+        run back to back, batched where the model is; one that fails fails alone."""
         with self._using(key) as session:
-            started: list[Any] = []
-            for feeds in bundle:
-                try:
-                    started.append(session.submit(feeds))
-                except Exception as exc:  # an invalid request: its own error
-                    started.append(ItemFailed(exc))
-            out: list[Any] = []
-            for item in started:
-                if isinstance(item, ItemFailed):
-                    out.append(item)
-                    continue
-                try:
-                    out.append(item.result())
-                except Exception as exc:
-                    out.append(ItemFailed(exc))
-            return out
+            names = [o.name for o in session.get_outputs()]
+            return run_rows(session.submit, lambda future: dict(zip(names, future.result())), rows,
+                            depth=rows.count)
 
-    def run_chunks(self, key: str, indices: list[int], *values: list[Any]) -> list[Any]:
-        """Chunks ``indices`` of several requests; ``values``: per request, its feeds and what the
-        chunks before sent (each a list, one entry per request; Ray hands them over from the nodes
-        that made them). A request that failed before keeps its :class:`ItemFailed`."""
-        out: list[Any] = []
+    def run_chunks(self, key: str, indices: list[int], *parts: Rows) -> Rows:
+        """Chunks ``indices`` of several requests; ``parts``: the requests' feeds and what the
+        chunks before sent, each packed (Ray hands them over from the nodes that made them).
+        Returns every tensor the chunks send on; a request that failed before stays failed."""
+        rows = merge(parts)
         with self._using(key) as opened:
-            for parts in zip(*values):
-                failed = next((p for p in parts if isinstance(p, ItemFailed)), None)
-                if failed is not None:
-                    out.append(failed)
-                    continue
-                merged: dict[str, np.ndarray] = {}
-                for part in parts:
-                    merged.update(part)
-                try:
-                    out.append(opened.run(indices, merged))
-                except Exception as exc:
-                    out.append(ItemFailed(exc))
-        return out
+            return opened.run(indices, rows)
 
     def batching(self, key: str) -> dict[str, Any] | None:
         """The batcher's figures of a replica opened with ``max_batch`` (None without)."""

@@ -26,7 +26,7 @@ def place_on_cluster(model: bytes | str, members: Sequence[Any], *, objective: s
     from vkpool.model import load_model
     from vkpool.partition.api import place_model
     from vkpool.partition.graph import build_graph
-    from vkpool.partition.plan import Plan, PartitionUnfeasible, plan_problems
+    from vkpool.partition.plan import PartitionUnfeasible, Plan, plan_problems
 
     loaded = load_model(model, batch=batch, dims=dict(dims or {}), partial=True)
     split = find_cut(Graph.of(loaded))

@@ -32,16 +32,22 @@ import numpy as np
 
 from vkpool.errors import InvalidInput
 
-#: requests one call to a copy's node carries at most, and calls a copy keeps in flight: a call
-#: costs the driver and the actor about a millisecond each whatever it carries. NOTE: two H200
-#: nodes on one host, bench/cluster.py --gpus (docs/gpu/h200x2-cluster.md): one request per call,
-#: 1,268-1,354 jobs/s of mnist12_like per node (8 or 32 in flight); with 256 in flight, 32 per
-#: call with 2 calls in flight, 10,673
-#: on one node and 15,605 on two, but a two-stage split at 0.30x one node (a stage waits for
-#: the whole call before the next starts it); 16 with 4 in flight, 7,397 and 10,636, the split
-#: at 0.84x
-BUNDLE_MAX = 16
-CALLS_PER_COPY = 4
+#: requests one call to a copy carries at most, and calls each step of a copy may keep in flight
+#: (a replica is one step; a plan over two nodes two). A Ray call costs the driver and the node's
+#: actor a fixed amount of work whatever it carries, so requests that wait for a copy share a
+#: call, packed (vkpool.cluster.rows); calls in flight let a node run one call while the next
+#: travels, and every stage of a plan over nodes work at once on calls of its own. A copy keeps
+#: as many calls in flight as its requests fill, MAX_BUNDLE each, at least MIN_CALLS and at most
+#: CALLS_PER_STEP per step: full calls cost a node the least per request, and under a light load
+#: a node still has the next call while it answers one. ``ClusterSession(max_bundle=,
+#: calls_per_step=)`` sets them per session. NOTE: two H200 nodes on one host, 256 requests in
+#: flight (docs/gpu/h200x2-cluster.md): mnist12_like replicas, 12,353 jobs/s on one node with
+#: calls of 64 (4 in flight) against 10,633 with calls of 32; on two nodes 18,992 with 2 calls of
+#: 64 per node, 16,081 with 4 of 32. As calls fill: 12,231 on one node, 17,656 on two (20,845
+#: with 512 in flight); a split of conv_many_255MB 1.46x one node
+MAX_BUNDLE = 64
+CALLS_PER_STEP = 4
+MIN_CALLS = 2
 #: how often a session looks for a restarted actor of a copy that went down, in seconds
 REVIVE_EVERY_S = 0.5
 #: how long a restarted actor may take to answer before the next look
@@ -74,27 +80,34 @@ class _Copy:
     served: int = 0  # requests it completed
     down: str | None = None  # why it is down
     queue: deque = field(default_factory=deque)  # _Pending requests waiting for a call
-    calls: int = 0  # calls in flight
+    calls: dict[int, list] = field(default_factory=dict)  # calls in flight: their _Pending requests
+    max_calls: int = CALLS_PER_STEP
 
 
-@dataclass(eq=False)
 class _Pending:
-    feeds: dict[str, np.ndarray]
-    names: list[str]
-    future: Future
-    tried: set[int]
+    """A request the session has not answered: given to a copy (queued or in a call), or being
+    given to another."""
+
+    __slots__ = ("feeds", "names", "future", "tried")
+
+    def __init__(self, feeds: dict[str, np.ndarray], names: list[str], future: Future,
+                 tried: set[int]) -> None:
+        self.feeds, self.names, self.future, self.tried = feeds, names, future, tried
 
 
 class ClusterSession:
     """``vkpool.Session`` over a cluster (see the module doc). ``model``: a path or the model's
     bytes; ``objective``, ``devices`` (cluster member ids), ``budgets`` (cluster member id →
     size, set on the nodes), ``plan`` (a Plan made for this model on these members),
-    ``batch``, ``dims``, ``max_batch``, ``max_queue_delay`` as for :class:`vkpool.Session`."""
+    ``batch``, ``dims``, ``max_batch``, ``max_queue_delay`` as for :class:`vkpool.Session`;
+    ``max_bundle``: requests one call carries at most, ``calls_per_step``: calls each step of a
+    copy may keep in flight (:data:`MAX_BUNDLE`, :data:`CALLS_PER_STEP`)."""
 
     def __init__(self, cluster: Any, model: str | os.PathLike | bytes, *, objective: str = "latency",
                  devices: Sequence[str] | None = None, budgets: Mapping[str, int | str] | None = None,
                  plan: Any = None, batch: int = 1, dims: Mapping[str, int] | None = None,
-                 max_batch: int | None = None, max_queue_delay: float = 0.0) -> None:
+                 max_batch: int | None = None, max_queue_delay: float = 0.0, max_bundle: int = MAX_BUNDLE,
+                 calls_per_step: int = CALLS_PER_STEP) -> None:
         import ray
 
         from vkpool.cluster.placement import place_on_cluster
@@ -108,7 +121,11 @@ class ClusterSession:
         # completions are handled here, not in Ray's thread that completes a reference: handling
         # one may start calls (a request sent to another copy) and runs the callers' callbacks
         self._completions = ThreadPoolExecutor(1, thread_name_prefix="vkpool-cluster")
-        self._pending: set[Future] = set()  # requests not yet answered
+        if max_bundle < 1 or calls_per_step < 1:
+            raise ValueError(f"max_bundle and calls_per_step must be at least 1, got {max_bundle} and "
+                             f"{calls_per_step}")
+        self._max_bundle, self._calls_per_step = max_bundle, calls_per_step
+        self._call_ids = iter(range(1 << 62))
         data = bytes(model) if isinstance(model, (bytes, bytearray)) else Path(os.fspath(model)).read_bytes()
         self._batch, self._dims = batch, dict(dims or {})
         for member_id, size in (budgets or {}).items():
@@ -127,7 +144,7 @@ class ClusterSession:
         self.model_bytes = data
         self._model_ref = ray.put(data)
         self._key = uuid.uuid4().hex[:12]
-        self._inputs = {name: info for name, info in self.model.inputs}
+        self._inputs = {name: (np.dtype(info.dtype), tuple(info.shape)) for name, info in self.model.inputs}
         self._output_names = [name for name, _ in self.model.outputs]
         try:
             self._copies = self._make_copies()
@@ -150,6 +167,8 @@ class ClusterSession:
             copies[0].nodes = list(dict.fromkeys(s.node for s in copies[0].steps))
         for k, member in enumerate(plan.replicas, start=1):
             copies.append(_Copy(k, f"{self._key}:{k}", [node_of(member)], member))
+        for copy in copies:
+            copy.max_calls = self._calls_per_step * max(1, len(copy.steps))
         return copies
 
     def _steps(self) -> list[_Step]:
@@ -215,66 +234,90 @@ class ClusterSession:
         if self._closed:
             raise RuntimeError("the session is closed")
         feeds = self._check_feeds(input_feed)
-        names = self._output_list(output_names)
+        names = self._output_names if output_names is None else self._output_list(output_names)
         future: Future = Future()
         future.set_running_or_notify_cancel()
-        with self._lock:
-            self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
-        self._dispatch(feeds, names, future, tried=set())
+        self._dispatch(_Pending(feeds, names, future, set()))
         return future
 
-    def _dispatch(self, feeds: dict[str, np.ndarray], names: list[str], future: Future, tried: set[int],
-                  why: str = "") -> None:
+    def _dispatch(self, pending: _Pending, why: str = "") -> None:
         with self._lock:
-            up = [c for c in self._copies if c.down is None and c.index not in tried]
-            copy = min(up, key=lambda c: (c.in_flight, c.index)) if up else None
-            if copy is not None:
+            copy = None
+            for c in self._copies:
+                if c.down is None and c.index not in pending.tried and (
+                        copy is None or c.in_flight < copy.in_flight):
+                    copy = c
+            if copy is not None and not self._closed:
                 copy.in_flight += 1
-                copy.queue.append(_Pending(feeds, names, future, tried | {copy.index}))
-            down = [f"copy {c.index} on {', '.join(c.nodes)}: {c.down}" for c in self._copies if c.down]
+                pending.tried.add(copy.index)
+                copy.queue.append(pending)
+                free, share = self._room(copy)
+                send = free > 0 and (not copy.calls or len(copy.queue) >= share)
+            else:
+                down = [f"copy {c.index} on {', '.join(c.nodes)}: {c.down}" for c in self._copies if c.down]
         if copy is None:
-            _settle(future, NodeLost(
+            _settle(pending.future, NodeLost(
                 (why or "every copy of this model is down") + "; no other replica can take the request"
                 + (f" ({'; '.join(down)})" if down else "") + ". It runs again once Ray restarts the node's "
                 "vkpool actor (the session reopens the model there)."))
-            return
-        self._flush(copy)
+        elif self._closed:
+            _settle(pending.future, RuntimeError("the session was closed before this request finished"))
+        elif send:
+            self._flush(copy)
 
     def _flush(self, copy: _Copy) -> None:
-        """Sends what waits on ``copy`` while it has fewer than CALLS_PER_COPY calls in flight, up to
-        BUNDLE_MAX requests per call: a Ray call costs about a millisecond of the driver's and the
-        actor's time, so requests that arrive together share one."""
+        """Sends what waits on ``copy`` while it has room for another call (:meth:`_room`). A
+        call carries an even share of the copy's requests in flight: a copy with calls in flight
+        waits for that many to queue before it starts another, or for a call to end, so that
+        calls do not shrink to one request each under load (a call that ends frees room while
+        its requests' callers have not yet sent the next ones); an idle copy sends at once."""
         while True:
             with self._lock:
-                if copy.calls >= CALLS_PER_COPY or not copy.queue or copy.down is not None:
+                free, share = self._room(copy)
+                waiting = len(copy.queue)
+                if free <= 0 or not waiting or copy.down is not None:
                     return
-                bundle = [copy.queue.popleft() for _ in range(min(BUNDLE_MAX, len(copy.queue)))]
-                copy.calls += 1
+                if copy.calls and waiting < share:
+                    return
+                size = min(waiting, self._max_bundle, max(share, -(-waiting // free)))
+                bundle = [copy.queue.popleft() for _ in range(size)]
+                call = next(self._call_ids)
+                copy.calls[call] = bundle
             try:
-                refs = self._start(copy, [p.feeds for p in bundle])
+                refs = self._start(copy, bundle)
             except BaseException as exc:
                 with self._lock:
-                    copy.calls -= 1
+                    del copy.calls[call]
                 for pending in bundle:
                     self._ended(copy)
                     _settle(pending.future, exc)
                 continue
-            self._gather(copy, refs, bundle)
+            self._gather(copy, call, refs)
 
-    def _start(self, copy: _Copy, bundle: list[dict[str, np.ndarray]]) -> list[Any]:
+    def _room(self, copy: _Copy) -> tuple[int, int]:
+        """(calls ``copy`` may start now, requests a call of it carries when it is busy): as many
+        calls as its requests in flight fill, ``max_bundle`` each, between MIN_CALLS and its
+        ``max_calls``; each an even share of those requests. Under the session's lock."""
+        calls = min(copy.max_calls, max(MIN_CALLS, -(-copy.in_flight // self._max_bundle)))
+        return calls - len(copy.calls), max(1, min(self._max_bundle, copy.in_flight // calls))
+
+    def _start(self, copy: _Copy, bundle: list[_Pending]) -> list[Any]:
         """The calls of some requests on ``copy``: the references whose values hold their outputs."""
+        from vkpool.cluster.rows import Rows
+
         actors = self.cluster.actors
+        feeds = Rows.pack([p.feeds for p in bundle], self._inputs)
         if copy.member is not None:
-            return [actors[copy.nodes[0]].run.remote(copy.key, bundle)]
-        feeds_ref = self._ray.put(bundle)
+            return [actors[copy.nodes[0]].run.remote(copy.key, feeds)]
+        readers = sum(step.reads_feeds for step in copy.steps)
+        feeds_arg = self._ray.put(feeds) if readers > 1 else feeds
         refs: list[Any] = []
         for step in copy.steps:
-            args = ([feeds_ref] if step.reads_feeds else []) + [refs[p] for p in step.preds]
+            args = ([feeds_arg] if step.reads_feeds else []) + [refs[p] for p in step.preds]
             refs.append(actors[step.node].run_chunks.remote(copy.key, step.chunks, *args))
         return [refs[s] for s, step in enumerate(copy.steps) if step.outputs]
 
-    def _gather(self, copy: _Copy, refs: list[Any], bundle: list[_Pending]) -> None:
+    def _gather(self, copy: _Copy, call: int, refs: list[Any]) -> None:
         left = [len(refs)]
         parts: list[Any] = [None] * len(refs)
         gate = threading.Lock()
@@ -292,16 +335,17 @@ class ClusterSession:
                     if left[0]:
                         return
             with self._lock:
-                copy.calls -= 1
+                bundle = copy.calls.pop(call, None)
+            if bundle is None:  # the session closed, which failed them
+                return
             if exc is None:
-                for i, pending in enumerate(bundle):
-                    self._settle_one(copy, pending, [part[i] for part in parts])
+                self._answer(copy, bundle, parts)
             elif self._node_failed(exc):
                 self._copy_down(copy, exc)
                 why = f"copy {copy.index} failed: {_first_line(exc)}"
                 for pending in bundle:
                     self._ended(copy)
-                    self._dispatch(pending.feeds, pending.names, pending.future, pending.tried, why=why)
+                    self._dispatch(pending, why=why)
             else:
                 for pending in bundle:
                     self._ended(copy)
@@ -311,18 +355,39 @@ class ClusterSession:
         for k, ref in enumerate(refs):
             ref.future().add_done_callback(lambda part, k=k: self._later(done, k, part))
 
-    def _settle_one(self, copy: _Copy, pending: _Pending, items: list[Any]) -> None:
-        from vkpool.cluster.node import ItemFailed
+    def _answer(self, copy: _Copy, bundle: list[_Pending], parts: list[Any]) -> None:
+        """Gives each request of a call its outputs (views of the call's packed outputs), or its
+        own error."""
+        from vkpool.cluster.rows import merge
 
-        failed = next((item for item in items if isinstance(item, ItemFailed)), None)
-        self._ended(copy, served=failed is None)
-        if failed is not None:
-            _settle(pending.future, failed.error)
-            return
         try:
-            _settle(pending.future, None, self._select(copy, items, pending.feeds, pending.names))
-        except Exception as error:
-            _settle(pending.future, error)
+            rows = merge(parts).writable()
+        except Exception as exc:
+            for pending in bundle:
+                self._ended(copy)
+                _settle(pending.future, exc)
+            return
+        tensors, failed = rows.tensors, rows.failed
+        with self._lock:
+            copy.in_flight -= len(bundle)
+            copy.served += len(bundle) - len(failed)
+        for i, pending in enumerate(bundle):
+            if i in failed:
+                _settle(pending.future, failed[i])
+                continue
+            try:
+                out = [tensors[name][i] if name in tensors else self._not_computed(name, pending.feeds)
+                       for name in pending.names]
+            except Exception as exc:
+                _settle(pending.future, exc)
+                continue
+            _settle(pending.future, None, out)
+
+    def _not_computed(self, name: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """An output no chunk computes: a model input passed through, or a constant."""
+        if name in feeds:
+            return feeds[name].copy()
+        return np.array(self.model.constants[name], copy=True)
 
     def _later(self, handle: Any, *args: Any) -> None:
         try:
@@ -330,28 +395,9 @@ class ClusterSession:
         except RuntimeError:
             pass  # the session closed, which failed the request
 
-    def _select(self, copy: _Copy, parts: list[Any], feeds: dict[str, np.ndarray],
-                names: list[str]) -> list[np.ndarray]:
-        if copy.member is not None:
-            produced = dict(zip(self._output_names, parts[0]))
-        else:
-            produced = {}
-            for part in parts:
-                produced.update(part)
-        out = []
-        for name in names:
-            if name in produced:
-                out.append(produced[name])
-            elif name in feeds:
-                out.append(feeds[name].copy())
-            else:
-                out.append(np.array(self.model.constants[name], copy=True))
-        return out
-
-    def _ended(self, copy: _Copy, served: bool = False) -> None:
+    def _ended(self, copy: _Copy) -> None:
         with self._lock:
             copy.in_flight -= 1
-            copy.served += served
 
     def _node_failed(self, exc: BaseException) -> bool:
         from ray.exceptions import RayActorError
@@ -375,7 +421,7 @@ class ClusterSession:
         why = f"copy {copy.index} failed: {_first_line(exc)}"
         for pending in waiting:
             self._ended(copy)
-            self._dispatch(pending.feeds, pending.names, pending.future, pending.tried, why=why)
+            self._dispatch(pending, why=why)
 
     def _revive(self) -> None:
         """Puts copies back once their nodes' actors answer again and hold the model again."""
@@ -415,20 +461,20 @@ class ClusterSession:
 
     # -- checks --------------------------------------------------------------------------------
     def _check_feeds(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        extra = sorted(set(input_feed) - set(self._inputs))
-        if extra:
-            raise InvalidInput(f"unknown input(s) {extra}; the model's inputs are {sorted(self._inputs)}")
-        missing = sorted(set(self._inputs) - set(input_feed))
-        if missing:
-            raise InvalidInput(f"missing input(s) {missing}")
+        """The feeds, checked against the model's inputs and copied: a request may wait for a
+        call, and its caller may reuse its arrays as soon as ``submit`` returns."""
+        if len(input_feed) != len(self._inputs) or any(name not in self._inputs for name in input_feed):
+            extra = sorted(set(input_feed) - set(self._inputs))
+            if extra:
+                raise InvalidInput(f"unknown input(s) {extra}; the model's inputs are {sorted(self._inputs)}")
+            raise InvalidInput(f"missing input(s) {sorted(set(self._inputs) - set(input_feed))}")
         feeds = {}
-        for name, info in self._inputs.items():
-            value = np.ascontiguousarray(input_feed[name])
-            if value.dtype != info.dtype:
-                raise InvalidInput(f"input {name!r} must be {info.dtype}, got {value.dtype}")
-            if value.shape != tuple(info.shape):
-                raise InvalidInput(f"input {name!r} must have shape {list(info.shape)}, "
-                                   f"got {list(value.shape)}")
+        for name, (dtype, shape) in self._inputs.items():
+            value = np.array(input_feed[name], order="C")
+            if value.dtype != dtype:
+                raise InvalidInput(f"input {name!r} must be {dtype}, got {value.dtype}")
+            if value.shape != shape:
+                raise InvalidInput(f"input {name!r} must have shape {list(shape)}, got {list(value.shape)}")
             feeds[name] = value
         return feeds
 
@@ -482,8 +528,14 @@ class ClusterSession:
                 except Exception:
                     pass  # a node that is gone holds nothing of it
         self._completions.shutdown(wait=False)
-        for future in list(self._pending):  # their completions will not be handled now
-            _settle(future, RuntimeError("the session was closed before this request finished"))
+        with self._lock:  # their completions will not be handled now
+            left = [p for copy in self._copies for p in copy.queue]
+            left += [p for copy in self._copies for call in copy.calls.values() for p in call]
+            for copy in self._copies:
+                copy.queue.clear()
+                copy.calls.clear()
+        for pending in left:
+            _settle(pending.future, RuntimeError("the session was closed before this request finished"))
 
     def __enter__(self) -> ClusterSession:
         return self
