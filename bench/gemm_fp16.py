@@ -1,9 +1,10 @@
 """FP16 GEMM throughput: vkpool's float16 MatMul against torch.matmul on float16 CUDA tensors.
 
-Usage: python -m bench.gemm_fp16 [--sizes 8192 4096] [--device vk0] [--reps 20]
+Usage: python -m bench.gemm_fp16 [--sizes 8192 4096] [--shapes 128x768x3072 ...] [--device vk0] [--reps 20]
                                  [--variants default|all|TILE,TILE...] [--no-torch] [--json FILE]
 
-For each size S (M = N = K = S) it builds a one-node ONNX model, ``y = MatMul(a, b)`` with
+For each size S (M = N = K = S), and each shape MxNxK of ``--shapes`` (a transformer's products
+at batch 1: few rows), it builds a one-node ONNX model, ``y = MatMul(a, b)`` with
 float16 a, b and y, and runs it through ``vkpool.Session``: the output's accuracy on a sample
 of rows against numpy's float32 product of the same halves, the host-measured latency of a
 whole run (inputs copied in and the output copied out, for reference only) and, from Vulkan
@@ -41,14 +42,17 @@ CANDIDATES = (
 SAMPLE_ROWS = 64
 
 
-def _model(size: int) -> bytes:
+Shape = tuple[int, int, int]
+
+
+def _model(m: int, n: int, k: int) -> bytes:
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["a", "b"], ["y"])], "gemm_fp16",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT16, [size, size]),
-         helper.make_tensor_value_info("b", TensorProto.FLOAT16, [size, size])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [size, size])],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT16, [m, k]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT16, [k, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [m, n])],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     return model.SerializeToString()
@@ -63,8 +67,9 @@ def accuracy(y_rows: np.ndarray, ref: np.ndarray) -> dict[str, float]:
             "max_rel_err": float(np.max(err[big] / np.abs(ref[big])))}
 
 
-def tflops(size: int, us: float) -> float:
-    return 2.0 * size ** 3 / (us * 1e-6) / 1e12
+def tflops(shape: Shape, us: float) -> float:
+    m, n, k = shape
+    return 2.0 * m * n * k / (us * 1e-6) / 1e12
 
 
 def _replayed(device: Any, dispatch: tuple[Any, ...], reps: int) -> float:
@@ -79,7 +84,7 @@ def _replayed(device: Any, dispatch: tuple[Any, ...], reps: int) -> float:
     return statistics.median(device.profile(commands))
 
 
-def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
+def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
                  device_id: str | None, reps: int, variants: list[str]) -> dict[str, Any]:
     from vkpool.kernels.base import pack_push_constants
     from vkpool.kernels.ops.gemm import MatmulProblem
@@ -87,7 +92,7 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
     from vkpool.session import Session
 
     out: dict[str, Any] = {}
-    sess = Session(_model(size), device=device_id)
+    sess = Session(_model(*shape), device=device_id)
     try:
         chunk = sess._chunk
         device = chunk.device
@@ -110,13 +115,14 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
         if len(gemm) != 1:
             raise RuntimeError(f"expected one GEMM dispatch, found {chunk.dispatch_labels}")
         out["gpu_us"] = _replayed(device, gemm[0], reps)
-        out["tflops"] = tflops(size, out["gpu_us"])
+        out["tflops"] = tflops(shape, out["gpu_us"])
         if variants and coop_shape(caps) is None:
             out["variants"] = {name: {"error": "the device has no cooperative matrices"} for name in variants}
         elif variants:
             member = sess.member
-            plan = HalfMatmulPlan(MatmulProblem(M=size, N=size, K=size, sAm=size, sAk=1, sBk=size, sBn=1))
-            bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(a.nbytes)]
+            m, n, k = shape
+            plan = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1))
+            bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(2 * m * n)]
             try:
                 member.upload(bufs[0], a)
                 member.upload(bufs[1], b)
@@ -128,8 +134,8 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
                         dispatch = ("dispatch", device.pipeline(d.shader, d.defines),
                                     pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)
                         us = _replayed(device, dispatch, reps)
-                        yv = member.download(bufs[2], (size, size), np.float16)
-                        out["variants"][name] = {"gpu_us": us, "tflops": tflops(size, us),
+                        yv = member.download(bufs[2], (m, n), np.float16)
+                        out["variants"][name] = {"gpu_us": us, "tflops": tflops(shape, us),
                                                  "accuracy": accuracy(yv[rows], ref)}
                     except Exception as exc:  # a tile the device rejects is reported, not fatal
                         out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -142,7 +148,7 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
     return out
 
 
-def bench_torch(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
+def bench_torch(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
                 reps: int) -> dict[str, Any]:
     try:
         import torch
@@ -167,23 +173,24 @@ def bench_torch(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: 
     y_rows = y[torch.from_numpy(rows).cuda()].cpu().numpy()
     reduced = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_us": us,
-              "tflops": tflops(size, us), "accuracy": accuracy(y_rows, ref),
+              "tflops": tflops(shape, us), "accuracy": accuracy(y_rows, ref),
               "fp16_reduced_precision_reduction": bool(reduced)}
     del ta, tb, y
     torch.cuda.empty_cache()
     return result
 
 
-def run_size(size: int, args: argparse.Namespace, variants: list[str]) -> dict[str, Any]:
-    rng = np.random.default_rng(size)
-    a = rng.uniform(-1.0, 1.0, size=(size, size)).astype(np.float16)
-    b = rng.uniform(-1.0, 1.0, size=(size, size)).astype(np.float16)
-    rows = np.sort(rng.choice(size, size=min(SAMPLE_ROWS, size), replace=False))
+def run_size(shape: Shape, args: argparse.Namespace, variants: list[str]) -> dict[str, Any]:
+    m, n, k = shape
+    rng = np.random.default_rng(m * n * k)
+    a = rng.uniform(-1.0, 1.0, size=(m, k)).astype(np.float16)
+    b = rng.uniform(-1.0, 1.0, size=(k, n)).astype(np.float16)
+    rows = np.sort(rng.choice(m, size=min(SAMPLE_ROWS, m), replace=False))
     ref = a[rows].astype(np.float32) @ b.astype(np.float32)
-    result: dict[str, Any] = {"size": size, "reps": args.reps, "sample_rows": len(rows)}
-    result["vkpool"] = bench_vkpool(size, a, b, rows, ref, args.device, args.reps, variants)
+    result: dict[str, Any] = {"shape": list(shape), "reps": args.reps, "sample_rows": len(rows)}
+    result["vkpool"] = bench_vkpool(shape, a, b, rows, ref, args.device, args.reps, variants)
     if not args.no_torch:
-        result["torch"] = bench_torch(size, a, b, rows, ref, args.reps)
+        result["torch"] = bench_torch(shape, a, b, rows, ref, args.reps)
         if "tflops" in result["torch"]:
             result["ratio"] = result["vkpool"]["tflops"] / result["torch"]["tflops"]
     return result
@@ -191,7 +198,8 @@ def run_size(size: int, args: argparse.Namespace, variants: list[str]) -> dict[s
 
 def report(r: dict[str, Any]) -> str:
     v, t = r["vkpool"], r.get("torch", {})
-    lines = [f"== M = N = K = {r['size']} ({r['reps']} replays, median; accuracy on {r['sample_rows']} rows)",
+    m, n, k = r["shape"]
+    lines = [f"== M = {m}, N = {n}, K = {k} ({r['reps']} replays, median; accuracy on {r['sample_rows']} rows)",
              f"vkpool: {v['device']} (driver {v['driver']}), cooperative-matrix shapes {v['coop_shape']}",
              f"  kernel: {', '.join(v['kernel'])}",
              f"  GPU {v['gpu_us']:.1f} us  {v['tflops']:.1f} TFLOP/s  "
@@ -217,7 +225,8 @@ def report(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 4096])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[8192, 4096], help="square products M = N = K")
+    ap.add_argument("--shapes", nargs="+", default=[], metavar="MxNxK", help="products of other shapes")
     ap.add_argument("--device", help="member id (default: the first Vulkan member that fits)")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per kernel (median)")
     ap.add_argument("--variants", default="default",
@@ -229,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     variants = [] if args.variants == "default" else list(CANDIDATES) if args.variants == "all" \
         else [v for v in args.variants.split(",") if v]
     results = []
-    for size in args.sizes:
-        r = run_size(size, args, variants)
+    shapes = [(s, s, s) for s in args.sizes] + [tuple(int(v) for v in t.split("x")) for t in args.shapes]
+    for shape in shapes:
+        r = run_size(shape, args, variants)  # type: ignore[arg-type]
         results.append(r)
         print(report(r), flush=True)
     if args.json:
