@@ -6,7 +6,8 @@ or float ``attn_mask`` broadcast over (batch, heads, query), masks shorter than 
 ``softcap``, ``past_key``/``past_value`` with ``present_*`` outputs, ``nonpad_kv_seqlen``,
 sliding windows, and every ``qk_matmul_output_mode``. Scores and softmax are float32 whatever
 ``softmax_precision`` asks (float32 is at least as precise as any type it may name for float32
-inputs).
+inputs). float16 Q/K/V (and a float16 mask) have the same kernels, read widened, computed in float32
+and Y rounded once; without a KV cache, present outputs or the ``qk_matmul_output`` stage.
 
 Three kernels: ``attention_tiled.comp`` (16 query rows per workgroup, keys and values through
 shared memory in tiles with an online softmax) wherever the ``qk_matmul_output`` stage is not
@@ -29,14 +30,21 @@ from vkpool.kernels.base import (
 )
 
 
+_F32, _F16 = np.dtype(np.float32), np.dtype(np.float16)
+
+
 class Attention(Op):
     op_type = "Attention"
 
     def check(self) -> None:
         q, k, v = self.input(0), self.input(1), self.input(2)
         for t in (q, k, v):
-            if t.dtype != np.float32:
-                raise UnsupportedOp(f"Attention: element type {t.dtype} has no kernel")
+            if t.dtype not in (_F32, _F16) or t.dtype != q.dtype:
+                raise UnsupportedOp(f"Attention: element types {q.dtype}, {k.dtype}, {v.dtype} have no kernel "
+                                    "(float32 or float16, one type for Q, K and V)")
+        self.half = q.dtype == _F16
+        if self.half and (self.has_input(4) or self.has_input(5) or self.num_outputs > 1):
+            raise UnsupportedOp("Attention: float16 has no kernel for a KV cache, present outputs or qk_matmul_output")
         rank = len(q.shape)
         if rank not in (3, 4) or len(k.shape) != rank or len(v.shape) != rank:
             raise OpError(f"Attention: Q/K/V must all be 3-D or all 4-D, got {q.shape}, {k.shape}, {v.shape}")
@@ -73,8 +81,8 @@ class Attention(Op):
         self.mask_shape: tuple[int, ...] | None = None
         if self.has_input(3):
             m = self.input(3)
-            if m.dtype not in (np.dtype(np.float32), np.dtype(np.bool_)):
-                raise UnsupportedOp(f"Attention: mask type {m.dtype} has no kernel")
+            if m.dtype not in (_F32, np.dtype(np.bool_), q.dtype):
+                raise UnsupportedOp(f"Attention: mask type {m.dtype} has no kernel with {q.dtype} Q")
             if not 1 <= len(m.shape) <= 4:
                 raise OpError(f"Attention: mask rank {len(m.shape)}")
             ms = (1,) * (4 - len(m.shape)) + tuple(m.shape)
@@ -96,7 +104,7 @@ class Attention(Op):
 
     # -- shapes and costs ---------------------------------------------------------------------
     def output_infos(self) -> list[TensorInfo]:
-        f = np.float32
+        f = self.input(0).dtype
         y = (self.b, self.s, self.hq * self.dv) if self.is3d else (self.b, self.hq, self.s, self.dv)
         outs = [TensorInfo(y, f), TensorInfo((self.b, self.hkv, self.t, self.d), f),
                 TensorInfo((self.b, self.hkv, self.t, self.dv), f), TensorInfo((self.b, self.hq, self.s, self.t), f)]
@@ -170,7 +178,9 @@ class Attention(Op):
         return np.where(allowed, bias, -np.inf).astype(np.float32)
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
-        get: Any = lambda k: inputs[k] if k < len(inputs) else None  # noqa: E731
+        # float16 as the kernels compute it: widened, float32 throughout, Y rounded once
+        wide = [x.astype(np.float32) if x is not None and x.dtype == _F16 else x for x in inputs]
+        get: Any = lambda k: wide[k] if k < len(wide) else None  # noqa: E731
         q, k, v = get(0), get(1), get(2)
         b, hq, hkv, s = self.b, self.hq, self.hkv, self.s
         if self.is3d:
@@ -199,7 +209,7 @@ class Attention(Op):
         if self.is3d:
             y = y.transpose(0, 2, 1, 3).reshape(b, s, hq * self.dv)
         qk = {0: scores, 1: scores, 2: t, 3: p}[self.qk_mode]
-        outs = [y.astype(np.float32), present_k.astype(np.float32), present_v.astype(np.float32),
+        outs = [y.astype(self.input(0).dtype), present_k.astype(np.float32), present_v.astype(np.float32),
                 np.asarray(qk, np.float32)]
         return outs[: max(1, self.num_outputs)]
 
@@ -242,6 +252,9 @@ class Attention(Op):
             "CAUSAL": int(self.causal), "NONPAD": int(self.has_nonpad), "WL": self.wl, "WR": self.wr,
             "SOFTCAP": int(self.softcap > 0), "QK_MODE": self.qk_mode if want[3] else -1,
         }
+        if self.half:  # float32 keeps its defines (and its cached pipelines) as they were
+            defines["HALF"] = 1
+            defines["MASK_HALF"] = int(has_mask and self.input(3).dtype == _F16)
         # each of 64 lanes: its keys' scores (D each), two softmax passes, then a column of the output
         # over every key
         q = Ptr(ctx.inputs[0])

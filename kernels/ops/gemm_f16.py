@@ -12,7 +12,12 @@ Two kernels, chosen per device when the dispatches are built:
   ``gemm.comp`` over float16 storage.
 
 Both take row-major operands (what MatMul gives: A is ``[..., M, K]``, B ``[..., K, N]``),
-batches by strides, and any M, N, K (edges are bounds-checked).
+batches by strides, and any M, N, K (edges are bounds-checked). Both take the epilogue of a fused
+product (``vkpool.fusion``): a float16 bias of N values added to every row and an activation
+(``epilogue.glsl``), applied to the float32 sums before the one rounding to float16. The
+cooperative-matrix kernel adds the bias to its accumulators from a tile of bias rows in shared
+memory and applies the activation to each accumulator element in place (the activation is the
+same function at every position, so the matrix's element order does not matter).
 """
 from __future__ import annotations
 
@@ -54,6 +59,8 @@ class CoopTile:
         lm, ln, lk = shape
         threads = self.WM * self.WN * caps.subgroup_size
         return (
+            # a fused bias is staged as LM copies of the tile's BN bias values in the B slice
+            lm * self.BN <= self.BK * (self.BN + 8) and
             self.BM % (self.WM * lm) == 0 and self.BN % (self.WN * ln) == 0 and self.BK % lk == 0
             and self.PREFETCH in (1, 2)
             and threads <= caps.max_workgroup_invocations
@@ -94,11 +101,14 @@ def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
 
 
 class HalfMatmulPlan:
-    """The float16 product of one ``MatmulProblem`` with row-major operands and no bias."""
+    """The float16 product of one ``MatmulProblem`` with row-major operands; a bias (of N values,
+    ``sCn`` 1, ``sCm`` 0, no batch) and an activation where the problem has them."""
 
     def __init__(self, p: MatmulProblem) -> None:
-        if p.sAk != 1 or p.sAm != p.K or p.sBn != 1 or p.sBk != p.N or p.has_bias or p.act:
-            raise UnsupportedOp("float16 product: only row-major A and B without bias or activation")
+        if p.sAk != 1 or p.sAm != p.K or p.sBn != 1 or p.sBk != p.N:
+            raise UnsupportedOp("float16 product: only row-major A and B")
+        if p.has_bias and (p.sCn != 1 or p.sCm != 0 or p.batch or p.alpha != 1.0 or p.beta != 1.0):
+            raise UnsupportedOp("float16 product: a bias must be one row of N values, alpha and beta 1")
         if p.batch and p.batch[-1].count > _MAX_GROUPS:
             raise UnsupportedOp(f"matrix product with an inner batch of {p.batch[-1].count} > {_MAX_GROUPS}")
         self.p = p
@@ -117,10 +127,11 @@ class HalfMatmulPlan:
         return fitting[-1]
 
     def dispatches(
-        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None,
+        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None, c: Any = None,
     ) -> list[Dispatch]:
-        """The dispatches computing Y on a device with ``caps``; ``tile`` overrides the
-        cooperative-matrix tile (benchmarks compare tiles with it)."""
+        """The dispatches computing Y on a device with ``caps``; ``c`` is the bias where the
+        problem has one; ``tile`` overrides the cooperative-matrix tile (benchmarks compare
+        tiles with it)."""
         p = self.p
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
@@ -149,6 +160,9 @@ class HalfMatmulPlan:
             bm = bn = 32 if small else 64
             shader = "gemm_f16"
             defines = {"BM": bm, "BN": bn, "BK": 16, "TM": bm // 16, "TN": bn // 16}
+        if p.has_bias or p.act:
+            # only fused products carry these: the plain product's pipelines stay as they were
+            defines.update({"HAS_BIAS": int(p.has_bias), "ACT": p.act})
         outer = p.batch[:-1]
         inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
         groups = (ceil_div(p.N, bn), ceil_div(p.M, bm), inner.count)
@@ -158,8 +172,9 @@ class HalfMatmulPlan:
             oa = sum(i * d.a for i, d in zip(idx, outer)) * _HALF
             ob = sum(i * d.b for i, d in zip(idx, outer)) * _HALF
             oy = sum(i * d.y for i, d in zip(idx, outer)) * _HALF
+            bias = Ptr(c) if p.has_bias else Ptr(y, oy)
             args = [Ptr(a, oa), Ptr(b, ob), Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
-                    U32(inner.a), U32(inner.b)]
+                    U32(inner.a), U32(inner.b), bias]
             out.append(Dispatch(shader, args, groups, defines))
         return out
 

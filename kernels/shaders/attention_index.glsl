@@ -30,7 +30,7 @@ float bias(uint b, uint h, uint i, uint j) {
 #if MASK_BOOL
     if (uint(U8Buf(pc.mask).v[m]) == 0u) return NEG_INF;
 #else
-    r = pc.mask.v[m];
+    r = float(pc.mask.v[m]);
 #endif
 #endif
 #if NONPAD

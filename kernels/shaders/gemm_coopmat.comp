@@ -19,6 +19,11 @@
 // through shared memory and are written element by element.
 // SWIZZLE > 0 walks the tiles in column bands SWIZZLE tile-rows tall, so that workgroups
 // running together share their A rows and B columns in the L2 cache.
+// A fused product (vkpool.fusion): HAS_BIAS adds the float16 bias c[n] to the float32
+// accumulators (LM copies of the tile's BN bias values are staged in the B slice, read back as an
+// accumulator matrix), and ACT (epilogue.glsl) maps each accumulator element in place: the same
+// function at every position, so the matrix's element order does not matter. Both before the
+// one rounding to float16.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -26,6 +31,10 @@
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "common.glsl"
+#ifndef HAS_BIAS
+#define HAS_BIAS 0
+#endif
+#include "epilogue.glsl"
 
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer U16Buf { uint16_t v[]; };
@@ -44,6 +53,7 @@ layout(push_constant) uniform Args {
     uint64_t y;
     uint M, N, K;
     uint bA, bB;  // batch strides of A and B in elements (0: shared); Y's is M * N
+    uint64_t c;   // the bias (HAS_BIAS)
 } pc;
 
 // the shared buffer in 16-byte units: the A slice (BM rows of BK halves), then the B slice (BK
@@ -182,6 +192,13 @@ void main() {
 #endif
 
     // epilogue: the shared buffer is free (every subgroup passed the last barrier)
+#if HAS_BIAS
+    for (uint v = gl_LocalInvocationIndex; v < BN / 8; v += NT) {
+        const uvec4 q = load8(pc.c, 0, col0 + v * 8, 1, pc.N, 0);
+        [[unroll]] for (uint r = 0; r < LM; ++r) smem[A_SIZE + r * BROW + v] = q;
+    }
+    barrier();
+#endif
     const uint64_t yBase = uint64_t(z) * pc.M * pc.N;
     const uint scratch = sg * (LM * LN / 8);
     const uint lane = gl_SubgroupInvocationID;
@@ -189,6 +206,16 @@ void main() {
         const uint r = row0 + sm + i * LM;
         [[unroll]] for (uint j = 0; j < TN; ++j) {
             const uint c = col0 + sn + j * LN;
+#if HAS_BIAS
+            {
+                coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> bias_rows;
+                coopMatLoad(bias_rows, smem, A_SIZE + (sn + j * LN) / 8, BROW, gl_CooperativeMatrixLayoutRowMajor);
+                acc[i][j] += coopmat<float, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator>(bias_rows);
+            }
+#endif
+#if ACT != 0
+            for (int e = 0; e < acc[i][j].length(); ++e) acc[i][j][e] = epilogue(acc[i][j][e]);
+#endif
             coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> out_tile =
                 coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator>(acc[i][j]);
 #if STORE_DIRECT
