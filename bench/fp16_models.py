@@ -80,9 +80,10 @@ def _export_module(module: Any, args: tuple[Any, ...], inputs: list[str], output
 
 
 def hf_bert(hidden: int = 48, layers: int = 2, heads: int = 4, ffn: int = 70, vocab: int = 97,
-            batch: int = 2, seq: int = 13) -> tuple[bytes, dict[str, np.ndarray]]:
+            batch: int = 2, seq: int = 13, dtype: str = "float16") -> tuple[bytes, dict[str, np.ndarray]]:
     """A float16 ``BertModel`` (last hidden state out) and its feeds: token ids and an attention
-    mask whose second sequence ends in padding."""
+    mask whose second sequence ends in padding. ``dtype="float32"``: the same model (its weights
+    rounded to float16) exported in float32, a reference for the float16 one."""
     import torch
     from transformers import BertConfig, BertModel
 
@@ -90,7 +91,7 @@ def hf_bert(hidden: int = 48, layers: int = 2, heads: int = 4, ffn: int = 70, vo
     config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                         intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=64,
                         attn_implementation="eager")
-    model = BertModel(config).eval().half()
+    model = BertModel(config).eval().half().to(getattr(torch, dtype))
 
     class Encoder(torch.nn.Module):
         def __init__(self) -> None:
@@ -110,15 +111,16 @@ def hf_bert(hidden: int = 48, layers: int = 2, heads: int = 4, ffn: int = 70, vo
 
 
 def hf_gpt2(hidden: int = 48, layers: int = 2, heads: int = 4, vocab: int = 97,
-            seq: int = 13) -> tuple[bytes, dict[str, np.ndarray]]:
-    """A float16 ``GPT2LMHeadModel`` (logits out, no KV cache) and its feeds (token ids)."""
+            seq: int = 13, dtype: str = "float16") -> tuple[bytes, dict[str, np.ndarray]]:
+    """A float16 ``GPT2LMHeadModel`` (logits out, no KV cache) and its feeds (token ids);
+    ``dtype`` as for :func:`hf_bert`."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(SEED)
     config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=64,
                         bos_token_id=0, eos_token_id=0, attn_implementation="eager")
-    model = GPT2LMHeadModel(config).eval().half()
+    model = GPT2LMHeadModel(config).eval().half().to(getattr(torch, dtype))
 
     class Decoder(torch.nn.Module):
         def __init__(self) -> None:
