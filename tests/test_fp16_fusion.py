@@ -137,6 +137,17 @@ def test_a_float16_gemm_with_bias_and_gelu(pool):
     check_half(pool, model, {"x": RNG.standard_normal((19, 37))}).close()
 
 
+def test_a_gelu_after_a_reshape_of_the_products_rows_joins_the_product(pool):
+    # Hugging Face's Conv1D: Gemm on [B*S, E] rows, Reshape back to [B, S, N], then the GELU chain
+    nodes = [helper.make_node("Reshape", ["x", "rows"], ["x2"]), helper.make_node("Gemm", ["x2", "w", "b"], ["p"]),
+             helper.make_node("Reshape", ["p", "back"], ["h"]), *GELU_TANH_POW]
+    inits = [_w("w", 24, 40), _w("b", 40), numpy_helper.from_array(np.array([-1, 24], np.int64), "rows"),
+             numpy_helper.from_array(np.array([2, 7, 40], np.int64), "back"), *SCALARS]
+    model = half_model(_model(nodes, [("x", (2, 7, 24))], inits, ["y"]))
+    assert fused_ops(model) == [("Reshape", None), ("Gemm", "GeluTanh"), ("Reshape", None)]
+    check_half(pool, model, {"x": RNG.standard_normal((2, 7, 24)) * 2}).close()
+
+
 def test_a_float16_chain_that_is_not_gelu_stays():
     other = [helper.make_node("Div", ["h", "c15"], ["d"]), *GELU_ERF[1:]]
     model = half_model(_linear(other, extra_inits=(*SCALARS, numpy_helper.from_array(np.float32(1.5), "c15"))))

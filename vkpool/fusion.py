@@ -11,8 +11,8 @@ the latency. The rewrites, applied in node order until nothing changes:
   constant ``b`` that broadcasts along the last axis only ([N], [1, N], [1, 1, N], in either
   operand order), becomes ``MatMul(A, W, b)``: a bias input of vkpool's own that the product
   adds in its epilogue (a ``Linear`` layer as exporters spell it);
-- a ``Conv``, ``Gemm`` or such ``MatMul`` then an activation becomes the product with the
-  attribute ``activation`` (vkpool's own, applied in the epilogue, ``kernels/shaders/
+- a ``Conv``, ``Gemm`` or such ``MatMul`` then an activation (directly, or through a ``Reshape``
+  of the product's rows) becomes the product with the attribute ``activation`` (vkpool's own, applied in the epilogue, ``kernels/shaders/
   epilogue.glsl``): a ``Relu`` or ``Gelu`` node, or a chain of element-wise ops with scalar
   constants that computes GELU (exact or tanh approximation) however the exporter spelled it
   (``x * 0.5 * (1 + Erf(x / sqrt 2))``, ``0.5 * x * (1 + Tanh(c * (x + 0.044715 * x * x * x)))``,
@@ -342,6 +342,15 @@ def _fuse_activation(g: _Graph, product: Node) -> bool:
     if not x or x in g.outputs or not _fusable_product(g, product):
         return False
     readers = g.readers.get(x, [])
+    # a product on flattened rows reshaped back (Hugging Face's Conv1D as a Gemm): the activation
+    # of the reshaped tensor is the reshape of the activated product
+    via = readers[0] if len(readers) == 1 and readers[0].op_type == "Reshape" and readers[0].domain in ("", "ai.onnx") \
+        else None
+    start = via.outputs[0] if via is not None else x
+    if start in g.outputs:
+        return False
+    last = via or product  # the node whose output the activation's output becomes
+    readers = g.readers.get(start, [])
     if len(readers) == 1 and readers[0].op_type in ("Relu", "Gelu") and readers[0].domain in ("", "ai.onnx"):
         act = readers[0]
         if act.op_type == "Relu":
@@ -352,13 +361,13 @@ def _fuse_activation(g: _Graph, product: Node) -> bool:
             if approximate not in ("none", "tanh"):
                 return False
             product.attrs["activation"] = "Gelu" if approximate == "none" else "GeluTanh"
-        _splice(g.model, product, act)
+        _splice(g.model, last, act)
         return True
-    chain = _elementwise_chain(g, x)
+    chain = _elementwise_chain(g, start)
     if chain is None:
         return False
     nodes, exit_name = chain
-    values = _evaluate_chain(g, nodes, x, exit_name)
+    values = _evaluate_chain(g, nodes, start, exit_name)
     if values is None:
         return False
     # float16: the chain's constants are float16 roundings (sqrt 2 as 1.4140625), so it differs
@@ -368,19 +377,18 @@ def _fuse_activation(g: _Graph, product: Node) -> bool:
     scale = 1.0 + np.abs(_PROBE)
     errors = {name: float(np.max(np.abs(values - apply_activation(code, _PROBE)) / scale))
               for name, code in ACTIVATIONS.items() if code != 1}  # a Relu spelled out is not smooth
-    for name, error in sorted(errors.items(), key=lambda item: item[1]):
-        if error <= tolerance:
-            product.attrs["activation"] = name
-            info = g.model.tensors[exit_name]
-            for node in nodes:
-                g.model.tensors.pop(node.outputs[0], None)
-                g.model.nodes.remove(node)
-            g.model.tensors.pop(x, None)
-            g.model.tensors[exit_name] = info
-            product.outputs[0] = exit_name
-            return True
-        break
-    return False
+    best = min(errors, key=errors.__getitem__)
+    if errors[best] > tolerance:
+        return False
+    product.attrs["activation"] = best
+    info = g.model.tensors[exit_name]
+    for node in nodes:
+        g.model.tensors.pop(node.outputs[0], None)
+        g.model.nodes.remove(node)
+    g.model.tensors.pop(start, None)
+    g.model.tensors[exit_name] = info
+    last.outputs[0] = exit_name
+    return True
 
 
 def _scalar(g: _Graph, name: str) -> bool:
