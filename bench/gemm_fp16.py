@@ -13,8 +13,9 @@ torch.matmul runs on the same inputs as CUDA float16 tensors in the same process
 with CUDA events (median of ``--reps``), its accuracy measured the same way.
 
 ``--variants`` also times workgroup tiles of the cooperative-matrix kernel other than the
-planner's choice (``CoopTile`` names such as ``128x256x32_w2x4_p2_z8``; ``all``: the list
-below), each on the same device buffers, each checked on the sample rows.
+planner's choice (``CoopTile`` names such as ``128x256x32_w2x4_p2_z8``, with ``/sN`` for N
+K splits, e.g. ``64x64x32_w2x2_p1_z8/s4``; ``all``: the list below), each on the same device
+buffers, each checked on the sample rows.
 
 Accuracy: the largest |y - ref| over the sampled rows divided by the largest |ref| there
 ("max error / max |ref|"), and the largest elementwise |y - ref| / |ref| over elements with
@@ -72,16 +73,19 @@ def tflops(shape: Shape, us: float) -> float:
     return 2.0 * m * n * k / (us * 1e-6) / 1e12
 
 
-def _replayed(device: Any, dispatch: tuple[Any, ...], reps: int) -> float:
-    """Median GPU microseconds of ``dispatch`` replayed ``reps`` times, a barrier between each
-    (every replay writes the same output)."""
+def _replayed(device: Any, dispatches: list[tuple[Any, ...]], reps: int) -> float:
+    """Median GPU microseconds of ``dispatches`` (a product's: one, or split-K's two) replayed
+    ``reps`` times, a barrier between each dispatch (every replay writes the same output)."""
     commands: list[tuple[Any, ...]] = []
     for i in range(reps):
-        if i:
-            commands.append(("barrier",))
-        commands.append(dispatch)
+        for dispatch in dispatches:
+            if commands:
+                commands.append(("barrier",))
+            commands.append(dispatch)
     device.profile(commands)  # warm-up: clocks up, caches filled
-    return statistics.median(device.profile(commands))
+    times = device.profile(commands)
+    per = len(dispatches)
+    return statistics.median(sum(times[i:i + per]) for i in range(0, len(times), per))
 
 
 def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
@@ -109,12 +113,12 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
             sess.run(None, {"a": a, "b": b})
             walls.append((time.perf_counter() - t0) * 1e6)
         out["session_run_us"] = statistics.median(walls)
-        # the inputs' copies into device memory come first; the product is the one MatMul dispatch
+        # the inputs' copies into device memory come first; the product is the MatMul's dispatches
         dispatches = [c for c in chunk.commands if c[0] == "dispatch"]
         gemm = [c for c, label in zip(dispatches, chunk.dispatch_labels) if label.startswith("MatMul")]
-        if len(gemm) != 1:
-            raise RuntimeError(f"expected one GEMM dispatch, found {chunk.dispatch_labels}")
-        out["gpu_us"] = _replayed(device, gemm[0], reps)
+        if not gemm:
+            raise RuntimeError(f"expected the GEMM's dispatches, found {chunk.dispatch_labels}")
+        out["gpu_us"] = _replayed(device, gemm, reps)
         out["tflops"] = tflops(shape, out["gpu_us"])
         if variants and coop_shape(caps) is None:
             out["variants"] = {name: {"error": "the device has no cooperative matrices"} for name in variants}
@@ -122,18 +126,21 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
             member = sess.member
             m, n, k = shape
             plan = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1))
-            bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(2 * m * n)]
+            most = max([1, *(int(v.partition("/s")[2] or 1) for v in variants)])
+            bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(2 * m * n),
+                    member.alloc(4 * most * m * n)]
             try:
                 member.upload(bufs[0], a)
                 member.upload(bufs[1], b)
                 out["variants"] = {}
                 for name in variants:
-                    tile = CoopTile.parse(name)
+                    tile_name, _, split = name.partition("/s")
+                    tile = CoopTile.parse(tile_name)
                     try:
-                        (d,) = plan.dispatches(*bufs, caps, tile)
-                        dispatch = ("dispatch", device.pipeline(d.shader, d.defines),
-                                    pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)
-                        us = _replayed(device, dispatch, reps)
+                        ds = plan.dispatches(*bufs[:3], caps, tile, ws=bufs[3], splits=int(split or 1))
+                        commands = [("dispatch", device.pipeline(d.shader, d.defines),
+                                     pack_push_constants(d.args, lambda alloc: alloc.address), d.groups) for d in ds]
+                        us = _replayed(device, commands, reps)
                         yv = member.download(bufs[2], (m, n), np.float16)
                         out["variants"][name] = {"gpu_us": us, "tflops": tflops(shape, us),
                                                  "accuracy": accuracy(yv[rows], ref)}

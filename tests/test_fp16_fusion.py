@@ -273,11 +273,11 @@ GPU_CAPS = DeviceCaps(float16=True, cooperative_matrix=True, cooperative_matrix_
 def test_a_fused_product_takes_the_cooperative_matrix_kernel_where_the_device_has_one():
     """The planner's choice for a device reporting cooperative matrices (an H200's report), made
     without the extension: lavapipe can build the dispatches, not run them."""
-    p = MatmulProblem(M=128, N=3072, K=768, sAm=768, sAk=1, sBk=3072, sBn=1, has_bias=True, sCn=1, act=2)
+    p = MatmulProblem(M=1024, N=3072, K=768, sAm=768, sAk=1, sBk=3072, sBn=1, has_bias=True, sCn=1, act=2)
     (d,) = HalfMatmulPlan(p).dispatches("a", "b", "y", GPU_CAPS, c="bias")
     assert d.shader == "gemm_coopmat" and d.defines["HAS_BIAS"] == 1 and d.defines["ACT"] == 2
     assert d.args[-1].tensor == "bias"
-    (plain,) = HalfMatmulPlan(MatmulProblem(M=128, N=3072, K=768, sAm=768, sAk=1, sBk=3072, sBn=1)).dispatches(
+    (plain,) = HalfMatmulPlan(MatmulProblem(M=1024, N=3072, K=768, sAm=768, sAk=1, sBk=3072, sBn=1)).dispatches(
         "a", "b", "y", GPU_CAPS)
     assert "HAS_BIAS" not in plain.defines and "ACT" not in plain.defines
     # without shaderFloat16 the scalar kernel runs (it needs 16-bit storage only)
@@ -315,3 +315,86 @@ def test_the_fused_references_round_once():
     want = apply_activation(2, a.astype(np.float64) @ w.astype(np.float64) + bias).astype(F16)
     assert y.dtype == F16
     np.testing.assert_array_equal(y, want)
+
+
+# -- split-K: the partial sums' reduction runs everywhere, the split product on a GPU ------------------
+
+def test_a_short_wide_product_splits_its_reduction_on_a_cooperative_matrix_device():
+    # BERT-base's FFN down-projection at 128 tokens: 24 tiles of 64 x 64 alone would leave an
+    # H200's 132 multiprocessors idle
+    p = MatmulProblem(M=128, N=768, K=3072, sAm=3072, sAk=1, sBk=768, sBn=1, has_bias=True, sCn=1, act=2)
+    plan = HalfMatmulPlan(p)
+    assert plan.splits == 12 and plan.workspace_bytes() == 4 * 12 * 128 * 768
+    gemm, reduce = plan.dispatches("a", "b", "y", GPU_CAPS, c="bias", ws="ws")
+    assert gemm.shader == "gemm_coopmat" and gemm.defines["SPLITK"] == 1 and gemm.defines["KCHUNK"] == 256
+    assert "HAS_BIAS" not in gemm.defines and gemm.groups == (12, 2, 12) and gemm.args[2].tensor == "ws"
+    assert reduce.shader == "gemm_reduce" and reduce.defines == {"HAS_BIAS": 1, "ACT": 2, "HALF": 1}
+    # a device without cooperative matrices runs the scalar kernel, unsplit
+    (scalar,) = plan.dispatches("a", "b", "y", DeviceCaps(), c="bias", ws="ws")
+    assert scalar.shader == "gemm_f16" and scalar.defines["HAS_BIAS"] == 1
+    # enough tiles, a short K, or a batch: no split
+    for q in (MatmulProblem(M=4096, N=4096, K=4096, sAm=4096, sAk=1, sBk=4096, sBn=1),
+              MatmulProblem(M=128, N=768, K=255, sAm=255, sAk=1, sBk=768, sBn=1)):
+        assert HalfMatmulPlan(q).splits == 1 and HalfMatmulPlan(q).workspace_bytes() == 0
+
+
+@pytest.mark.parametrize("act", [0, 3])
+def test_the_float16_split_reduction_rounds_once(pool, act):
+    """gemm_reduce.comp in float16 (HALF), run alone on partial sums the test writes: the sum of the
+    splits, the bias and the activation in float32, then one rounding."""
+    from vkpool.kernels.base import pack_push_constants
+
+    member = pool.vulkan_members[0]
+    device = member.device
+    m, n, splits = 7, 45, 5
+    p = MatmulProblem(M=m, N=n, K=splits * 256, sAm=splits * 256, sAk=1, sBk=n, sBn=1, has_bias=True, sCn=1, act=act)
+    ws = RNG.standard_normal((splits, m, n)).astype(np.float32)
+    bias = RNG.standard_normal(n).astype(F16)
+    bufs = [member.alloc(ws.nbytes), member.alloc(bias.nbytes), member.alloc(2 * m * n)]
+    try:
+        member.upload(bufs[0], ws)
+        member.upload(bufs[1], bias)
+        d = HalfMatmulPlan(p)._reduce(bufs[0], bufs[1], bufs[2], splits, device.caps)
+        device.run_once([("dispatch", device.pipeline(d.shader, d.defines),
+                          pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)])
+        got = member.download(bufs[2], (m, n), F16)
+    finally:
+        for buf in bufs:
+            buf.free()
+    want = apply_activation(act, ws.astype(np.float64).sum(axis=0) + bias)
+    assert got.dtype == F16
+    assert_fp16_close(got, want, 2.0 ** -10, 2.0 ** -14, "split reduction")
+
+
+@pytest.mark.parametrize("m,k,n,splits", [(128, 3072, 768, None), (37, 1000, 53, 4), (64, 512, 96, 7)])
+def test_coopmat_split_k_on_a_gpu(pool, m, k, n, splits):
+    """Split products on a GPU with cooperative matrices: the planner's split, and forced ones with
+    edges in every dimension and splits left with nothing to add (K 512 over 7 splits of 128)."""
+    from vkpool.kernels.base import pack_push_constants
+
+    member = coop_member(pool)
+    device = member.device
+    a, b = (RNG.uniform(-1, 1, s).astype(F16) for s in ((m, k), (k, n)))
+    bias = RNG.standard_normal(n).astype(F16)
+    plan = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1, has_bias=True, sCn=1, act=2))
+    count = splits or plan.splits
+    assert count > 1
+    bufs = [member.alloc(x) for x in (a.nbytes, b.nbytes, 2 * m * n, bias.nbytes, 4 * count * m * n)]
+    try:
+        for buf, x in zip(bufs, (a, b, None, bias)):
+            if x is not None:
+                member.upload(buf, x)
+        ds = plan.dispatches(bufs[0], bufs[1], bufs[2], device.caps, c=bufs[3], ws=bufs[4], splits=splits)
+        assert [d.shader for d in ds] == ["gemm_coopmat", "gemm_reduce"]
+        commands = []
+        for d in ds:
+            commands += [("barrier",)] if commands else []
+            commands.append(("dispatch", device.pipeline(d.shader, d.defines),
+                             pack_push_constants(d.args, lambda alloc: alloc.address), d.groups))
+        device.run_once(commands)
+        got = member.download(bufs[2], (m, n), F16)
+    finally:
+        for buf in bufs:
+            buf.free()
+    want = apply_activation(2, a.astype(np.float64) @ b.astype(np.float64) + bias)
+    assert_fp16_close(got, want, 2.0 ** -10, k * 2.0 ** -22, "split-K product")

@@ -443,14 +443,15 @@ class Gemm(Op):
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
         if not isinstance(self.plan, MatmulPlan):
-            return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], ctx.outputs[0], ctx.caps, c=c)
+            return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], ctx.outputs[0], ctx.caps, c=c,
+                                        ws=ctx.workspace)
         return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], c, ctx.outputs[0], ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
         return self.plan.flops() + (self.M * self.N if self.plan.p.has_bias else 0)
 
     def workspace_bytes(self) -> int:
-        return self.plan.workspace_bytes() if isinstance(self.plan, MatmulPlan) else 0
+        return self.plan.workspace_bytes()
 
 
 __all__ = ["Gemm", "MatmulPlan", "TILES", "choose_tile", "MatmulProblem", "BatchDim", "ACTIVATIONS", "fused_activation", "apply_activation"]

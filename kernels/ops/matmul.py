@@ -90,14 +90,14 @@ class MatMul(Op):
         a, b, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
         if isinstance(self.plan, HalfMatmulPlan):
-            return self.plan.dispatches(a, b, y, ctx.caps, c=c)
+            return self.plan.dispatches(a, b, y, ctx.caps, c=c, ws=ctx.workspace)
         return self.plan.dispatches(a, b, c, y, ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
         return self.plan.flops() + (int(np.prod(self.out_shape)) if self.has_input(2) else 0)
 
     def workspace_bytes(self) -> int:
-        return self.plan.workspace_bytes() if isinstance(self.plan, MatmulPlan) else 0
+        return self.plan.workspace_bytes()
 
 
 __all__ = ["MatMul"]
