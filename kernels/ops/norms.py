@@ -5,6 +5,8 @@ statistics and a per-channel (or broadcast-tail) scale and bias". Each op states
 view (collapsed shape + reduced mask, as for Reduce*) and how scale/bias are indexed; the
 shader does the rest. float32 or float16 (x, scale, bias and y of one type; float16 is widened
 as it is read, every statistic is float32 and y is rounded once, as ``stash_type`` 1 asks).
+float16 Layer/RMS normalisation over trailing axes (a transformer's) runs ``norm_rows.comp``
+instead, where the device allows 256 invocations per workgroup: each element read once.
 """
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp,
+    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
 )
 from vkpool.kernels.ops.reduce import MAX_VIEW_RANK, normalize_axes, reduction_view, row_geometry
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float16))
+#: float16 rows up to this long are normalised by norm_rows.comp (a workgroup per row, every element
+#: read once into registers: 16 per invocation at most)
+_ROWS_MAX = 16 * 256
 
 
 def tail_broadcast_size(param: tuple[int, ...], norm_shape: tuple[int, ...], what: str) -> int:
@@ -137,6 +142,11 @@ class RowNorm(Op):
                    "RESIDUAL": int(residual), "SUM_OUT": int(sum_out is not None)}
         if x.dtype == np.float16:
             defines["HALF"] = 1  # float32 keeps its defines (and its cached pipelines) as they were
+            if tail and self.mode in (0, 1) and self.sdiv == 1 and nred <= _ROWS_MAX \
+                    and (ctx.caps is None or ctx.caps.max_workgroup_invocations >= 256):
+                del defines["ROW_THREADS"], defines["TAIL"], defines["P"], defines["HALF"]
+                args = [*args[:6], U32(nrows), F32(self.eps), U32(self.smod), U32(self.bmod), *args[-2:]]
+                return [Dispatch("norm_rows", args, groups_1d(nrows, 1, ctx.caps), {**defines, "NRED": nred})]
         return [Dispatch("norm", args, groups, defines)]
 
 
