@@ -347,8 +347,7 @@ def to_onnx(built: Built) -> bytes:
     """The module exported at opset 17 with the TorchScript-based exporter; constants folded."""
     import torch
 
-    device = next(built.module.parameters()).device  # traced where the module is (float16: on CUDA)
-    args = tuple(torch.from_numpy(v).to(device) for v in built.inputs.values())
+    args = tuple(torch.from_numpy(v) for v in built.inputs.values())
     # torch before 2.5 has only this exporter and no ``dynamo`` argument; from 2.9 it is not the default
     choose = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
     buf = io.BytesIO()

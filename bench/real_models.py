@@ -180,8 +180,7 @@ def _half_references(name: str, args: argparse.Namespace) -> tuple[Path, em.Buil
         cuda = torch.cuda.is_available()
     except ImportError:
         cuda = False
-    path = fp16_models.ensure_half(name, args.models_dir, "cuda" if cuda else "cpu")
-    built.module.to("cpu")
+    path = fp16_models.ensure_half(name, args.models_dir)
     if cuda:
         module = built.module.to("cuda")
         with torch.inference_mode():

@@ -169,6 +169,47 @@ def test_float16_attention_becomes_one_node(pool, b, s, t, h, d, mask, key, scal
         assert any(label.endswith("[attention_tiled]") for label in session._chunk.dispatch_labels)
 
 
+def _self_attention(b: int, s: int, h: int, d: int, mask: str) -> tuple[bytes, dict[str, np.ndarray]]:
+    """``_attention`` with keys and values projected from the queries' own input (self-attention)."""
+    model, feeds = _attention(b, s, s, h, d, mask=mask)
+    m = onnx.load_from_string(half_model(model))
+    for node in m.graph.node:
+        node.input[:] = ["x" if name == "kv" else name for name in node.input]
+    m.graph.input.remove(next(i for i in m.graph.input if i.name == "kv"))
+    feeds.pop("kv")
+    return m.SerializeToString(), feeds
+
+
+@pytest.mark.parametrize("limits,kernel", [("", "attention_tiled"), ("max_shared_memory_bytes=2048", "attention")])
+@pytest.mark.parametrize("mask", ["add", "causal"])
+def test_float16_self_attention_reads_one_qkv_product(limits, kernel, mask):
+    model, feeds = _self_attention(2, 19, 3, 8, mask)
+    nodes = load_model(model, cache=False).nodes
+    attention = next(n for n in nodes if n.op_type == "Attention")
+    assert attention.attrs["packed_qkv"] == [24, 24, 24] and attention.inputs[1:3] == ["", ""]
+    assert [n.op_type for n in nodes].count("MatMul") == 2  # the Q/K/V product and the output's
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VKPOOL_DEVICE_LIMITS", limits)
+        p = vulkan_pool()
+    try:
+        with check_half(p, model, feeds) as session:
+            assert any(label.endswith(f"[{kernel}]") for label in session._chunk.dispatch_labels)
+    finally:
+        p.close()
+
+
+def test_the_packed_attention_reference_reads_the_same_columns():
+    b, s, hq, d = 1, 5, 2, 3
+    q, k, v = (RNG.standard_normal((b, s, hq * d)).astype(F16) for _ in range(3))
+    attrs = {"q_num_heads": hq, "kv_num_heads": hq, "is_causal": 1}
+    infos = [TensorInfo(q.shape, F16)] * 3
+    (plain,) = create_op("Attention", attrs, infos, opset=23).reference([q, k, v])
+    packed_op = create_op("Attention", {**attrs, "packed_qkv": [6, 6, 6]}, [TensorInfo((b, s, 18), F16), None, None],
+                          opset=23)
+    (packed,) = packed_op.reference([np.concatenate([q, k, v], axis=-1), None, None])
+    np.testing.assert_array_equal(plain, packed)
+
+
 def test_float16_causal_fill_is_the_lowest_half():
     # torch fills float16 scores with finfo(float16).min (-65504), not -inf: still the causal flag
     model, _ = _attention(1, 6, 6, 2, 4, mask="causal")

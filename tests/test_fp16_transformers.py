@@ -72,9 +72,9 @@ def test_float16_export_of_the_benchmark_transformer(pool, name: str) -> None:
     assert types == {onnx.TensorProto.FLOAT16}
     ops = _fused(half)
     layers = SMALL[name]["layers"]
-    # per layer: q, k, v, out, up, down as products (bias and GELU inside), one attention, two norms
+    # per layer: q, k and v as one product, out, up, down (bias and GELU inside), one attention, two norms
     assert ops["Attention"] == layers and ops["Softmax"] == 0 and ops["Erf"] == ops["Tanh"] == 0, ops
-    assert ops["MatMul"] == 6 * layers + (name == "gpt2"), ops
+    assert ops["MatMul"] == 4 * layers + (name == "gpt2"), ops
     assert ops["LayerNormalization"] == 2 * layers + 1, ops
     _check(pool, half, wide, built.inputs)
 

@@ -49,6 +49,12 @@ and converters put around ops for precision:
   tensors: the same numbers without the two passes over memory (a mixed-precision converter's
   ``keep in float32`` list).
 
+In float16 graphs, an ``Attention`` node whose Q, K and V are three products of one tensor by
+constant weights (with or without constant biases) reads them from one product instead, of the
+three weight matrices side by side (vkpool's attribute ``packed_qkv``): one dispatch for three,
+and a wider product that fills the device better. Float32 graphs keep their three products (and
+the numbers their tile choices give).
+
 A rewrite applies only when every intermediate tensor it removes is read by nothing else and is
 not a graph output, so every tensor a caller can see keeps its value. Results equal the unfused
 graph's up to float rounding (the bias sum, ``1/c`` for a scale that is not a power of two, the
@@ -139,6 +145,8 @@ def _fuse_once(model: LoadedModel) -> bool:
         if node.op_type == "LayerNormalization" and "residual" not in node.attrs and _fuse_residual(g, node):
             return True
         if node.op_type == "Cast" and _drop_same_type_cast(g, node):
+            return True
+        if node.op_type == "Attention" and node.domain == "" and "packed_qkv" not in node.attrs and _pack_qkv(g, node):
             return True
         if node.op_type in _WIDE_IN_HALF and _drop_precision_casts(g, node):
             return True
@@ -597,4 +605,42 @@ def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict
                 model.tensors.pop(out, None)
     # in the merge's place: every input of the attention is computed before it
     model.nodes[:] = [fused if n is merge else n for n in model.nodes if n is merge or id(n) not in gone]
+    return True
+
+
+def _pack_qkv(g: _Graph, attention: Node) -> bool:
+    """float16 ``Attention(x @ Wq + bq, x @ Wk + bk, x @ Wv + bv)`` reading one product of x."""
+    model = g.model
+    names = attention.inputs[:3]
+    if len(names) < 3 or len(set(names)) != 3 or not all(g.private(n, attention) for n in names):
+        return False
+    products = [g.made_by(n, "MatMul") for n in names]
+    if any(p is None or "activation" in p.attrs or len(p.inputs) not in (2, 3) for p in products):
+        return False
+    x = products[0].inputs[0]
+    info = model.tensors.get(x)
+    if info is None or info.dtype != _F16 or len(info.shape) != 3 or any(p.inputs[0] != x for p in products):
+        return False
+    weights = [g.constant(p.inputs[1]) for p in products]
+    if any(w is None or w.dtype != _F16 or w.ndim != 2 for w in weights):
+        return False
+    biases = [g.constant(p.inputs[2]) if len(p.inputs) == 3 else np.zeros(w.shape[1], _F16)
+              for p, w in zip(products, weights)]
+    if any(b is None or b.dtype != _F16 or b.shape != (w.shape[1],) for b, w in zip(biases, weights)):
+        return False
+    sizes = [w.shape[1] for w in weights]
+    base = attention.name or attention.outputs[0]
+    w_name, b_name, qkv = (model.fresh_name(f"{base}_{what}") for what in ("qkv_weight", "qkv_bias", "qkv"))
+    model.constants[w_name] = np.ascontiguousarray(np.concatenate(weights, axis=1))
+    model.constants[b_name] = np.concatenate(biases)
+    model.tensors[w_name] = TensorInfo(model.constants[w_name].shape, _F16)
+    model.tensors[b_name] = TensorInfo((sum(sizes),), _F16)
+    model.tensors[qkv] = TensorInfo((*info.shape[:2], sum(sizes)), _F16)
+    product = type(attention)(f"{base}_qkv", "MatMul", "", [x, w_name, b_name], [qkv], {})
+    for p in products:
+        model.tensors.pop(p.outputs[0], None)
+        model.nodes.remove(p)
+    model.nodes.insert(model.nodes.index(attention), product)
+    attention.inputs = [qkv, "", "", *attention.inputs[3:]]
+    attention.attrs["packed_qkv"] = sizes
     return True

@@ -9,6 +9,11 @@ sliding windows, and every ``qk_matmul_output_mode``. Scores and softmax are flo
 inputs). float16 Q/K/V (and a float16 mask) have the same kernels, read widened, computed in float32
 and Y rounded once; without a KV cache, present outputs or the ``qk_matmul_output`` stage.
 
+``packed_qkv`` (vkpool's own attribute, set by ``vkpool.fusion`` on float16 graphs, never in a
+file): Q, K and V are side by side in input 0, one [B, S, Eq + Ek + Ev] tensor (one product of
+the three projections), their sizes the attribute's three values; inputs 1 and 2 are absent.
+The kernels read each from its columns (``QKV_ROW``: the packed row's length).
+
 Three kernels: ``attention_tiled.comp`` (16 query rows per workgroup, keys and values through
 shared memory in tiles with an online softmax) wherever the ``qk_matmul_output`` stage is not
 asked for and a tile fits the device's shared memory; on a CPU-like device
@@ -37,6 +42,9 @@ class Attention(Op):
     op_type = "Attention"
 
     def check(self) -> None:
+        self.packed: tuple[int, int, int] | None = None
+        if self.attr("packed_qkv") is not None:
+            self._unpack()
         q, k, v = self.input(0), self.input(1), self.input(2)
         for t in (q, k, v):
             if t.dtype not in (_F32, _F16) or t.dtype != q.dtype:
@@ -101,6 +109,18 @@ class Attention(Op):
             raise OpError(f"Attention: qk_matmul_output_mode {self.qk_mode}")
         self.wl = int(self.attr("left_window_size", -1))
         self.wr = int(self.attr("right_window_size", -1))
+
+    def _unpack(self) -> None:
+        """Q, K and V's infos from the packed input 0 (``packed_qkv``)."""
+        sizes = tuple(int(n) for n in self.attr("packed_qkv"))
+        qkv = self.input(0)
+        if len(sizes) != 3 or min(sizes) < 1 or len(qkv.shape) != 3 or sum(sizes) != qkv.shape[2] \
+                or self.has_input(1) or self.has_input(2):
+            raise OpError(f"Attention: packed_qkv {sizes} does not split a [B, S, {sum(sizes)}] input 0 "
+                          f"(got {qkv.shape}, with inputs 1 and 2 absent)")
+        self.packed = sizes  # type: ignore[assignment]
+        b, s, _ = qkv.shape
+        self.inputs[0:3] = [TensorInfo((b, s, n), qkv.dtype) for n in sizes]
 
     # -- shapes and costs ---------------------------------------------------------------------
     def output_infos(self) -> list[TensorInfo]:
@@ -180,6 +200,10 @@ class Attention(Op):
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         # float16 as the kernels compute it: widened, float32 throughout, Y rounded once
         wide = [x.astype(np.float32) if x is not None and x.dtype == _F16 else x for x in inputs]
+        if self.packed is not None:
+            eq, ek, _ = self.packed
+            qkv = wide[0]
+            wide[0:3] = [qkv[..., :eq], qkv[..., eq:eq + ek], qkv[..., eq + ek:]]
         get: Any = lambda k: wide[k] if k < len(wide) else None  # noqa: E731
         q, k, v = get(0), get(1), get(2)
         b, hq, hkv, s = self.b, self.hq, self.hkv, self.s
@@ -218,6 +242,12 @@ class Attention(Op):
         out: list[Dispatch] = []
         want = [k < len(ctx.outputs) and ctx.outputs[k] is not None for k in range(4)]
         k_src, v_src, kv3d = ctx.inputs[1], ctx.inputs[2], self.is3d
+        q = Ptr(ctx.inputs[0])
+        k_ptr, v_ptr = (Ptr(k_src) if k_src is not None else None), (Ptr(v_src) if v_src is not None else None)
+        if self.packed is not None:
+            size = self.input(0).dtype.itemsize
+            k_ptr = Ptr(ctx.inputs[0], self.packed[0] * size)
+            v_ptr = Ptr(ctx.inputs[0], (self.packed[0] + self.packed[1]) * size)
         for pos, dim in ((1, self.d), (2, self.dv)):
             present = ctx.outputs[pos] if want[pos] else None
             if present is None and self.has_past:
@@ -232,9 +262,9 @@ class Attention(Op):
                                 groups_1d(n, 64, ctx.caps), defines))
             if self.has_past:
                 if pos == 1:
-                    k_src = present
+                    k_ptr = Ptr(present)
                 else:
-                    v_src = present
+                    v_ptr = Ptr(present)
                 kv3d = False
         if self.b * self.hq * self.s == 0:
             return out
@@ -255,13 +285,14 @@ class Attention(Op):
         if self.half:  # float32 keeps its defines (and its cached pipelines) as they were
             defines["HALF"] = 1
             defines["MASK_HALF"] = int(has_mask and self.input(3).dtype == _F16)
+        if self.packed is not None:
+            defines["QKV_ROW"] = sum(self.packed)
         # each of 64 lanes: its keys' scores (D each), two softmax passes, then a column of the output
         # over every key
-        q = Ptr(ctx.inputs[0])
         rows = None if want[3] else self._rows_defines(ctx.caps)
         tiled = None if want[3] or rows is not None else self._tile_keys(ctx.caps)
         if rows is not None or tiled is not None:
-            args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
+            args = [q, k_ptr, v_ptr, Ptr(ctx.inputs[3]) if has_mask else q,
                     Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
             shader, extra = ("attention_rows", rows) if rows is not None else \
                 ("attention_tiled", {"KB": tiled})
@@ -272,7 +303,7 @@ class Attention(Op):
         lanes = -(-self.t // 64)
         check_serial(lanes * (self.d + 3) + -(-self.dv // 64) * (self.t + 1), ctx.caps,
                      f"Attention over {self.t} keys")
-        args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
+        args = [q, k_ptr, v_ptr, Ptr(ctx.inputs[3]) if has_mask else q,
                 Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.workspace), Ptr(ctx.outputs[0]),
                 Ptr(ctx.outputs[3]) if want[3] else q, F32(self.scale), F32(self.softcap)]
         out.append(Dispatch("attention", args, groups_1d(self.b * self.hq * self.s, 1, ctx.caps), defines))
