@@ -73,15 +73,21 @@ void main() {
             Vs[jj][d] = j0 + jj < T ? float(pc.v.v[kv_index(b, hk, j0 + jj, d, DV)]) : 0.0;
         }
         barrier();
+        // the SC dot products of this lane together: each Q element read once from shared
+        // memory for all of them (each dot still sums over d in order)
+        float dots[SC];
+        for (uint u = 0; u < SC; ++u) dots[u] = 0.0;
+        for (uint d = 0; d < D; ++d) {
+            const float qd = Qs[r][d];
+            for (uint u = 0; u < SC; ++u) dots[u] = fma(qd, Ks[c + 16 * u][d], dots[u]);
+        }
         float s[SC];
         float tmax = NEG_INF;
         for (uint u = 0; u < SC; ++u) {
             uint jj = c + 16 * u, j = j0 + jj;
             float t = NEG_INF;
             if (j < T && i < S) {
-                float dot = 0.0;
-                for (uint d = 0; d < D; ++d) dot = fma(Qs[r][d], Ks[jj][d], dot);
-                float x = dot * pc.scale;
+                float x = dots[u] * pc.scale;
 #if SOFTCAP
                 x = pc.softcap * tanh(x / pc.softcap);
 #endif
@@ -110,12 +116,14 @@ void main() {
         float corr = m == NEG_INF ? 0.0 : exp(m - base);
         l = l * corr + psum;
         m = mnew;
-        for (uint u = 0; u < OC; ++u) {
-            uint d = c + 16 * u;
-            if (d >= DV) break;
-            float a = acc[u] * corr;
-            for (uint jj = 0; jj < KB; ++jj) a = fma(Ps[r][jj], Vs[jj][d], a);
-            acc[u] = a;
+        // each probability read once for the lane's OC columns (each column sums over keys in order)
+        for (uint u = 0; u < OC; ++u) acc[u] *= corr;
+        for (uint jj = 0; jj < KB; ++jj) {
+            const float p = Ps[r][jj];
+            for (uint u = 0; u < OC; ++u) {
+                const uint d = c + 16 * u;
+                if (d < DV) acc[u] = fma(p, Vs[jj][d], acc[u]);
+            }
         }
     }
     if (i >= S) return;
