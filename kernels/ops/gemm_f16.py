@@ -24,7 +24,7 @@ of workgroups, with a long enough K (a transformer's products at batch 1: 128 ro
 reduction over ``splits`` workgroups per tile, each writing its float32 partial sums to the
 workspace; ``gemm_reduce.comp`` adds them, the bias and the activation, and rounds once. The
 split is chosen from the problem alone (``HalfMatmulPlan.splits``) so that the workspace is known
-before the device is; it runs with the smallest tile of ``COOP_TILES``.
+before the device is; it runs with ``SPLIT_TILE``.
 """
 from __future__ import annotations
 
@@ -39,8 +39,11 @@ _MAX_GROUPS = 65535
 #: below this many workgroups of the preferred tile, a smaller tile is taken (more workgroups)
 _TARGET_GROUPS = 512
 #: split-K: the workgroups a split product aims at, and the least K per split (a multiple of every
-#: tile's BK)
-_SPLIT_TARGET_GROUPS = 512
+#: tile's BK). NOTE: H200, driver 580, BERT-base in float16 (bench.fp16_policies,
+#: docs/gpu/h200-fp16-policies-8acf115.txt): 1.03 ms with 64 x 64 x 64 tiles aiming at 256
+#: workgroups, 1.10 with 64 x 64 x 32 at 512, 1.30 splitting only K >= 512, 1.5-2.1 unsplit:
+#: at 128 rows a workgroup's run of K slices, each waiting for memory, is the time
+_SPLIT_TARGET_GROUPS = 256
 _SPLIT_MIN_K = 256
 _HALF = 2  # bytes
 
@@ -100,6 +103,9 @@ COOP_TILES = (
     CoopTile(128, 128, 32, 2, 2, PREFETCH=2),
     CoopTile(64, 64, 32, 2, 2),
 )
+#: the tile of split products: 64-deep slices, half as many per split as COOP_TILES[-1]'s
+#: (unsplit, GPT-2's 128 x 50257 x 768 logits run faster in 64 x 64 x 32: 184 against 279 µs)
+SPLIT_TILE = CoopTile(64, 64, 64, 2, 2)
 
 
 def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
@@ -133,15 +139,21 @@ class HalfMatmulPlan:
         ``_SPLIT_MIN_K`` deep."""
         if p.batch:
             return 1
-        small = COOP_TILES[-1]
-        tiles = ceil_div(p.M, small.BM) * ceil_div(p.N, small.BN)
-        splits = min(ceil_div(_SPLIT_TARGET_GROUPS, tiles), p.K // _SPLIT_MIN_K)
-        return max(1, min(splits, _MAX_GROUPS))
+        tiles = ceil_div(p.M, SPLIT_TILE.BM) * ceil_div(p.N, SPLIT_TILE.BN)
+        splits = min(ceil_div(_SPLIT_TARGET_GROUPS, tiles), p.K // _SPLIT_MIN_K, _MAX_GROUPS)
+        if splits <= 1:
+            return 1
+        return ceil_div(p.K, HalfMatmulPlan.chunk(p.K, splits))  # no split left without K
+
+    @staticmethod
+    def chunk(k: int, splits: int) -> int:
+        """K per split, rounded up to a multiple of 64 (every tile's BK divides it)."""
+        return ceil_div(ceil_div(k, splits), 64) * 64
 
     def kchunk(self, splits: int) -> int:
-        """K per split, rounded up to a multiple of 64 (every tile's BK divides it); the last
-        splits may be left with nothing to add (they write zeros)."""
-        return ceil_div(ceil_div(self.p.K, splits), 64) * 64
+        """K per split of this product (a forced split may leave its last splits nothing to add:
+        they write zeros)."""
+        return self.chunk(self.p.K, splits)
 
     def workspace_bytes(self) -> int:
         return 4 * self.splits * self.p.M * self.p.N if self.splits > 1 else 0
@@ -187,7 +199,7 @@ class HalfMatmulPlan:
         if shape is not None:
             split = self.splits if splits is None else splits
             if split > 1 and tile is None:
-                tile = next((t for t in reversed(COOP_TILES) if t.fits(caps, shape)), None)
+                tile = next((t for t in (SPLIT_TILE, *reversed(COOP_TILES)) if t.fits(caps, shape)), None)
             tile = tile or self.choose_tile(caps)
             if not tile.fits(caps, shape):
                 raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
@@ -240,4 +252,4 @@ class HalfMatmulPlan:
         return 2 * self.p.M * self.p.N * self.p.K * self.p.batch_count
 
 
-__all__ = ["COOP_TILES", "CoopTile", "HalfMatmulPlan", "coop_shape"]
+__all__ = ["COOP_TILES", "SPLIT_TILE", "CoopTile", "HalfMatmulPlan", "coop_shape"]
