@@ -8,9 +8,10 @@ widens its float16 inputs, computes in float32 and rounds its output once: one k
 within 2^-10 of the exact values (half a float16 ulp of the largest output, 2^-11, plus the
 float32 rounding of its sums). A graph of several ops rounds between them, in vkpool as in
 onnxruntime, which rounds after every op of the unfused graph; vkpool's error from the exact
-values must be at most twice onnxruntime's plus 2^-11 (fusion rounds less often, so it is
-usually below), and every element within 2^-8 |ort| + 2^-9 max|ort| of onnxruntime's. A wrong
-mask, bias or activation is off by far more (10^-2 to 1).
+values must be at most twice onnxruntime's plus 2^-9 (four float16 roundings of the largest
+output: a rounding of an input to a softmax or a norm moves its output by a few), and every
+element within 2^-8 |ort| + 2^-9 max|ort| of onnxruntime's. A wrong mask, bias or activation is
+off by far more (10^-2 to 1).
 
 lavapipe has no cooperative matrices: the tests here run the scalar float16 GEMM there; the
 cooperative-matrix kernel's fused epilogue has its own test, which runs on a GPU whose driver
@@ -103,7 +104,7 @@ def check_half(pool, model: bytes, feeds: dict[str, np.ndarray], member=None) ->
     session = vkpool.Session(model, pool=pool, device=(member or pool.vulkan_members[0]).id)
     for got, ref, want in zip(session.run(None, feeds), unfused, exact(model, feeds)):
         assert got.dtype == F16 and ref.dtype == F16
-        assert rel_err(got, want) <= 2 * rel_err(ref, want) + 2.0 ** -11, \
+        assert rel_err(got, want) <= 2 * rel_err(ref, want) + 2.0 ** -9, \
             f"vkpool {rel_err(got, want):.2e} from the exact values, onnxruntime {rel_err(ref, want):.2e}"
         assert_fp16_close(got, ref, 2.0 ** -8, 2.0 ** -9, "vkpool against onnxruntime")
     return session
@@ -312,6 +313,40 @@ def test_float16_norms_on_both_kernels(limits, kernel, op, shape, axis):
         p.close()
     assert got[0].dtype == F16
     assert rel_err(got[0], _norm64(x, scale, bias, axis, op == "RMSNormalization")) <= 2.0 ** -10, kernel
+
+
+@pytest.mark.parametrize("subgroups", [True, False], ids=["subgroup-sums", "shared-memory-sums"])
+def test_norm_rows_sums_with_and_without_subgroup_arithmetic(pool, subgroups):
+    """norm_rows.comp's two ways of summing a row (the device's subgroup arithmetic decides), run
+    alone with a residual and the sum written out."""
+    import dataclasses
+
+    from vkpool.kernels.base import pack_push_constants
+
+    member = pool.vulkan_members[0]
+    device = member.device
+    rows, n = 6, 777
+    x, res = ((RNG.standard_normal((rows, n)) * 2).astype(F16) for _ in range(2))
+    scale, bias = (1 + RNG.standard_normal(n) * 0.1).astype(F16), (RNG.standard_normal(n) * 0.1).astype(F16)
+    infos = [TensorInfo(x.shape, F16), TensorInfo(scale.shape, F16), TensorInfo(bias.shape, F16),
+             TensorInfo(x.shape, F16)]
+    node = create_op("LayerNormalization", {"residual": 1}, infos, opset=17, num_outputs=4)
+    bufs = [member.alloc(a.nbytes) for a in (x, scale, bias, res, x, x)]
+    caps = dataclasses.replace(device.caps, subgroup_arithmetic=subgroups)
+    try:
+        for buf, a in zip(bufs, (x, scale, bias, res)):
+            member.upload(buf, a)
+        (d,) = node.dispatches(DispatchContext(bufs[:4], [bufs[4], None, None, bufs[5]], None, caps, {}))
+        assert d.shader == "norm_rows" and d.defines["SUBGROUP_REDUCE"] == int(subgroups)
+        device.run_once([("dispatch", device.pipeline(d.shader, d.defines),
+                          pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)])
+        y, total = (member.download(buf, x.shape, F16) for buf in bufs[4:])
+    finally:
+        for buf in bufs:
+            buf.free()
+    wide = x.astype(np.float64) + res
+    np.testing.assert_array_equal(total, wide.astype(F16))
+    assert rel_err(y, _norm64(wide, scale, bias, -1, False)) <= 2.0 ** -10
 
 
 def _cast(x: str, y: str, to: int) -> onnx.NodeProto:

@@ -146,7 +146,9 @@ class RowNorm(Op):
                     and (ctx.caps is None or ctx.caps.max_workgroup_invocations >= 256):
                 del defines["ROW_THREADS"], defines["TAIL"], defines["P"], defines["HALF"]
                 args = [*args[:6], U32(nrows), F32(self.eps), U32(self.smod), U32(self.bmod), *args[-2:]]
-                return [Dispatch("norm_rows", args, groups_1d(nrows, 1, ctx.caps), {**defines, "NRED": nred})]
+                subgroups = ctx.caps is not None and ctx.caps.subgroup_arithmetic
+                defines.update({"NRED": nred, "SUBGROUP_REDUCE": int(subgroups)})
+                return [Dispatch("norm_rows", args, groups_1d(nrows, 1, ctx.caps), defines)]
         return [Dispatch("norm", args, groups, defines)]
 
 

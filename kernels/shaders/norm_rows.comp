@@ -5,11 +5,16 @@
 // the statistics summed across the workgroup in shared memory, float32 throughout, y rounded
 // once. norm.comp reads a row three times, one element after another, which on a GPU waits for
 // memory at every element. Push constants as norm.comp's (x viewed as rows, no shape or mask);
-// RESIDUAL / SUM_OUT, HAS_SCALE / HAS_BIAS / HAS_STATS as there.
+// RESIDUAL / SUM_OUT, HAS_SCALE / HAS_BIAS / HAS_STATS as there. SUBGROUP_REDUCE: the sums
+// through subgroupAdd and one shared value per subgroup (two barriers a sum, not nine).
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 #include "elem_types.glsl"
+#if SUBGROUP_REDUCE
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 #define NT 256
 #define PER ((NRED + NT - 1) / NT)
 layout(local_size_x = NT) in;
@@ -31,6 +36,17 @@ layout(push_constant) uniform Args {
 
 shared float partial[NT];
 
+#if SUBGROUP_REDUCE
+float group_sum(float v, uint lane) {
+    const float mine = subgroupAdd(v);
+    if (subgroupElect()) partial[gl_SubgroupID] = mine;
+    barrier();
+    float total = 0.0;
+    for (uint k = 0; k < gl_NumSubgroups; ++k) total += partial[k];
+    barrier();  // partial is free for the next sum
+    return total;
+}
+#else
 float group_sum(float v, uint lane) {
     partial[lane] = v;
     barrier();
@@ -42,6 +58,7 @@ float group_sum(float v, uint lane) {
     barrier();  // partial is free for the next sum
     return total;
 }
+#endif
 
 void main() {
     const uint row = flat_group();
