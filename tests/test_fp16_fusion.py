@@ -442,7 +442,7 @@ def test_a_short_wide_product_splits_its_reduction_on_a_cooperative_matrix_devic
     assert gemm.shader == "gemm_coopmat" and gemm.defines["SPLITK"] == 1 and gemm.defines["KCHUNK"] == 320
     assert (gemm.defines["BM"], gemm.defines["BN"], gemm.defines["BK"]) == (SPLIT_TILE.BM, SPLIT_TILE.BN, 64)
     assert "HAS_BIAS" not in gemm.defines and gemm.groups == (12, 2, 10) and gemm.args[2].tensor == "ws"
-    assert reduce.shader == "gemm_reduce" and reduce.defines == {"HAS_BIAS": 1, "ACT": 2, "HALF": 1}
+    assert reduce.shader == "gemm_reduce" and reduce.defines == {"HAS_BIAS": 1, "ACT": 2, "HALF": 1, "NSPLITS": 10}
     # a device without cooperative matrices runs the scalar kernel, unsplit
     (scalar,) = plan.dispatches("a", "b", "y", DeviceCaps(), c="bias", ws="ws")
     assert scalar.shader == "gemm_f16" and scalar.defines["HAS_BIAS"] == 1

@@ -180,7 +180,8 @@ class HalfMatmulPlan:
             "gemm_reduce",
             [Ptr(ws), Ptr(c) if p.has_bias else Ptr(y), Ptr(y), U32(total), U32(splits), U32(p.N), U32(1), U32(0),
              U32(1), F32(1.0), F32(1.0)],
-            groups_1d(total, 256, caps), {"HAS_BIAS": int(p.has_bias), "ACT": p.act, "HALF": 1},
+            groups_1d(total, 256, caps),
+            {"HAS_BIAS": int(p.has_bias), "ACT": p.act, "HALF": 1, "NSPLITS": splits},
         )
 
     def dispatches(
