@@ -2,10 +2,11 @@
 under other product policies than the planner's, on the GPU, in one process.
 
 A policy sets what ``kernels/ops/gemm_f16.py`` decides from constants: the smallest
-cooperative-matrix tile (the one taken when larger tiles leave the device short of workgroups,
-and the one split products run), the workgroups split-K aims at and the least K per split
-(``split=off``: never split). ``SPEC`` is comma-separated ``tile=CoopTile name``, ``target=N``,
-``min_k=N``, ``split=off``; an empty SPEC is the planner's own. Each model is loaded once per
+cooperative-matrix tile (the one taken when larger tiles leave the device short of workgroups),
+the tile split products run, the workgroups split-K aims at and the least K per split
+(``split=off``: never split). ``SPEC`` is comma-separated ``tile=CoopTile name``,
+``split_tile=CoopTile name``, ``target=N``, ``min_k=N``, ``split=off``; an empty SPEC is the
+planner's own. Each model is loaded once per
 policy, checked against the first policy's output (max|y - y0| / max|y0|, float16 rounding
 differs between tile shapes), and timed (median of ``--runs`` after 20 warm-up runs), with its
 dispatch count. The constants are set in this process only; nothing of vkpool is changed.
@@ -21,13 +22,9 @@ import numpy as np
 
 DEFAULT_POLICIES = (
     "planner=",
-    "bk64=tile=64x64x64_w2x2_p1_z8",
-    "narrow=tile=32x64x64_w1x2_p2_z8",
-    "narrow-nosplit=tile=32x64x64_w1x2_p2_z8,split=off",
-    "bk64-nosplit=tile=64x64x64_w2x2_p1_z8,split=off",
-    "nosplit=split=off",
-    "bk64-k512=tile=64x64x64_w2x2_p1_z8,min_k=512",
-    "bk64-t256=tile=64x64x64_w2x2_p1_z8,target=256",
+    "t512=target=512",
+    "narrow-split=split_tile=32x64x64_w1x2_p2_z8",
+    "k512=min_k=512",
 )
 
 
@@ -35,11 +32,13 @@ def apply(spec: str) -> dict[str, Any]:
     """Sets gemm_f16's constants for ``spec``; returns the previous values."""
     from vkpool.kernels.ops import gemm_f16
 
-    saved = {k: getattr(gemm_f16, k) for k in ("COOP_TILES", "_SPLIT_TARGET_GROUPS", "_SPLIT_MIN_K")}
+    saved = {k: getattr(gemm_f16, k) for k in ("COOP_TILES", "SPLIT_TILE", "_SPLIT_TARGET_GROUPS", "_SPLIT_MIN_K")}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "tile":
             gemm_f16.COOP_TILES = (*saved["COOP_TILES"][:-1], gemm_f16.CoopTile.parse(value))
+        elif key == "split_tile":
+            gemm_f16.SPLIT_TILE = gemm_f16.CoopTile.parse(value)
         elif key == "target":
             gemm_f16._SPLIT_TARGET_GROUPS = int(value)
         elif key == "min_k":

@@ -6,21 +6,23 @@
 #                       batch 1, 128 tokens; errors against torch's float16 output and the float32 reference
 #   gpu-profile.txt     GPU timestamps per dispatch of each float16 model (bench.gpu_profile)
 #   policies.txt        bench.fp16_policies: both models under other product tiles and K splits
+#   real-models-fp32.txt/.json  the float32 models (vkpool and torch's CUDA graph): the float32 path's guard
 #   tests.txt           tests/test_fp16_*.py on the GPU (the cooperative-matrix paths run here)
 #   gemm-skinny.txt/.json  bench.gemm_fp16 on the products of those models (128 rows), tiles x K splits
-# Each step after the first is skipped once the call has run for BUDGET seconds (default 420), so
+# Each step after the first is skipped once the call has run for BUDGET seconds (default 360), so
 # that the whole stays under 8 minutes.
-# Carry .gl, .whl, .glsl (see bench/gpu_run.sh). Usage: [SKIP="tests gemm policies profile"] bash bench/gpu_fp16.sh
+# Carry .gl, .whl, .glsl (see bench/gpu_run.sh). Usage: bash bench/gpu_fp16.sh [STEP ...]: the steps
+# named are skipped (profile policies fp32 tests gemm; or SKIP="...")
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-420}
+BUDGET=${BUDGET:-360}
 bash bench/gpu_run.sh fp16 "" --devices-only > "$OUT/setup.txt" 2>&1 || { cat "$OUT/setup.txt"; exit 1; }
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 export VK_DRIVER_FILES=$icd VKPOOL_CACHE_DIR=/tmp/vkcache PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:/tmp/vkpool-src:/tmp/benchpkg
 rm -rf /tmp/benchpkg && mkdir -p /tmp/benchpkg && cp -r bench tests /tmp/benchpkg/
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
-SKIP=${SKIP:-}
+SKIP=${SKIP:-$*}
 step() {  # step NAME: whether NAME runs (not skipped, time left)
   [[ " $SKIP " != *" $1 "* ]] && (( SECONDS < BUDGET )) || { echo "== $1 skipped (SKIP or ${SECONDS} s of $BUDGET used)"; return 1; }
 }
@@ -36,6 +38,11 @@ fi
 if step policies; then
   timeout $(( BUDGET + 60 - SECONDS )) python3 -m bench.fp16_policies /tmp/models/bert-fp16.onnx \
     /tmp/models/gpt2-fp16.onnx --device vk0 --runs 50 2>&1 | tee "$OUT/policies.txt"
+fi
+if step fp32; then
+  timeout 200 python3 -m bench.real_models --models bert gpt2 --runtimes vkpool torch_cudagraph \
+    --models-dir /tmp/models --device vk0 --runs 100 --out "$OUT/real-models-fp32.json" 2>&1 \
+    | tee "$OUT/real-models-fp32.txt"
 fi
 if step tests; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short /tmp/benchpkg/tests/test_fp16_*.py \
