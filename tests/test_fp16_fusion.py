@@ -20,6 +20,8 @@ the extension by telling the planner what a GPU's device reports.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -33,7 +35,7 @@ from test_fusion_transformer import (
 )
 from vkpool.kernels.base import DeviceCaps, DispatchContext, TensorInfo
 from vkpool.kernels.ops.gemm import MatmulProblem, apply_activation
-from vkpool.kernels.ops.gemm_f16 import COOP_TILES, SPLIT_TILE, HalfMatmulPlan
+from vkpool.kernels.ops.gemm_f16 import COOP_TILES, SPLIT_TILE, HalfMatmulPlan, coop_shape
 from vkpool.kernels.registry import create_op
 from vkpool.model import load_model
 
@@ -128,7 +130,9 @@ def test_a_float16_linear_with_spelled_out_gelu_is_one_product(pool, chain, acti
     model = half_model(_linear(chain, extra_inits=SCALARS))
     assert fused_ops(model) == [("MatMul", activation)]
     with check_half(pool, model, {"x": RNG.standard_normal((2, 5, 10)) * 3}) as session:
-        assert session._chunk.dispatch_labels[-1].endswith("[gemm_f16]")
+        # the cooperative-matrix kernel where the device has one (a GPU), the scalar one elsewhere
+        kernel = "gemm_coopmat" if coop_shape(session._chunk.device.caps) else "gemm_f16"
+        assert session._chunk.dispatch_labels[-1].endswith(f"[{kernel}]")
 
 
 def test_a_float16_gemm_with_bias_and_gelu(pool):
@@ -319,8 +323,6 @@ def test_float16_norms_on_both_kernels(limits, kernel, op, shape, axis):
 def test_norm_rows_sums_with_and_without_subgroup_arithmetic(pool, subgroups):
     """norm_rows.comp's two ways of summing a row (the device's subgroup arithmetic decides), run
     alone with a residual and the sum written out."""
-    import dataclasses
-
     from vkpool.kernels.base import pack_push_constants
 
     member = pool.vulkan_members[0]
@@ -436,13 +438,17 @@ def test_a_short_wide_product_splits_its_reduction_on_a_cooperative_matrix_devic
     # H200's 132 multiprocessors idle
     p = MatmulProblem(M=128, N=768, K=3072, sAm=3072, sAk=1, sBk=768, sBn=1, has_bias=True, sCn=1, act=2)
     plan = HalfMatmulPlan(p)
-    # 24 tiles, 256 workgroups wanted: 11 splits of K, 10 once each is a whole number of 64-deep slices
-    assert plan.splits == 10 and plan.workspace_bytes() == 4 * 10 * 128 * 768
+    # 48 tiles of 32 x 64, 256 workgroups wanted: 6 splits of K (512 each, eight 64-deep slices)
+    assert (SPLIT_TILE.BM, SPLIT_TILE.BN, SPLIT_TILE.BK) == (32, 64, 64)
+    assert plan.splits == 6 and plan.workspace_bytes() == 4 * 6 * 128 * 768
     gemm, reduce = plan.dispatches("a", "b", "y", GPU_CAPS, c="bias", ws="ws")
-    assert gemm.shader == "gemm_coopmat" and gemm.defines["SPLITK"] == 1 and gemm.defines["KCHUNK"] == 320
-    assert (gemm.defines["BM"], gemm.defines["BN"], gemm.defines["BK"]) == (SPLIT_TILE.BM, SPLIT_TILE.BN, 64)
-    assert "HAS_BIAS" not in gemm.defines and gemm.groups == (12, 2, 10) and gemm.args[2].tensor == "ws"
-    assert reduce.shader == "gemm_reduce" and reduce.defines == {"HAS_BIAS": 1, "ACT": 2, "HALF": 1, "NSPLITS": 10}
+    assert gemm.shader == "gemm_coopmat" and gemm.defines["SPLITK"] == 1 and gemm.defines["KCHUNK"] == 512
+    assert (gemm.defines["BM"], gemm.defines["BN"], gemm.defines["BK"]) == (32, 64, 64)
+    assert "HAS_BIAS" not in gemm.defines and gemm.groups == (12, 4, 6) and gemm.args[2].tensor == "ws"
+    assert reduce.shader == "gemm_reduce" and reduce.defines == {"HAS_BIAS": 1, "ACT": 2, "HALF": 1, "NSPLITS": 6}
+    # a device whose shared memory holds no cooperative-matrix tile runs the scalar kernel, unsplit
+    (small,) = plan.dispatches("a", "b", "y", dataclasses.replace(GPU_CAPS, shared_memory_bytes=2048), c="bias", ws="ws")
+    assert small.shader == "gemm_f16"
     # a device without cooperative matrices runs the scalar kernel, unsplit
     (scalar,) = plan.dispatches("a", "b", "y", DeviceCaps(), c="bias", ws="ws")
     assert scalar.shader == "gemm_f16" and scalar.defines["HAS_BIAS"] == 1

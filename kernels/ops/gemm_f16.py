@@ -40,7 +40,7 @@ _MAX_GROUPS = 65535
 _TARGET_GROUPS = 512
 #: split-K: the workgroups a split product aims at, and the least K per split (a multiple of every
 #: tile's BK). NOTE: H200, driver 580, BERT-base in float16 (bench.fp16_policies,
-#: docs/gpu/h200-fp16-policies-8acf115.txt): 1.03 ms with 64 x 64 x 64 tiles aiming at 256
+#: docs/gpu/h200-fp16-8acf115.txt): 1.03 ms with 64 x 64 x 64 tiles aiming at 256
 #: workgroups, 1.10 with 64 x 64 x 32 at 512, 1.30 splitting only K >= 512, 1.5-2.1 unsplit:
 #: at 128 rows a workgroup's run of K slices, each waiting for memory, is the time
 _SPLIT_TARGET_GROUPS = 256
@@ -103,9 +103,12 @@ COOP_TILES = (
     CoopTile(128, 128, 32, 2, 2, PREFETCH=2),
     CoopTile(64, 64, 32, 2, 2),
 )
-#: the tile of split products: 64-deep slices, half as many per split as COOP_TILES[-1]'s
-#: (unsplit, GPT-2's 128 x 50257 x 768 logits run faster in 64 x 64 x 32: 184 against 279 µs)
-SPLIT_TILE = CoopTile(64, 64, 64, 2, 2)
+#: the tile of split products: 32 rows, 64-deep slices, two in flight. NOTE: H200, driver 580,
+#: whole float16 BERT-base in one run (bench.fp16_policies, docs/gpu/h200-fp16-fd87bbc.txt):
+#: 0.946 ms against 1.016 with 64 x 64 x 64 and 1.031 with 64 x 64 x 32 tiles (GPT-2 2.217
+#: against 2.308 and 2.220). Unsplit, GPT-2's 128 x 50257 x 768 logits run faster in
+#: COOP_TILES[-1]'s 64 x 64 x 32 (184 against 279 µs with 64-deep slices, 566 with this tile)
+SPLIT_TILE = CoopTile(32, 64, 64, 1, 2, PREFETCH=2)
 
 
 def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
@@ -196,6 +199,8 @@ class HalfMatmulPlan:
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
         shape = coop_shape(caps)
+        if shape is not None and tile is None and not any(t.fits(caps, shape) for t in COOP_TILES):
+            shape = None  # no tile fits the device's shared memory: the scalar kernel
         split = 1
         if shape is not None:
             split = self.splits if splits is None else splits
