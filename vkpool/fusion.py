@@ -46,8 +46,8 @@ and converters put around ops for precision:
   (``Softmax``, ``LogSoftmax``, ``LayerNormalization``, ``RMSNormalization``), with every input
   a ``Cast`` of a float16 tensor to float32 (or a float32 constant that float16 holds exactly)
   and its output read only by one ``Cast`` back to float16, becomes that op on the float16
-  tensors: the same numbers without the two passes over memory (a mixed-precision converter's
-  ``keep in float32`` list).
+  tensors: the same computation (float32 inside, one rounding to float16) without the two passes
+  over memory (a mixed-precision converter's ``keep in float32`` list).
 
 In float16 graphs, an ``Attention`` node whose Q, K and V are three products of one tensor by
 constant weights (with or without constant biases) reads them from one product instead, of the
