@@ -12,8 +12,8 @@ the latency. The rewrites, applied in node order until nothing changes:
   operand order), becomes ``MatMul(A, W, b)``: a bias input of vkpool's own that the product
   adds in its epilogue (a ``Linear`` layer as exporters spell it);
 - a ``Conv``, ``Gemm`` or such ``MatMul`` then an activation (directly, or through a ``Reshape``
-  of the product's rows) becomes the product with the attribute ``activation`` (vkpool's own, applied in the epilogue, ``kernels/shaders/
-  epilogue.glsl``): a ``Relu`` or ``Gelu`` node, or a chain of element-wise ops with scalar
+  of the product's rows) becomes the product with the attribute ``activation`` (vkpool's own,
+  applied in the epilogue, ``kernels/shaders/epilogue.glsl``): a ``Relu`` or ``Gelu`` node, or a chain of element-wise ops with scalar
   constants that computes GELU (exact or tanh approximation) however the exporter spelled it
   (``x * 0.5 * (1 + Erf(x / sqrt 2))``, ``0.5 * x * (1 + Tanh(c * (x + 0.044715 * x * x * x)))``,
   with Pow or Mul, constants on either side). Such a chain is recognised by evaluating it on the
@@ -146,7 +146,8 @@ def _fuse_once(model: LoadedModel) -> bool:
             return True
         if node.op_type == "Cast" and _drop_same_type_cast(g, node):
             return True
-        if node.op_type == "Attention" and node.domain == "" and "packed_qkv" not in node.attrs and _pack_qkv(g, node):
+        if node.op_type == "Attention" and node.domain == "" and "packed_qkv" not in node.attrs \
+                and _pack_qkv(g, node):
             return True
         if node.op_type in _WIDE_IN_HALF and _drop_precision_casts(g, node):
             return True

@@ -138,7 +138,7 @@ class HalfMatmulPlan:
     @staticmethod
     def split_k(p: MatmulProblem) -> int:
         """The K splits of ``p`` on a device with cooperative matrices (1: none): enough for
-        ``_SPLIT_TARGET_GROUPS`` workgroups of the smallest tile, each split at least
+        ``_SPLIT_TARGET_GROUPS`` workgroups of ``SPLIT_TILE``, each split at least
         ``_SPLIT_MIN_K`` deep."""
         if p.batch:
             return 1
