@@ -122,6 +122,8 @@ def test_float16_hugging_face_gpt2(pool) -> None:
     half, wide, feeds = _hf_pair("hf_gpt2")
     ops = _fused(half)
     # Conv1D's products are Gemms (bias inside); the Cast of the probabilities to their own type goes
-    # and the GELU after each Conv1D (through the Reshape back from rows) joins its product
+    # and the GELU after each Conv1D (through the Reshape back from rows) joins its product; the
+    # attention reads Q, K and V from the packed projection, not from a Split's copies
     assert ops["Attention"] == 2 and ops["Softmax"] == 0 and ops["Cast"] == 0 and ops["Tanh"] == 0, ops
+    assert ops["Split"] == 0, ops
     _check(pool, half, wide, feeds)

@@ -52,7 +52,8 @@ and converters put around ops for precision:
 In float16 graphs, an ``Attention`` node whose Q, K and V are three products of one tensor by
 constant weights (with or without constant biases) reads them from one product instead, of the
 three weight matrices side by side (vkpool's attribute ``packed_qkv``): one dispatch for three,
-and a wider product that fills the device better. Float32 graphs keep their three products (and
+and a wider product that fills the device better; one whose Q, K and V are a ``Split`` of such a
+product along its last axis (Hugging Face's GPT-2) reads the product itself, without the copies. Float32 graphs keep their three products (and
 the numbers their tile choices give).
 
 A rewrite applies only when every intermediate tensor it removes is read by nothing else and is
@@ -609,12 +610,48 @@ def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict
     return True
 
 
+def _split_qkv(g: _Graph, attention: Node) -> bool:
+    """float16 ``Attention(*Split(t, axis=-1))`` of a [B, S, Eq + Ek + Ev] tensor ``t`` (the packed
+    projection of Hugging Face's GPT-2) reading ``t`` itself."""
+    model = g.model
+    names = attention.inputs[:3]
+    split = g.made_by(names[0], "Split")
+    if split is None or split.outputs[:3] != names or len(split.outputs) != 3:
+        return False
+    t = split.inputs[0]
+    info = model.tensors.get(t)
+    if info is None or info.dtype != _F16 or len(info.shape) != 3 or int(split.attrs.get("axis", 0)) % 3 != 2:
+        return False
+    if not all(g.private(n, attention) for n in names):
+        return False
+    sizes_input = split.inputs[1] if len(split.inputs) > 1 and split.inputs[1] else None
+    if sizes_input is not None:
+        sizes = g.constant(sizes_input)
+        if sizes is None:
+            return False
+        sizes = [int(v) for v in sizes.reshape(-1)]
+    elif "split" in split.attrs:
+        sizes = [int(v) for v in split.attrs["split"]]
+    else:
+        sizes = [info.shape[2] // 3] * 3 if info.shape[2] % 3 == 0 else []
+    if len(sizes) != 3 or sum(sizes) != info.shape[2] or min(sizes) < 1:
+        return False
+    for name in names:
+        model.tensors.pop(name, None)
+    model.nodes.remove(split)
+    attention.inputs = [t, "", "", *attention.inputs[3:]]
+    attention.attrs["packed_qkv"] = sizes
+    return True
+
+
 def _pack_qkv(g: _Graph, attention: Node) -> bool:
     """float16 ``Attention(x @ Wq + bq, x @ Wk + bk, x @ Wv + bv)`` reading one product of x."""
     model = g.model
     names = attention.inputs[:3]
     if len(names) < 3 or len(set(names)) != 3 or not all(g.private(n, attention) for n in names):
         return False
+    if _split_qkv(g, attention):
+        return True
     products = [g.made_by(n, "MatMul") for n in names]
     if any(p is None or "activation" in p.attrs or len(p.inputs) not in (2, 3) for p in products):
         return False
