@@ -44,6 +44,10 @@ RNG = np.random.default_rng(1616)
 F16 = np.float16
 #: the files' IR version: one the onnxruntime releases of the last two years read (1.2x reads <= 10)
 IR_VERSION = 10
+#: the attention tests lower the loop limit below what the row-per-invocation kernel of CPU-like
+#: devices needs (it loops over every key) and above the tiled kernel's, to run the tiled kernel on
+#: lavapipe; then also the shared memory below any tile, to run the one-row-per-workgroup kernel
+NO_TILE = ",max_shared_memory_bytes=2048"
 
 
 def half_model(model: bytes) -> bytes:
@@ -174,7 +178,8 @@ def test_float16_attention_becomes_one_node(pool, b, s, t, h, d, mask, key, scal
     ops = [op for op, _ in fused_ops(model)]
     assert ops.count("Attention") == 1 and "Softmax" not in ops and "Transpose" not in ops, ops
     with check_half(pool, model, feeds) as session:
-        assert any(label.endswith("[attention_tiled]") for label in session._chunk.dispatch_labels)
+        kernel = _device_kernel(session._chunk.device.caps)
+        assert any(label.endswith(f"[{kernel}]") for label in session._chunk.dispatch_labels)
 
 
 def _self_attention(b: int, s: int, h: int, d: int, mask: str) -> tuple[bytes, dict[str, np.ndarray]]:
@@ -188,7 +193,9 @@ def _self_attention(b: int, s: int, h: int, d: int, mask: str) -> tuple[bytes, d
     return m.SerializeToString(), feeds
 
 
-@pytest.mark.parametrize("limits,kernel", [("", "attention_tiled"), ("max_shared_memory_bytes=2048", "attention")])
+@pytest.mark.parametrize("limits,kernel", [
+    ("", None), ("max_loop_iterations=300", "attention_tiled"), ("max_loop_iterations=300" + NO_TILE, "attention"),
+])
 @pytest.mark.parametrize("mask", ["add", "causal"])
 def test_float16_self_attention_reads_one_qkv_product(limits, kernel, mask):
     model, feeds = _self_attention(2, 19, 3, 8, mask)
@@ -201,7 +208,8 @@ def test_float16_self_attention_reads_one_qkv_product(limits, kernel, mask):
         p = vulkan_pool()
     try:
         with check_half(p, model, feeds) as session:
-            assert any(label.endswith(f"[{kernel}]") for label in session._chunk.dispatch_labels)
+            want = kernel or _device_kernel(session._chunk.device.caps)
+            assert any(label.endswith(f"[{want}]") for label in session._chunk.dispatch_labels)
     finally:
         p.close()
 
@@ -246,9 +254,15 @@ def attention64(q, k, v, mask, hq: int, hkv: int, scale: float) -> np.ndarray:
     return y.transpose(0, 2, 1, 3).reshape(b, s, e)
 
 
+def _device_kernel(caps: DeviceCaps) -> str:
+    """The attention kernel a device takes without lowered limits (lavapipe: its CPU-like one)."""
+    return "attention_rows" if caps.cpu_like else "attention_tiled"
+
+
 @pytest.mark.parametrize("limits,kernel", [
-    ("max_shared_memory_bytes=4096", "attention_tiled"),  # tiles of 16 keys
-    ("max_shared_memory_bytes=2048", "attention"),        # no tile fits: one query row per workgroup
+    ("", None),                                                     # the device's own choice
+    ("max_loop_iterations=600,max_shared_memory_bytes=4096", "attention_tiled"),  # tiles of 16 keys
+    ("max_loop_iterations=600" + NO_TILE, "attention"),                            # a row per workgroup
 ])
 def test_float16_attention_follows_the_device_limits(limits, kernel):
     from node_cases import run_node
@@ -263,8 +277,12 @@ def test_float16_attention_follows_the_device_limits(limits, kernel):
     try:
         got, _ = run_node(p, "Attention", [q, k, v, mask], attrs, opset=23,
                           expected=[np.zeros((b, s, hq * d), F16)])
+        caps = p.vulkan_members[0].device.caps
+        op = create_op("Attention", attrs, [TensorInfo(x.shape, F16) for x in (q, k, v, mask)], opset=23)
+        (d0,) = op.dispatches(DispatchContext(["q", "k", "v", "mask"], ["y"], "ws", caps, {}))
+        assert d0.shader == (kernel or _device_kernel(caps))
         assert got[0].dtype == F16
-        assert rel_err(got[0], attention64(q, k, v, mask, hq, hkv, 0.7)) <= 2.0 ** -10, kernel
+        assert rel_err(got[0], attention64(q, k, v, mask, hq, hkv, 0.7)) <= 2.0 ** -10, d0.shader
     finally:
         p.close()
 
