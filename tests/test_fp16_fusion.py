@@ -158,6 +158,19 @@ def test_a_gelu_after_a_reshape_of_the_products_rows_joins_the_product(pool):
     check_half(pool, model, {"x": RNG.standard_normal((2, 7, 24)) * 2}).close()
 
 
+def test_a_float16_gemm_the_kernels_cannot_run_is_refused_with_the_reason():
+    from vkpool.kernels.base import UnsupportedOp
+
+    a, b = TensorInfo((4, 6), F16), TensorInfo((6, 5), F16)
+    for attrs, c in (({"transA": 1}, None), ({"alpha": 2.0}, None), ({}, TensorInfo((4, 5), F16))):
+        infos = [TensorInfo((6, 4), F16) if attrs.get("transA") else a, b, *([c] if c else [])]
+        with pytest.raises(UnsupportedOp, match="float16"):
+            create_op("Gemm", attrs, infos, opset=13)
+    # transB on a B computed at run time: its transpose cannot be stored at load
+    with pytest.raises(UnsupportedOp, match="constant B"):
+        create_op("Gemm", {"transB": 1}, [a, TensorInfo((5, 6), F16)], opset=13)
+
+
 def test_a_float16_chain_that_is_not_gelu_stays():
     other = [helper.make_node("Div", ["h", "c15"], ["d"]), *GELU_ERF[1:]]
     model = half_model(_linear(other, extra_inits=(*SCALARS, numpy_helper.from_array(np.float32(1.5), "c15"))))
