@@ -1,9 +1,10 @@
 """FP16 GEMM throughput: vkpool's float16 MatMul against torch.matmul on float16 CUDA tensors.
 
-Usage: python -m bench.gemm_fp16 [--sizes 8192 4096] [--device vk0] [--reps 20]
+Usage: python -m bench.gemm_fp16 [--sizes 8192 4096] [--shapes 128x768x3072 ...] [--device vk0] [--reps 20]
                                  [--variants default|all|TILE,TILE...] [--no-torch] [--json FILE]
 
-For each size S (M = N = K = S) it builds a one-node ONNX model, ``y = MatMul(a, b)`` with
+For each size S (M = N = K = S), and each shape MxNxK of ``--shapes`` (a transformer's products
+at batch 1: few rows), it builds a one-node ONNX model, ``y = MatMul(a, b)`` with
 float16 a, b and y, and runs it through ``vkpool.Session``: the output's accuracy on a sample
 of rows against numpy's float32 product of the same halves, the host-measured latency of a
 whole run (inputs copied in and the output copied out, for reference only) and, from Vulkan
@@ -12,8 +13,9 @@ torch.matmul runs on the same inputs as CUDA float16 tensors in the same process
 with CUDA events (median of ``--reps``), its accuracy measured the same way.
 
 ``--variants`` also times workgroup tiles of the cooperative-matrix kernel other than the
-planner's choice (``CoopTile`` names such as ``128x256x32_w2x4_p2_z8``; ``all``: the list
-below), each on the same device buffers, each checked on the sample rows.
+planner's choice (``CoopTile`` names such as ``128x256x32_w2x4_p2_z8``, with ``/sN`` for N
+K splits, e.g. ``64x64x32_w2x2_p1_z8/s4``; ``all``: the list below), each on the same device
+buffers, each checked on the sample rows.
 
 Accuracy: the largest |y - ref| over the sampled rows divided by the largest |ref| there
 ("max error / max |ref|"), and the largest elementwise |y - ref| / |ref| over elements with
@@ -41,14 +43,17 @@ CANDIDATES = (
 SAMPLE_ROWS = 64
 
 
-def _model(size: int) -> bytes:
+Shape = tuple[int, int, int]
+
+
+def _model(m: int, n: int, k: int) -> bytes:
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["a", "b"], ["y"])], "gemm_fp16",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT16, [size, size]),
-         helper.make_tensor_value_info("b", TensorProto.FLOAT16, [size, size])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [size, size])],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT16, [m, k]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT16, [k, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [m, n])],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     return model.SerializeToString()
@@ -63,23 +68,27 @@ def accuracy(y_rows: np.ndarray, ref: np.ndarray) -> dict[str, float]:
             "max_rel_err": float(np.max(err[big] / np.abs(ref[big])))}
 
 
-def tflops(size: int, us: float) -> float:
-    return 2.0 * size ** 3 / (us * 1e-6) / 1e12
+def tflops(shape: Shape, us: float) -> float:
+    m, n, k = shape
+    return 2.0 * m * n * k / (us * 1e-6) / 1e12
 
 
-def _replayed(device: Any, dispatch: tuple[Any, ...], reps: int) -> float:
-    """Median GPU microseconds of ``dispatch`` replayed ``reps`` times, a barrier between each
-    (every replay writes the same output)."""
+def _replayed(device: Any, dispatches: list[tuple[Any, ...]], reps: int) -> float:
+    """Median GPU microseconds of ``dispatches`` (a product's: one, or split-K's two) replayed
+    ``reps`` times, a barrier between each dispatch (every replay writes the same output)."""
     commands: list[tuple[Any, ...]] = []
     for i in range(reps):
-        if i:
-            commands.append(("barrier",))
-        commands.append(dispatch)
+        for dispatch in dispatches:
+            if commands:
+                commands.append(("barrier",))
+            commands.append(dispatch)
     device.profile(commands)  # warm-up: clocks up, caches filled
-    return statistics.median(device.profile(commands))
+    times = device.profile(commands)
+    per = len(dispatches)
+    return statistics.median(sum(times[i:i + per]) for i in range(0, len(times), per))
 
 
-def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
+def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
                  device_id: str | None, reps: int, variants: list[str]) -> dict[str, Any]:
     from vkpool.kernels.base import pack_push_constants
     from vkpool.kernels.ops.gemm import MatmulProblem
@@ -87,7 +96,7 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
     from vkpool.session import Session
 
     out: dict[str, Any] = {}
-    sess = Session(_model(size), device=device_id)
+    sess = Session(_model(*shape), device=device_id)
     try:
         chunk = sess._chunk
         device = chunk.device
@@ -104,32 +113,36 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
             sess.run(None, {"a": a, "b": b})
             walls.append((time.perf_counter() - t0) * 1e6)
         out["session_run_us"] = statistics.median(walls)
-        # the inputs' copies into device memory come first; the product is the one MatMul dispatch
+        # the inputs' copies into device memory come first; the product is the MatMul's dispatches
         dispatches = [c for c in chunk.commands if c[0] == "dispatch"]
         gemm = [c for c, label in zip(dispatches, chunk.dispatch_labels) if label.startswith("MatMul")]
-        if len(gemm) != 1:
-            raise RuntimeError(f"expected one GEMM dispatch, found {chunk.dispatch_labels}")
-        out["gpu_us"] = _replayed(device, gemm[0], reps)
-        out["tflops"] = tflops(size, out["gpu_us"])
+        if not gemm:
+            raise RuntimeError(f"expected the GEMM's dispatches, found {chunk.dispatch_labels}")
+        out["gpu_us"] = _replayed(device, gemm, reps)
+        out["tflops"] = tflops(shape, out["gpu_us"])
         if variants and coop_shape(caps) is None:
             out["variants"] = {name: {"error": "the device has no cooperative matrices"} for name in variants}
         elif variants:
             member = sess.member
-            plan = HalfMatmulPlan(MatmulProblem(M=size, N=size, K=size, sAm=size, sAk=1, sBk=size, sBn=1))
-            bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(a.nbytes)]
+            m, n, k = shape
+            plan = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1))
+            most = max([1, *(int(v.partition("/s")[2] or 1) for v in variants)])
+            bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(2 * m * n),
+                    member.alloc(4 * most * m * n)]
             try:
                 member.upload(bufs[0], a)
                 member.upload(bufs[1], b)
                 out["variants"] = {}
                 for name in variants:
-                    tile = CoopTile.parse(name)
+                    tile_name, _, split = name.partition("/s")
+                    tile = CoopTile.parse(tile_name)
                     try:
-                        (d,) = plan.dispatches(*bufs, caps, tile)
-                        dispatch = ("dispatch", device.pipeline(d.shader, d.defines),
-                                    pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)
-                        us = _replayed(device, dispatch, reps)
-                        yv = member.download(bufs[2], (size, size), np.float16)
-                        out["variants"][name] = {"gpu_us": us, "tflops": tflops(size, us),
+                        ds = plan.dispatches(*bufs[:3], caps, tile, ws=bufs[3], splits=int(split or 1))
+                        commands = [("dispatch", device.pipeline(d.shader, d.defines),
+                                     pack_push_constants(d.args, lambda alloc: alloc.address), d.groups) for d in ds]
+                        us = _replayed(device, commands, reps)
+                        yv = member.download(bufs[2], (m, n), np.float16)
+                        out["variants"][name] = {"gpu_us": us, "tflops": tflops(shape, us),
                                                  "accuracy": accuracy(yv[rows], ref)}
                     except Exception as exc:  # a tile the device rejects is reported, not fatal
                         out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -142,7 +155,7 @@ def bench_vkpool(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref:
     return out
 
 
-def bench_torch(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
+def bench_torch(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
                 reps: int) -> dict[str, Any]:
     try:
         import torch
@@ -167,23 +180,24 @@ def bench_torch(size: int, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: 
     y_rows = y[torch.from_numpy(rows).cuda()].cpu().numpy()
     reduced = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_us": us,
-              "tflops": tflops(size, us), "accuracy": accuracy(y_rows, ref),
+              "tflops": tflops(shape, us), "accuracy": accuracy(y_rows, ref),
               "fp16_reduced_precision_reduction": bool(reduced)}
     del ta, tb, y
     torch.cuda.empty_cache()
     return result
 
 
-def run_size(size: int, args: argparse.Namespace, variants: list[str]) -> dict[str, Any]:
-    rng = np.random.default_rng(size)
-    a = rng.uniform(-1.0, 1.0, size=(size, size)).astype(np.float16)
-    b = rng.uniform(-1.0, 1.0, size=(size, size)).astype(np.float16)
-    rows = np.sort(rng.choice(size, size=min(SAMPLE_ROWS, size), replace=False))
+def run_size(shape: Shape, args: argparse.Namespace, variants: list[str]) -> dict[str, Any]:
+    m, n, k = shape
+    rng = np.random.default_rng(m * n * k)
+    a = rng.uniform(-1.0, 1.0, size=(m, k)).astype(np.float16)
+    b = rng.uniform(-1.0, 1.0, size=(k, n)).astype(np.float16)
+    rows = np.sort(rng.choice(m, size=min(SAMPLE_ROWS, m), replace=False))
     ref = a[rows].astype(np.float32) @ b.astype(np.float32)
-    result: dict[str, Any] = {"size": size, "reps": args.reps, "sample_rows": len(rows)}
-    result["vkpool"] = bench_vkpool(size, a, b, rows, ref, args.device, args.reps, variants)
+    result: dict[str, Any] = {"shape": list(shape), "reps": args.reps, "sample_rows": len(rows)}
+    result["vkpool"] = bench_vkpool(shape, a, b, rows, ref, args.device, args.reps, variants)
     if not args.no_torch:
-        result["torch"] = bench_torch(size, a, b, rows, ref, args.reps)
+        result["torch"] = bench_torch(shape, a, b, rows, ref, args.reps)
         if "tflops" in result["torch"]:
             result["ratio"] = result["vkpool"]["tflops"] / result["torch"]["tflops"]
     return result
@@ -191,7 +205,8 @@ def run_size(size: int, args: argparse.Namespace, variants: list[str]) -> dict[s
 
 def report(r: dict[str, Any]) -> str:
     v, t = r["vkpool"], r.get("torch", {})
-    lines = [f"== M = N = K = {r['size']} ({r['reps']} replays, median; accuracy on {r['sample_rows']} rows)",
+    m, n, k = r["shape"]
+    lines = [f"== M = {m}, N = {n}, K = {k} ({r['reps']} replays, median; accuracy on {r['sample_rows']} rows)",
              f"vkpool: {v['device']} (driver {v['driver']}), cooperative-matrix shapes {v['coop_shape']}",
              f"  kernel: {', '.join(v['kernel'])}",
              f"  GPU {v['gpu_us']:.1f} us  {v['tflops']:.1f} TFLOP/s  "
@@ -217,7 +232,8 @@ def report(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 4096])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[8192, 4096], help="square products M = N = K")
+    ap.add_argument("--shapes", nargs="+", default=[], metavar="MxNxK", help="products of other shapes")
     ap.add_argument("--device", help="member id (default: the first Vulkan member that fits)")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per kernel (median)")
     ap.add_argument("--variants", default="default",
@@ -229,8 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     variants = [] if args.variants == "default" else list(CANDIDATES) if args.variants == "all" \
         else [v for v in args.variants.split(",") if v]
     results = []
-    for size in args.sizes:
-        r = run_size(size, args, variants)
+    shapes = [(s, s, s) for s in args.sizes] + [tuple(int(v) for v in t.split("x")) for t in args.shapes]
+    for shape in shapes:
+        r = run_size(shape, args, variants)  # type: ignore[arg-type]
         results.append(r)
         print(report(r), flush=True)
     if args.json:

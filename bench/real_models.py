@@ -13,6 +13,15 @@ writes and output reads are inside each sample. ``max_rel_err`` is max|y - ref| 
 ``ref`` the output of onnxruntime CPU with every graph optimisation off (plain op-by-op FP32);
 vkpool must stay under 1e-4 on every model or the command exits with status 1.
 
+With ``--half`` the models are the float16 exports of :mod:`bench.fp16_models` (``bert`` and
+``gpt2``) and every torch runtime runs the module in float16. Two references then: ``ref16``, the
+float16 module on CUDA (torch's own float16 numbers; onnxruntime CPU on the float16 file where
+torch sees no GPU), and ``ref32``, onnxruntime CPU on the float32 export of the same weights.
+``max_rel_err`` is against ``ref16``, ``max_rel_err_fp32`` against ``ref32``. vkpool passes when
+its error against ``ref16`` is at most 2e-2 (a few float16 roundings of the largest output) and
+its error against ``ref32`` is at most twice ref16's own error against ``ref32`` plus 1e-3: the
+float16 rounding that torch's float16 makes, not a wrong result.
+
 Prints a markdown table and writes every number to ``--out`` (JSON).
 """
 from __future__ import annotations
@@ -36,6 +45,11 @@ from bench.stats import LatencySummary, summarize
 RUNTIMES = ("vkpool", "torch_eager", "torch_cudagraph", "ort_cpu")
 #: the correctness gate on vkpool: max|y - ref| / max|ref|
 MAX_REL_ERR = 1e-4
+#: --half: the gate against torch's float16 output, and how far beyond torch's own float16 error
+#: (both against the float32 reference) vkpool's may be: factor, then slack
+HALF_MAX_REL_ERR = 2e-2
+HALF_FP32_FACTOR, HALF_FP32_SLACK = 2.0, 1e-3
+HALF_MODELS = ("bert", "gpt2")
 
 RunFn = Callable[[], np.ndarray]
 
@@ -80,7 +94,8 @@ def _torch_setup() -> Any:
         import torch
     except ImportError as exc:
         raise Unavailable(f"torch is not installed ({exc})") from exc
-    # FP32 everywhere, as for the other runtimes: no TF32 in cuDNN convolutions or matmuls
+    # FP32 everywhere, as for the other runtimes: no TF32 in cuDNN convolutions or matmuls (float16
+    # modules keep torch's defaults for float16)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     return torch
@@ -153,16 +168,48 @@ def _ort_cpu(path: Path, built: em.Built, keep: list[Any]) -> tuple[str, RunFn]:
 # -- one model -------------------------------------------------------------------------------------
 
 
-def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    path = em.ensure(name, args.models_dir)
+def _half_references(name: str, args: argparse.Namespace) -> tuple[Path, em.Built, np.ndarray, np.ndarray, str]:
+    """--half: the float16 file, the float16 module, ref16 (and what computed it) and ref32."""
+    from bench import fp16_models
+
     built = em.build(name)
-    ref = _ort_session(path, optimize=False).run(None, built.inputs)[0]
+    ref32 = _ort_session(em.ensure(name, args.models_dir), optimize=False).run(None, built.inputs)[0]
+    fp16_models.half(built)
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    path = fp16_models.ensure_half(name, args.models_dir)
+    if cuda:
+        module = built.module.to("cuda")
+        with torch.inference_mode():
+            ref16 = module(*(torch.from_numpy(v).to("cuda") for v in built.inputs.values())).cpu().numpy()
+        built.module.to("cpu")
+        source = f"torch {torch.__version__} float16 on {torch.cuda.get_device_name(0)}"
+    else:
+        ref16 = _ort_session(path, optimize=False).run(None, built.inputs)[0]
+        source = "onnxruntime CPU on the float16 file (torch sees no GPU)"
+    return path, built, ref16, ref32, source
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    ref32: np.ndarray | None = None
+    if args.half:
+        path, built, ref, ref32, ref_source = _half_references(name, args)
+    else:
+        path = em.ensure(name, args.models_dir)
+        built = em.build(name)
+        ref = _ort_session(path, optimize=False).run(None, built.inputs)[0]
+        ref_source = "onnxruntime CPU, graph optimisations off"
     result: dict[str, Any] = {
         "load_average": os.getloadavg(),  # other work on the machine skews every runtime
         "model": str(path), "onnx_mib": round(path.stat().st_size / 2**20, 1),
         "inputs": {k: list(v.shape) for k, v in built.inputs.items()}, "output_shape": list(ref.shape),
-        "runtimes": {},
+        "reference": ref_source, "runtimes": {},
     }
+    if ref32 is not None:
+        result["ref16_max_rel_err_fp32"] = rel_err(ref, ref32)
     for rt in args.runtimes:
         keep: list[Any] = []
         start = time.monotonic()
@@ -191,11 +238,25 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             del keep
             gc.collect()
         err = rel_err(out, ref)
-        result["runtimes"][rt] = {"runtime": what, "load_s": round(load_s, 3), **summary.to_dict(),
-                                  "max_rel_err": err}
+        entry = {"runtime": what, "load_s": round(load_s, 3), **summary.to_dict(), "max_rel_err": err}
+        if ref32 is not None:
+            entry["max_rel_err_fp32"] = rel_err(out, ref32)
+        result["runtimes"][rt] = entry
         _log(f"{name} {rt}: median {summary.median_ms:.3f} ms, max rel err {err:.2e} "
              f"({time.monotonic() - start:.0f} s)")
     return result
+
+
+def passes(result: dict[str, Any], half: bool) -> bool:
+    """The correctness gate on vkpool's entry of one model's ``result``."""
+    vk = result["runtimes"].get("vkpool", {})
+    if "max_rel_err" not in vk:
+        return False
+    if not half:
+        return vk["max_rel_err"] <= MAX_REL_ERR
+    own = result["ref16_max_rel_err_fp32"]
+    return (vk["max_rel_err"] <= HALF_MAX_REL_ERR
+            and vk["max_rel_err_fp32"] <= HALF_FP32_FACTOR * own + HALF_FP32_SLACK)
 
 
 def _log(text: str) -> None:
@@ -216,14 +277,19 @@ def _cell(entry: dict[str, Any] | None) -> str:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
+    half = results.get("half", False)
+    err_cols = " | vkpool max rel err | vkpool err vs fp32 | ref16 err vs fp32 |" if half else " | vkpool max rel err |"
     lines = [
-        "| model | " + " | ".join(f"{rt} ms, median (p05–p95)" for rt in RUNTIMES) + " | vkpool max rel err |",
-        "|---|" + "---|" * (len(RUNTIMES) + 1),
+        "| model | " + " | ".join(f"{rt} ms, median (p05–p95)" for rt in RUNTIMES) + err_cols,
+        "|---|" + "---|" * (len(RUNTIMES) + (3 if half else 1)),
     ]
     for name, res in results["models"].items():
         rts = res["runtimes"]
         vk = rts.get("vkpool", {})
         err = f"{vk['max_rel_err']:.1e}" if "max_rel_err" in vk else "—"
+        if half:
+            err += f" | {vk['max_rel_err_fp32']:.1e}" if "max_rel_err_fp32" in vk else " | —"
+            err += f" | {res['ref16_max_rel_err_fp32']:.1e}"
         lines.append(f"| {name} | " + " | ".join(_cell(rts.get(rt)) for rt in RUNTIMES) + f" | {err} |")
     notes = []
     for rt in RUNTIMES:
@@ -231,13 +297,17 @@ def render_markdown(results: dict[str, Any]) -> str:
                 for r in results["models"].values() if (e := r["runtimes"].get(rt))}
         if seen:
             notes.append(f"- {rt}: {'; '.join(sorted(str(s) for s in seen))}")
+    refs = {r.get("reference") for r in results["models"].values()}
+    notes.append(f"- reference: {'; '.join(sorted(str(r) for r in refs))}")
     return "\n".join(lines + [""] + notes) + "\n"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.real_models", description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", metavar="NAME", choices=list(em.BUILDERS),
-                        default=list(em.BUILDERS), help=f"models (default: all): {', '.join(em.BUILDERS)}")
+                        help=f"models (default: all; with --half: {', '.join(HALF_MODELS)}): {', '.join(em.BUILDERS)}")
+    parser.add_argument("--half", action="store_true",
+                        help="the float16 exports (bench.fp16_models), torch in float16, two references")
     parser.add_argument("--runtimes", nargs="+", metavar="NAME", choices=RUNTIMES, default=list(RUNTIMES),
                         help=f"runtimes (default: all): {', '.join(RUNTIMES)}")
     parser.add_argument("--runs", type=int, default=100, help="timed runs (default 100)")
@@ -250,6 +320,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.half and args.models and set(args.models) - set(HALF_MODELS):
+        parser.error(f"--half exports only {', '.join(HALF_MODELS)}")
+    args.models = args.models or list(HALF_MODELS if args.half else em.BUILDERS)
     return args
 
 
@@ -258,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "command": " ".join(["python -m bench.real_models", *(sys.argv[1:] if argv is None else argv)]),
         "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
-        "warmup": max(args.warmup, 1), "runs": args.runs, "max_rel_err_gate": MAX_REL_ERR, "models": {},
+        "warmup": max(args.warmup, 1), "runs": args.runs, "half": args.half, "models": {},
+        "max_rel_err_gate": (f"{HALF_MAX_REL_ERR:g} against ref16; against ref32 {HALF_FP32_FACTOR:g} x ref16's "
+                             f"+ {HALF_FP32_SLACK:g}") if args.half else MAX_REL_ERR,
     }
     for name in args.models:
         results["models"][name] = bench_model(name, args)
@@ -266,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # after each model: partial results survive
     print(render_markdown(results), end="")
     failed = [name for name, r in results["models"].items()
-              if "vkpool" in args.runtimes and r["runtimes"]["vkpool"].get("max_rel_err", np.inf) > MAX_REL_ERR]
+              if "vkpool" in args.runtimes and not passes(r, args.half)]
     if failed:
-        _log(f"vkpool failed or exceeded max rel err {MAX_REL_ERR:g} on: {', '.join(failed)}")
+        _log(f"vkpool failed or exceeded the error gate ({results['max_rel_err_gate']}) on: {', '.join(failed)}")
         return 1
     return 0
 

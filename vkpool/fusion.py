@@ -11,9 +11,9 @@ the latency. The rewrites, applied in node order until nothing changes:
   constant ``b`` that broadcasts along the last axis only ([N], [1, N], [1, 1, N], in either
   operand order), becomes ``MatMul(A, W, b)``: a bias input of vkpool's own that the product
   adds in its epilogue (a ``Linear`` layer as exporters spell it);
-- a ``Conv``, ``Gemm`` or such ``MatMul`` then an activation becomes the product with the
-  attribute ``activation`` (vkpool's own, applied in the epilogue, ``kernels/shaders/
-  epilogue.glsl``): a ``Relu`` or ``Gelu`` node, or a chain of element-wise ops with scalar
+- a ``Conv``, ``Gemm`` or such ``MatMul`` then an activation (directly, or through a ``Reshape``
+  of the product's rows) becomes the product with the attribute ``activation`` (vkpool's own,
+  applied in the epilogue, ``kernels/shaders/epilogue.glsl``): a ``Relu`` or ``Gelu`` node, or a chain of element-wise ops with scalar
   constants that computes GELU (exact or tanh approximation) however the exporter spelled it
   (``x * 0.5 * (1 + Erf(x / sqrt 2))``, ``0.5 * x * (1 + Tanh(c * (x + 0.044715 * x * x * x)))``,
   with Pow or Mul, constants on either side). Such a chain is recognised by evaluating it on the
@@ -36,11 +36,33 @@ the latency. The rewrites, applied in node order until nothing changes:
   ``Add`` of a float tensor, or a ``Where(cond, very negative, scores)`` of a constant
   condition, which is given as a causal flag when it is exactly the causal pattern.
 
+float16 graphs take the same rewrites (products, biases, activations, norms and attention all in
+float16, with float32 sums inside the kernels), after two rewrites of the Casts that exporters
+and converters put around ops for precision:
+
+- a ``Cast`` to the type its input already has is dropped (Hugging Face's GPT-2 casts its
+  attention probabilities to the values' type);
+- an op whose float16 kernel widens its inputs, computes in float32 and rounds its output once
+  (``Softmax``, ``LogSoftmax``, ``LayerNormalization``, ``RMSNormalization``), with every input
+  a ``Cast`` of a float16 tensor to float32 (or a float32 constant that float16 holds exactly)
+  and its output read only by one ``Cast`` back to float16, becomes that op on the float16
+  tensors: the same computation (float32 inside, one rounding to float16) without the two passes
+  over memory (a mixed-precision converter's ``keep in float32`` list).
+
+In float16 graphs, an ``Attention`` node whose Q, K and V are three products of one tensor by
+constant weights (with or without constant biases) reads them from one product instead, of the
+three weight matrices side by side (vkpool's attribute ``packed_qkv``): one dispatch for three,
+and a wider product that fills the device better; one whose Q, K and V are a ``Split`` of such a
+product along its last axis (Hugging Face's GPT-2) reads the product itself, without the copies. Float32 graphs keep their three products (and
+the numbers their tile choices give).
+
 A rewrite applies only when every intermediate tensor it removes is read by nothing else and is
 not a graph output, so every tensor a caller can see keeps its value. Results equal the unfused
 graph's up to float rounding (the bias sum, ``1/c`` for a scale that is not a power of two, the
 activation's formula against the exporter's rounded constants).
-The element-wise chains of the ``add_chain`` benchmark are never touched.
+A spelled-out activation of a float16 product (its constants float16 roundings) is matched
+within 2^-13 (relative to 1 + |x|) and takes the closest formula. The element-wise chains of
+the ``add_chain`` benchmark are never touched.
 """
 from __future__ import annotations
 
@@ -58,6 +80,10 @@ if TYPE_CHECKING:
     from vkpool.model import LoadedModel, Node
 
 _F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
+_FLOATS = (_F32, _F16)
+#: ops whose float16 kernels widen every input, compute in float32 and round each output once
+_WIDE_IN_HALF = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization"})
 
 
 def fuse(model: LoadedModel) -> int:
@@ -119,7 +145,81 @@ def _fuse_once(model: LoadedModel) -> bool:
             return True
         if node.op_type == "LayerNormalization" and "residual" not in node.attrs and _fuse_residual(g, node):
             return True
+        if node.op_type == "Cast" and _drop_same_type_cast(g, node):
+            return True
+        if node.op_type == "Attention" and node.domain == "" and "packed_qkv" not in node.attrs \
+                and _pack_qkv(g, node):
+            return True
+        if node.op_type in _WIDE_IN_HALF and _drop_precision_casts(g, node):
+            return True
     return False
+
+
+# -- Casts ------------------------------------------------------------------------------------
+
+def _cast_to(node: Node) -> np.dtype | None:
+    from onnx import helper
+
+    to = node.attrs.get("to")
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(int(to))) if to is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _drop_same_type_cast(g: _Graph, cast: Node) -> bool:
+    x, y = cast.inputs[0], cast.outputs[0]
+    info = g.model.tensors.get(x)
+    if info is None or y in g.outputs or len(cast.inputs) != 1 or _cast_to(cast) != info.dtype:
+        return False
+    for reader in g.readers.get(y, []):
+        reader.inputs = [x if name == y else name for name in reader.inputs]
+    g.model.tensors.pop(y, None)
+    g.model.nodes.remove(cast)
+    return True
+
+
+def _drop_precision_casts(g: _Graph, node: Node) -> bool:
+    """``Cast(float16 → float32)`` into ``node`` and ``Cast(→ float16)`` out of it: ``node`` in float16."""
+    model = g.model
+    out = node.outputs[0]
+    if model.tensors.get(out) is None or model.tensors[out].dtype != _F32 or not g.private(out):
+        return False
+    down = g.readers[out][0]
+    if down.op_type != "Cast" or down.domain not in ("", "ai.onnx") or _cast_to(down) != _F16:
+        return False
+    if any(name for name in node.outputs[1:]):
+        return False  # LayerNormalization's statistics stay float32
+    sources: list[str] = []
+    for name in node.inputs:
+        info = model.tensors.get(name) if name else None
+        if info is None or info.dtype != _F32:
+            sources.append(name)  # absent, or not a float (an axes input)
+            continue
+        value = g.constant(name)
+        if value is not None:
+            if not np.array_equal(value.astype(_F16).astype(_F32), value):
+                return False
+            sources.append("")  # a float16 copy is made below, once the rewrite is sure
+            continue
+        up = g.made_by(name, "Cast")
+        if up is None or g.model.tensors.get(up.inputs[0]) is None or model.tensors[up.inputs[0]].dtype != _F16:
+            return False
+        sources.append(up.inputs[0])
+    for i, name in enumerate(node.inputs):
+        if name and sources[i] == "":
+            half = model.fresh_name(f"{name}_f16")
+            model.constants[half] = model.constants[name].astype(_F16)
+            model.tensors[half] = TensorInfo(model.constants[half].shape, _F16)
+            sources[i] = half
+    for name in set(node.inputs) - set(sources):
+        up = g.producer.get(name)
+        if up is not None and up.op_type == "Cast" and g.private(name, node):
+            model.tensors.pop(name, None)
+            model.nodes.remove(up)
+    node.inputs = sources
+    _splice(model, node, down)
+    return True
 
 
 def _fuse_residual(g: _Graph, norm: Node) -> bool:
@@ -128,7 +228,7 @@ def _fuse_residual(g: _Graph, norm: Node) -> bool:
     x = norm.inputs[0]
     add = g.made_by(x, "Add")
     info = g.model.tensors.get(x)
-    if add is None or info is None or info.dtype != _F32 or len(add.inputs) != 2 or len(norm.inputs) > 3:
+    if add is None or info is None or info.dtype not in _FLOATS or len(add.inputs) != 2 or len(norm.inputs) > 3:
         return False
     a, b = add.inputs
     if any(g.model.tensors.get(t) != info or t in g.model.constants for t in (a, b)):
@@ -154,13 +254,13 @@ def _splice(model: LoadedModel, kept: Node, removed: Node) -> None:
     model.nodes.remove(removed)
 
 
-def _other_constant(model: LoadedModel, add: Node, first: str) -> np.ndarray | None:
-    """The float32 constant ``add`` adds to ``first``."""
+def _other_constant(model: LoadedModel, add: Node, first: str, dtype: np.dtype = _F32) -> np.ndarray | None:
+    """The constant of type ``dtype`` that ``add`` adds to ``first``."""
     if len(add.inputs) != 2 or add.inputs[0] == add.inputs[1]:
         return None
     other = add.inputs[1] if add.inputs[0] == first else add.inputs[0]
     value = model.constants.get(other)
-    return value if value is not None and value.dtype == _F32 else None
+    return value if value is not None and value.dtype == dtype else None
 
 
 def _fold_conv_bias(model: LoadedModel, conv: Node, add: Node, first: str) -> bool:
@@ -190,13 +290,14 @@ def _fold_conv_bias(model: LoadedModel, conv: Node, add: Node, first: str) -> bo
 
 
 def _fold_matmul_bias(model: LoadedModel, g: _Graph, matmul: Node, add: Node, first: str) -> bool:
-    bias = _other_constant(model, add, first)
     a = model.tensors.get(matmul.inputs[0])
     weight = g.constant(matmul.inputs[1])
     out = model.tensors.get(matmul.outputs[0])
-    if bias is None or a is None or weight is None or out is None or len(matmul.inputs) != 2:
+    if a is None or weight is None or out is None or len(matmul.inputs) != 2:
         return False
-    if a.dtype != _F32 or weight.dtype != _F32 or weight.ndim != 2 or model.tensors.get(add.outputs[0]) != out:
+    bias = _other_constant(model, add, first, a.dtype)
+    if bias is None or a.dtype not in _FLOATS or weight.dtype != a.dtype or weight.ndim != 2 \
+            or model.tensors.get(add.outputs[0]) != out:
         return False
     n = weight.shape[1]
     if bias.ndim > len(out.shape) or bias.shape[-1:] != (n,) or any(d != 1 for d in bias.shape[:-1]):
@@ -205,7 +306,7 @@ def _fold_matmul_bias(model: LoadedModel, g: _Graph, matmul: Node, add: Node, fi
     if bias.shape != (n,):
         name = model.fresh_name(f"{matmul.name or matmul.outputs[0]}_bias")
         model.constants[name] = bias.reshape(n)
-        model.tensors[name] = TensorInfo((n,), _F32)
+        model.tensors[name] = TensorInfo((n,), bias.dtype)
     matmul.inputs = [matmul.inputs[0], matmul.inputs[1], name]
     return True
 
@@ -242,7 +343,7 @@ def _fusable_product(g: _Graph, node: Node) -> bool:
     if node.op_type == "MatMul":
         b = g.model.tensors.get(node.inputs[1]) if len(node.inputs) > 1 else None
         a = g.model.tensors.get(node.inputs[0])
-        return a is not None and b is not None and a.dtype == _F32 and b.dtype == _F32 and len(b.shape) == 2
+        return a is not None and b is not None and a.dtype in _FLOATS and b.dtype == a.dtype and len(b.shape) == 2
     return node.op_type in ("Conv", "Gemm")
 
 
@@ -251,6 +352,15 @@ def _fuse_activation(g: _Graph, product: Node) -> bool:
     if not x or x in g.outputs or not _fusable_product(g, product):
         return False
     readers = g.readers.get(x, [])
+    # a product on flattened rows reshaped back (Hugging Face's Conv1D as a Gemm): the activation
+    # of the reshaped tensor is the reshape of the activated product
+    via = readers[0] if len(readers) == 1 and readers[0].op_type == "Reshape" and readers[0].domain in ("", "ai.onnx") \
+        else None
+    start = via.outputs[0] if via is not None else x
+    if start in g.outputs:
+        return False
+    last = via or product  # the node whose output the activation's output becomes
+    readers = g.readers.get(start, [])
     if len(readers) == 1 and readers[0].op_type in ("Relu", "Gelu") and readers[0].domain in ("", "ai.onnx"):
         act = readers[0]
         if act.op_type == "Relu":
@@ -261,35 +371,39 @@ def _fuse_activation(g: _Graph, product: Node) -> bool:
             if approximate not in ("none", "tanh"):
                 return False
             product.attrs["activation"] = "Gelu" if approximate == "none" else "GeluTanh"
-        _splice(g.model, product, act)
+        _splice(g.model, last, act)
         return True
-    chain = _elementwise_chain(g, x)
+    chain = _elementwise_chain(g, start)
     if chain is None:
         return False
     nodes, exit_name = chain
-    values = _evaluate_chain(g, nodes, x, exit_name)
+    values = _evaluate_chain(g, nodes, start, exit_name)
     if values is None:
         return False
-    for name, code in ACTIVATIONS.items():
-        if code == 1:
-            continue  # a Relu spelled out (Max, Where) is not smooth: only the node is taken
-        want = apply_activation(code, _PROBE)
-        if np.all(np.abs(values - want) <= 1e-6 * (1.0 + np.abs(_PROBE))):
-            product.attrs["activation"] = name
-            info = g.model.tensors[exit_name]
-            for node in nodes:
-                g.model.tensors.pop(node.outputs[0], None)
-                g.model.nodes.remove(node)
-            g.model.tensors.pop(x, None)
-            g.model.tensors[exit_name] = info
-            product.outputs[0] = exit_name
-            return True
-    return False
+    # float16: the chain's constants are float16 roundings (sqrt 2 as 1.4140625), so it differs
+    # from its formula by up to ~1.4e-5 (relative to 1 + |x|); 2^-13 stays below the 1.3e-4
+    # between the erf and tanh forms, and far below a float16 ulp of the result
+    tolerance = 1e-6 if g.model.tensors[x].dtype == _F32 else 2.0 ** -13
+    scale = 1.0 + np.abs(_PROBE)
+    errors = {name: float(np.max(np.abs(values - apply_activation(code, _PROBE)) / scale))
+              for name, code in ACTIVATIONS.items() if code != 1}  # a Relu spelled out is not smooth
+    best = min(errors, key=errors.__getitem__)
+    if errors[best] > tolerance:
+        return False
+    product.attrs["activation"] = best
+    info = g.model.tensors[exit_name]
+    for node in nodes:
+        g.model.tensors.pop(node.outputs[0], None)
+        g.model.nodes.remove(node)
+    g.model.tensors.pop(start, None)
+    g.model.tensors[exit_name] = info
+    last.outputs[0] = exit_name
+    return True
 
 
 def _scalar(g: _Graph, name: str) -> bool:
     value = g.constant(name)
-    return value is not None and value.size == 1 and value.dtype == _F32
+    return value is not None and value.size == 1 and value.dtype in _FLOATS
 
 
 def _elementwise_chain(g: _Graph, x: str) -> tuple[list[Node], str] | None:
@@ -350,7 +464,7 @@ def _heads(g: _Graph, t4: str, perm: list[int]) -> tuple[str, int] | None:
         return None
     t3 = rs.inputs[0]
     src, mid = g.model.tensors.get(t3), g.model.tensors.get(reshaped)
-    if src is None or mid is None or len(src.shape) != 3 or len(mid.shape) != 4 or src.dtype != _F32:
+    if src is None or mid is None or len(src.shape) != 3 or len(mid.shape) != 4 or src.dtype not in _FLOATS:
         return None
     b, s, h, d = mid.shape
     if src.shape != (b, s, h * d):
@@ -369,15 +483,17 @@ def _key_heads(g: _Graph, kt: str) -> tuple[str, int] | None:
     return _heads(g, tr.inputs[0], [0, 2, 1, 3])
 
 
-def _masks(g: _Graph, z: str, shape: tuple[int, ...]) -> list[tuple[str, dict, list[Node]]]:
-    """The ways ``z`` (the softmax's input) may be scores with a mask applied: ``(scores, extra
-    attributes, mask nodes)``, the unmasked reading last."""
+def _masks(g: _Graph, z: str, shape: tuple[int, ...], dtype: np.dtype) -> list[tuple[str, dict, list[Node]]]:
+    """The ways ``z`` (the softmax's input, of type ``dtype``) may be scores with a mask applied:
+    ``(scores, extra attributes, mask nodes)``, the unmasked reading last."""
     found: list[tuple[str, dict, list[Node]]] = []
+    # a fill at or below this is a masked key: exp(fill - max) is 0 (float16 scores end at -65504)
+    lowest = -1e30 if dtype == _F32 else float(np.finfo(dtype).min)
     add = g.made_by(z, "Add")
     if add is not None and g.private(z) and len(add.inputs) == 2 and add.inputs[0] != add.inputs[1]:
         for scores, mask in (add.inputs, add.inputs[::-1]):
             info = g.model.tensors.get(mask)
-            if info is not None and info.dtype == _F32:
+            if info is not None and info.dtype == dtype:
                 found.append((scores, {"mask": mask}, [add]))
     where = g.made_by(z, "Where")
     if where is not None and g.private(z) and len(where.inputs) == 3:
@@ -386,7 +502,7 @@ def _masks(g: _Graph, z: str, shape: tuple[int, ...]) -> list[tuple[str, dict, l
             fill = g.constant(where.inputs[fill_at])
             if cond is None or fill is None or cond.dtype != np.bool_ or fill.size != 1:
                 continue
-            if float(fill.reshape(())) > -1e30 or cond.ndim < 2 or cond.ndim > 4:
+            if float(fill.reshape(())) > lowest or cond.ndim < 2 or cond.ndim > 4:
                 continue
             keep = ~cond if masked_when else cond
             try:
@@ -412,7 +528,7 @@ def _fuse_attention(g: _Graph, softmax: Node) -> bool:
     p = softmax.outputs[0]
     z = softmax.inputs[0]
     info = model.tensors.get(z)
-    if info is None or len(info.shape) != 4 or info.dtype != _F32 or not g.private(p):
+    if info is None or len(info.shape) != 4 or info.dtype not in _FLOATS or not g.private(p):
         return False
     axis = int(softmax.attrs.get("axis", -1 if model.opset >= 13 else 1))
     if axis % 4 != 3:
@@ -420,7 +536,7 @@ def _fuse_attention(g: _Graph, softmax: Node) -> bool:
     pv = g.readers[p][0]
     if pv.op_type != "MatMul" or pv.inputs[0] != p or len(pv.inputs) != 2:
         return False
-    return any(_fuse_attention_from(g, softmax, pv, *masked) for masked in _masks(g, z, info.shape))
+    return any(_fuse_attention_from(g, softmax, pv, *masked) for masked in _masks(g, z, info.shape, info.dtype))
 
 
 def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict, mask_nodes: list[Node]) -> bool:
@@ -491,4 +607,78 @@ def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict
                 model.tensors.pop(out, None)
     # in the merge's place: every input of the attention is computed before it
     model.nodes[:] = [fused if n is merge else n for n in model.nodes if n is merge or id(n) not in gone]
+    return True
+
+
+def _split_qkv(g: _Graph, attention: Node) -> bool:
+    """float16 ``Attention(*Split(t, axis=-1))`` of a [B, S, Eq + Ek + Ev] tensor ``t`` (the packed
+    projection of Hugging Face's GPT-2) reading ``t`` itself."""
+    model = g.model
+    names = attention.inputs[:3]
+    split = g.made_by(names[0], "Split")
+    if split is None or split.outputs[:3] != names or len(split.outputs) != 3:
+        return False
+    t = split.inputs[0]
+    info = model.tensors.get(t)
+    if info is None or info.dtype != _F16 or len(info.shape) != 3 or int(split.attrs.get("axis", 0)) % 3 != 2:
+        return False
+    if not all(g.private(n, attention) for n in names):
+        return False
+    sizes_input = split.inputs[1] if len(split.inputs) > 1 and split.inputs[1] else None
+    if sizes_input is not None:
+        sizes = g.constant(sizes_input)
+        if sizes is None:
+            return False
+        sizes = [int(v) for v in sizes.reshape(-1)]
+    elif "split" in split.attrs:
+        sizes = [int(v) for v in split.attrs["split"]]
+    else:
+        sizes = [info.shape[2] // 3] * 3 if info.shape[2] % 3 == 0 else []
+    if len(sizes) != 3 or sum(sizes) != info.shape[2] or min(sizes) < 1:
+        return False
+    for name in names:
+        model.tensors.pop(name, None)
+    model.nodes.remove(split)
+    attention.inputs = [t, "", "", *attention.inputs[3:]]
+    attention.attrs["packed_qkv"] = sizes
+    return True
+
+
+def _pack_qkv(g: _Graph, attention: Node) -> bool:
+    """float16 ``Attention(x @ Wq + bq, x @ Wk + bk, x @ Wv + bv)`` reading one product of x."""
+    model = g.model
+    names = attention.inputs[:3]
+    if len(names) < 3 or len(set(names)) != 3 or not all(g.private(n, attention) for n in names):
+        return False
+    if _split_qkv(g, attention):
+        return True
+    products = [g.made_by(n, "MatMul") for n in names]
+    if any(p is None or "activation" in p.attrs or len(p.inputs) not in (2, 3) for p in products):
+        return False
+    x = products[0].inputs[0]
+    info = model.tensors.get(x)
+    if info is None or info.dtype != _F16 or len(info.shape) != 3 or any(p.inputs[0] != x for p in products):
+        return False
+    weights = [g.constant(p.inputs[1]) for p in products]
+    if any(w is None or w.dtype != _F16 or w.ndim != 2 for w in weights):
+        return False
+    biases = [g.constant(p.inputs[2]) if len(p.inputs) == 3 else np.zeros(w.shape[1], _F16)
+              for p, w in zip(products, weights)]
+    if any(b is None or b.dtype != _F16 or b.shape != (w.shape[1],) for b, w in zip(biases, weights)):
+        return False
+    sizes = [w.shape[1] for w in weights]
+    base = attention.name or attention.outputs[0]
+    w_name, b_name, qkv = (model.fresh_name(f"{base}_{what}") for what in ("qkv_weight", "qkv_bias", "qkv"))
+    model.constants[w_name] = np.ascontiguousarray(np.concatenate(weights, axis=1))
+    model.constants[b_name] = np.concatenate(biases)
+    model.tensors[w_name] = TensorInfo(model.constants[w_name].shape, _F16)
+    model.tensors[b_name] = TensorInfo((sum(sizes),), _F16)
+    model.tensors[qkv] = TensorInfo((*info.shape[:2], sum(sizes)), _F16)
+    product = type(attention)(f"{base}_qkv", "MatMul", "", [x, w_name, b_name], [qkv], {})
+    for p in products:
+        model.tensors.pop(p.outputs[0], None)
+        model.nodes.remove(p)
+    model.nodes.insert(model.nodes.index(attention), product)
+    attention.inputs = [qkv, "", "", *attention.inputs[3:]]
+    attention.attrs["packed_qkv"] = sizes
     return True

@@ -6,7 +6,13 @@ or float ``attn_mask`` broadcast over (batch, heads, query), masks shorter than 
 ``softcap``, ``past_key``/``past_value`` with ``present_*`` outputs, ``nonpad_kv_seqlen``,
 sliding windows, and every ``qk_matmul_output_mode``. Scores and softmax are float32 whatever
 ``softmax_precision`` asks (float32 is at least as precise as any type it may name for float32
-inputs).
+inputs). float16 Q/K/V (and a float16 mask) have the same kernels, read widened, computed in float32
+and Y rounded once; without a KV cache, present outputs or the ``qk_matmul_output`` stage.
+
+``packed_qkv`` (vkpool's own attribute, set by ``vkpool.fusion`` on float16 graphs, never in a
+file): Q, K and V are side by side in input 0, one [B, S, Eq + Ek + Ev] tensor (one product of
+the three projections), their sizes the attribute's three values; inputs 1 and 2 are absent.
+The kernels read each from its columns (``QKV_ROW``: the packed row's length).
 
 Three kernels: ``attention_tiled.comp`` (16 query rows per workgroup, keys and values through
 shared memory in tiles with an online softmax) wherever the ``qk_matmul_output`` stage is not
@@ -29,14 +35,24 @@ from vkpool.kernels.base import (
 )
 
 
+_F32, _F16 = np.dtype(np.float32), np.dtype(np.float16)
+
+
 class Attention(Op):
     op_type = "Attention"
 
     def check(self) -> None:
+        self.packed: tuple[int, int, int] | None = None
+        if self.attr("packed_qkv") is not None:
+            self._unpack()
         q, k, v = self.input(0), self.input(1), self.input(2)
         for t in (q, k, v):
-            if t.dtype != np.float32:
-                raise UnsupportedOp(f"Attention: element type {t.dtype} has no kernel")
+            if t.dtype not in (_F32, _F16) or t.dtype != q.dtype:
+                raise UnsupportedOp(f"Attention: element types {q.dtype}, {k.dtype}, {v.dtype} have no kernel "
+                                    "(float32 or float16, one type for Q, K and V)")
+        self.half = q.dtype == _F16
+        if self.half and (self.has_input(4) or self.has_input(5) or self.num_outputs > 1):
+            raise UnsupportedOp("Attention: float16 has no kernel for a KV cache, present outputs or qk_matmul_output")
         rank = len(q.shape)
         if rank not in (3, 4) or len(k.shape) != rank or len(v.shape) != rank:
             raise OpError(f"Attention: Q/K/V must all be 3-D or all 4-D, got {q.shape}, {k.shape}, {v.shape}")
@@ -73,8 +89,8 @@ class Attention(Op):
         self.mask_shape: tuple[int, ...] | None = None
         if self.has_input(3):
             m = self.input(3)
-            if m.dtype not in (np.dtype(np.float32), np.dtype(np.bool_)):
-                raise UnsupportedOp(f"Attention: mask type {m.dtype} has no kernel")
+            if m.dtype not in (_F32, np.dtype(np.bool_), q.dtype):
+                raise UnsupportedOp(f"Attention: mask type {m.dtype} has no kernel with {q.dtype} Q")
             if not 1 <= len(m.shape) <= 4:
                 raise OpError(f"Attention: mask rank {len(m.shape)}")
             ms = (1,) * (4 - len(m.shape)) + tuple(m.shape)
@@ -94,9 +110,21 @@ class Attention(Op):
         self.wl = int(self.attr("left_window_size", -1))
         self.wr = int(self.attr("right_window_size", -1))
 
+    def _unpack(self) -> None:
+        """Q, K and V's infos from the packed input 0 (``packed_qkv``)."""
+        sizes = tuple(int(n) for n in self.attr("packed_qkv"))
+        qkv = self.input(0)
+        if len(sizes) != 3 or min(sizes) < 1 or len(qkv.shape) != 3 or sum(sizes) != qkv.shape[2] \
+                or self.has_input(1) or self.has_input(2):
+            raise OpError(f"Attention: packed_qkv {sizes} does not split a [B, S, {sum(sizes)}] input 0 "
+                          f"(got {qkv.shape}, with inputs 1 and 2 absent)")
+        self.packed = sizes  # type: ignore[assignment]
+        b, s, _ = qkv.shape
+        self.inputs[0:3] = [TensorInfo((b, s, n), qkv.dtype) for n in sizes]
+
     # -- shapes and costs ---------------------------------------------------------------------
     def output_infos(self) -> list[TensorInfo]:
-        f = np.float32
+        f = self.input(0).dtype
         y = (self.b, self.s, self.hq * self.dv) if self.is3d else (self.b, self.hq, self.s, self.dv)
         outs = [TensorInfo(y, f), TensorInfo((self.b, self.hkv, self.t, self.d), f),
                 TensorInfo((self.b, self.hkv, self.t, self.dv), f), TensorInfo((self.b, self.hq, self.s, self.t), f)]
@@ -170,7 +198,13 @@ class Attention(Op):
         return np.where(allowed, bias, -np.inf).astype(np.float32)
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
-        get: Any = lambda k: inputs[k] if k < len(inputs) else None  # noqa: E731
+        # float16 as the kernels compute it: widened, float32 throughout, Y rounded once
+        wide = [x.astype(np.float32) if x is not None and x.dtype == _F16 else x for x in inputs]
+        if self.packed is not None:
+            eq, ek, _ = self.packed
+            qkv = wide[0]
+            wide[0:3] = [qkv[..., :eq], qkv[..., eq:eq + ek], qkv[..., eq + ek:]]
+        get: Any = lambda k: wide[k] if k < len(wide) else None  # noqa: E731
         q, k, v = get(0), get(1), get(2)
         b, hq, hkv, s = self.b, self.hq, self.hkv, self.s
         if self.is3d:
@@ -199,7 +233,7 @@ class Attention(Op):
         if self.is3d:
             y = y.transpose(0, 2, 1, 3).reshape(b, s, hq * self.dv)
         qk = {0: scores, 1: scores, 2: t, 3: p}[self.qk_mode]
-        outs = [y.astype(np.float32), present_k.astype(np.float32), present_v.astype(np.float32),
+        outs = [y.astype(self.input(0).dtype), present_k.astype(np.float32), present_v.astype(np.float32),
                 np.asarray(qk, np.float32)]
         return outs[: max(1, self.num_outputs)]
 
@@ -208,6 +242,12 @@ class Attention(Op):
         out: list[Dispatch] = []
         want = [k < len(ctx.outputs) and ctx.outputs[k] is not None for k in range(4)]
         k_src, v_src, kv3d = ctx.inputs[1], ctx.inputs[2], self.is3d
+        q = Ptr(ctx.inputs[0])
+        k_ptr, v_ptr = (Ptr(k_src) if k_src is not None else None), (Ptr(v_src) if v_src is not None else None)
+        if self.packed is not None:
+            size = self.input(0).dtype.itemsize
+            k_ptr = Ptr(ctx.inputs[0], self.packed[0] * size)
+            v_ptr = Ptr(ctx.inputs[0], (self.packed[0] + self.packed[1]) * size)
         for pos, dim in ((1, self.d), (2, self.dv)):
             present = ctx.outputs[pos] if want[pos] else None
             if present is None and self.has_past:
@@ -222,9 +262,9 @@ class Attention(Op):
                                 groups_1d(n, 64, ctx.caps), defines))
             if self.has_past:
                 if pos == 1:
-                    k_src = present
+                    k_ptr = Ptr(present)
                 else:
-                    v_src = present
+                    v_ptr = Ptr(present)
                 kv3d = False
         if self.b * self.hq * self.s == 0:
             return out
@@ -242,13 +282,17 @@ class Attention(Op):
             "CAUSAL": int(self.causal), "NONPAD": int(self.has_nonpad), "WL": self.wl, "WR": self.wr,
             "SOFTCAP": int(self.softcap > 0), "QK_MODE": self.qk_mode if want[3] else -1,
         }
+        if self.half:  # float32 keeps its defines (and its cached pipelines) as they were
+            defines["HALF"] = 1
+            defines["MASK_HALF"] = int(has_mask and self.input(3).dtype == _F16)
+        if self.packed is not None:
+            defines["QKV_ROW"] = sum(self.packed)
         # each of 64 lanes: its keys' scores (D each), two softmax passes, then a column of the output
         # over every key
-        q = Ptr(ctx.inputs[0])
         rows = None if want[3] else self._rows_defines(ctx.caps)
         tiled = None if want[3] or rows is not None else self._tile_keys(ctx.caps)
         if rows is not None or tiled is not None:
-            args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
+            args = [q, k_ptr, v_ptr, Ptr(ctx.inputs[3]) if has_mask else q,
                     Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
             shader, extra = ("attention_rows", rows) if rows is not None else \
                 ("attention_tiled", {"KB": tiled})
@@ -259,7 +303,7 @@ class Attention(Op):
         lanes = -(-self.t // 64)
         check_serial(lanes * (self.d + 3) + -(-self.dv // 64) * (self.t + 1), ctx.caps,
                      f"Attention over {self.t} keys")
-        args = [q, Ptr(k_src), Ptr(v_src), Ptr(ctx.inputs[3]) if has_mask else q,
+        args = [q, k_ptr, v_ptr, Ptr(ctx.inputs[3]) if has_mask else q,
                 Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.workspace), Ptr(ctx.outputs[0]),
                 Ptr(ctx.outputs[3]) if want[3] else q, F32(self.scale), F32(self.softcap)]
         out.append(Dispatch("attention", args, groups_1d(self.b * self.hq * self.s, 1, ctx.caps), defines))

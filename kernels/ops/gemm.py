@@ -352,16 +352,24 @@ def apply_activation(code: int, y: np.ndarray) -> np.ndarray:
 
 
 class Gemm(Op):
-    """``Y = alpha * A' @ B' + beta * C`` with A' = A or A^T, B' = B or B^T, C broadcast to M x N."""
+    """``Y = alpha * A' @ B' + beta * C`` with A' = A or A^T, B' = B or B^T, C broadcast to M x N.
+
+    float16 (every operand): the float16 product (``gemm_f16.py``) of A (not transposed) and B
+    (transposed only when constant: stored transposed at load), with C one row of N values added
+    in its epilogue, alpha and beta 1: a ``Linear`` layer as exporters spell it."""
 
     op_type = "Gemm"
     rereads_inputs = True
 
     def check(self) -> None:
         a, b = self.input(0), self.input(1)
+        types = {info.dtype for info in (a, b, *([self.input(2)] if self.has_input(2) else []))}
+        if types == {np.dtype(np.float16)}:
+            self._check_half()
+            return
         for info in (a, b, *( [self.input(2)] if self.has_input(2) else [])):
             if info.dtype != _F32:
-                raise UnsupportedOp(f"Gemm: only float32 is supported, got {info.dtype}")
+                raise UnsupportedOp(f"Gemm: only float32, or float16 for every operand, is supported, got {info.dtype}")
         if len(a.shape) != 2 or len(b.shape) != 2:
             raise OpError(f"Gemm: A and B must be 2-D, got {a.shape} and {b.shape}")
         ta, tb = int(self.attr("transA", 0)), int(self.attr("transB", 0))
@@ -393,12 +401,34 @@ class Gemm(Op):
             has_bias=has_bias, sCm=sCm, sCn=sCn, alpha=alpha, beta=beta, act=fused_activation(self),
         ))
 
+    def _check_half(self) -> None:
+        from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan  # gemm_f16 builds on this module
+
+        a, b = self.input(0), self.input(1)
+        ta, tb = int(self.attr("transA", 0)), int(self.attr("transB", 0))
+        alpha, beta = float(self.attr("alpha", 1.0)), float(self.attr("beta", 1.0))
+        if len(a.shape) != 2 or len(b.shape) != 2:
+            raise OpError(f"Gemm: A and B must be 2-D, got {a.shape} and {b.shape}")
+        if ta or (tb and 1 not in self.constants) or alpha != 1.0 or (self.has_input(2) and beta != 1.0):
+            raise UnsupportedOp("Gemm: float16 needs transA 0, transB 0 (or a constant B), alpha 1 and beta 1")
+        (M, K), (Kb, N) = a.shape, (b.shape[::-1] if tb else b.shape)
+        if K != Kb:
+            raise OpError(f"Gemm: inner dimensions differ ({a.shape}; {b.shape}, transB={tb})")
+        if self.has_input(2) and self.input(2).shape not in ((N,), (1, N)):
+            raise UnsupportedOp(f"Gemm: float16 needs C of shape ({N},) or (1, {N}), got {self.input(2).shape}")
+        if tb:
+            self.transposed_constants = frozenset({1})
+        self.M, self.N, self.K = M, N, K
+        self.plan = HalfMatmulPlan(MatmulProblem(M=M, N=N, K=K, sAm=K, sAk=1, sBk=N, sBn=1, has_bias=self.has_input(2),
+                                                 sCn=1, act=fused_activation(self)))
+
     def output_infos(self) -> list[TensorInfo]:
-        return [TensorInfo((self.M, self.N), _F32)]
+        return [TensorInfo((self.M, self.N), self.input(0).dtype)]
 
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         a, b = inputs[0], inputs[1]
         assert a is not None and b is not None
+        a, b = a.astype(np.float32, copy=False), b.astype(np.float32, copy=False)  # float16: one rounding
         if int(self.attr("transA", 0)):
             a = a.T
         if int(self.attr("transB", 0)):
@@ -408,10 +438,13 @@ class Gemm(Op):
         if c is not None:
             y = y + np.float32(self.attr("beta", 1.0)) * c
         y = apply_activation(self.plan.p.act, y)
-        return [np.asarray(y, dtype=np.float32).reshape(self.M, self.N)]
+        return [np.asarray(y, dtype=self.input(0).dtype).reshape(self.M, self.N)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+        if not isinstance(self.plan, MatmulPlan):
+            return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], ctx.outputs[0], ctx.caps, c=c,
+                                        ws=ctx.workspace)
         return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], c, ctx.outputs[0], ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:

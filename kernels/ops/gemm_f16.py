@@ -12,7 +12,19 @@ Two kernels, chosen per device when the dispatches are built:
   ``gemm.comp`` over float16 storage.
 
 Both take row-major operands (what MatMul gives: A is ``[..., M, K]``, B ``[..., K, N]``),
-batches by strides, and any M, N, K (edges are bounds-checked).
+batches by strides, and any M, N, K (edges are bounds-checked). Both take the epilogue of a fused
+product (``vkpool.fusion``): a float16 bias of N values added to every row and an activation
+(``epilogue.glsl``), applied to the float32 sums before the one rounding to float16. The
+cooperative-matrix kernel adds the bias to its accumulators from a tile of bias rows in shared
+memory and applies the activation to each accumulator element in place (the activation is the
+same function at every position, so the matrix's element order does not matter).
+
+Split-K (cooperative matrices only): a product of one matrix whose tiles leave the device short
+of workgroups, with a long enough K (a transformer's products at batch 1: 128 rows), splits its
+reduction over ``splits`` workgroups per tile, each writing its float32 partial sums to the
+workspace; ``gemm_reduce.comp`` adds them, the bias and the activation, and rounds once. The
+split is chosen from the problem alone (``HalfMatmulPlan.splits``) so that the workspace is known
+before the device is; it runs with ``SPLIT_TILE``.
 """
 from __future__ import annotations
 
@@ -20,12 +32,19 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from vkpool.kernels.base import Dispatch, DeviceCaps, Ptr, U32, UnsupportedOp, ceil_div, check_grid
+from vkpool.kernels.base import F32, Dispatch, DeviceCaps, Ptr, U32, UnsupportedOp, ceil_div, check_grid, groups_1d
 from vkpool.kernels.ops.gemm import BatchDim, MatmulProblem
 
 _MAX_GROUPS = 65535
 #: below this many workgroups of the preferred tile, a smaller tile is taken (more workgroups)
 _TARGET_GROUPS = 512
+#: split-K: the workgroups a split product aims at, and the least K per split (a multiple of every
+#: tile's BK). NOTE: H200, driver 580, BERT-base in float16 (bench.fp16_policies,
+#: docs/gpu/h200-fp16-8acf115.txt): 1.03 ms with 64 x 64 x 64 tiles aiming at 256
+#: workgroups, 1.10 with 64 x 64 x 32 at 512, 1.30 splitting only K >= 512, 1.5-2.1 unsplit:
+#: at 128 rows a workgroup's run of K slices, each waiting for memory, is the time
+_SPLIT_TARGET_GROUPS = 256
+_SPLIT_MIN_K = 256
 _HALF = 2  # bytes
 
 
@@ -54,13 +73,16 @@ class CoopTile:
         lm, ln, lk = shape
         threads = self.WM * self.WN * caps.subgroup_size
         return (
+            # a fused bias is staged as LM copies of the tile's BN bias values in the B slice
+            lm * self.BN <= self.BK * (self.BN + 8) and
             self.BM % (self.WM * lm) == 0 and self.BN % (self.WN * ln) == 0 and self.BK % lk == 0
             and self.PREFETCH in (1, 2)
             and threads <= caps.max_workgroup_invocations
             and (self.BM * self.BK // 8) % threads == 0 and (self.BK * self.BN // 8) % threads == 0
             and self.shared_bytes() <= caps.shared_memory_bytes
-            # the edge-tile scratch (one LM x LN half tile per subgroup) reuses the A slice
-            and self.WM * self.WN * lm * ln <= self.BM * (self.BK + 8)
+            # the edge-tile scratch (one LM x LN float tile per subgroup, split-K's partial sums;
+            # halves otherwise) reuses the A slice
+            and 2 * self.WM * self.WN * lm * ln <= self.BM * (self.BK + 8)
         )
 
     @classmethod
@@ -81,6 +103,12 @@ COOP_TILES = (
     CoopTile(128, 128, 32, 2, 2, PREFETCH=2),
     CoopTile(64, 64, 32, 2, 2),
 )
+#: the tile of split products: 32 rows, 64-deep slices, two in flight. NOTE: H200, driver 580,
+#: whole float16 BERT-base in one run (bench.fp16_policies, docs/gpu/h200-fp16-fd87bbc.txt):
+#: 0.946 ms against 1.016 with 64 x 64 x 64 and 1.031 with 64 x 64 x 32 tiles (GPT-2 2.217
+#: against 2.308 and 2.220). Unsplit, GPT-2's 128 x 50257 x 768 logits run faster in
+#: COOP_TILES[-1]'s 64 x 64 x 32 (184 against 279 µs with 64-deep slices, 566 with this tile)
+SPLIT_TILE = CoopTile(32, 64, 64, 1, 2, PREFETCH=2)
 
 
 def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
@@ -94,14 +122,44 @@ def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
 
 
 class HalfMatmulPlan:
-    """The float16 product of one ``MatmulProblem`` with row-major operands and no bias."""
+    """The float16 product of one ``MatmulProblem`` with row-major operands; a bias (of N values,
+    ``sCn`` 1, ``sCm`` 0, no batch) and an activation where the problem has them."""
 
     def __init__(self, p: MatmulProblem) -> None:
-        if p.sAk != 1 or p.sAm != p.K or p.sBn != 1 or p.sBk != p.N or p.has_bias or p.act:
-            raise UnsupportedOp("float16 product: only row-major A and B without bias or activation")
+        if p.sAk != 1 or p.sAm != p.K or p.sBn != 1 or p.sBk != p.N:
+            raise UnsupportedOp("float16 product: only row-major A and B")
+        if p.has_bias and (p.sCn != 1 or p.sCm != 0 or p.batch or p.alpha != 1.0 or p.beta != 1.0):
+            raise UnsupportedOp("float16 product: a bias must be one row of N values, alpha and beta 1")
         if p.batch and p.batch[-1].count > _MAX_GROUPS:
             raise UnsupportedOp(f"matrix product with an inner batch of {p.batch[-1].count} > {_MAX_GROUPS}")
         self.p = p
+        self.splits = self.split_k(p)
+
+    @staticmethod
+    def split_k(p: MatmulProblem) -> int:
+        """The K splits of ``p`` on a device with cooperative matrices (1: none): enough for
+        ``_SPLIT_TARGET_GROUPS`` workgroups of ``SPLIT_TILE``, each split at least
+        ``_SPLIT_MIN_K`` deep."""
+        if p.batch:
+            return 1
+        tiles = ceil_div(p.M, SPLIT_TILE.BM) * ceil_div(p.N, SPLIT_TILE.BN)
+        splits = min(ceil_div(_SPLIT_TARGET_GROUPS, tiles), p.K // _SPLIT_MIN_K, _MAX_GROUPS)
+        if splits <= 1:
+            return 1
+        return ceil_div(p.K, HalfMatmulPlan.chunk(p.K, splits))  # no split left without K
+
+    @staticmethod
+    def chunk(k: int, splits: int) -> int:
+        """K per split, rounded up to a multiple of 64 (every tile's BK divides it)."""
+        return ceil_div(ceil_div(k, splits), 64) * 64
+
+    def kchunk(self, splits: int) -> int:
+        """K per split of this product (a forced split may leave its last splits nothing to add:
+        they write zeros)."""
+        return self.chunk(self.p.K, splits)
+
+    def workspace_bytes(self) -> int:
+        return 4 * self.splits * self.p.M * self.p.N if self.splits > 1 else 0
 
     def choose_tile(self, caps: DeviceCaps) -> CoopTile:
         shape = coop_shape(caps)
@@ -116,19 +174,44 @@ class HalfMatmulPlan:
                 return tile
         return fitting[-1]
 
+    def _reduce(self, ws: Any, c: Any, y: Any, splits: int, caps: DeviceCaps) -> Dispatch:
+        """Sums split-K's partial products in ``ws``, adds the bias, applies the activation and
+        rounds to float16 into ``y``."""
+        p = self.p
+        total = p.M * p.N
+        return Dispatch(
+            "gemm_reduce",
+            [Ptr(ws), Ptr(c) if p.has_bias else Ptr(y), Ptr(y), U32(total), U32(splits), U32(p.N), U32(1), U32(0),
+             U32(1), F32(1.0), F32(1.0)],
+            groups_1d(total, 256, caps),
+            {"HAS_BIAS": int(p.has_bias), "ACT": p.act, "HALF": 1, "NSPLITS": splits},
+        )
+
     def dispatches(
-        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None,
+        self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None, c: Any = None,
+        ws: Any = None, splits: int | None = None,
     ) -> list[Dispatch]:
-        """The dispatches computing Y on a device with ``caps``; ``tile`` overrides the
-        cooperative-matrix tile (benchmarks compare tiles with it)."""
+        """The dispatches computing Y on a device with ``caps``; ``c`` is the bias where the
+        problem has one, ``ws`` the workspace (``workspace_bytes``); ``tile`` and ``splits``
+        override the cooperative-matrix tile and the K splits (benchmarks compare them; a
+        forced split needs a workspace of ``4 * splits * M * N`` bytes)."""
         p = self.p
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
         shape = coop_shape(caps)
+        if shape is not None and tile is None and not any(t.fits(caps, shape) for t in COOP_TILES):
+            shape = None  # no tile fits the device's shared memory: the scalar kernel
+        split = 1
         if shape is not None:
+            split = self.splits if splits is None else splits
+            if split > 1 and tile is None:
+                tile = next((t for t in (SPLIT_TILE, *reversed(COOP_TILES)) if t.fits(caps, shape)), None)
             tile = tile or self.choose_tile(caps)
             if not tile.fits(caps, shape):
                 raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
+            if split > 1 and (p.batch or ws is None or self.kchunk(split) % tile.BK):
+                raise UnsupportedOp(f"float16 product: {split} K splits need one matrix, a workspace and "
+                                    f"a tile whose BK divides {self.kchunk(split)}")
             lm, ln, lk = shape
             # NOTE: the shader lays its WM x WN subgroups out by gl_SubgroupID, so it relies on the
             # driver running it with the subgroup size the device reports (32 on NVIDIA, seen on
@@ -143,28 +226,36 @@ class HalfMatmulPlan:
                 "SWIZZLE": tile.SWIZZLE, "A_VEC": int(vec_a), "B_VEC": int(vec_b),
                 "EDGES": int(not (full and vec_a and vec_b)), "STORE_DIRECT": int(vec_b),
             }
+            if split > 1:  # float32 partial sums, whose rows start on 16 bytes when N % 4 == 0
+                defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split), "STORE_DIRECT": int(p.N % 4 == 0)})
             bm, bn = tile.BM, tile.BN
         else:
             small = ceil_div(p.M, 64) * ceil_div(p.N, 64) * p.batch_count < 128
             bm = bn = 32 if small else 64
             shader = "gemm_f16"
             defines = {"BM": bm, "BN": bn, "BK": 16, "TM": bm // 16, "TN": bn // 16}
+        if (p.has_bias or p.act) and split == 1:
+            # only fused products carry these: the plain product's pipelines stay as they were
+            defines.update({"HAS_BIAS": int(p.has_bias), "ACT": p.act})
         outer = p.batch[:-1]
         inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
-        groups = (ceil_div(p.N, bn), ceil_div(p.M, bm), inner.count)
+        groups = (ceil_div(p.N, bn), ceil_div(p.M, bm), inner.count * split)
         check_grid(groups, caps, f"matrix product of {p.M} x {p.N}")
         out: list[Dispatch] = []
         for idx in itertools.product(*(range(d.count) for d in outer)):
             oa = sum(i * d.a for i, d in zip(idx, outer)) * _HALF
             ob = sum(i * d.b for i, d in zip(idx, outer)) * _HALF
             oy = sum(i * d.y for i, d in zip(idx, outer)) * _HALF
-            args = [Ptr(a, oa), Ptr(b, ob), Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
-                    U32(inner.a), U32(inner.b)]
+            bias = Ptr(c) if p.has_bias else Ptr(y, oy)
+            args = [Ptr(a, oa), Ptr(b, ob), Ptr(ws) if split > 1 else Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
+                    U32(inner.a), U32(inner.b), bias]
             out.append(Dispatch(shader, args, groups, defines))
+        if split > 1:
+            out.append(self._reduce(ws, c, y, split, caps))
         return out
 
     def flops(self) -> int:
         return 2 * self.p.M * self.p.N * self.p.K * self.p.batch_count
 
 
-__all__ = ["COOP_TILES", "CoopTile", "HalfMatmulPlan", "coop_shape"]
+__all__ = ["COOP_TILES", "SPLIT_TILE", "CoopTile", "HalfMatmulPlan", "coop_shape"]

@@ -3,9 +3,9 @@
 float32 through ``MatmulPlan`` (``gemm.py``); float16 through ``HalfMatmulPlan`` (``gemm_f16.py``:
 cooperative matrices where the device has them), accumulated in float32 and rounded once.
 
-The load-time rewrites of ``vkpool.fusion`` may give a float32 MatMul whose B is one matrix a
-third input, a bias of shape [N] added to every output row, and the attribute ``activation``
-applied after it; neither exists in ONNX's MatMul."""
+The load-time rewrites of ``vkpool.fusion`` may give a MatMul whose B is one matrix a third
+input, a bias of shape [N] and of the operands' type added to every output row, and the attribute
+``activation`` applied after it; neither exists in ONNX's MatMul."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -50,9 +50,9 @@ class MatMul(Op):
         self.out_shape = tuple(out)
         self.act = fused_activation(self)
         fused = self.has_input(2) or self.act
-        if fused and (half or len(b.shape) != 2 or (self.has_input(2) and self.input(2).shape != (N,))):
-            raise OpError(f"MatMul: a fused bias or activation needs a float32 2-D B and a bias of shape "
-                          f"({N},), got B {b.shape}")
+        if fused and (len(b.shape) != 2 or (self.has_input(2) and self.input(2) != TensorInfo((N,), a.dtype))):
+            raise OpError(f"MatMul: a fused bias or activation needs a 2-D B and a bias of shape ({N},) and "
+                          f"type {a.dtype}, got B {b.shape}")
         if all(d == 1 for d in b2[:-2]):
             # B is one matrix: A's batch folds into its rows (A is contiguous), one product.
             rows = int(np.prod(a2[:-1], dtype=np.int64))
@@ -88,16 +88,16 @@ class MatMul(Op):
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         a, b, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
-        if isinstance(self.plan, HalfMatmulPlan):
-            return self.plan.dispatches(a, b, y, ctx.caps)
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+        if isinstance(self.plan, HalfMatmulPlan):
+            return self.plan.dispatches(a, b, y, ctx.caps, c=c, ws=ctx.workspace)
         return self.plan.dispatches(a, b, c, y, ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
         return self.plan.flops() + (int(np.prod(self.out_shape)) if self.has_input(2) else 0)
 
     def workspace_bytes(self) -> int:
-        return self.plan.workspace_bytes() if isinstance(self.plan, MatmulPlan) else 0
+        return self.plan.workspace_bytes()
 
 
 __all__ = ["MatMul"]

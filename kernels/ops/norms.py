@@ -3,7 +3,10 @@
 Every op here is "reduce some dimensions of x, then map each element with the row's
 statistics and a per-channel (or broadcast-tail) scale and bias". Each op states its row
 view (collapsed shape + reduced mask, as for Reduce*) and how scale/bias are indexed; the
-shader does the rest. float32 only.
+shader does the rest. float32 or float16 (x, scale, bias and y of one type; float16 is widened
+as it is read, every statistic is float32 and y is rounded once, as ``stash_type`` 1 asks).
+float16 Layer/RMS normalisation over trailing axes (a transformer's) runs ``norm_rows.comp``
+instead, where the device allows 256 invocations per workgroup: each element read once.
 """
 from __future__ import annotations
 
@@ -15,9 +18,14 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp,
+    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
 )
 from vkpool.kernels.ops.reduce import MAX_VIEW_RANK, normalize_axes, reduction_view, row_geometry
+
+_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
+#: float16 rows up to this long are normalised by norm_rows.comp (a workgroup per row, every element
+#: read once into registers: 16 per invocation at most)
+_ROWS_MAX = 16 * 256
 
 
 def tail_broadcast_size(param: tuple[int, ...], norm_shape: tuple[int, ...], what: str) -> int:
@@ -51,11 +59,12 @@ class RowNorm(Op):
 
     def check(self) -> None:
         x = self.input(0)
-        if x.dtype != np.float32:
-            raise UnsupportedOp(f"{self.op_type}: element type {x.dtype} has no kernel")
+        if x.dtype not in _TYPES:
+            raise UnsupportedOp(f"{self.op_type}: element type {x.dtype} has no kernel (float32, float16)")
         for pos in (self.scale_pos, self.bias_pos):
-            if pos is not None and self.has_input(pos) and self.input(pos).dtype != np.float32:
-                raise UnsupportedOp(f"{self.op_type}: input {pos} of type {self.input(pos).dtype} has no kernel")
+            if pos is not None and self.has_input(pos) and self.input(pos).dtype != x.dtype:
+                raise UnsupportedOp(f"{self.op_type}: input {pos} of type {self.input(pos).dtype} with X of type "
+                                    f"{x.dtype} has no kernel (one type for X, scale and bias)")
         self.sdiv, self.smod, self.bmod = 1, 1, 1
         self.eps = float(self.attr("epsilon", 1e-5))
         self.setup()
@@ -63,6 +72,18 @@ class RowNorm(Op):
     @abstractmethod
     def setup(self) -> None:
         """Sets the op's row layout and affine parameters."""
+
+    @abstractmethod
+    def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        """The op's outputs from float32 inputs, in float32."""
+
+    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        # float16 as the kernel computes it: widened, float32 throughout, X-typed outputs rounded once
+        dtype = self.input(0).dtype
+        wide = [v.astype(np.float32) if v is not None and v.dtype == np.float16 else v for v in inputs]
+        outs = self.reference_f32(wide)
+        infos = self.output_infos()
+        return [o.astype(info.dtype, copy=False) for o, info in zip(outs, infos)] if dtype != np.float32 else outs
 
     # -- checks the subclasses share
     def require_float32_stash(self) -> None:
@@ -119,6 +140,15 @@ class RowNorm(Op):
         defines = {"MODE": self.mode, "ROW_THREADS": threads, "HAS_SCALE": int(has_scale),
                    "HAS_BIAS": int(has_bias), "HAS_STATS": int(has_stats), "P": self.p, "TAIL": int(tail),
                    "RESIDUAL": int(residual), "SUM_OUT": int(sum_out is not None)}
+        if x.dtype == np.float16:
+            defines["HALF"] = 1  # float32 keeps its defines (and its cached pipelines) as they were
+            if tail and self.mode in (0, 1) and self.sdiv == 1 and nred <= _ROWS_MAX \
+                    and (ctx.caps is None or ctx.caps.max_workgroup_invocations >= 256):
+                del defines["ROW_THREADS"], defines["TAIL"], defines["P"], defines["HALF"]
+                args = [*args[:6], U32(nrows), F32(self.eps), U32(self.smod), U32(self.bmod), *args[-2:]]
+                subgroups = ctx.caps is not None and ctx.caps.subgroup_arithmetic
+                defines.update({"NRED": nred, "SUBGROUP_REDUCE": int(subgroups)})
+                return [Dispatch("norm_rows", args, groups_1d(nrows, 1, ctx.caps), defines)]
         return [Dispatch("norm", args, groups, defines)]
 
 
@@ -135,7 +165,7 @@ class LayerNormalization(RowNorm):
         self.axes = list(range(self.axis, rank))
         self.residual = bool(self.attr("residual", 0))
         if self.residual and (not self.has_input(3) or self.input(3) != x):
-            raise OpError(f"LayerNormalization: a fused residual must be a float32 tensor of X's shape {x.shape}")
+            raise OpError(f"LayerNormalization: a fused residual must be a tensor of X's shape {x.shape} and type")
         if self.num_outputs > 3 and not self.residual:
             raise OpError("LayerNormalization: an output of the residual sum needs a fused residual")
         norm_shape = x.shape[self.axis:]
@@ -149,7 +179,7 @@ class LayerNormalization(RowNorm):
         stats = TensorInfo(self.stats_shape, np.float32)
         return [x, stats, stats, x][: max(1, self.num_outputs)]
 
-    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
         assert x is not None and scale is not None
         if self.residual:
@@ -178,7 +208,7 @@ class RMSNormalization(RowNorm):
         self.axes = list(range(self.axis, rank))
         self.smod = tail_broadcast_size(self.input(1).shape, x.shape[self.axis:], "scale")
 
-    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale = inputs[0], inputs[1]
         assert x is not None and scale is not None
         ms = np.mean(np.square(x), axis=tuple(self.axes), keepdims=True)
@@ -208,7 +238,7 @@ class GroupNormalization(RowNorm):
         self.sdiv = spatial * (c // g) if self.per_group else spatial
         self.smod = self.bmod = want
 
-    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale, bias = inputs[0], inputs[1], inputs[2]
         assert x is not None and scale is not None and bias is not None
         n, c = x.shape[:2]
@@ -236,7 +266,7 @@ class InstanceNormalization(RowNorm):
         self.axes = [1]
         self.sdiv, self.smod, self.bmod = spatial, c, c
 
-    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale, bias = inputs[0], inputs[1], inputs[2]
         assert x is not None and scale is not None and bias is not None
         axes = tuple(range(2, x.ndim))
@@ -259,7 +289,7 @@ class MeanVarianceNormalization(RowNorm):
         self.axes = normalize_axes(self.attr("axes", [0, 2, 3]), len(x.shape), self.op_type)
         self.eps = 1e-9  # the epsilon of the op's function body
 
-    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x = inputs[0]
         assert x is not None
         axes = tuple(self.axes)
@@ -282,7 +312,7 @@ class LpNormalization(RowNorm):
         self.view_shape = x.shape
         self.axes = normalize_axes([self.attr("axis", -1)], len(x.shape), self.op_type)
 
-    def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x = inputs[0]
         assert x is not None
         axis = self.axes[0]

@@ -8,20 +8,35 @@
 // Mask bias: MASK_BOOL false -> -inf, else added; columns past MASK_LEN are masked; CAUSAL with
 // offset (past length, or nonpad_kv_seqlen[b] - S); NONPAD masks j >= nonpad_kv_seqlen[b];
 // WL/WR >= 0 bound the sliding window. QK_MODE (0..3, -1 none) picks the qk_matmul_output stage.
+// HALF: Q, K, V and Y are float16 (widened as read, every step float32, Y rounded once);
+// MASK_HALF: a float mask is float16.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#if HALF
+#include "elem_types.glsl"
+#define TBUF F16Buf
+#define TT float16_t
+#else
+#define TBUF F32Buf
+#define TT float
+#endif
+#if MASK_HALF
+#define MBUF F16Buf
+#else
+#define MBUF F32Buf
+#endif
 layout(local_size_x = 64) in;
 
 layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer RowBuf { float v[]; };
 
 layout(push_constant) uniform Args {
-    F32Buf q;
-    F32Buf k;
-    F32Buf v;
-    F32Buf mask;     // float mask, or a U8 mask read through mask_u8
+    TBUF q;
+    TBUF k;
+    TBUF v;
+    MBUF mask;     // float mask, or a U8 mask read through mask_u8
     I64Buf nonpad;
     RowBuf scores;   // workspace: one row of T floats per query row
-    F32Buf y;
+    TBUF y;
     F32Buf qk_out;
     float scale;
     float softcap;
@@ -65,7 +80,7 @@ void main() {
     float tmax = NEG_INF, bmax = NEG_INF;
     for (uint j = lane; j < T; j += 64) {
         float s = 0.0;
-        for (uint d = 0; d < D; ++d) s += pc.q.v[q_index(b, h, i, d)] * pc.k.v[kv_index(b, hk, j, d, D)];
+        for (uint d = 0; d < D; ++d) s += float(pc.q.v[q_index(b, h, i, d)]) * float(pc.k.v[kv_index(b, hk, j, d, D)]);
         s *= pc.scale;
 #if SOFTCAP
         s = pc.softcap * tanh(s / pc.softcap);
@@ -99,7 +114,7 @@ void main() {
     barrier();
     for (uint d = lane; d < DV; d += 64) {
         float acc = 0.0;
-        for (uint j = 0; j < T; ++j) acc += pc.scores.v[base + j] * pc.v.v[kv_index(b, hk, j, d, DV)];
-        pc.y.v[y_index(b, h, i, d)] = acc;
+        for (uint j = 0; j < T; ++j) acc += pc.scores.v[base + j] * float(pc.v.v[kv_index(b, hk, j, d, DV)]);
+        pc.y.v[y_index(b, h, i, d)] = TT(acc);
     }
 }

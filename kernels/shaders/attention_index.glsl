@@ -11,8 +11,13 @@ uint query_index(uint b, uint h, uint i, uint d, uint dim) {
 #endif
 }
 
+#ifdef QKV_ROW
+// packed_qkv (3-D, no cache): Q, K and V are column ranges of rows of QKV_ROW elements, their
+// pointers at the first column of each
+uint q_index(uint b, uint h, uint i, uint d) { return (b * S + i) * QKV_ROW + h * D + d; }
+uint kv_index(uint b, uint h, uint j, uint d, uint dim) { return (b * T + j) * QKV_ROW + h * dim + d; }
+#else
 uint q_index(uint b, uint h, uint i, uint d) { return query_index(b, h, i, d, D); }
-uint y_index(uint b, uint h, uint i, uint d) { return query_index(b, h, i, d, DV); }
 
 uint kv_index(uint b, uint h, uint j, uint d, uint dim) {
 #if KV3D
@@ -21,6 +26,8 @@ uint kv_index(uint b, uint h, uint j, uint d, uint dim) {
     return ((b * HKV + h) * T + j) * dim + d;
 #endif
 }
+#endif
+uint y_index(uint b, uint h, uint i, uint d) { return query_index(b, h, i, d, DV); }
 
 float bias(uint b, uint h, uint i, uint j) {
     float r = 0.0;
@@ -30,7 +37,7 @@ float bias(uint b, uint h, uint i, uint j) {
 #if MASK_BOOL
     if (uint(U8Buf(pc.mask).v[m]) == 0u) return NEG_INF;
 #else
-    r = pc.mask.v[m];
+    r = float(pc.mask.v[m]);
 #endif
 #endif
 #if NONPAD

@@ -8,20 +8,34 @@
 // to a multiple of WG). With SHUFFLE (WG is the subgroup size) lane l loads element d0 + l of
 // a key or value row and every lane takes the others' by subgroupShuffle: one load per WG
 // elements, where on lavapipe a load is a loop over the lanes and a shuffle a register move.
+// HALF / MASK_HALF / QKV_ROW: float16 tensors and packed Q/K/V as in attention.comp.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#if HALF
+#include "elem_types.glsl"
+#define TBUF F16Buf
+#define TT float16_t
+#else
+#define TBUF F32Buf
+#define TT float
+#endif
+#if MASK_HALF
+#define MBUF F16Buf
+#else
+#define MBUF F32Buf
+#endif
 #if SHUFFLE
 #extension GL_KHR_shader_subgroup_shuffle : require
 #endif
 layout(local_size_x = WG) in;
 
 layout(push_constant) uniform Args {
-    F32Buf q;
-    F32Buf k;
-    F32Buf v;
-    F32Buf mask;     // float mask, or a U8 mask read through U8Buf
+    TBUF q;
+    TBUF k;
+    TBUF v;
+    MBUF mask;     // float mask, or a U8 mask read through U8Buf
     I64Buf nonpad;
-    F32Buf y;
+    TBUF y;
     float scale;
     float softcap;
 } pc;
@@ -36,7 +50,7 @@ void main() {
     const uint hk = h / (HQ / HKV);
 
     float qr[DP];
-    for (uint d = 0; d < DP; ++d) qr[d] = d < D ? pc.q.v[q_index(b, h, i, d)] * pc.scale : 0.0;
+    for (uint d = 0; d < DP; ++d) qr[d] = d < D ? float(pc.q.v[q_index(b, h, i, d)]) * pc.scale : 0.0;
     float acc[DVP];
     for (uint d = 0; d < DVP; ++d) acc[d] = 0.0;
     float m = NEG_INF, l = 0.0;
@@ -50,11 +64,11 @@ void main() {
             float s = 0.0;
 #if SHUFFLE
             for (uint d0 = 0; d0 < DP; d0 += WG) {
-                const float kv = d0 + lane < D ? pc.k.v[kb + d0 + lane] : 0.0;
+                const float kv = d0 + lane < D ? float(pc.k.v[kb + d0 + lane]) : 0.0;
                 for (uint t = 0; t < WG; ++t) s = fma(qr[d0 + t], subgroupShuffle(kv, t), s);
             }
 #else
-            for (uint d = 0; d < D; ++d) s = fma(qr[d], pc.k.v[kb + d], s);
+            for (uint d = 0; d < D; ++d) s = fma(qr[d], float(pc.k.v[kb + d]), s);
 #endif
 #if SOFTCAP
             s = pc.softcap * tanh(s / pc.softcap);
@@ -77,15 +91,15 @@ void main() {
             const uint vb = kv_index(b, hk, min(j0 + u, T - 1), 0, DV);
 #if SHUFFLE
             for (uint d0 = 0; d0 < DVP; d0 += WG) {
-                const float vv = d0 + lane < DV ? pc.v.v[vb + d0 + lane] : 0.0;
+                const float vv = d0 + lane < DV ? float(pc.v.v[vb + d0 + lane]) : 0.0;
                 for (uint t = 0; t < WG; ++t) acc[d0 + t] = fma(p, subgroupShuffle(vv, t), acc[d0 + t]);
             }
 #else
-            for (uint d = 0; d < DV; ++d) acc[d] = fma(p, pc.v.v[vb + d], acc[d]);
+            for (uint d = 0; d < DV; ++d) acc[d] = fma(p, float(pc.v.v[vb + d]), acc[d]);
 #endif
         }
     }
     if (row >= S) return;
     const float inv = l > 0.0 ? 1.0 / l : 0.0;  // every key masked: zeros, as the reference gives
-    for (uint d = 0; d < DV; ++d) pc.y.v[y_index(b, h, i, d)] = acc[d] * inv;
+    for (uint d = 0; d < DV; ++d) pc.y.v[y_index(b, h, i, d)] = TT(acc[d] * inv);
 }

@@ -6,18 +6,31 @@
 // via kv_concat's present tensors, masks, causal, windows, nonpad lengths, softcap); the same
 // defines, plus KB (keys per tile, a multiple of 16). 256 invocations: row r = id / 16 owns
 // lanes c = id % 16, which score keys c, c + 16, ... of a tile and accumulate output columns
-// c, c + 16, ... of that row.
+// c, c + 16, ... of that row. HALF / MASK_HALF: float16 tensors as in attention.comp.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#if HALF
+#include "elem_types.glsl"
+#define TBUF F16Buf
+#define TT float16_t
+#else
+#define TBUF F32Buf
+#define TT float
+#endif
+#if MASK_HALF
+#define MBUF F16Buf
+#else
+#define MBUF F32Buf
+#endif
 layout(local_size_x = 256) in;
 
 layout(push_constant) uniform Args {
-    F32Buf q;
-    F32Buf k;
-    F32Buf v;
-    F32Buf mask;     // float mask, or a U8 mask read through U8Buf
+    TBUF q;
+    TBUF k;
+    TBUF v;
+    MBUF mask;     // float mask, or a U8 mask read through U8Buf
     I64Buf nonpad;
-    F32Buf y;
+    TBUF y;
     float scale;
     float softcap;
 } pc;
@@ -43,7 +56,7 @@ void main() {
 
     for (uint e = id; e < QB * D; e += 256) {
         uint rr = e / D, d = e % D;
-        Qs[rr][d] = i0 + rr < S ? pc.q.v[q_index(b, h, i0 + rr, d)] : 0.0;
+        Qs[rr][d] = i0 + rr < S ? float(pc.q.v[q_index(b, h, i0 + rr, d)]) : 0.0;
     }
     float m = NEG_INF, l = 0.0;
     float acc[OC];
@@ -53,22 +66,28 @@ void main() {
         barrier();  // the previous tile's Ks, Vs, Ps and red are consumed (Qs written, first time)
         for (uint e = id; e < KB * D; e += 256) {
             uint jj = e / D, d = e % D;
-            Ks[jj][d] = j0 + jj < T ? pc.k.v[kv_index(b, hk, j0 + jj, d, D)] : 0.0;
+            Ks[jj][d] = j0 + jj < T ? float(pc.k.v[kv_index(b, hk, j0 + jj, d, D)]) : 0.0;
         }
         for (uint e = id; e < KB * DV; e += 256) {
             uint jj = e / DV, d = e % DV;
-            Vs[jj][d] = j0 + jj < T ? pc.v.v[kv_index(b, hk, j0 + jj, d, DV)] : 0.0;
+            Vs[jj][d] = j0 + jj < T ? float(pc.v.v[kv_index(b, hk, j0 + jj, d, DV)]) : 0.0;
         }
         barrier();
+        // the SC dot products of this lane together: each Q element read once from shared
+        // memory for all of them (each dot still sums over d in order)
+        float dots[SC];
+        for (uint u = 0; u < SC; ++u) dots[u] = 0.0;
+        for (uint d = 0; d < D; ++d) {
+            const float qd = Qs[r][d];
+            for (uint u = 0; u < SC; ++u) dots[u] = fma(qd, Ks[c + 16 * u][d], dots[u]);
+        }
         float s[SC];
         float tmax = NEG_INF;
         for (uint u = 0; u < SC; ++u) {
             uint jj = c + 16 * u, j = j0 + jj;
             float t = NEG_INF;
             if (j < T && i < S) {
-                float dot = 0.0;
-                for (uint d = 0; d < D; ++d) dot = fma(Qs[r][d], Ks[jj][d], dot);
-                float x = dot * pc.scale;
+                float x = dots[u] * pc.scale;
 #if SOFTCAP
                 x = pc.softcap * tanh(x / pc.softcap);
 #endif
@@ -97,17 +116,19 @@ void main() {
         float corr = m == NEG_INF ? 0.0 : exp(m - base);
         l = l * corr + psum;
         m = mnew;
-        for (uint u = 0; u < OC; ++u) {
-            uint d = c + 16 * u;
-            if (d >= DV) break;
-            float a = acc[u] * corr;
-            for (uint jj = 0; jj < KB; ++jj) a = fma(Ps[r][jj], Vs[jj][d], a);
-            acc[u] = a;
+        // each probability read once for the lane's OC columns (each column sums over keys in order)
+        for (uint u = 0; u < OC; ++u) acc[u] *= corr;
+        for (uint jj = 0; jj < KB; ++jj) {
+            const float p = Ps[r][jj];
+            for (uint u = 0; u < OC; ++u) {
+                const uint d = c + 16 * u;
+                if (d < DV) acc[u] = fma(p, Vs[jj][d], acc[u]);
+            }
         }
     }
     if (i >= S) return;
     for (uint u = 0; u < OC; ++u) {
         uint d = c + 16 * u;
-        if (d < DV) pc.y.v[y_index(b, h, i, d)] = l > 0.0 ? acc[u] / l : 0.0;
+        if (d < DV) pc.y.v[y_index(b, h, i, d)] = TT(l > 0.0 ? acc[u] / l : 0.0);
     }
 }

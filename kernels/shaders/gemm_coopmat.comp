@@ -19,6 +19,15 @@
 // through shared memory and are written element by element.
 // SWIZZLE > 0 walks the tiles in column bands SWIZZLE tile-rows tall, so that workgroups
 // running together share their A rows and B columns in the L2 cache.
+// A fused product (vkpool.fusion): HAS_BIAS adds the float16 bias c[n] to the float32
+// accumulators (LM copies of the tile's BN bias values are staged in the B slice, read back as an
+// accumulator matrix), and ACT (epilogue.glsl) maps each accumulator element in place: the same
+// function at every position, so the matrix's element order does not matter. Both before the
+// one rounding to float16.
+// SPLITK: workgroup z is a split of the reduction (one matrix, no batch): K from z * KCHUNK to
+// (z + 1) * KCHUNK (KCHUNK a multiple of BK), and y points at the float32 workspace, where the
+// split writes its partial sums (rows of N floats, split after split); gemm_reduce.comp adds them,
+// the bias and the activation. STORE_DIRECT then means N % 4 == 0 (rows of floats on 16 bytes).
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -26,11 +35,20 @@
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "common.glsl"
+#ifndef HAS_BIAS
+#define HAS_BIAS 0
+#endif
+#include "epilogue.glsl"
 
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer U16Buf { uint16_t v[]; };
 // rows of Y written by coopMatStore start on 16 bytes (N % 8 == 0)
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer F16Rows { float16_t v[]; };
+// split-K's partial sums: rows of N floats (N % 4 == 0 for coopMatStore)
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer F32Rows { float v[]; };
+#ifndef SPLITK
+#define SPLITK 0
+#endif
 
 #define NSUB (WM * WN)
 #define NT (NSUB * SG)
@@ -44,6 +62,7 @@ layout(push_constant) uniform Args {
     uint64_t y;
     uint M, N, K;
     uint bA, bB;  // batch strides of A and B in elements (0: shared); Y's is M * N
+    uint64_t c;   // the bias (HAS_BIAS)
 } pc;
 
 // the shared buffer in 16-byte units: the A slice (BM rows of BK halves), then the B slice (BK
@@ -140,8 +159,15 @@ void main() {
 #endif
     const uint row0 = tileM * BM, col0 = tileN * BN;
     const uint z = gl_WorkGroupID.z;
+#if SPLITK
+    const uint kBegin = min(z * KCHUNK, pc.K);
+    const uint kEnd = min(kBegin + KCHUNK, pc.K);
+    const uint64_t aBase = pc.a, bBase = pc.b;
+#else
+    const uint kBegin = 0, kEnd = pc.K;
     const uint64_t aBase = pc.a + uint64_t(z) * pc.bA * 2;
     const uint64_t bBase = pc.b + uint64_t(z) * pc.bB * 2;
+#endif
     const uint sg = gl_SubgroupID;
     const uint sm = (sg / WN) * (BM / WM), sn = (sg % WN) * (BN / WN);
 
@@ -149,24 +175,24 @@ void main() {
         [[unroll]] for (uint j = 0; j < TN; ++j)
             acc[i][j] = coopmat<float, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator>(0.0);
 
-    const uint slices = (pc.K + BK - 1) / BK;
+    const uint slices = (kEnd - kBegin + BK - 1) / BK;
     uvec4 a0[A_LOADS], b0[B_LOADS];
-    fetch(a0, b0, aBase, bBase, row0, col0, 0);
+    if (slices > 0) fetch(a0, b0, aBase, bBase, row0, col0, kBegin);
     // one shared buffer: fill it, barrier, multiply, barrier; the loads of the next PREFETCH
     // slices are in flight during each multiply
 #if PREFETCH == 2
     uvec4 a1[A_LOADS], b1[B_LOADS];
-    if (slices > 1) fetch(a1, b1, aBase, bBase, row0, col0, BK);
+    if (slices > 1) fetch(a1, b1, aBase, bBase, row0, col0, kBegin + BK);
     for (uint t = 0; t < slices; t += 2) {
         stash(a0, b0);
         barrier();
-        if (t + 2 < slices) fetch(a0, b0, aBase, bBase, row0, col0, (t + 2) * BK);
+        if (t + 2 < slices) fetch(a0, b0, aBase, bBase, row0, col0, kBegin + (t + 2) * BK);
         multiply(sm, sn);
         barrier();
         if (t + 1 < slices) {
             stash(a1, b1);
             barrier();
-            if (t + 3 < slices) fetch(a1, b1, aBase, bBase, row0, col0, (t + 3) * BK);
+            if (t + 3 < slices) fetch(a1, b1, aBase, bBase, row0, col0, kBegin + (t + 3) * BK);
             multiply(sm, sn);
             barrier();
         }
@@ -175,13 +201,53 @@ void main() {
     for (uint t = 0; t < slices; ++t) {
         stash(a0, b0);
         barrier();
-        if (t + 1 < slices) fetch(a0, b0, aBase, bBase, row0, col0, (t + 1) * BK);
+        if (t + 1 < slices) fetch(a0, b0, aBase, bBase, row0, col0, kBegin + (t + 1) * BK);
         multiply(sm, sn);
         barrier();
     }
 #endif
 
     // epilogue: the shared buffer is free (every subgroup passed the last barrier)
+#if SPLITK
+    const uint64_t wsBase = pc.y + 4 * uint64_t(z) * pc.M * pc.N;
+    const uint scratch = sg * (LM * LN / 4);
+    const uint lane = gl_SubgroupInvocationID;
+    [[unroll]] for (uint i = 0; i < TM; ++i) {
+        const uint r = row0 + sm + i * LM;
+        [[unroll]] for (uint j = 0; j < TN; ++j) {
+            const uint c = col0 + sn + j * LN;
+#if STORE_DIRECT
+            if (r + LM <= pc.M && c + LN <= pc.N) {
+                F32Rows rows = F32Rows(wsBase + 4 * (uint64_t(r) * pc.N + c));
+                coopMatStore(acc[i][j], rows.v, 0, pc.N, gl_CooperativeMatrixLayoutRowMajor);
+                continue;
+            }
+#endif
+            if (r >= pc.M || c >= pc.N) continue;
+            // edge tile: through this subgroup's corner of shared memory, then element by element
+            coopMatStore(acc[i][j], smem, scratch, LN / 4, gl_CooperativeMatrixLayoutRowMajor);
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            for (uint v = lane; v < LM * LN / 4; v += SG) {
+                const uvec4 q = smem[scratch + v];
+                const uint rr = r + (v * 4) / LN;
+                [[unroll]] for (uint e = 0; e < 4; ++e) {
+                    const uint cc = c + (v * 4) % LN + e;
+                    if (rr < pc.M && cc < pc.N)
+                        F32Buf(wsBase + 4 * (uint64_t(rr) * pc.N + cc)).v[0] = uintBitsToFloat(q[e]);
+                }
+            }
+            subgroupBarrier();
+        }
+    }
+#else
+#if HAS_BIAS
+    for (uint v = gl_LocalInvocationIndex; v < BN / 8; v += NT) {
+        const uvec4 q = load8(pc.c, 0, col0 + v * 8, 1, pc.N, 0);
+        [[unroll]] for (uint r = 0; r < LM; ++r) smem[A_SIZE + r * BROW + v] = q;
+    }
+    barrier();
+#endif
     const uint64_t yBase = uint64_t(z) * pc.M * pc.N;
     const uint scratch = sg * (LM * LN / 8);
     const uint lane = gl_SubgroupInvocationID;
@@ -189,6 +255,16 @@ void main() {
         const uint r = row0 + sm + i * LM;
         [[unroll]] for (uint j = 0; j < TN; ++j) {
             const uint c = col0 + sn + j * LN;
+#if HAS_BIAS
+            {
+                coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> bias_rows;
+                coopMatLoad(bias_rows, smem, A_SIZE + (sn + j * LN) / 8, BROW, gl_CooperativeMatrixLayoutRowMajor);
+                acc[i][j] += coopmat<float, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator>(bias_rows);
+            }
+#endif
+#if ACT != 0
+            for (int e = 0; e < acc[i][j].length(); ++e) acc[i][j][e] = epilogue(acc[i][j][e]);
+#endif
             coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> out_tile =
                 coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator>(acc[i][j]);
 #if STORE_DIRECT
@@ -217,4 +293,5 @@ void main() {
             subgroupBarrier();
         }
     }
+#endif
 }

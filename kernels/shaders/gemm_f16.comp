@@ -5,9 +5,15 @@
 //
 // The tiling of gemm.comp: a workgroup computes a BM x BN tile of Y with TM x TN outputs per
 // invocation, staging BK-deep slices of A and B through shared memory as float32.
+// A fused product (vkpool.fusion) adds a float16 bias c[n] (HAS_BIAS) and applies ACT
+// (epilogue.glsl) to the float32 sum before its one rounding to float16.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "elem_types.glsl"
+#ifndef HAS_BIAS
+#define HAS_BIAS 0
+#endif
+#include "epilogue.glsl"
 
 #define TX (BN / TN)
 #define TY (BM / TM)
@@ -20,6 +26,7 @@ layout(push_constant) uniform Args {
     F16Buf y;
     uint M, N, K;
     uint bA, bB;  // batch strides of A and B in elements (0: shared); Y's is M * N
+    F16Buf c;     // the bias (HAS_BIAS)
 } pc;
 
 shared float As[BK][BM];
@@ -65,7 +72,12 @@ void main() {
         if (m >= M) continue;
         for (uint j = 0; j < TN; ++j) {
             uint n = col0 + tx + j * TX;
-            if (n < N) pc.y.v[yBase + m * N + n] = float16_t(acc[i][j]);
+            if (n >= N) continue;
+            float v = acc[i][j];
+#if HAS_BIAS
+            v += float(pc.c.v[n]);
+#endif
+            pc.y.v[yBase + m * N + n] = float16_t(epilogue(v));
         }
     }
 }

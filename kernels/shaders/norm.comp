@@ -1,6 +1,8 @@
 #version 450
 // Normalisation layers: statistics over the reduced dimensions of a row, then an elementwise
-// rescale. x is viewed as in reduce.comp (collapsed shape, reduced-bit mask). float32 only.
+// rescale. x is viewed as in reduce.comp (collapsed shape, reduced-bit mask). x, scale, bias,
+// res, y and sum_out are float32, or float16 with HALF = 1 (16-bit storage only: every value is
+// widened as it is read, the statistics and the rescale are float32, y is rounded once).
 // MODE 0: y = (x - mean) / sqrt(var + eps) * scale + bias   (Layer/Group/InstanceNormalization)
 // MODE 1: y = x / sqrt(mean(x^2) + eps) * scale              (RMSNormalization)
 // MODE 2: y = (x - mean) / (sqrt(E[x^2] - mean^2) + eps)    (MeanVarianceNormalization)
@@ -12,6 +14,14 @@
 // LayerNormalization by vkpool.fusion); SUM_OUT: that sum is also written to sum_out.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#if HALF
+#include "elem_types.glsl"
+#define VBUF F16Buf
+#define VT float16_t
+#else
+#define VBUF F32Buf
+#define VT float
+#endif
 
 #if ROW_THREADS == 1
 layout(local_size_x = 64) in;
@@ -21,10 +31,10 @@ shared float partial[ROW_THREADS];
 #endif
 
 layout(push_constant) uniform Args {
-    F32Buf x;
-    F32Buf scale;
-    F32Buf bias;
-    F32Buf y;
+    VBUF x;
+    VBUF scale;
+    VBUF bias;
+    VBUF y;
     F32Buf mean_out;
     F32Buf inv_out;
     uint nrows;
@@ -36,15 +46,15 @@ layout(push_constant) uniform Args {
     uint sdiv;
     uint smod;
     uint bmod;
-    F32Buf res;
-    F32Buf sum_out;
+    VBUF res;
+    VBUF sum_out;
 } pc;
 
 float x_at(uint i) {
 #if RESIDUAL
-    return pc.x.v[i] + pc.res.v[i];
+    return float(pc.x.v[i]) + float(pc.res.v[i]);
 #else
-    return pc.x.v[i];
+    return float(pc.x.v[i]);
 #endif
 }
 
@@ -127,18 +137,18 @@ void main() {
         uint i = base + offset_of(r, true);
         float xi = x_at(i);
 #if SUM_OUT
-        pc.sum_out.v[i] = xi;
+        pc.sum_out.v[i] = VT(xi);
 #endif
         float v = (xi - sub) * mul;
 #if MODE == 3
         v = norm == 0.0 ? 0.0 : xi / norm;
 #endif
 #if HAS_SCALE
-        v *= pc.scale.v[(i / pc.sdiv) % pc.smod];
+        v *= float(pc.scale.v[(i / pc.sdiv) % pc.smod]);
 #endif
 #if HAS_BIAS
-        v += pc.bias.v[(i / pc.sdiv) % pc.bmod];
+        v += float(pc.bias.v[(i / pc.sdiv) % pc.bmod]);
 #endif
-        pc.y.v[i] = v;
+        pc.y.v[i] = VT(v);
     }
 }
