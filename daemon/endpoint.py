@@ -144,8 +144,9 @@ LISTEN_BACKLOG = 32
 def fd_margin(fd_limit: int) -> int:
     """Open descriptors at which the daemon stops listening are ``fd_limit`` less this: room for
     the connections libzmq accepts before the daemon sees the first of them (a listener's
-    backlog at once, and more while the I/O thread is busy), and for the daemon's own files."""
-    return max(fd_reserve(fd_limit), LISTEN_BACKLOG + 16)
+    backlog at once, and more while the I/O thread is busy: a third of a low limit), and for the
+    daemon's own files."""
+    return max(fd_reserve(fd_limit), LISTEN_BACKLOG + 16, min(fd_limit // 3, FD_RESERVE))
 
 
 def open_fds() -> int | None:

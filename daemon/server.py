@@ -742,13 +742,22 @@ class Server:
                          {"state": job.state})
 
     def _on_monitor(self) -> None:
-        event = parse_monitor_message(self._monitor.recv_multipart())
-        if event["event"] == zmq.EVENT_ACCEPTED:
-            self._connections += 1
+        """Every monitor event waiting, then one look at the descriptors if a connection came: a
+        burst of connections is counted as fast as libzmq accepts it, not one listing per event."""
+        accepted = False
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._connections += 1
+                accepted = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._connections = max(0, self._connections - 1)
+                self._probes.append((time.monotonic() + _PROBE_DELAY_S, int(event["value"])))
+        if accepted:
             self._watch_fds()
-        elif event["event"] == zmq.EVENT_DISCONNECTED:
-            self._connections = max(0, self._connections - 1)
-            self._probes.append((time.monotonic() + _PROBE_DELAY_S, int(event["value"])))
 
     def _watch_fds(self) -> None:
         """Stop taking connections while the open descriptors are within the margin of the limit,
