@@ -120,13 +120,6 @@ def fused_ops(model: bytes) -> list[tuple[str, object]]:
     return [(n.op_type, n.attrs.get("activation")) for n in load_model(model, cache=False).nodes]
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = vulkan_pool()
-    yield p
-    p.close()
-
-
 # -- products: bias and GELU in the epilogue -----------------------------------------------------
 
 @pytest.mark.parametrize("chain,activation", [(GELU_ERF, "Gelu"), (GELU_TANH_POW, "GeluTanh")], ids=["erf", "tanh"])
@@ -470,7 +463,6 @@ def test_a_short_wide_product_splits_its_reduction_on_a_cooperative_matrix_devic
     p = MatmulProblem(M=128, N=768, K=3072, sAm=3072, sAk=1, sBk=768, sBn=1, has_bias=True, sCn=1, act=2)
     plan = HalfMatmulPlan(p)
     # 48 tiles of 32 x 64, 256 workgroups wanted: 6 splits of K (512 each, eight 64-deep slices)
-    assert (SPLIT_TILE.BM, SPLIT_TILE.BN, SPLIT_TILE.BK) == (32, 64, 64)
     assert plan.splits == 6 and plan.workspace_bytes() == 4 * 6 * 128 * 768
     gemm, reduce = plan.dispatches("a", "b", "y", GPU_CAPS, c="bias", ws="ws")
     assert gemm.shader == "gemm_coopmat" and gemm.defines["SPLITK"] == 1 and gemm.defines["KCHUNK"] == 512
