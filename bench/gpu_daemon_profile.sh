@@ -3,15 +3,7 @@
 # vkpool.daemon.bench), then py-spy profiles of the daemon under 16 clients (all threads, and only
 # the thread holding the GIL). Carry .gl, .whl (with py-spy) and .glsl as for bench/gpu_run.sh.
 # Environment: MODEL, CLIENTS, SECONDS_EACH, MAX_BATCH, TRANSPORT.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-bash bench/gpu_run.sh daemon "" --devices-only > /tmp/setup.txt 2>&1 || { cat /tmp/setup.txt; exit 1; }
-nvidia-smi --query-gpu=name --format=csv,noheader
-icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-[ -f "$icd" ] || icd=$(ls /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json 2>/dev/null | head -1)
-export VK_DRIVER_FILES=$icd VKPOOL_CACHE_DIR=/tmp/vkcache PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-rm -rf /tmp/benchpkg && mkdir -p /tmp/benchpkg && cp -r bench /tmp/benchpkg/
-export PYTHONPATH=/tmp/site:/tmp/vkpool-src:/tmp/benchpkg
+source bench/gpu_daemon_env.sh
 common="--runs 300 --seconds ${SECONDS_EACH:-2} --clients ${CLIENTS:-1 4 16 64} --transport ${TRANSPORT:-both}"
 for mode in fixed batched; do
   extra=""; [ $mode = batched ] && extra="--max-batch ${MAX_BATCH:-32}"

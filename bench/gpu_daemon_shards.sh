@@ -3,15 +3,7 @@
 # fixed batch and dynamic batching), then bench/gpu_daemon_profile.sh's figures and profiles unless
 # SKIP_PROFILE is set. Carry .gl, .whl (py-spy among the wheels) and .glsl as for bench/gpu_run.sh.
 # Environment: MODEL, SHARDS, CLIENTS, SECONDS_EACH, MAX_BATCH.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-bash bench/gpu_run.sh daemon "" --devices-only > /tmp/setup.txt 2>&1 || { cat /tmp/setup.txt; exit 1; }
-nvidia-smi --query-gpu=name --format=csv,noheader
-icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-[ -f "$icd" ] || icd=$(ls /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json 2>/dev/null | head -1)
-export VK_DRIVER_FILES=$icd VKPOOL_CACHE_DIR=/tmp/vkcache PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-rm -rf /tmp/benchpkg && mkdir -p /tmp/benchpkg && cp -r bench /tmp/benchpkg/
-export PYTHONPATH=/tmp/site:/tmp/vkpool-src:/tmp/benchpkg
+source bench/gpu_daemon_env.sh
 args="${MODEL:-mnist12_like} --shards ${SHARDS:-1 2 4 8} --clients ${CLIENTS:-16 64} --seconds ${SECONDS_EACH:-3}"
 (cd /tmp && timeout 240 python3 -m bench.daemon_shards $args 2>&1 | tail -8 | tee "$OUT/shards-fixed.md")
 (cd /tmp && timeout 240 python3 -m bench.daemon_shards $args --max-batch ${MAX_BATCH:-32} 2>&1 | tail -8 \

@@ -21,13 +21,13 @@ from vkpool.daemon.registry import ModelEntry, Registry, bound_id, check_regular
 from vkpool.daemon.scheduler import Busy, Job, Scheduler
 from vkpool.daemon.settings import DaemonSettings
 from vkpool.daemon.stats import Stats
+from vkpool.partition.algorithms import OBJECTIVES  # what a model's plan is made for; the first is the default
 from vkpool.units import format_size
 
 log = logging.getLogger("vkpool.daemon")
 
 Reply = Callable[[bytes, str, str, str, "dict[str, Any] | bytes", list[Any]], None]  # content packed or not
 _PLANS_MAX = 256  # remembered infer contents; the cache is emptied when it is full
-OBJECTIVES = ("latency", "throughput")  # what a model's plan is made for; the first is the default
 
 
 class InferPlan:

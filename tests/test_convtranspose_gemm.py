@@ -8,18 +8,10 @@ import numpy as np
 import pytest
 
 import vkpool
-from conftest import vulkan_pool
 from node_cases import assert_outputs_match, ort_case
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime computes the expected outputs")
 RNG = np.random.default_rng(5)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = vulkan_pool()
-    yield p
-    p.close()
 
 
 def _f(*shape: int) -> np.ndarray:

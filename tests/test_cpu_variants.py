@@ -88,6 +88,19 @@ def test_the_device_type_decides_cpu_like() -> None:
         pool.close()
 
 
+def defines_by_device_class(model: bytes) -> dict[bool, list[tuple[str, dict[str, Any]]]]:
+    """:func:`dispatch_defines` of ``model`` compiled on the first Vulkan member, as a CPU-like
+    device (True) and as any other (False) would record them."""
+    pool = vulkan_pool()
+    try:
+        vk = pool.vulkan_members[0]
+        with Session(model, pool=pool, device=vk.id) as s:
+            return {cpu_like: dispatch_defines(s, dataclasses.replace(vk.device.caps, cpu_like=cpu_like))
+                    for cpu_like in (True, False)}
+    finally:
+        pool.close()
+
+
 def dispatch_defines(session: Any, caps: Any) -> list[tuple[str, dict[str, Any]]]:
     """(shader, defines) of every dispatch the ops of ``session`` record on a device with ``caps``
     (placeholder handles: only the choices are looked at)."""
@@ -190,16 +203,8 @@ def test_binary_flat_on_same_shapes_of_a_cpu_like_device() -> None:
         for cpu_like in (True, False):
             got, _ = run_with_caps(model, feeds, cpu_like=cpu_like)
             assert_outputs_match(got, expected, rtol=0, atol=0)
-        pool = vulkan_pool()
-        try:
-            vk = pool.vulkan_members[0]
-            with Session(model, pool=pool, device=vk.id) as s:
-                for cpu_like in (True, False):
-                    caps = dataclasses.replace(vk.device.caps, cpu_like=cpu_like)
-                    ((shader, defines),) = dispatch_defines(s, caps)
-                    assert shader == "binary" and bool(defines.get("FLAT")) == (flat and cpu_like)
-        finally:
-            pool.close()
+        for cpu_like, ((shader, defines),) in defines_by_device_class(model).items():
+            assert shader == "binary" and bool(defines.get("FLAT")) == (flat and cpu_like)
 
 
 def test_gemv_t_one_subgroup_per_row_on_a_cpu_like_device() -> None:
@@ -246,16 +251,8 @@ def test_element_wise_grids_without_bounds_tests_where_exact(op: str) -> None:
     for shape, exact in (((2, 8, 32), True), ((3, 37, 11), False)):
         inputs = [randn(*shape), randn(*shape)] if op == "Add" else [randn(*shape)]
         model, feeds, expected = ort_case(op, inputs)
-        pool = vulkan_pool()
-        try:
-            vk = pool.vulkan_members[0]
-            with Session(model, pool=pool, device=vk.id) as s:
-                for cpu_like in (True, False):
-                    caps = dataclasses.replace(vk.device.caps, cpu_like=cpu_like)
-                    ((_, defines),) = dispatch_defines(s, caps)
-                    assert bool(defines.get("EXACT")) == (exact and cpu_like)
-        finally:
-            pool.close()
+        for cpu_like, ((_, defines),) in defines_by_device_class(model).items():
+            assert bool(defines.get("EXACT")) == (exact and cpu_like)
         for cpu_like in (True, False):
             got, _ = run_with_caps(model, feeds, cpu_like=cpu_like)
             assert_outputs_match(got, expected, rtol=0, atol=0)

@@ -65,13 +65,6 @@ SCALARS = (_c("sqrt2", np.float32(np.sqrt(2))), _c("one", np.float32(1)), _c("ha
            _c("three", np.float32(3)), _c("k", np.float32(0.044715)), _c("s2pi", np.float32(np.sqrt(2 / np.pi))))
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = vulkan_pool()
-    yield p
-    p.close()
-
-
 @pytest.mark.parametrize("chain,activation", [(GELU_ERF, "Gelu"), (GELU_TANH_POW, "GeluTanh")], ids=["erf", "tanh"])
 def test_a_spelled_out_gelu_becomes_the_products_epilogue(pool, chain, activation):
     model = _linear(chain, extra_inits=SCALARS)
@@ -226,7 +219,6 @@ def test_every_gemm_tile_matches_on_odd_sizes(tile, monkeypatch):
     """Each tile the planner may choose (the choice depends on shapes lavapipe's tests rarely
     reach), forced on a product and a convolution whose sizes fill no tile evenly. The shared
     tiling is forced too: lavapipe, a CPU-like device, runs the register tiling by default."""
-    from conftest import vulkan_pool
     from node_cases import assert_outputs_match, ort_case
     from vkpool.kernels.ops import gemm
 
