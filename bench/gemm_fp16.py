@@ -74,7 +74,7 @@ def tflops(shape: Shape, us: float) -> float:
 
 
 def _replayed(device: Any, dispatches: list[tuple[Any, ...]], reps: int) -> float:
-    """Median GPU microseconds of ``dispatches`` (a product's: one, or split-K's two) replayed
+    """Median GPU microseconds of ``dispatches`` (a product's) replayed
     ``reps`` times, a barrier between each dispatch (every replay writes the same output)."""
     commands: list[tuple[Any, ...]] = []
     for i in range(reps):
@@ -128,16 +128,17 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
             plan = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1))
             most = max([1, *(int(v.partition("/s")[2] or 1) for v in variants)])
             bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(2 * m * n),
-                    member.alloc(4 * most * m * n)]
+                    member.alloc(max(4, plan.workspace_bytes(most))), member.alloc(max(4, plan.state_bytes(most)))]
             try:
                 member.upload(bufs[0], a)
                 member.upload(bufs[1], b)
+                member.upload(bufs[4], np.zeros(bufs[4].nbytes, np.uint8))  # split-K's counters start at zero
                 out["variants"] = {}
                 for name in variants:
                     tile_name, _, split = name.partition("/s")
                     tile = CoopTile.parse(tile_name)
                     try:
-                        ds = plan.dispatches(*bufs[:3], caps, tile, ws=bufs[3], splits=int(split or 1))
+                        ds = plan.dispatches(*bufs[:3], caps, tile, ws=bufs[3], splits=int(split or 1), state=bufs[4])
                         commands = [("dispatch", device.pipeline(d.shader, d.defines),
                                      pack_push_constants(d.args, lambda alloc: alloc.address), d.groups) for d in ds]
                         us = _replayed(device, commands, reps)

@@ -176,3 +176,47 @@ def test_coop_shape_choice():
     assert CoopTile.parse(tile.name) == tile
     # 48 KiB of shared memory (NVIDIA's limit) holds the preferred tile
     assert tile.fits(DeviceCaps(shared_memory_bytes=48 * 1024, subgroup_size=32), (16, 16, 16))
+
+
+# -- constant weights whose rows along N are not whole 16-byte vectors: read transposed (N x K) --------
+
+def weights_model(op: str, a: np.ndarray, w: np.ndarray, attrs: dict) -> bytes:
+    """``op`` (MatMul or Gemm) of input a by the initializer w."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    n = w.shape[0] if attrs.get("transB") else w.shape[1]
+    graph = helper.make_graph(
+        [helper.make_node(op, ["a", "w"], ["y"], **attrs)], "fp16_weights",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT16, a.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, (*a.shape[:-1], n))],
+        [numpy_helper.from_array(w, "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("op,a_shape,w_shape,attrs,transposed", [
+    ("MatMul", (37, 48), (48, 29), {}, True),          # N odd, K a multiple of 8: read N x K
+    ("MatMul", (2, 65, 72), (72, 1001), {}, True),     # rows folded, edges past several tiles
+    ("MatMul", (1, 40), (40, 7), {}, True),            # one row
+    ("MatMul", (9, 36), (36, 29), {}, False),          # K not a multiple of 8 either: as given
+    ("Gemm", (33, 64), (21, 64), {"transB": 1}, True),  # a Linear's weight, read as stored
+    ("Gemm", (33, 64), (64, 21), {}, True),
+    ("Gemm", (33, 64), (24, 64), {"transB": 1}, False),  # N a multiple of 8: K x N
+])
+def test_fp16_constant_weights_with_odd_columns(pool, op, a_shape, w_shape, attrs, transposed):
+    from vkpool.kernels.base import TensorInfo
+    from vkpool.kernels.registry import create_op
+
+    a, w = halves(*a_shape), halves(*w_shape)
+    node = create_op(op, attrs, [TensorInfo(a.shape, np.float16), TensorInfo(w.shape, np.float16)], {1: w}, opset=17)
+    assert node.plan.b_trans is transposed
+    b = w.T if attrs.get("transB") else w
+    members = [pool.vulkan_members[0]]
+    try:
+        members.append(coop_member(pool))  # the cooperative-matrix kernel too, where the device has it
+    except pytest.skip.Exception:
+        pass
+    for member in members:
+        with vkpool.Session(weights_model(op, a, w, attrs), pool=pool, device=member.id) as sess:
+            (y,) = sess.run(None, {"a": a})
+        assert_close_fp16(y, a, b)

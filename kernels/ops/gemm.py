@@ -402,7 +402,7 @@ class Gemm(Op):
         ))
 
     def _check_half(self) -> None:
-        from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan  # gemm_f16 builds on this module
+        from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, transposed_b  # gemm_f16 builds on this module
 
         a, b = self.input(0), self.input(1)
         ta, tb = int(self.attr("transA", 0)), int(self.attr("transB", 0))
@@ -416,11 +416,15 @@ class Gemm(Op):
             raise OpError(f"Gemm: inner dimensions differ ({a.shape}; {b.shape}, transB={tb})")
         if self.has_input(2) and self.input(2).shape not in ((N,), (1, N)):
             raise UnsupportedOp(f"Gemm: float16 needs C of shape ({N},) or (1, {N}), got {self.input(2).shape}")
-        if tb:
+        # a constant B is read N x K where transposed_b says so, K x N otherwise: stored transposed
+        # where the node's layout is the other
+        read_t = 1 in self.constants and transposed_b(N, K)
+        if tb != read_t:
             self.transposed_constants = frozenset({1})
         self.M, self.N, self.K = M, N, K
-        self.plan = HalfMatmulPlan(MatmulProblem(M=M, N=N, K=K, sAm=K, sAk=1, sBk=N, sBn=1, has_bias=self.has_input(2),
-                                                 sCn=1, act=fused_activation(self)))
+        self.plan = HalfMatmulPlan(MatmulProblem(M=M, N=N, K=K, sAm=K, sAk=1, sBk=1 if read_t else N,
+                                                 sBn=K if read_t else 1, has_bias=self.has_input(2), sCn=1,
+                                                 act=fused_activation(self)))
 
     def output_infos(self) -> list[TensorInfo]:
         return [TensorInfo((self.M, self.N), self.input(0).dtype)]
@@ -444,7 +448,7 @@ class Gemm(Op):
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
         if not isinstance(self.plan, MatmulPlan):
             return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], ctx.outputs[0], ctx.caps, c=c,
-                                        ws=ctx.workspace)
+                                        ws=ctx.workspace, state=ctx.state)
         return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], c, ctx.outputs[0], ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
@@ -452,6 +456,9 @@ class Gemm(Op):
 
     def workspace_bytes(self) -> int:
         return self.plan.workspace_bytes()
+
+    def state_bytes(self) -> int:
+        return 0 if isinstance(self.plan, MatmulPlan) else self.plan.state_bytes()
 
 
 __all__ = ["Gemm", "MatmulPlan", "TILES", "choose_tile", "MatmulProblem", "BatchDim", "ACTIVATIONS", "fused_activation", "apply_activation"]

@@ -21,10 +21,14 @@ same function at every position, so the matrix's element order does not matter).
 
 Split-K (cooperative matrices only): a product of one matrix whose tiles leave the device short
 of workgroups, with a long enough K (a transformer's products at batch 1: 128 rows), splits its
-reduction over ``splits`` workgroups per tile, each writing its float32 partial sums to the
-workspace; ``gemm_reduce.comp`` adds them, the bias and the activation, and rounds once. The
-split is chosen from the problem alone (``HalfMatmulPlan.splits``) so that the workspace is known
-before the device is; it runs with ``SPLIT_TILE``.
+reduction over ``splits`` workgroups per tile. Each writes its float32 partial sums to the
+workspace and counts itself in its tile's arrival counter; the last of a tile's splits to arrive
+adds the others' sums to its own, then applies the bias and the activation and rounds once, in
+the same dispatch (no pass of its own between the product and its reader). The counters are
+device memory the product keeps across runs (``state_bytes``), zero at load and set back to zero
+by the last split of each tile. The split is chosen from the problem alone
+(``HalfMatmulPlan.splits``) so that the workspace is known before the device is; it runs with
+``SPLIT_TILE``.
 """
 from __future__ import annotations
 
@@ -45,6 +49,11 @@ _TARGET_GROUPS = 512
 #: at 128 rows a workgroup's run of K slices, each waiting for memory, is the time
 _SPLIT_TARGET_GROUPS = 256
 _SPLIT_MIN_K = 256
+#: split-K's workspace holds whole tiles of every tile a split product may run with: M rounded up
+#: to a multiple of _SPLIT_ROWS, N to _SPLIT_COLS; its counters one per tile of at least
+#: _SPLIT_MIN_TILE rows x columns
+_SPLIT_ROWS, _SPLIT_COLS = 128, 256
+_SPLIT_MIN_TILE = (32, 64)
 _HALF = 2  # bytes
 
 
@@ -65,21 +74,25 @@ class CoopTile:
     def name(self) -> str:
         return f"{self.BM}x{self.BN}x{self.BK}_w{self.WM}x{self.WN}_p{self.PREFETCH}_z{self.SWIZZLE}"
 
-    def shared_bytes(self) -> int:
-        """Shared memory: an A slice of BM rows and a B slice of BK rows, rows padded by 8 halves."""
-        return (self.BM * (self.BK + 8) + self.BK * (self.BN + 8)) * _HALF
+    def b_halves(self, b_trans: bool = False) -> int:
+        """The B slice: BK rows of BN halves, or BN rows of BK for a transposed B, rows padded by 8."""
+        return self.BN * (self.BK + 8) if b_trans else self.BK * (self.BN + 8)
 
-    def fits(self, caps: DeviceCaps, shape: tuple[int, int, int]) -> bool:
+    def shared_bytes(self, b_trans: bool = False) -> int:
+        """Shared memory: an A slice of BM rows of BK halves (padded by 8), and the B slice."""
+        return (self.BM * (self.BK + 8) + self.b_halves(b_trans)) * _HALF
+
+    def fits(self, caps: DeviceCaps, shape: tuple[int, int, int], b_trans: bool = False) -> bool:
         lm, ln, lk = shape
         threads = self.WM * self.WN * caps.subgroup_size
         return (
             # a fused bias is staged as LM copies of the tile's BN bias values in the B slice
-            lm * self.BN <= self.BK * (self.BN + 8) and
+            lm * (self.BN + 8) <= self.b_halves(b_trans) and
             self.BM % (self.WM * lm) == 0 and self.BN % (self.WN * ln) == 0 and self.BK % lk == 0
             and self.PREFETCH in (1, 2)
             and threads <= caps.max_workgroup_invocations
             and (self.BM * self.BK // 8) % threads == 0 and (self.BK * self.BN // 8) % threads == 0
-            and self.shared_bytes() <= caps.shared_memory_bytes
+            and self.shared_bytes(b_trans) <= caps.shared_memory_bytes
             # the edge-tile scratch (one LM x LN float tile per subgroup, split-K's partial sums;
             # halves otherwise) reuses the A slice
             and 2 * self.WM * self.WN * lm * ln <= self.BM * (self.BK + 8)
@@ -121,13 +134,23 @@ def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
     return max(usable, key=lambda s: (s[0] * s[1] * s[2], s == (16, 16, 16)), default=None)
 
 
+def transposed_b(n: int, k: int) -> bool:
+    """Whether a float16 product reads constant weights stored transposed (N x K): where rows of N
+    halves are not whole 16-byte vectors and rows of K are (GPT-2's 50257-word logits), so that
+    the kernels load B in vectors."""
+    return n % 8 != 0 and k % 8 == 0
+
+
 class HalfMatmulPlan:
-    """The float16 product of one ``MatmulProblem`` with row-major operands; a bias (of N values,
-    ``sCn`` 1, ``sCm`` 0, no batch) and an activation where the problem has them."""
+    """The float16 product of one ``MatmulProblem`` with row-major A, and B row-major (K x N) or
+    transposed (N x K: ``sBk`` 1, ``sBn`` K); a bias (of N values, ``sCn`` 1, ``sCm`` 0, no batch)
+    and an activation where the problem has them."""
 
     def __init__(self, p: MatmulProblem) -> None:
-        if p.sAk != 1 or p.sAm != p.K or p.sBn != 1 or p.sBk != p.N:
-            raise UnsupportedOp("float16 product: only row-major A and B")
+        row_major_b = p.sBn == 1 and p.sBk == p.N
+        self.b_trans = not row_major_b and p.sBk == 1 and p.sBn == p.K
+        if p.sAk != 1 or p.sAm != p.K or not (row_major_b or self.b_trans):
+            raise UnsupportedOp("float16 product: only a row-major A, and a B row-major or transposed")
         if p.has_bias and (p.sCn != 1 or p.sCm != 0 or p.batch or p.alpha != 1.0 or p.beta != 1.0):
             raise UnsupportedOp("float16 product: a bias must be one row of N values, alpha and beta 1")
         if p.batch and p.batch[-1].count > _MAX_GROUPS:
@@ -158,13 +181,32 @@ class HalfMatmulPlan:
         they write zeros)."""
         return self.chunk(self.p.K, splits)
 
-    def workspace_bytes(self) -> int:
-        return 4 * self.splits * self.p.M * self.p.N if self.splits > 1 else 0
+    def workspace_bytes(self, splits: int | None = None) -> int:
+        """The partial sums of ``splits`` (the plan's by default) over whole tiles."""
+        splits = self.splits if splits is None else splits
+        rows, cols = self._split_grid()
+        return 4 * splits * rows * cols if splits > 1 else 0
+
+    def state_bytes(self, splits: int | None = None) -> int:
+        """The arrival counters of a split product, one per tile (zero at load)."""
+        splits = self.splits if splits is None else splits
+        rows, cols = self._split_grid()
+        return 4 * (rows // _SPLIT_MIN_TILE[0]) * (cols // _SPLIT_MIN_TILE[1]) if splits > 1 else 0
+
+    def _split_grid(self) -> tuple[int, int]:
+        return ceil_div(self.p.M, _SPLIT_ROWS) * _SPLIT_ROWS, ceil_div(self.p.N, _SPLIT_COLS) * _SPLIT_COLS
+
+    @staticmethod
+    def split_tile_fits(tile: CoopTile) -> bool:
+        """Whether a split product can run in ``tile``: its tiles cover the workspace's grid and
+        are no more than the counters."""
+        return (_SPLIT_ROWS % tile.BM == 0 and _SPLIT_COLS % tile.BN == 0
+                and tile.BM >= _SPLIT_MIN_TILE[0] and tile.BN >= _SPLIT_MIN_TILE[1])
 
     def choose_tile(self, caps: DeviceCaps) -> CoopTile:
         shape = coop_shape(caps)
         assert shape is not None
-        fitting = [t for t in COOP_TILES if t.fits(caps, shape)]
+        fitting = [t for t in COOP_TILES if t.fits(caps, shape, self.b_trans)]
         if not fitting:
             raise UnsupportedOp(
                 f"no cooperative-matrix tile fits {caps.shared_memory_bytes} B of shared memory")
@@ -174,69 +216,63 @@ class HalfMatmulPlan:
                 return tile
         return fitting[-1]
 
-    def _reduce(self, ws: Any, c: Any, y: Any, splits: int, caps: DeviceCaps) -> Dispatch:
-        """Sums split-K's partial products in ``ws``, adds the bias, applies the activation and
-        rounds to float16 into ``y``."""
-        p = self.p
-        total = p.M * p.N
-        return Dispatch(
-            "gemm_reduce",
-            [Ptr(ws), Ptr(c) if p.has_bias else Ptr(y), Ptr(y), U32(total), U32(splits), U32(p.N), U32(1), U32(0),
-             U32(1), F32(1.0), F32(1.0)],
-            groups_1d(total, 256, caps),
-            {"HAS_BIAS": int(p.has_bias), "ACT": p.act, "HALF": 1, "NSPLITS": splits},
-        )
-
     def dispatches(
         self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None, c: Any = None,
-        ws: Any = None, splits: int | None = None,
+        ws: Any = None, splits: int | None = None, state: Any = None,
     ) -> list[Dispatch]:
         """The dispatches computing Y on a device with ``caps``; ``c`` is the bias where the
-        problem has one, ``ws`` the workspace (``workspace_bytes``); ``tile`` and ``splits``
-        override the cooperative-matrix tile and the K splits (benchmarks compare them; a
-        forced split needs a workspace of ``4 * splits * M * N`` bytes)."""
+        problem has one, ``ws`` the workspace (``workspace_bytes``) and ``state`` the zeroed
+        counters (``state_bytes``) of a split product; ``tile`` and ``splits`` override the
+        cooperative-matrix tile and the K splits (benchmarks compare them; a forced split needs
+        ``workspace_bytes(splits)`` and ``state_bytes(splits)``)."""
         p = self.p
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
         shape = coop_shape(caps)
-        if shape is not None and tile is None and not any(t.fits(caps, shape) for t in COOP_TILES):
+        if shape is not None and tile is None and not any(t.fits(caps, shape, self.b_trans) for t in COOP_TILES):
             shape = None  # no tile fits the device's shared memory: the scalar kernel
         split = 1
         if shape is not None:
             split = self.splits if splits is None else splits
             if split > 1 and tile is None:
-                tile = next((t for t in (SPLIT_TILE, *reversed(COOP_TILES)) if t.fits(caps, shape)), None)
+                tile = next((t for t in (SPLIT_TILE, *reversed(COOP_TILES))
+                             if t.fits(caps, shape, self.b_trans) and self.split_tile_fits(t)), None)
             tile = tile or self.choose_tile(caps)
-            if not tile.fits(caps, shape):
+            if not tile.fits(caps, shape, self.b_trans):
                 raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
-            if split > 1 and (p.batch or ws is None or self.kchunk(split) % tile.BK):
-                raise UnsupportedOp(f"float16 product: {split} K splits need one matrix, a workspace and "
-                                    f"a tile whose BK divides {self.kchunk(split)}")
+            if split > 1 and (p.batch or ws is None or state is None or self.kchunk(split) % tile.BK
+                              or not self.split_tile_fits(tile)):
+                raise UnsupportedOp(f"float16 product: {split} K splits need one matrix, a workspace, counters "
+                                    f"and a tile whose BK divides {self.kchunk(split)} and whose rows and "
+                                    f"columns divide {_SPLIT_ROWS} and {_SPLIT_COLS}")
             lm, ln, lk = shape
             # NOTE: the shader lays its WM x WN subgroups out by gl_SubgroupID, so it relies on the
             # driver running it with the subgroup size the device reports (32 on NVIDIA, seen on
             # the H200 with driver 580); a driver that picks another size per pipeline would need
             # VK_EXT_subgroup_size_control's required size.
-            vec_a, vec_b = p.K % 8 == 0, p.N % 8 == 0
+            # vectors along each operand's rows (B's are K long when it is transposed)
+            vec_a, vec_b = p.K % 8 == 0, (p.K if self.b_trans else p.N) % 8 == 0
             full = p.M % tile.BM == 0 and p.N % tile.BN == 0 and p.K % tile.BK == 0 and p.K > 0
             shader = "gemm_coopmat"
             defines: dict[str, Any] = {
                 "LM": lm, "LN": ln, "LK": lk, "BM": tile.BM, "BN": tile.BN, "BK": tile.BK,
                 "WM": tile.WM, "WN": tile.WN, "SG": caps.subgroup_size, "PREFETCH": tile.PREFETCH,
                 "SWIZZLE": tile.SWIZZLE, "A_VEC": int(vec_a), "B_VEC": int(vec_b),
-                "EDGES": int(not (full and vec_a and vec_b)), "STORE_DIRECT": int(vec_b),
+                "EDGES": int(not (full and vec_a and vec_b)), "STORE_DIRECT": int(p.N % 8 == 0),
             }
-            if split > 1:  # float32 partial sums, whose rows start on 16 bytes when N % 4 == 0
-                defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split), "STORE_DIRECT": int(p.N % 4 == 0)})
+            if split > 1:
+                defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split)})
             bm, bn = tile.BM, tile.BN
         else:
             small = ceil_div(p.M, 64) * ceil_div(p.N, 64) * p.batch_count < 128
             bm = bn = 32 if small else 64
             shader = "gemm_f16"
             defines = {"BM": bm, "BN": bn, "BK": 16, "TM": bm // 16, "TN": bn // 16}
-        if (p.has_bias or p.act) and split == 1:
+        if p.has_bias or p.act:
             # only fused products carry these: the plain product's pipelines stay as they were
             defines.update({"HAS_BIAS": int(p.has_bias), "ACT": p.act})
+        if self.b_trans:
+            defines["B_TRANS"] = 1
         outer = p.batch[:-1]
         inner = p.batch[-1] if p.batch else BatchDim(1, 0, 0, 0, p.M * p.N)
         groups = (ceil_div(p.N, bn), ceil_div(p.M, bm), inner.count * split)
@@ -247,11 +283,10 @@ class HalfMatmulPlan:
             ob = sum(i * d.b for i, d in zip(idx, outer)) * _HALF
             oy = sum(i * d.y for i, d in zip(idx, outer)) * _HALF
             bias = Ptr(c) if p.has_bias else Ptr(y, oy)
-            args = [Ptr(a, oa), Ptr(b, ob), Ptr(ws) if split > 1 else Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
-                    U32(inner.a), U32(inner.b), bias]
+            args = [Ptr(a, oa), Ptr(b, ob), Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K), U32(inner.a), U32(inner.b), bias]
+            if split > 1:
+                args += [Ptr(ws), Ptr(state)]
             out.append(Dispatch(shader, args, groups, defines))
-        if split > 1:
-            out.append(self._reduce(ws, c, y, split, caps))
         return out
 
     def flops(self) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 from vkpool.kernels.base import Dispatch, DispatchContext, Op, OpError, TensorInfo, UnsupportedOp
 from vkpool.kernels.broadcast import broadcast_shape, collapse
 from vkpool.kernels.ops.gemm import BatchDim, MatmulPlan, MatmulProblem, apply_activation, fused_activation
-from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan
+from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, transposed_b
 
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
@@ -60,6 +60,9 @@ class MatMul(Op):
                 # a GEMV by constant weights reads them stored transposed (see Gemm.check)
                 self.transposed_constants = frozenset({1})
                 problem = MatmulProblem(M=1, N=N, K=K, sAm=K, sAk=1, sBk=1, sBn=K)
+            elif half and len(b.shape) == 2 and 1 in self.constants and transposed_b(N, K):
+                self.transposed_constants = frozenset({1})  # stored N x K: see transposed_b
+                problem = MatmulProblem(M=rows, N=N, K=K, sAm=K, sAk=1, sBk=1, sBn=K)
             else:
                 problem = MatmulProblem(M=rows, N=N, K=K, sAm=K, sAk=1, sBk=N, sBn=1)
             problem.has_bias, problem.sCn, problem.act = self.has_input(2), 1, self.act
@@ -90,7 +93,7 @@ class MatMul(Op):
         a, b, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
         if isinstance(self.plan, HalfMatmulPlan):
-            return self.plan.dispatches(a, b, y, ctx.caps, c=c, ws=ctx.workspace)
+            return self.plan.dispatches(a, b, y, ctx.caps, c=c, ws=ctx.workspace, state=ctx.state)
         return self.plan.dispatches(a, b, c, y, ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
@@ -98,6 +101,9 @@ class MatMul(Op):
 
     def workspace_bytes(self) -> int:
         return self.plan.workspace_bytes()
+
+    def state_bytes(self) -> int:
+        return self.plan.state_bytes() if isinstance(self.plan, HalfMatmulPlan) else 0
 
 
 __all__ = ["MatMul"]

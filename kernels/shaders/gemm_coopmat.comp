@@ -12,6 +12,8 @@
 // slice, ran at about half the speed of one buffer with the same tiles; 48 KiB of shared memory
 // leaves no room for two buffers of the fastest tile anyway.)
 //
+// B_TRANS: B is given transposed (N x K row-major: a Linear's weight as stored), its slice staged
+// as BN rows of BK halves and read as column-major B matrices; B_VEC then means K % 8 == 0.
 // A_VEC / B_VEC: K (resp. N) is a multiple of 8 and the operands are 16-byte aligned, so tiles
 // move in 16-byte vectors; otherwise element by element. Out-of-range rows and columns read as
 // zero; EDGES = 0 (M, N, K multiples of the tile) leaves the checks out. Full output tiles go
@@ -25,9 +27,12 @@
 // function at every position, so the matrix's element order does not matter. Both before the
 // one rounding to float16.
 // SPLITK: workgroup z is a split of the reduction (one matrix, no batch): K from z * KCHUNK to
-// (z + 1) * KCHUNK (KCHUNK a multiple of BK), and y points at the float32 workspace, where the
-// split writes its partial sums (rows of N floats, split after split); gemm_reduce.comp adds them,
-// the bias and the activation. STORE_DIRECT then means N % 4 == 0 (rows of floats on 16 bytes).
+// (z + 1) * KCHUNK (KCHUNK a multiple of BK). Each split stores its float32 partial sums to the
+// workspace ws (split after split, each a grid of whole tiles: rows of gridDim.x * BN floats, so
+// that every store and load is a whole matrix), then counts itself in the tile's arrival counter;
+// the split that arrives last adds the others' partial sums to its accumulators and goes on to
+// the epilogue above, and sets the counter back to zero for the next run. The counters are
+// device memory the product keeps across runs (Op.state_bytes), zero when it is loaded.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -44,10 +49,15 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uve
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer U16Buf { uint16_t v[]; };
 // rows of Y written by coopMatStore start on 16 bytes (N % 8 == 0)
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer F16Rows { float16_t v[]; };
-// split-K's partial sums: rows of N floats (N % 4 == 0 for coopMatStore)
-layout(buffer_reference, std430, buffer_reference_align = 16) buffer F32Rows { float v[]; };
 #ifndef SPLITK
 #define SPLITK 0
+#endif
+#if SPLITK
+// split-K's partial sums (rows of whole tiles: 16-byte aligned) and the tiles' arrival counters,
+// written by one workgroup and read by another: coherent at queue-family scope
+layout(buffer_reference, std430, buffer_reference_align = 16) coherent buffer PartialRows { float v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer Counters { uint v[]; };
+shared uint lastSplit;
 #endif
 
 #define NSUB (WM * WN)
@@ -63,14 +73,26 @@ layout(push_constant) uniform Args {
     uint M, N, K;
     uint bA, bB;  // batch strides of A and B in elements (0: shared); Y's is M * N
     uint64_t c;   // the bias (HAS_BIAS)
+#if SPLITK
+    uint64_t ws;        // the partial sums
+    uint64_t counters;  // one per tile of the grid, zero between runs
+#endif
 } pc;
 
 // the shared buffer in 16-byte units: the A slice (BM rows of BK halves), then the B slice (BK
 // rows of BN halves)
 #define AROW ((BK + 8) / 8)
+#ifndef B_TRANS
+#define B_TRANS 0
+#endif
 #define BROW ((BN + 8) / 8)
+#define BTROW ((BK + 8) / 8)
 #define A_SIZE (BM * AROW)
+#if B_TRANS
+#define B_SIZE (BN * BTROW)
+#else
 #define B_SIZE (BK * BROW)
+#endif
 shared uvec4 smem[A_SIZE + B_SIZE];
 
 // per invocation and slice: 16-byte vectors of A and of B
@@ -103,6 +125,16 @@ void fetch(out uvec4 a_regs[A_LOADS], out uvec4 b_regs[B_LOADS], uint64_t aBase,
     }
     [[unroll]] for (uint i = 0; i < B_LOADS; ++i) {
         uint v = tid + i * NT;
+#if B_TRANS
+        uint n = col0 + v / (BK / 8), k = k0 + (v % (BK / 8)) * 8;
+#if B_VEC && !EDGES
+        b_regs[i] = U4Buf(bBase + 2 * (uint64_t(n) * pc.K + k)).v[0];
+#elif B_VEC
+        b_regs[i] = (n < pc.N && k < pc.K) ? U4Buf(bBase + 2 * (uint64_t(n) * pc.K + k)).v[0] : uvec4(0);
+#else
+        b_regs[i] = load8(bBase, n, k, pc.N, pc.K, pc.K);
+#endif
+#else
         uint k = k0 + v / (BN / 8), n = col0 + (v % (BN / 8)) * 8;
 #if B_VEC && !EDGES
         b_regs[i] = U4Buf(bBase + 2 * (uint64_t(k) * pc.N + n)).v[0];
@@ -110,6 +142,7 @@ void fetch(out uvec4 a_regs[A_LOADS], out uvec4 b_regs[B_LOADS], uint64_t aBase,
         b_regs[i] = (k < pc.K && n < pc.N) ? U4Buf(bBase + 2 * (uint64_t(k) * pc.N + n)).v[0] : uvec4(0);
 #else
         b_regs[i] = load8(bBase, k, n, pc.K, pc.N, pc.N);
+#endif
 #endif
     }
 }
@@ -122,7 +155,11 @@ void stash(uvec4 a_regs[A_LOADS], uvec4 b_regs[B_LOADS]) {
     }
     [[unroll]] for (uint i = 0; i < B_LOADS; ++i) {
         uint v = tid + i * NT;
+#if B_TRANS
+        smem[A_SIZE + (v / (BK / 8)) * BTROW + v % (BK / 8)] = b_regs[i];
+#else
         smem[A_SIZE + (v / (BN / 8)) * BROW + v % (BN / 8)] = b_regs[i];
+#endif
     }
 }
 
@@ -135,8 +172,13 @@ void multiply(uint sm, uint sn) {
             coopMatLoad(ma[i], smem, (sm + i * LM) * AROW + kk / 8, AROW, gl_CooperativeMatrixLayoutRowMajor);
         [[unroll]] for (uint j = 0; j < TN; ++j) {
             coopmat<float16_t, gl_ScopeSubgroup, LK, LN, gl_MatrixUseB> mb;
+#if B_TRANS
+            coopMatLoad(mb, smem, A_SIZE + (sn + j * LN) * BTROW + kk / 8, BTROW,
+                        gl_CooperativeMatrixLayoutColumnMajor);
+#else
             coopMatLoad(mb, smem, A_SIZE + kk * BROW + (sn + j * LN) / 8, BROW,
                         gl_CooperativeMatrixLayoutRowMajor);
+#endif
             [[unroll]] for (uint i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(ma[i], mb, acc[i][j]);
         }
     }
@@ -209,38 +251,41 @@ void main() {
 
     // epilogue: the shared buffer is free (every subgroup passed the last barrier)
 #if SPLITK
-    const uint64_t wsBase = pc.y + 4 * uint64_t(z) * pc.M * pc.N;
-    const uint scratch = sg * (LM * LN / 4);
-    const uint lane = gl_SubgroupInvocationID;
-    [[unroll]] for (uint i = 0; i < TM; ++i) {
-        const uint r = row0 + sm + i * LM;
-        [[unroll]] for (uint j = 0; j < TN; ++j) {
-            const uint c = col0 + sn + j * LN;
-#if STORE_DIRECT
-            if (r + LM <= pc.M && c + LN <= pc.N) {
-                F32Rows rows = F32Rows(wsBase + 4 * (uint64_t(r) * pc.N + c));
-                coopMatStore(acc[i][j], rows.v, 0, pc.N, gl_CooperativeMatrixLayoutRowMajor);
-                continue;
-            }
-#endif
-            if (r >= pc.M || c >= pc.N) continue;
-            // edge tile: through this subgroup's corner of shared memory, then element by element
-            coopMatStore(acc[i][j], smem, scratch, LN / 4, gl_CooperativeMatrixLayoutRowMajor);
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
-            for (uint v = lane; v < LM * LN / 4; v += SG) {
-                const uvec4 q = smem[scratch + v];
-                const uint rr = r + (v * 4) / LN;
-                [[unroll]] for (uint e = 0; e < 4; ++e) {
-                    const uint cc = c + (v * 4) % LN + e;
-                    if (rr < pc.M && cc < pc.N)
-                        F32Buf(wsBase + 4 * (uint64_t(rr) * pc.N + cc)).v[0] = uintBitsToFloat(q[e]);
+    {
+        const uint ldw = gl_NumWorkGroups.x * BN;
+        const uint64_t splitBytes = 4 * uint64_t(gl_NumWorkGroups.y * BM) * ldw;
+        const uint64_t own = 4 * (uint64_t(row0 + sm) * ldw + col0 + sn);
+        [[unroll]] for (uint i = 0; i < TM; ++i)
+            [[unroll]] for (uint j = 0; j < TN; ++j)
+                coopMatStore(acc[i][j], PartialRows(pc.ws + z * splitBytes + own + 4 * (i * LM * ldw + j * LN)).v,
+                             0, ldw, gl_CooperativeMatrixLayoutRowMajor);
+        // every invocation's stores happen before the count; the last split's loads after it
+        controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                       gl_SemanticsAcquireRelease);
+        if (gl_LocalInvocationIndex == 0) {
+            const uint tile = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+            const uint before = atomicAdd(Counters(pc.counters).v[tile], 1u, gl_ScopeQueueFamily,
+                                          gl_StorageSemanticsBuffer, gl_SemanticsAcquireRelease);
+            lastSplit = uint(before + 1 == gl_NumWorkGroups.z);
+            if (lastSplit != 0)
+                atomicStore(Counters(pc.counters).v[tile], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsNone,
+                            gl_SemanticsRelaxed);
+        }
+        controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
+                       gl_SemanticsAcquireRelease);
+        if (lastSplit == 0) return;
+        for (uint s = 0; s < gl_NumWorkGroups.z; ++s) {
+            if (s == z) continue;
+            [[unroll]] for (uint i = 0; i < TM; ++i)
+                [[unroll]] for (uint j = 0; j < TN; ++j) {
+                    coopmat<float, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> part;
+                    coopMatLoad(part, PartialRows(pc.ws + s * splitBytes + own + 4 * (i * LM * ldw + j * LN)).v,
+                                0, ldw, gl_CooperativeMatrixLayoutRowMajor);
+                    acc[i][j] += part;
                 }
-            }
-            subgroupBarrier();
         }
     }
-#else
+#endif
 #if HAS_BIAS
     for (uint v = gl_LocalInvocationIndex; v < BN / 8; v += NT) {
         const uvec4 q = load8(pc.c, 0, col0 + v * 8, 1, pc.N, 0);
@@ -248,7 +293,11 @@ void main() {
     }
     barrier();
 #endif
+#if SPLITK
+    const uint64_t yBase = 0;  // z is a split of the one product
+#else
     const uint64_t yBase = uint64_t(z) * pc.M * pc.N;
+#endif
     const uint scratch = sg * (LM * LN / 8);
     const uint lane = gl_SubgroupInvocationID;
     [[unroll]] for (uint i = 0; i < TM; ++i) {
@@ -293,5 +342,4 @@ void main() {
             subgroupBarrier();
         }
     }
-#endif
 }

@@ -1,7 +1,8 @@
 #version 450
 // FP16 GEMM without cooperative matrices: Y[z] = A[z] @ B[z] with A (M x K), B (K x N) and Y
-// (M x N) row-major float16, computed in float32. Only 16-bit storage is needed (no
-// shaderFloat16): halves are widened on load and narrowed on store.
+// (M x N) row-major float16, computed in float32; B_TRANS: B is given transposed (N x K
+// row-major). Only 16-bit storage is needed (no shaderFloat16): halves are widened on load and
+// narrowed on store.
 //
 // The tiling of gemm.comp: a workgroup computes a BM x BN tile of Y with TM x TN outputs per
 // invocation, staging BK-deep slices of A and B through shared memory as float32.
@@ -12,6 +13,9 @@
 #include "elem_types.glsl"
 #ifndef HAS_BIAS
 #define HAS_BIAS 0
+#endif
+#ifndef B_TRANS
+#define B_TRANS 0
 #endif
 #include "epilogue.glsl"
 
@@ -51,9 +55,15 @@ void main() {
             As[kk][mm] = (gm < M && gk < K) ? float(pc.a.v[aBase + gm * K + gk]) : 0.0;
         }
         for (uint e = tid; e < BK * BN; e += NT) {
+#if B_TRANS
+            uint kk = e % BK, nn = e / BK;  // B stored N x K: consecutive invocations read along K
+            uint gn = col0 + nn, gk = k0 + kk;
+            Bs[kk][nn] = (gn < N && gk < K) ? float(pc.b.v[bBase + gn * K + gk]) : 0.0;
+#else
             uint nn = e % BN, kk = e / BN;  // consecutive invocations read along N
             uint gn = col0 + nn, gk = k0 + kk;
             Bs[kk][nn] = (gn < N && gk < K) ? float(pc.b.v[bBase + gk * N + gn]) : 0.0;
+#endif
         }
         barrier();
         for (uint kk = 0; kk < BK; ++kk) {
