@@ -14,8 +14,9 @@ with CUDA events (median of ``--reps``), its accuracy measured the same way.
 
 ``--variants`` also times workgroup tiles of the cooperative-matrix kernel other than the
 planner's choice (``CoopTile`` names such as ``128x256x32_w2x4_p2_z8``, with ``/sN`` for N
-K splits, e.g. ``64x64x32_w2x2_p1_z8/s4``; ``all``: the list below), each on the same device
-buffers, each checked on the sample rows.
+K splits, e.g. ``64x64x32_w2x2_p1_z8/s4``, and ``/bias``, ``/gelu`` or ``/gelu_tanh`` for a fused
+epilogue (a bias, and the bias with GELU by erf or by tanh); ``all``: the list below), each on the
+same device buffers, each checked on the sample rows.
 
 Accuracy: the largest |y - ref| over the sampled rows divided by the largest |ref| there
 ("max error / max |ref|"), and the largest elementwise |y - ref| / |ref| over elements with
@@ -24,6 +25,7 @@ Accuracy: the largest |y - ref| over the sampled rows divided by the largest |re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -59,6 +61,28 @@ def _model(m: int, n: int, k: int) -> bytes:
     return model.SerializeToString()
 
 
+#: a variant's epilogue suffix: the activation code (kernels/ops/gemm.py), after a bias
+EPILOGUES = {"bias": 0, "gelu": 2, "gelu_tanh": 3}
+
+
+def _variant(name: str) -> tuple[str, int, int | None, bool]:
+    """``TILE[/sN][/EPILOGUE][/qf]`` as (tile name, K splits, activation code or None: no bias,
+    whether split-K's workgroups synchronise at queue-family scope even where the device has
+    device scope)."""
+    tile, *rest = name.split("/")
+    split, act, qf = 1, None, False
+    for part in rest:
+        if part in EPILOGUES:
+            act = EPILOGUES[part]
+        elif part.startswith("s") and part[1:].isdigit():
+            split = int(part[1:])
+        elif part == "qf":
+            qf = True
+        else:
+            raise SystemExit(f"variant {name!r}: {part!r} is none of /sN, /qf, /{', /'.join(EPILOGUES)}")
+    return tile, split, act, qf
+
+
 def accuracy(y_rows: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     """Errors of ``y_rows`` (the sampled rows of a result) against the float32 ``ref``."""
     err = np.abs(y_rows.astype(np.float32) - ref)
@@ -91,7 +115,7 @@ def _replayed(device: Any, dispatches: list[tuple[Any, ...]], reps: int) -> floa
 def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, ref: np.ndarray,
                  device_id: str | None, reps: int, variants: list[str]) -> dict[str, Any]:
     from vkpool.kernels.base import pack_push_constants
-    from vkpool.kernels.ops.gemm import MatmulProblem
+    from vkpool.kernels.ops.gemm import MatmulProblem, apply_activation
     from vkpool.kernels.ops.gemm_f16 import CoopTile, HalfMatmulPlan, coop_shape
     from vkpool.session import Session
 
@@ -125,26 +149,34 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
         elif variants:
             member = sess.member
             m, n, k = shape
-            plan = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1))
-            most = max([1, *(int(v.partition("/s")[2] or 1) for v in variants)])
+            plain = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1))
+            parsed = {name: _variant(name) for name in variants}
+            most = max([1, *(split for _, split, _, _ in parsed.values())])
+            bias = np.random.default_rng(n).uniform(-1.0, 1.0, n).astype(np.float16)
             bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(2 * m * n),
-                    member.alloc(max(4, plan.workspace_bytes(most))), member.alloc(max(4, plan.state_bytes(most)))]
+                    member.alloc(max(4, plain.workspace_bytes(most))), member.alloc(max(4, plain.state_bytes(most))),
+                    member.alloc(bias.nbytes)]
             try:
                 member.upload(bufs[0], a)
                 member.upload(bufs[1], b)
                 member.upload(bufs[4], np.zeros(bufs[4].nbytes, np.uint8))  # split-K's counters start at zero
+                member.upload(bufs[5], bias)
                 out["variants"] = {}
                 for name in variants:
-                    tile_name, _, split = name.partition("/s")
+                    tile_name, split, act, qf = parsed[name]
                     tile = CoopTile.parse(tile_name)
+                    plan = plain if act is None else HalfMatmulPlan(MatmulProblem(
+                        M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1, has_bias=True, sCn=1, act=act))
+                    want = ref if act is None else apply_activation(act, ref + bias.astype(np.float32))
                     try:
-                        ds = plan.dispatches(*bufs[:3], caps, tile, ws=bufs[3], splits=int(split or 1), state=bufs[4])
+                        vcaps = dataclasses.replace(caps, memory_model_device_scope=False) if qf else caps
+                        ds = plan.dispatches(*bufs[:3], vcaps, tile, c=bufs[5], ws=bufs[3], splits=split, state=bufs[4])
                         commands = [("dispatch", device.pipeline(d.shader, d.defines),
                                      pack_push_constants(d.args, lambda alloc: alloc.address), d.groups) for d in ds]
                         us = _replayed(device, commands, reps)
                         yv = member.download(bufs[2], (m, n), np.float16)
                         out["variants"][name] = {"gpu_us": us, "tflops": tflops(shape, us),
-                                                 "accuracy": accuracy(yv[rows], ref)}
+                                                 "accuracy": accuracy(yv[rows], want)}
                     except Exception as exc:  # a tile the device rejects is reported, not fatal
                         out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
                     print(f"  tile {name}: {out['variants'][name]}", file=sys.stderr, flush=True)

@@ -9,7 +9,8 @@
 #   real-models-fp32.txt/.json  the float32 models (vkpool and torch's CUDA graph): the float32 path's guard
 #   tests.txt           tests/test_fp16_*.py on the GPU (the cooperative-matrix paths run here)
 #   gemm-skinny.txt/.json  bench.gemm_fp16 on the products of those models (128 rows), tiles x K splits
-# Each step after the first is skipped once the call has run for BUDGET seconds (default 360), so
+# TOP (dispatches the profile lists, default 12), SHAPES and VARIANTS (bench.gemm_fp16's) override
+# the defaults. Each step after the first is skipped once the call has run for BUDGET seconds (default 360), so
 # that the whole stays under 8 minutes.
 # Carry .gl, .whl, .glsl (see bench/gpu_run.sh). Usage: bash bench/gpu_fp16.sh [STEP ...]: the steps
 # named are skipped (profile policies fp32 tests gemm; or SKIP="...")
@@ -32,7 +33,7 @@ timeout 240 python3 -m bench.real_models --half --models bert gpt2 --runtimes vk
   --models-dir /tmp/models --device vk0 --runs 100 --out "$OUT/real-models.json" 2>&1 | tee "$OUT/real-models.txt"
 if step profile; then
   for m in bert gpt2; do
-    timeout 60 python3 -m bench.gpu_profile /tmp/models/$m-fp16.onnx --device vk0 --top 12
+    timeout 60 python3 -m bench.gpu_profile /tmp/models/$m-fp16.onnx --device vk0 --top ${TOP:-12}
   done 2>&1 | tee "$OUT/gpu-profile.txt"
 fi
 if step policies; then
@@ -53,8 +54,8 @@ if step gemm; then
   V=64x64x32_w2x2_p1_z8
   W=64x64x64_w2x2_p1_z8
   N=32x64x64_w1x2_p2_z8
-  timeout 120 python3 -m bench.gemm_fp16 --sizes --shapes 128x768x768 128x2304x768 128x3072x768 128x768x3072 \
-    --variants "$V,$V/s3,$W,$W/s3,$N,$N/s3,$V/s6,$W/s6,$W/s12,$N/s12" --json "$OUT/gemm-skinny.json" \
+  timeout 120 python3 -m bench.gemm_fp16 --sizes --shapes ${SHAPES:-128x768x768 128x2304x768 128x3072x768 128x768x3072} \
+    --variants "${VARIANTS:-$V,$V/s3,$W,$W/s3,$N,$N/s3,$V/s6,$W/s6,$W/s12,$N/s12}" --json "$OUT/gemm-skinny.json" \
     > "$OUT/gemm-skinny.txt" 2>&1
   grep -v "^  tile .*{" "$OUT/gemm-skinny.txt"
 fi

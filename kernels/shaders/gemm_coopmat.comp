@@ -26,8 +26,8 @@
 // accumulator matrix), and ACT (epilogue.glsl) maps each accumulator element in place: the same
 // function at every position, so the matrix's element order does not matter. Both before the
 // one rounding to float16.
-// SPLITK: workgroup z is a split of the reduction (one matrix, no batch): K from z * KCHUNK to
-// (z + 1) * KCHUNK (KCHUNK a multiple of BK). Each split stores its float32 partial sums to the
+// SPLITK: workgroup z is a split of the reduction (one matrix, no batch), of NSPLITS: K from
+// z * KCHUNK to (z + 1) * KCHUNK (KCHUNK a multiple of BK). Each split stores its float32 partial sums to the
 // workspace ws (split after split, each a grid of whole tiles: rows of gridDim.x * BN floats, so
 // that every store and load is a whole matrix), then counts itself in the tile's arrival counter;
 // the split that arrives last adds the others' partial sums to its accumulators and goes on to
@@ -54,9 +54,16 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer F16Rows { f
 #endif
 #if SPLITK
 // split-K's partial sums (rows of whole tiles: 16-byte aligned) and the tiles' arrival counters,
-// written by one workgroup and read by another: coherent at queue-family scope
-layout(buffer_reference, std430, buffer_reference_align = 16) coherent buffer PartialRows { float v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer Counters { uint v[]; };
+// written by one workgroup and read by another: coherent at device scope where the device has
+// the memory model's device scope (DEVICE_SCOPE), at queue-family scope otherwise
+#if DEVICE_SCOPE
+#define SYNC_SCOPE gl_ScopeDevice
+layout(buffer_reference, std430, buffer_reference_align = 16) devicecoherent buffer PartialRows { float v[]; };
+#else
+#define SYNC_SCOPE gl_ScopeQueueFamily
+layout(buffer_reference, std430, buffer_reference_align = 16) queuefamilycoherent buffer PartialRows { float v[]; };
+#endif
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer Counters { uint v[]; };
 shared uint lastSplit;
 #endif
 
@@ -260,21 +267,22 @@ void main() {
                 coopMatStore(acc[i][j], PartialRows(pc.ws + z * splitBytes + own + 4 * (i * LM * ldw + j * LN)).v,
                              0, ldw, gl_CooperativeMatrixLayoutRowMajor);
         // every invocation's stores happen before the count; the last split's loads after it
-        controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+        controlBarrier(gl_ScopeWorkgroup, SYNC_SCOPE, gl_StorageSemanticsBuffer,
                        gl_SemanticsAcquireRelease);
         if (gl_LocalInvocationIndex == 0) {
             const uint tile = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
-            const uint before = atomicAdd(Counters(pc.counters).v[tile], 1u, gl_ScopeQueueFamily,
+            const uint before = atomicAdd(Counters(pc.counters).v[tile], 1u, SYNC_SCOPE,
                                           gl_StorageSemanticsBuffer, gl_SemanticsAcquireRelease);
-            lastSplit = uint(before + 1 == gl_NumWorkGroups.z);
+            lastSplit = uint(before + 1 == NSPLITS);
             if (lastSplit != 0)
-                atomicStore(Counters(pc.counters).v[tile], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsNone,
+                atomicStore(Counters(pc.counters).v[tile], 0u, SYNC_SCOPE, gl_StorageSemanticsNone,
                             gl_SemanticsRelaxed);
         }
-        controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
+        controlBarrier(gl_ScopeWorkgroup, SYNC_SCOPE, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
                        gl_SemanticsAcquireRelease);
         if (lastSplit == 0) return;
-        for (uint s = 0; s < gl_NumWorkGroups.z; ++s) {
+        // the other splits' sums, unrolled so that their loads are in flight together
+        [[unroll]] for (uint s = 0; s < NSPLITS; ++s) {
             if (s == z) continue;
             [[unroll]] for (uint i = 0; i < TM; ++i)
                 [[unroll]] for (uint j = 0; j < TN; ++j) {
