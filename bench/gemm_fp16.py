@@ -25,7 +25,6 @@ Accuracy: the largest |y - ref| over the sampled rows divided by the largest |re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -65,22 +64,18 @@ def _model(m: int, n: int, k: int) -> bytes:
 EPILOGUES = {"bias": 0, "gelu": 2, "gelu_tanh": 3}
 
 
-def _variant(name: str) -> tuple[str, int, int | None, bool]:
-    """``TILE[/sN][/EPILOGUE][/qf]`` as (tile name, K splits, activation code or None: no bias,
-    whether split-K's workgroups synchronise at queue-family scope even where the device has
-    device scope)."""
+def _variant(name: str) -> tuple[str, int, int | None]:
+    """``TILE[/sN][/EPILOGUE]`` as (tile name, K splits, activation code or None: no bias)."""
     tile, *rest = name.split("/")
-    split, act, qf = 1, None, False
+    split, act = 1, None
     for part in rest:
         if part in EPILOGUES:
             act = EPILOGUES[part]
         elif part.startswith("s") and part[1:].isdigit():
             split = int(part[1:])
-        elif part == "qf":
-            qf = True
         else:
-            raise SystemExit(f"variant {name!r}: {part!r} is none of /sN, /qf, /{', /'.join(EPILOGUES)}")
-    return tile, split, act, qf
+            raise SystemExit(f"variant {name!r}: {part!r} is neither /sN nor one of /{', /'.join(EPILOGUES)}")
+    return tile, split, act
 
 
 def accuracy(y_rows: np.ndarray, ref: np.ndarray) -> dict[str, float]:
@@ -151,7 +146,7 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
             m, n, k = shape
             plain = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1))
             parsed = {name: _variant(name) for name in variants}
-            most = max([1, *(split for _, split, _, _ in parsed.values())])
+            most = max([1, *(split for _, split, _ in parsed.values())])
             bias = np.random.default_rng(n).uniform(-1.0, 1.0, n).astype(np.float16)
             bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(2 * m * n),
                     member.alloc(max(4, plain.workspace_bytes(most))), member.alloc(max(4, plain.state_bytes(most))),
@@ -163,14 +158,13 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
                 member.upload(bufs[5], bias)
                 out["variants"] = {}
                 for name in variants:
-                    tile_name, split, act, qf = parsed[name]
+                    tile_name, split, act = parsed[name]
                     tile = CoopTile.parse(tile_name)
                     plan = plain if act is None else HalfMatmulPlan(MatmulProblem(
                         M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1, has_bias=True, sCn=1, act=act))
                     want = ref if act is None else apply_activation(act, ref + bias.astype(np.float32))
                     try:
-                        vcaps = dataclasses.replace(caps, memory_model_device_scope=False) if qf else caps
-                        ds = plan.dispatches(*bufs[:3], vcaps, tile, c=bufs[5], ws=bufs[3], splits=split, state=bufs[4])
+                        ds = plan.dispatches(*bufs[:3], caps, tile, c=bufs[5], ws=bufs[3], splits=split, state=bufs[4])
                         commands = [("dispatch", device.pipeline(d.shader, d.defines),
                                      pack_push_constants(d.args, lambda alloc: alloc.address), d.groups) for d in ds]
                         us = _replayed(device, commands, reps)

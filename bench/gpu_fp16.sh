@@ -10,7 +10,9 @@
 #   tests.txt           tests/test_fp16_*.py on the GPU (the cooperative-matrix paths run here)
 #   gemm-skinny.txt/.json  bench.gemm_fp16 on the products of those models (128 rows), tiles x K splits
 # TOP (dispatches the profile lists, default 12), SHAPES and VARIANTS (bench.gemm_fp16's) override
-# the defaults. Each step after the first is skipped once the call has run for BUDGET seconds (default 360), so
+# the defaults. With BASE (a folder of the checkout holding another tree: `git archive <commit> |
+# tar -x -C .base`; carry it too), that tree's vkpool runs the headline after this one's, then
+# this one's again (real-models-base.*, real-models-again.*). Each step after the first is skipped once the call has run for BUDGET seconds (default 360), so
 # that the whole stays under 8 minutes.
 # Carry .gl, .whl, .glsl (see bench/gpu_run.sh). Usage: bash bench/gpu_fp16.sh [STEP ...]: the steps
 # named are skipped (profile policies fp32 tests gemm; or SKIP="...")
@@ -31,6 +33,15 @@ cd /tmp
 head -8 "$OUT/devices-fp16.txt" 2>/dev/null
 timeout 240 python3 -m bench.real_models --half --models bert gpt2 --runtimes vkpool torch_cudagraph \
   --models-dir /tmp/models --device vk0 --runs 100 --out "$OUT/real-models.json" 2>&1 | tee "$OUT/real-models.txt"
+if [ -n "${BASE:-}" ]; then  # another tree's vkpool, timed in the same call (then this one again)
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/vkpool-base \
+    "$OLDPWD/$BASE" > /dev/null || exit 1
+  PYTHONPATH=/tmp/site:/tmp/vkpool-base:/tmp/benchpkg timeout 200 python3 -m bench.real_models --half \
+    --models bert gpt2 --runtimes vkpool --models-dir /tmp/models --device vk0 --runs 100 \
+    --out "$OUT/real-models-base.json" 2>&1 | tee "$OUT/real-models-base.txt"
+  timeout 200 python3 -m bench.real_models --half --models bert gpt2 --runtimes vkpool --models-dir /tmp/models \
+    --device vk0 --runs 100 --out "$OUT/real-models-again.json" 2>&1 | tee "$OUT/real-models-again.txt"
+fi
 if step profile; then
   for m in bert gpt2; do
     timeout 60 python3 -m bench.gpu_profile /tmp/models/$m-fp16.onnx --device vk0 --top ${TOP:-12}

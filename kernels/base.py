@@ -142,9 +142,6 @@ class DeviceCaps:
     cooperative_matrix: bool = False
     #: (M, N, K) of subgroup-scope cooperative matrices multiplying float16 into float32
     cooperative_matrix_f16: tuple[tuple[int, int, int], ...] = ()
-    #: the Vulkan memory model's device scope (vulkanMemoryModelDeviceScope): workgroups of a
-    #: dispatch synchronise at device scope rather than queue family's
-    memory_model_device_scope: bool = False
     #: the tiling of gemm.comp (products and implicit-GEMM convolutions): "shared" (tiles staged
     #: in shared memory, for GPUs) or "register" (TM x TN outputs per invocation in registers,
     #: ``register_tile`` = (TM, TN, WG), for CPU-like devices); see vkpool.kernel_variants

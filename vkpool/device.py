@@ -123,7 +123,6 @@ class LogicalDevice:
             subgroup_shuffle=info.capabilities.get("subgroup_shuffle", False),
             cooperative_matrix=info.capabilities.get("cooperative_matrix", False),
             cooperative_matrix_f16=tuple(info.cooperative_matrix_f16),
-            memory_model_device_scope=info.capabilities.get("vulkan_memory_model_device_scope", False),
             gemm_variant=self.gemm.variant,
             register_tile=self.gemm.register_tile,
             cpu_like=info.type == "cpu",
@@ -169,7 +168,6 @@ class LogicalDevice:
             "shaderFloat16": int(caps.get("fp16", False)),
             # cooperative-matrix shaders use the Vulkan memory model (glslang emits it for them)
             "vulkanMemoryModel": int(caps.get("vulkan_memory_model", False)),
-            "vulkanMemoryModelDeviceScope": int(caps.get("vulkan_memory_model_device_scope", False)),
         })
         f11.pNext = f12
         f2 = ffi.new("VkPhysicalDeviceFeatures2*", {"sType": b.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2})

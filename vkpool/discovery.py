@@ -229,7 +229,6 @@ def describe(index: int, pd: Any, instance: Instance) -> PhysicalDeviceInfo:
         "storage_8bit": bool(f12.storageBuffer8BitAccess),
         "timeline_semaphores": bool(f12.timelineSemaphore),
         "vulkan_memory_model": bool(f12.vulkanMemoryModel),
-        "vulkan_memory_model_device_scope": bool(f12.vulkanMemoryModel and f12.vulkanMemoryModelDeviceScope),
         "buffer_device_address": bool(f12.bufferDeviceAddress),
         # subgroupAdd/subgroupMax in compute shaders
         "subgroup_arithmetic": bool(p11.subgroupSupportedStages & b.VK_SHADER_STAGE_COMPUTE_BIT

@@ -261,8 +261,7 @@ class HalfMatmulPlan:
                 "EDGES": int(not (full and vec_a and vec_b)), "STORE_DIRECT": int(p.N % 8 == 0),
             }
             if split > 1:
-                defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split), "NSPLITS": split,
-                                "DEVICE_SCOPE": int(caps.memory_model_device_scope)})
+                defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split), "NSPLITS": split})
             bm, bn = tile.BM, tile.BN
         else:
             small = ceil_div(p.M, 64) * ceil_div(p.N, 64) * p.batch_count < 128

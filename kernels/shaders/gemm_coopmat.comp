@@ -54,15 +54,10 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer F16Rows { f
 #endif
 #if SPLITK
 // split-K's partial sums (rows of whole tiles: 16-byte aligned) and the tiles' arrival counters,
-// written by one workgroup and read by another: coherent at device scope where the device has
-// the memory model's device scope (DEVICE_SCOPE), at queue-family scope otherwise
-#if DEVICE_SCOPE
-#define SYNC_SCOPE gl_ScopeDevice
-layout(buffer_reference, std430, buffer_reference_align = 16) devicecoherent buffer PartialRows { float v[]; };
-#else
+// written by one workgroup and read by another: coherent at queue-family scope (NOTE: H200, driver
+// 580, bench.gemm_fp16: device scope, where the device has it, ran at the same speed)
 #define SYNC_SCOPE gl_ScopeQueueFamily
 layout(buffer_reference, std430, buffer_reference_align = 16) queuefamilycoherent buffer PartialRows { float v[]; };
-#endif
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer Counters { uint v[]; };
 shared uint lastSplit;
 #endif
