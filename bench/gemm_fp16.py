@@ -93,7 +93,7 @@ def tflops(shape: Shape, us: float) -> float:
 
 
 def _replayed(device: Any, dispatches: list[tuple[Any, ...]], reps: int) -> float:
-    """Median GPU microseconds of ``dispatches`` (a product's) replayed
+    """Median GPU microseconds of ``dispatches`` (a product's: one, or split-K's two) replayed
     ``reps`` times, a barrier between each dispatch (every replay writes the same output)."""
     commands: list[tuple[Any, ...]] = []
     for i in range(reps):
@@ -149,13 +149,11 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
             most = max([1, *(split for _, split, _ in parsed.values())])
             bias = np.random.default_rng(n).uniform(-1.0, 1.0, n).astype(np.float16)
             bufs = [member.alloc(a.nbytes), member.alloc(b.nbytes), member.alloc(2 * m * n),
-                    member.alloc(max(4, plain.workspace_bytes(most))), member.alloc(max(4, plain.state_bytes(most))),
-                    member.alloc(bias.nbytes)]
+                    member.alloc(4 * most * m * n), member.alloc(bias.nbytes)]
             try:
                 member.upload(bufs[0], a)
                 member.upload(bufs[1], b)
-                member.upload(bufs[4], np.zeros(bufs[4].nbytes, np.uint8))  # split-K's counters start at zero
-                member.upload(bufs[5], bias)
+                member.upload(bufs[4], bias)
                 out["variants"] = {}
                 for name in variants:
                     tile_name, split, act = parsed[name]
@@ -164,7 +162,7 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
                         M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1, has_bias=True, sCn=1, act=act))
                     want = ref if act is None else apply_activation(act, ref + bias.astype(np.float32))
                     try:
-                        ds = plan.dispatches(*bufs[:3], caps, tile, c=bufs[5], ws=bufs[3], splits=split, state=bufs[4])
+                        ds = plan.dispatches(*bufs[:3], caps, tile, c=bufs[4], ws=bufs[3], splits=split)
                         commands = [("dispatch", device.pipeline(d.shader, d.defines),
                                      pack_push_constants(d.args, lambda alloc: alloc.address), d.groups) for d in ds]
                         us = _replayed(device, commands, reps)

@@ -160,7 +160,6 @@ class DispatchContext:
     ``inputs``/``outputs`` hold one handle per ONNX input/output (``None`` for an omitted
     optional input). ``workspace`` is a handle of ``workspace_bytes()`` bytes, or ``None``.
     ``constants`` are the values of inputs known at load time (initializers, folded values).
-    ``state`` is a handle of ``state_bytes()`` bytes the op keeps across runs, or ``None``.
     """
 
     inputs: list[Any]
@@ -168,7 +167,6 @@ class DispatchContext:
     workspace: Any
     caps: DeviceCaps
     constants: dict[int, np.ndarray]
-    state: Any = None
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -303,13 +301,6 @@ class Op(metaclass=ABCMeta):
         return sum(o.nbytes for o in self.output_infos())
 
     def workspace_bytes(self) -> int:
-        """Scratch device memory of one run (shared with other ops' tensors between runs)."""
-        return 0
-
-    def state_bytes(self) -> int:
-        """Device memory of the op's own, zero at load, that its kernels keep across runs (runs of
-        a chunk never overlap on the device): e.g. a split product's arrival counters, which its
-        kernels set back to zero."""
         return 0
 
     # -- helpers ------------------------------------------------------------------------------

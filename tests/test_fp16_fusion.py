@@ -33,9 +33,9 @@ from test_fp16_gemm import coop_member
 from test_fusion_transformer import (
     GELU_ERF, GELU_TANH_POW, SCALARS, _attention, _linear, _model, _residual_block, _w,
 )
-from vkpool.kernels.base import DeviceCaps, DispatchContext, TensorInfo, UnsupportedOp
+from vkpool.kernels.base import DeviceCaps, DispatchContext, TensorInfo
 from vkpool.kernels.ops.gemm import MatmulProblem, apply_activation
-from vkpool.kernels.ops.gemm_f16 import COOP_TILES, SPLIT_TILE, CoopTile, HalfMatmulPlan, coop_shape
+from vkpool.kernels.ops.gemm_f16 import COOP_TILES, SPLIT_TILE, HalfMatmulPlan, coop_shape
 from vkpool.kernels.registry import create_op
 from vkpool.model import load_model
 
@@ -455,53 +455,64 @@ def test_the_fused_references_round_once():
     np.testing.assert_array_equal(y, want)
 
 
-# -- split-K: the plan everywhere, the split product on a GPU ---------------------------------------------
+# -- split-K: the partial sums' reduction runs everywhere, the split product on a GPU ------------------
 
 def test_a_short_wide_product_splits_its_reduction_on_a_cooperative_matrix_device():
     # BERT-base's FFN down-projection at 128 tokens: 24 tiles of 64 x 64 alone would leave an
     # H200's 132 multiprocessors idle
     p = MatmulProblem(M=128, N=768, K=3072, sAm=3072, sAk=1, sBk=768, sBn=1, has_bias=True, sCn=1, act=2)
     plan = HalfMatmulPlan(p)
-    # 48 tiles of 32 x 64, 256 workgroups wanted: 6 splits of K (512 each, eight 64-deep slices);
-    # the workspace holds whole tiles (128 x 768 already is), the counters one per 32 x 64 tile
+    # 48 tiles of 32 x 64, 256 workgroups wanted: 6 splits of K (512 each, eight 64-deep slices)
     assert plan.splits == 6 and plan.workspace_bytes() == 4 * 6 * 128 * 768
-    assert plan.state_bytes() == 4 * (128 // 32) * (768 // 64)
-    # one dispatch: the last split of each tile finishes it (sums, bias, activation, one rounding)
-    (gemm,) = plan.dispatches("a", "b", "y", GPU_CAPS, c="bias", ws="ws", state="counters")
+    gemm, reduce = plan.dispatches("a", "b", "y", GPU_CAPS, c="bias", ws="ws")
     assert gemm.shader == "gemm_coopmat" and gemm.defines["SPLITK"] == 1 and gemm.defines["KCHUNK"] == 512
     assert (gemm.defines["BM"], gemm.defines["BN"], gemm.defines["BK"]) == (32, 64, 64)
-    assert gemm.defines["HAS_BIAS"] == 1 and gemm.defines["ACT"] == 2 and gemm.groups == (12, 4, 6)
-    assert [arg.tensor for arg in (gemm.args[2], gemm.args[8], gemm.args[9], gemm.args[10])] == [
-        "y", "bias", "ws", "counters"]
-    # without the counters (or the workspace) a split product is refused, not run unfinished
-    with pytest.raises(UnsupportedOp, match="counters"):
-        plan.dispatches("a", "b", "y", GPU_CAPS, c="bias", ws="ws")
-    # a forced split in a tile whose rows do not divide the workspace's grid is refused
-    with pytest.raises(UnsupportedOp, match="divide"):
-        plan.dispatches("a", "b", "y", GPU_CAPS, tile=CoopTile(96, 64, 32, 1, 2), c="bias", ws="ws", state="c")
+    assert "HAS_BIAS" not in gemm.defines and gemm.groups == (12, 4, 6) and gemm.args[2].tensor == "ws"
+    assert reduce.shader == "gemm_reduce" and reduce.defines == {"HAS_BIAS": 1, "ACT": 2, "HALF": 1, "NSPLITS": 6}
     # a device whose shared memory holds no cooperative-matrix tile runs the scalar kernel, unsplit
     (small,) = plan.dispatches("a", "b", "y", dataclasses.replace(GPU_CAPS, shared_memory_bytes=2048), c="bias", ws="ws")
     assert small.shader == "gemm_f16"
     # a device without cooperative matrices runs the scalar kernel, unsplit
     (scalar,) = plan.dispatches("a", "b", "y", DeviceCaps(), c="bias", ws="ws")
     assert scalar.shader == "gemm_f16" and scalar.defines["HAS_BIAS"] == 1
-    # enough tiles, a short K, or a batch: no split, no workspace, no counters
+    # enough tiles, a short K, or a batch: no split
     for q in (MatmulProblem(M=4096, N=4096, K=4096, sAm=4096, sAk=1, sBk=4096, sBn=1),
               MatmulProblem(M=128, N=768, K=255, sAm=255, sAk=1, sBk=768, sBn=1)):
-        qp = HalfMatmulPlan(q)
-        assert qp.splits == 1 and qp.workspace_bytes() == 0 and qp.state_bytes() == 0
-    # edges: the workspace rounds M up to 128 rows and N to 256 columns
-    edge = HalfMatmulPlan(MatmulProblem(M=37, N=53, K=1000, sAm=1000, sAk=1, sBk=53, sBn=1))
-    assert edge.workspace_bytes(4) == 4 * 4 * 128 * 256 and edge.state_bytes(4) == 4 * 4 * 4
+        assert HalfMatmulPlan(q).splits == 1 and HalfMatmulPlan(q).workspace_bytes() == 0
 
 
-@pytest.mark.parametrize("m,k,n,splits", [(128, 3072, 768, None), (37, 1000, 53, 4), (64, 512, 96, 7),
-                                          (130, 2048, 300, 3)])
+@pytest.mark.parametrize("act", [0, 3])
+def test_the_float16_split_reduction_rounds_once(pool, act):
+    """gemm_reduce.comp in float16 (HALF), run alone on partial sums the test writes: the sum of the
+    splits, the bias and the activation in float32, then one rounding."""
+    from vkpool.kernels.base import pack_push_constants
+
+    member = pool.vulkan_members[0]
+    device = member.device
+    m, n, splits = 7, 45, 5
+    p = MatmulProblem(M=m, N=n, K=splits * 256, sAm=splits * 256, sAk=1, sBk=n, sBn=1, has_bias=True, sCn=1, act=act)
+    ws = RNG.standard_normal((splits, m, n)).astype(np.float32)
+    bias = RNG.standard_normal(n).astype(F16)
+    bufs = [member.alloc(ws.nbytes), member.alloc(bias.nbytes), member.alloc(2 * m * n)]
+    try:
+        member.upload(bufs[0], ws)
+        member.upload(bufs[1], bias)
+        d = HalfMatmulPlan(p)._reduce(bufs[0], bufs[1], bufs[2], splits, device.caps)
+        device.run_once([("dispatch", device.pipeline(d.shader, d.defines),
+                          pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)])
+        got = member.download(bufs[2], (m, n), F16)
+    finally:
+        for buf in bufs:
+            buf.free()
+    want = apply_activation(act, ws.astype(np.float64).sum(axis=0) + bias)
+    assert got.dtype == F16
+    assert_fp16_close(got, want, 2.0 ** -10, 2.0 ** -14, "split reduction")
+
+
+@pytest.mark.parametrize("m,k,n,splits", [(128, 3072, 768, None), (37, 1000, 53, 4), (64, 512, 96, 7)])
 def test_coopmat_split_k_on_a_gpu(pool, m, k, n, splits):
     """Split products on a GPU with cooperative matrices: the planner's split, and forced ones with
-    edges in every dimension and splits left with nothing to add (K 512 over 7 splits of 128).
-    Run three times over: the last split of each tile sets its counter back to zero for the next
-    run (a counter left behind would finish the next run's tiles early, with partial sums)."""
+    edges in every dimension and splits left with nothing to add (K 512 over 7 splits of 128)."""
     from vkpool.kernels.base import pack_push_constants
 
     member = coop_member(pool)
@@ -511,28 +522,22 @@ def test_coopmat_split_k_on_a_gpu(pool, m, k, n, splits):
     plan = HalfMatmulPlan(MatmulProblem(M=m, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1, has_bias=True, sCn=1, act=2))
     count = splits or plan.splits
     assert count > 1
-    sizes = (a.nbytes, b.nbytes, 2 * m * n, bias.nbytes, plan.workspace_bytes(count), plan.state_bytes(count))
-    bufs = [member.alloc(x) for x in sizes]
+    bufs = [member.alloc(x) for x in (a.nbytes, b.nbytes, 2 * m * n, bias.nbytes, 4 * count * m * n)]
     try:
-        for buf, x in zip(bufs, (a, b, None, bias, None, np.zeros(sizes[5], np.uint8))):
+        for buf, x in zip(bufs, (a, b, None, bias)):
             if x is not None:
                 member.upload(buf, x)
-        ds = plan.dispatches(bufs[0], bufs[1], bufs[2], device.caps, c=bufs[3], ws=bufs[4], splits=splits,
-                             state=bufs[5])
-        assert [d.shader for d in ds] == ["gemm_coopmat"]
-        (d,) = ds
-        dispatch = ("dispatch", device.pipeline(d.shader, d.defines),
-                    pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)
-        outputs = []
-        for _ in range(3):
-            member.upload(bufs[2], np.full((m, n), np.nan, F16))
-            device.run_once([dispatch, ("barrier",), dispatch])
-            outputs.append(member.download(bufs[2], (m, n), F16))
-        counters = member.download(bufs[5], (sizes[5] // 4,), np.uint32)
+        ds = plan.dispatches(bufs[0], bufs[1], bufs[2], device.caps, c=bufs[3], ws=bufs[4], splits=splits)
+        assert [d.shader for d in ds] == ["gemm_coopmat", "gemm_reduce"]
+        commands = []
+        for d in ds:
+            commands += [("barrier",)] if commands else []
+            commands.append(("dispatch", device.pipeline(d.shader, d.defines),
+                             pack_push_constants(d.args, lambda alloc: alloc.address), d.groups))
+        device.run_once(commands)
+        got = member.download(bufs[2], (m, n), F16)
     finally:
         for buf in bufs:
             buf.free()
-    assert not counters.any(), "every tile's counter is back to zero after a run"
     want = apply_activation(2, a.astype(np.float64) @ b.astype(np.float64) + bias)
-    for got in outputs:
-        assert_fp16_close(got, want, 2.0 ** -10, k * 2.0 ** -22, "split-K product")
+    assert_fp16_close(got, want, 2.0 ** -10, k * 2.0 ** -22, "split-K product")

@@ -140,16 +140,10 @@ class ChunkStats:
     weight_bytes: int = 0
     arena_bytes: int = 0
     io_bytes: int = 0
-    state_bytes: int = 0  # memory ops keep across runs (Op.state_bytes)
     peak_live_bytes: int = 0  # the largest set of activations alive at once
     dispatches: int = 0
     barriers: int = 0
     levels: int = 0
-
-    @property
-    def device_bytes(self) -> int:
-        """All the chunk holds in its member's memory."""
-        return self.weight_bytes + self.arena_bytes + self.io_bytes + self.state_bytes
 
 
 @dataclass
@@ -415,17 +409,6 @@ class VulkanChunk:
                 tensor.handle = TensorHandle(arena, tensor.offset, tensor.info.nbytes)
 
         self._scheduled = scheduled
-        # device memory ops keep across runs (zero at load): every slot's commands use the same,
-        # as runs of the chunk never overlap on the device
-        self._state: dict[int, TensorHandle] = {}
-        for _, op, _, _ in scheduled:
-            nbytes = op.state_bytes()
-            if nbytes:
-                alloc = self.member.alloc(nbytes)
-                self._allocs.append(alloc)
-                self.member.upload(alloc, np.zeros(nbytes, np.uint8))
-                self._state[id(op)] = TensorHandle(alloc, 0, nbytes)
-                self.stats.state_bytes += nbytes
         self._add_slot()
         for _ in range(1, self.slots):
             try:
@@ -512,7 +495,6 @@ class VulkanChunk:
                 workspace=TensorHandle(arena, ws_off, op.workspace_bytes()) if ws_off >= 0 else None,
                 caps=caps,
                 constants=op.constants,
-                state=self._state.get(id(op)),
             )
             work: list[Any] = []
             if op.alias_input is not None:

@@ -562,7 +562,7 @@ class Pipeline(ABC):
         for copy in self.copies:
             for stage in copy.stages:
                 s = stage.chunk.stats
-                out[stage.member.id] = out.get(stage.member.id, 0) + s.device_bytes
+                out[stage.member.id] = out.get(stage.member.id, 0) + s.weight_bytes + s.arena_bytes + s.io_bytes
         for member_id, alloc in self._shared:
             out[member_id] += alloc.nbytes
         return out
@@ -578,7 +578,6 @@ class Pipeline(ABC):
                 total.weight_bytes += s.weight_bytes
                 total.arena_bytes += s.arena_bytes
                 total.io_bytes += s.io_bytes
-                total.state_bytes += s.state_bytes
                 total.peak_live_bytes = max(total.peak_live_bytes, s.peak_live_bytes)
                 total.dispatches += s.dispatches
                 total.barriers += s.barriers

@@ -382,7 +382,7 @@ class ProcessExecutor(Pipeline):
             raise RuntimeError(f"the worker process on {worker.member.id} could not load the model: "
                                f"{answer['type']}: {answer['message']}")
         stats = answer["stats"]
-        charge = stats["weight_bytes"] + stats["arena_bytes"] + stats["io_bytes"] + stats["state_bytes"]
+        charge = stats["weight_bytes"] + stats["arena_bytes"] + stats["io_bytes"]
         worker.member.budget.reserve(charge)  # refused (DeviceOutOfMemory) if others took the room meanwhile
         worker.charged = charge
         worker.stage.chunk = _RemoteChunk(stats, answer["run_slots"], answer["in_place"])
@@ -670,7 +670,7 @@ def _serve(spec: dict[str, Any]) -> None:
         os.write(wfd, _body(HELLO, _REFUSED, json.dumps({"type": kind, "args": args, "message": str(exc)}).encode()))
         raise
     s = chunk.stats
-    stats = {name: int(getattr(s, name)) for name in ("weight_bytes", "arena_bytes", "io_bytes", "state_bytes", "peak_live_bytes",
+    stats = {name: int(getattr(s, name)) for name in ("weight_bytes", "arena_bytes", "io_bytes", "peak_live_bytes",
                                                       "dispatches", "barriers", "levels")}
     depth = min(chunk.slots, RUN_SLOTS)
     os.write(wfd, _body(HELLO, _READY, json.dumps({"stats": stats, "run_slots": depth,

@@ -598,7 +598,7 @@ class Session:
         if self._executor is not None:
             return self._executor.memory_by_member()
         stats = self._chunk.stats
-        return {self.member.id: stats.device_bytes}
+        return {self.member.id: stats.weight_bytes + stats.arena_bytes + stats.io_bytes}
 
     @property
     def stats(self) -> Any:

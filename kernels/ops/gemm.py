@@ -448,7 +448,7 @@ class Gemm(Op):
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
         if not isinstance(self.plan, MatmulPlan):
             return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], ctx.outputs[0], ctx.caps, c=c,
-                                        ws=ctx.workspace, state=ctx.state)
+                                        ws=ctx.workspace)
         return self.plan.dispatches(ctx.inputs[0], ctx.inputs[1], c, ctx.outputs[0], ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
@@ -456,9 +456,6 @@ class Gemm(Op):
 
     def workspace_bytes(self) -> int:
         return self.plan.workspace_bytes()
-
-    def state_bytes(self) -> int:
-        return 0 if isinstance(self.plan, MatmulPlan) else self.plan.state_bytes()
 
 
 __all__ = ["Gemm", "MatmulPlan", "TILES", "choose_tile", "MatmulProblem", "BatchDim", "ACTIVATIONS", "fused_activation", "apply_activation"]

@@ -21,14 +21,10 @@ same function at every position, so the matrix's element order does not matter).
 
 Split-K (cooperative matrices only): a product of one matrix whose tiles leave the device short
 of workgroups, with a long enough K (a transformer's products at batch 1: 128 rows), splits its
-reduction over ``splits`` workgroups per tile. Each writes its float32 partial sums to the
-workspace and counts itself in its tile's arrival counter; the last of a tile's splits to arrive
-adds the others' sums to its own, then applies the bias and the activation and rounds once, in
-the same dispatch (no pass of its own between the product and its reader). The counters are
-device memory the product keeps across runs (``state_bytes``), zero at load and set back to zero
-by the last split of each tile. The split is chosen from the problem alone
-(``HalfMatmulPlan.splits``) so that the workspace is known before the device is; it runs with
-``SPLIT_TILE``.
+reduction over ``splits`` workgroups per tile, each writing its float32 partial sums to the
+workspace; ``gemm_reduce.comp`` adds them, the bias and the activation, and rounds once. The
+split is chosen from the problem alone (``HalfMatmulPlan.splits``) so that the workspace is known
+before the device is; it runs with ``SPLIT_TILE``.
 """
 from __future__ import annotations
 
@@ -49,11 +45,6 @@ _TARGET_GROUPS = 512
 #: at 128 rows a workgroup's run of K slices, each waiting for memory, is the time
 _SPLIT_TARGET_GROUPS = 256
 _SPLIT_MIN_K = 256
-#: split-K's workspace holds whole tiles of every tile a split product may run with: M rounded up
-#: to a multiple of _SPLIT_ROWS, N to _SPLIT_COLS; its counters one per tile of at least
-#: _SPLIT_MIN_TILE rows x columns
-_SPLIT_ROWS, _SPLIT_COLS = 128, 256
-_SPLIT_MIN_TILE = (32, 64)
 _HALF = 2  # bytes
 
 
@@ -181,27 +172,8 @@ class HalfMatmulPlan:
         they write zeros)."""
         return self.chunk(self.p.K, splits)
 
-    def workspace_bytes(self, splits: int | None = None) -> int:
-        """The partial sums of ``splits`` (the plan's by default) over whole tiles."""
-        splits = self.splits if splits is None else splits
-        rows, cols = self._split_grid()
-        return 4 * splits * rows * cols if splits > 1 else 0
-
-    def state_bytes(self, splits: int | None = None) -> int:
-        """The arrival counters of a split product, one per tile (zero at load)."""
-        splits = self.splits if splits is None else splits
-        rows, cols = self._split_grid()
-        return 4 * (rows // _SPLIT_MIN_TILE[0]) * (cols // _SPLIT_MIN_TILE[1]) if splits > 1 else 0
-
-    def _split_grid(self) -> tuple[int, int]:
-        return ceil_div(self.p.M, _SPLIT_ROWS) * _SPLIT_ROWS, ceil_div(self.p.N, _SPLIT_COLS) * _SPLIT_COLS
-
-    @staticmethod
-    def split_tile_fits(tile: CoopTile) -> bool:
-        """Whether a split product can run in ``tile``: its tiles cover the workspace's grid and
-        are no more than the counters."""
-        return (_SPLIT_ROWS % tile.BM == 0 and _SPLIT_COLS % tile.BN == 0
-                and tile.BM >= _SPLIT_MIN_TILE[0] and tile.BN >= _SPLIT_MIN_TILE[1])
+    def workspace_bytes(self) -> int:
+        return 4 * self.splits * self.p.M * self.p.N if self.splits > 1 else 0
 
     def choose_tile(self, caps: DeviceCaps) -> CoopTile:
         shape = coop_shape(caps)
@@ -216,15 +188,27 @@ class HalfMatmulPlan:
                 return tile
         return fitting[-1]
 
+    def _reduce(self, ws: Any, c: Any, y: Any, splits: int, caps: DeviceCaps) -> Dispatch:
+        """Sums split-K's partial products in ``ws``, adds the bias, applies the activation and
+        rounds to float16 into ``y``."""
+        p = self.p
+        total = p.M * p.N
+        return Dispatch(
+            "gemm_reduce",
+            [Ptr(ws), Ptr(c) if p.has_bias else Ptr(y), Ptr(y), U32(total), U32(splits), U32(p.N), U32(1), U32(0),
+             U32(1), F32(1.0), F32(1.0)],
+            groups_1d(total, 256, caps),
+            {"HAS_BIAS": int(p.has_bias), "ACT": p.act, "HALF": 1, "NSPLITS": splits},
+        )
+
     def dispatches(
         self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None, c: Any = None,
-        ws: Any = None, splits: int | None = None, state: Any = None,
+        ws: Any = None, splits: int | None = None,
     ) -> list[Dispatch]:
         """The dispatches computing Y on a device with ``caps``; ``c`` is the bias where the
-        problem has one, ``ws`` the workspace (``workspace_bytes``) and ``state`` the zeroed
-        counters (``state_bytes``) of a split product; ``tile`` and ``splits`` override the
-        cooperative-matrix tile and the K splits (benchmarks compare them; a forced split needs
-        ``workspace_bytes(splits)`` and ``state_bytes(splits)``)."""
+        problem has one, ``ws`` the workspace (``workspace_bytes``); ``tile`` and ``splits``
+        override the cooperative-matrix tile and the K splits (benchmarks compare them; a
+        forced split needs a workspace of ``4 * splits * M * N`` bytes)."""
         p = self.p
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
@@ -235,16 +219,14 @@ class HalfMatmulPlan:
         if shape is not None:
             split = self.splits if splits is None else splits
             if split > 1 and tile is None:
-                tile = next((t for t in (SPLIT_TILE, *reversed(COOP_TILES))
-                             if t.fits(caps, shape, self.b_trans) and self.split_tile_fits(t)), None)
+                tile = next((t for t in (SPLIT_TILE, *reversed(COOP_TILES)) if t.fits(caps, shape, self.b_trans)),
+                            None)
             tile = tile or self.choose_tile(caps)
             if not tile.fits(caps, shape, self.b_trans):
                 raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
-            if split > 1 and (p.batch or ws is None or state is None or self.kchunk(split) % tile.BK
-                              or not self.split_tile_fits(tile)):
-                raise UnsupportedOp(f"float16 product: {split} K splits need one matrix, a workspace, counters "
-                                    f"and a tile whose BK divides {self.kchunk(split)} and whose rows and "
-                                    f"columns divide {_SPLIT_ROWS} and {_SPLIT_COLS}")
+            if split > 1 and (p.batch or ws is None or self.kchunk(split) % tile.BK):
+                raise UnsupportedOp(f"float16 product: {split} K splits need one matrix, a workspace and "
+                                    f"a tile whose BK divides {self.kchunk(split)}")
             lm, ln, lk = shape
             # NOTE: the shader lays its WM x WN subgroups out by gl_SubgroupID, so it relies on the
             # driver running it with the subgroup size the device reports (32 on NVIDIA, seen on
@@ -260,15 +242,15 @@ class HalfMatmulPlan:
                 "SWIZZLE": tile.SWIZZLE, "A_VEC": int(vec_a), "B_VEC": int(vec_b),
                 "EDGES": int(not (full and vec_a and vec_b)), "STORE_DIRECT": int(p.N % 8 == 0),
             }
-            if split > 1:
-                defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split), "NSPLITS": split})
+            if split > 1:  # float32 partial sums, whose rows start on 16 bytes when N % 4 == 0
+                defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split), "STORE_DIRECT": int(p.N % 4 == 0)})
             bm, bn = tile.BM, tile.BN
         else:
             small = ceil_div(p.M, 64) * ceil_div(p.N, 64) * p.batch_count < 128
             bm = bn = 32 if small else 64
             shader = "gemm_f16"
             defines = {"BM": bm, "BN": bn, "BK": 16, "TM": bm // 16, "TN": bn // 16}
-        if p.has_bias or p.act:
+        if (p.has_bias or p.act) and split == 1:
             # only fused products carry these: the plain product's pipelines stay as they were
             defines.update({"HAS_BIAS": int(p.has_bias), "ACT": p.act})
         if self.b_trans:
@@ -283,10 +265,11 @@ class HalfMatmulPlan:
             ob = sum(i * d.b for i, d in zip(idx, outer)) * _HALF
             oy = sum(i * d.y for i, d in zip(idx, outer)) * _HALF
             bias = Ptr(c) if p.has_bias else Ptr(y, oy)
-            args = [Ptr(a, oa), Ptr(b, ob), Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K), U32(inner.a), U32(inner.b), bias]
-            if split > 1:
-                args += [Ptr(ws), Ptr(state)]
+            args = [Ptr(a, oa), Ptr(b, ob), Ptr(ws) if split > 1 else Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
+                    U32(inner.a), U32(inner.b), bias]
             out.append(Dispatch(shader, args, groups, defines))
+        if split > 1:
+            out.append(self._reduce(ws, c, y, split, caps))
         return out
 
     def flops(self) -> int:

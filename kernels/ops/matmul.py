@@ -93,7 +93,7 @@ class MatMul(Op):
         a, b, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
         c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
         if isinstance(self.plan, HalfMatmulPlan):
-            return self.plan.dispatches(a, b, y, ctx.caps, c=c, ws=ctx.workspace, state=ctx.state)
+            return self.plan.dispatches(a, b, y, ctx.caps, c=c, ws=ctx.workspace)
         return self.plan.dispatches(a, b, c, y, ctx.workspace, caps=ctx.caps)
 
     def flops(self) -> int:
@@ -101,9 +101,6 @@ class MatMul(Op):
 
     def workspace_bytes(self) -> int:
         return self.plan.workspace_bytes()
-
-    def state_bytes(self) -> int:
-        return self.plan.state_bytes() if isinstance(self.plan, HalfMatmulPlan) else 0
 
 
 __all__ = ["MatMul"]

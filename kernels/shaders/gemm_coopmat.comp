@@ -26,13 +26,10 @@
 // accumulator matrix), and ACT (epilogue.glsl) maps each accumulator element in place: the same
 // function at every position, so the matrix's element order does not matter. Both before the
 // one rounding to float16.
-// SPLITK: workgroup z is a split of the reduction (one matrix, no batch), of NSPLITS: K from
-// z * KCHUNK to (z + 1) * KCHUNK (KCHUNK a multiple of BK). Each split stores its float32 partial sums to the
-// workspace ws (split after split, each a grid of whole tiles: rows of gridDim.x * BN floats, so
-// that every store and load is a whole matrix), then counts itself in the tile's arrival counter;
-// the split that arrives last adds the others' partial sums to its accumulators and goes on to
-// the epilogue above, and sets the counter back to zero for the next run. The counters are
-// device memory the product keeps across runs (Op.state_bytes), zero when it is loaded.
+// SPLITK: workgroup z is a split of the reduction (one matrix, no batch): K from z * KCHUNK to
+// (z + 1) * KCHUNK (KCHUNK a multiple of BK), and y points at the float32 workspace, where the
+// split writes its partial sums (rows of N floats, split after split); gemm_reduce.comp adds them,
+// the bias and the activation. STORE_DIRECT then means N % 4 == 0 (rows of floats on 16 bytes).
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -49,17 +46,10 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uve
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer U16Buf { uint16_t v[]; };
 // rows of Y written by coopMatStore start on 16 bytes (N % 8 == 0)
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer F16Rows { float16_t v[]; };
+// split-K's partial sums: rows of N floats (N % 4 == 0 for coopMatStore)
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer F32Rows { float v[]; };
 #ifndef SPLITK
 #define SPLITK 0
-#endif
-#if SPLITK
-// split-K's partial sums (rows of whole tiles: 16-byte aligned) and the tiles' arrival counters,
-// written by one workgroup and read by another: coherent at queue-family scope (NOTE: H200, driver
-// 580, bench.gemm_fp16: device scope, where the device has it, ran at the same speed)
-#define SYNC_SCOPE gl_ScopeQueueFamily
-layout(buffer_reference, std430, buffer_reference_align = 16) queuefamilycoherent buffer PartialRows { float v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer Counters { uint v[]; };
-shared uint lastSplit;
 #endif
 
 #define NSUB (WM * WN)
@@ -75,10 +65,6 @@ layout(push_constant) uniform Args {
     uint M, N, K;
     uint bA, bB;  // batch strides of A and B in elements (0: shared); Y's is M * N
     uint64_t c;   // the bias (HAS_BIAS)
-#if SPLITK
-    uint64_t ws;        // the partial sums
-    uint64_t counters;  // one per tile of the grid, zero between runs
-#endif
 } pc;
 
 // the shared buffer in 16-byte units: the A slice (BM rows of BK halves), then the B slice (BK
@@ -253,42 +239,38 @@ void main() {
 
     // epilogue: the shared buffer is free (every subgroup passed the last barrier)
 #if SPLITK
-    {
-        const uint ldw = gl_NumWorkGroups.x * BN;
-        const uint64_t splitBytes = 4 * uint64_t(gl_NumWorkGroups.y * BM) * ldw;
-        const uint64_t own = 4 * (uint64_t(row0 + sm) * ldw + col0 + sn);
-        [[unroll]] for (uint i = 0; i < TM; ++i)
-            [[unroll]] for (uint j = 0; j < TN; ++j)
-                coopMatStore(acc[i][j], PartialRows(pc.ws + z * splitBytes + own + 4 * (i * LM * ldw + j * LN)).v,
-                             0, ldw, gl_CooperativeMatrixLayoutRowMajor);
-        // every invocation's stores happen before the count; the last split's loads after it
-        controlBarrier(gl_ScopeWorkgroup, SYNC_SCOPE, gl_StorageSemanticsBuffer,
-                       gl_SemanticsAcquireRelease);
-        if (gl_LocalInvocationIndex == 0) {
-            const uint tile = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
-            const uint before = atomicAdd(Counters(pc.counters).v[tile], 1u, SYNC_SCOPE,
-                                          gl_StorageSemanticsBuffer, gl_SemanticsAcquireRelease);
-            lastSplit = uint(before + 1 == NSPLITS);
-            if (lastSplit != 0)
-                atomicStore(Counters(pc.counters).v[tile], 0u, SYNC_SCOPE, gl_StorageSemanticsNone,
-                            gl_SemanticsRelaxed);
-        }
-        controlBarrier(gl_ScopeWorkgroup, SYNC_SCOPE, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
-                       gl_SemanticsAcquireRelease);
-        if (lastSplit == 0) return;
-        // the other splits' sums, unrolled so that their loads are in flight together
-        [[unroll]] for (uint s = 0; s < NSPLITS; ++s) {
-            if (s == z) continue;
-            [[unroll]] for (uint i = 0; i < TM; ++i)
-                [[unroll]] for (uint j = 0; j < TN; ++j) {
-                    coopmat<float, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> part;
-                    coopMatLoad(part, PartialRows(pc.ws + s * splitBytes + own + 4 * (i * LM * ldw + j * LN)).v,
-                                0, ldw, gl_CooperativeMatrixLayoutRowMajor);
-                    acc[i][j] += part;
+    const uint64_t wsBase = pc.y + 4 * uint64_t(z) * pc.M * pc.N;
+    const uint scratch = sg * (LM * LN / 4);
+    const uint lane = gl_SubgroupInvocationID;
+    [[unroll]] for (uint i = 0; i < TM; ++i) {
+        const uint r = row0 + sm + i * LM;
+        [[unroll]] for (uint j = 0; j < TN; ++j) {
+            const uint c = col0 + sn + j * LN;
+#if STORE_DIRECT
+            if (r + LM <= pc.M && c + LN <= pc.N) {
+                F32Rows rows = F32Rows(wsBase + 4 * (uint64_t(r) * pc.N + c));
+                coopMatStore(acc[i][j], rows.v, 0, pc.N, gl_CooperativeMatrixLayoutRowMajor);
+                continue;
+            }
+#endif
+            if (r >= pc.M || c >= pc.N) continue;
+            // edge tile: through this subgroup's corner of shared memory, then element by element
+            coopMatStore(acc[i][j], smem, scratch, LN / 4, gl_CooperativeMatrixLayoutRowMajor);
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            for (uint v = lane; v < LM * LN / 4; v += SG) {
+                const uvec4 q = smem[scratch + v];
+                const uint rr = r + (v * 4) / LN;
+                [[unroll]] for (uint e = 0; e < 4; ++e) {
+                    const uint cc = c + (v * 4) % LN + e;
+                    if (rr < pc.M && cc < pc.N)
+                        F32Buf(wsBase + 4 * (uint64_t(rr) * pc.N + cc)).v[0] = uintBitsToFloat(q[e]);
                 }
+            }
+            subgroupBarrier();
         }
     }
-#endif
+#else
 #if HAS_BIAS
     for (uint v = gl_LocalInvocationIndex; v < BN / 8; v += NT) {
         const uvec4 q = load8(pc.c, 0, col0 + v * 8, 1, pc.N, 0);
@@ -296,11 +278,7 @@ void main() {
     }
     barrier();
 #endif
-#if SPLITK
-    const uint64_t yBase = 0;  // z is a split of the one product
-#else
     const uint64_t yBase = uint64_t(z) * pc.M * pc.N;
-#endif
     const uint scratch = sg * (LM * LN / 8);
     const uint lane = gl_SubgroupInvocationID;
     [[unroll]] for (uint i = 0; i < TM; ++i) {
@@ -345,4 +323,5 @@ void main() {
             subgroupBarrier();
         }
     }
+#endif
 }

@@ -169,7 +169,7 @@ class _Chunks:
         for index, chunk in self.compiled.items():
             s = chunk.stats
             member = self.stages[index].member.id
-            out[member] = out.get(member, 0) + s.device_bytes
+            out[member] = out.get(member, 0) + s.weight_bytes + s.arena_bytes + s.io_bytes
         return out
 
     def close(self) -> None:
