@@ -293,7 +293,7 @@ void main() {
             }
 #endif
 #if ACT != 0
-            for (int e = 0; e < acc[i][j].length(); ++e) acc[i][j][e] = epilogue(acc[i][j][e]);
+            [[unroll]] for (int e = 0; e < acc[i][j].length(); ++e) acc[i][j][e] = epilogue(acc[i][j][e]);
 #endif
             coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> out_tile =
                 coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator>(acc[i][j]);
