@@ -293,6 +293,8 @@ void main() {
             }
 #endif
 #if ACT != 0
+            // NOTE: H200, driver 580 (bench.gemm_fp16 128x3072x768 with bias and GELU by erf):
+            // 33-36 µs with this loop left rolled, 15.6 unrolled, 13.2 for the bias alone
             [[unroll]] for (int e = 0; e < acc[i][j].length(); ++e) acc[i][j][e] = epilogue(acc[i][j][e]);
 #endif
             coopmat<float16_t, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> out_tile =
