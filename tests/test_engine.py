@@ -260,3 +260,29 @@ def _matmul_chunk_args(member) -> tuple:
 
     model = load_model(_matmul_model())
     return member, model.nodes, dict(model.tensors), model.constants, ["x"], ["y"], model.opset
+
+
+def test_large_outputs_are_copied_into_arrays_of_their_own(pool):
+    """Outputs of PARALLEL_COPY_BYTES and more go into arrays taken (pages touched) while the run
+    is on the device: every run's values are its own, a run's arrays are not reused by the next,
+    and a smaller output beside them takes the plain copy."""
+    from vkpool.engine import PARALLEL_COPY_BYTES
+
+    n = PARALLEL_COPY_BYTES // 4 + 4099  # float32 elements: past the threshold, not a whole page
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "big"], ["y"]), helper.make_node("Mul", ["x", "x"], ["small"])], "large",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n]),
+         helper.make_tensor_value_info("small", TensorProto.FLOAT, [1])],
+        [numpy_helper.from_array(np.arange(n, dtype=np.float32) % 1000, "big")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    base = np.arange(n, dtype=np.float32) % 1000
+    with Session(model.SerializeToString(), pool=pool) as sess:
+        runs = [sess.run(None, {"x": np.array([v], np.float32)}) for v in (1.0, 2.0, 3.0)]
+        (only,) = sess.run(["y"], {"x": np.array([4.0], np.float32)})
+    for v, (y, small) in zip((1.0, 2.0, 3.0), runs):
+        assert y.flags.owndata and y.flags.c_contiguous and y.shape == (n,)
+        np.testing.assert_array_equal(y, base + v)
+        np.testing.assert_array_equal(small, [v * v])
+    np.testing.assert_array_equal(only, base + 4.0)
