@@ -262,13 +262,13 @@ def _matmul_chunk_args(member) -> tuple:
     return member, model.nodes, dict(model.tensors), model.constants, ["x"], ["y"], model.opset
 
 
-def test_large_outputs_are_copied_into_arrays_of_their_own(pool):
-    """Outputs of PARALLEL_COPY_BYTES and more go into arrays taken (pages touched) while the run
-    is on the device: every run's values are its own, a run's arrays are not reused by the next,
-    and a smaller output beside them takes the plain copy."""
+def test_large_outputs_are_copied_in_parallel_slices_into_arrays_of_their_own(pool):
+    """Outputs of PARALLEL_COPY_BYTES and more are copied out in slices by several threads: every
+    run's values are its own and whole (an odd element count leaves a short last slice), and a
+    smaller output beside them takes the plain copy."""
     from vkpool.engine import PARALLEL_COPY_BYTES
 
-    n = PARALLEL_COPY_BYTES // 4 + 4099  # float32 elements: past the threshold, not a whole page
+    n = PARALLEL_COPY_BYTES // 4 + 4099  # float32 elements: past the threshold, slices of unequal size
     graph = helper.make_graph(
         [helper.make_node("Add", ["x", "big"], ["y"]), helper.make_node("Mul", ["x", "x"], ["small"])], "large",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],

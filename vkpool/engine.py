@@ -18,7 +18,6 @@ session of the chunk's subgraph where it can, else with the ops' numpy reference
 from __future__ import annotations
 
 import bisect
-import mmap
 import os
 import queue
 import threading
@@ -186,34 +185,16 @@ _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 
 
-def output_array(view: np.ndarray) -> np.ndarray | None:
-    """Where :func:`copy_out` will copy a large output (None for a small one), its pages already
-    touched: taken while the run is on the device, a fresh array's page faults (the kernel
-    zeroing its pages) overlap the run instead of following it. NOTE: H200 machine, GPT-2's
-    12.3 MiB of logits (bench.copy_out_probe): a fresh array's pages cost 560 µs, the copy
-    into it 683 µs in all, of a 2027 µs run whose device wait was 1286."""
-    if view.nbytes < PARALLEL_COPY_BYTES or not view.flags.c_contiguous:
-        return None
-    out = np.empty_like(view)
-    out.reshape(-1).view(np.uint8)[::mmap.PAGESIZE] = 0
-    return out
-
-
-def copy_out(view: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """A copy of ``view`` (a mapped output) that the caller owns, into ``out`` where given (of
-    :func:`output_array`); large ones in parallel slices (numpy releases the interpreter lock
-    while it copies)."""
+def copy_out(view: np.ndarray) -> np.ndarray:
+    """A copy of ``view`` (a mapped output) that the caller owns; large ones in parallel slices
+    (numpy releases the interpreter lock while it copies)."""
     if view.nbytes < PARALLEL_COPY_BYTES or _COPY_THREADS == 1 or not view.flags.c_contiguous:
-        if out is None:
-            return view.copy()
-        np.copyto(out, view)
-        return out
+        return view.copy()
     global _copy_pool
     with _copy_pool_lock:
         if _copy_pool is None:
             _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="vkpool-copy")
-    if out is None:
-        out = np.empty_like(view)
+    out = np.empty_like(view)
     src, dst = view.reshape(-1), out.reshape(-1)
     step = -(-src.size // _COPY_THREADS)
     list(_copy_pool.map(lambda i: np.copyto(dst[i:i + step], src[i:i + step]), range(0, src.size, step)))
@@ -683,11 +664,9 @@ class VulkanChunk:
         """Waits for the run in ``slot`` (see :meth:`wait_in_place`) and returns copies of its
         outputs (of those named in ``outputs`` when given)."""
         try:
-            views = self._slots[slot].out_views
-            names = self.output_names if outputs is None else outputs
-            into = {name: output_array(views[name]) for name in names}  # while the run is on the device
             self.wait_in_place(slot, spin=spin)
-            return {name: copy_out(views[name], into[name]) for name in names}
+            views = self._slots[slot].out_views
+            return {name: copy_out(views[name]) for name in (self.output_names if outputs is None else outputs)}
         finally:
             if self._slots[slot].pooled:
                 self._idle.put(slot)
