@@ -11,8 +11,10 @@ Two kernels, chosen per device when the dispatches are built:
 - ``gemm_f16.comp`` everywhere else (lavapipe, older GPUs): the scalar tiling of
   ``gemm.comp`` over float16 storage.
 
-Both take row-major operands (what MatMul gives: A is ``[..., M, K]``, B ``[..., K, N]``),
-batches by strides, and any M, N, K (edges are bounds-checked). Both take the epilogue of a fused
+Both take row-major operands (what MatMul gives: A is ``[..., M, K]``, B ``[..., K, N]``), or
+B transposed (``N x K``, as a Linear stores its weight: constant weights are stored that way where
+``transposed_b`` says rows of N halves would not load as 16-byte vectors), batches by strides,
+and any M, N, K (edges are bounds-checked). Both take the epilogue of a fused
 product (``vkpool.fusion``): a float16 bias of N values added to every row and an activation
 (``epilogue.glsl``), applied to the float32 sums before the one rounding to float16. The
 cooperative-matrix kernel adds the bias to its accumulators from a tile of bias rows in shared
