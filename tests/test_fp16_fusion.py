@@ -31,11 +31,11 @@ import vkpool
 from conftest import vulkan_pool
 from test_fp16_gemm import coop_member
 from test_fusion_transformer import (
-    GELU_ERF, GELU_TANH_POW, SCALARS, _attention, _linear, _model, _residual_block, _w,
+    ATTENTION_CASES, GELU_ERF, GELU_TANH_POW, SCALARS, _attention, _linear, _model, _residual_block, _w,
 )
 from vkpool.kernels.base import DeviceCaps, DispatchContext, TensorInfo
 from vkpool.kernels.ops.gemm import MatmulProblem, apply_activation
-from vkpool.kernels.ops.gemm_f16 import COOP_TILES, SPLIT_TILE, HalfMatmulPlan, coop_shape
+from vkpool.kernels.ops.gemm_f16 import COOP_TILES, SPLIT_TILE, CoopTile, HalfMatmulPlan, coop_shape
 from vkpool.kernels.registry import create_op
 from vkpool.model import load_model
 
@@ -172,12 +172,7 @@ def test_a_float16_chain_that_is_not_gelu_stays():
 
 # -- attention -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("b,s,t,h,d,mask,key,scale", [
-    (2, 7, 7, 3, 5, "none", "direct", "Div"),
-    (1, 20, 70, 2, 8, "add", "double", "Mul"),     # two row blocks, two key tiles, a partial one of each
-    (2, 17, 17, 4, 6, "causal", "direct", "Div"),
-    (1, 9, 33, 3, 4, "pattern", "double", "Div"),
-], ids=["plain", "padding-mask-cross", "causal", "mask-pattern"])
+@ATTENTION_CASES
 def test_float16_attention_becomes_one_node(pool, b, s, t, h, d, mask, key, scale):
     model, feeds = _attention(b, s, t, h, d, mask=mask, key=key, scale=scale)
     model = half_model(model)
@@ -429,8 +424,14 @@ def test_a_fused_product_takes_the_cooperative_matrix_kernel_where_the_device_ha
 
 def test_every_cooperative_matrix_tile_has_room_for_the_bias_rows():
     for tile in (*COOP_TILES, SPLIT_TILE):
-        assert tile.fits(GPU_CAPS, (16, 16, 16)), tile.name
-        assert 16 * tile.BN <= tile.BK * (tile.BN + 8)
+        for b_trans in (False, True):
+            assert tile.fits(GPU_CAPS, (16, 16, 16), b_trans), (tile.name, b_trans)
+    # a tile whose B slice holds 16 rows of bias but not 32 (BK 16): it fits 16-row matrices and is
+    # refused 32-row ones, in either layout of B, for that alone (the other conditions hold for both)
+    narrow = CoopTile(256, 64, 16, 2, 2)
+    for b_trans in (False, True):
+        assert narrow.fits(GPU_CAPS, (16, 16, 16), b_trans)
+        assert not narrow.fits(GPU_CAPS, (32, 16, 16), b_trans)
 
 
 @pytest.mark.parametrize("m,k,n,act", [(128, 768, 3072, "Gelu"), (37, 72, 53, "GeluTanh"), (300, 264, 136, "Relu")])
@@ -497,6 +498,7 @@ def test_the_float16_split_reduction_rounds_once(pool, act):
     try:
         member.upload(bufs[0], ws)
         member.upload(bufs[1], bias)
+        member.upload(bufs[2], np.full((m, n), np.nan, F16))
         d = HalfMatmulPlan(p)._reduce(bufs[0], bufs[1], bufs[2], splits, device.caps)
         device.run_once([("dispatch", device.pipeline(d.shader, d.defines),
                           pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)])
@@ -505,7 +507,7 @@ def test_the_float16_split_reduction_rounds_once(pool, act):
         for buf in bufs:
             buf.free()
     want = apply_activation(act, ws.astype(np.float64).sum(axis=0) + bias)
-    assert got.dtype == F16
+    assert np.isfinite(got).all(), "every element of the output is written"
     assert_fp16_close(got, want, 2.0 ** -10, 2.0 ** -14, "split reduction")
 
 

@@ -138,12 +138,16 @@ def _attention(b: int, s: int, t: int, h: int, d: int, *, mask: str = "none", ke
     return _model(nodes, inputs, inits, ["y", "sc"] if scores_out else ["y"]), feeds
 
 
-@pytest.mark.parametrize("b,s,t,h,d,mask,key,scale", [
+#: attention as exporters spell it, in float32 here and in float16 (test_fp16_fusion.py)
+ATTENTION_CASES = pytest.mark.parametrize("b,s,t,h,d,mask,key,scale", [
     (2, 7, 7, 3, 5, "none", "direct", "Div"),
     (1, 20, 70, 2, 8, "add", "double", "Mul"),     # two row blocks, two key tiles, a partial one of each
     (2, 17, 17, 4, 6, "causal", "direct", "Div"),
     (1, 9, 33, 3, 4, "pattern", "double", "Div"),
 ], ids=["plain", "padding-mask-cross", "causal", "mask-pattern"])
+
+
+@ATTENTION_CASES
 def test_attention_as_exporters_spell_it_becomes_one_node(pool, b, s, t, h, d, mask, key, scale):
     model, feeds = _attention(b, s, t, h, d, mask=mask, key=key, scale=scale)
     ops = [op for op, _ in _ops(model)]
