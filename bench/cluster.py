@@ -23,6 +23,7 @@ offers a split of device 0 (``vk0.0``, ``vk0.1``; lavapipe on a machine without 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -66,13 +67,20 @@ def start_cluster(gpus: bool, folder: Path) -> Any:
     return cluster
 
 
+#: how the bench keeps requests in flight (``--load``): ``callbacks``, each completed request's
+#: callback submits the next one (on the session's completion thread: a closed loop that costs
+#: the driver no thread hop per request); ``loop``, the main thread submits a new request whenever
+#: a semaphore says one completed (a hop from the completion thread to the main thread per request)
+LOADS = ("callbacks", "loop")
+
+
 def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray], seconds: float,
-               window: int) -> tuple[float, float, float]:
+               window: int, load: str = "callbacks") -> tuple[float, float, float]:
     """(requests completed per second, p50 and p99 latency in seconds) with ``window`` requests
     in flight for about ``seconds``: a new request is submitted as soon as any completes (not
-    the oldest: a request done behind a slower one frees its place at once). A request's
-    latency is from its submit to its future's completion. Outputs are checked before and at
-    the end."""
+    the oldest: a request done behind a slower one frees its place at once), as ``load`` says
+    (:data:`LOADS`). A request's latency is from its submit to its future's completion.
+    Outputs are checked before and at the end."""
     import threading
 
     def check(out: list[np.ndarray]) -> None:
@@ -83,23 +91,57 @@ def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray
     for _ in range(window):
         session.run(None, feeds)
     clock = time.perf_counter
-    places = threading.Semaphore(window)
     ended: list[tuple[float, float]] = []  # (completion, latency) of each request
-
-    def finished(_: Any, submitted: float) -> None:
-        now = clock()
-        ended.append((now, now - submitted))
-        places.release()
-
     last: deque[Any] = deque(maxlen=window)
     start = clock()
     deadline = start + seconds
-    while clock() < deadline:
-        if not places.acquire(timeout=300):
-            raise TimeoutError("no request completed in 300 s")
-        future = session.submit(feeds)
-        future.add_done_callback(lambda f, t=clock(): finished(f, t))
-        last.append(future)
+    if load == "callbacks":
+        left = [window]
+        gate = threading.Lock()
+        all_done = threading.Event()
+        failed: list[Exception] = []
+
+        def finished(future: Any, submitted: float) -> None:
+            now = clock()
+            ended.append((now, now - submitted))
+            if now < deadline and not failed:
+                try:
+                    send()
+                    return
+                except Exception as exc:  # the session refused: stop, and say why below
+                    failed.append(exc)
+            with gate:
+                left[0] -= 1
+                if not left[0]:
+                    all_done.set()
+
+        def send() -> None:
+            future = session.submit(feeds)
+            last.append(future)
+            future.add_done_callback(lambda f, t=clock(): finished(f, t))
+
+        for _ in range(window):
+            send()
+        if not all_done.wait(seconds + 300):
+            raise TimeoutError("requests still in flight 300 s after the measurement")
+        if failed:
+            raise failed[0]
+    elif load == "loop":
+        places = threading.Semaphore(window)
+
+        def freed(_: Any, submitted: float) -> None:
+            now = clock()
+            ended.append((now, now - submitted))
+            places.release()
+
+        while clock() < deadline:
+            if not places.acquire(timeout=300):
+                raise TimeoutError("no request completed in 300 s")
+            future = session.submit(feeds)
+            future.add_done_callback(lambda f, t=clock(): freed(f, t))
+            last.append(future)
+    else:
+        raise ValueError(f"load must be one of {', '.join(LOADS)}, got {load!r}")
     for future in last:
         check(future.result(timeout=300))
     measured = [latency for at, latency in ended if at <= deadline]
@@ -302,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="BUNDLExCALLS",
                         help="the sessions' max_bundle and calls_per_step, one table row per pair (default "
                         f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
+    parser.add_argument("--figures", nargs="+", choices=("replicas", "split"), default=["replicas", "split"],
+                        help="which figures to measure (default both)")
+    parser.add_argument("--load", nargs="+", choices=LOADS, default=["callbacks"],
+                        help="how requests are kept in flight, a table row per choice (default callbacks; "
+                        "see LOADS)")
     parser.add_argument("--same-load", action="store_true", help="measure two nodes with twice --window too "
                         "(as many requests in flight per node as on one node)")
     parser.add_argument("--call-cost", action="store_true", help="also measure what a call to a node costs "
@@ -329,15 +376,17 @@ def main(argv: list[str] | None = None) -> int:
             listed = ", ".join(f"{m['id']} ({m['name']})" for m in cluster.members())
             print(f"nodes: {listed}")
             for kind, name in (("replicas", args.replicated), ("split", split_model)):
+                if kind not in args.figures:
+                    continue
                 path = workloads.save(name, folder)
                 feeds = workloads.input_for(name)
-                for bundle, calls in settings:
+                for (bundle, calls), load in itertools.product(settings, args.load):
                     calling = {"max_bundle": bundle, "calls_per_step": calls}
                     with cluster.session(path, devices=[a], **calling) as one:
                         want = one.run(None, feeds)
                         with CpuUse(cluster) as cpu:
-                            single = jobs_per_s(one, feeds, want, args.seconds, args.window)
-                    print(cpu.report(f"{kind} {name} on node a, {bundle}x{calls}"))
+                            single = jobs_per_s(one, feeds, want, args.seconds, args.window, load)
+                    print(cpu.report(f"{kind} {name} on node a, {bundle}x{calls}, {load}"))
                     if kind == "replicas":
                         options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
                     else:  # budgets under the model on each node: the planner must cut it in two
@@ -351,18 +400,18 @@ def main(argv: list[str] | None = None) -> int:
                         if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
                             raise RuntimeError(f"the {kind} plan does not span both nodes: {shape}")
                         with CpuUse(cluster) as cpu:
-                            both = jobs_per_s(two, feeds, want, args.seconds, args.window)
-                        print(cpu.report(f"{kind} {name} on both nodes, {bundle}x{calls}"))
-                        doubled = (jobs_per_s(two, feeds, want, args.seconds, 2 * args.window)
+                            both = jobs_per_s(two, feeds, want, args.seconds, args.window, load)
+                        print(cpu.report(f"{kind} {name} on both nodes, {bundle}x{calls}, {load}"))
+                        doubled = (jobs_per_s(two, feeds, want, args.seconds, 2 * args.window, load)
                                    if args.same_load else None)
                         if args.profile:
                             with Sampler() as sampler:
-                                jobs_per_s(two, feeds, want, args.seconds, args.window)
-                            print(f"driver's Python threads, {kind} {name} on both nodes, {bundle}x{calls} "
-                                  f"(a run apart, sampled every ms; a share of samples):\n{sampler.report()}")
+                                jobs_per_s(two, feeds, want, args.seconds, args.window, load)
+                            print(f"driver's Python threads, {kind} {name} on both nodes, {bundle}x{calls}, "
+                                  f"{load} (a run apart, sampled every ms; a share of samples):\n{sampler.report()}")
                     for member in (a, b):
                         cluster.set_budget(member, budgets[member])
-                    rows.append((f"{kind}: {name}", f"{bundle}x{calls}", figure(single), figure(both),
+                    rows.append((f"{kind}: {name}", f"{bundle}x{calls}", load, figure(single), figure(both),
                                  f"{both[0] / single[0]:.2f}", shape)
                                 + ((figure(doubled), f"{doubled[0] / single[0]:.2f}") if doubled else ()))
             slope, fixed, points = hop_s_per_mib(cluster)
@@ -373,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
     more = ((f" two nodes, window {2 * args.window} | that / one |", "---|---|") if args.same_load
             else ("", ""))
-    print(f"| figure | max_bundle x calls_per_step | one node | two nodes | two / one | plan |{more[0]}\n"
-          f"|---|---|---|---|---|---|{more[1]}")
+    print(f"| figure | max_bundle x calls_per_step | load | one node | two nodes | two / one | plan |{more[0]}\n"
+          f"|---|---|---|---|---|---|---|{more[1]}")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "
