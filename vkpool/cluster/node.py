@@ -209,6 +209,7 @@ class NodeActor:
         # run meets a chunk being closed
         self._users: dict[int, int] = {}
         self._idle = threading.Condition(self._lock)
+        self._turns: dict[str, threading.Lock] = {}  # key → the lock its replica's calls take in turn
 
     # -- what the node has ---------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -349,11 +350,19 @@ class NodeActor:
     def run(self, key: str, rows: Rows) -> Rows:
         """Requests on a replica, several per call (:class:`~vkpool.cluster.rows.Rows`); returns
         their outputs, packed the same way. Each is submitted before any is waited for, so they
-        run back to back, batched where the model is; one that fails fails alone."""
-        with self._using(key) as session:
+        run back to back, batched where the model is; one that fails fails alone. A replica runs
+        its calls one after another, in the order they come: a call's answer then leaves as soon
+        as its own requests are done, while the next call runs (calls run side by side would
+        share the device and all end together, leaving the node idle while they travel)."""
+        with self._using(key) as session, self._turn(key):
             names = [o.name for o in session.get_outputs()]
             return run_rows(session.submit, lambda future: dict(zip(names, future.result())), rows,
                             depth=rows.count)
+
+    def _turn(self, key: str) -> threading.Lock:
+        """The lock that orders the calls of the replica opened under ``key``."""
+        with self._lock:
+            return self._turns.setdefault(key, threading.Lock())
 
     def run_chunks(self, key: str, indices: list[int], *parts: Rows) -> Rows:
         """Chunks ``indices`` of several requests; ``parts``: the requests' feeds and what the
@@ -376,5 +385,6 @@ class NodeActor:
         with self._lock:
             opened = self.opened.pop(key, None)
             self.leases.pop(key, None)
+            self._turns.pop(key, None)
         if opened is not None:
             self._close_when_idle(opened)
