@@ -74,22 +74,34 @@ def start_cluster(gpus: bool, folder: Path) -> Any:
 LOADS = ("callbacks", "loop")
 
 
+def warm_up(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray], runs: int) -> None:
+    """Checks the session's outputs against ``want`` and runs it ``runs`` times more."""
+    for got, ref in zip(session.run(None, feeds), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    for _ in range(runs):
+        session.run(None, feeds)
+
+
 def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray], seconds: float,
-               window: int, load: str = "callbacks") -> tuple[float, float, float]:
+               window: int, load: str = "callbacks", start_at: float | None = None,
+               latencies: list[float] | None = None) -> tuple[float, float, float]:
     """(requests completed per second, p50 and p99 latency in seconds) with ``window`` requests
     in flight for about ``seconds``: a new request is submitted as soon as any completes (not
     the oldest: a request done behind a slower one frees its place at once), as ``load`` says
     (:data:`LOADS`). A request's latency is from its submit to its future's completion.
-    Outputs are checked before and at the end."""
+    Outputs are checked before (:func:`warm_up`) and at the end. ``start_at``: the wall-clock
+    time (``time.time()``) to start at, so that drivers in several processes measure together
+    (the caller warms the session up before); ``latencies`` receives every measured latency."""
     import threading
 
     def check(out: list[np.ndarray]) -> None:
         for got, ref in zip(out, want):
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
-    check(session.run(None, feeds))
-    for _ in range(window):
-        session.run(None, feeds)
+    if start_at is None:
+        warm_up(session, feeds, want, window)
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
     clock = time.perf_counter
     ended: list[tuple[float, float]] = []  # (completion, latency) of each request
     last: deque[Any] = deque(maxlen=window)
@@ -145,8 +157,92 @@ def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray
     for future in last:
         check(future.result(timeout=300))
     measured = [latency for at, latency in ended if at <= deadline]
+    if latencies is not None:
+        latencies.extend(measured)
     p50, p99 = np.percentile(measured, [50, 99])
     return len(measured) / seconds, float(p50), float(p99)
+
+
+def jobs_per_s_drivers(session: Any, options: dict[str, Any], address: str, path: Path,
+                       feeds: dict[str, np.ndarray], want: list[np.ndarray], seconds: float, window: int,
+                       load: str, drivers: int) -> tuple[float, float, float]:
+    """:func:`jobs_per_s` from ``drivers`` processes at once, ``window`` requests in flight in
+    all (an even share each): this one with ``session``, and ``drivers - 1`` more
+    (``bench.cluster_client``), each with its own session of ``options`` on the same cluster.
+    Returns the summed jobs/s and the p50/p99 over every driver's requests."""
+    import json
+    import subprocess
+
+    if drivers <= 1:
+        return jobs_per_s(session, feeds, want, seconds, window, load)
+    shares = [window // drivers + (i < window % drivers) for i in range(drivers)]
+    spec = path.with_suffix(".client.json")
+    wanted = path.with_suffix(".want.npz")
+    np.savez(wanted, *want)
+    spec.write_text(json.dumps({"address": address, "model": str(path), "options": options,
+                                "seconds": seconds, "load": load, "want": str(wanted)}))
+    children = [subprocess.Popen([sys.executable, "-m", "bench.cluster_client", str(spec), str(share)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for share in shares[1:]]
+    try:
+        for child in children:
+            line = child.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"a driver process did not start: {line!r}")
+        warm_up(session, feeds, want, shares[0])
+        start_at = time.time() + 0.5
+        for child in children:
+            child.stdin.write(f"{start_at}\n")
+            child.stdin.flush()
+        measured: list[float] = []
+        rate = jobs_per_s(session, feeds, want, seconds, shares[0], load, start_at, measured)[0]
+        for child in children:
+            out, _ = child.communicate(timeout=600)
+            if child.returncode:
+                raise RuntimeError(f"a driver process failed ({child.returncode})")
+            result = json.loads(out.strip().splitlines()[-1])
+            rate += result["rate"]
+            measured += result["latencies"]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+    p50, p99 = np.percentile(measured, [50, 99])
+    return rate, float(p50), float(p99)
+
+
+class DriverSplit:
+    """Splits the CPU time of a session's request path in the driver (``--split-driver``): the
+    answers of calls (with the callbacks they run, which submit the next requests) and the
+    starts of calls (packing and Ray's submit), each in the thread's own CPU time."""
+
+    def __init__(self, session: Any) -> None:
+        self.session, self.spent = session, {"answer": 0.0, "start": 0.0}
+        self.requests = 0
+
+    def _timed(self, label: str, method: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            begin = time.thread_time()
+            try:
+                return method(*args)
+            finally:
+                self.spent[label] += time.thread_time() - begin
+        return timed
+
+    def __enter__(self) -> DriverSplit:
+        s = self.session
+        s._answer, s._start = self._timed("answer", s._answer), self._timed("start", s._start)
+        self._served = sum(c["served"] for c in s.copies)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.session._answer, self.session._start
+        self.requests = sum(c["served"] for c in self.session.copies) - self._served
+
+    def report(self) -> str:
+        n = max(self.requests, 1)
+        return (f"driver CPU per request: answers {self.spent['answer'] / n * 1e6:.1f} µs, call starts "
+                f"{self.spent['start'] / n * 1e6:.1f} µs ({self.requests} requests)")
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -346,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
     parser.add_argument("--figures", nargs="+", choices=("replicas", "split"), default=["replicas", "split"],
                         help="which figures to measure (default both)")
+    parser.add_argument("--split-driver", action="store_true", help="after each two-node figure, run it "
+                        "again for --seconds, timing the session's answers and call starts in the driver")
+    parser.add_argument("--drivers", type=int, nargs="+", default=[1],
+                        help="driver processes sending at once, each with its own session and an even "
+                        "share of --window, a table row per count (default 1: this process alone)")
     parser.add_argument("--load", nargs="+", choices=LOADS, default=["callbacks"],
                         help="how requests are kept in flight, a table row per choice (default callbacks; "
                         "see LOADS)")
@@ -380,13 +481,16 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 path = workloads.save(name, folder)
                 feeds = workloads.input_for(name)
-                for (bundle, calls), load in itertools.product(settings, args.load):
+                for (bundle, calls), load, drivers in itertools.product(settings, args.load, args.drivers):
                     calling = {"max_bundle": bundle, "calls_per_step": calls}
+                    how = f"{bundle}x{calls}, {load}, {drivers} driver(s)"
                     with cluster.session(path, devices=[a], **calling) as one:
                         want = one.run(None, feeds)
                         with CpuUse(cluster) as cpu:
-                            single = jobs_per_s(one, feeds, want, args.seconds, args.window, load)
-                    print(cpu.report(f"{kind} {name} on node a, {bundle}x{calls}, {load}"))
+                            single = jobs_per_s_drivers(one, {"devices": [a], **calling}, ray_cluster.address,
+                                                        path, feeds, want, args.seconds, args.window, load,
+                                                        drivers)
+                    print(cpu.report(f"{kind} {name} on node a, {how}"))
                     if kind == "replicas":
                         options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
                     else:  # budgets under the model on each node: the planner must cut it in two
@@ -400,19 +504,25 @@ def main(argv: list[str] | None = None) -> int:
                         if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
                             raise RuntimeError(f"the {kind} plan does not span both nodes: {shape}")
                         with CpuUse(cluster) as cpu:
-                            both = jobs_per_s(two, feeds, want, args.seconds, args.window, load)
-                        print(cpu.report(f"{kind} {name} on both nodes, {bundle}x{calls}, {load}"))
-                        doubled = (jobs_per_s(two, feeds, want, args.seconds, 2 * args.window, load)
-                                   if args.same_load else None)
+                            both = jobs_per_s_drivers(two, {**options, **calling}, ray_cluster.address, path,
+                                                      feeds, want, args.seconds, args.window, load, drivers)
+                        print(cpu.report(f"{kind} {name} on both nodes, {how}"))
+                        doubled = (jobs_per_s_drivers(two, {**options, **calling}, ray_cluster.address, path,
+                                                      feeds, want, args.seconds, 2 * args.window, load,
+                                                      drivers) if args.same_load else None)
+                        if args.split_driver:
+                            with DriverSplit(two) as split:
+                                jobs_per_s(two, feeds, want, args.seconds, args.window, load)
+                            print(f"{kind} {name} on both nodes, {how}: {split.report()}")
                         if args.profile:
                             with Sampler() as sampler:
                                 jobs_per_s(two, feeds, want, args.seconds, args.window, load)
-                            print(f"driver's Python threads, {kind} {name} on both nodes, {bundle}x{calls}, "
-                                  f"{load} (a run apart, sampled every ms; a share of samples):\n{sampler.report()}")
+                            print(f"driver's Python threads, {kind} {name} on both nodes, {how} (a run "
+                                  f"apart, sampled every ms; a share of samples):\n{sampler.report()}")
                     for member in (a, b):
                         cluster.set_budget(member, budgets[member])
-                    rows.append((f"{kind}: {name}", f"{bundle}x{calls}", load, figure(single), figure(both),
-                                 f"{both[0] / single[0]:.2f}", shape)
+                    rows.append((f"{kind}: {name}", f"{bundle}x{calls}", load, str(drivers), figure(single),
+                                 figure(both), f"{both[0] / single[0]:.2f}", shape)
                                 + ((figure(doubled), f"{doubled[0] / single[0]:.2f}") if doubled else ()))
             slope, fixed, points = hop_s_per_mib(cluster)
             row_bytes = sum(v.nbytes for v in workloads.input_for(args.replicated).values())
@@ -422,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
     more = ((f" two nodes, window {2 * args.window} | that / one |", "---|---|") if args.same_load
             else ("", ""))
-    print(f"| figure | max_bundle x calls_per_step | load | one node | two nodes | two / one | plan |{more[0]}\n"
-          f"|---|---|---|---|---|---|---|{more[1]}")
+    print(f"| figure | max_bundle x calls_per_step | load | drivers | one node | two nodes | two / one | "
+          f"plan |{more[0]}\n|---|---|---|---|---|---|---|---|{more[1]}")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "
