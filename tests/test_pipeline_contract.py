@@ -143,3 +143,65 @@ def test_every_runner_keeps_the_contract(pool2, kind: str) -> None:
             runner.submit(feeds[0])
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "inline_two_slots"])
+def test_run_many_answers_each_request_alone(pool2, kind: str) -> None:
+    """``Session.run_many`` gives every request its own outputs, and a request it cannot feed its
+    own error, on every runner; on one member with ``run_slots=2`` the runner keeps two runs in
+    flight (the second starts on the chunk's other slot while the first is on the device)."""
+    if kind == "inline_two_slots":
+        probe, model, feeds = _open("inline", pool2)
+        probe.close()
+        session = Session(model.SerializeToString(), pool=pool2, device="vk0.0", run_slots=2)
+    else:
+        session, model, feeds = _open(kind, pool2)
+    try:
+        if kind in ("inline", "cut", "inline_two_slots"):
+            assert session.runner.depth == (2 if kind == "inline_two_slots" else 1)
+        wrong = {name: value.astype(np.float64) for name, value in feeds[0].items()}
+        given = [*feeds[:3], wrong, *feeds[3:]]
+        results = session.run_many(given)
+        assert len(results) == len(given)
+        names = [o.name for o in model.graph.output]
+        for result, fed in zip(results, given):
+            if fed is wrong:
+                assert isinstance(result, InvalidInput) and "float32" in str(result), result
+                continue
+            assert not isinstance(result, Exception), result
+            _assert_outputs(dict(zip(names, result)), model, fed)
+        runner = session._batcher if kind == "batched" else session.runner
+        assert _balanced(runner.stats()) and runner.stats().pending == 0
+    finally:
+        session.close()
+
+
+def test_back_to_back_keeps_depth_in_flight() -> None:
+    """``back_to_back`` starts the next item before it waits for the last, up to ``depth``, in
+    order, and an item whose start or finish fails fails alone."""
+    from vkpool.pipeline import back_to_back
+
+    events: list[str] = []
+    in_flight = [0, 0]  # now, most
+
+    def start(item: int) -> int:
+        if item == 3:
+            raise ValueError("three does not start")
+        in_flight[0] += 1
+        in_flight[1] = max(in_flight[1], in_flight[0])
+        events.append(f"start {item}")
+        return item
+
+    def finish(handle: int) -> int:
+        in_flight[0] -= 1
+        events.append(f"finish {handle}")
+        if handle == 5:
+            raise KeyError("five does not finish")
+        return handle * 10
+
+    out = back_to_back(start, finish, list(range(7)), depth=2)
+    assert out[:3] == [0, 10, 20] and out[4] == 40 and out[6] == 60
+    assert isinstance(out[3], ValueError) and isinstance(out[5], KeyError)
+    assert in_flight == [0, 2]
+    assert events[:4] == ["start 0", "start 1", "finish 0", "start 2"]
+    assert back_to_back(start, finish, [0, 1, 2], depth=1) == [0, 10, 20] and in_flight[0] == 0

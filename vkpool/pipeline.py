@@ -105,6 +105,35 @@ class Runner(Protocol):
 
 
 # -- in the caller's thread ------------------------------------------------------------------------
+def back_to_back(start: Callable[[Any], Any], finish: Callable[[Any], Any], items: Sequence[Any],
+                 depth: int) -> list[Any]:
+    """Runs every item, ``start(item)`` beginning a run and ``finish(handle)`` waiting for it and
+    returning its result, with up to ``depth`` runs in flight: with a chunk's run slots, the
+    device runs one item while the host writes the next one's inputs and reads the last one's
+    outputs. Returns each item's result, or the exception its start or finish raised (an item
+    that fails fails alone)."""
+    out: list[Any] = [None] * len(items)
+    started: deque[tuple[int, Any]] = deque()
+
+    def finish_one() -> None:
+        index, handle = started.popleft()
+        try:
+            out[index] = finish(handle)
+        except Exception as exc:
+            out[index] = exc
+
+    for index, item in enumerate(items):
+        if len(started) >= max(1, depth):
+            finish_one()
+        try:
+            started.append((index, start(item)))
+        except Exception as exc:
+            out[index] = exc
+    while started:
+        finish_one()
+    return out
+
+
 class InlineRunner:
     """Runs ``run(feeds)`` in the caller's thread: a whole-model chunk's run, a cut model's.
     ``close`` (after the calls in progress have returned) calls ``close``. Nothing waits, so
@@ -113,9 +142,13 @@ class InlineRunner:
     runs_in = "the caller's thread"
 
     def __init__(self, run: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
-                 close: Callable[[], None] | None = None) -> None:
+                 close: Callable[[], None] | None = None, *,
+                 start: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
+                 finish: Callable[[Any], dict[str, np.ndarray]] | None = None, depth: int = 1) -> None:
         self._run = run
         self._close = close
+        # a run in two halves (a chunk's start and finish), for run_many to keep depth in flight
+        self._start, self._finish, self._depth = start, finish, depth if start and finish else 1
         self._lock = threading.Lock()
         self._closed = False
         self._accepted = self._ok = self._failed = 0
@@ -142,6 +175,46 @@ class InlineRunner:
         self._ok += 1
         lock.release()
         return out
+
+    @property
+    def depth(self) -> int:
+        """Runs :meth:`run_many` keeps in flight (1: one after another)."""
+        return self._depth
+
+    def run_many(self, feeds: Sequence[Mapping[str, np.ndarray]], shape: Shape | None = None) -> list[Any]:
+        """Runs several requests back to back in the caller's thread: each one's result, or the
+        exception it raised (it fails alone). With a run in two halves and a depth over one, the
+        next request starts before the last one is waited for (:func:`back_to_back`)."""
+        if self._depth < 2 or len(feeds) < 2:
+            out: list[Any] = []
+            for one in feeds:
+                try:
+                    out.append(self.run(one, shape))
+                except Exception as exc:
+                    out.append(exc)
+            return out
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the runner is closed")
+            self._accepted += len(feeds)
+        assert self._start is not None and self._finish is not None
+        finish = self._finish
+
+        def done(handle: Any) -> Any:
+            out = finish(handle)
+            return out if shape is None else shape(out)
+
+        try:
+            results = back_to_back(self._start, done, feeds, self._depth)
+        except BaseException:  # not a request's own error (they are in the results): none counted
+            with self._lock:
+                self._failed += len(feeds)
+            raise
+        failed = sum(isinstance(r, Exception) for r in results)
+        with self._lock:
+            self._failed += failed
+            self._ok += len(results) - failed
+        return results
 
     def submit(self, feeds: Mapping[str, np.ndarray], shape: Shape | None = None) -> Future:
         if self._closed:  # refused here, as the plan executors refuse it

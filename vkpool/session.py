@@ -77,7 +77,10 @@ class Session:
     processes whose devices import host memory read and write the tensors crossing between
     chunks in the shared mailboxes themselves instead of copying them (off by default, slower on the
     H200s measured: :class:`vkpool.processes.ProcessExecutor`); refused unless the plan runs in
-    worker processes.
+    worker processes. ``run_slots``: the run slots of a model compiled whole on one Vulkan member
+    (1 by default), each with input and output memory of its own; with 2, :meth:`run_many` keeps
+    the device busy with one request while the host moves the next one's tensors, and two threads
+    calling :meth:`run` overlap on the device (a slot that the budget has no room for is not made).
 
     A model whose shapes depend on run-time values (NonZero of a computed tensor, TopK with a
     computed k, a Range of computed bounds, ...) is cut there (:mod:`vkpool.dynamic`): the part
@@ -120,7 +123,11 @@ class Session:
         shape_cache: int | None = None,
         link_on_device: bool = True,
         in_place: bool = False,
+        run_slots: int = 1,
     ) -> None:
+        if run_slots < 1:
+            raise ValueError(f"run_slots must be at least 1, got {run_slots}")
+        self._run_slots = run_slots
         self._own_pool = pool is None
         self._source = (model if isinstance(model, (bytes, bytearray)) else os.fspath(model), batch, dict(dims or {}))
         self._processes = processes
@@ -164,6 +171,7 @@ class Session:
         self._own_pool = False
         self._source, self._processes = None, False  # a part is compiled from the loaded graph
         self._handover = {"link_on_device": link_on_device, "in_place": False}
+        self._run_slots = 1
         self.pool = pool
         self._reset()
         try:
@@ -344,11 +352,14 @@ class Session:
         used = {n for node in m.nodes for n in node.inputs if n}
         self._chunk_outputs = [name for name, _ in m.outputs if name not in m.constants]
         self._chunk_inputs = [name for name, _ in m.inputs if name in used or name in self._chunk_outputs]
-        cls = VulkanChunk if isinstance(member, VulkanMember) else HostChunk
-        chunk = self._chunk = cls(member, m.nodes, dict(m.tensors), m.constants, self._chunk_inputs,
-                                  self._chunk_outputs, m.opset)
+        args = (member, m.nodes, dict(m.tensors), m.constants, self._chunk_inputs, self._chunk_outputs,
+                m.opset)
+        chunk = self._chunk = (VulkanChunk(*args, slots=self._run_slots) if isinstance(member, VulkanMember)
+                               else HostChunk(*args))
         inputs = self._chunk_inputs
-        self._runner = InlineRunner(lambda feeds: chunk.run({n: feeds[n] for n in inputs}), chunk.close)
+        self._runner = InlineRunner(lambda feeds: chunk.run({n: feeds[n] for n in inputs}), chunk.close,
+                                    start=lambda feeds: chunk.start({n: feeds[n] for n in inputs}),
+                                    finish=chunk.finish, depth=getattr(chunk, "slots", 1))
         self.member = member
 
     def _planner_members(self, ids: Sequence[str]) -> list[Any]:
@@ -509,6 +520,44 @@ class Session:
                 done.set_exception(exc)
             return done
         return self._runner.submit(feeds, lambda produced: self._select(names, produced))
+
+    def run_many(self, input_feeds: Sequence[Mapping[str, Any]],
+                 output_names: Sequence[str] | None = None) -> list[list[np.ndarray] | Exception]:
+        """Runs several requests back to back and returns, for each, its outputs (as :meth:`run`
+        returns them) or the exception it raised: a request that fails, its feeds refused
+        included, fails alone. On one Vulkan member opened with ``run_slots=2`` the device runs
+        one request while this thread writes the next one's inputs and reads the last one's
+        outputs; elsewhere the requests are submitted together (:meth:`submit`: a plan's members
+        and the batcher work on them at once) and waited for in order."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        names = self._output_list(output_names)
+        out: list[Any] = [None] * len(input_feeds)
+        inline = self._batcher is None and isinstance(self._runner, InlineRunner)
+        feeds: list[tuple[int, dict[str, np.ndarray]]] = []
+        futures: list[tuple[int, Future]] = []
+        for index, given in enumerate(input_feeds):
+            try:
+                if inline:
+                    checked = self._check_feeds(given)
+                    if self._other_shapes(checked):
+                        out[index] = self._select(names, self.shapes.run(names, checked))
+                    else:
+                        feeds.append((index, checked))
+                else:
+                    futures.append((index, self.submit(given, names)))
+            except Exception as exc:
+                out[index] = exc
+        if feeds:
+            ran = self._runner.run_many([f for _, f in feeds], lambda produced: self._select(names, produced))
+            for (index, _), result in zip(feeds, ran):
+                out[index] = result
+        for index, future in futures:
+            try:
+                out[index] = future.result()
+            except Exception as exc:
+                out[index] = exc
+        return out
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
         all_outputs = [n for n, _ in self.model.outputs]

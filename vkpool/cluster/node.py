@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from vkpool.cluster.rows import Rows, merge, run_rows
+from vkpool.cluster.rows import Rows, gather, merge, pending, run_rows
 
 #: the Ray namespace of the drivers' leases (vkpool.cluster.NAMESPACE)
 LEASE_NAMESPACE = "vkpool"
@@ -261,11 +261,13 @@ class NodeActor:
                      options: dict[str, Any]) -> list[str]:
         """A whole :class:`vkpool.Session` of ``model`` on ``member``, for the driver whose
         :class:`Lease` is named ``lease``; returns its output names."""
+        from vkpool.executor import RUN_SLOTS
         from vkpool.session import Session
 
         self._check_member(member)
         self._drop_orphans()
-        session = Session(model, device=member, pool=self.pool, **options)
+        # run slots as a plan's chunks have: a call's requests run back to back (Session.run_many)
+        session = Session(model, device=member, pool=self.pool, run_slots=RUN_SLOTS, **options)
         self._keep(key, session, lease)
         return [o.name for o in session.get_outputs()]
 
@@ -349,15 +351,16 @@ class NodeActor:
 
     def run(self, key: str, rows: Rows) -> Rows:
         """Requests on a replica, several per call (:class:`~vkpool.cluster.rows.Rows`); returns
-        their outputs, packed the same way. Each is submitted before any is waited for, so they
-        run back to back, batched where the model is; one that fails fails alone. A replica runs
+        their outputs, packed the same way. They run back to back (:meth:`vkpool.Session.run_many`:
+        the device runs one while the host moves the next one's tensors), batched where the model
+        is; one that fails fails alone. A replica runs
         its calls one after another, in the order they come: a call's answer then leaves as soon
         as its own requests are done, while the next call runs (calls run side by side would
         share the device and all end together, leaving the node idle while they travel)."""
         with self._using(key) as session, self._turn(key):
             names = [o.name for o in session.get_outputs()]
-            return run_rows(session.submit, lambda future: dict(zip(names, future.result())), rows,
-                            depth=rows.count)
+            results = session.run_many(pending(rows))
+            return gather(rows, [r if isinstance(r, Exception) else dict(zip(names, r)) for r in results])
 
     def _turn(self, key: str) -> threading.Lock:
         """The lock that orders the calls of the replica opened under ``key``."""

@@ -8,7 +8,6 @@ its rows, so that the others of its call go on without it: a request fails alone
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -70,32 +69,29 @@ class _Collector:
         self.rows.failed[index] = error
 
 
+def pending(rows: Rows) -> list[dict[str, np.ndarray]]:
+    """The feeds of each request of ``rows`` that has not failed, in order."""
+    return [rows.row(i) for i in range(rows.count) if i not in rows.failed]
+
+
+def gather(rows: Rows, results: Sequence[Mapping[str, np.ndarray] | Exception]) -> Rows:
+    """The outputs of ``rows``' requests, packed: ``results`` holds, for each request that had
+    not failed (in order, as :func:`pending` gives them), its outputs or its error."""
+    out = _Collector(rows.count, rows.failed)
+    live = (i for i in range(rows.count) if i not in rows.failed)
+    for index, result in zip(live, results):
+        if isinstance(result, Exception):
+            out.fail(index, result)
+        else:
+            out.put(index, result)
+    return out.rows
+
+
 def run_rows(start: Callable[[dict[str, np.ndarray]], Any], finish: Callable[[Any], Mapping[str, np.ndarray]],
              rows: Rows, depth: int) -> Rows:
     """Runs each request of ``rows`` that has not failed: ``start(feeds)`` begins a run (a run
-    slot of a chunk) and ``finish(handle)`` waits for it and returns its outputs. Up to ``depth``
-    runs are in flight, so that the device runs one request while the host writes the next one's
-    inputs and reads the last one's outputs. A request whose run fails fails alone."""
-    out = _Collector(rows.count, rows.failed)
-    started: deque[tuple[int, Any]] = deque()
+    slot of a chunk) and ``finish(handle)`` waits for it and returns its outputs, up to ``depth``
+    runs in flight (:func:`vkpool.pipeline.back_to_back`). A request whose run fails fails alone."""
+    from vkpool.pipeline import back_to_back
 
-    def finish_one() -> None:
-        index, handle = started.popleft()
-        try:
-            out.put(index, finish(handle))
-        except Exception as exc:
-            out.fail(index, exc)
-
-    for index in range(rows.count):
-        if index in rows.failed:
-            continue
-        if len(started) >= depth:
-            finish_one()
-        try:
-            started.append((index, start(rows.row(index))))
-        except Exception as exc:
-            out.fail(index, exc)
-    while started:
-        finish_one()
-    return out.rows
-
+    return gather(rows, back_to_back(start, finish, pending(rows), depth))
