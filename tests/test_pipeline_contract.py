@@ -205,3 +205,43 @@ def test_back_to_back_keeps_depth_in_flight() -> None:
     assert in_flight == [0, 2]
     assert events[:4] == ["start 0", "start 1", "finish 0", "start 2"]
     assert back_to_back(start, finish, [0, 1, 2], depth=1) == [0, 10, 20] and in_flight[0] == 0
+
+
+def test_run_many_from_several_threads_with_two_run_slots(pool2) -> None:
+    """Four threads calling ``run_many`` on one session with two run slots, beside one calling
+    ``run``, all finish with their own outputs (two run_many each holding one slot while they
+    wait for another would wait forever)."""
+    import threading
+
+    probe, model, feeds = _open("inline", pool2)
+    probe.close()
+    session = Session(model.SerializeToString(), pool=pool2, device="vk0.0", run_slots=2)
+    names = [o.name for o in model.graph.output]
+    got: dict[str, list[Any]] = {}
+
+    def many(label: str) -> None:
+        for _ in range(5):
+            got[label] = session.run_many(feeds * 3)
+
+    def single() -> None:
+        got["run"] = [session.run(None, f) for f in feeds]
+
+    threads = [*(threading.Thread(target=many, args=(label,), daemon=True) for label in "abcd"),
+               threading.Thread(target=single, daemon=True)]
+    stuck = True
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stuck = any(t.is_alive() for t in threads)
+        assert not stuck, "run_many from several threads did not finish"
+        for label in "abcd":
+            assert len(got[label]) == 3 * len(feeds)
+            for result, fed in zip(got[label], feeds * 3):
+                _assert_outputs(dict(zip(names, result)), model, fed)
+        for result, fed in zip(got["run"], feeds):
+            _assert_outputs(dict(zip(names, result)), model, fed)
+    finally:
+        if not stuck:  # closing waits for the runs in progress, which a stuck thread never ends
+            session.close()

@@ -63,7 +63,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -105,30 +105,47 @@ class Runner(Protocol):
 
 
 # -- in the caller's thread ------------------------------------------------------------------------
-def back_to_back(start: Callable[[Any], Any], finish: Callable[[Any], Any], items: Sequence[Any],
-                 depth: int) -> list[Any]:
+def back_to_back(start: Callable[[Any], Any], finish: Callable[[Any], Any], items: Iterable[Any],
+                 depth: int, each: Callable[[int, Any], None] | None = None) -> list[Any]:
     """Runs every item, ``start(item)`` beginning a run and ``finish(handle)`` waiting for it and
     returning its result, with up to ``depth`` runs in flight: with a chunk's run slots, the
     device runs one item while the host writes the next one's inputs and reads the last one's
-    outputs. Returns each item's result, or the exception its start or finish raised (an item
-    that fails fails alone)."""
-    out: list[Any] = [None] * len(items)
+    outputs. ``items`` is read lazily, each item only when its run can start. Returns each
+    item's result, or the exception its start or finish raised (an item that fails fails
+    alone); ``each(index, result)`` is called as each one ends, in order."""
+    out: list[Any] = []
     started: deque[tuple[int, Any]] = deque()
+
+    def settle(index: int, result: Any) -> None:
+        out[index] = result
+        if each is not None:
+            each(index, result)
 
     def finish_one() -> None:
         index, handle = started.popleft()
         try:
-            out[index] = finish(handle)
+            result = finish(handle)
         except Exception as exc:
-            out[index] = exc
+            result = exc
+        settle(index, result)
 
-    for index, item in enumerate(items):
+    source = iter(items)
+    while True:
         if len(started) >= max(1, depth):
             finish_one()
         try:
+            item = next(source)
+        except StopIteration:
+            break
+        index = len(out)
+        out.append(None)
+        try:
             started.append((index, start(item)))
         except Exception as exc:
-            out[index] = exc
+            if started:  # the runs before it end first: results come in order
+                while started:
+                    finish_one()
+            settle(index, exc)
     while started:
         finish_one()
     return out
@@ -149,6 +166,9 @@ class InlineRunner:
         self._close = close
         # a run in two halves (a chunk's start and finish), for run_many to keep depth in flight
         self._start, self._finish, self._depth = start, finish, depth if start and finish else 1
+        # one run_many at a time: two, each holding a run slot while it starts another, would
+        # wait for each other forever (a plain run holds one slot at a time and never waits)
+        self._many = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
         self._accepted = self._ok = self._failed = 0
@@ -181,40 +201,51 @@ class InlineRunner:
         """Runs :meth:`run_many` keeps in flight (1: one after another)."""
         return self._depth
 
-    def run_many(self, feeds: Sequence[Mapping[str, np.ndarray]], shape: Shape | None = None) -> list[Any]:
+    def run_many(self, feeds: Iterable[Mapping[str, np.ndarray]], shape: Shape | None = None,
+                 each: Callable[[int, Any], None] | None = None) -> list[Any]:
         """Runs several requests back to back in the caller's thread: each one's result, or the
-        exception it raised (it fails alone). With a run in two halves and a depth over one, the
-        next request starts before the last one is waited for (:func:`back_to_back`)."""
-        if self._depth < 2 or len(feeds) < 2:
-            out: list[Any] = []
-            for one in feeds:
-                try:
-                    out.append(self.run(one, shape))
-                except Exception as exc:
-                    out.append(exc)
-            return out
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the runner is closed")
-            self._accepted += len(feeds)
-        assert self._start is not None and self._finish is not None
-        finish = self._finish
+        exception it raised (it fails alone); ``each(index, result)`` as each one ends, in order.
+        ``feeds`` is read lazily, a request only when it can start. With a run in two halves and
+        a depth over one, the next request starts before the last one is waited for
+        (:func:`back_to_back`), while no other ``run_many`` of this runner does (two, each
+        holding a run slot while it starts another, would wait for each other forever); else
+        they run one after another."""
+        pipelined = self._depth > 1 and self._many.acquire(blocking=False)
 
-        def done(handle: Any) -> Any:
-            out = finish(handle)
-            return out if shape is None else shape(out)
+        def start(one: Mapping[str, np.ndarray]) -> Any:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the runner is closed")
+                self._accepted += 1
+            try:
+                if pipelined:
+                    return self._start(one)  # type: ignore[misc]
+                out = self._run(one)  # the whole run here; finish only counts it
+                return out if shape is None else shape(out)
+            except Exception:
+                with self._lock:
+                    self._failed += 1
+                raise
+
+        def finish(handle: Any) -> Any:
+            if pipelined:
+                try:
+                    handle = self._finish(handle)  # type: ignore[misc]
+                    if shape is not None:
+                        handle = shape(handle)
+                except Exception:
+                    with self._lock:
+                        self._failed += 1
+                    raise
+            with self._lock:
+                self._ok += 1
+            return handle
 
         try:
-            results = back_to_back(self._start, done, feeds, self._depth)
-        except BaseException:  # not a request's own error (they are in the results): none counted
-            with self._lock:
-                self._failed += len(feeds)
-            raise
-        failed = sum(isinstance(r, Exception) for r in results)
-        with self._lock:
-            self._failed += failed
-            self._ok += len(results) - failed
-        return results
+            return back_to_back(start, finish, feeds, self._depth if pipelined else 1, each)
+        finally:
+            if pipelined:
+                self._many.release()
 
     def submit(self, feeds: Mapping[str, np.ndarray], shape: Shape | None = None) -> Future:
         if self._closed:  # refused here, as the plan executors refuse it

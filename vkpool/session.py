@@ -6,7 +6,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -521,42 +521,62 @@ class Session:
             return done
         return self._runner.submit(feeds, lambda produced: self._select(names, produced))
 
-    def run_many(self, input_feeds: Sequence[Mapping[str, Any]],
-                 output_names: Sequence[str] | None = None) -> list[list[np.ndarray] | Exception]:
+    def run_many(self, input_feeds: Iterable[Mapping[str, Any]], output_names: Sequence[str] | None = None,
+                 each: Callable[[int, Any], None] | None = None) -> list[list[np.ndarray] | Exception]:
         """Runs several requests back to back and returns, for each, its outputs (as :meth:`run`
         returns them) or the exception it raised: a request that fails, its feeds refused
-        included, fails alone. On one Vulkan member opened with ``run_slots=2`` the device runs
-        one request while this thread writes the next one's inputs and reads the last one's
-        outputs; elsewhere the requests are submitted together (:meth:`submit`: a plan's members
-        and the batcher work on them at once) and waited for in order."""
+        included, fails alone. ``each(index, result)`` is called as each request ends.
+
+        On one member (and for a cut model) the requests run in this thread and ``input_feeds``
+        is read lazily, a request only when it can start; on a Vulkan member opened with
+        ``run_slots=2`` the device runs one request while this thread writes the next one's
+        inputs and reads the last one's outputs. Elsewhere the requests are submitted together
+        (:meth:`submit`: a plan's members and the batcher work on them at once) and waited for in
+        order."""
         if self._closed:
             raise RuntimeError("the session is closed")
         names = self._output_list(output_names)
-        out: list[Any] = [None] * len(input_feeds)
-        inline = self._batcher is None and isinstance(self._runner, InlineRunner)
-        feeds: list[tuple[int, dict[str, np.ndarray]]] = []
-        futures: list[tuple[int, Future]] = []
-        for index, given in enumerate(input_feeds):
-            try:
-                if inline:
-                    checked = self._check_feeds(given)
-                    if self._other_shapes(checked):
-                        out[index] = self._select(names, self.shapes.run(names, checked))
-                    else:
-                        feeds.append((index, checked))
-                else:
-                    futures.append((index, self.submit(given, names)))
-            except Exception as exc:
-                out[index] = exc
-        if feeds:
-            ran = self._runner.run_many([f for _, f in feeds], lambda produced: self._select(names, produced))
-            for (index, _), result in zip(feeds, ran):
-                out[index] = result
-        for index, future in futures:
-            try:
-                out[index] = future.result()
-            except Exception as exc:
-                out[index] = exc
+        out: list[Any] = []
+
+        def report(index: int, result: Any) -> None:
+            out[index] = result
+            if each is not None:
+                each(index, result)
+
+        if self._batcher is not None or not isinstance(self._runner, InlineRunner):
+            futures: list[Future | Exception] = []
+            for given in input_feeds:
+                try:
+                    futures.append(self.submit(given, names))
+                except Exception as exc:  # refused: it fails alone
+                    futures.append(exc)
+            out.extend([None] * len(futures))
+            for index, future in enumerate(futures):
+                try:
+                    result = future if isinstance(future, Exception) else future.result()
+                except Exception as exc:
+                    result = exc
+                report(index, result)
+            return out
+        ran: list[int] = []  # the index in ``out`` of each request handed to the runner
+
+        def checked() -> Iterator[dict[str, np.ndarray]]:
+            for given in input_feeds:
+                index = len(out)
+                out.append(None)
+                try:
+                    feeds = self._check_feeds(given)
+                    if self._other_shapes(feeds):
+                        report(index, self._select(names, self.shapes.run(names, feeds)))
+                        continue
+                except Exception as exc:
+                    report(index, exc)
+                    continue
+                ran.append(index)
+                yield feeds
+
+        self._runner.run_many(checked(), lambda produced: self._select(names, produced),
+                              lambda k, result: report(ran[k], result))
         return out
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:

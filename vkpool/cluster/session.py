@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -243,6 +243,28 @@ class ClusterSession:
         future.set_running_or_notify_cancel()
         self._dispatch(_Pending(feeds, names, future, set()))
         return future
+
+    def run_many(self, input_feeds: Sequence[Mapping[str, Any]], output_names: Sequence[str] | None = None,
+                 each: Callable[[int, Any], None] | None = None) -> list[list[np.ndarray] | Exception]:
+        """Runs several requests (submitted together, so they share calls) and returns, for
+        each, its outputs or the exception it raised, as :meth:`vkpool.Session.run_many` does;
+        ``each(index, result)`` as each one is waited for, in order."""
+        futures: list[Future | Exception] = []
+        for feeds in input_feeds:
+            try:
+                futures.append(self.submit(feeds, output_names))
+            except Exception as exc:  # refused: it fails alone
+                futures.append(exc)
+        out: list[list[np.ndarray] | Exception] = []
+        for index, future in enumerate(futures):
+            try:
+                result = future if isinstance(future, Exception) else future.result()
+            except Exception as exc:
+                result = exc
+            out.append(result)
+            if each is not None:
+                each(index, result)
+        return out
 
     def _dispatch(self, pending: _Pending, why: str = "") -> None:
         with self._lock:
