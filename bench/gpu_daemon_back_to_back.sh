@@ -10,7 +10,8 @@ bash bench/gpu_run.sh back-to-back "" --devices-only > /dev/null || exit 1
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 [ -f "$icd" ] || icd=$(ls /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json 2>/dev/null | head -1)
 export VK_DRIVER_FILES=$icd VKPOOL_CACHE_DIR=/tmp/vkcache PYTHONUNBUFFERED=1
-export PYTHONPATH=/tmp/site:/tmp/vkpool-src
+rm -rf /tmp/benchpkg && mkdir -p /tmp/benchpkg && cp -r bench /tmp/benchpkg/
+export PYTHONPATH=/tmp/site:/tmp/vkpool-src:/tmp/benchpkg
 printf 'daemon:\n  back_to_back: 1\n' > /tmp/one-at-a-time.yaml
 cd /tmp
 common="--runs ${RUNS:-300} --seconds ${SECONDS_EACH:-2} --clients ${CLIENTS:-1 4 16 64} --transport ${TRANSPORT:-lane}"
