@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -135,16 +135,12 @@ class Scheduler:
     """All model queues, their worker threads, and the job index used by cancel and timeouts."""
 
     def __init__(self, *, queue_limit: int, max_queued: int, workers_per_model: int,
-                 run_job: Callable[[Job], None], run_batch: Callable[[list[Job]], None] | None = None,
-                 run_jobs: Callable[[Iterator[Job]], None] | None = None, back_to_back: int = 1) -> None:
+                 run_job: Callable[[Job], None], run_batch: Callable[[list[Job]], None] | None = None) -> None:
         self.queue_limit = queue_limit
         self.max_queued = max_queued
         self.workers_per_model = workers_per_model
         self._run_job = run_job
         self._run_batch = run_batch
-        # a stream of a model's jobs (without batching), run back to back, at most back_to_back
-        self._run_jobs = run_jobs
-        self.back_to_back = back_to_back if run_jobs is not None else 1
         self._lock = threading.RLock()  # taken directly where nothing waits or is notified: cheaper
         self._cond = threading.Condition(self._lock)
         self._queues: dict[str, ModelQueue] = {}
@@ -261,10 +257,6 @@ class Scheduler:
 
     # -- workers ------------------------------------------------------------------------------
     def _worker(self, model_id: str) -> None:
-        """Runs a model's jobs, one at a time, or with ``run_jobs`` a stream of them
-        (:meth:`_stream`): the next job, then while it runs the next queued one, taken only when
-        it can start, so that priorities, the rotation over clients, cancels and timeouts act on
-        every job not yet started."""
         while True:
             with self._cond:
                 queue = self._queues[model_id]
@@ -274,50 +266,19 @@ class Scheduler:
                         return
                     self._cond.wait()
                     job = queue.pop()
-                if not self._start(queue, job):
-                    continue
-            taken = [job]
+                with job._lock:
+                    if job.state != "queued":
+                        continue
+                    job.state = "running"
+                job.started_at = time.monotonic()
+                queue.running += 1
             try:
-                if self.back_to_back > 1:
-                    assert self._run_jobs is not None
-                    self._run_jobs(self._stream(model_id, taken))
-                else:
-                    self._run_job(job)
+                self._run_job(job)
             except Exception as exc:  # the run callback answers errors itself; this is a bug
-                log.exception("%d job(s) crashed the worker callback", len(taken))
-                for job in taken:
-                    job.fail("InternalError", f"worker failed: {type(exc).__name__}: {exc}")
+                log.exception("job %s crashed the worker callback", job.request_id)
+                job.fail("InternalError", f"worker failed: {type(exc).__name__}: {exc}")
             finally:
-                for job in taken:
-                    self.settle(job)
-
-    @staticmethod
-    def _start(queue: ModelQueue, job: Job) -> bool:
-        """Marks a job popped from ``queue`` running (under the scheduler's lock); False when it
-        was answered already (cancelled or timed out)."""
-        with job._lock:
-            if job.state != "queued":
-                return False
-            job.state = "running"
-        job.started_at = time.monotonic()
-        queue.running += 1
-        return True
-
-    def _stream(self, model_id: str, taken: list[Job]) -> Iterator[Job]:
-        """``taken[0]``, then each time one more is asked for, the model's next queued job, taken
-        from the queue then (marked running and added to ``taken``), until none is queued or
-        ``back_to_back`` jobs were given."""
-        yield taken[0]
-        while len(taken) < self.back_to_back:
-            with self._cond:
-                queue = self._queues[model_id]
-                job = queue.pop()
-                while job is not None and not self._start(queue, job):
-                    job = queue.pop()
-                if job is None:
-                    return
-                taken.append(job)
-            yield job
+                self.settle(job)
 
     def _take_batch(self, model_id: str) -> list[Job] | None:
         """The next batch of a batching model's queue (None when the model is closing): the next job,

@@ -3,14 +3,13 @@ planning, budgets) runs on one admin thread, inference on the scheduler's worker
 control requests are answered right here so they never wait behind compute."""
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -73,8 +72,7 @@ class Service:
         self.registry = Registry()
         self.scheduler = Scheduler(queue_limit=settings.queue_limit, max_queued=settings.max_queued_jobs,
                                    workers_per_model=settings.workers_per_model, run_job=self._run_job,
-                                   run_batch=self._run_batch, run_jobs=self._run_jobs,
-                                   back_to_back=settings.back_to_back)
+                                   run_batch=self._run_batch)
         self._admin: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._admin_busy = 0
         self._admin_thread = threading.Thread(target=self._admin_loop, name="vkpool-admin", daemon=True)
@@ -366,55 +364,6 @@ class Service:
             if job.finish("ok", content, frames):
                 self.stats.infer_done(finished - job.accepted_at)
 
-    def _run_jobs(self, jobs: Iterator[Job]) -> None:
-        """Run a stream of a model's jobs back to back (:meth:`vkpool.Session.run_many`: the
-        device runs one while the host moves the next one's tensors; the scheduler takes each
-        job from the queue only when it can start). Each gets its own outputs or its own error,
-        answered as soon as its run ends."""
-        first = next(jobs)
-        entry = self.registry.get(first.model_id)
-        if entry is None:
-            first.fail("UnknownModel", f"model {first.model_id[:12]} was unloaded")
-            return
-        given: list[tuple[Job, float]] = []  # each job handed to the session, with when it started
-
-        def feeds() -> Iterator[dict[str, np.ndarray]]:
-            for job in itertools.chain([first], jobs):
-                taken = job.feeds  # taken before the state is read: answering the job empties them
-                if job.state == "done":  # timed out or cancelled while waiting for a re-plan
-                    continue
-                given.append((job, time.monotonic()))
-                yield taken
-
-        def answer(index: int, result: Any) -> None:
-            job, started = given[index]
-            finished = entry.last_used = time.monotonic()
-            queued = (job.started_at or started) - job.accepted_at
-            job.feeds = {}  # the request's frames are not needed any more
-            if isinstance(result, Exception):
-                violation = classify(result)
-                log.warning("job on %s failed: %s", entry.id[:12], violation.message)
-                self.stats.ran(entry, violation.type, finished - started, queued)
-                self.scheduler.settle(job)
-                job.finish("error", _error(violation))
-                return
-            names = entry.output_names
-            wanted = names if job.outputs is None else job.outputs
-            values = result if job.outputs is None else [result[names.index(n)] for n in job.outputs]
-            content, frames = self._replies.pack(wanted, values, queued, finished - started)
-            run_s = finished - started
-            entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
-            self.stats.ran(entry, "ok", run_s, queued)
-            self.scheduler.settle(job)
-            if job.finish("ok", content, frames):
-                self.stats.infer_done(finished - job.accepted_at)
-
-        entry.gate.acquire_shared()
-        try:
-            entry.session.run_many(feeds(), None, answer)
-        finally:
-            entry.gate.release_shared()
-
     def _job_finished(self, job: Job, status: str, content: dict[str, Any], frames: list[Any]) -> None:
         self.scheduler.forget(job)
         self.reply(job.client, job.request_id, "infer", status, content, frames)
@@ -483,9 +432,7 @@ class Service:
                      objective: str = "latency") -> Any:
         if isinstance(source, Path):  # read again at a re-plan: it may have been replaced since
             check_regular(source, self.settings.max_model_bytes)
-        # two run slots where jobs run back to back (a batching model runs its batches instead)
-        slots = 2 if self.settings.back_to_back > 1 and not batching else 1
-        return self.runtime.open(source, binding, batching, objective, run_slots=slots)
+        return self.runtime.open(source, binding, batching, objective)
 
     def _open_admitted(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any],
                        objective: str) -> Any:

@@ -39,7 +39,6 @@ class DaemonSettings:
     drain_deadline: float = 30.0         # seconds SIGTERM waits for in-flight jobs
     evict_idle: bool = False             # free unused models to admit a load that does not fit
     workers_per_model: int = 2           # runtime calls in flight per model
-    back_to_back: int = 8                # queued jobs of a fixed-batch model a worker runs back to back
     inline_run_max: float = 0.001        # jobs of models this fast run on the I/O thread when idle; 0 = never
     replay_window: int = 1024            # remembered replies per daemon for retried request ids
     log_file: Path | None = None
@@ -221,7 +220,6 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "drain_deadline": lambda v: _non_negative(parse_duration(v)),
     "evict_idle": _bool,
     "workers_per_model": _positive_int,
-    "back_to_back": _positive_int,
     "inline_run_max": lambda v: _non_negative(parse_duration(v)),
     "replay_window": _positive_int,
     "log_file": lambda v: None if v is None else Path(str(v)).expanduser(),

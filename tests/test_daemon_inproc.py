@@ -246,8 +246,6 @@ def test_one_flooding_client_does_not_starve_another() -> None:
 
 
 def test_priority_orders_a_clients_own_jobs() -> None:
-    # jobs run back to back (the default back_to_back) are taken from the queue one by one, as
-    # each can start: a job of higher priority goes before the others still queued
     daemon = InprocDaemon(StandInRuntime(delay_s=0.02), workers_per_model=1)
     try:
         with daemon.client() as client:

@@ -177,19 +177,6 @@ class StandInSession:
             time.sleep(self.delay_s)
         return list(self._ref.run(names, feeds))
 
-    def run_many(self, feeds: Any, names: list[str] | None = None, each: Any = None) -> list[Any]:
-        """Each request's outputs or its error, one after another, the feeds read as each starts
-        (as vkpool.Session.run_many on one member with one run slot)."""
-        out: list[Any] = []
-        for one in feeds:
-            try:
-                out.append(self.run(names, one))
-            except Exception as exc:
-                out.append(exc)
-            if each is not None:
-                each(len(out) - 1, out[-1])
-        return out
-
     def memory_by_member(self) -> dict[str, int]:
         return {"cpu": self.need}
 
@@ -218,8 +205,7 @@ class StandInRuntime:
         return self.members_[0]["budget_bytes"]
 
     def open(self, source: Path | bytes, binding: dict[str, Any] | None = None,
-             batching: dict[str, Any] | None = None, objective: str = "latency",
-             run_slots: int = 1) -> StandInSession:
+             batching: dict[str, Any] | None = None, objective: str = "latency") -> StandInSession:
         if batching:
             raise UnsupportedOp("the stand-in runtime does not batch requests")
         if objective != "latency":

@@ -31,10 +31,9 @@ class ClusterRuntime:
             raise _cause(exc) from None
 
     def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
-             batching: Mapping[str, Any] | None = None, objective: str = "latency", run_slots: int = 1) -> Any:
+             batching: Mapping[str, Any] | None = None, objective: str = "latency") -> Any:
         """A cluster session of the model; ``shape``, ``batching`` and ``objective`` as
-        :meth:`Runtime.open` takes them. ``run_slots`` is the nodes' affair: their replicas have
-        two, and a cluster session keeps calls in flight to them itself."""
+        :meth:`Runtime.open` takes them."""
         shape, batching = shape or {}, batching or {}
         options: dict[str, Any] = {"batch": shape.get("batch") or 1, "dims": shape.get("dims") or None,
                                    "objective": objective}
