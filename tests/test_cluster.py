@@ -203,6 +203,13 @@ def test_a_request_is_refused_alone_and_its_feeds_are_copied(cluster: Any, mnist
             assert_same(future.result(timeout=60), want)
         futures[0].result()[0][...] = 0  # each request's outputs are its own to write
         assert_same(futures[1].result(), want)
+        # run_many, as vkpool.Session's: each request's outputs, a refused one its own error
+        ended: list[int] = []
+        results = session.run_many([feeds, {"x": np.zeros((1, 3), np.float32)}, feeds],
+                                   each=lambda index, _: ended.append(index))
+        assert isinstance(results[1], InvalidInput) and ended == [0, 1, 2]
+        assert_same(results[0], want)
+        assert_same(results[2], want)
     with pytest.raises(ValueError, match="at least 1"):
         cluster[1].session(path, max_bundle=0)
 
