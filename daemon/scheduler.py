@@ -284,7 +284,8 @@ class Scheduler:
         """The next batch of a batching model's queue (None when the model is closing): the next job,
         then more in queue order while their rows fit in ``max_batch``, waiting for them until
         ``max_queue_delay`` after the first was accepted; the runner's :meth:`fit` decides how many
-        run now and the rest go back to the queue. The jobs returned are marked running."""
+        run now and the rest go back to the queue (:meth:`vkpool.batching.BatchRunner.gather`, as
+        the in-process batcher gathers). The jobs returned are marked running."""
         with self._cond:
             queue = self._queues[model_id]
             runner = queue.batching
@@ -297,33 +298,28 @@ class Scheduler:
                 self._cond.wait()
             queue.gathering = True
             queue.gathered = 1
-            try:
-                jobs, rows = [first], first.rows
-                until = first.accepted_at + runner.max_queue_delay
-                while rows < runner.max_batch:
-                    job = queue.pop()
-                    if job is not None:
-                        if rows + job.rows > runner.max_batch:
-                            queue.push(job)  # it keeps its place (its sequence number): it opens the next batch
-                            break
-                        jobs.append(job)
-                        rows += job.rows
-                        queue.gathered += 1
-                        continue
-                    left = until - time.monotonic()
-                    if left <= 0 or model_id in self._closing:
-                        break
-                    self._cond.wait(left)
-                keep = runner.fit([j.rows for j in jobs])
-                for job in jobs[keep:]:
+
+            def take() -> Job | None:
+                job = queue.pop()
+                queue.gathered += job is not None
+                return job
+
+            def give_back(back: list[Job]) -> None:
+                for job in back:  # each keeps its place (its sequence number)
                     queue.push(job)
+                    queue.gathered -= 1
+
+            until = first.accepted_at + runner.max_queue_delay
+            try:
+                jobs = runner.gather(first, lambda j: j.rows, take, give_back, self._cond.wait,
+                                     lambda: 0.0 if model_id in self._closing else until - time.monotonic())
             finally:
                 queue.gathering = False
                 queue.gathered = 0
                 self._cond.notify_all()
             now = time.monotonic()
             live = []
-            for job in jobs[:keep]:
+            for job in jobs:
                 with job._lock:
                     if job.state != "queued":  # cancelled or timed out while the batch gathered
                         continue

@@ -167,6 +167,33 @@ class BatchRunner:
                 exact = k
         return exact or len(rows)
 
+    def gather(self, first: Any, rows: Callable[[Any], int], take: Callable[[], Any], give_back: Callable[[list], None],
+               wait: Callable[[float], Any], left: Callable[[], float]) -> list:
+        """The batch that request ``first`` opens, for a queue that holds its lock: more requests
+        (``take()``, the queue's next or None) while their rows (``rows(request)``) fit in
+        ``max_batch``, waiting (``wait(seconds)``, which lets the lock go) while ``left()`` says
+        time remains of the first one's queue delay (0 once the queue closes); :meth:`fit` then
+        decides how many run, and the others go back to the front of the queue in order
+        (``give_back``), the first of them opening the next batch."""
+        batch, total = [first], rows(first)
+        while total < self.max_batch:
+            nxt = take()
+            if nxt is not None:
+                if total + rows(nxt) > self.max_batch:
+                    give_back([nxt])  # it keeps its place: it opens the next batch
+                    break
+                batch.append(nxt)
+                total += rows(nxt)
+                continue
+            remaining = left()
+            if remaining <= 0:
+                break
+            wait(remaining)
+        keep = self.fit([rows(r) for r in batch])
+        if keep < len(batch):
+            give_back(batch[keep:])
+        return batch[:keep]
+
     def compile_all(self) -> None:
         """Compiles every variant now, so that no request waits for a compile (a load pays for
         them instead, and the budgets refuse a ``max_batch`` that does not fit at load)."""
@@ -295,31 +322,19 @@ class Batcher:
             request.future.set_exception(error)
 
     def _take_batch(self) -> list[_Request] | None:
-        """The next batch, waiting for its first request and then up to the queue delay."""
+        """The next batch, waiting for its first request and then up to the queue delay
+        (:meth:`BatchRunner.gather`)."""
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            batch = [self._queue.popleft()]
-            rows = batch[0].rows
-            until = batch[0].arrived + self.max_queue_delay
-            while rows < self.max_batch:
-                if self._queue:
-                    if rows + self._queue[0].rows > self.max_batch:
-                        break  # arrival order is kept: the next request opens the next batch
-                    nxt = self._queue.popleft()
-                    batch.append(nxt)
-                    rows += nxt.rows
-                    continue
-                left = until - time.perf_counter()
-                if left <= 0 or self._closed:
-                    break
-                self._cond.wait(left)
-            keep = self.runner.fit([r.rows for r in batch])
-            for r in reversed(batch[keep:]):  # back to the front of the queue, in order: the next batch
-                self._queue.appendleft(r)
-            return batch[:keep]
+            queue = self._queue
+            first = queue.popleft()
+            until = first.arrived + self.max_queue_delay
+            return self.runner.gather(first, lambda r: r.rows, lambda: queue.popleft() if queue else None,
+                                      lambda back: queue.extendleft(reversed(back)), self._cond.wait,
+                                      lambda: 0.0 if self._closed else until - time.perf_counter())
 
     def _loop(self) -> None:
         while True:

@@ -151,6 +151,29 @@ def back_to_back(start: Callable[[Any], Any], finish: Callable[[Any], Any], item
     return out
 
 
+def submit_all(submit: Callable[[Any], Future], items: Iterable[Any],
+               each: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """Submits every item (``submit(item)`` returns a future), then waits for each in order:
+    each item's result, or the exception its submit or its run raised (an item that fails fails
+    alone); ``each(index, result)`` as each one is waited for."""
+    futures: list[Any] = []
+    for item in items:
+        try:
+            futures.append(submit(item))
+        except Exception as exc:  # refused: it fails alone
+            futures.append(exc)
+    out: list[Any] = []
+    for index, future in enumerate(futures):
+        try:
+            result = future if isinstance(future, Exception) else future.result()
+        except Exception as exc:
+            result = exc
+        out.append(result)
+        if each is not None:
+            each(index, result)
+    return out
+
+
 class InlineRunner:
     """Runs ``run(feeds)`` in the caller's thread: a whole-model chunk's run, a cut model's.
     ``close`` (after the calls in progress have returned) calls ``close``. Nothing waits, so
@@ -695,5 +718,5 @@ class Pipeline(ABC):
         return [ChunkEvent(rid, copy, *e) for rid, copy, events in done for e in events]
 
 
-__all__ = ["Runner", "InlineRunner", "Pipeline", "RequestStats", "ModelCopy", "Stage", "Request", "ChunkEvent",
+__all__ = ["Runner", "InlineRunner", "back_to_back", "submit_all", "Pipeline", "RequestStats", "ModelCopy", "Stage", "Request", "ChunkEvent",
            "stage_nodes", "plan_groups", "plan_copies", "TRACE_REQUESTS", "CLOSED"]

@@ -15,7 +15,7 @@ from vkpool.kernels.base import OpError, UnsupportedOp
 from vkpool.kernels.registry import unsupported_in
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel, ModelError, UnboundDims, load_model
-from vkpool.pipeline import InlineRunner
+from vkpool.pipeline import InlineRunner, submit_all
 from vkpool.pool import DevicePool, HostMember, Member, VulkanMember
 
 ORT_TYPES = {
@@ -536,6 +536,8 @@ class Session:
         if self._closed:
             raise RuntimeError("the session is closed")
         names = self._output_list(output_names)
+        if self._batcher is not None or not isinstance(self._runner, InlineRunner):
+            return submit_all(lambda given: self.submit(given, names), input_feeds, each)
         out: list[Any] = []
 
         def report(index: int, result: Any) -> None:
@@ -543,21 +545,6 @@ class Session:
             if each is not None:
                 each(index, result)
 
-        if self._batcher is not None or not isinstance(self._runner, InlineRunner):
-            futures: list[Future | Exception] = []
-            for given in input_feeds:
-                try:
-                    futures.append(self.submit(given, names))
-                except Exception as exc:  # refused: it fails alone
-                    futures.append(exc)
-            out.extend([None] * len(futures))
-            for index, future in enumerate(futures):
-                try:
-                    result = future if isinstance(future, Exception) else future.result()
-                except Exception as exc:
-                    result = exc
-                report(index, result)
-            return out
         ran: list[int] = []  # the index in ``out`` of each request handed to the runner
 
         def checked() -> Iterator[dict[str, np.ndarray]]:

@@ -249,22 +249,9 @@ class ClusterSession:
         """Runs several requests (submitted together, so they share calls) and returns, for
         each, its outputs or the exception it raised, as :meth:`vkpool.Session.run_many` does;
         ``each(index, result)`` as each one is waited for, in order."""
-        futures: list[Future | Exception] = []
-        for feeds in input_feeds:
-            try:
-                futures.append(self.submit(feeds, output_names))
-            except Exception as exc:  # refused: it fails alone
-                futures.append(exc)
-        out: list[list[np.ndarray] | Exception] = []
-        for index, future in enumerate(futures):
-            try:
-                result = future if isinstance(future, Exception) else future.result()
-            except Exception as exc:
-                result = exc
-            out.append(result)
-            if each is not None:
-                each(index, result)
-        return out
+        from vkpool.pipeline import submit_all
+
+        return submit_all(lambda feeds: self.submit(feeds, output_names), input_feeds, each)
 
     def _dispatch(self, pending: _Pending, why: str = "") -> None:
         with self._lock:
