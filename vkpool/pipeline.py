@@ -718,5 +718,5 @@ class Pipeline(ABC):
         return [ChunkEvent(rid, copy, *e) for rid, copy, events in done for e in events]
 
 
-__all__ = ["Runner", "InlineRunner", "back_to_back", "submit_all", "Pipeline", "RequestStats", "ModelCopy", "Stage", "Request", "ChunkEvent",
-           "stage_nodes", "plan_groups", "plan_copies", "TRACE_REQUESTS", "CLOSED"]
+__all__ = ["Runner", "InlineRunner", "back_to_back", "submit_all", "Pipeline", "RequestStats", "ModelCopy",
+           "Stage", "Request", "ChunkEvent", "stage_nodes", "plan_groups", "plan_copies", "TRACE_REQUESTS", "CLOSED"]
