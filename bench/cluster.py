@@ -15,7 +15,8 @@ and prints a table of:
 
 After each figure it prints the CPU each thread of the driver and of the nodes' actors used
 (``CpuUse``); ``--profile`` samples the driver's Python threads in a run apart (``Sampler``).
-Outputs are compared with the single-node session's. Without ``--gpus`` each node
+Outputs are compared with the single-node session's, and those with onnxruntime's on this
+host (``check_reference``). Without ``--gpus`` each node
 offers a split of device 0 (``vk0.0``, ``vk0.1``; lavapipe on a machine without GPUs); with
 ``--gpus`` node ``i`` is given GPU ``i`` as Ray gives GPUs (``num_gpus=1``,
 ``CUDA_VISIBLE_DEVICES=i``), which its actor maps to the Vulkan device of that UUID.
@@ -72,6 +73,23 @@ def start_cluster(gpus: bool, folder: Path) -> Any:
 #: the driver no thread hop per request); ``loop``, the main thread submits a new request whenever
 #: a semaphore says one completed (a hop from the completion thread to the main thread per request)
 LOADS = ("callbacks", "loop")
+
+
+def check_reference(path: Path, feeds: dict[str, np.ndarray], got: list[np.ndarray]) -> None:
+    """The cluster's outputs against onnxruntime on this host's CPU (ONNX's reference evaluator
+    where onnxruntime is missing), rtol 1e-4, atol 1e-5 (float32 on the device): every figure's
+    outputs, checked against these, are then right, not only alike."""
+    try:
+        import onnxruntime as ort
+
+        want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    except ImportError:
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+
+        want = ReferenceEvaluator(onnx.load(str(path))).run(None, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 def warm_up(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray], runs: int) -> None:
@@ -486,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                     how = f"{bundle}x{calls}, {load}, {drivers} driver(s)"
                     with cluster.session(path, devices=[a], **calling) as one:
                         want = one.run(None, feeds)
+                        check_reference(path, feeds, want)
                         with CpuUse(cluster) as cpu:
                             single = jobs_per_s_drivers(one, {"devices": [a], **calling}, ray_cluster.address,
                                                         path, feeds, want, args.seconds, args.window, load,
