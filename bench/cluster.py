@@ -75,27 +75,23 @@ def start_cluster(gpus: bool, folder: Path) -> Any:
 LOADS = ("callbacks", "loop")
 
 
-def check_reference(path: Path, feeds: dict[str, np.ndarray], got: list[np.ndarray]) -> None:
-    """The cluster's outputs against onnxruntime on this host's CPU (ONNX's reference evaluator
-    where onnxruntime is missing), rtol 1e-4, atol 1e-5 (float32 on the device): every figure's
-    outputs, checked against these, are then right, not only alike."""
-    try:
-        import onnxruntime as ort
-
-        want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
-    except ImportError:
-        import onnx
-        from onnx.reference import ReferenceEvaluator
-
-        want = ReferenceEvaluator(onnx.load(str(path))).run(None, feeds)
+def assert_outputs(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    """rtol 1e-4, atol 1e-5: float32 on the device."""
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
+def check_reference(path: Path, feeds: dict[str, np.ndarray], got: list[np.ndarray]) -> None:
+    """The cluster's outputs against onnxruntime on this host's CPU: every figure's outputs,
+    checked against these, are then right, not only alike."""
+    import onnxruntime as ort
+
+    assert_outputs(got, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds))
+
+
 def warm_up(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray], runs: int) -> None:
     """Checks the session's outputs against ``want`` and runs it ``runs`` times more."""
-    for got, ref in zip(session.run(None, feeds), want):
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert_outputs(session.run(None, feeds), want)
     for _ in range(runs):
         session.run(None, feeds)
 
@@ -112,13 +108,9 @@ def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray
     (the caller warms the session up before); ``latencies`` receives every measured latency."""
     import threading
 
-    def check(out: list[np.ndarray]) -> None:
-        for got, ref in zip(out, want):
-            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
-
     if start_at is None:
         warm_up(session, feeds, want, window)
-    if start_at is not None:
+    else:
         time.sleep(max(0.0, start_at - time.time()))
     clock = time.perf_counter
     ended: list[tuple[float, float]] = []  # (completion, latency) of each request
@@ -173,7 +165,7 @@ def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray
     else:
         raise ValueError(f"load must be one of {', '.join(LOADS)}, got {load!r}")
     for future in last:
-        check(future.result(timeout=300))
+        assert_outputs(future.result(timeout=300), want)
     measured = [latency for at, latency in ended if at <= deadline]
     if latencies is not None:
         latencies.extend(measured)

@@ -28,7 +28,7 @@ def fake_session(inputs: dict[str, tuple[np.dtype, tuple[int, ...]]], outputs: l
 
     s = cs.ClusterSession.__new__(cs.ClusterSession)
     s._closed, s._lock, s._reviver = False, threading.Lock(), None
-    s._deferred, s._completion_thread = None, -1
+    s._answering = threading.local()
     s._completions = ThreadPoolExecutor(1)
     s._max_bundle, s._calls_per_step = max_bundle, cs.CALLS_PER_STEP
     s._call_ids = iter(range(1 << 62))

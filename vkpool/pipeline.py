@@ -142,9 +142,8 @@ def back_to_back(start: Callable[[Any], Any], finish: Callable[[Any], Any], item
         try:
             started.append((index, start(item)))
         except Exception as exc:
-            if started:  # the runs before it end first: results come in order
-                while started:
-                    finish_one()
+            while started:  # the runs before it end first: results come in order
+                finish_one()
             settle(index, exc)
     while started:
         finish_one()
@@ -233,7 +232,8 @@ class InlineRunner:
         (:func:`back_to_back`), while no other ``run_many`` of this runner does (two, each
         holding a run slot while it starts another, would wait for each other forever); else
         they run one after another."""
-        pipelined = self._depth > 1 and self._many.acquire(blocking=False)
+        if not (self._depth > 1 and self._many.acquire(blocking=False)):
+            return back_to_back(lambda one: self.run(one, shape), lambda out: out, feeds, 1, each)
 
         def start(one: Mapping[str, np.ndarray]) -> Any:
             with self._lock:
@@ -241,34 +241,29 @@ class InlineRunner:
                     raise RuntimeError("the runner is closed")
                 self._accepted += 1
             try:
-                if pipelined:
-                    return self._start(one)  # type: ignore[misc]
-                out = self._run(one)  # the whole run here; finish only counts it
-                return out if shape is None else shape(out)
+                return self._start(one)  # type: ignore[misc]
             except Exception:
                 with self._lock:
                     self._failed += 1
                 raise
 
         def finish(handle: Any) -> Any:
-            if pipelined:
-                try:
-                    handle = self._finish(handle)  # type: ignore[misc]
-                    if shape is not None:
-                        handle = shape(handle)
-                except Exception:
-                    with self._lock:
-                        self._failed += 1
-                    raise
+            try:
+                out = self._finish(handle)  # type: ignore[misc]
+                if shape is not None:
+                    out = shape(out)
+            except Exception:
+                with self._lock:
+                    self._failed += 1
+                raise
             with self._lock:
                 self._ok += 1
-            return handle
+            return out
 
         try:
-            return back_to_back(start, finish, feeds, self._depth if pipelined else 1, each)
+            return back_to_back(start, finish, feeds, self._depth, each)
         finally:
-            if pipelined:
-                self._many.release()
+            self._many.release()
 
     def submit(self, feeds: Mapping[str, np.ndarray], shape: Shape | None = None) -> Future:
         if self._closed:  # refused here, as the plan executors refuse it

@@ -120,9 +120,9 @@ class ClusterSession:
         self._reviver: threading.Thread | None = None
         # completions are handled here, not in Ray's thread that completes a reference: handling
         # one may start calls (a request sent to another copy) and runs the callers' callbacks
-        # copies whose queues the completion thread flushes once it has answered a call (see _gather)
-        self._deferred: set[_Copy] | None = None
-        self._completion_thread = -1
+        # while the completion thread answers a call: the copies whose queues it flushes after
+        # (``deferred``, see _gather)
+        self._answering = threading.local()
         self._completions = ThreadPoolExecutor(1, thread_name_prefix="vkpool-cluster",
                                                initializer=_name_os_thread, initargs=("vkpool-cluster",))
         if max_bundle < 1 or calls_per_step < 1:
@@ -276,8 +276,8 @@ class ClusterSession:
         elif self._closed:
             _settle(pending.future, RuntimeError("the session was closed before this request finished"))
         elif send:
-            deferred = self._deferred
-            if deferred is not None and threading.get_ident() == self._completion_thread:
+            deferred = getattr(self._answering, "deferred", None)
+            if deferred is not None:
                 deferred.add(copy)
             else:
                 self._flush(copy)
@@ -358,8 +358,7 @@ class ClusterSession:
             # requests that the callers' callbacks submit while this call's are answered leave
             # together once all are answered: a call's worth of answers then makes a call's worth
             # of new requests, not a call of the first and another of the rest
-            self._completion_thread = threading.get_ident()
-            self._deferred = deferred = {copy}
+            self._answering.deferred = deferred = {copy}
             try:
                 if exc is None:
                     self._answer(copy, bundle, parts)
@@ -374,7 +373,7 @@ class ClusterSession:
                         self._ended(copy)
                         _settle(pending.future, _cause(exc))
             finally:
-                self._deferred = None
+                self._answering.deferred = None
             for waiting in sorted(deferred, key=lambda c: c.index):
                 self._flush(waiting)
 
@@ -397,14 +396,9 @@ class ClusterSession:
         with self._lock:
             copy.in_flight -= len(bundle)
             copy.served += len(bundle) - len(failed)
-        every = self._output_names
-        columns = [tensors[name] for name in every] if all(name in tensors for name in every) else None
         for i, pending in enumerate(bundle):
             if i in failed:
                 _settle(pending.future, failed[i])
-                continue
-            if columns is not None and pending.names is every:  # the common case, spelled out
-                _settle(pending.future, None, [column[i] for column in columns])
                 continue
             try:
                 out = [tensors[name][i] if name in tensors else self._not_computed(name, pending.feeds)
@@ -501,11 +495,7 @@ class ClusterSession:
             raise InvalidInput(f"missing input(s) {sorted(set(self._inputs) - set(input_feed))}")
         feeds = {}
         for name, (dtype, shape) in self._inputs.items():
-            value = input_feed[name]
-            if type(value) is np.ndarray and value.dtype == dtype and value.shape == shape:
-                feeds[name] = value.copy()  # C order
-                continue
-            value = np.array(value, order="C")
+            value = np.array(input_feed[name], order="C")
             if value.dtype != dtype:
                 raise InvalidInput(f"input {name!r} must be {dtype}, got {value.dtype}")
             if value.shape != shape:
