@@ -71,8 +71,9 @@ def start_cluster(gpus: bool, folder: Path) -> Any:
 #: how the bench keeps requests in flight (``--load``): ``callbacks``, each completed request's
 #: callback submits the next one (on the session's completion thread: a closed loop that costs
 #: the driver no thread hop per request); ``loop``, the main thread submits a new request whenever
-#: a semaphore says one completed (a hop from the completion thread to the main thread per request)
-LOADS = ("callbacks", "loop")
+#: a semaphore says one completed (a hop from the completion thread to the main thread per request);
+#: ``bulk``, one ``session.run_many`` over a stream of requests (its groups: no future per request)
+LOADS = ("callbacks", "loop", "bulk")
 
 
 def assert_outputs(got: list[np.ndarray], want: list[np.ndarray]) -> None:
@@ -162,10 +163,26 @@ def jobs_per_s(session: Any, feeds: dict[str, np.ndarray], want: list[np.ndarray
             future = session.submit(feeds)
             future.add_done_callback(lambda f, t=clock(): freed(f, t))
             last.append(future)
+    elif load == "bulk":
+        submitted: list[float] = []
+
+        def stream() -> Any:
+            while clock() < deadline:
+                submitted.append(clock())
+                yield feeds
+
+        def ended_one(index: int, result: Any) -> None:
+            now = clock()
+            if isinstance(result, Exception):
+                raise result
+            ended.append((now, now - submitted[index]))
+            last.append(result)
+
+        session.run_many(stream(), None, ended_one, window=window)
     else:
         raise ValueError(f"load must be one of {', '.join(LOADS)}, got {load!r}")
     for future in last:
-        assert_outputs(future.result(timeout=300), want)
+        assert_outputs(future if isinstance(future, list) else future.result(timeout=300), want)
     measured = [latency for at, latency in ended if at <= deadline]
     if latencies is not None:
         latencies.extend(measured)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -151,6 +152,38 @@ def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) ->
         for future in futures:
             assert_same(future.result(timeout=60), want)
         assert all(copy["served"] > 0 for copy in session.copies), session.copies
+
+
+def test_run_many_sends_groups_to_every_replica_and_answers_in_order(cluster: Any, mnist: Any) -> None:
+    """run_many reads its feeds lazily, keeps at most ``window`` in flight in groups over both
+    replicas, and gives each request its own outputs, a refused one its error, in order."""
+    from vkpool.errors import InvalidInput
+
+    path, feeds, _ = mnist
+    inputs = [{"x": (feeds["x"] * (1 + k / 4)).astype(np.float32)} for k in range(5)]
+    with cluster[1].session(path, objective="throughput", max_bundle=4) as session:
+        wants = [session.run(None, f) for f in inputs]
+        served = [copy["served"] for copy in session.copies]
+        read, ended, most = [0], [], [0]
+
+        def source() -> Iterator[dict[str, np.ndarray]]:
+            for i in range(60):
+                read[0] += 1
+                most[0] = max(most[0], read[0] - len(ended))
+                yield {"x": np.zeros((1, 3), np.float32)} if i == 17 else inputs[i % 5]
+
+        results = session.run_many(source(), each=lambda index, _: ended.append(index), window=6)
+        assert ended == list(range(60)) and len(results) == 60
+        assert most[0] <= 6 + 1, most  # the window, and the one read when a place frees
+        assert isinstance(results[17], InvalidInput)
+        for i, result in enumerate(results):
+            if i != 17:
+                assert_same(result, wants[i % 5])
+        assert all(copy["served"] > s for copy, s in zip(session.copies, served)), session.copies
+        assert all(copy["in_flight"] == 0 for copy in session.copies)
+        with pytest.raises(InvalidInput, match="unknown output"):
+            session.run_many(inputs, output_names=["nope"])
+        assert session.run_many([]) == []
 
 
 def test_requests_that_share_a_call_fail_alone(cluster: Any, mnist: Any) -> None:
@@ -446,10 +479,14 @@ def test_a_node_killed_mid_run_sends_its_requests_to_the_other_replica(cluster: 
     with cluster[1].session(path, objective="throughput") as session:
         lane_of = {copy["nodes"][0]: copy["index"] for copy in session.copies}
         before = actor_pid(cluster, "n1")
-        futures = [session.submit(feeds) for _ in range(300)]
-        kill_after(futures, 10, before)
-        for future in futures:  # every request is answered, by the replica that lived
-            assert_same(future.result(timeout=120), want)
+        with ThreadPoolExecutor(1) as pool:  # run_many's groups in flight too
+            many = pool.submit(session.run_many, (feeds for _ in range(300)), None, None, window=64)
+            futures = [session.submit(feeds) for _ in range(300)]
+            kill_after(futures, 10, before)
+            for future in futures:  # every request is answered, by the replica that lived
+                assert_same(future.result(timeout=120), want)
+            for result in many.result(timeout=120):
+                assert_same(result, want)
         # Ray restarts the actor; the session opens the model there again and sends it requests
         wait_until(lambda: actor_pid(cluster, "n1") != before)
         served = session.copies[lane_of["n1"]]["served"]

@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from vkpool.errors import InvalidInput
 #: 64 per node, 16,081 with 4 of 32. As calls fill: 12,231 on one node, 17,656 on two (20,845
 #: with 512 in flight); a split of conv_many_255MB 1.46x one node
 MAX_BUNDLE = 64
+_END = object()
 CALLS_PER_STEP = 4
 MIN_CALLS = 2
 #: how often a session looks for a restarted actor of a copy that went down, in seconds
@@ -77,22 +78,25 @@ class _Copy:
     member: str | None  # a copy on one member (a Session there); None: steps
     steps: list[_Step] = field(default_factory=list)
     in_flight: int = 0  # requests given to it: queued or in a call
+    queued: int = 0  # requests in ``queue``
     served: int = 0  # requests it completed
     down: str | None = None  # why it is down
-    queue: deque = field(default_factory=deque)  # _Pending requests waiting for a call
-    calls: dict[int, list] = field(default_factory=dict)  # calls in flight: their _Pending requests
+    queue: deque = field(default_factory=deque)  # _Pending waiting for a call
+    calls: dict[int, list] = field(default_factory=dict)  # calls in flight: their _Pending
     max_calls: int = CALLS_PER_STEP
 
 
 class _Pending:
-    """A request the session has not answered: given to a copy (queued or in a call), or being
-    given to another."""
+    """Requests the session has not answered, which travel together: given to a copy (queued or
+    in a call), or being given to another. One request of :meth:`ClusterSession.submit` (its
+    future gets the request's outputs), or a group of :meth:`ClusterSession.run_many` (its future
+    gets the group's :class:`~vkpool.cluster.rows.Rows`, which the caller's thread splits)."""
 
-    __slots__ = ("feeds", "names", "future", "tried")
+    __slots__ = ("rows", "names", "future", "tried", "group")
 
-    def __init__(self, feeds: dict[str, np.ndarray], names: list[str], future: Future,
-                 tried: set[int]) -> None:
-        self.feeds, self.names, self.future, self.tried = feeds, names, future, tried
+    def __init__(self, rows: list[dict[str, np.ndarray]], names: list[str], future: Future,
+                 tried: set[int], group: bool = False) -> None:
+        self.rows, self.names, self.future, self.tried, self.group = rows, names, future, tried, group
 
 
 class ClusterSession:
@@ -241,17 +245,80 @@ class ClusterSession:
         names = self._output_names if output_names is None else self._output_list(output_names)
         future: Future = Future()
         future.set_running_or_notify_cancel()
-        self._dispatch(_Pending(feeds, names, future, set()))
+        self._dispatch(_Pending([feeds], names, future, set()))
         return future
 
-    def run_many(self, input_feeds: Sequence[Mapping[str, Any]], output_names: Sequence[str] | None = None,
-                 each: Callable[[int, Any], None] | None = None) -> list[list[np.ndarray] | Exception]:
-        """Runs several requests (submitted together, so they share calls) and returns, for
-        each, its outputs or the exception it raised, as :meth:`vkpool.Session.run_many` does;
-        ``each(index, result)`` as each one is waited for, in order."""
-        from vkpool.pipeline import submit_all
+    def run_many(self, input_feeds: Iterable[Mapping[str, Any]], output_names: Sequence[str] | None = None,
+                 each: Callable[[int, Any], None] | None = None, *,
+                 window: int | None = None) -> list[list[np.ndarray] | Exception]:
+        """Runs several requests and returns, for each, its outputs or the exception it raised,
+        as :meth:`vkpool.Session.run_many` does (a request that fails, its feeds refused
+        included, fails alone); ``each(index, result)`` as each one ends, in order.
 
-        return submit_all(lambda feeds: self.submit(feeds, output_names), input_feeds, each)
+        ``input_feeds`` is read lazily, with up to ``window`` requests in flight (default: as
+        many as every copy's calls hold, ``max_bundle`` each). They travel in groups, a group
+        a call's worth for one copy (at most ``max_bundle``, and small enough that every copy
+        gets two calls of the window): a group is one entry in the session's queues and one
+        answer, where :meth:`submit` costs that per request, so a caller with many inputs at hand
+        keeps more copies busy from one thread."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        names = self._output_list(output_names)
+        with self._lock:
+            up = [c for c in self._copies if c.down is None] or self._copies
+            if window is None:
+                window = sum(c.max_calls for c in up) * self._max_bundle
+            size = max(1, min(self._max_bundle, window // (2 * len(up))))
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        out: list[Any] = []  # each request's result; None while it runs
+        groups: deque[tuple[list[int], list[dict[str, np.ndarray]], Future]] = deque()  # sent: indexes, feeds
+        flying, reported = 0, 0
+
+        def deliver() -> None:  # the oldest group's results
+            nonlocal flying
+            live, sent, future = groups.popleft()
+            flying -= len(live)
+            try:
+                rows = future.result()
+            except Exception as exc:
+                rows = exc
+            for k, index in enumerate(live):
+                out[index] = rows if isinstance(rows, Exception) else self._outputs_of(rows, k, names, sent[k])
+            report()
+
+        def report() -> None:  # each result known, in order
+            nonlocal reported
+            while reported < len(out) and out[reported] is not None:
+                if each is not None:
+                    each(reported, out[reported])
+                reported += 1
+
+        live: list[int] = []
+        feeds: list[dict[str, np.ndarray]] = []
+        source = iter(input_feeds)
+        while True:
+            given = next(source, _END)
+            if given is not _END:
+                try:
+                    feeds.append(self._check_feeds(given))
+                    live.append(len(out))
+                    out.append(None)
+                except Exception as exc:  # refused: it fails alone
+                    out.append(exc)
+            if live and (len(live) >= size or given is _END):
+                future: Future = Future()
+                future.set_running_or_notify_cancel()
+                groups.append((live, feeds, future))
+                flying += len(live)
+                self._dispatch(_Pending(feeds, names, future, set(), group=True))
+                live, feeds = [], []
+            while groups and (flying + size > window or given is _END):
+                deliver()
+            if given is _END:
+                break
+        report()  # the refusals after the last group
+        return out
 
     def _dispatch(self, pending: _Pending, why: str = "") -> None:
         with self._lock:
@@ -261,11 +328,12 @@ class ClusterSession:
                         copy is None or c.in_flight < copy.in_flight):
                     copy = c
             if copy is not None and not self._closed:
-                copy.in_flight += 1
+                copy.in_flight += len(pending.rows)
+                copy.queued += len(pending.rows)
                 pending.tried.add(copy.index)
                 copy.queue.append(pending)
                 free, share = self._room(copy)
-                send = free > 0 and (not copy.calls or len(copy.queue) >= share)
+                send = free > 0 and (not copy.calls or copy.queued >= share)
             else:
                 down = [f"copy {c.index} on {', '.join(c.nodes)}: {c.down}" for c in self._copies if c.down]
         if copy is None:
@@ -291,13 +359,17 @@ class ClusterSession:
         while True:
             with self._lock:
                 free, share = self._room(copy)
-                waiting = len(copy.queue)
+                waiting = copy.queued
                 if free <= 0 or not waiting or copy.down is not None:
                     return
                 if copy.calls and waiting < share:
                     return
                 size = min(waiting, self._max_bundle, max(share, -(-waiting // free)))
-                bundle = [copy.queue.popleft() for _ in range(size)]
+                bundle, taken = [], 0
+                while taken < size:  # whole groups (a group is at most max_bundle)
+                    bundle.append(copy.queue.popleft())
+                    taken += len(bundle[-1].rows)
+                copy.queued -= taken
                 call = next(self._call_ids)
                 copy.calls[call] = bundle
             try:
@@ -306,7 +378,7 @@ class ClusterSession:
                 with self._lock:
                     del copy.calls[call]
                 for pending in bundle:
-                    self._ended(copy)
+                    self._ended(copy, pending)
                     _settle(pending.future, exc)
                 continue
             self._gather(copy, call, refs)
@@ -323,7 +395,7 @@ class ClusterSession:
         from vkpool.cluster.rows import Rows
 
         actors = self.cluster.actors
-        feeds = Rows.pack([p.feeds for p in bundle], self._inputs)
+        feeds = Rows.pack([f for p in bundle for f in p.rows], self._inputs)
         if copy.member is not None:
             return [actors[copy.nodes[0]].run.remote(copy.key, feeds)]
         readers = sum(step.reads_feeds for step in copy.steps)
@@ -366,11 +438,11 @@ class ClusterSession:
                     self._copy_down(copy, exc)
                     why = f"copy {copy.index} failed: {_first_line(exc)}"
                     for pending in bundle:
-                        self._ended(copy)
+                        self._ended(copy, pending)
                         self._dispatch(pending, why=why)
                 else:
                     for pending in bundle:
-                        self._ended(copy)
+                        self._ended(copy, pending)
                         _settle(pending.future, _cause(exc))
             finally:
                 self._answering.deferred = None
@@ -382,31 +454,46 @@ class ClusterSession:
 
     def _answer(self, copy: _Copy, bundle: list[_Pending], parts: list[Any]) -> None:
         """Gives each request of a call its outputs (views of the call's packed outputs), or its
-        own error."""
-        from vkpool.cluster.rows import merge
+        own error; a group its rows."""
+        from vkpool.cluster.rows import Rows, merge
 
         try:
             rows = merge(parts).writable()
         except Exception as exc:
             for pending in bundle:
-                self._ended(copy)
+                self._ended(copy, pending)
                 _settle(pending.future, exc)
             return
-        tensors, failed = rows.tensors, rows.failed
+        count = sum(len(p.rows) for p in bundle)
         with self._lock:
-            copy.in_flight -= len(bundle)
-            copy.served += len(bundle) - len(failed)
-        for i, pending in enumerate(bundle):
-            if i in failed:
-                _settle(pending.future, failed[i])
-                continue
-            try:
-                out = [tensors[name][i] if name in tensors else self._not_computed(name, pending.feeds)
-                       for name in pending.names]
-            except Exception as exc:
-                _settle(pending.future, exc)
-                continue
-            _settle(pending.future, None, out)
+            copy.in_flight -= count
+            copy.served += count - len(rows.failed)
+        start = 0
+        for pending in bundle:
+            n = len(pending.rows)
+            if pending.group:
+                _settle(pending.future, None, Rows(
+                    n, {name: t[start:start + n] for name, t in rows.tensors.items()},
+                    {i - start: e for i, e in rows.failed.items() if start <= i < start + n}))
+            else:
+                result = self._outputs_of(rows, start, pending.names, pending.rows[0])
+                _settle(pending.future, result if isinstance(result, Exception) else None, result)
+            start += n
+
+    def _outputs_of(self, rows: Any, index: int, names: list[str],
+                    feeds: dict[str, np.ndarray]) -> list[np.ndarray] | Exception:
+        """Request ``index``'s outputs ``names`` in ``rows`` (views), or its error. An output no
+        chunk computes is a model input passed through (``feeds``: the request's), or a
+        constant."""
+        error = rows.failed.get(index)
+        if error is not None:
+            return error
+        try:
+            tensors = rows.tensors
+            return [tensors[name][index] if name in tensors else self._not_computed(name, feeds)
+                    for name in names]
+        except Exception as exc:
+            return exc
 
     def _not_computed(self, name: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
         """An output no chunk computes: a model input passed through, or a constant."""
@@ -420,9 +507,9 @@ class ClusterSession:
         except RuntimeError:
             pass  # the session closed, which failed the request
 
-    def _ended(self, copy: _Copy) -> None:
+    def _ended(self, copy: _Copy, pending: _Pending) -> None:
         with self._lock:
-            copy.in_flight -= 1
+            copy.in_flight -= len(pending.rows)
 
     def _node_failed(self, exc: BaseException) -> bool:
         from ray.exceptions import RayActorError
@@ -439,13 +526,14 @@ class ClusterSession:
                 copy.down = _first_line(exc)
             waiting = list(copy.queue)
             copy.queue.clear()
+            copy.queued = 0
             if self._reviver is None and not self._closed:
                 self._reviver = threading.Thread(target=self._revive, name="vkpool-cluster-revive",
                                                  daemon=True)
                 self._reviver.start()
         why = f"copy {copy.index} failed: {_first_line(exc)}"
         for pending in waiting:
-            self._ended(copy)
+            self._ended(copy, pending)
             self._dispatch(pending, why=why)
 
     def _revive(self) -> None:
@@ -558,6 +646,7 @@ class ClusterSession:
             left += [p for copy in self._copies for call in copy.calls.values() for p in call]
             for copy in self._copies:
                 copy.queue.clear()
+                copy.queued = 0
                 copy.calls.clear()
         for pending in left:
             _settle(pending.future, RuntimeError("the session was closed before this request finished"))
