@@ -463,10 +463,11 @@ def main(argv: list[str] | None = None) -> int:
                         "--gpus, else mnist12_like)")
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring time per figure (default 5)")
     parser.add_argument("--window", type=int, default=8, help="requests in flight (default 8)")
-    parser.add_argument("--calls", nargs="+", default=[f"{MAX_BUNDLE}x{CALLS_PER_STEP}"],
+    parser.add_argument("--calls", nargs="+", default=[f"autox{CALLS_PER_STEP}"],
                         metavar="BUNDLExCALLS",
-                        help="the sessions' max_bundle and calls_per_step, one table row per pair (default "
-                        f"{MAX_BUNDLE}x{CALLS_PER_STEP}, the defaults)")
+                        help="the sessions' max_bundle and calls_per_step, one table row per pair; BUNDLE "
+                        f"'auto' leaves max_bundle unset (up to {MAX_BUNDLE}, as many as travel inside Ray's "
+                        f"call) (default autox{CALLS_PER_STEP}, the defaults)")
     parser.add_argument("--figures", nargs="+", choices=("replicas", "split"), default=["replicas", "split"],
                         help="which figures to measure (default both)")
     parser.add_argument("--split-driver", action="store_true", help="after each two-node figure, run it "
@@ -486,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     split_model = args.split or ("conv_many_255MB" if args.gpus else "mnist12_like")
     try:
-        settings = [(int(bundle), int(calls)) for bundle, calls in (spec.split("x") for spec in args.calls)]
+        settings = [(None if bundle == "auto" else int(bundle), int(calls))
+                    for bundle, calls in (spec.split("x") for spec in args.calls)]
     except ValueError:
         parser.error(f"--calls takes BUNDLExCALLS pairs such as 64x4, got {' '.join(args.calls)}")
 
@@ -510,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 feeds = workloads.input_for(name)
                 for (bundle, calls), load, drivers in itertools.product(settings, args.load, args.drivers):
                     calling = {"max_bundle": bundle, "calls_per_step": calls}
-                    how = f"{bundle}x{calls}, {load}, {drivers} driver(s)"
+                    how = f"{bundle or 'auto'}x{calls}, {load}, {drivers} driver(s)"
                     with cluster.session(path, devices=[a], **calling) as one:
                         want = one.run(None, feeds)
                         check_reference(path, feeds, want)
@@ -549,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                                   f"apart, sampled every ms; a share of samples):\n{sampler.report()}")
                     for member in (a, b):
                         cluster.set_budget(member, budgets[member])
-                    rows.append((f"{kind}: {name}", f"{bundle}x{calls}", load, str(drivers), figure(single),
+                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({one._max_bundle})'}x{calls}", load, str(drivers), figure(single),
                                  figure(both), f"{both[0] / single[0]:.2f}", shape)
                                 + ((figure(doubled), f"{doubled[0] / single[0]:.2f}") if doubled else ()))
             slope, fixed, points = hop_s_per_mib(cluster)

@@ -47,6 +47,17 @@ from vkpool.errors import InvalidInput
 #: with 512 in flight); a split of conv_many_255MB 1.46x one node
 MAX_BUNDLE = 64
 _END = object()
+#: the largest argument Ray sends inside the call itself (its ``max_direct_call_object_size``,
+#: 100 KiB unless ``$RAY_max_direct_call_object_size`` sets it); a larger one goes through the
+#: object store, which from the driver's node to another node costs a transfer of several
+#: milliseconds (bench.cluster's hop: 5-8 ms on one host). A call's feeds are kept under it where
+#: requests are small enough, so that a call reaches any node as fast as the driver's own: calls
+#: of up to MAX_BUNDLE requests through the store left the second of two nodes idle half the time
+#: (two H200 nodes on one host, replicated mnist12_like: its actor at 0.51 CPU s/s against 0.80
+#: for the node of the driver, docs/cluster.md)
+INLINE_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))
+#: what the packing of a call adds to its tensors' bytes, at most (pickle's framing, the names)
+INLINE_SLACK = 2048
 CALLS_PER_STEP = 4
 MIN_CALLS = 2
 #: how often a session looks for a restarted actor of a copy that went down, in seconds
@@ -104,13 +115,14 @@ class ClusterSession:
     bytes; ``objective``, ``devices`` (cluster member ids), ``budgets`` (cluster member id →
     size, set on the nodes), ``plan`` (a Plan made for this model on these members),
     ``batch``, ``dims``, ``max_batch``, ``max_queue_delay`` as for :class:`vkpool.Session`;
-    ``max_bundle``: requests one call carries at most, ``calls_per_step``: calls each step of a
-    copy may keep in flight (:data:`MAX_BUNDLE`, :data:`CALLS_PER_STEP`)."""
+    ``max_bundle``: requests one call carries at most (default: :data:`MAX_BUNDLE`, or fewer where
+    that many requests' feeds would not travel inside Ray's call, :data:`INLINE_BYTES`),
+    ``calls_per_step``: calls each step of a copy may keep in flight (:data:`CALLS_PER_STEP`)."""
 
     def __init__(self, cluster: Any, model: str | os.PathLike | bytes, *, objective: str = "latency",
                  devices: Sequence[str] | None = None, budgets: Mapping[str, int | str] | None = None,
                  plan: Any = None, batch: int = 1, dims: Mapping[str, int] | None = None,
-                 max_batch: int | None = None, max_queue_delay: float = 0.0, max_bundle: int = MAX_BUNDLE,
+                 max_batch: int | None = None, max_queue_delay: float = 0.0, max_bundle: int | None = None,
                  calls_per_step: int = CALLS_PER_STEP) -> None:
         import ray
 
@@ -129,10 +141,10 @@ class ClusterSession:
         self._answering = threading.local()
         self._completions = ThreadPoolExecutor(1, thread_name_prefix="vkpool-cluster",
                                                initializer=_name_os_thread, initargs=("vkpool-cluster",))
-        if max_bundle < 1 or calls_per_step < 1:
+        if (max_bundle is not None and max_bundle < 1) or calls_per_step < 1:
             raise ValueError(f"max_bundle and calls_per_step must be at least 1, got {max_bundle} and "
                              f"{calls_per_step}")
-        self._max_bundle, self._calls_per_step = max_bundle, calls_per_step
+        self._max_bundle, self._calls_per_step = max_bundle or MAX_BUNDLE, calls_per_step
         self._call_ids = iter(range(1 << 62))
         data = bytes(model) if isinstance(model, (bytes, bytearray)) else Path(os.fspath(model)).read_bytes()
         self._batch, self._dims = batch, dict(dims or {})
@@ -153,6 +165,9 @@ class ClusterSession:
         self._model_ref = ray.put(data)
         self._key = uuid.uuid4().hex[:12]
         self._inputs = {name: (np.dtype(info.dtype), tuple(info.shape)) for name, info in self.model.inputs}
+        row = sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in self._inputs.values())
+        if max_bundle is None and 0 < row <= INLINE_BYTES - INLINE_SLACK:  # calls inside Ray's (INLINE_BYTES)
+            self._max_bundle = min(MAX_BUNDLE, (INLINE_BYTES - INLINE_SLACK) // row)
         self._output_names = [name for name, _ in self.model.outputs]
         try:
             self._copies = self._make_copies()
