@@ -247,6 +247,44 @@ def test_a_request_is_refused_alone_and_its_feeds_are_copied(cluster: Any, mnist
         cluster[1].session(path, max_bundle=0)
 
 
+def test_a_replicas_stream_runs_the_requests_of_calls_from_several_threads(mnist: Any) -> None:
+    """A node runs the requests of every call to a replica as one stream (one Session.run_many
+    over two run slots): calls from several threads at once each get their own outputs in their
+    order, a request that cannot be fed fails alone, and a stream that ended refuses calls."""
+    from vkpool.cluster.node import _Stream
+    from vkpool.errors import InvalidInput
+    from vkpool.session import Session
+
+    path, feeds, _ = mnist
+    inputs = [{"x": (feeds["x"] * (1 + k / 4)).astype(np.float32)} for k in range(5)]
+    bad = {"x": np.zeros((1, 3), np.float32)}
+    with Session(path, device="vk0", run_slots=2) as session:
+        names = [o.name for o in session.get_outputs()]
+        wants = [session.run(None, f) for f in inputs]
+        stream = _Stream(session)
+
+        def call(k: int) -> tuple[list[int], list[Any]]:
+            picks = [(k + i) % 5 for i in range(k % 4 + 1)]
+            fed = [inputs[p] for p in picks]
+            if k % 7 == 3:
+                picks.insert(1, -1)
+                fed.insert(1, bad)
+            return picks, stream.run(fed)
+
+        with ThreadPoolExecutor(6) as pool:
+            calls = list(pool.map(call, range(30)))
+        for picks, results in calls:
+            assert len(results) == len(picks)
+            for p, result in zip(picks, results):
+                if p < 0:
+                    assert isinstance(result, InvalidInput), result
+                else:
+                    assert_same([result[n] for n in names], wants[p])
+        stream.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            stream.run([inputs[0]])
+
+
 def test_rows_pack_requests_and_a_failure_stays_with_its_request() -> None:
     from vkpool.cluster.rows import Rows, merge, run_rows
 

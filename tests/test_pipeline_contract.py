@@ -20,7 +20,7 @@ from bench import workloads
 from conftest import vulkan_pool
 from test_dynamic_shapes import nonzero_model
 from vkpool.config.loader import parse_config
-from vkpool.pipeline import InlineRunner, RequestStats
+from vkpool.pipeline import IDLE, InlineRunner, RequestStats
 from vkpool.session import InvalidInput, Session
 
 KINDS = ["inline", "threads", "processes", "cut", "batched"]
@@ -172,6 +172,21 @@ def test_run_many_answers_each_request_alone(pool2, kind: str) -> None:
             _assert_outputs(dict(zip(names, result)), model, fed)
         runner = session._batcher if kind == "batched" else session.runner
         assert _balanced(runner.stats()) and runner.stats().pending == 0
+        # a stream that has nothing ready says IDLE: what it gave before ends and is reported
+        # before it is read again (a stream that then waits for more holds nothing back)
+        reported: list[int] = []
+
+        def stream() -> Any:
+            yield from feeds[:2]
+            yield IDLE
+            assert sorted(reported) == [0, 1], reported
+            yield from feeds[2:4]
+            yield IDLE
+
+        results = session.run_many(stream(), each=lambda index, _: reported.append(index))
+        assert len(results) == 4 and sorted(reported) == [0, 1, 2, 3]
+        for result, fed in zip(results, feeds):
+            _assert_outputs(dict(zip(names, result)), model, fed)
     finally:
         session.close()
 
@@ -205,6 +220,9 @@ def test_back_to_back_keeps_depth_in_flight() -> None:
     assert in_flight == [0, 2]
     assert events[:4] == ["start 0", "start 1", "finish 0", "start 2"]
     assert back_to_back(start, finish, [0, 1, 2], depth=1) == [0, 10, 20] and in_flight[0] == 0
+    events.clear()  # IDLE: the runs in flight end before the next item is read
+    assert back_to_back(start, finish, [0, IDLE, 1, 2, IDLE], depth=2) == [0, 10, 20]
+    assert events == ["start 0", "finish 0", "start 1", "start 2", "finish 1", "finish 2"]
 
 
 def test_run_many_from_several_threads_with_two_run_slots(pool2) -> None:

@@ -105,14 +105,22 @@ class Runner(Protocol):
 
 
 # -- in the caller's thread ------------------------------------------------------------------------
+#: what a stream of requests given to ``run_many`` (:func:`back_to_back`, :func:`submit_all`) yields
+#: when it has no request ready: the requests started are finished and reported before the
+#: stream is read again, so that a stream that then waits for its next request (a node's requests
+#: from calls that have not come yet) does not hold back the results of those before it
+IDLE = object()
+
+
 def back_to_back(start: Callable[[Any], Any], finish: Callable[[Any], Any], items: Iterable[Any],
                  depth: int, each: Callable[[int, Any], None] | None = None) -> list[Any]:
     """Runs every item, ``start(item)`` beginning a run and ``finish(handle)`` waiting for it and
     returning its result, with up to ``depth`` runs in flight: with a chunk's run slots, the
     device runs one item while the host writes the next one's inputs and reads the last one's
-    outputs. ``items`` is read lazily, each item only when its run can start. Returns each
-    item's result, or the exception its start or finish raised (an item that fails fails
-    alone); ``each(index, result)`` is called as each one ends, in order."""
+    outputs. ``items`` is read lazily, each item only when its run can start (:data:`IDLE`
+    items finish the runs in flight). Returns each item's result, or the exception its start or
+    finish raised (an item that fails fails alone); ``each(index, result)`` is called as each
+    one ends, in order."""
     out: list[Any] = []
     started: deque[tuple[int, Any]] = deque()
 
@@ -137,6 +145,10 @@ def back_to_back(start: Callable[[Any], Any], finish: Callable[[Any], Any], item
             item = next(source)
         except StopIteration:
             break
+        if item is IDLE:
+            while started:
+                finish_one()
+            continue
         index = len(out)
         out.append(None)
         try:
@@ -154,22 +166,30 @@ def submit_all(submit: Callable[[Any], Future], items: Iterable[Any],
                each: Callable[[int, Any], None] | None = None) -> list[Any]:
     """Submits every item (``submit(item)`` returns a future), then waits for each in order:
     each item's result, or the exception its submit or its run raised (an item that fails fails
-    alone); ``each(index, result)`` as each one is waited for."""
+    alone); ``each(index, result)`` as each one is waited for. At an :data:`IDLE` item, the
+    items submitted so far are waited for before ``items`` is read again."""
     futures: list[Any] = []
+    out: list[Any] = []
+
+    def wait_all() -> None:
+        for future in futures[len(out):]:
+            try:
+                result = future if isinstance(future, Exception) else future.result()
+            except Exception as exc:
+                result = exc
+            out.append(result)
+            if each is not None:
+                each(len(out) - 1, result)
+
     for item in items:
+        if item is IDLE:
+            wait_all()
+            continue
         try:
             futures.append(submit(item))
         except Exception as exc:  # refused: it fails alone
             futures.append(exc)
-    out: list[Any] = []
-    for index, future in enumerate(futures):
-        try:
-            result = future if isinstance(future, Exception) else future.result()
-        except Exception as exc:
-            result = exc
-        out.append(result)
-        if each is not None:
-            each(index, result)
+    wait_all()
     return out
 
 

@@ -15,7 +15,7 @@ from vkpool.kernels.base import OpError, UnsupportedOp
 from vkpool.kernels.registry import unsupported_in
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import LoadedModel, ModelError, UnboundDims, load_model
-from vkpool.pipeline import InlineRunner, submit_all
+from vkpool.pipeline import IDLE, InlineRunner, submit_all
 from vkpool.pool import DevicePool, HostMember, Member, VulkanMember
 
 ORT_TYPES = {
@@ -547,8 +547,11 @@ class Session:
 
         ran: list[int] = []  # the index in ``out`` of each request handed to the runner
 
-        def checked() -> Iterator[dict[str, np.ndarray]]:
+        def checked() -> Iterator[Any]:
             for given in input_feeds:
+                if given is IDLE:
+                    yield given
+                    continue
                 index = len(out)
                 out.append(None)
                 try:

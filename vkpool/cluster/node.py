@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import socket
 import subprocess
 import threading
@@ -26,6 +27,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from vkpool.cluster.rows import Rows, gather, merge, pending, run_rows
+from vkpool.pipeline import IDLE
 
 #: the Ray namespace of the drivers' leases (vkpool.cluster.NAMESPACE)
 LEASE_NAMESPACE = "vkpool"
@@ -186,6 +188,99 @@ class Lease:
         return True
 
 
+class _Call:
+    """One call's requests on a replica's stream, and their results as they end."""
+
+    __slots__ = ("feeds", "first", "results", "left", "done")
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+        self.feeds, self.first = feeds, -1
+        self.results: list[Any] = [None] * len(feeds)
+        self.left = len(feeds)
+        self.done = threading.Event()
+
+
+class _Stream:
+    """A replica's requests from every call, run back to back as one stream: one
+    :meth:`vkpool.Session.run_many` in a thread of its own reads the calls' requests as they
+    come, so the next call's first request starts while the last call's end, the device never
+    waiting between calls, and a call of a few requests costs the node what a long one does per
+    request. Each call waits for its own results and leaves as soon as they are in."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+        self._names = [o.name for o in session.get_outputs()]
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._read: list[_Call] = []  # calls whose requests were read and have not all ended
+        self._count = 0  # requests read
+        self._lock = threading.Lock()
+        self.failed: BaseException | None = None  # why the stream stopped (None: it serves)
+        self._thread = threading.Thread(target=self._serve, name="vkpool-stream", daemon=True)
+        self._thread.start()
+
+    def run(self, feeds: list[dict[str, np.ndarray]]) -> list[Any]:
+        """Each request's outputs (by output name) or its error, once all of them have ended."""
+        call = _Call(feeds)
+        with self._lock:
+            if self.failed is not None:
+                raise self.failed
+            self._calls.put(call)
+        call.done.wait()
+        return call.results
+
+    def close(self) -> None:
+        """Ends the stream once the calls given to it have ended."""
+        self._calls.put(None)
+        self._thread.join()
+
+    def _source(self) -> Iterator[Any]:
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                yield IDLE  # what was started ends before this thread waits for the next call
+                call = self._calls.get()
+            if call is None:
+                return
+            with self._lock:
+                call.first = self._count
+                self._count += len(call.feeds)
+                self._read.append(call)
+            yield from call.feeds
+
+    def _ended(self, index: int, result: Any) -> None:
+        with self._lock:
+            call = next(c for c in self._read if c.first <= index < c.first + len(c.feeds))
+            call.results[index - call.first] = (result if isinstance(result, Exception)
+                                                else dict(zip(self._names, result)))
+            call.left -= 1
+            if call.left:
+                return
+            self._read.remove(call)
+        call.done.set()
+
+    def _serve(self) -> None:
+        try:
+            self._session.run_many(self._source(), None, self._ended)
+            error: BaseException = RuntimeError("the replica was closed")
+        except BaseException as exc:  # the session failed as a whole: every call waiting gets it
+            error = exc
+        with self._lock:
+            self.failed = error
+            waiting = self._read
+            self._read = []
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                waiting.append(call)
+        for call in waiting:
+            call.results = [error if r is None else r for r in call.results]
+            call.done.set()
+
+
 class NodeActor:
     """The node's pool and the models sessions opened on it (see the module doc). Ray runs its
     methods in several threads at once: requests of different sessions and replicas overlap."""
@@ -209,7 +304,7 @@ class NodeActor:
         # run meets a chunk being closed
         self._users: dict[int, int] = {}
         self._idle = threading.Condition(self._lock)
-        self._turns: dict[str, threading.Lock] = {}  # key → the lock its replica's calls take in turn
+        self._streams: dict[str, _Stream] = {}  # key → its replica's stream of requests
 
     # -- what the node has ---------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -266,7 +361,7 @@ class NodeActor:
 
         self._check_member(member)
         self._drop_orphans()
-        # run slots as a plan's chunks have: a call's requests run back to back (Session.run_many)
+        # run slots as a plan's chunks have: the requests of calls run back to back (_Stream)
         session = Session(model, device=member, pool=self.pool, run_slots=RUN_SLOTS, **options)
         self._keep(key, session, lease)
         return [o.name for o in session.get_outputs()]
@@ -294,8 +389,9 @@ class NodeActor:
         with self._lock:
             earlier = self.opened.get(key)
             self.opened[key], self.leases[key] = opened, lease
+            stream = self._streams.pop(key, None)
         if earlier is not None:
-            self._close_when_idle(earlier)
+            self._close_when_idle(earlier, stream)
 
     def _drop_orphans(self) -> None:
         """Closes what drivers that are gone opened (their leases ended with them)."""
@@ -314,11 +410,14 @@ class NodeActor:
             if not alive[lease]:
                 self.close(key)
 
-    def _close_when_idle(self, opened: Any) -> None:
-        """Closes ``opened`` (no longer under any key) once the runs using it have ended."""
+    def _close_when_idle(self, opened: Any, stream: _Stream | None = None) -> None:
+        """Closes ``opened`` (no longer under any key), and its replica's ``stream``, once the
+        runs using it have ended."""
         with self._idle:
             while self._users.get(id(opened)):
                 self._idle.wait()
+        if stream is not None:
+            stream.close()
         opened.close()
 
     def _check_member(self, member: str) -> None:
@@ -351,21 +450,23 @@ class NodeActor:
 
     def run(self, key: str, rows: Rows) -> Rows:
         """Requests on a replica, several per call (:class:`~vkpool.cluster.rows.Rows`); returns
-        their outputs, packed the same way. They run back to back (:meth:`vkpool.Session.run_many`:
-        the device runs one while the host moves the next one's tensors), batched where the model
-        is; one that fails fails alone. A replica runs
-        its calls one after another, in the order they come: a call's answer then leaves as soon
-        as its own requests are done, while the next call runs (calls run side by side would
-        share the device and all end together, leaving the node idle while they travel)."""
-        with self._using(key) as session, self._turn(key):
-            names = [o.name for o in session.get_outputs()]
-            results = session.run_many(pending(rows))
-            return gather(rows, [r if isinstance(r, Exception) else dict(zip(names, r)) for r in results])
+        their outputs, packed the same way. The requests of every call to the replica run back
+        to back, in the order the calls come (:class:`_Stream`: the device runs one while the
+        host moves the next one's tensors, across calls too), batched where the model is; one
+        that fails fails alone. A call's answer leaves as soon as its own requests are done, while
+        the next call runs (calls run side by side would share the device and all end together,
+        leaving the node idle while they travel)."""
+        with self._using(key) as session:
+            feeds = pending(rows)
+            return gather(rows, self._stream(key, session).run(feeds) if feeds else [])
 
-    def _turn(self, key: str) -> threading.Lock:
-        """The lock that orders the calls of the replica opened under ``key``."""
+    def _stream(self, key: str, session: Any) -> _Stream:
+        """The stream of the replica opened under ``key`` (a new one where the last one failed)."""
         with self._lock:
-            return self._turns.setdefault(key, threading.Lock())
+            stream = self._streams.get(key)
+            if stream is None or stream.failed is not None:
+                stream = self._streams[key] = _Stream(session)
+            return stream
 
     def run_chunks(self, key: str, indices: list[int], *parts: Rows) -> Rows:
         """Chunks ``indices`` of several requests; ``parts``: the requests' feeds and what the
@@ -388,6 +489,6 @@ class NodeActor:
         with self._lock:
             opened = self.opened.pop(key, None)
             self.leases.pop(key, None)
-            self._turns.pop(key, None)
+            stream = self._streams.pop(key, None)
         if opened is not None:
-            self._close_when_idle(opened)
+            self._close_when_idle(opened, stream)

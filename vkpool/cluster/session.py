@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from vkpool.errors import InvalidInput
+from vkpool.pipeline import IDLE
 
 #: requests one call to a copy carries at most, and calls each step of a copy may keep in flight
 #: (a replica is one step; a plan over two nodes two). A Ray call costs the driver and the node's
@@ -46,7 +47,7 @@ from vkpool.errors import InvalidInput
 #: 64 per node, 16,081 with 4 of 32. As calls fill: 12,231 on one node, 17,656 on two (20,845
 #: with 512 in flight); a split of conv_many_255MB 1.46x one node
 MAX_BUNDLE = 64
-_END = object()
+_END, _FLUSH = object(), object()
 #: the largest argument Ray sends inside the call itself (its ``max_direct_call_object_size``,
 #: 100 KiB unless ``$RAY_max_direct_call_object_size`` sets it); a larger one goes through the
 #: object store, which from the driver's node to another node costs a transfer of several
@@ -271,7 +272,8 @@ class ClusterSession:
         included, fails alone); ``each(index, result)`` as each one ends, in order.
 
         ``input_feeds`` is read lazily, with up to ``window`` requests in flight (default: as
-        many as every copy's calls hold, ``max_bundle`` each). They travel in groups, a group
+        many as every copy's calls hold, ``max_bundle`` each; :data:`vkpool.pipeline.IDLE` sends
+        what was read and ends it before reading on). They travel in groups, a group
         a call's worth for one copy (at most ``max_bundle``, and small enough that every copy
         gets two calls of the window): a group is one entry in the session's queues and one
         answer, where :meth:`submit` costs that per request, so a caller with many inputs at hand
@@ -314,21 +316,23 @@ class ClusterSession:
         source = iter(input_feeds)
         while True:
             given = next(source, _END)
-            if given is not _END:
+            if given is IDLE:  # nothing more ready: send what is read, and end what is sent
+                given = _FLUSH
+            elif given is not _END:
                 try:
                     feeds.append(self._check_feeds(given))
                     live.append(len(out))
                     out.append(None)
                 except Exception as exc:  # refused: it fails alone
                     out.append(exc)
-            if live and (len(live) >= size or given is _END):
+            if live and (len(live) >= size or given is _END or given is _FLUSH):
                 future: Future = Future()
                 future.set_running_or_notify_cancel()
                 groups.append((live, feeds, future))
                 flying += len(live)
                 self._dispatch(_Pending(feeds, names, future, set(), group=True))
                 live, feeds = [], []
-            while groups and (flying + size > window or given is _END):
+            while groups and (flying + size > window or given is _END or given is _FLUSH):
                 deliver()
             if given is _END:
                 break
