@@ -19,6 +19,7 @@ model on it again and puts the copy back.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import uuid
@@ -269,7 +270,8 @@ class ClusterSession:
                  window: int | None = None) -> list[list[np.ndarray] | Exception]:
         """Runs several requests and returns, for each, its outputs or the exception it raised,
         as :meth:`vkpool.Session.run_many` does (a request that fails, its feeds refused
-        included, fails alone); ``each(index, result)`` as each one ends, in order.
+        included, fails alone); ``each(index, result)`` as each one ends, in order (a request
+        that ends before one given earlier is reported after it, but frees its place at once).
 
         ``input_feeds`` is read lazily, with up to ``window`` requests in flight (default: as
         many as every copy's calls hold, ``max_bundle`` each; :data:`vkpool.pipeline.IDLE` sends
@@ -289,19 +291,19 @@ class ClusterSession:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         out: list[Any] = []  # each request's result; None while it runs
-        groups: deque[tuple[list[int], list[dict[str, np.ndarray]], Future]] = deque()  # sent: indexes, feeds
-        flying, reported = 0, 0
+        ended: queue.SimpleQueue = queue.SimpleQueue()  # groups whose calls ended, as they end
+        sent, flying, reported = 0, 0, 0  # groups and requests in flight, requests reported
 
-        def deliver() -> None:  # the oldest group's results
-            nonlocal flying
-            live, sent, future = groups.popleft()
-            flying -= len(live)
+        def deliver() -> None:  # the results of the group that ends first (any: none waits for another)
+            nonlocal sent, flying
+            live, fed, future = ended.get()
+            sent, flying = sent - 1, flying - len(live)
             try:
                 rows = future.result()
             except Exception as exc:
                 rows = exc
             for k, index in enumerate(live):
-                out[index] = rows if isinstance(rows, Exception) else self._outputs_of(rows, k, names, sent[k])
+                out[index] = rows if isinstance(rows, Exception) else self._outputs_of(rows, k, names, fed[k])
             report()
 
         def report() -> None:  # each result known, in order
@@ -328,11 +330,11 @@ class ClusterSession:
             if live and (len(live) >= size or given is _END or given is _FLUSH):
                 future: Future = Future()
                 future.set_running_or_notify_cancel()
-                groups.append((live, feeds, future))
-                flying += len(live)
+                future.add_done_callback(lambda f, group=(live, feeds, future): ended.put(group))
+                sent, flying = sent + 1, flying + len(live)
                 self._dispatch(_Pending(feeds, names, future, set(), group=True))
                 live, feeds = [], []
-            while groups and (flying + size > window or given is _END or given is _FLUSH):
+            while sent and (flying + size > window or given is _END or given is _FLUSH):
                 deliver()
             if given is _END:
                 break
