@@ -144,7 +144,23 @@ def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, 
 
 
 def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) -> None:
+    from vkpool.cluster import DRIVER_INLINE_BYTES, INLINE_SETTING
+    from vkpool.cluster.session import INLINE_SLACK, MAX_BUNDLE
+
     path, feeds, want = mnist
+    # the driver vkpool connected sends calls of up to 1 MiB inside Ray's call, and leaves the
+    # setting out of the environment of the processes it starts
+    assert cluster[1].inline_bytes == DRIVER_INLINE_BYTES and INLINE_SETTING not in os.environ
+    with cluster[1].session(path, objective="throughput", calls_per_step=2) as session:
+        row = feeds["x"].nbytes
+        assert session._max_bundle == min(MAX_BUNDLE, (DRIVER_INLINE_BYTES - INLINE_SLACK) // row)
+    cluster[1].inline_bytes = 40 * row + INLINE_SLACK  # as a driver with Ray's setting at 40 rows
+    try:
+        with cluster[1].session(path, objective="throughput") as small, \
+                cluster[1].session(path, objective="throughput", max_bundle=64) as given:
+            assert small._max_bundle == 40 and given._max_bundle == 64  # a max_bundle given is kept
+    finally:
+        cluster[1].inline_bytes = DRIVER_INLINE_BYTES
     with cluster[1].session(path, objective="throughput") as session:
         assert session.plan.replicas and len(session.copies) == 2
         assert {n for copy in session.copies for n in copy["nodes"]} == set(NODES)

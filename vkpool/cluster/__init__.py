@@ -10,6 +10,7 @@ the planners of :mod:`vkpool.partition` over the cluster's members with their ne
 """
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any, Mapping
 
@@ -24,6 +25,15 @@ RESOURCE = "vkpool"
 START_TIMEOUT_S = 120.0
 #: how often Ray restarts a node's actor that died (then its node is given up)
 MAX_RESTARTS = 100
+#: Ray's setting of the largest call argument it sends inside the call itself, and its default
+INLINE_SETTING, RAY_INLINE_BYTES = "RAY_max_direct_call_object_size", 100 * 1024
+#: what a driver that vkpool connects to Ray sends inside its calls (unless ``$RAY_max_direct_call_object_size``
+#: says otherwise): Ray's 100 KiB sends a larger argument through the driver's object store,
+#: from which another node's actor pulls it, a transfer of several milliseconds per call (5-9 ms
+#: between two nodes of one host, bench.cluster's hop), and it costs the driver two to three
+#: times the CPU of a call that carries it. Calls to the nodes carry many requests' feeds (a call
+#: of 64 ``mnist12_like`` requests is 196 KiB), so they travel inside the call up to this size.
+DRIVER_INLINE_BYTES = 1 << 20
 
 
 def _ray() -> Any:
@@ -52,7 +62,14 @@ class Cluster:
     def __init__(self, address: str | None = None) -> None:
         ray = _ray()
         self._own_connection = not ray.is_initialized()
+        #: the largest call argument this process's Ray sends inside the call (it reads its
+        #: setting once, as it connects)
+        self.inline_bytes = int(os.environ.get(INLINE_SETTING, RAY_INLINE_BYTES))
         if self._own_connection:
+            given = os.environ.get(INLINE_SETTING)
+            if given is None:
+                os.environ[INLINE_SETTING] = str(DRIVER_INLINE_BYTES)
+                self.inline_bytes = DRIVER_INLINE_BYTES
             try:
                 ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False,
                          logging_level="ERROR")
@@ -60,6 +77,9 @@ class Cluster:
                 raise ConnectionError(f"no Ray cluster at {address or 'auto'} ({exc}); start one with "
                                       f"`ray start --head --resources '{{\"{RESOURCE}\": 1}}'` "
                                       "(docs/cluster.md)") from None
+            finally:
+                if given is None:  # Ray has read it: processes this one starts get Ray's default
+                    del os.environ[INLINE_SETTING]
         self.actors: dict[str, Any] = {}
         self._links: dict[str, dict[str, float]] = {}  # node → the link its actor keeps
         from vkpool.cluster.node import Lease

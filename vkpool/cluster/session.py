@@ -49,16 +49,14 @@ from vkpool.pipeline import IDLE
 #: with 512 in flight); a split of conv_many_255MB 1.46x one node
 MAX_BUNDLE = 64
 _END, _FLUSH = object(), object()
-#: the largest argument Ray sends inside the call itself (its ``max_direct_call_object_size``,
-#: 100 KiB unless ``$RAY_max_direct_call_object_size`` sets it); a larger one goes through the
+#: what the packing of a call adds to its tensors' bytes, at most (pickle's framing, the names).
+#: A call's feeds are kept under the largest argument the driver's Ray sends inside the call
+#: (``Cluster.inline_bytes``) where requests are small enough: a larger one goes through the
 #: object store, which from the driver's node to another node costs a transfer of several
-#: milliseconds (bench.cluster's hop: 5-8 ms on one host). A call's feeds are kept under it where
-#: requests are small enough, so that a call reaches any node as fast as the driver's own: calls
-#: of up to MAX_BUNDLE requests through the store left the second of two nodes idle half the time
-#: (two H200 nodes on one host, replicated mnist12_like: its actor at 0.51 CPU s/s against 0.80
-#: for the node of the driver, docs/cluster.md)
-INLINE_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))
-#: what the packing of a call adds to its tensors' bytes, at most (pickle's framing, the names)
+#: milliseconds (bench.cluster's hop: 5-9 ms on one host), so that a call reaches any node as
+#: fast as the driver's own. Calls of 64 mnist12_like requests through the store left the second
+#: of two nodes idle half the time (two H200 nodes on one host: its actor at 0.51 CPU s/s against
+#: 0.80 for the node of the driver, docs/cluster.md)
 INLINE_SLACK = 2048
 CALLS_PER_STEP = 4
 MIN_CALLS = 2
@@ -118,7 +116,7 @@ class ClusterSession:
     size, set on the nodes), ``plan`` (a Plan made for this model on these members),
     ``batch``, ``dims``, ``max_batch``, ``max_queue_delay`` as for :class:`vkpool.Session`;
     ``max_bundle``: requests one call carries at most (default: :data:`MAX_BUNDLE`, or fewer where
-    that many requests' feeds would not travel inside Ray's call, :data:`INLINE_BYTES`),
+    that many requests' feeds would not travel inside Ray's call, :data:`INLINE_SLACK`),
     ``calls_per_step``: calls each step of a copy may keep in flight (:data:`CALLS_PER_STEP`)."""
 
     def __init__(self, cluster: Any, model: str | os.PathLike | bytes, *, objective: str = "latency",
@@ -168,8 +166,9 @@ class ClusterSession:
         self._key = uuid.uuid4().hex[:12]
         self._inputs = {name: (np.dtype(info.dtype), tuple(info.shape)) for name, info in self.model.inputs}
         row = sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in self._inputs.values())
-        if max_bundle is None and 0 < row <= INLINE_BYTES - INLINE_SLACK:  # calls inside Ray's (INLINE_BYTES)
-            self._max_bundle = min(MAX_BUNDLE, (INLINE_BYTES - INLINE_SLACK) // row)
+        inline = cluster.inline_bytes - INLINE_SLACK
+        if max_bundle is None and 0 < row <= inline:  # calls that travel inside Ray's call
+            self._max_bundle = min(MAX_BUNDLE, inline // row)
         self._output_names = [name for name, _ in self.model.outputs]
         try:
             self._copies = self._make_copies()
