@@ -475,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drivers", type=int, nargs="+", default=[1],
                         help="driver processes sending at once, each with its own session and an even "
                         "share of --window, a table row per count (default 1: this process alone)")
+    parser.add_argument("--shared", action="store_true", help="the drivers' sessions share one set of "
+                        "copies (a session name), instead of each opening its own")
     parser.add_argument("--load", nargs="+", choices=LOADS, default=["callbacks"],
                         help="how requests are kept in flight, a table row per choice (default callbacks; "
                         "see LOADS)")
@@ -510,14 +512,18 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 path = workloads.save(name, folder)
                 feeds = workloads.input_for(name)
-                for (bundle, calls), load, drivers in itertools.product(settings, args.load, args.drivers):
+                for row, ((bundle, calls), load, drivers) in enumerate(
+                        itertools.product(settings, args.load, args.drivers)):
                     calling = {"max_bundle": bundle, "calls_per_step": calls}
+                    shared = (lambda which: {"name": f"bench-{kind}-{row}-{which}"}) if args.shared else (
+                        lambda which: {})
                     how = f"{bundle or 'auto'}x{calls}, {load}, {drivers} driver(s)"
-                    with cluster.session(path, devices=[a], **calling) as one:
+                    with cluster.session(path, devices=[a], **calling, **shared("one")) as one:
                         want = one.run(None, feeds)
                         check_reference(path, feeds, want)
                         with CpuUse(cluster) as cpu:
-                            single = jobs_per_s_drivers(one, {"devices": [a], **calling}, ray_cluster.address,
+                            single = jobs_per_s_drivers(one, {"devices": [a], **calling, **shared("one")},
+                                                        ray_cluster.address,
                                                         path, feeds, want, args.seconds, args.window, load,
                                                         drivers)
                     print(cpu.report(f"{kind} {name} on node a, {how}"))
@@ -526,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:  # budgets under the model on each node: the planner must cut it in two
                         cap = split_budget(cluster, path, a)
                         options = {"objective": "throughput", "budgets": {a: cap, b: cap}}
+                    options.update(shared("two"))
                     with cluster.session(path, **options, **calling) as two:
                         plan = two.placement
                         copies = ", ".join([plan.chunks[0].member, *plan.replicas])
@@ -551,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"apart, sampled every ms; a share of samples):\n{sampler.report()}")
                     for member in (a, b):
                         cluster.set_budget(member, budgets[member])
-                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({one._max_bundle})'}x{calls}", load, str(drivers), figure(single),
+                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({one._max_bundle})'}x{calls}", load,
+                                 f"{drivers}{' shared' if args.shared else ''}", figure(single),
                                  figure(both), f"{both[0] / single[0]:.2f}", shape)
                                 + ((figure(doubled), f"{doubled[0] / single[0]:.2f}") if doubled else ()))
             slope, fixed, points = hop_s_per_mib(cluster)

@@ -509,6 +509,51 @@ def test_what_a_driver_that_died_opened_is_closed_on_the_nodes(cluster: Any, mni
     assert next(m for m in cluster[1].members() if m["id"] == "n1/vk0.1")["used_bytes"] == 0
 
 
+def test_sessions_of_one_name_share_the_copies_across_drivers(cluster: Any, mnist: Any) -> None:
+    """Sessions opened under one name, here and in another driver process, run on the same
+    copies: the second takes the first's plan and holds the copies too; they close once no
+    driver holds them, a driver that died included. Another model under the name is refused."""
+    from test_daemon_support import daemon_env
+
+    path, feeds, want = mnist
+
+    def held() -> list[str]:
+        return [key for d in cluster[1].describe() for key in d["models"]]
+
+    assert held() == []
+    first = cluster[1].session(path, objective="throughput", name="digits")
+    try:
+        assert len(held()) == 2  # a replica on each node
+        with cluster[1].session(path, objective="throughput", name="digits") as second:
+            assert second._key == first._key and second.placement.member_of == first.placement.member_of
+            assert_same(second.run(None, feeds), want)
+        assert len(held()) == 2 and first.run(None, feeds)  # the first still holds them
+        with pytest.raises(ValueError, match="runs another model, or the same with other options"):
+            cluster[1].session(path, objective="latency", name="digits")
+        code = ("import sys, time, numpy as np, vkpool.cluster; c = vkpool.cluster.connect(sys.argv[1]); "
+                "s = c.session(sys.argv[2], objective='throughput', name='digits'); "
+                "x = np.load(sys.argv[3]); print(s._key, float(np.abs(s.run(None, {'x': x})[0]).sum()), "
+                "flush=True); time.sleep(120)")
+        np.save(Path(path).with_suffix(".x.npy"), feeds["x"])
+        driver = subprocess.Popen([sys.executable, "-c", code, address(cluster), str(path),
+                                   str(Path(path).with_suffix(".x.npy"))], env=daemon_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert driver.stdout is not None
+            key, total = driver.stdout.readline().split()
+            assert key == first._key and abs(float(total) - float(np.abs(want[0]).sum())) < 1e-4
+            assert len(held()) == 2
+        finally:
+            driver.kill()
+            driver.wait()
+        assert_same(first.run(None, feeds), want)  # a driver that died leaves the others' copies
+    finally:
+        first.close()
+    wait_until(lambda: held() == [])
+    with cluster[1].session(path, objective="latency", name="digits") as again:  # the name is free again
+        assert_same(again.run(None, feeds), want)
+
+
 # -- faults: these kill a node's actor, so they come last ------------------------------------------
 def actor_pid(cluster: Any, node: str) -> int:
     return next(d["pid"] for d in cluster[1].describe() if d["node"] == node)

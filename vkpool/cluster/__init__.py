@@ -81,6 +81,7 @@ class Cluster:
                 if given is None:  # Ray has read it: processes this one starts get Ray's default
                     del os.environ[INLINE_SETTING]
         self.actors: dict[str, Any] = {}
+        self._names: Any = None
         self._links: dict[str, dict[str, float]] = {}  # node → the link its actor keeps
         from vkpool.cluster.node import Lease
 
@@ -180,6 +181,18 @@ class Cluster:
         if node not in self.actors:
             raise KeyError(f"no vkpool node {node!r}; nodes: {', '.join(self.actors)}")
         _ray().get(self.actors[node].set_budget.remote(member_id[len(node) + 1:], size))
+
+    @property
+    def names(self) -> Any:
+        """The cluster's :class:`~vkpool.cluster.node.Names` actor (shared sessions), started by
+        the first driver that needs it."""
+        if self._names is None:
+            from vkpool.cluster.node import Names
+
+            self._names = _ray().remote(Names).options(
+                name="vkpool-names", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_restarts=-1).remote()
+        return self._names
 
     def session(self, model: Any, **options: Any) -> Any:
         """A :class:`~vkpool.cluster.session.ClusterSession` of ``model`` on this cluster."""

@@ -180,6 +180,69 @@ class _Chunks:
         self.compiled = {}
 
 
+def lease_alive(holder: str) -> bool:
+    """Whether the driver of ``holder`` lives: a lease name, or a lease name and ``#`` and what of
+    that driver holds it (one of its sessions); the driver lives while an actor of that name does."""
+    import ray
+
+    try:
+        ray.get_actor(holder.partition("#")[0], namespace=LEASE_NAMESPACE)
+        return True
+    except ValueError:  # no live actor has that name: the driver is gone
+        return False
+
+
+class Names:
+    """The shared sessions of a cluster (``cluster.session(model, name=...)``): a named actor
+    that keeps, per name, what the sessions of that name run, the first one's plan, and the
+    drivers that hold it. A session of a name that is held adopts its plan and the copies it
+    opened (the nodes count each driver as a holder), so that drivers in several processes send
+    their requests to the same replicas. A name is free again once no live driver holds it."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[str, Any]] = {}
+
+    def claim(self, name: str, digest: str, plan: bytes, lease: str) -> tuple[bytes, str]:
+        """(plan, token) of ``name``: those held, where a live driver holds it with the same
+        ``digest`` (what the session runs), else ``plan`` and a new token; the driver whose
+        lease is ``lease`` holds it then. A name held for something else is refused."""
+        held = self._live(name, digest)
+        if held is None:
+            import uuid
+
+            held = self._held[name] = {"digest": digest, "plan": plan, "token": uuid.uuid4().hex[:8],
+                                       "holders": set()}
+        held["holders"].add(lease)
+        return held["plan"], held["token"]
+
+    def plan_of(self, name: str, digest: str) -> bytes | None:
+        """The plan ``name`` runs, where a live driver holds it (refused as :meth:`claim` does)."""
+        held = self._live(name, digest)
+        return None if held is None else held["plan"]
+
+    def release(self, name: str, lease: str) -> None:
+        held = self._held.get(name)
+        if held is not None:
+            held["holders"].discard(lease)
+            if not held["holders"]:
+                del self._held[name]
+
+    def _live(self, name: str, digest: str) -> dict[str, Any] | None:
+        """What ``name`` holds, where a live driver holds it; refused when that is not ``digest``."""
+        held = self._held.get(name)
+        if held is None:
+            return None
+        held["holders"] = {lease for lease in held["holders"] if lease_alive(lease)}
+        if not held["holders"]:
+            del self._held[name]
+            return None
+        if held["digest"] != digest:
+            raise ValueError(f"the shared session {name!r} runs another model, or the same with other "
+                             f"options ({len(held['holders'])} driver(s) hold it): open this one under another "
+                             "name, or with the same model and options")
+        return held
+
+
 class Lease:
     """A named actor that lives as long as the driver that made it (Ray ends an actor with its
     owner): a node closes what a driver opened once no actor has that driver's lease name."""
@@ -297,7 +360,7 @@ class NodeActor:
         if unknown:
             raise ValueError(f"VKPOOL_NODE_MEMBERS names {unknown}, which this node's pool lacks ({ids})")
         self.opened: dict[str, Any] = {}
-        self.leases: dict[str, str] = {}  # key → the lease name of the driver that opened it
+        self.leases: dict[str, set[str]] = {}  # key → the lease names of the drivers that hold it
         self.link: dict[str, float] | None = None
         self._lock = threading.Lock()
         # runs in progress per opened model (by id): what is closed waits for them, so that no
@@ -355,12 +418,16 @@ class NodeActor:
     def open_replica(self, key: str, lease: str, model: bytes, member: str,
                      options: dict[str, Any]) -> list[str]:
         """A whole :class:`vkpool.Session` of ``model`` on ``member``, for the driver whose
-        :class:`Lease` is named ``lease``; returns its output names."""
+        :class:`Lease` is named ``lease``; returns its output names. A key open already (a
+        shared session, :class:`Names`) is held by that driver too, not opened again."""
         from vkpool.executor import RUN_SLOTS
         from vkpool.session import Session
 
         self._check_member(member)
         self._drop_orphans()
+        held = self._hold(key, lease)
+        if held is not None:
+            return [o.name for o in held.get_outputs()]
         # run slots as a plan's chunks have: the requests of calls run back to back (_Stream)
         session = Session(model, device=member, pool=self.pool, run_slots=RUN_SLOTS, **options)
         self._keep(key, session, lease)
@@ -376,6 +443,8 @@ class NodeActor:
         from vkpool.model import load_model
 
         self._drop_orphans()
+        if self._hold(key, lease) is not None:
+            return
         loaded = load_model(model, batch=batch, dims=dims)
         split_products(loaded, column_splits)
         for member, _ in chunks:
@@ -384,11 +453,19 @@ class NodeActor:
                 self._check_member(local)
         self._keep(key, _Chunks(self.pool, loaded, member_of, chunks, node), lease)
 
+    def _hold(self, key: str, lease: str) -> Any:
+        """What is open under ``key``, now held by ``lease`` too; None when nothing is."""
+        with self._lock:
+            opened = self.opened.get(key)
+            if opened is not None:
+                self.leases[key].add(lease)
+            return opened
+
     def _keep(self, key: str, opened: Any, lease: str) -> None:
         """Keeps what was opened under ``key``, closing what an earlier open left there."""
         with self._lock:
             earlier = self.opened.get(key)
-            self.opened[key], self.leases[key] = opened, lease
+            self.opened[key], self.leases[key] = opened, {lease}
             stream = self._streams.pop(key, None)
         if earlier is not None:
             self._close_when_idle(earlier, stream)
@@ -398,17 +475,13 @@ class NodeActor:
         import ray
 
         with self._lock:
-            held = list(self.leases.items())
+            held = [(key, lease) for key, leases in self.leases.items() for lease in leases]
         alive: dict[str, bool] = {}
         for key, lease in held:
             if lease not in alive:
-                try:
-                    ray.get_actor(lease, namespace=LEASE_NAMESPACE)
-                    alive[lease] = True
-                except ValueError:  # no live actor has that name: the driver is gone
-                    alive[lease] = False
+                alive[lease] = lease_alive(lease)
             if not alive[lease]:
-                self.close(key)
+                self.close(key, lease)
 
     def _close_when_idle(self, opened: Any, stream: _Stream | None = None) -> None:
         """Closes ``opened`` (no longer under any key), and its replica's ``stream``, once the
@@ -484,9 +557,15 @@ class NodeActor:
     def memory_by_member(self, key: str) -> dict[str, int]:
         return self._get(key).memory_by_member()
 
-    def close(self, key: str) -> None:
-        """Closes what is open under ``key`` once the runs using it have ended (no new one starts)."""
+    def close(self, key: str, lease: str | None = None) -> None:
+        """Lets the driver whose lease is ``lease`` go of what is open under ``key``, and closes
+        it once no driver holds it (None: whoever holds it), after the runs using it have ended
+        (no new one starts)."""
         with self._lock:
+            leases = self.leases.get(key, set())
+            leases.discard(lease)
+            if lease is not None and leases:
+                return
             opened = self.opened.pop(key, None)
             self.leases.pop(key, None)
             stream = self._streams.pop(key, None)

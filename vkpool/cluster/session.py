@@ -117,13 +117,21 @@ class ClusterSession:
     ``batch``, ``dims``, ``max_batch``, ``max_queue_delay`` as for :class:`vkpool.Session`;
     ``max_bundle``: requests one call carries at most (default: :data:`MAX_BUNDLE`, or fewer where
     that many requests' feeds would not travel inside Ray's call, :data:`INLINE_SLACK`),
-    ``calls_per_step``: calls each step of a copy may keep in flight (:data:`CALLS_PER_STEP`)."""
+    ``calls_per_step``: calls each step of a copy may keep in flight (:data:`CALLS_PER_STEP`).
+
+    ``name`` shares the session: sessions of one name, in any driver process, run on the same
+    copies (:class:`~vkpool.cluster.node.Names`). The first one plans and opens them; the others
+    take its plan and hold the copies too, which close once no driver holds them. Sessions of a
+    name must open the same model with the same options (else refused): as Ray Serve's callers of
+    one deployment, several drivers then feed one set of replicas."""
 
     def __init__(self, cluster: Any, model: str | os.PathLike | bytes, *, objective: str = "latency",
                  devices: Sequence[str] | None = None, budgets: Mapping[str, int | str] | None = None,
                  plan: Any = None, batch: int = 1, dims: Mapping[str, int] | None = None,
                  max_batch: int | None = None, max_queue_delay: float = 0.0, max_bundle: int | None = None,
-                 calls_per_step: int = CALLS_PER_STEP) -> None:
+                 calls_per_step: int = CALLS_PER_STEP, name: str | None = None) -> None:
+        import pickle
+
         import ray
 
         from vkpool.cluster.placement import place_on_cluster
@@ -133,6 +141,10 @@ class ClusterSession:
         self._closed = False
         self._lock = threading.Lock()
         self._copies: list[_Copy] = []
+        self.name = name
+        # what holds its copies on the nodes: the driver's lease (the nodes close what a gone
+        # driver held), and this session (sessions of one name in one driver hold them apart)
+        self._holder = f"{cluster.lease}#{uuid.uuid4().hex[:8]}"
         self._reviver: threading.Thread | None = None
         # completions are handled here, not in Ray's thread that completes a reference: handling
         # one may start calls (a request sent to another copy) and runs the callers' callbacks
@@ -151,8 +163,28 @@ class ClusterSession:
         for member_id, size in (budgets or {}).items():
             cluster.set_budget(member_id, size)
         members = cluster.planner_members()
-        self.model, self.graph, self.placement = place_on_cluster(
-            data, members, objective=objective, devices=devices, plan=plan, batch=batch, dims=self._dims)
+        digest = held = None
+        if name is not None:  # a shared session: the plan of the name where a driver holds it
+            import hashlib
+
+            asked = pickle.dumps((objective, devices, sorted((budgets or {}).items()), plan, batch,
+                                  sorted(self._dims.items()), max_batch, max_queue_delay))
+            digest = hashlib.sha256(data + asked).hexdigest()
+            held = ray.get(cluster.names.plan_of.remote(name, digest))
+
+        def place(given: Any) -> None:
+            self.model, self.graph, self.placement = place_on_cluster(
+                data, members, objective=objective, devices=None if given is not plan else devices,
+                plan=given, batch=batch, dims=self._dims)
+
+        place(plan if held is None else pickle.loads(held))
+        self._key = uuid.uuid4().hex[:12]
+        if name is not None:
+            mine = pickle.dumps(self.placement)
+            held, token = ray.get(cluster.names.claim.remote(name, digest, mine, self._holder))
+            if held != mine:  # another driver claimed the name meanwhile: its plan
+                place(pickle.loads(held))
+            self._key = f"{name}-{token}"
         self.load_options = {"batch": batch, "dims": self._dims}
         self._options: dict[str, Any] = dict(self.load_options)
         if max_batch is not None:
@@ -163,7 +195,6 @@ class ClusterSession:
                              "max_batch unset, or give budgets that hold the model on one member")
         self.model_bytes = data
         self._model_ref = ray.put(data)
-        self._key = uuid.uuid4().hex[:12]
         self._inputs = {name: (np.dtype(info.dtype), tuple(info.shape)) for name, info in self.model.inputs}
         row = sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in self._inputs.values())
         inline = cluster.inline_bytes - INLINE_SLACK
@@ -227,11 +258,11 @@ class ClusterSession:
         actors = self.cluster.actors
         if copy.member is not None:
             node = node_of(copy.member)
-            return [actors[node].open_replica.remote(copy.key, self.cluster.lease, self._model_ref,
+            return [actors[node].open_replica.remote(copy.key, self._holder, self._model_ref,
                                                      copy.member[len(node) + 1:], self._options)]
         plan = self.placement
         chunks = [(c.member, list(c.ops)) for c in plan.chunks]
-        return [actors[node].open_chunks.remote(copy.key, self.cluster.lease, self._model_ref, node,
+        return [actors[node].open_chunks.remote(copy.key, self._holder, self._model_ref, node,
                                                 dict(plan.member_of), chunks, dict(self.model.column_splits),
                                                 self._batch, self._dims)
                 for node in copy.nodes]
@@ -569,7 +600,7 @@ class ClusterSession:
                     for node in copy.nodes:
                         self._ray.get(self.cluster.actors[node].ping.remote(), timeout=PING_TIMEOUT_S)
                     for node in copy.nodes:  # what survived on another node of the copy is opened anew
-                        closing = self.cluster.actors[node].close.remote(copy.key)
+                        closing = self.cluster.actors[node].close.remote(copy.key, self._holder)
                         self._ray.get(closing, timeout=PING_TIMEOUT_S)
                     self._ray.get(self._open(copy), timeout=PING_TIMEOUT_S * 10)
                 except Exception:
@@ -579,7 +610,7 @@ class ClusterSession:
                     closed = self._closed
                 if closed:  # close() may have run before this copy was opened again
                     for node in copy.nodes:
-                        self.cluster.actors[node].close.remote(copy.key)
+                        self.cluster.actors[node].close.remote(copy.key, self._holder)
             time.sleep(REVIVE_EVERY_S)
 
     @property
@@ -657,9 +688,16 @@ class ClusterSession:
         for copy in self._copies:
             for node in copy.nodes:
                 try:
-                    self._ray.get(self.cluster.actors[node].close.remote(copy.key), timeout=PING_TIMEOUT_S)
+                    self._ray.get(self.cluster.actors[node].close.remote(copy.key, self._holder),
+                                  timeout=PING_TIMEOUT_S)
                 except Exception:
                     pass  # a node that is gone holds nothing of it
+        if self.name is not None:
+            try:
+                self._ray.get(self.cluster.names.release.remote(self.name, self._holder),
+                              timeout=PING_TIMEOUT_S)
+            except Exception:
+                pass  # the names' actor restarted: it holds nothing of this driver
         self._completions.shutdown(wait=False)
         with self._lock:  # their completions will not be handled now
             left = [p for copy in self._copies for p in copy.queue]
