@@ -5,7 +5,7 @@ and prints a table of:
 
 - **replicas**: jobs/s (and p50/p99 latency) of a model replicated over both nodes
   (``objective="throughput"``) against the same model on node ``a`` alone, with ``--window``
-  requests in flight (``--same-load``: two nodes at twice the window too), a row per
+  requests in flight (``--same-load``: both at twice the window too), a row per
   ``--calls`` setting of the sessions' ``max_bundle`` and ``calls_per_step``;
 - **split**: the same for the model split into two pipeline stages, one per node (each node's
   budget below the model, so the planner must split it);
@@ -480,8 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", nargs="+", choices=LOADS, default=["callbacks"],
                         help="how requests are kept in flight, a table row per choice (default callbacks; "
                         "see LOADS)")
-    parser.add_argument("--same-load", action="store_true", help="measure two nodes with twice --window too "
-                        "(as many requests in flight per node as on one node)")
+    parser.add_argument("--same-load", action="store_true", help="measure one and two nodes with twice "
+                        "--window too (two nodes then have as many requests in flight per node as one node "
+                        "at --window), and the ratio of the best figures of each (what each serves at most)")
     parser.add_argument("--call-cost", action="store_true", help="also measure what a call to a node costs "
                         "the driver by the requests it carries (of the replicated model's input size)")
     parser.add_argument("--profile", action="store_true", help="after each two-node figure, run it again "
@@ -526,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         ray_cluster.address,
                                                         path, feeds, want, args.seconds, args.window, load,
                                                         drivers)
+                        single2 = (jobs_per_s_drivers(one, {"devices": [a], **calling, **shared("one")},
+                                                      ray_cluster.address, path, feeds, want, args.seconds,
+                                                      2 * args.window, load, drivers) if args.same_load else None)
                     print(cpu.report(f"{kind} {name} on node a, {how}"))
                     if kind == "replicas":
                         options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
@@ -561,15 +565,17 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((f"{kind}: {name}", f"{bundle or f'auto ({one._max_bundle})'}x{calls}", load,
                                  f"{drivers}{' shared' if args.shared else ''}", figure(single),
                                  figure(both), f"{both[0] / single[0]:.2f}", shape)
-                                + ((figure(doubled), f"{doubled[0] / single[0]:.2f}") if doubled else ()))
+                                + ((figure(single2), figure(doubled), f"{doubled[0] / single2[0]:.2f}",
+                                    f"{max(both[0], doubled[0]) / max(single[0], single2[0]):.2f}")
+                                   if doubled else ()))
             slope, fixed, points = hop_s_per_mib(cluster)
             row_bytes = sum(v.nbytes for v in workloads.input_for(args.replicated).values())
             costs = call_cost(cluster, row_bytes) if args.call_cost else []
     finally:
         ray_cluster.shutdown()
     print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
-    more = ((f" two nodes, window {2 * args.window} | that / one |", "---|---|") if args.same_load
-            else ("", ""))
+    more = ((f" one node, window {2 * args.window} | two nodes, window {2 * args.window} | two / one there | "
+             "best two / best one |", "---|---|---|---|") if args.same_load else ("", ""))
     print(f"| figure | max_bundle x calls_per_step | load | drivers | one node | two nodes | two / one | "
           f"plan |{more[0]}\n|---|---|---|---|---|---|---|---|{more[1]}")
     for row in rows:
