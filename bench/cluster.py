@@ -568,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                                 + ((figure(single2), figure(doubled), f"{doubled[0] / single2[0]:.2f}",
                                     f"{max(both[0], doubled[0]) / max(single[0], single2[0]):.2f}")
                                    if doubled else ()))
+                    print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
             slope, fixed, points = hop_s_per_mib(cluster)
             row_bytes = sum(v.nbytes for v in workloads.input_for(args.replicated).values())
             costs = call_cost(cluster, row_bytes) if args.call_cost else []

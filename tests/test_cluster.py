@@ -276,7 +276,8 @@ def test_a_replicas_stream_runs_the_requests_of_calls_from_several_threads(mnist
     with Session(path, device="vk0", run_slots=2) as session:
         names = [o.name for o in session.get_outputs()]
         wants = [session.run(None, f) for f in inputs]
-        stream = _Stream(session)
+        stream = _Stream(lambda source, each: session.run_many(source, None, each),
+                         lambda out: dict(zip(names, out)))
 
         def call(k: int) -> tuple[list[int], list[Any]]:
             picks = [(k + i) % 5 for i in range(k % 4 + 1)]
@@ -301,7 +302,9 @@ def test_a_replicas_stream_runs_the_requests_of_calls_from_several_threads(mnist
 
 
 def test_rows_pack_requests_and_a_failure_stays_with_its_request() -> None:
-    from vkpool.cluster.rows import Rows, merge, run_rows
+    from vkpool.cluster.node import _Stream
+    from vkpool.cluster.rows import Rows, gather, merge, pending
+    from vkpool.pipeline import back_to_back
 
     feeds = [{"x": np.full((1, 2), i, np.float32)} for i in range(5)]
     rows = Rows.pack(feeds, ["x"])
@@ -323,7 +326,10 @@ def test_rows_pack_requests_and_a_failure_stays_with_its_request() -> None:
         return {"y": f["x"] * 2}
 
     earlier = KeyError("failed before")
-    out = run_rows(start, finish, Rows(5, rows.tensors, {1: earlier}), depth=2)
+    given = Rows(5, rows.tensors, {1: earlier})  # as a chunk's stream runs a call's rows
+    stream = _Stream(lambda source, each: back_to_back(start, finish, source, 2, each))
+    out = gather(given, stream.run(pending(given)))
+    stream.close()
     assert most[0] == 2 and not in_flight  # two runs in flight at most, every one finished
     assert out.failed[1] is earlier and "row 2" in str(out.failed[2]) and "row 4" in str(out.failed[4])
     assert out.tensors["y"][:, 0, 0].tolist() == [0, 0, 0, 6, 0]

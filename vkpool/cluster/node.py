@@ -22,11 +22,11 @@ import subprocess
 import threading
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from vkpool.cluster.rows import Rows, gather, merge, pending, run_rows
+from vkpool.cluster.rows import Rows, gather, merge, pending
 from vkpool.pipeline import IDLE
 
 #: the Ray namespace of the drivers' leases (vkpool.cluster.NAMESPACE)
@@ -140,14 +140,14 @@ class _Chunks:
                    for m, _ in chunks]
         self.stages = stage_nodes(model, [[index_of[op] for op in ops] for _, ops in chunks], members)
         self.compiled: dict[int, Any] = {}
-        # one call runs a chunk at a time: it keeps its run slots busy itself (run_rows), and two
-        # calls each holding one slot while waiting for another would wait forever
-        self.locks: dict[int, threading.Lock] = {}
+        # each chunk runs the requests of every call as one stream, with its run slots in flight
+        # (two calls each holding one slot while waiting for another would wait forever)
+        self.streams: dict[int, _Stream] = {}
+        self._lock = threading.Lock()
         try:
             for stage, (member, _) in zip(self.stages, chunks):
                 if member.startswith(prefix):
                     self.compiled[stage.index] = build_chunk(model, stage)
-                    self.locks[stage.index] = threading.Lock()
         except BaseException:
             self.close()
             raise
@@ -155,16 +155,29 @@ class _Chunks:
     def run(self, indices: Sequence[int], rows: Rows) -> Rows:
         """Runs chunks ``indices`` (in order) on every request of ``rows``, chunk after chunk,
         each over all the requests with its run slots in flight (a Vulkan chunk has two: the
-        device runs one request while the host moves the next one's tensors). Returns every
-        output the chunks send on."""
+        device runs one request while the host moves the next one's tensors), the requests of
+        every call to a chunk back to back (:class:`_Stream`). Returns every output the chunks
+        send on."""
         sent: list[Rows] = []
         for index in indices:
-            stage, chunk = self.stages[index], self.compiled[index]
+            stage = self.stages[index]
             wanted = merge([rows, *sent]) if sent else rows
             feeds = Rows(wanted.count, {n: wanted.tensors[n] for n in stage.inputs}, wanted.failed)
-            with self.locks[index]:
-                sent.append(run_rows(chunk.start, chunk.finish, feeds, depth=chunk.slots))
+            live = pending(feeds)
+            sent.append(gather(feeds, self._stream(index).run(live) if live else []))
         return merge(sent)
+
+    def _stream(self, index: int) -> _Stream:
+        """Chunk ``index``'s stream (a new one where the last one failed)."""
+        from vkpool.pipeline import back_to_back
+
+        with self._lock:
+            stream = self.streams.get(index)
+            if stream is None or stream.failed is not None:
+                chunk = self.compiled[index]
+                stream = self.streams[index] = _Stream(
+                    lambda source, each: back_to_back(chunk.start, chunk.finish, source, chunk.slots, each))
+            return stream
 
     def memory_by_member(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -175,6 +188,10 @@ class _Chunks:
         return out
 
     def close(self) -> None:
+        with self._lock:
+            streams, self.streams = list(self.streams.values()), {}
+        for stream in streams:
+            stream.close()
         for chunk in self.compiled.values():
             chunk.close()
         self.compiled = {}
@@ -264,15 +281,17 @@ class _Call:
 
 
 class _Stream:
-    """A replica's requests from every call, run back to back as one stream: one
-    :meth:`vkpool.Session.run_many` in a thread of its own reads the calls' requests as they
-    come, so the next call's first request starts while the last call's end, the device never
-    waiting between calls, and a call of a few requests costs the node what a long one does per
-    request. Each call waits for its own results and leaves as soon as they are in."""
+    """The requests of every call to a replica, or to a chunk of a plan over nodes, run back to
+    back as one stream: ``run_many(source, each)`` (:meth:`vkpool.Session.run_many`,
+    :func:`vkpool.pipeline.back_to_back` over a chunk's run slots) in a thread of its own reads
+    the calls' requests as they come, so the next call's first request starts while the last
+    call's end, the device never waiting between calls, and a call of a few requests costs the
+    node what a long one does per request. Each call waits for its own results (``shape`` makes
+    each one's outputs a dict by output name) and leaves as soon as they are in."""
 
-    def __init__(self, session: Any) -> None:
-        self._session = session
-        self._names = [o.name for o in session.get_outputs()]
+    def __init__(self, run_many: Callable[[Iterator[Any], Callable[[int, Any], None]], Any],
+                 shape: Callable[[Any], dict[str, np.ndarray]] = dict) -> None:
+        self._run_many, self._shape = run_many, shape
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._read: list[_Call] = []  # calls whose requests were read and have not all ended
         self._count = 0  # requests read
@@ -314,8 +333,7 @@ class _Stream:
     def _ended(self, index: int, result: Any) -> None:
         with self._lock:
             call = next(c for c in self._read if c.first <= index < c.first + len(c.feeds))
-            call.results[index - call.first] = (result if isinstance(result, Exception)
-                                                else dict(zip(self._names, result)))
+            call.results[index - call.first] = result if isinstance(result, Exception) else self._shape(result)
             call.left -= 1
             if call.left:
                 return
@@ -324,7 +342,7 @@ class _Stream:
 
     def _serve(self) -> None:
         try:
-            self._session.run_many(self._source(), None, self._ended)
+            self._run_many(self._source(), self._ended)
             error: BaseException = RuntimeError("the replica was closed")
         except BaseException as exc:  # the session failed as a whole: every call waiting gets it
             error = exc
@@ -538,7 +556,9 @@ class NodeActor:
         with self._lock:
             stream = self._streams.get(key)
             if stream is None or stream.failed is not None:
-                stream = self._streams[key] = _Stream(session)
+                names = [o.name for o in session.get_outputs()]
+                stream = self._streams[key] = _Stream(lambda source, each: session.run_many(source, None, each),
+                                                      lambda out: dict(zip(names, out)))
             return stream
 
     def run_chunks(self, key: str, indices: list[int], *parts: Rows) -> Rows:

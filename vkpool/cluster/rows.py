@@ -9,7 +9,7 @@ its rows, so that the others of its call go on without it: a request fails alone
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -86,12 +86,3 @@ def gather(rows: Rows, results: Sequence[Mapping[str, np.ndarray] | Exception]) 
             out.put(index, result)
     return out.rows
 
-
-def run_rows(start: Callable[[dict[str, np.ndarray]], Any], finish: Callable[[Any], Mapping[str, np.ndarray]],
-             rows: Rows, depth: int) -> Rows:
-    """Runs each request of ``rows`` that has not failed: ``start(feeds)`` begins a run (a run
-    slot of a chunk) and ``finish(handle)`` waits for it and returns its outputs, up to ``depth``
-    runs in flight (:func:`vkpool.pipeline.back_to_back`). A request whose run fails fails alone."""
-    from vkpool.pipeline import back_to_back
-
-    return gather(rows, back_to_back(start, finish, pending(rows), depth))
