@@ -444,6 +444,11 @@ def split_budget(cluster: Any, path: Path, member: str) -> int:
     return min(int(half * 1.05), whole - 1)
 
 
+def median_of(figures: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """The round whose jobs/s is the median (the lower of the middle two), with its latencies."""
+    return sorted(figures)[(len(figures) - 1) // 2]
+
+
 def figure(measured: tuple[float, float, float]) -> str:
     rate, p50, p99 = measured
     return f"{rate:.1f} ({p50 * 1e3:.2f} / {p99 * 1e3:.2f})"
@@ -483,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-load", action="store_true", help="measure one and two nodes with twice "
                         "--window too (two nodes then have as many requests in flight per node as one node "
                         "at --window), and the ratio of the best figures of each (what each serves at most)")
+    parser.add_argument("--rounds", type=int, default=1, help="measure one node and two nodes this many "
+                        "times each, in turn (one node first in even rounds, two nodes first in odd ones), "
+                        "and give each one's median round and the range of the rounds' ratios (default 1)")
     parser.add_argument("--call-cost", action="store_true", help="also measure what a call to a node costs "
                         "the driver by the requests it carries (of the replicated model's input size)")
     parser.add_argument("--profile", action="store_true", help="after each two-node figure, run it again "
@@ -519,55 +527,92 @@ def main(argv: list[str] | None = None) -> int:
                     shared = (lambda which: {"name": f"bench-{kind}-{row}-{which}"}) if args.shared else (
                         lambda which: {})
                     how = f"{bundle or 'auto'}x{calls}, {load}, {drivers} driver(s)"
-                    with cluster.session(path, devices=[a], **calling, **shared("one")) as one:
-                        want = one.run(None, feeds)
-                        check_reference(path, feeds, want)
-                        with CpuUse(cluster) as cpu:
-                            single = jobs_per_s_drivers(one, {"devices": [a], **calling, **shared("one")},
-                                                        ray_cluster.address,
-                                                        path, feeds, want, args.seconds, args.window, load,
-                                                        drivers)
-                        single2 = (jobs_per_s_drivers(one, {"devices": [a], **calling, **shared("one")},
-                                                      ray_cluster.address, path, feeds, want, args.seconds,
-                                                      2 * args.window, load, drivers) if args.same_load else None)
-                    print(cpu.report(f"{kind} {name} on node a, {how}"))
                     if kind == "replicas":
                         options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
                     else:  # budgets under the model on each node: the planner must cut it in two
-                        cap = split_budget(cluster, path, a)
-                        options = {"objective": "throughput", "budgets": {a: cap, b: cap}}
-                    options.update(shared("two"))
-                    with cluster.session(path, **options, **calling) as two:
-                        plan = two.placement
-                        copies = ", ".join([plan.chunks[0].member, *plan.replicas])
-                        shape = (f"replicas on {copies}" if plan.replicas
-                                 else " → ".join(c.member for c in plan.chunks))
-                        if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
-                            raise RuntimeError(f"the {kind} plan does not span both nodes: {shape}")
-                        with CpuUse(cluster) as cpu:
-                            both = jobs_per_s_drivers(two, {**options, **calling}, ray_cluster.address, path,
-                                                      feeds, want, args.seconds, args.window, load, drivers)
-                        print(cpu.report(f"{kind} {name} on both nodes, {how}"))
-                        doubled = (jobs_per_s_drivers(two, {**options, **calling}, ray_cluster.address, path,
-                                                      feeds, want, args.seconds, 2 * args.window, load,
-                                                      drivers) if args.same_load else None)
-                        if args.split_driver:
-                            with DriverSplit(two) as split:
-                                jobs_per_s(two, feeds, want, args.seconds, args.window, load)
-                            print(f"{kind} {name} on both nodes, {how}: {split.report()}")
-                        if args.profile:
-                            with Sampler() as sampler:
-                                jobs_per_s(two, feeds, want, args.seconds, args.window, load)
-                            print(f"driver's Python threads, {kind} {name} on both nodes, {how} (a run "
-                                  f"apart, sampled every ms; a share of samples):\n{sampler.report()}")
-                    for member in (a, b):
-                        cluster.set_budget(member, budgets[member])
-                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({one._max_bundle})'}x{calls}", load,
+                        options = {"objective": "throughput", "budgets": "split"}
+                    shown = [""]
+
+                    def measure_one(first: bool) -> tuple[Any, Any, int]:
+                        with cluster.session(path, devices=[a], **calling, **shared("one")) as one:
+                            want = one.run(None, feeds)
+                            check_reference(path, feeds, want)
+                            wanted[:] = want
+                            with CpuUse(cluster) as cpu:
+                                single = jobs_per_s_drivers(one, {"devices": [a], **calling, **shared("one")},
+                                                            ray_cluster.address, path, feeds, want, args.seconds,
+                                                            args.window, load, drivers)
+                            single2 = (jobs_per_s_drivers(one, {"devices": [a], **calling, **shared("one")},
+                                                          ray_cluster.address, path, feeds, want, args.seconds,
+                                                          2 * args.window, load, drivers) if args.same_load else None)
+                            bundled = one._max_bundle
+                        if first:
+                            print(cpu.report(f"{kind} {name} on node a, {how}"))
+                        return single, single2, bundled
+
+                    def measure_two(first: bool) -> tuple[Any, Any]:
+                        given = dict(options)
+                        if given.get("budgets") == "split":
+                            cap = split_budget(cluster, path, a)
+                            given["budgets"] = {a: cap, b: cap}
+                        given.update(shared("two"))
+                        try:
+                            with cluster.session(path, **given, **calling) as two:
+                                plan = two.placement
+                                copies = ", ".join([plan.chunks[0].member, *plan.replicas])
+                                shown[0] = (f"replicas on {copies}" if plan.replicas
+                                            else " → ".join(c.member for c in plan.chunks))
+                                if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
+                                    raise RuntimeError(f"the {kind} plan does not span both nodes: {shown[0]}")
+                                want = wanted or two.run(None, feeds)
+                                with CpuUse(cluster) as cpu:
+                                    both = jobs_per_s_drivers(two, {**given, **calling}, ray_cluster.address,
+                                                              path, feeds, want, args.seconds, args.window, load,
+                                                              drivers)
+                                if first:
+                                    print(cpu.report(f"{kind} {name} on both nodes, {how}"))
+                                doubled = (jobs_per_s_drivers(two, {**given, **calling}, ray_cluster.address, path,
+                                                              feeds, want, args.seconds, 2 * args.window, load,
+                                                              drivers) if args.same_load else None)
+                                if first and args.split_driver:
+                                    with DriverSplit(two) as split:
+                                        jobs_per_s(two, feeds, want, args.seconds, args.window, load)
+                                    print(f"{kind} {name} on both nodes, {how}: {split.report()}")
+                                if first and args.profile:
+                                    with Sampler() as sampler:
+                                        jobs_per_s(two, feeds, want, args.seconds, args.window, load)
+                                    print(f"driver's Python threads, {kind} {name} on both nodes, {how} (a run "
+                                          f"apart, sampled every ms; a share of samples):\n{sampler.report()}")
+                        finally:
+                            for member in (a, b):
+                                cluster.set_budget(member, budgets[member])
+                        return both, doubled
+
+                    wanted: list[np.ndarray] = []
+                    ones, twos = [], []
+                    for r in range(args.rounds):  # one node first, then two; the other way round next
+                        if r % 2 == 0:
+                            ones.append(measure_one(r == 0))
+                            twos.append(measure_two(r == 0))
+                        else:
+                            twos.append(measure_two(False))
+                            ones.append(measure_one(False))
+                    single, single2, bundled = median_of([o[0] for o in ones]), None, ones[0][2]
+                    both, doubled = median_of([t[0] for t in twos]), None
+                    ratios = [t[0][0] / o[0][0] for o, t in zip(ones, twos)]
+                    if args.same_load:
+                        single2, doubled = median_of([o[1] for o in ones]), median_of([t[1] for t in twos])
+                        ratios = [max(t[0][0], t[1][0]) / max(o[0][0], o[1][0]) for o, t in zip(ones, twos)]
+                    spread = (f" ({min(ratios):.2f}–{max(ratios):.2f} over {len(ratios)} rounds)"
+                              if len(ratios) > 1 else "")
+                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({bundled})'}x{calls}", load,
                                  f"{drivers}{' shared' if args.shared else ''}", figure(single),
-                                 figure(both), f"{both[0] / single[0]:.2f}", shape)
+                                 figure(both), f"{both[0] / single[0]:.2f}", shown[0])
                                 + ((figure(single2), figure(doubled), f"{doubled[0] / single2[0]:.2f}",
-                                    f"{max(both[0], doubled[0]) / max(single[0], single2[0]):.2f}")
+                                    f"{max(both[0], doubled[0]) / max(single[0], single2[0]):.2f}{spread}")
                                    if doubled else ()))
+                    if not args.same_load and spread:
+                        rows[-1] = (*rows[-1][:6], f"{both[0] / single[0]:.2f}{spread}", *rows[-1][7:])
                     print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
             slope, fixed, points = hop_s_per_mib(cluster)
             row_bytes = sum(v.nbytes for v in workloads.input_for(args.replicated).values())
