@@ -341,6 +341,9 @@ class _Stream:
         call.done.set()
 
     def _serve(self) -> None:
+        from vkpool.cluster.session import _name_os_thread
+
+        _name_os_thread("vkpool-stream")  # its CPU apart from Ray's threads' in `top -H`, /proc
         try:
             self._run_many(self._source(), self._ended)
             error: BaseException = RuntimeError("the replica was closed")
