@@ -527,10 +527,6 @@ def main(argv: list[str] | None = None) -> int:
                     shared = (lambda which: {"name": f"bench-{kind}-{row}-{which}"}) if args.shared else (
                         lambda which: {})
                     how = f"{bundle or 'auto'}x{calls}, {load}, {drivers} driver(s)"
-                    if kind == "replicas":
-                        options: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
-                    else:  # budgets under the model on each node: the planner must cut it in two
-                        options = {"objective": "throughput", "budgets": "split"}
                     shown = [""]
 
                     def measure_one(first: bool) -> tuple[Any, Any, int]:
@@ -551,10 +547,11 @@ def main(argv: list[str] | None = None) -> int:
                         return single, single2, bundled
 
                     def measure_two(first: bool) -> tuple[Any, Any]:
-                        given = dict(options)
-                        if given.get("budgets") == "split":
+                        if kind == "replicas":
+                            given: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
+                        else:  # budgets under the model on each node: the planner must cut it in two
                             cap = split_budget(cluster, path, a)
-                            given["budgets"] = {a: cap, b: cap}
+                            given = {"objective": "throughput", "budgets": {a: cap, b: cap}}
                         given.update(shared("two"))
                         try:
                             with cluster.session(path, **given, **calling) as two:

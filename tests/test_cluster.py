@@ -530,7 +530,22 @@ def test_sessions_of_one_name_share_the_copies_across_drivers(cluster: Any, mnis
     first = cluster[1].session(path, objective="throughput", name="digits")
     try:
         assert len(held()) == 2  # a replica on each node
-        with cluster[1].session(path, objective="throughput", name="digits") as second:
+        import vkpool.cluster.placement as placement
+
+        placed: list[int] = []
+        real = placement.place_on_cluster
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            placed.append(1)
+            return real(*args, **kwargs)
+
+        placement.place_on_cluster = counted
+        try:
+            second = cluster[1].session(path, objective="throughput", name="digits")
+        finally:
+            placement.place_on_cluster = real
+        with second:
+            assert len(placed) == 1  # the plan taken from the name is placed once
             assert second._key == first._key and second.placement.member_of == first.placement.member_of
             assert_same(second.run(None, feeds), want)
         assert len(held()) == 2 and first.run(None, feeds)  # the first still holds them

@@ -169,7 +169,9 @@ class ClusterSession:
 
             asked = pickle.dumps((objective, devices, sorted((budgets or {}).items()), plan, batch,
                                   sorted(self._dims.items()), max_batch, max_queue_delay))
-            digest = hashlib.sha256(data + asked).hexdigest()
+            hashed = hashlib.sha256(data)
+            hashed.update(asked)
+            digest = hashed.hexdigest()
             held = ray.get(cluster.names.plan_of.remote(name, digest))
 
         def place(given: Any) -> None:
@@ -180,9 +182,11 @@ class ClusterSession:
         place(plan if held is None else pickle.loads(held))
         self._key = uuid.uuid4().hex[:12]
         if name is not None:
-            mine = pickle.dumps(self.placement)
+            # the plan taken from the name as it was stored (a plan pickled again after a round trip
+            # need not give the same bytes), or this one's
+            mine = held if held is not None else pickle.dumps(self.placement)
             held, token = ray.get(cluster.names.claim.remote(name, digest, mine, self._holder))
-            if held != mine:  # another driver claimed the name meanwhile: its plan
+            if held != mine:  # the name changed hands meanwhile: the plan held now
                 place(pickle.loads(held))
             self._key = f"{name}-{token}"
         self.load_options = {"batch": batch, "dims": self._dims}
