@@ -144,6 +144,7 @@ def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, 
 
 
 def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) -> None:
+    import vkpool.cluster
     from vkpool.cluster import DRIVER_INLINE_BYTES, INLINE_SETTING
     from vkpool.cluster.session import INLINE_SLACK, MAX_BUNDLE
 
@@ -151,6 +152,8 @@ def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) ->
     # the driver vkpool connected sends calls of up to 1 MiB inside Ray's call, and leaves the
     # setting out of the environment of the processes it starts
     assert cluster[1].inline_bytes == DRIVER_INLINE_BYTES and INLINE_SETTING not in os.environ
+    with vkpool.cluster.connect(address(cluster)) as again:  # another in the same process: Ray as it was set
+        assert again.inline_bytes == DRIVER_INLINE_BYTES
     with cluster[1].session(path, objective="throughput", calls_per_step=2) as session:
         row = feeds["x"].nbytes
         assert session._max_bundle == min(MAX_BUNDLE, (DRIVER_INLINE_BYTES - INLINE_SLACK) // row)

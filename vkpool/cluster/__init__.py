@@ -34,6 +34,8 @@ INLINE_SETTING, RAY_INLINE_BYTES = "RAY_max_direct_call_object_size", 100 * 1024
 #: times the CPU of a call that carries it. Calls to the nodes carry many requests' feeds (a call
 #: of 64 ``mnist12_like`` requests is 196 KiB), so they travel inside the call up to this size.
 DRIVER_INLINE_BYTES = 1 << 20
+#: what this process's Ray inlines, as vkpool set it when it connected (None: it did not)
+_connected_inline: int | None = None
 
 
 def _ray() -> Any:
@@ -64,7 +66,8 @@ class Cluster:
         self._own_connection = not ray.is_initialized()
         #: the largest call argument this process's Ray sends inside the call (it reads its
         #: setting once, as it connects)
-        self.inline_bytes = int(os.environ.get(INLINE_SETTING, RAY_INLINE_BYTES))
+        global _connected_inline
+        self.inline_bytes = _connected_inline or int(os.environ.get(INLINE_SETTING, RAY_INLINE_BYTES))
         if self._own_connection:
             given = os.environ.get(INLINE_SETTING)
             if given is None:
@@ -80,6 +83,7 @@ class Cluster:
             finally:
                 if given is None:  # Ray has read it: processes this one starts get Ray's default
                     del os.environ[INLINE_SETTING]
+            _connected_inline = self.inline_bytes
         self.actors: dict[str, Any] = {}
         self._names: Any = None
         self._links: dict[str, dict[str, float]] = {}  # node → the link its actor keeps
@@ -206,8 +210,10 @@ class Cluster:
             ray.kill(self._lease)
             self._lease = None
         if self._own_connection:
+            global _connected_inline
             ray.shutdown()
             self._own_connection = False
+            _connected_inline = None
 
     def __enter__(self) -> Cluster:
         return self
