@@ -561,6 +561,11 @@ def main(argv: list[str] | None = None) -> int:
                                             else " → ".join(c.member for c in plan.chunks))
                                 if len({node_of(m) for c in plan.chunks for m in [c.member, *plan.replicas]}) < 2:
                                     raise RuntimeError(f"the {kind} plan does not span both nodes: {shown[0]}")
+                                if first and not plan.replicas:
+                                    print(f"{kind} {name}: " + "; ".join(
+                                        f"{c.member} {c.ops[0]} … {c.ops[-1]} ({len(c.ops)} ops, predicted compute "
+                                        f"{c.compute_ps / 1e6:.1f} µs, {c.upload_bytes} B in, {c.download_bytes} B out)"
+                                        for c in plan.chunks))
                                 want = wanted or two.run(None, feeds)
                                 with CpuUse(cluster) as cpu:
                                     both = jobs_per_s_drivers(two, {**given, **calling}, ray_cluster.address,

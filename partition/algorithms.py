@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import networkx as nx
 import numpy as np
 
-from vkpool.partition.cost import Member, link_ps
+from vkpool.partition.cost import Member, busy_ps, link_ps
 from vkpool.partition.plan import PartitionUnfeasible, Plan, build_plan, chunk_peak_bytes
 from vkpool.partition.segments import Column, columns, cost_groups
 
@@ -122,7 +122,8 @@ class _MemberRows:
     def __init__(self, members: Sequence[Member]) -> None:
         self.budgets = np.array([mm.budget_bytes for mm in members], np.int64)[:, None]
         distinct, self.group = cost_groups(members)
-        self.latency_s = np.array([c.transfer_latency_s for c in distinct])[:, None]
+        self.latency_s = np.array([c.transfer_latency_s + c.network_latency_s for c in distinct])[:, None]
+        self.busy_s = np.array([c.transfer_latency_s for c in distinct])[:, None]
         self.h2d = np.array([c.h2d_bytes_per_s for c in distinct])[:, None]
         self.d2h = np.array([c.d2h_bytes_per_s for c in distinct])[:, None]
         self.most = int(self.budgets.max())
@@ -133,11 +134,12 @@ class _MemberRows:
         return int(fits.argmax()) if fits.any() else col.end
 
     def __call__(self, col: Column, lo: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # the same expression as MemberCost.upload_ps/download_ps, broadcast over members
-        link = (link_ps(col.up_bytes[None, lo:], self.latency_s, self.h2d)
-                + link_ps(col.down_bytes[None, lo:], self.latency_s, self.d2h))
+        # the same expressions as MemberCost.upload_ps/download_ps/link_busy_ps, broadcast over members
+        up, down = col.up_bytes[None, lo:], col.down_bytes[None, lo:]
+        link = link_ps(up, self.latency_s, self.h2d) + link_ps(down, self.latency_s, self.d2h)
+        busy = busy_ps(up, down, self.busy_s, self.h2d, self.d2h)
         compute = np.stack([c[lo:] for c in col.compute_ps])
-        latency, stage = compute + link, np.maximum(compute, link)
+        latency, stage = compute + link, np.maximum(compute, busy)
         if len(self.latency_s) > 1 or len(self.group) == 1:
             latency, stage = latency[self.group], stage[self.group]
         else:  # one cost for all: broadcast the row instead of copying it
@@ -357,8 +359,9 @@ def segment_cost(G: nx.DiGraph, ops: Sequence[str], member: Member) -> tuple[int
             if uses[t].is_output or any(c not in inside for c in uses[t].consumers):
                 down[t] = uses[t].nbytes
     cross = sum(b for t, b in up.items() if uses[t].producer is not None)
-    link = member.cost.upload_ps(sum(up.values())) + member.cost.download_ps(sum(down.values()))
-    return compute + link, max(compute, link), cross
+    up_bytes, down_bytes = sum(up.values()), sum(down.values())
+    link = member.cost.upload_ps(up_bytes) + member.cost.download_ps(down_bytes)
+    return compute + link, max(compute, member.cost.link_busy_ps(up_bytes, down_bytes)), cross
 
 
 def plan_key(plan: Plan) -> tuple[float, int]:

@@ -154,16 +154,25 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def dp_never_worse(rows: list[dict]) -> list[str]:
-    """Rows where greedy beat the DP (an empty list is the claim of docs/partitioning.md)."""
-    bad = []
+def greedy_wins(rows: list[dict]) -> list[str]:
+    """Rows where greedy beat the DP, each said with whether greedy's plan lies in the DP's space
+    (each member runs one chunk) or outside it (a member runs several chunks: the DP is optimal
+    only over plans of one chunk per member)."""
+    won = []
     for r in rows:
         g = r["greedy"]
+        where = "" if len({c.member for c in g.chunks}) == len(g.chunks) else " (outside the DP's space)"
         if g.latency_s < r["dp_latency"].latency_s * (1 - 1e-9):
-            bad.append(f"{r['workload']} k={r['k']}: greedy latency better")
+            won.append(f"{r['workload']} k={r['k']}: greedy latency better{where}")
         if g.throughput_per_s > r["dp_throughput"].throughput_per_s * (1 + 1e-9):
-            bad.append(f"{r['workload']} k={r['k']}: greedy throughput better")
-    return bad
+            won.append(f"{r['workload']} k={r['k']}: greedy throughput better{where}")
+    return won
+
+
+def dp_never_worse(rows: list[dict]) -> list[str]:
+    """Rows where greedy, with a plan in the DP's space, beat it (an empty list is the claim of
+    docs/partitioning.md; greedy plans that run a member several times may win)."""
+    return [w for w in greedy_wins(rows) if not w.endswith("(outside the DP's space)")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         rows += compare(name, template)
     sys.stdout.write(table(rows) + "\n" + summary(rows))
     bad = dp_never_worse(rows)
-    print("\nDP never worse than greedy:", "yes" if not bad else "NO: " + "; ".join(bad))
+    outside = [w for w in greedy_wins(rows) if w not in bad]
+    print("\nDP never worse than greedy where greedy runs each member once:",
+          "yes" if not bad else "NO: " + "; ".join(bad))
+    if outside:
+        print("greedy better with a member run several times: " + "; ".join(outside))
     if bad:
         raise AssertionError("greedy beat the DP: " + "; ".join(bad))
     return 0

@@ -4,7 +4,13 @@
   (the roofline model: Williams, Waterman, Patterson, CACM 52(4), 2009);
 - ``upload(b) = transfer_latency_s + b / h2d_bytes_per_s`` and
   ``download(b) = transfer_latency_s + b / d2h_bytes_per_s``; a tensor moving between members goes
-  device → host → device, so it pays the producer's download and the consumer's upload.
+  device → host → device, so it pays the producer's download and the consumer's upload;
+- ``network_latency_s`` (0 on one machine; half a node's link in a cluster,
+  :mod:`vkpool.cluster.links`) adds to each upload's and download's latency;
+- how long a chunk keeps its member's link **busy** per request, which bounds a pipelined stream
+  of requests, is ``transfer_latency_s`` once (the chunk's one submission and its wait: its
+  upload and download travel in it) plus ``b / h2d_bytes_per_s + b / d2h_bytes_per_s``; the
+  network's latency passes while other requests are in flight, so it is not counted there.
 
 Measured figures (``vkpool calibrate``, :mod:`vkpool.partition.calibrate`) live in a JSON file
 per physical device, keyed by its UUID (the host member by :func:`host_calibration_key`), under
@@ -38,6 +44,7 @@ class MemberCost:
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     transfer_latency_s: float
+    network_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -54,10 +61,15 @@ class MemberCost:
 
     def upload_ps(self, nbytes: Any) -> Any:
         """Host → member time of ``nbytes`` (scalar or array) moved in one submission; 0 for 0 bytes."""
-        return link_ps(nbytes, self.transfer_latency_s, self.h2d_bytes_per_s)
+        return link_ps(nbytes, self.transfer_latency_s + self.network_latency_s, self.h2d_bytes_per_s)
 
     def download_ps(self, nbytes: Any) -> Any:
-        return link_ps(nbytes, self.transfer_latency_s, self.d2h_bytes_per_s)
+        return link_ps(nbytes, self.transfer_latency_s + self.network_latency_s, self.d2h_bytes_per_s)
+
+    def link_busy_ps(self, up_bytes: Any, down_bytes: Any) -> Any:
+        """How long a chunk moving ``up_bytes`` in and ``down_bytes`` out keeps the link busy per
+        request while requests stream: what bounds a pipelined stage."""
+        return busy_ps(up_bytes, down_bytes, self.transfer_latency_s, self.h2d_bytes_per_s, self.d2h_bytes_per_s)
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -68,7 +80,8 @@ class MemberCost:
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"unknown cost fields {sorted(unknown)}; known: {sorted(names)}")
-        missing = names - set(data)
+        optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        missing = names - optional - set(data)
         if missing:
             raise ValueError(f"missing cost fields {sorted(missing)}")
         return cls(**{k: float(v) for k, v in data.items()})
@@ -83,6 +96,15 @@ def link_ps(nbytes: Any, latency_s: float, bytes_per_s: float) -> Any:
     b = np.asarray(nbytes, dtype=np.float64)
     ps = np.where(b > 0, np.rint(latency_s * PS_PER_S + b * (PS_PER_S / bytes_per_s)), 0).astype(np.int64)
     return int(ps) if ps.ndim == 0 else ps
+
+
+def busy_ps(up_bytes: Any, down_bytes: Any, latency_s: float, h2d_bytes_per_s: float,
+            d2h_bytes_per_s: float) -> Any:
+    """:meth:`MemberCost.link_busy_ps` for scalars or arrays (broadcast), rounded as :func:`link_ps`."""
+    up, down = np.asarray(up_bytes, dtype=np.float64), np.asarray(down_bytes, dtype=np.float64)
+    fixed = np.where((up > 0) | (down > 0), np.rint(np.asarray(latency_s) * PS_PER_S), 0).astype(np.int64)
+    ps = fixed + link_ps(up, 0.0, h2d_bytes_per_s) + link_ps(down, 0.0, d2h_bytes_per_s)
+    return int(ps) if np.ndim(ps) == 0 else ps
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ Pricing (one model for every algorithm, so plans compare):
 - **latency** is the chain: the sum of chunk times;
 - **throughput** (inferences/s, pipelined): each member has a compute engine and a copy engine
   that overlap, so the period is the largest, over members, of their summed compute time and of
-  their summed transfer time; replicas (whole model on each of several members) add up;
+  the time their link is busy (bytes over bandwidth: with requests in flight, the latency of one
+  request's transfer passes while the link carries another's); replicas (whole model on each of
+  several members) add up;
 - a chunk's **peak memory** is its weights (each constant once), plus the tensors it receives
   (held for the whole chunk), plus the peak of its live activations in execution order (a
   tensor lives from its producer to its last reader anywhere; graph outputs and tensors read by
@@ -244,7 +246,7 @@ def build_plan(
     for chunk in chunks:
         memory[chunk.member] += chunk.peak_bytes
         compute[chunk.member] += chunk.compute_ps
-        link[chunk.member] += chunk.upload_ps + chunk.download_ps
+        link[chunk.member] += by_id[chunk.member].cost.link_busy_ps(chunk.upload_bytes, chunk.download_bytes)
     for member_id in memory:
         mine = [c for c in chunks if c.member == member_id]
         if len(mine) > 1:

@@ -134,6 +134,28 @@ def test_throughput_pipelines_and_replicates() -> None:
     assert is_valid_plan(G, replicated)
 
 
+def test_throughput_counts_a_chunks_link_once_and_not_the_network_latency() -> None:
+    """A stage keeps its link busy for one transfer latency per chunk plus its bytes; the network's
+    latency (a cluster's, MemberCost.network_latency_s) adds to the plan's latency only. With a
+    network far slower to answer than the ops take, the throughput plan still cuts where the
+    stages' compute is even (2 | 2), not where the fewest bytes cross (1 | 3)."""
+    import dataclasses
+
+    G = chain([100, 100, 100, 100], [10, 1000, 10, 10])
+    slow = [dataclasses.replace(m, cost=dataclasses.replace(m.cost, network_latency_s=1e-3))
+            for m in (member("m0", 1500, 10e-6, latency_s=1e-6), member("m1", 1500, 10e-6, latency_s=1e-6))]
+    plan = dp_partition(G, slow, objective="throughput", replicate=False)
+    assert [len(c.ops) for c in plan.chunks] == [2, 2]
+    assert plan.throughput_per_s == pytest.approx(1 / 20e-6, rel=1e-6)  # compute: two ops of 10 µs
+    assert plan.latency_s > 2e-3  # the network's latency on the crossing tensor's download and upload
+    assert plan_key(plan) == plan_key(exhaustive_partition(G, slow, objective="throughput"))
+    # one latency per chunk that moves anything, whichever way
+    assert slow[0].cost.link_busy_ps(0, 0) == 0 and slow[0].cost.link_busy_ps(1, 1) == 1_000_000
+    assert slow[0].cost.upload_ps(1) == 1_001_000_000  # latency: the host's and the network's
+    old = MemberCost.from_dict({k: v for k, v in slow[0].cost.to_dict().items() if k != "network_latency_s"})
+    assert old.network_latency_s == 0.0  # calibration records without the field still load
+
+
 def test_validator_catches_broken_plans() -> None:
     G = chain([100, 100, 100], [20, 10, 10])
     members = [member("m0", 250, 1e-6), member("m1", 250, 5e-6)]

@@ -61,7 +61,10 @@ def test_measured_figures_are_what_the_planner_reads(pool, tmp_path: Path,
     vk = pool.vulkan_members[0]
     cost = measure(pool, vk.id, dataclasses.replace(QUICK, repeat=3), out=io.StringIO())
     for f in dataclasses.fields(cost):
-        assert math.isfinite(getattr(cost, f.name)) and getattr(cost, f.name) > 0
+        if f.name == "network_latency_s":  # a cluster's figure, not this machine's
+            assert cost.network_latency_s == 0
+        else:
+            assert math.isfinite(getattr(cost, f.name)) and getattr(cost, f.name) > 0
     save_calibration(vk.info.uuid, cost, driver=calibration_driver(vk))  # a record of another driver is not read
     assert load_calibration(vk.info.uuid) == cost
     assert {m.id: m.cost for m in pool_members()}[vk.id] == cost

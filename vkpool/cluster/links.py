@@ -5,12 +5,13 @@ consumer's node pulls it over the network. Each node has a link (``bytes_per_s``
 ``latency_s``: measured by :func:`measure_link`, or given in a spec file), and every member of
 the node pays half of it on each upload and download besides its own host link::
 
-    1 / h2d' = 1 / h2d + 1 / (2 · bytes_per_s)        transfer_latency' = transfer_latency + latency_s / 2
+    1 / h2d' = 1 / h2d + 1 / (2 · bytes_per_s)        network_latency' = network_latency + latency_s / 2
 
 so a tensor moving from a member of node A to one of node B pays, as every planner prices a
 move (the producer's download plus the consumer's upload), both members' host links plus
 ``(latency_A + latency_B) / 2 + b / (2 · bw_A) + b / (2 · bw_B)``: one trip over the network.
-The planners of :mod:`vkpool.partition` then run unchanged. Two members of one node are priced
+The network's latency counts in a plan's latency, not in its throughput (requests in flight
+overlap it). The planners of :mod:`vkpool.partition` then run unchanged. Two members of one node are priced
 as if the network lay between them too (an upper bound: they hand tensors over in host memory).
 
 A cluster spec file is a device spec file (``partition/specs``) whose member ids are
@@ -55,8 +56,9 @@ def with_link(member: Member, link: Link) -> Member:
     """``member`` with half of its node's link added to each of its uploads and downloads."""
     c = member.cost
     half = 2 * link.bytes_per_s
-    cost = MemberCost(c.flops_per_s, c.bytes_per_s, c.dispatch_s, 1 / (1 / c.h2d_bytes_per_s + 1 / half),
-                      1 / (1 / c.d2h_bytes_per_s + 1 / half), c.transfer_latency_s + link.latency_s / 2)
+    cost = dataclasses.replace(c, h2d_bytes_per_s=1 / (1 / c.h2d_bytes_per_s + 1 / half),
+                               d2h_bytes_per_s=1 / (1 / c.d2h_bytes_per_s + 1 / half),
+                               network_latency_s=c.network_latency_s + link.latency_s / 2)
     return dataclasses.replace(member, cost=cost)
 
 
