@@ -200,12 +200,13 @@ class Scheduler:
             queue.running += 1
             return queue
 
-    def release_claim(self, queue: ModelQueue, *, ran: bool, gate: Any = None) -> None:
+    def release_claim(self, queue: ModelQueue, gate: Any = None) -> None:
+        """The claimed job ran: counted done, and the gate released."""
         if gate is not None:
             gate.release_shared()
         with self._lock:
             queue.running -= 1
-            queue.done += ran
+            queue.done += 1
 
     def submit(self, job: Job) -> None:
         with self._cond:

@@ -26,7 +26,6 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -38,11 +37,12 @@ from vkpool.daemon.lane import (_DAEMON_ASLEEP, _REQ, LaneConnection, LaneListen
                                ring_supported, ring_wait)
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.scheduler import Job
-from vkpool.daemon.service import Service, _error, _timeout
+from vkpool.daemon.service import Service, _error
 from vkpool.daemon.settings import DaemonSettings
 from vkpool.daemon.stats import Stats
 
 log = logging.getLogger("vkpool.daemon")
+_INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id (P.packed_id)
 
 _PROBE_DELAY_S = 0.3     # a disconnect is seen before the ROUTER drops the peer's pipe
 _TICK_S = 0.05
@@ -57,8 +57,6 @@ REPLY_HWM = 256
 REPLY_WAIT_S = 5.0
 REPLY_WAIT_BYTES = 16 << 20
 _COMPACT_MIN = 4096       # deadline entries before finished jobs are swept out
-_INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id (P.packed_id)
-_INFER_REPLY = {status: P.header_parts("infer_reply", status) for status in ("ok", "error")}
 
 
 def _libc_function(name: str) -> Any:
@@ -518,94 +516,11 @@ class Server:
         conn.ring = ring
         return True
 
-    def _lane_inline(self, conn: LaneConnection, client: bytes, parts: list[Any]) -> bool:
-        """The common case on a lane, in one piece: an infer whose header is packed as
-        :func:`~vkpool.daemon.protocol.packed_header` packs one and whose content has a cached
-        plan, of a short job on an idle model held by this client, with frames that fit, run here
-        and answered here. False, having done nothing visible, for anything else: the general
-        path then takes the request (and gives the errors, retries and queueing their usual
-        handling).
-
-        The same steps as :meth:`_on_lane_request` → :meth:`Service.handle` →
-        :meth:`Service._run_inline`, with fewer calls, locks and clock reads: this is most of
-        what a small job pays for going through the daemon. The header is matched as bytes
-        (those bytes can only unpack to an infer request of this protocol version), and the
-        reply's header is made of the request id's packed bytes. ``accepted`` is counted with
-        the outcome, just before the reply is written: the counters balance at every instant
-        (between acceptance and that point the job is simply not counted yet), and the request
-        is in progress from acceptance until its reply is written, as on the general path."""
-        head = parts[0]
-        packed = P.packed_id(head if type(head) is bytes else bytes(head), *_INFER_REQUEST)
-        if packed is None:
-            return False
-        service = self.service
-        raw = parts[1]
-        plan = service._plans.get(raw if type(raw) is bytes else bytes(raw))
-        if plan is None or service.draining:
-            return False
-        entry = plan.entry
-        run_s = entry.run_s
-        inputs = plan.inputs
-        if (run_s is None or run_s > self.settings.inline_run_max or len(parts) - 2 != len(inputs)
-                or entry.batch_config or not service.registry.current(entry, client)):
-            return False
-        feeds = {}
-        at = 2
-        for name, dtype, shape, nbytes in inputs:
-            frame = parts[at]
-            if len(frame) != nbytes:
-                return False
-            feeds[name] = np.ndarray(shape, dtype, frame)
-            at += 1
-        try:
-            rid = packed[1:].decode()
-        except UnicodeDecodeError:
-            return False
-        scheduler, gate = service.scheduler, entry.gate
-        queue = scheduler.claim_idle(entry.id, gate)
-        if queue is None:
-            return False
-        key = (client, rid)
-        with self._book:
-            accepted = not (key in self._in_progress or key in self._replay or self._lanes_closed)
-            if accepted:
-                self._in_progress.add(key)
-        if not accepted:
-            scheduler.release_claim(queue, ran=False, gate=gate)
-            return False
-        started = time.monotonic()
-        try:
-            status, content, frames, finished = service._execute(entry, plan.outputs, feeds, 0.0, started)
-        finally:
-            scheduler.release_claim(queue, ran=True, gate=gate)
-        if plan.timeout is not None and finished - started > plan.timeout:
-            status, content, frames = "error", _timeout(plan.timeout), []
-        if type(content) is not bytes:  # an error's content (an ok one comes packed)
-            status, content = P.pack_content(status, content)
-        prefix, suffix = _INFER_REPLY[status]
-        body = [P.DELIMITER, prefix + packed + suffix, content, *frames]
-        if status == "ok":
-            self.stats.infer_ok(finished - started, finished, accepted=True)
-        else:
-            self.stats.count2("accepted", status)
-            self.stats.error_reply(body)
-        sent = conn.send(body, status=status)
-        if not sent:
-            self.stats.count(status, -1)
-            self.stats.count("client_gone")
-        with self._book:
-            self._in_progress.discard(key)
-            if sent:
-                self._remember(key, body, sent + len(P.DELIMITER))
-        return True
-
     def _on_lane_request(self, conn: LaneConnection, parts: list[Any], idle: bool) -> None:
         """One request on a lane (the lane's thread). ``idle``: nothing more has arrived on the
         connection, so a short job may run right here."""
         client = conn.client
         assert client is not None
-        if idle and self._lane_inline(conn, client, parts):
-            return
         header: dict[str, Any] = {}
         try:
             header = _peek_header(parts)
@@ -986,10 +901,20 @@ def _infer_content(header: dict[str, Any], body: list[Any]) -> bytes | None:
 
 
 def _peek_header(body: list[Any]) -> dict[str, Any]:
-    """The header as far as it decodes: enough to address an error reply."""
+    """The header as far as it decodes: enough to address an error reply. An infer request's
+    header packed as :func:`~vkpool.daemon.protocol.packed_header` packs one (what vkpool's
+    clients send) is recognised by its bytes, which can only unpack to that map, instead of
+    being unpacked."""
     if not body:
         raise ProtocolViolation("ProtocolError", "no header frame after the delimiter")
-    header = P.unpack(_b(body[0]))
+    raw = _b(body[0])
+    packed = P.packed_id(raw if type(raw) is bytes else bytes(raw), *_INFER_REQUEST)
+    if packed is not None:
+        try:
+            return {"v": P.PROTOCOL_VERSION, "id": packed[1:].decode(), "type": "infer_request"}
+        except UnicodeDecodeError:
+            pass  # unpacking says what is wrong with it
+    header = P.unpack(raw)
     if not isinstance(header, dict):
         raise ProtocolViolation("ProtocolError", "header is not a map")
     return header

@@ -56,7 +56,7 @@ class InferPlan:
                 buffer = frame if type(frame) is memoryview or type(frame) is bytes else P._buffer(frame)
                 if len(buffer) != nbytes:
                     break
-                feeds[name] = np.frombuffer(buffer, dtype).reshape(shape)
+                feeds[name] = np.ndarray(shape, dtype, buffer)  # read-only over bytes, as frombuffer
             else:
                 return feeds
         P.decode_tensors(self.metas, frames, "inputs")  # raises, naming the problem
@@ -271,11 +271,11 @@ class Service:
         try:
             status, content, frames, finished = self._execute(entry, outputs, feeds, 0.0, time.monotonic())
         finally:
-            self.scheduler.release_claim(queue, ran=True, gate=entry.gate)
+            self.scheduler.release_claim(queue, gate=entry.gate)
         if deadline is not None and finished > deadline:
             status, content, frames = "error", _timeout(deadline - accepted), []
         if status == "ok":
-            self.stats.infer_done(finished - accepted)
+            self.stats.infer_done(finished - accepted, finished)
         self.reply(client, rid, "infer", status, content, frames)
         return True
 

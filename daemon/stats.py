@@ -53,22 +53,11 @@ class Stats:
         """Requests answered or dropped for their client so far."""
         return self.ok + self.error + self.client_gone
 
-    def infer_ok(self, latency_s: float, now: float | None = None, accepted: bool = False) -> None:
-        """An infer answered ``ok``: :meth:`count` ``ok`` (and ``accepted`` too when ``accepted``)
-        and :meth:`infer_done` at once. ``now``: ``time.monotonic()`` when the caller has it."""
+    def infer_done(self, latency_s: float, now: float | None = None) -> None:
+        """An infer answered ``ok`` after ``latency_s``; ``now``: ``time.monotonic()`` when the
+        caller has read it already."""
         if now is None:
             now = time.monotonic()
-        with self._lock:
-            self.ok += 1
-            self.accepted += accepted
-            self._latencies.append(latency_s)
-            finished = self._finished_at
-            finished.append(now)
-            while finished[0] < now - self.RATE_WINDOW_S:  # ``now`` itself stays
-                finished.popleft()
-
-    def infer_done(self, latency_s: float) -> None:
-        now = time.monotonic()
         with self._lock:
             self._latencies.append(latency_s)
             self._finished_at.append(now)

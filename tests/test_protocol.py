@@ -156,6 +156,20 @@ def test_packed_headers_equal_msgpack_and_their_id_is_found_only_where_it_is_sho
     assert P.packed_id(P.pack(dict(reversed(header.items()))), *P.header_parts(kind, status)) is None
 
 
+@pytest.mark.parametrize("rid", ["a", "x" * 31, "é" * 15, "x" * 32, "", None])
+@pytest.mark.parametrize("kind", ["infer_request", "cancel_request"])
+def test_the_daemon_reads_a_packed_header_as_unpacking_it_would(rid: str | None, kind: str) -> None:
+    from vkpool.daemon.server import _peek_header
+
+    packed = P.packed_header(kind, rid)
+    for frame in (packed, memoryview(packed)):
+        read = _peek_header([frame])
+        assert read == P.unpack(packed) and list(read) == list(P.unpack(packed))
+    prefix, suffix = P.header_parts("infer_request")
+    with pytest.raises(P.ProtocolViolation, match="not valid msgpack"):  # an id that is not UTF-8
+        _peek_header([prefix + bytes([0xA0 | 2]) + b"\xff\xfe" + suffix])
+
+
 def test_infer_reply_contents_unpack_and_are_read_back_by_layout() -> None:
     small, large = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((64, 64), np.float32)
     strided = np.arange(16, dtype=np.int32).reshape(4, 4)[:, ::2]
