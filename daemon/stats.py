@@ -42,13 +42,6 @@ class Stats:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
-    def count2(self, first: str, second: str) -> None:
-        """:meth:`count` two counters under one hold of the lock (``accepted`` with an outcome:
-        the counters balance whenever they can be read)."""
-        with self._lock:
-            setattr(self, first, getattr(self, first) + 1)
-            setattr(self, second, getattr(self, second) + 1)
-
     def answered(self) -> int:
         """Requests answered or dropped for their client so far."""
         return self.ok + self.error + self.client_gone

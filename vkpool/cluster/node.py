@@ -171,13 +171,9 @@ class _Chunks:
         """Chunk ``index``'s stream (a new one where the last one failed)."""
         from vkpool.pipeline import back_to_back
 
-        with self._lock:
-            stream = self.streams.get(index)
-            if stream is None or stream.failed is not None:
-                chunk = self.compiled[index]
-                stream = self.streams[index] = _Stream(
-                    lambda source, each: back_to_back(chunk.start, chunk.finish, source, chunk.slots, each))
-            return stream
+        chunk = self.compiled[index]
+        return _live_stream(self.streams, index, self._lock, lambda: _Stream(
+            lambda source, each: back_to_back(chunk.start, chunk.finish, source, chunk.slots, each)))
 
     def memory_by_member(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -365,6 +361,16 @@ class _Stream:
             call.done.set()
 
 
+def _live_stream(streams: dict[Any, _Stream], key: Any, lock: threading.Lock, make: Callable[[], _Stream]
+                 ) -> _Stream:
+    """``streams[key]``, made anew (``make()``) where there is none or the last one failed."""
+    with lock:
+        stream = streams.get(key)
+        if stream is None or stream.failed is not None:
+            stream = streams[key] = make()
+        return stream
+
+
 class NodeActor:
     """The node's pool and the models sessions opened on it (see the module doc). Ray runs its
     methods in several threads at once: requests of different sessions and replicas overlap."""
@@ -493,15 +499,14 @@ class NodeActor:
 
     def _drop_orphans(self) -> None:
         """Closes what drivers that are gone opened (their leases ended with them)."""
-        import ray
-
         with self._lock:
             held = [(key, lease) for key, leases in self.leases.items() for lease in leases]
-        alive: dict[str, bool] = {}
+        alive: dict[str, bool] = {}  # per driver: its sessions hold as ``driver#session``
         for key, lease in held:
-            if lease not in alive:
-                alive[lease] = lease_alive(lease)
-            if not alive[lease]:
+            driver = lease.partition("#")[0]
+            if driver not in alive:
+                alive[driver] = lease_alive(driver)
+            if not alive[driver]:
                 self.close(key, lease)
 
     def _close_when_idle(self, opened: Any, stream: _Stream | None = None) -> None:
@@ -556,13 +561,9 @@ class NodeActor:
 
     def _stream(self, key: str, session: Any) -> _Stream:
         """The stream of the replica opened under ``key`` (a new one where the last one failed)."""
-        with self._lock:
-            stream = self._streams.get(key)
-            if stream is None or stream.failed is not None:
-                names = [o.name for o in session.get_outputs()]
-                stream = self._streams[key] = _Stream(lambda source, each: session.run_many(source, None, each),
-                                                      lambda out: dict(zip(names, out)))
-            return stream
+        names = [o.name for o in session.get_outputs()]
+        return _live_stream(self._streams, key, self._lock, lambda: _Stream(
+            lambda source, each: session.run_many(source, None, each), lambda out: dict(zip(names, out))))
 
     def run_chunks(self, key: str, indices: list[int], *parts: Rows) -> Rows:
         """Chunks ``indices`` of several requests; ``parts``: the requests' feeds and what the

@@ -9,7 +9,7 @@ its rows, so that the others of its call go on without it: a request fails alone
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
