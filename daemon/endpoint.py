@@ -9,19 +9,26 @@
   daemon raises its open-file limit at start, caps connections below it and, when its open
   descriptors come within :func:`fd_margin` of the limit whatever holds them, takes no more
   connections (the socket file is moved aside, :func:`paused_path`, until descriptors are free
-  again; clients meanwhile retry to connect).
+  again; clients meanwhile retry to connect). :class:`ConnectionWatch` watches on a thread of
+  its own, connection by connection, so that a burst is stopped while it is accepted.
 - The local lane's Unix socket is ``<socket>.lane`` in the same directory, created 0600 under
   the same lock, and removed with the ipc socket (at stop, or at start when a crashed daemon
   left it).
 """
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
+import logging
 import os
 import resource
+import threading
 from pathlib import Path
 from typing import IO
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 # Unix socket paths longer than this do not fit in sockaddr_un.sun_path.
 _MAX_IPC_PATH = 107
@@ -143,10 +150,11 @@ LISTEN_BACKLOG = 32
 
 def fd_margin(fd_limit: int) -> int:
     """Open descriptors at which the daemon stops listening are ``fd_limit`` less this: room for
-    the connections libzmq accepts before the daemon sees the first of them (a listener's
-    backlog at once, and more while the I/O thread is busy: a third of a low limit), and for the
-    daemon's own files."""
-    return max(fd_reserve(fd_limit), LISTEN_BACKLOG + 16, min(fd_limit // 3, FD_RESERVE))
+    the connections libzmq accepts after the descriptors reach that mark (those accepted before
+    :class:`ConnectionWatch` hears of them, more while other processes hold the CPU, and a
+    listener's backlog once the socket file is moved: half a low limit), and for the daemon's
+    own files."""
+    return max(fd_reserve(fd_limit), LISTEN_BACKLOG + 16, min(fd_limit // 2, FD_RESERVE))
 
 
 def open_fds() -> int | None:
@@ -155,3 +163,81 @@ def open_fds() -> int | None:
         return len(os.listdir("/proc/self/fd")) - 1  # less the one listing the folder
     except OSError:
         return None
+
+
+class ConnectionWatch:
+    """The ZeroMQ socket monitor, read on a thread of its own so that a burst of connections is
+    answered while libzmq accepts it, not when the I/O thread next looks (it may be busy with
+    requests, or with the burst's own messages).
+
+    Every accepted connection raises an estimate of the open descriptors (the last listing plus
+    the connections accepted since); only once the estimate reaches the pause mark are they
+    listed, and the ipc socket file is moved aside (:func:`paused_path`) if the listing agrees.
+    :meth:`check`, called by the I/O thread while paused and after it accepts a lane connection,
+    lists them again and puts the file back once they are a margin below. Disconnects are queued
+    for the I/O thread (``departed``), which probes the clients that used those descriptors."""
+
+    def __init__(self, monitor: zmq.Socket, fd_limit: int, socket_path: Path | None, log: logging.Logger) -> None:
+        self.monitor = monitor
+        self.fd_limit = fd_limit
+        self.pause_at = fd_limit - fd_margin(fd_limit)
+        self.resume_below = self.pause_at - min(fd_margin(fd_limit), self.pause_at // 3)
+        self.path = socket_path
+        self.paused = None if socket_path is None else paused_path(socket_path)
+        self.listening = True
+        self.connections = 0
+        self.departed: collections.deque[int] = collections.deque()  # descriptors of disconnects
+        self._log = log
+        self._lock = threading.Lock()
+        self._estimate = 0
+        self._thread = threading.Thread(target=self._run, name="vkpool-connections", daemon=True)
+
+    def start(self) -> None:
+        self._estimate = open_fds() or 0
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Call after the router's ``disable_monitor``: the thread sees the monitor stop and
+        closes it (or, if it never started, closes it here)."""
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join(5.0)
+        else:
+            self.monitor.close(0)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(self.monitor.recv_multipart())
+                kind = event["event"]
+                if kind == zmq.EVENT_ACCEPTED:
+                    self.connections += 1
+                    self._estimate += 1
+                    if self._estimate >= self.pause_at:
+                        self.check()
+                elif kind == zmq.EVENT_DISCONNECTED:
+                    self.connections = max(0, self.connections - 1)
+                    self.departed.append(int(event["value"]))
+                elif kind == zmq.EVENT_MONITOR_STOPPED:
+                    break
+        except zmq.ZMQError:
+            pass  # the context is going away
+        finally:
+            self.monitor.close(0)
+
+    def check(self) -> None:
+        """List the open descriptors; stop or resume taking ipc connections by that count."""
+        count = open_fds()
+        if count is None or self.path is None:
+            return
+        with self._lock:
+            self._estimate = count
+            if self.listening and count >= self.pause_at:
+                os.replace(self.path, self.paused)
+                self.listening = False
+                self._log.warning("%d of %d file descriptors open: not accepting connections until some close",
+                                  count, self.fd_limit)
+            elif not self.listening and count < self.resume_below:
+                os.replace(self.paused, self.path)
+                self.listening = True
+                self._log.info("%d of %d file descriptors open: accepting connections again", count,
+                               self.fd_limit)

@@ -27,12 +27,10 @@ from collections import OrderedDict, deque
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from vkpool.daemon import protocol as P
-from vkpool.daemon.endpoint import (LISTEN_BACKLOG, EndpointError, EndpointLock, connection_cap, fd_margin,
-                                    fd_reserve, ipc_path, lane_fits, lane_path, open_fds, paused_path,
-                                    raise_fd_limit)
+from vkpool.daemon.endpoint import (LISTEN_BACKLOG, ConnectionWatch, EndpointError, EndpointLock, connection_cap,
+                                    fd_reserve, ipc_path, lane_fits, lane_path, raise_fd_limit)
 from vkpool.daemon.lane import (_DAEMON_ASLEEP, _REQ, LaneConnection, LaneListener, Poller, Ring, ring_sleep,
                                ring_supported, ring_wait)
 from vkpool.daemon.protocol import ProtocolViolation
@@ -97,7 +95,7 @@ class Server:
         # replies waiting for room in a client's socket: client -> [(since, frames, status, bytes)]
         self._waiting: dict[bytes, deque[tuple[float, list[Any], str | None, int]]] = {}
         self._waiting_bytes: dict[bytes, int] = {}
-        self._probes: list[tuple[float, int]] = []      # (when, fd)
+        self._probes: list[tuple[float, int]] = []      # (when, fd) of disconnects
         self._in_progress: set[tuple[bytes, str]] = set()
         self._replay: OrderedDict[tuple[bytes, str], tuple[list[Any], int]] = OrderedDict()  # reply, bytes
         self._replay_bytes = 0
@@ -108,7 +106,6 @@ class Server:
         self._lane_listener: LaneListener | None = None
         self._lane_poller = Poller(settings.lane_poll)
         self._io_ident: int | None = None
-        self._connections = 0
         self._lock: EndpointLock | None = None
         self._stop = threading.Event()
         self._drain_until: float | None = None
@@ -117,11 +114,6 @@ class Server:
         self.fd_limit = raise_fd_limit()
         # lane connections hold a descriptor each: what they may use is kept from the ZeroMQ cap
         self.max_lanes = min(settings.max_lane_connections, max(0, (self.fd_limit - fd_reserve(self.fd_limit)) // 2))
-        self._listening = True
-        self._poller: zmq.Poller | None = None  # serve_forever's
-        self._pause_at = self.fd_limit - fd_margin(self.fd_limit)  # open descriptors
-        ipc = ipc_path(endpoint)
-        self._paused_path = None if ipc is None else paused_path(ipc)  # see _watch_fds
         self.max_connections = connection_cap(settings.max_connections, self.fd_limit - self.max_lanes)
         self._router = self._bind()
         self._bind_lane()
@@ -140,7 +132,8 @@ class Server:
         if path is not None:
             self._lock = EndpointLock(path)
             self._lock.acquire()
-        self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._watch = ConnectionWatch(router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
+                                      self.fd_limit, path, log)
         try:
             old = os.umask(0o177)  # the socket file is created 0600: no window where others connect
             try:
@@ -367,7 +360,7 @@ class Server:
                                         {"draining": True, "in_flight": self.service.scheduler.in_flight()}, [])
                 self.request_stop()
             else:
-                self.service.handle(client, header, content, frames, self._connections, raw_content=raw_content)
+                self.service.handle(client, header, content, frames, self._watch.connections, raw_content=raw_content)
         except Exception as exc:
             self._error_now(client, rid, action, _violation(exc))
 
@@ -388,7 +381,7 @@ class Server:
     def _accept_lanes(self) -> None:
         listener = self._lane_listener
         assert listener is not None
-        while self._listening and (sock := listener.accept()) is not None:
+        while self._watch.listening and (sock := listener.accept()) is not None:
             conn = LaneConnection(sock, self._reply_lost)
             if len(self._lanes) >= self.max_lanes:  # refused at once, without a thread
                 self._lane_error(conn, b"", {}, ProtocolViolation(
@@ -401,7 +394,7 @@ class Server:
             conn.thread = threading.Thread(target=self._lane_loop, args=(conn,), daemon=True,
                                            name=f"vkpool-lane-{sock.fileno()}")
             conn.thread.start()
-            self._watch_fds()
+            self._watch.check()
 
     def _lane_loop(self, conn: LaneConnection) -> None:
         """The thread of one lane connection: ``open_lane``, then requests until end of file."""
@@ -656,50 +649,6 @@ class Server:
                 job.fail("Timeout", f"job did not finish within its timeout ({job.deadline - job.accepted_at:.3g} s)",
                          {"state": job.state})
 
-    def _on_monitor(self) -> None:
-        """Every monitor event waiting, then one look at the descriptors if a connection came: a
-        burst of connections is counted as fast as libzmq accepts it, not one listing per event."""
-        accepted = False
-        while True:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                self._connections += 1
-                accepted = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._connections = max(0, self._connections - 1)
-                self._probes.append((time.monotonic() + _PROBE_DELAY_S, int(event["value"])))
-        if accepted:
-            self._watch_fds()
-
-    def _watch_fds(self) -> None:
-        """Stop taking connections while the open descriptors are within the margin of the limit,
-        and take them again once they are a margin further below: libzmq's ipc listener aborts
-        the process when ``accept`` finds no descriptor left. The socket file is moved aside
-        meanwhile (clients that connect find none and retry, as ZeroMQ clients do by themselves;
-        the connections made stay open, as an ``unbind`` would not leave them), and the local
-        lane's listener is not polled. libzmq's TCP listener survives the limit: nothing is
-        moved there."""
-        count = open_fds()
-        if count is None or self._paused_path is None:
-            return
-        path = ipc_path(self.endpoint)
-        if self._listening and count >= self._pause_at:
-            os.replace(path, self._paused_path)
-            self._listening = False
-            if self._lane_listener is not None and self._poller is not None:
-                self._poller.unregister(self._lane_listener.fileno())
-            log.warning("%d of %d file descriptors open: not accepting connections until some close",
-                        count, self.fd_limit)
-        elif not self._listening and count < self._pause_at - fd_margin(self.fd_limit):
-            os.replace(self._paused_path, path)
-            self._listening = True
-            if self._lane_listener is not None and self._poller is not None:
-                self._poller.register(self._lane_listener.fileno(), zmq.POLLIN)
-            log.info("%d of %d file descriptors open: accepting connections again", count, self.fd_limit)
-
     def _run_probes(self, now: float) -> None:
         due = [fd for when, fd in self._probes if when <= now]
         if not due:
@@ -748,35 +697,32 @@ class Server:
 
     def serve_forever(self) -> int:
         self._io_ident = threading.get_ident()
-        router, inbox, monitor = self._router, self._inbox, self._monitor
-        poller = self._poller = zmq.Poller()
-        for sock in (router, inbox, monitor):
+        router, inbox, watch = self._router, self._inbox, self._watch
+        poller = zmq.Poller()
+        for sock in (router, inbox):
             poller.register(sock, zmq.POLLIN)
-        lane_fd = -1
+        lane_fd, lane_polled = -1, False  # the lane's listener is polled while the daemon listens
         if self._lane_listener is not None:
             lane_fd = self._lane_listener.fileno()
-            poller.register(lane_fd, zmq.POLLIN)
+        watch.start()
         last_sweep = 0.0
         try:
             while True:
+                if lane_fd >= 0 and lane_polled != watch.listening:
+                    lane_polled = watch.listening
+                    (poller.register(lane_fd, zmq.POLLIN) if lane_polled else poller.unregister(lane_fd))
                 ready = [sock for sock, _ in poller.poll(1 if self._waiting else _TICK_S * 1000)]
                 if lane_fd in ready:
                     self._accept_lanes()
-                if monitor in ready:
-                    while monitor.poll(0):
-                        self._on_monitor()
                 if inbox in ready:  # worker replies first: they free room in the queues
                     for _ in range(256):
                         if not inbox.get(zmq.EVENTS) & zmq.POLLIN:
                             break
                         self._send_handed_over(inbox.recv_multipart(copy=False))
                 if router in ready:
-                    for i in range(256):
+                    for _ in range(256):
                         if not router.get(zmq.EVENTS) & zmq.POLLIN:
                             break
-                        if i % 16 == 15:  # connections accepted meanwhile: see _watch_fds
-                            while monitor.poll(0):
-                                self._on_monitor()
                         raw, fd = self._recv_request()
                         try:
                             self._on_request(raw, fd)
@@ -788,10 +734,12 @@ class Server:
                     self._send_waiting(now)
                 if self._deadlines:
                     self._expire_jobs(now)
+                while watch.departed:
+                    self._probes.append((now + _PROBE_DELAY_S, watch.departed.popleft()))
                 if self._probes:
                     self._run_probes(now)
-                if not self._listening:
-                    self._watch_fds()
+                if not watch.listening:
+                    watch.check()
                 if now - last_sweep > 0.5:
                     last_sweep = now
                     self.service.expire_idle()
@@ -847,11 +795,12 @@ class Server:
         self.close_sockets(self._router)
         if self._lock is not None:
             self._lock.release()
-        log.info("stopped: %s", self.stats.snapshot(self._connections)["counters"])
+        log.info("stopped: %s", self.stats.snapshot(self._watch.connections)["counters"])
 
     def close_sockets(self, router: zmq.Socket) -> None:
         router.disable_monitor()
-        for sock in (self._monitor, self._push, self._inbox):
+        self._watch.stop()
+        for sock in (self._push, self._inbox):
             sock.close(0)
         router.close(linger=2000)
         if getattr(self, "_auth", None) is not None:

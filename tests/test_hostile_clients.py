@@ -453,7 +453,8 @@ def test_more_clients_than_descriptors_leave_the_daemon_serving() -> None:
                             waiting.discard(sock)
                             quiet_until = time.monotonic() + 1.5
                     time.sleep(0.05)
-                assert daemon.proc.poll() is None, "the daemon died"
+                if daemon.proc.poll() is not None:
+                    pytest.fail("the daemon died: " + daemon.proc.stderr.read().decode()[-3000:])
                 assert _fds(daemon.proc.pid) < 256
                 assert outcomes.get("ok", 0) >= 32 and set(outcomes) <= {"ok", "TooManyConnections"}, outcomes
                 assert waiting, "every client got in: the limit was not reached"
