@@ -17,6 +17,7 @@ The families (``docs/daemon.md`` lists them with their labels):
 - ``vkpool_queue_depth{model, model_id}``: jobs queued;
 - ``vkpool_member_used_bytes{member}``, ``vkpool_member_budget_bytes{member}``;
 - ``vkpool_models_loaded``, ``vkpool_models_loading``;
+- ``vkpool_replay_bytes``: the replies kept for retried request ids;
 - ``vkpool_requests_total{outcome}``: the status counters (accepted, ok, error, client_gone, busy, ...).
 """
 from __future__ import annotations
@@ -169,9 +170,11 @@ class _DaemonCollector:
         requests = CounterMetricFamily("vkpool_requests", "Requests by outcome, as `vkpool status` counts them",
                                        labels=["outcome"])
         for outcome, count in self.stats.snapshot(0)["counters"].items():
-            if outcome not in ("in_flight", "connections", "lanes"):
+            if outcome not in ("in_flight", "connections", "lanes", "replay_bytes"):
                 requests.add_metric([outcome], count)
         yield requests
+        yield GaugeMetricFamily("vkpool_replay_bytes", "Bytes of the replies kept for retried request ids",
+                                value=self.stats.replay_bytes)
 
 
 def _url_host(address: tuple[str, int]) -> tuple[str, int]:

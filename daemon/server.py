@@ -294,6 +294,7 @@ class Server:
         self._replay_bytes += size
         while len(replay) > self.settings.replay_window or self._replay_bytes > _REPLAY_BYTES:
             self._replay_bytes -= replay.popitem(last=False)[1][1]
+        self.stats.replay_bytes = self._replay_bytes
 
     def _error_now(self, client: bytes, rid: str | None, action: str | None, violation: ProtocolViolation) -> None:
         self._send_reply(client, rid or "", *_reply_body(action, rid, "error", _error(violation), []))

@@ -35,6 +35,7 @@ class Stats:
         self.busy = 0
         self.retries = 0        # repeated request ids, answered from the replay window
         self.lanes = 0          # local lane connections open
+        self.replay_bytes = 0   # the replies the replay window keeps, in bytes
         self._latencies: deque[float] = deque(maxlen=self.LATENCY_WINDOW)
         self._finished_at: deque[float] = deque()
 
@@ -99,7 +100,7 @@ class Stats:
                         "client_gone": self.client_gone,
                         "in_flight": self.accepted - self.ok - self.error - self.client_gone,
                         "dropped": self.dropped, "busy": self.busy, "retries": self.retries,
-                        "connections": connections, "lanes": self.lanes}
+                        "connections": connections, "lanes": self.lanes, "replay_bytes": self.replay_bytes}
             rate = len(self._finished_at) / span if span > 0 else 0.0
 
         def pct(p: float) -> float:

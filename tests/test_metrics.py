@@ -100,6 +100,8 @@ def test_metric_families_are_served_and_move_with_jobs_and_errors() -> None:
     assert _value(after, "vkpool_member_used_bytes", member="vk0") > _value(before, "vkpool_member_used_bytes",
                                                                             member="vk0")
     assert _value(after, "vkpool_requests_total", outcome="error") == 1
+    # replies kept for retries: the five runs' and the error's joined those before them
+    assert _value(after, "vkpool_replay_bytes") > _value(before, "vkpool_replay_bytes")
     assert _value(after, "vkpool_requests_total", outcome="ok") > _value(before, "vkpool_requests_total", outcome="ok")
     # the error reply was logged at warning level with its type
     assert [line for line in stderr.splitlines() if "WARNING" in line and "answered InvalidTensor" in line]
