@@ -132,7 +132,7 @@ class Server:
         if path is not None:
             self._lock = EndpointLock(path)
             self._lock.acquire()
-        self._watch = ConnectionWatch(router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
+        self._connections = ConnectionWatch(router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
                                       self.fd_limit, path, log)
         try:
             old = os.umask(0o177)  # the socket file is created 0600: no window where others connect
@@ -361,7 +361,8 @@ class Server:
                                         {"draining": True, "in_flight": self.service.scheduler.in_flight()}, [])
                 self.request_stop()
             else:
-                self.service.handle(client, header, content, frames, self._watch.connections, raw_content=raw_content)
+                self.service.handle(client, header, content, frames, self._connections.connections,
+                                    raw_content=raw_content)
         except Exception as exc:
             self._error_now(client, rid, action, _violation(exc))
 
@@ -382,7 +383,7 @@ class Server:
     def _accept_lanes(self) -> None:
         listener = self._lane_listener
         assert listener is not None
-        while self._watch.listening and (sock := listener.accept()) is not None:
+        while self._connections.listening and (sock := listener.accept()) is not None:
             conn = LaneConnection(sock, self._reply_lost)
             if len(self._lanes) >= self.max_lanes:  # refused at once, without a thread
                 self._lane_error(conn, b"", {}, ProtocolViolation(
@@ -395,7 +396,7 @@ class Server:
             conn.thread = threading.Thread(target=self._lane_loop, args=(conn,), daemon=True,
                                            name=f"vkpool-lane-{sock.fileno()}")
             conn.thread.start()
-            self._watch.check()
+            self._connections.check()
 
     def _lane_loop(self, conn: LaneConnection) -> None:
         """The thread of one lane connection: ``open_lane``, then requests until end of file."""
@@ -698,7 +699,7 @@ class Server:
 
     def serve_forever(self) -> int:
         self._io_ident = threading.get_ident()
-        router, inbox, watch = self._router, self._inbox, self._watch
+        router, inbox, watch = self._router, self._inbox, self._connections
         poller = zmq.Poller()
         for sock in (router, inbox):
             poller.register(sock, zmq.POLLIN)
@@ -796,11 +797,11 @@ class Server:
         self.close_sockets(self._router)
         if self._lock is not None:
             self._lock.release()
-        log.info("stopped: %s", self.stats.snapshot(self._watch.connections)["counters"])
+        log.info("stopped: %s", self.stats.snapshot(self._connections.connections)["counters"])
 
     def close_sockets(self, router: zmq.Socket) -> None:
         router.disable_monitor()
-        self._watch.stop()
+        self._connections.stop()
         for sock in (self._push, self._inbox):
             sock.close(0)
         router.close(linger=2000)
