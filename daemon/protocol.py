@@ -175,8 +175,10 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                       "null when unknown"),
                    _f("queues", "map", "`{model id: queued jobs}`"),
                    _f("counters", "map", "`{accepted, ok, error, client_gone, in_flight, dropped, "
-                      "busy, retries, connections, lanes}` from before this request; accepted = ok + error + "
-                      "client_gone + in_flight; `lanes`: local lane connections open"),
+                      "busy, retries, connections, lanes, replay_bytes}` from before this request; accepted = "
+                      "ok + error + client_gone + in_flight; `lanes`: local lane connections open; "
+                      "`replay_bytes`: the replies kept for retried request ids (at most `replay_window` "
+                      "replies and 64 MiB)"),
                    _f("jobs_per_s", "float", "infer replies per second over the last minute"),
                    _f("latency_ms", "map", "`{p50, p90, p99}` of infer latency over the last 1000 jobs"),
                    _f("draining", "bool", "true once shutdown began")),
