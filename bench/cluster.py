@@ -10,7 +10,9 @@ and prints a table of:
 - **split**: the same for the model split into two pipeline stages, one per node (each node's
   budget below the model, so the planner must split it);
 - **hop**: the cost of moving a tensor from node ``a`` to node ``b`` through Ray's object store
-  (put on ``a``, pulled by ``b``), per MiB: the slope of a fit over 1–64 MiB;
+  (put on ``a``, pulled by ``b``), per MiB: the slope of a fit over 1–64 MiB; and what the store
+  moves from ``a`` to ``b`` with transfers in flight (MiB/s by transfer size), the bound on a
+  split whose stages hand each call's tensors over that way;
 - with ``--call-cost``, what a call to a node costs the driver by the requests it carries.
 
 After each figure it prints the CPU each thread of the driver and of the nodes' actors used
@@ -407,6 +409,36 @@ def hop_s_per_mib(cluster: Any) -> tuple[float, float, list[tuple[int, float]]]:
     return float(slope), float(fixed), points
 
 
+#: transfers in flight for :func:`hop_throughput` (a split's calls in flight, as a session keeps them)
+HOPS_IN_FLIGHT = 8
+
+
+def hop_throughput(cluster: Any, sizes_mib: tuple[float, ...] = (1, 3.5, 14), seconds: float = 3.0,
+                   nodes: tuple[str, str] = ("a", "b")) -> list[tuple[float, float]]:
+    """[(MiB, MiB/s)]: tensors put on the first of ``nodes`` and pulled by the second,
+    :data:`HOPS_IN_FLIGHT` at a time, for ``seconds`` per size: how much a split's stages can hand
+    over through the object store (3.5 MiB is a call of 64 ``conv_many_255MB`` requests cut
+    after its first product)."""
+    import ray
+
+    a, b = (cluster.actors[n] for n in nodes)
+    out = []
+    for mib in sizes_mib:
+        nbytes = int(mib * (1 << 20))
+        ray.get(b.pull.remote(ray.get(a.put.remote(nbytes))[0]))  # warm
+        pulls: deque[Any] = deque()
+        done, start = 0, time.perf_counter()
+        end = start + seconds
+        while time.perf_counter() < end or pulls:
+            while len(pulls) < HOPS_IN_FLIGHT and time.perf_counter() < end:
+                (ref,) = ray.get(a.put.remote(nbytes))  # made on a while earlier ones travel
+                pulls.append(b.pull.remote(ref))
+            ray.get(pulls.popleft())
+            done += 1
+        out.append((mib, done * mib / (time.perf_counter() - start)))
+    return out
+
+
 def call_cost(cluster: Any, row_bytes: int, rows: tuple[int, ...] = (1, 16, 31, 33, 64, 128, 256),
               calls: int = 400, in_flight: int = 8) -> list[tuple[int, float, float]]:
     """[(rows, wall seconds per call, driver CPU seconds per call)] of calls to node a's actor
@@ -473,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sessions' max_bundle and calls_per_step, one table row per pair; BUNDLE "
                         f"'auto' leaves max_bundle unset (up to {MAX_BUNDLE}, as many as travel inside Ray's "
                         f"call) (default autox{CALLS_PER_STEP}, the defaults)")
-    parser.add_argument("--figures", nargs="+", choices=("replicas", "split"), default=["replicas", "split"],
+    parser.add_argument("--figures", nargs="+", choices=("replicas", "split", "hop"),
+                        default=["replicas", "split", "hop"],
                         help="which figures to measure (default both)")
     parser.add_argument("--split-driver", action="store_true", help="after each two-node figure, run it "
                         "again for --seconds, timing the session's answers and call starts in the driver")
@@ -616,20 +649,26 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.same_load and spread:
                         rows[-1] = (*rows[-1][:6], f"{both[0] / single[0]:.2f}{spread}", *rows[-1][7:])
                     print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
-            slope, fixed, points = hop_s_per_mib(cluster)
+            slope, fixed, points = hop_s_per_mib(cluster) if "hop" in args.figures else (0.0, 0.0, [])
+            streamed = hop_throughput(cluster) if "hop" in args.figures else []
             row_bytes = sum(v.nbytes for v in workloads.input_for(args.replicated).values())
             costs = call_cost(cluster, row_bytes) if args.call_cost else []
     finally:
         ray_cluster.shutdown()
-    print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
-    more = ((f" one node, window {2 * args.window} | two nodes, window {2 * args.window} | two / one there | "
-             "best two / best one |", "---|---|---|---|") if args.same_load else ("", ""))
-    print(f"| figure | max_bundle x calls_per_step | load | drivers | one node | two nodes | two / one | "
-          f"plan |{more[0]}\n|---|---|---|---|---|---|---|---|{more[1]}")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "
-          f"({', '.join(f'{m} MiB {s * 1e3:.1f} ms' for m, s in points)})")
+    if rows:
+        print(f"\nwindow {args.window}, {args.seconds:g} s per figure; jobs/s (p50 / p99 latency in ms)")
+        more = ((f" one node, window {2 * args.window} | two nodes, window {2 * args.window} | two / one "
+                 "there | best two / best one |", "---|---|---|---|") if args.same_load else ("", ""))
+        print(f"| figure | max_bundle x calls_per_step | load | drivers | one node | two nodes | two / one | "
+              f"plan |{more[0]}\n|---|---|---|---|---|---|---|---|{more[1]}")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+    if points:
+        print(f"\nhop a → b through the object store: {slope * 1e3:.2f} ms per MiB + {fixed * 1e3:.2f} ms "
+              f"({', '.join(f'{m} MiB {s * 1e3:.1f} ms' for m, s in points)})")
+    if streamed:
+        print(f"hops a → b with {HOPS_IN_FLIGHT} in flight: "
+              + ", ".join(f"{m:g} MiB {rate:.0f} MiB/s ({rate / m:.0f} a second)" for m, rate in streamed))
     if costs:
         print(f"\ncalls to node a, 8 in flight, requests of {row_bytes} B each (one array per call):\n"
               "| requests per call | KiB | wall µs per call | driver CPU µs per call | per request |\n"

@@ -2,7 +2,7 @@
 jobs back to back (``vkpool.daemon.bench``'s clients), and the samples are summed per function.
 
     python -m bench.daemon_profile MODEL [--clients 16] [--seconds 5] [--max-batch N]
-                                   [--transport lane|zmq] [--out FOLDER]
+                                   [--transport lane|zmq] [--config FILE] [--out FOLDER]
 
 Needs ``py-spy`` on the PATH (or beside the interpreter). Writes ``FOLDER/daemon-profile.txt`` (the
 collapsed stacks py-spy recorded, one per line with its sample count) and prints the functions
@@ -51,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", choices=["lane", "zmq"], default="lane")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
+    parser.add_argument("--config", type=Path, help="the daemon's config file (default: vkpool's own)")
     args = parser.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     work = Path(tempfile.mkdtemp(prefix="vkpool-profile-"))
     batching = None if args.max_batch is None else {"max_batch": args.max_batch, "max_queue_delay": 0.0}
     model = B.resolve_model(args.model, work, symbolic_batch=batching is not None)
-    daemon = B.BenchDaemon(None)
+    daemon = B.BenchDaemon(None if args.config is None else str(args.config))
     try:
         with daemon.client(local_lane=args.transport == "lane") as c:
             c.session(model, **(batching or {}))  # loaded (and compiled) before the clients start

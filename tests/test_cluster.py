@@ -579,6 +579,15 @@ def test_sessions_of_one_name_share_the_copies_across_drivers(cluster: Any, mnis
 
 
 # -- faults: these kill a node's actor, so they come last ------------------------------------------
+def test_the_benchs_hops_move_tensors_from_node_to_node_several_at_once(cluster: Any) -> None:
+    from bench.cluster import hop_throughput
+
+    _, joined = cluster
+    rates = hop_throughput(joined, sizes_mib=(0.25, 1), seconds=0.3, nodes=NODES)
+    assert [mib for mib, _ in rates] == [0.25, 1]
+    assert all(rate > 0 for _, rate in rates), rates
+
+
 def actor_pid(cluster: Any, node: str) -> int:
     return next(d["pid"] for d in cluster[1].describe() if d["node"] == node)
 
