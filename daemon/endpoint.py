@@ -177,7 +177,8 @@ class ConnectionWatch:
     lists them again and puts the file back once they are a margin below. Disconnects are queued
     for the I/O thread (``departed``), which probes the clients that used those descriptors."""
 
-    def __init__(self, monitor: zmq.Socket, fd_limit: int, socket_path: Path | None, log: logging.Logger) -> None:
+    def __init__(self, monitor: zmq.Socket, fd_limit: int, socket_path: Path | None,
+                 log: logging.Logger) -> None:
         self.monitor = monitor
         self.fd_limit = fd_limit
         self.pause_at = fd_limit - fd_margin(fd_limit)
@@ -234,8 +235,8 @@ class ConnectionWatch:
             if self.listening and count >= self.pause_at:
                 os.replace(self.path, self.paused)
                 self.listening = False
-                self._log.warning("%d of %d file descriptors open: not accepting connections until some close",
-                                  count, self.fd_limit)
+                self._log.warning("%d of %d file descriptors open: not accepting connections until some "
+                                  "close", count, self.fd_limit)
             elif not self.listening and count < self.resume_below:
                 os.replace(self.paused, self.path)
                 self.listening = True
