@@ -2,9 +2,9 @@
 
 Over ZeroMQ a request and its reply cross four threads (the client's, libzmq's I/O thread on
 each side, the daemon's I/O thread). On the lane a client thread writes its request with one
-``sendmsg`` and reads the reply with one ``recv``; in the daemon one thread per lane connection
-blocks in ``recv`` (without the GIL), decodes the request and runs it itself when its model is
-idle, else queues it like any job, the worker then writing the reply on the lane.
+``sendmsg`` and reads the reply with one ``recv``; in the daemon one thread reads every lane
+(:class:`LaneReactor`), decodes each request and runs it itself when its model is idle and
+quick, else queues it like any job, the worker then writing the reply on the lane.
 
 A lane belongs to one ZeroMQ client: the daemon's ``hello`` reply gives that client a token (an
 HMAC of its routing id under a key made at start), and the lane's first message,
@@ -303,27 +303,28 @@ class LaneListener:
 
 
 class LaneConnection:
-    """One accepted lane connection; ``client`` is set by ``open_lane``. The connection's own
-    thread reads it and closes it; replies are written from whichever thread finishes the job.
+    """One accepted lane connection; ``client`` is set by ``open_lane``. The daemon's
+    :class:`LaneReactor` reads it and closes it; replies are written from whichever thread
+    finishes the job.
 
     A reply is written without blocking: what the socket does not take at once waits in the
     connection's backlog, which a writer thread of its own sends on (blocking, for at most
     :data:`SEND_TIMEOUT_S` without progress: then the client is taken as gone, the connection
     is shut down and the replies left unsent are reported to ``on_lost``). A client that does
-    not read its replies so stalls only its own connection, never a model's workers, and its
-    reading thread takes no further request until the backlog is sent (:meth:`wait_sent`).
+    not read its replies so stalls only its own connection, never a model's workers, and no
+    further request of it is taken until the backlog is sent (:meth:`backlogged`).
     ``ring``: its :class:`Ring` when one was granted; ``ring_reply``: the request being
     answered came in the ring, so its reply goes there too."""
 
-    __slots__ = ("sock", "client", "send_lock", "open", "thread", "ring", "ring_reply", "ring_seen",
-                 "on_lost", "_backlog", "_writer", "_sent")
+    __slots__ = ("sock", "fd", "client", "send_lock", "open", "ring", "ring_reply", "ring_seen",
+                 "on_lost", "_backlog", "_writer")
 
     def __init__(self, sock: socket.socket, on_lost: Any = None) -> None:
         self.sock = sock
+        self.fd = sock.fileno()  # kept: the socket's own turns -1 once it is closed
         self.client: bytes | None = None
         self.send_lock = threading.Lock()
         self.open = True
-        self.thread: threading.Thread | None = None
         self.ring: Ring | None = None
         self.ring_reply = False
         self.ring_seen = 0
@@ -332,7 +333,6 @@ class LaneConnection:
         # (bytes still to send, status of the reply they end or None), in order
         self._backlog: deque[tuple[memoryview, str | None]] = deque()
         self._writer: threading.Thread | None = None
-        self._sent = threading.Condition(self.send_lock)  # the backlog emptied or the connection closed
 
     def send(self, body: list[Any], start: int = 1, fds: tuple[int, ...] = (), status: str | None = None) -> int:
         """Write ``body[start:]`` (body as the server builds it: delimiter first), or queue what the
@@ -398,7 +398,6 @@ class LaneConnection:
             with self.send_lock:
                 if not backlog or not self.open:
                     self._writer = None
-                    self._sent.notify_all()
                     return
                 views = [view for view, _ in itertools.islice(backlog, _IOV_MAX)]
             try:  # without the lock: others append to the backlog meanwhile
@@ -408,7 +407,6 @@ class LaneConnection:
                     self.open = False
                     self._writer = None
                     lost = self._drop_backlog()
-                    self._sent.notify_all()
                 self.shutdown()
                 self._report(lost)
                 return
@@ -436,21 +434,14 @@ class LaneConnection:
         """True while replies taken wait to be written."""
         return bool(self._backlog) and self.open
 
-    def wait_sent(self) -> None:
-        """Wait until every reply taken so far is written (or the connection is closed)."""
-        with self.send_lock:
-            while self._backlog and self.open:
-                self._sent.wait()
-
     def shutdown(self) -> None:
-        """Wake the connection's thread (its ``recv`` returns end of file); safe from any thread."""
+        """End the connection's stream (its reader sees end of file); safe from any thread."""
         wake(self.sock)
 
     def close(self) -> None:
         with self.send_lock:
             self.open = False
             lost = self._drop_backlog()
-            self._sent.notify_all()
             writer = self._writer
         if writer is not None and writer is not threading.current_thread():
             wake(self.sock)  # its sendmsg fails at once; the descriptor is closed after it returns
@@ -461,6 +452,343 @@ class LaneConnection:
         self._report(lost)
         if ring is not None:
             ring.close()
+
+
+def take_waiting(reader: P.LaneReader) -> bool:
+    """Moves what the socket holds now into the reader's buffer, without waiting (one ``recv`` of
+    up to :data:`~vkpool.daemon.protocol.LANE_CHUNK`); False at end of file."""
+    try:
+        chunk = reader.sock.recv(P.LANE_CHUNK, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    if not chunk:
+        return False
+    reader.rest = reader.rest + chunk if reader.rest else chunk
+    return True
+
+
+def message_whole(reader: P.LaneReader) -> bool:
+    """Whether :meth:`~vkpool.daemon.protocol.LaneReader.read` can return from what the reader
+    holds, without reading the socket: a whole message, or a framing it refuses at once."""
+    data = reader.rest
+    if len(data) < 4:
+        return False
+    (n,) = P._LANE_COUNT.unpack_from(data)
+    if n < 2 or n > reader.max_frames:  # a wake-up, or refused before anything more is read
+        return True
+    head = 4 + 8 * n
+    if len(data) < head:
+        return False
+    sizes = (P._LANE_HEADS.get(n) or P._lane_head(n)).unpack_from(data)[1:]
+    body = sum(sizes)
+    if body > reader.max_bytes:  # read() takes the header frame, to answer with the request id
+        return sizes[0] > P.LANE_CHUNK or len(data) >= head + sizes[0]
+    return len(data) >= head + body
+
+
+#: how long the reactor sleeps at most: it then looks whether the daemon takes connections again,
+#: and whether connections whose replies waited may be read again
+_REACTOR_TICK_S = 0.02
+
+
+class LaneReactor:
+    """One thread that reads every lane connection of the daemon, and accepts them.
+
+    A lane thread per connection costs the daemon a thread wake-up (and a hand-over of the
+    interpreter lock) for each request of each client; with several clients those wake-ups, not
+    the requests' work, are what a core spends its time on. Here one thread waits on all the
+    sockets at once (``epoll``) and on the rings, and hands each request to the server in turn,
+    which runs a short job right there when its model is idle (no thread hop either), so a burst
+    of requests from many clients costs one wake-up. While it found work within twice
+    the usual gap between requests (when that gap is under ``poll_s``) it polls instead of
+    sleeping; before it sleeps it marks every ring "asleep", so that a client that posts in a
+    ring wakes it through the socket.
+
+    A message that has not arrived whole is read by a thread of its own (a large tensor, or a
+    client that stops mid-message): the reactor never waits on one client. A connection whose
+    replies wait to be written (its client does not read them) is not read until they are, and
+    a request read from it meanwhile waits with it.
+
+    The server's callbacks: ``accept(sock) -> LaneConnection | None`` for a new connection,
+    ``opened(conn, parts) -> bool`` for its first message (False: close it), ``request(conn,
+    parts)`` for the others, ``broken(conn, exc)`` for a
+    :class:`~vkpool.daemon.protocol.LaneError`, ``closed(conn, failed)`` when it ends
+    (``failed``: by an unexpected error); ``listening()`` says whether new connections are taken
+    now."""
+
+    def __init__(self, listener: LaneListener, max_frames: int, max_bytes: int, poll_s: float, *,
+                 accept: Any, opened: Any, request: Any, broken: Any, closed: Any, listening: Any,
+                 log: Any) -> None:
+        self.listener = listener
+        self.max_frames, self.max_bytes, self.poll_s = max_frames, max_bytes, poll_s
+        self._accept, self._opened, self._request = accept, opened, request
+        self._broken, self._closed, self._listening, self._log = broken, closed, listening, log
+        self.conns: dict[int, tuple[LaneConnection, P.LaneReader]] = {}  # by descriptor
+        self._open: set[int] = set()      # descriptors whose open_lane was taken
+        self._rings: dict[int, LaneConnection] = {}
+        self._away: set[int] = set()      # descriptors a reading thread has (a message in pieces)
+        self._stalled: dict[int, list[tuple[Any, bool]]] = {}  # not read while replies wait; held messages
+        self._done: deque[tuple[LaneConnection, Any]] = deque()  # (connection, parts or exception) from those
+        self._epoll = select.epoll()
+        self._wake_lock = threading.Lock()  # the wake-up pipe, written by those threads, closed at stop
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._listener_polled = False
+        self._running = True
+        self.thread = threading.Thread(target=self._run, name="vkpool-lanes", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> list[LaneConnection]:
+        """Ends the thread; returns the connections still open, their streams ended (the server
+        closes them)."""
+        self._running = False
+        self._wake()
+        self.thread.join(5.0)
+        with self._wake_lock:
+            self._epoll.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_w = -1
+        conns = [conn for conn, _ in self.conns.values()]
+        for conn in conns:
+            conn.shutdown()  # a thread reading a message of it returns
+        return conns
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass  # a wake-up is pending already
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        clock = time.perf_counter
+        gap, done = self.poll_s, clock()  # the usual time from one pass's work to the next's
+        while self._running:
+            try:
+                work = self._wait(gap, done)
+            except Exception:  # a failure of the loop itself: logged, and the lanes go on
+                self._log.exception("unexpected failure waiting on the local lanes")
+                time.sleep(_REACTOR_TICK_S)
+                continue
+            if not work:
+                continue
+            start = clock()
+            if self.poll_s > 0:
+                gap = 0.8 * gap + 0.2 * min(start - done, 2.0 * self.poll_s)
+            for conn, parts, ringed in work:
+                try:
+                    self._handle(conn, parts, ringed)
+                except Exception:  # one connection's trouble closes it alone
+                    self._log.exception("unexpected failure on a local lane; closing it")
+                    if conn.fd in self.conns:
+                        self._close(conn.fd, failed=True)
+            done = clock()
+
+    def _wait(self, gap: float, done: float) -> list[tuple[LaneConnection, Any, bool]]:
+        """The messages that come next: at once while polling (work was found within twice the
+        usual gap, under ``poll_s``), else after sleeping until something comes."""
+        if self._listening() != self._listener_polled:
+            self._arm_listener()
+        rings = self._rings
+        ready = self._ready_rings() if rings else []
+        asleep = False
+        if ready or (gap < self.poll_s and time.perf_counter() < done + 2.0 * gap):
+            timeout = 0.0
+        else:
+            if rings:
+                asleep = self._mark_rings(True)
+                ready = self._ready_rings()
+            timeout = 0.0 if ready else _REACTOR_TICK_S if self._stalled or self._done else 0.05
+        try:
+            events = self._epoll.poll(timeout)
+        finally:
+            if asleep:
+                self._mark_rings(False)
+        work = self._collect(events, ready)
+        if self._stalled:
+            work += self._unstall()
+        return work
+
+    def _arm_listener(self) -> None:
+        want = self._listening()
+        if want != self._listener_polled:
+            fd = self.listener.fileno()
+            if want:
+                self._epoll.register(fd, select.EPOLLIN)
+            else:
+                self._epoll.unregister(fd)
+            self._listener_polled = want
+
+    def _ready_rings(self) -> list[LaneConnection]:
+        return [conn for fd, conn in self._rings.items()
+                if conn.ring is not None and conn.ring.words[_REQ] != conn.ring_seen
+                and fd not in self._stalled and fd not in self._away]
+
+    def _mark_rings(self, asleep: bool) -> bool:
+        """Marks every ring asleep (then :func:`fence`, so that a client that posts after the
+        next look sees the mark and writes a wake-up) or awake again; returns ``asleep``."""
+        for conn in self._rings.values():
+            if conn.ring is not None:
+                conn.ring.words[_DAEMON_ASLEEP] = int(asleep)
+        if asleep:
+            fence()
+        return asleep
+
+    def _collect(self, events: list[tuple[int, int]], rings: list[LaneConnection]
+                 ) -> list[tuple[LaneConnection, Any, bool]]:
+        """The messages ready now, in the order they were seen: (connection, frames, or the
+        exception reading raised, or None at end of file; whether it came in the ring)."""
+        work: list[tuple[LaneConnection, Any, bool]] = []
+        for conn in rings:
+            ring = conn.ring
+            assert ring is not None
+            conn.ring_seen = ring.words[_REQ]
+            try:
+                parts: Any = P.lane_parse(ring.request, self.max_frames, self.max_bytes)
+                if not parts:
+                    raise P.LaneError(P.ProtocolViolation("ProtocolError", "a ring message of no frames"))
+            except P.LaneError as exc:
+                parts = exc
+            work.append((conn, parts, True))
+        listener = self.listener.fileno()
+        for fd, _ in events:
+            if fd == self._wake_r:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            elif fd == listener:
+                self._accept_all()
+            elif fd in self.conns and fd not in self._away and fd not in self._stalled:
+                conn, reader = self.conns[fd]
+                work.extend((conn, parts, False) for parts in self._read(conn, reader))
+        while self._done:
+            conn, parts = self._done.popleft()
+            entry = self.conns.get(conn.fd)
+            if entry is None or entry[0] is not conn:
+                continue  # closed meanwhile (and its descriptor perhaps another connection's now)
+            self._away.discard(conn.fd)
+            if isinstance(parts, list):
+                self._epoll.register(conn.fd, select.EPOLLIN)
+            work.append((conn, parts, False))
+        return work
+
+    def _read(self, conn: LaneConnection, reader: P.LaneReader) -> list[Any]:
+        """What the socket holds whole: the messages (a wake-up, read as [], is dropped), None at
+        end of file, or the exception reading raised; a message in pieces goes to a thread."""
+        out: list[Any] = []
+        try:
+            more = take_waiting(reader)
+            while True:
+                while message_whole(reader):
+                    parts = reader.read()
+                    if parts:
+                        out.append(parts)
+                if not more:  # end of file: read() says whether between messages or inside one
+                    out.append(reader.read())
+                    return out
+                if not reader.rest:
+                    return out
+                before = len(reader.rest)
+                more = take_waiting(reader)
+                if len(reader.rest) == before and more:  # the rest of a message is still to come
+                    self._read_apart(conn, reader)
+                    return out
+        except (P.LaneError, OSError) as exc:
+            out.append(exc)
+        return out
+
+    def _read_apart(self, conn: LaneConnection, reader: P.LaneReader) -> None:
+        """A message that has not arrived whole: a thread reads it (blocking) and hands it back;
+        the connection is read here again after it."""
+        self._epoll.unregister(conn.fd)
+        self._away.add(conn.fd)
+
+        def read() -> None:
+            try:
+                while (parts := reader.read()) == []:
+                    pass
+            except Exception as exc:  # handed back, answered there
+                parts = exc
+            self._done.append((conn, parts))
+            self._wake()
+
+        threading.Thread(target=read, name=f"vkpool-lane-read-{conn.fd}", daemon=True).start()
+
+    def _accept_all(self) -> None:
+        while self._listening() and (sock := self.listener.accept()) is not None:
+            conn = self._accept(sock)
+            if conn is not None:
+                self.conns[conn.fd] = (conn, P.LaneReader(sock, self.max_frames, self.max_bytes))
+                self._epoll.register(conn.fd, select.EPOLLIN)
+
+    # -- one message -------------------------------------------------------------------------
+    def _handle(self, conn: LaneConnection, parts: Any, ringed: bool) -> None:
+        fd = conn.fd
+        if fd not in self.conns:
+            return  # closed by an earlier message of this pass
+        if type(parts) is list and fd in self._open and not conn._backlog:  # a request, as most are
+            conn.ring_reply = ringed
+            self._request(conn, parts)
+        elif parts is None or isinstance(parts, OSError):
+            self._close(fd)
+        elif isinstance(parts, P.LaneError):
+            conn.ring_reply = ringed
+            self._broken(conn, parts)
+            self._close(fd)
+        elif isinstance(parts, BaseException):
+            self._log.error("unexpected failure reading a local lane; closing it", exc_info=parts)
+            self._close(fd, failed=True)
+        elif fd not in self._open:
+            if not self._opened(conn, parts):
+                self._close(fd)
+                return
+            self._open.add(fd)
+            if conn.ring is not None:
+                self.conns[fd][1].wakes = True
+                self._rings[fd] = conn
+        elif conn.backlogged():  # its client does not read its replies: this one waits with them
+            if fd not in self._stalled:
+                if fd not in self._away:
+                    self._epoll.unregister(fd)
+                self._stalled[fd] = []
+            self._stalled[fd].append((parts, ringed))
+        else:
+            conn.ring_reply = ringed
+            self._request(conn, parts)
+
+    def _unstall(self) -> list[tuple[LaneConnection, Any, bool]]:
+        """The messages held for connections whose replies have all been written; those are read
+        again."""
+        out: list[tuple[LaneConnection, Any, bool]] = []
+        for fd in list(self._stalled):
+            entry = self.conns.get(fd)
+            if entry is None:
+                del self._stalled[fd]
+            elif not entry[0].backlogged():
+                out.extend((entry[0], parts, ringed) for parts, ringed in self._stalled.pop(fd))
+                self._epoll.register(fd, select.EPOLLIN)
+        return out
+
+    def _close(self, fd: int, failed: bool = False) -> None:
+        conn, _ = self.conns.pop(fd)
+        if fd in self._away:
+            conn.shutdown()  # the thread reading a message of it returns
+        elif fd not in self._stalled:
+            try:
+                self._epoll.unregister(fd)
+            except OSError:
+                pass
+        self._away.discard(fd)
+        self._stalled.pop(fd, None)
+        self._open.discard(fd)
+        self._rings.pop(fd, None)
+        self._closed(conn, failed)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,11 +9,12 @@ descriptor; each message's source descriptor maps it to the clients that used it
 are probed (a send with ROUTER_MANDATORY fails for a departed peer). What a departed client
 held is released and its queued jobs are dropped, counted as ``client_gone``.
 
-An ipc:// daemon also listens on a local lane (:mod:`vkpool.daemon.lane`): the I/O thread
-accepts its connections and gives each a thread of its own, which receives requests, answers
-the bad ones and hands the rest to :meth:`Service.handle` as the I/O thread does; replies to a
-lane request are written on the lane by whichever thread produces them. The bookkeeping shared
-with the ZeroMQ side (requests in progress, the replay window) is guarded by one lock.
+An ipc:// daemon also listens on a local lane (:mod:`vkpool.daemon.lane`): one thread, the
+lanes' reactor, accepts its connections and reads them all, answers the bad requests and hands
+the rest to :meth:`Service.handle` as the I/O thread does (a quick job on an idle model runs
+right there); replies to a lane request are written on the lane by whichever thread produces
+them. The bookkeeping shared with the ZeroMQ side (requests in progress, the replay window) is
+guarded by one lock.
 """
 from __future__ import annotations
 
@@ -29,10 +30,9 @@ from typing import Any
 import zmq
 
 from vkpool.daemon import protocol as P
-from vkpool.daemon.endpoint import (LISTEN_BACKLOG, ConnectionWatch, EndpointError, EndpointLock, connection_cap,
-                                    fd_reserve, ipc_path, lane_fits, lane_path, raise_fd_limit)
-from vkpool.daemon.lane import (_DAEMON_ASLEEP, _REQ, LaneConnection, LaneListener, Poller, Ring, ring_sleep,
-                               ring_supported, ring_wait)
+from vkpool.daemon.endpoint import (LISTEN_BACKLOG, ConnectionWatch, EndpointError, EndpointLock,
+                                    connection_cap, fd_reserve, ipc_path, lane_fits, lane_path, raise_fd_limit)
+from vkpool.daemon.lane import LaneConnection, LaneListener, LaneReactor, Ring, ring_supported
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.scheduler import Job
 from vkpool.daemon.service import Service, _error
@@ -99,12 +99,12 @@ class Server:
         self._in_progress: set[tuple[bytes, str]] = set()
         self._replay: OrderedDict[tuple[bytes, str], tuple[list[Any], int]] = OrderedDict()  # reply, bytes
         self._replay_bytes = 0
-        self._book = threading.Lock()  # _in_progress, _replay and _lanes_closed: the I/O and lane threads
+        self._book = threading.Lock()  # _in_progress, _replay and _lanes_closed: the I/O and lanes' threads
         self._lane_routes: dict[tuple[bytes, str], LaneConnection] = {}  # lane requests in progress
         self._lanes: set[LaneConnection] = set()
         self._lanes_closed = False
         self._lane_listener: LaneListener | None = None
-        self._lane_poller = Poller(settings.lane_poll)
+        self._reactor: LaneReactor | None = None  # reads the lanes, from serve_forever on
         self._io_ident: int | None = None
         self._lock: EndpointLock | None = None
         self._stop = threading.Event()
@@ -132,8 +132,8 @@ class Server:
         if path is not None:
             self._lock = EndpointLock(path)
             self._lock.acquire()
-        self._connections = ConnectionWatch(router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
-                                      self.fd_limit, path, log)
+        monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._connections = ConnectionWatch(monitor, self.fd_limit, path, log)
         try:
             old = os.umask(0o177)  # the socket file is created 0600: no window where others connect
             try:
@@ -380,99 +380,32 @@ class Server:
             return replay
 
     # -- the local lane -----------------------------------------------------------------------
-    def _accept_lanes(self) -> None:
-        listener = self._lane_listener
-        assert listener is not None
-        while self._connections.listening and (sock := listener.accept()) is not None:
-            conn = LaneConnection(sock, self._reply_lost)
-            if len(self._lanes) >= self.max_lanes:  # refused at once, without a thread
-                self._lane_error(conn, b"", {}, ProtocolViolation(
-                    "TooManyConnections", f"the daemon has {len(self._lanes)} local lane connections "
-                    f"(max_lane_connections {self.max_lanes}); use ZeroMQ"))
-                conn.close()
-                continue
-            self._lanes.add(conn)
-            self.stats.lanes = len(self._lanes)
-            conn.thread = threading.Thread(target=self._lane_loop, args=(conn,), daemon=True,
-                                           name=f"vkpool-lane-{sock.fileno()}")
-            conn.thread.start()
-            self._connections.check()
+    def _lane_accept(self, sock: Any) -> LaneConnection | None:
+        """A new lane connection (the reactor's thread): kept, or refused at once beyond
+        ``max_lanes``."""
+        conn = LaneConnection(sock, self._reply_lost)
+        if len(self._lanes) >= self.max_lanes:
+            self._lane_error(conn, b"", {}, ProtocolViolation(
+                "TooManyConnections", f"the daemon has {len(self._lanes)} local lane connections "
+                f"(max_lane_connections {self.max_lanes}); use ZeroMQ"))
+            conn.close()
+            return None
+        self._lanes.add(conn)
+        self.stats.lanes = len(self._lanes)
+        self._connections.check()
+        return conn
 
-    def _lane_loop(self, conn: LaneConnection) -> None:
-        """The thread of one lane connection: ``open_lane``, then requests until end of file."""
-        reader = P.LaneReader(conn.sock, self.settings.max_frames, self.settings.max_message_bytes)
-        poller, clock = self._lane_poller, time.perf_counter
+    def _lane_request(self, conn: LaneConnection, parts: list[Any]) -> None:
         try:
-            first = reader.read()
-            if first is None or not self._open_lane(conn, first):
-                return
-            reader.wakes = conn.ring is not None
-            done = clock()
-            gap = poller.max_s  # moving average of the time from one request's end to the next one
-            while True:
-                if conn.ring is None:
-                    # a client running jobs back to back sends the next one soon: poll for it a while
-                    poller.wait(reader, gap, done)
-                    parts = reader.read()
-                    idle = not reader.rest
-                else:
-                    parts, idle = self._lane_next(conn, reader, gap, done)
-                if parts is None:
-                    break
-                conn.wait_sent()  # a client that does not read its replies sends nothing more here
-                gap = poller.average(gap, clock() - done)
-                try:
-                    self._on_lane_request(conn, parts, idle)
-                except Exception:  # never let one message take the lane down
-                    log.exception("unexpected failure handling a lane message; dropped")
-                    self.stats.count("dropped")
-                done = clock()
-        except P.LaneError as exc:
-            self._lane_broken(conn, exc)
-        except OSError:
-            pass  # reset by the client, or shut down at stop
-        except Exception:
-            log.exception("unexpected failure on a local lane; closing it")
+            self._on_lane_request(conn, parts)
+        except Exception:  # never let one message take the lane down
+            log.exception("unexpected failure handling a lane message; dropped")
             self.stats.count("dropped")
-        finally:
-            self._lane_closed(conn)
 
-    def _lane_next(self, conn: LaneConnection, reader: P.LaneReader, gap: float, done: float
-                   ) -> tuple[list[Any] | None, bool]:
-        """The next request on a lane with a ring, from the ring or the socket, and whether
-        nothing more has arrived (``idle``); (None, False) at end of file. Spins on the ring for
-        up to twice the usual gap (as :meth:`Poller.wait` polls the socket), then sleeps in
-        ``recv`` until the client's wake-up."""
-        ring = conn.ring
-        assert ring is not None
-        words, poller = ring.words, self._lane_poller
-        spun = False
-        while True:
-            seen = conn.ring_seen
-            if words[_REQ] != seen:
-                conn.ring_seen = words[_REQ]
-                conn.ring_reply = True  # set first: an error about the message is answered in the ring too
-                parts = P.lane_parse(ring.request, self.settings.max_frames, self.settings.max_message_bytes)
-                if not parts:
-                    raise P.LaneError(ProtocolViolation("ProtocolError", "a ring message of no frames"))
-                return parts, True
-            if reader.rest:
-                parts = reader.read()
-            else:
-                if not spun and gap < poller.max_s and poller._token.acquire(False):
-                    try:
-                        ring_wait(words, _REQ, seen, reader, done + 2.0 * gap)
-                    finally:
-                        poller._token.release()
-                spun = True
-                if words[_REQ] != seen:
-                    continue
-                parts = ring_sleep(words, _REQ, seen, _DAEMON_ASLEEP, reader)
-            if parts is None:
-                return None, False
-            if parts:  # a request on the socket (one too large for the ring)
-                conn.ring_reply = False
-                return parts, not reader.rest
+    def _lane_ended(self, conn: LaneConnection, failed: bool) -> None:
+        if failed:
+            self.stats.count("dropped")
+        self._lane_closed(conn)
 
     def _open_lane(self, conn: LaneConnection, parts: list[Any]) -> bool:
         """Bind the connection to its ZeroMQ client; False (answered, to be closed) when refused."""
@@ -511,9 +444,9 @@ class Server:
         conn.ring = ring
         return True
 
-    def _on_lane_request(self, conn: LaneConnection, parts: list[Any], idle: bool) -> None:
-        """One request on a lane (the lane's thread). ``idle``: nothing more has arrived on the
-        connection, so a short job may run right here."""
+    def _on_lane_request(self, conn: LaneConnection, parts: list[Any]) -> None:
+        """One request on a lane (the reactor's thread). A short job runs right here when its
+        model is idle: the reactor takes the next request after it, and no thread hands it on."""
         client = conn.client
         assert client is not None
         header: dict[str, Any] = {}
@@ -556,9 +489,9 @@ class Server:
             return
         try:
             if plan is not None:
-                self.service.infer_planned(client, rid, plan, parts[2:], idle)
+                self.service.infer_planned(client, rid, plan, parts[2:], True)
             else:
-                self.service.handle(client, header, content, frames, inline=idle, raw_content=raw_content)
+                self.service.handle(client, header, content, frames, inline=True, raw_content=raw_content)
         except Exception as exc:
             self._reply_from_thread(client, rid, action if plan is None else "infer", "error",
                                     _error(_violation(exc)), [])
@@ -703,19 +636,18 @@ class Server:
         poller = zmq.Poller()
         for sock in (router, inbox):
             poller.register(sock, zmq.POLLIN)
-        lane_fd, lane_polled = -1, False  # the lane's listener is polled while the daemon listens
-        if self._lane_listener is not None:
-            lane_fd = self._lane_listener.fileno()
         watch.start()
+        if self._lane_listener is not None:
+            settings = self.settings
+            self._reactor = LaneReactor(
+                self._lane_listener, settings.max_frames, settings.max_message_bytes, settings.lane_poll,
+                accept=self._lane_accept, opened=self._open_lane, request=self._lane_request,
+                broken=self._lane_broken, closed=self._lane_ended, listening=lambda: watch.listening, log=log)
+            self._reactor.start()
         last_sweep = 0.0
         try:
             while True:
-                if lane_fd >= 0 and lane_polled != watch.listening:
-                    lane_polled = watch.listening
-                    (poller.register(lane_fd, zmq.POLLIN) if lane_polled else poller.unregister(lane_fd))
                 ready = [sock for sock, _ in poller.poll(1 if self._waiting else _TICK_S * 1000)]
-                if lane_fd in ready:
-                    self._accept_lanes()
                 if inbox in ready:  # worker replies first: they free room in the queues
                     for _ in range(256):
                         if not inbox.get(zmq.EVENTS) & zmq.POLLIN:
@@ -785,14 +717,11 @@ class Server:
             self._send_handed_over(self._inbox.recv_multipart(copy=False))
         with self._book:
             self._lanes_closed = True
+        if self._reactor is not None:
+            for conn in self._reactor.stop():
+                self._lane_closed(conn)
         if self._lane_listener is not None:
             self._lane_listener.close()
-        lanes = list(self._lanes)
-        for conn in lanes:
-            conn.shutdown()
-        for conn in lanes:
-            if conn.thread is not None:
-                conn.thread.join(1.0)
         self.service.close()
         self.close_sockets(self._router)
         if self._lock is not None:

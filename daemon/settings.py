@@ -27,7 +27,7 @@ class CurveSettings:
 class DaemonSettings:
     endpoint: str | None = None          # None: ipc:// socket in the user's runtime directory
     max_connections: int = 4096          # clients beyond this get TooManyConnections
-    max_lane_connections: int = 256      # local lane connections (a thread each); 0 = offer no lane
+    max_lane_connections: int = 256      # local lane connections; 0 = offer no lane
     lane_poll: float = field(default_factory=lambda: _default_lane_poll())  # see docs/daemon.md; 0 = never
     queue_limit: int = 256               # queued jobs per model before Busy
     max_queued_jobs: int = 4096          # queued jobs over all models before Busy

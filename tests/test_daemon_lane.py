@@ -587,6 +587,78 @@ def test_lane_framing_carries_big_tensors_many_frames_and_pipelined_messages() -
         b.close()
 
 
+def test_the_reactor_reads_a_message_only_once_it_is_whole() -> None:
+    """How the daemon's lanes' thread reads a connection without blocking: what waits is taken
+    into the reader's buffer (``take_waiting``), and read only once a message is whole there
+    (``message_whole``); over a socket pair, cut where it matters."""
+    from vkpool.daemon.lane import message_whole, take_waiting
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        reader = P.LaneReader(b, max_frames=8, max_bytes=1 << 10)
+        assert take_waiting(reader) and not reader.rest and not message_whole(reader)  # nothing yet
+        message = P._lane_head(3).pack(3, 2, 3, 4) + b"hhcccdddd"
+        for cut in (1, 4, 20, len(message) - 1):  # count, sizes, frames: each cut short
+            a.sendall(message[:cut])
+            assert take_waiting(reader) and not message_whole(reader), cut
+            a.sendall(message[cut:])
+            assert take_waiting(reader) and message_whole(reader), cut
+            assert [bytes(f) for f in reader.read()] == [b"hh", b"ccc", b"dddd"]
+            assert not reader.rest
+        a.sendall(message + message[:5])  # one whole and the next begun: the begun one is kept
+        assert take_waiting(reader) and message_whole(reader) and len(reader.read()) == 3
+        assert reader.rest and not message_whole(reader)
+        a.sendall(message[5:])
+        assert take_waiting(reader) and message_whole(reader) and len(reader.read()) == 3
+        a.sendall(P._lane_head(9).pack(9, *[1] * 9)[:4])  # more frames than allowed: refused at once
+        assert take_waiting(reader) and message_whole(reader)
+        with pytest.raises(P.LaneError):
+            reader.read()
+        reader.rest = b""
+        # more bytes than allowed: refused once its header frame is there, which it answers with
+        a.sendall(P._lane_head(2).pack(2, 6, 1 << 20) + b"hea")
+        assert take_waiting(reader) and not message_whole(reader)
+        a.sendall(b"der")
+        assert take_waiting(reader) and message_whole(reader)
+        with pytest.raises(P.LaneError) as refused:
+            reader.read()
+        assert refused.value.header == b"header"
+        reader.rest = b""
+        a.close()
+        assert not take_waiting(reader)  # end of file
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lane_client_stuck_mid_message_costs_only_itself(shared: Daemon) -> None:
+    """One thread reads every lane: a client that sends half a request and stops must not stop the
+    others, and its request is answered once the rest comes."""
+    path = shared.folder / "stuck.onnx"
+    path.write_bytes(mlp_model(8, 16, seed=4))
+    with shared.client() as client:
+        model = client.load_model(path)["id"]
+        metas, frames = P.tensor_frames([("x", X)])
+        parts = _infer_parts("stuck", model, metas, frames)
+        data = P._lane_head(len(parts)).pack(len(parts), *map(len, parts)) + b"".join(map(bytes, parts))
+        stuck, other = RawLane(client), RawLane(client)
+        try:
+            stuck.sock.sendall(data[:-10])
+            for i in range(5):  # meanwhile, another lane is served
+                header, content, out = other.request("infer", f"other-{i}", {"model": model, "inputs": metas},
+                                                     frames)
+                assert header["status"] == "ok", content
+            stuck.sock.sendall(data[-10:])
+            header, content, got = stuck.reply()
+            assert header["id"] == "stuck" and header["status"] == "ok", content
+            assert bytes(got[0]) == bytes(out[0])
+            header, content, _ = stuck.request("infer", "after", {"model": model, "inputs": metas}, frames)
+            assert header["status"] == "ok", content  # and the lane is read as before
+        finally:
+            stuck.close()
+            other.close()
+
+
 def test_a_reply_in_the_ring_to_a_client_gone_asleep_counts_as_undelivered() -> None:
     """The daemon's side of a ring, over a socket pair: a reply to a sleeping client is published in
     the ring and woken on the socket; when the client is gone the wake-up fails, and the write
