@@ -454,36 +454,49 @@ class LaneConnection:
             ring.close()
 
 
-def take_waiting(reader: P.LaneReader) -> bool:
+def take_waiting(reader: P.LaneReader) -> int:
     """Moves what the socket holds now into the reader's buffer, without waiting (one ``recv`` of
-    up to :data:`~vkpool.daemon.protocol.LANE_CHUNK`); False at end of file."""
+    up to :data:`~vkpool.daemon.protocol.LANE_CHUNK`): the bytes taken, 0 when none waited, -1 at
+    end of file."""
     try:
         chunk = reader.sock.recv(P.LANE_CHUNK, socket.MSG_DONTWAIT)
     except BlockingIOError:
-        return True
+        return 0
     if not chunk:
-        return False
+        return -1
     reader.rest = reader.rest + chunk if reader.rest else chunk
-    return True
+    return len(chunk)
 
 
 def message_whole(reader: P.LaneReader) -> bool:
     """Whether :meth:`~vkpool.daemon.protocol.LaneReader.read` can return from what the reader
     holds, without reading the socket: a whole message, or a framing it refuses at once."""
+    need = _needed(reader)
+    return need is not None and len(reader.rest) >= need
+
+
+def _needed(reader: P.LaneReader) -> int | None:
+    """The bytes the reader must hold before ``read`` returns the message it has begun (0 when
+    ``read`` returns or refuses it at once); None while its frame sizes are not all there."""
     data = reader.rest
     if len(data) < 4:
-        return False
+        return None
     (n,) = P._LANE_COUNT.unpack_from(data)
     if n < 2 or n > reader.max_frames:  # a wake-up, or refused before anything more is read
-        return True
+        return 0
     head = 4 + 8 * n
     if len(data) < head:
-        return False
+        return None
     sizes = (P._LANE_HEADS.get(n) or P._lane_head(n)).unpack_from(data)[1:]
     body = sum(sizes)
     if body > reader.max_bytes:  # read() takes the header frame, to answer with the request id
-        return sizes[0] > P.LANE_CHUNK or len(data) >= head + sizes[0]
-    return len(data) >= head + body
+        return 0 if sizes[0] > P.LANE_CHUNK else head + sizes[0]
+    return head + body
+
+
+#: chunks the lanes' thread takes from one connection in one pass at most (a client that writes
+#: without pause is read on in the next pass, after the others)
+_TAKES = 16
 
 
 #: how long the reactor sleeps at most: it then looks whether the daemon takes connections again,
@@ -504,8 +517,9 @@ class LaneReactor:
     sleeping; before it sleeps it marks every ring "asleep", so that a client that posts in a
     ring wakes it through the socket.
 
-    A message that has not arrived whole is read by a thread of its own (a large tensor, or a
-    client that stops mid-message): the reactor never waits on one client. A connection whose
+    The reactor never waits on one client: what has come of a message waits in its lane's
+    buffer for the rest, and a message larger than a chunk (a large tensor) is read by a thread
+    of its own once it has begun to arrive, rather than gathered chunk by chunk. A connection whose
     replies wait to be written (its client does not read them) is not read until they are, and
     a request read from it meanwhile waits with it.
 
@@ -679,25 +693,24 @@ class LaneReactor:
         return work
 
     def _read(self, conn: LaneConnection, reader: P.LaneReader) -> list[Any]:
-        """What the socket holds whole: the messages (a wake-up, read as [], is dropped), None at
-        end of file, or the exception reading raised; a message in pieces goes to a thread."""
+        """The messages the socket holds whole (a wake-up, read as [], is dropped), None at end
+        of file, or the exception reading raised. What remains of a message begun waits for the
+        socket's next bytes; a large one is read by a thread of its own instead."""
         out: list[Any] = []
         try:
-            more = take_waiting(reader)
-            while True:
+            for _ in range(_TAKES):
+                took = take_waiting(reader)
                 while message_whole(reader):
                     parts = reader.read()
                     if parts:
                         out.append(parts)
-                if not more:  # end of file: read() says whether between messages or inside one
+                if took < 0:  # end of file: read() says whether between messages or inside one
                     out.append(reader.read())
                     return out
-                if not reader.rest:
+                if reader.rest and (_needed(reader) or 0) > P.LANE_CHUNK:
+                    self._read_apart(conn, reader)  # not gathered here chunk by chunk
                     return out
-                before = len(reader.rest)
-                more = take_waiting(reader)
-                if len(reader.rest) == before and more:  # the rest of a message is still to come
-                    self._read_apart(conn, reader)
+                if took < P.LANE_CHUNK:  # the socket held less than a chunk: nothing more waits
                     return out
         except (P.LaneError, OSError) as exc:
             out.append(exc)

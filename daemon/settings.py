@@ -39,7 +39,7 @@ class DaemonSettings:
     drain_deadline: float = 30.0         # seconds SIGTERM waits for in-flight jobs
     evict_idle: bool = False             # free unused models to admit a load that does not fit
     workers_per_model: int = 2           # runtime calls in flight per model
-    inline_run_max: float = 0.001        # jobs of models this fast run on the I/O thread when idle; 0 = never
+    inline_run_max: float = 0.001        # jobs this fast run where they are read, when idle; 0 = never
     replay_window: int = 1024            # remembered replies per daemon for retried request ids
     log_file: Path | None = None
     log_level: str = "INFO"

@@ -596,36 +596,36 @@ def test_the_reactor_reads_a_message_only_once_it_is_whole() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         reader = P.LaneReader(b, max_frames=8, max_bytes=1 << 10)
-        assert take_waiting(reader) and not reader.rest and not message_whole(reader)  # nothing yet
+        assert take_waiting(reader) == 0 and not message_whole(reader)  # nothing yet
         message = P._lane_head(3).pack(3, 2, 3, 4) + b"hhcccdddd"
         for cut in (1, 4, 20, len(message) - 1):  # count, sizes, frames: each cut short
             a.sendall(message[:cut])
-            assert take_waiting(reader) and not message_whole(reader), cut
+            assert take_waiting(reader) == cut and not message_whole(reader), cut
             a.sendall(message[cut:])
-            assert take_waiting(reader) and message_whole(reader), cut
+            assert take_waiting(reader) > 0 and message_whole(reader), cut
             assert [bytes(f) for f in reader.read()] == [b"hh", b"ccc", b"dddd"]
             assert not reader.rest
         a.sendall(message + message[:5])  # one whole and the next begun: the begun one is kept
-        assert take_waiting(reader) and message_whole(reader) and len(reader.read()) == 3
+        assert take_waiting(reader) > 0 and message_whole(reader) and len(reader.read()) == 3
         assert reader.rest and not message_whole(reader)
         a.sendall(message[5:])
-        assert take_waiting(reader) and message_whole(reader) and len(reader.read()) == 3
+        assert take_waiting(reader) > 0 and message_whole(reader) and len(reader.read()) == 3
         a.sendall(P._lane_head(9).pack(9, *[1] * 9)[:4])  # more frames than allowed: refused at once
-        assert take_waiting(reader) and message_whole(reader)
+        assert take_waiting(reader) > 0 and message_whole(reader)
         with pytest.raises(P.LaneError):
             reader.read()
         reader.rest = b""
         # more bytes than allowed: refused once its header frame is there, which it answers with
         a.sendall(P._lane_head(2).pack(2, 6, 1 << 20) + b"hea")
-        assert take_waiting(reader) and not message_whole(reader)
+        assert take_waiting(reader) > 0 and not message_whole(reader)
         a.sendall(b"der")
-        assert take_waiting(reader) and message_whole(reader)
+        assert take_waiting(reader) > 0 and message_whole(reader)
         with pytest.raises(P.LaneError) as refused:
             reader.read()
         assert refused.value.header == b"header"
         reader.rest = b""
         a.close()
-        assert not take_waiting(reader)  # end of file
+        assert take_waiting(reader) == -1  # end of file
     finally:
         a.close()
         b.close()
