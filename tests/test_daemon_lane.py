@@ -631,6 +631,33 @@ def test_the_reactor_reads_a_message_only_once_it_is_whole() -> None:
         b.close()
 
 
+def test_lanes_are_read_by_one_thread_however_many_are_open(shared: Daemon) -> None:
+    """Sixteen lanes open and each used: the daemon has no more threads than with none (a thread
+    per lane would add sixteen)."""
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{shared.proc.pid}/task"))
+
+    path = shared.folder / "threads.onnx"
+    path.write_bytes(mlp_model(8, 16, seed=6))
+    with shared.client() as client:
+        model = client.load_model(path)["id"]
+        metas, frames = P.tensor_frames([("x", X)])
+        lanes = [RawLane(client) for _ in range(2)]
+        try:
+            for i, lane in enumerate(lanes):
+                header, content, _ = lane.request("infer", f"warm-{i}", {"model": model, "inputs": metas}, frames)
+                assert header["status"] == "ok", content
+            before = threads()
+            lanes += [RawLane(client) for _ in range(16)]
+            for i, lane in enumerate(lanes):
+                header, content, _ = lane.request("infer", f"t-{i}", {"model": model, "inputs": metas}, frames)
+                assert header["status"] == "ok", content
+            assert threads() <= before, (before, threads())
+        finally:
+            for lane in lanes:
+                lane.close()
+
+
 def test_a_lane_client_stuck_mid_message_costs_only_itself(shared: Daemon) -> None:
     """One thread reads every lane: a client that sends half a request and stops must not stop the
     others, and its request is answered once the rest comes."""
