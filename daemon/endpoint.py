@@ -177,9 +177,13 @@ class ConnectionWatch:
     lists them again and puts the file back once they are a margin below. Disconnects are queued
     for the I/O thread (``departed``), which probes the clients that used those descriptors."""
 
-    def __init__(self, monitor: zmq.Socket, fd_limit: int, socket_path: Path | None,
+    #: the events read: a connection accepted, one ended, and the monitor's end (the thread's)
+    EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+
+    def __init__(self, router: zmq.Socket, fd_limit: int, socket_path: Path | None,
                  log: logging.Logger) -> None:
-        self.monitor = monitor
+        self.router = router
+        self.monitor = router.get_monitor_socket(self.EVENTS)
         self.fd_limit = fd_limit
         self.pause_at = fd_limit - fd_margin(fd_limit)
         self.resume_below = self.pause_at - min(fd_margin(fd_limit), self.pause_at // 3)
@@ -198,9 +202,10 @@ class ConnectionWatch:
         self._thread.start()
 
     def stop(self) -> None:
-        """Call after the router's ``disable_monitor``: the thread sees the monitor stop and
-        closes it (or, if it never started, closes it here)."""
-        if self._thread.is_alive() or self._thread.ident is not None:
+        """Stops the router's monitor; the thread sees it stop and closes it (or, if the thread
+        never started, it is closed here)."""
+        self.router.disable_monitor()
+        if self._thread.ident is not None:
             self._thread.join(5.0)
         else:
             self.monitor.close(0)

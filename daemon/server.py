@@ -132,8 +132,7 @@ class Server:
         if path is not None:
             self._lock = EndpointLock(path)
             self._lock.acquire()
-        monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._connections = ConnectionWatch(monitor, self.fd_limit, path, log)
+        self._connections = ConnectionWatch(router, self.fd_limit, path, log)
         try:
             old = os.umask(0o177)  # the socket file is created 0600: no window where others connect
             try:
@@ -729,7 +728,6 @@ class Server:
         log.info("stopped: %s", self.stats.snapshot(self._connections.connections)["counters"])
 
     def close_sockets(self, router: zmq.Socket) -> None:
-        router.disable_monitor()
         self._connections.stop()
         for sock in (self._push, self._inbox):
             sock.close(0)

@@ -424,6 +424,44 @@ def _low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
 
+def test_the_connection_watch_counts_connections_and_ends_with_its_monitor() -> None:
+    """The daemon's connection watch on a router of its own: connections counted as they come
+    and go, the descriptors of those that went queued for probing, and its thread gone once
+    stopped (it waits for the monitor's end, which must be among the events it reads)."""
+    import logging
+
+    from vkpool.daemon.endpoint import ConnectionWatch
+
+    with short_folder("vkw") as folder:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(f"ipc://{folder}/w.sock")
+        watch = ConnectionWatch(router, 4096, folder / "w.sock", logging.getLogger("test"))
+        watch.start()
+        dealers = []
+        try:
+            for _ in range(3):
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.linger = 0
+                dealer.connect(f"ipc://{folder}/w.sock")
+                dealers.append(dealer)
+            end = time.monotonic() + 10
+            while watch.connections < 3 and time.monotonic() < end:
+                time.sleep(0.01)
+            assert watch.connections == 3 and watch.listening
+            dealers.pop().close(0)
+            while not watch.departed and time.monotonic() < end:
+                time.sleep(0.01)
+            assert watch.connections == 2 and len(watch.departed) == 1
+            watch.stop()
+            assert not watch._thread.is_alive(), "the watch's thread outlived its monitor"
+        finally:
+            for dealer in dealers:
+                dealer.close(0)
+            router.close(0)
+            ctx.term()
+
+
 def test_more_clients_than_descriptors_leave_the_daemon_serving() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1024:
