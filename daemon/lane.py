@@ -471,27 +471,8 @@ def take_waiting(reader: P.LaneReader) -> int:
 def message_whole(reader: P.LaneReader) -> bool:
     """Whether :meth:`~vkpool.daemon.protocol.LaneReader.read` can return from what the reader
     holds, without reading the socket: a whole message, or a framing it refuses at once."""
-    need = _needed(reader)
+    need = reader.needed()
     return need is not None and len(reader.rest) >= need
-
-
-def _needed(reader: P.LaneReader) -> int | None:
-    """The bytes the reader must hold before ``read`` returns the message it has begun (0 when
-    ``read`` returns or refuses it at once); None while its frame sizes are not all there."""
-    data = reader.rest
-    if len(data) < 4:
-        return None
-    (n,) = P._LANE_COUNT.unpack_from(data)
-    if n < 2 or n > reader.max_frames:  # a wake-up, or refused before anything more is read
-        return 0
-    head = 4 + 8 * n
-    if len(data) < head:
-        return None
-    sizes = (P._LANE_HEADS.get(n) or P._lane_head(n)).unpack_from(data)[1:]
-    body = sum(sizes)
-    if body > reader.max_bytes:  # read() takes the header frame, to answer with the request id
-        return 0 if sizes[0] > P.LANE_CHUNK else head + sizes[0]
-    return head + body
 
 
 #: chunks the lanes' thread takes from one connection in one pass at most (a client that writes
@@ -535,6 +516,7 @@ class LaneReactor:
                  log: Any) -> None:
         self.listener = listener
         self.max_frames, self.max_bytes, self.poll_s = max_frames, max_bytes, poll_s
+        self._gaps = Poller(poll_s)  # the moving average of the gap between requests
         self._accept, self._opened, self._request = accept, opened, request
         self._broken, self._closed, self._listening, self._log = broken, closed, listening, log
         self.conns: dict[int, tuple[LaneConnection, P.LaneReader]] = {}  # by descriptor
@@ -593,7 +575,7 @@ class LaneReactor:
                 continue
             start = clock()
             if self.poll_s > 0:
-                gap = 0.8 * gap + 0.2 * min(start - done, 2.0 * self.poll_s)
+                gap = self._gaps.average(gap, start - done)
             for conn, parts, ringed in work:
                 try:
                     self._handle(conn, parts, ringed)
@@ -707,7 +689,7 @@ class LaneReactor:
                 if took < 0:  # end of file: read() says whether between messages or inside one
                     out.append(reader.read())
                     return out
-                if reader.rest and (_needed(reader) or 0) > P.LANE_CHUNK:
+                if reader.rest and (reader.needed() or 0) > P.LANE_CHUNK:
                     self._read_apart(conn, reader)  # not gathered here chunk by chunk
                     return out
                 if took < P.LANE_CHUNK:  # the socket held less than a chunk: nothing more waits

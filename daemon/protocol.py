@@ -807,6 +807,25 @@ class LaneReader:
             self.rest = b""
         return _split(memoryview(data), head, sizes)
 
+    def needed(self) -> int | None:
+        """The bytes :meth:`read` must hold before it returns (or refuses) the message that
+        :attr:`rest` begins, by the checks it makes in their order: 0 when it answers at once (a
+        wake-up, or a count of frames it refuses); None while the frame sizes are not all there."""
+        data = self.rest
+        if len(data) < 4:
+            return None
+        (n,) = _LANE_COUNT.unpack_from(data)
+        if n < 2 or n > self.max_frames:
+            return 0
+        head = 4 + 8 * n
+        if len(data) < head:
+            return None
+        sizes = (_LANE_HEADS.get(n) or _lane_head(n)).unpack_from(data)[1:]
+        body = sum(sizes)
+        if body > self.max_bytes:  # refused once the header frame is read, to answer with its id
+            return 0 if sizes[0] > LANE_CHUNK else head + sizes[0]
+        return head + body
+
     def poll(self, seconds: float) -> None:
         """Poll the socket for up to ``seconds`` when nothing is buffered; what arrives is kept
         for :meth:`read`. A thread asleep in ``recv`` is woken by the kernel's scheduler, which
