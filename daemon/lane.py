@@ -727,9 +727,16 @@ class LaneReactor:
         fd = conn.fd
         if fd not in self.conns:
             return  # closed by an earlier message of this pass
-        if type(parts) is list and fd in self._open and not conn._backlog:  # a request, as most are
-            conn.ring_reply = ringed
-            self._request(conn, parts)
+        if type(parts) is list and fd in self._open:  # a request, as most messages are
+            if conn.backlogged():  # its client does not read its replies: this one waits with them
+                if fd not in self._stalled:
+                    if fd not in self._away:
+                        self._epoll.unregister(fd)
+                    self._stalled[fd] = []
+                self._stalled[fd].append((parts, ringed))
+            else:
+                conn.ring_reply = ringed
+                self._request(conn, parts)
         elif parts is None or isinstance(parts, OSError):
             self._close(fd)
         elif isinstance(parts, P.LaneError):
@@ -739,23 +746,13 @@ class LaneReactor:
         elif isinstance(parts, BaseException):
             self._log.error("unexpected failure reading a local lane; closing it", exc_info=parts)
             self._close(fd, failed=True)
-        elif fd not in self._open:
-            if not self._opened(conn, parts):
-                self._close(fd)
-                return
+        elif self._opened(conn, parts):  # the first message: open_lane
             self._open.add(fd)
             if conn.ring is not None:
                 self.conns[fd][1].wakes = True
                 self._rings[fd] = conn
-        elif conn.backlogged():  # its client does not read its replies: this one waits with them
-            if fd not in self._stalled:
-                if fd not in self._away:
-                    self._epoll.unregister(fd)
-                self._stalled[fd] = []
-            self._stalled[fd].append((parts, ringed))
         else:
-            conn.ring_reply = ringed
-            self._request(conn, parts)
+            self._close(fd)
 
     def _unstall(self) -> list[tuple[LaneConnection, Any, bool]]:
         """The messages held for connections whose replies have all been written; those are read
