@@ -207,7 +207,8 @@ def render_status(status: dict[str, Any]) -> str:
         b = m.get("batching")
         if b:
             lines.append(f"  {'':12} batching: max {b['max_batch']}, delay {b['max_queue_delay'] * 1e6:g} us; "
-                         f"{b['batches']} batches, mean {b['mean_batch_size']:.2f} requests, queue delay "
+                         f"{b['batches']} batches ({b.get('where_read', 0)} where read), mean "
+                         f"{b['mean_batch_size']:.2f} requests, queue delay "
                          f"p50 {b['queue_delay_p50_us']:.0f} us p99 {b['queue_delay_p99_us']:.0f} us")
     for loading in status.get("loading", []):
         lines.append(f"  {'loading':<12} {loading['name']:<20} {describe_loading(loading)}")

@@ -509,16 +509,18 @@ class LaneReactor:
     parts)`` for the others, ``broken(conn, exc)`` for a
     :class:`~vkpool.daemon.protocol.LaneError`, ``closed(conn, failed)`` when it ends
     (``failed``: by an unexpected error); ``listening()`` says whether new connections are taken
-    now."""
+    now; ``passed()`` ends each pass over the requests read together (the server runs the
+    batches they make)."""
 
     def __init__(self, listener: LaneListener, max_frames: int, max_bytes: int, poll_s: float, *,
                  accept: Any, opened: Any, request: Any, broken: Any, closed: Any, listening: Any,
-                 log: Any) -> None:
+                 passed: Any, log: Any) -> None:
         self.listener = listener
         self.max_frames, self.max_bytes, self.poll_s = max_frames, max_bytes, poll_s
         self._gaps = Poller(poll_s)  # the moving average of the gap between requests
         self._accept, self._opened, self._request = accept, opened, request
         self._broken, self._closed, self._listening, self._log = broken, closed, listening, log
+        self._passed = passed
         self.conns: dict[int, tuple[LaneConnection, P.LaneReader]] = {}  # by descriptor
         self._open: set[int] = set()      # descriptors whose open_lane was taken
         self._rings: dict[int, LaneConnection] = {}
@@ -583,6 +585,10 @@ class LaneReactor:
                     self._log.exception("unexpected failure on a local lane; closing it")
                     if conn.fd in self.conns:
                         self._close(conn.fd, failed=True)
+            try:
+                self._passed()
+            except Exception:
+                self._log.exception("unexpected failure running what the local lanes' pass gathered")
             done = clock()
 
     def _wait(self, gap: float, done: float) -> list[tuple[LaneConnection, Any, bool]]:

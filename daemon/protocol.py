@@ -77,7 +77,8 @@ _MODEL_INFO = (
     "idle_s, queued, running, done}`; `binding` is `{batch, dims}` as loaded (empty when nothing was bound); "
     "`objective` is what the model's plan was made for (`latency` or `throughput`); "
     "`batching` is null, or for a model that batches requests `{max_batch, max_queue_delay, batches, "
-    "requests, rows, padded_rows, failed_batches, mean_batch_size, queue_delay_p50_us, queue_delay_p99_us}` "
+    "requests, rows, padded_rows, failed_batches, where_read, mean_batch_size, queue_delay_p50_us, "
+    "queue_delay_p99_us}` "
     "(its first dim is then `\"batch\"`); `inputs`/`outputs` are lists of `{name, shape, type, dtype}`"
 )
 

@@ -208,7 +208,10 @@ class Scheduler:
             queue.running -= 1
             queue.done += 1
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, wake: bool = True) -> None:
+        """Queue a job (:class:`Busy` when it does not fit). ``wake`` False: the workers are not
+        told yet; the caller then either runs the job itself (:meth:`take_now`) or calls
+        :meth:`wake`."""
         with self._cond:
             queue = self._queues[job.model_id]
             if queue.size >= queue.limit:
@@ -220,7 +223,15 @@ class Scheduler:
                            "retry later")
             queue.push(job)
             self._index[(job.client, job.request_id)] = job
-            self._cond.notify_all()
+            if wake:
+                self._cond.notify_all()
+
+    def wake(self, model_id: str) -> None:
+        """Tell the workers of a model's jobs queued with ``wake=False``, if any are left."""
+        with self._cond:
+            queue = self._queues.get(model_id)
+            if queue is not None and queue.size:
+                self._cond.notify_all()
 
     def find(self, client: bytes, request_id: str) -> Job | None:
         with self._cond:
@@ -282,14 +293,10 @@ class Scheduler:
                 self.settle(job)
 
     def _take_batch(self, model_id: str) -> list[Job] | None:
-        """The next batch of a batching model's queue (None when the model is closing): the next job,
-        then more in queue order while their rows fit in ``max_batch``, waiting for them until
-        ``max_queue_delay`` after the first was accepted; the runner's :meth:`fit` decides how many
-        run now and the rest go back to the queue (:meth:`vkpool.batching.BatchRunner.gather`, as
-        the in-process batcher gathers). The jobs returned are marked running."""
+        """The next batch of a batching model's queue for one of its workers (None when the model
+        is closing), waiting for its first job: :meth:`_gather`."""
         with self._cond:
             queue = self._queues[model_id]
-            runner = queue.batching
             while True:  # one worker gathers at a time; the others run the batches gathered before
                 first = None if queue.gathering else queue.pop()
                 if first is not None:
@@ -297,38 +304,72 @@ class Scheduler:
                 if model_id in self._closing and not queue.gathering:
                     return None
                 self._cond.wait()
-            queue.gathering = True
-            queue.gathered = 1
+            return self._gather(queue, first, True)
 
-            def take() -> Job | None:
-                job = queue.pop()
-                queue.gathered += job is not None
-                return job
+    def take_now(self, model_id: str, gate: Any = None) -> list[Job] | None:
+        """A batch of a batching model's queued jobs for a caller that runs it itself, without
+        waiting: None when none can run now (nothing queued, a worker gathering, the model
+        closing, a re-plan holding ``gate``, or a queue delay that still waits for company,
+        which the workers then wait out). ``gate`` is taken shared as in :meth:`claim_idle` and
+        held for the caller while it runs the batch; the jobs are settled as a worker's are."""
+        with self._cond:
+            queue = self._queues.get(model_id)
+            if queue is None or not queue.size or queue.gathering or model_id in self._closing:
+                return None
+            if gate is not None and not gate.try_acquire_shared():
+                return None
+            first = queue.pop()
+            jobs = None if first is None else self._gather(queue, first, False)
+            if not jobs and gate is not None:
+                gate.release_shared()
+            return jobs or None
 
-            def give_back(back: list[Job]) -> None:
-                for job in back:  # each keeps its place (its sequence number)
-                    queue.push(job)
-                    queue.gathered -= 1
+    def _gather(self, queue: ModelQueue, first: Job, wait: bool) -> list[Job]:
+        """The batch that ``first`` opens (the caller holds the lock): more jobs in queue order
+        while their rows fit in ``max_batch``, waiting for them (``wait``) until
+        ``max_queue_delay`` after the first was accepted; the runner's :meth:`fit` decides how
+        many run now and the rest go back to the queue (:meth:`vkpool.batching.BatchRunner.gather`,
+        as the in-process batcher gathers). Without ``wait``, a batch short of ``max_batch``
+        whose first job may still wait for company goes back whole (an empty list). The jobs
+        returned are marked running."""
+        runner, model_id = queue.batching, queue.model_id
+        queue.gathering = True
+        queue.gathered = 1
 
-            until = first.accepted_at + runner.max_queue_delay
-            try:
-                jobs = runner.gather(first, lambda j: j.rows, take, give_back, self._cond.wait,
-                                     lambda: 0.0 if model_id in self._closing else until - time.monotonic())
-            finally:
-                queue.gathering = False
-                queue.gathered = 0
+        def take() -> Job | None:
+            job = queue.pop()
+            queue.gathered += job is not None
+            return job
+
+        def give_back(back: list[Job]) -> None:
+            for job in back:  # each keeps its place (its sequence number)
+                queue.push(job)
+                queue.gathered -= 1
+
+        until = first.accepted_at + runner.max_queue_delay
+        try:
+            jobs = runner.gather(first, lambda j: j.rows, take, give_back, self._cond.wait,
+                                 (lambda: 0.0 if model_id in self._closing else until - time.monotonic())
+                                 if wait else (lambda: 0.0))
+            if not wait and time.monotonic() < until and sum(j.rows for j in jobs) < runner.max_batch:
+                give_back(jobs)
+                jobs = []
+        finally:
+            queue.gathering = False
+            queue.gathered = 0
+            if wait or queue.size:  # another worker may gather now, or take what went back
                 self._cond.notify_all()
-            now = time.monotonic()
-            live = []
-            for job in jobs:
-                with job._lock:
-                    if job.state != "queued":  # cancelled or timed out while the batch gathered
-                        continue
-                    job.state = "running"
-                job.started_at = now
-                queue.running += 1
-                live.append(job)
-            return live
+        now = time.monotonic()
+        live = []
+        for job in jobs:
+            with job._lock:
+                if job.state != "queued":  # cancelled or timed out while the batch gathered
+                    continue
+                job.state = "running"
+            job.started_at = now
+            queue.running += 1
+            live.append(job)
+        return live
 
     def _batch_worker(self, model_id: str) -> None:
         assert self._run_batch is not None
@@ -336,17 +377,21 @@ class Scheduler:
             jobs = self._take_batch(model_id)
             if jobs is None:
                 return
-            if not jobs:
-                continue
-            try:
-                self._run_batch(jobs)
-            except Exception as exc:  # the run callback answers errors itself; this is a bug
-                log.exception("a batch of %d job(s) crashed the worker callback", len(jobs))
-                for job in jobs:
-                    job.fail("InternalError", f"worker failed: {type(exc).__name__}: {exc}")
-            finally:
-                for job in jobs:
-                    self.settle(job)
+            if jobs:
+                self.run_taken(jobs, self._run_batch)
+
+    def run_taken(self, jobs: list[Job], run: Callable[[list[Job]], None]) -> None:
+        """Run a batch taken by a worker or :meth:`take_now` with ``run(jobs)``, which answers
+        them; should it fail itself, each job fails. The jobs are settled after."""
+        try:
+            run(jobs)
+        except Exception as exc:  # the run callback answers errors itself; this is a bug
+            log.exception("a batch of %d job(s) crashed the run callback", len(jobs))
+            for job in jobs:
+                job.fail("InternalError", f"worker failed: {type(exc).__name__}: {exc}")
+        finally:
+            for job in jobs:
+                self.settle(job)
 
     def settle(self, job: Job) -> None:
         """Count a job that a worker ran as done; the run callback calls it before replying, so
@@ -358,5 +403,4 @@ class Scheduler:
             queue = self._queues[job.model_id]
             queue.running -= 1
             queue.done += 1
-            self._index.pop((job.client, job.request_id), None)
-            self._cond.notify_all()
+            self._index.pop((job.client, job.request_id), None)  # (no worker waits for this)

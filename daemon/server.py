@@ -641,7 +641,8 @@ class Server:
             self._reactor = LaneReactor(
                 self._lane_listener, settings.max_frames, settings.max_message_bytes, settings.lane_poll,
                 accept=self._lane_accept, opened=self._open_lane, request=self._lane_request,
-                broken=self._lane_broken, closed=self._lane_ended, listening=lambda: watch.listening, log=log)
+                broken=self._lane_broken, closed=self._lane_ended, listening=lambda: watch.listening,
+                passed=self.service.run_held, log=log)
             self._reactor.start()
         last_sweep = 0.0
         try:

@@ -79,6 +79,7 @@ class Service:
         self._admin_thread.start()
         self.draining = False
         self._plans: dict[bytes, InferPlan] = {}
+        self._held: dict[str, ModelEntry] = {}  # batching models with jobs held in the lanes' pass
         self._replies = P.InferReplies()
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -242,12 +243,32 @@ class Service:
         job = Job(client=client, request_id=rid, model_id=entry.id, feeds=feeds, outputs=outputs,
                   priority=plan.priority, finish_cb=self._job_finished,
                   deadline=deadline, accepted_at=accepted, rows=rows)
+        # a quick batching model read by the lanes' thread: its batch runs there, after the pass
+        held = (inline is True and entry.batching is not None and run_s is not None
+                and run_s <= self.settings.inline_run_max)
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit(job, wake=not held)
         except Busy as exc:
             self.stats.count("busy")
             raise ProtocolViolation("Busy", str(exc), {"model": entry.id}) from None
+        if held:
+            self._held[entry.id] = entry
         self.watch(job)
+
+    def run_held(self) -> None:
+        """The batches of the jobs held in the lanes' last pass (:meth:`_infer`), run on this
+        thread when their model can take them now; what it cannot goes to the model's workers.
+        So requests read together run together, and none crosses a thread on its way: the
+        lanes' thread reads them, runs their batch and writes the replies."""
+        held, self._held = self._held, {}
+        for entry in held.values():
+            jobs = None
+            try:
+                jobs = self.scheduler.take_now(entry.id, entry.gate)
+            finally:
+                self.scheduler.wake(entry.id)  # the rest, if any, to the workers meanwhile
+            if jobs is not None:
+                self.scheduler.run_taken(jobs, lambda taken, entry=entry: self._run_gathered(entry, taken, True))
 
     def watch(self, job: Job) -> None:
         """Overridden by the server to track deadlines."""
@@ -329,8 +350,14 @@ class Service:
                 job.fail("UnknownModel", f"model {job.model_id[:12]} was unloaded")
             return
         entry.gate.acquire_shared()
+        self._run_gathered(entry, jobs)
+
+    def _run_gathered(self, entry: ModelEntry, jobs: list[Job], where_read: bool = False) -> None:
+        """:meth:`_run_batch` once the caller holds the model's gate shared (released here);
+        ``where_read``: on the thread that read the requests (counted in the batch stats)."""
         try:
             runner = entry.batching  # read under the gate: a re-plan swaps the session
+            runner.stats.where_read += where_read
             # feeds taken before the state is read (answering a job empties them); jobs timed out
             # while waiting for a re-plan left out
             taken = [(job, job.feeds) for job in jobs]
@@ -353,7 +380,9 @@ class Service:
         finally:
             entry.gate.release_shared()
         finished = entry.last_used = time.monotonic()
-        self.stats.ran(entry, "ok", finished - started, *[(job.started_at or started) - job.accepted_at for job in jobs])
+        run_s = finished - started
+        entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s  # a batch's run
+        self.stats.ran(entry, "ok", run_s, *[(job.started_at or started) - job.accepted_at for job in jobs])
         for job, result in zip(jobs, results):
             queued = (job.started_at or started) - job.accepted_at
             runner.stats.record_delay(queued)

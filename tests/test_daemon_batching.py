@@ -210,3 +210,52 @@ def test_a_client_killed_while_its_requests_wait_in_a_batch() -> None:
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
+
+
+@pytest.mark.parametrize("inline_run_max", ["1s", "0s"])
+def test_batches_of_lane_requests_run_where_they_were_read(inline_run_max: str) -> None:
+    """Requests read together from several local lanes form a batch that the lanes' thread runs
+    itself (a batching model whose batches take at most ``inline_run_max``), with the same
+    answers as unbatched runs; with ``inline_run_max`` 0 every batch goes to the model's workers."""
+    from test_daemon_e2e import Daemon
+
+    with short_folder("vkb") as folder:
+        daemon = Daemon(folder, daemon={"inline_run_max": inline_run_max})
+        try:
+            xs = [[RNG.standard_normal((1 + (i + k) % 2, 16)).astype(np.float32) for k in range(12)]
+                  for i in range(4)]
+            results: dict[int, list[np.ndarray]] = {}
+            with daemon.client() as admin:
+                assert admin.local_lane
+                model = admin.load_model(batch_model(graph="read"), name="read", max_batch=8, keep_alive=0)
+                start = threading.Barrier(len(xs))
+
+                def client(i: int) -> None:
+                    with daemon.client() as c:
+                        s = c.session(batch_model(graph="read"))
+                        s.run(None, {"x": xs[i][0]})
+                        start.wait(30)
+                        results[i] = [s.run(None, {"x": x})[0] for x in xs[i]]
+
+                threads = [threading.Thread(target=client, args=(i,)) for i in range(len(xs))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(120)
+                assert sorted(results) == list(range(len(xs)))
+                with vkpool.Session(batch_model(1, graph="read")) as single:
+                    for i in results:
+                        for x, got in zip(xs[i], results[i]):
+                            unbatched = np.concatenate([single.run(None, {"x": x[r:r + 1]})[0]
+                                                        for r in range(x.shape[0])])
+                            np.testing.assert_allclose(got, unbatched, rtol=1e-5)
+                info = next(m for m in admin.status()["models"] if m["id"] == model["id"])["batching"]
+                assert info["requests"] == 4 * 13
+                if inline_run_max == "0s":
+                    assert info["where_read"] == 0, info
+                else:  # most: not the first ones, whose run time was not known yet, nor those a worker
+                    # took as it came back from one of them
+                    assert 2 * info["where_read"] >= info["batches"] and info["mean_batch_size"] > 1, info
+                assert_balanced(admin)
+        finally:
+            assert daemon.stop() == 0

@@ -71,6 +71,7 @@ class BatchStats:
     rows: int = 0
     padded_rows: int = 0
     failed_batches: int = 0
+    where_read: int = 0  # batches run by the thread that read their requests (the daemon's lanes)
     cancelled: int = 0
     timed_out: int = 0
     keep: int = 10_000
@@ -86,7 +87,7 @@ class BatchStats:
         p50, p99 = (np.percentile(delays, [50, 99]) * 1e6).tolist() if delays.size else (0.0, 0.0)
         return {
             "batches": self.batches, "requests": self.requests, "rows": self.rows,
-            "padded_rows": self.padded_rows, "failed_batches": self.failed_batches,
+            "padded_rows": self.padded_rows, "failed_batches": self.failed_batches, "where_read": self.where_read,
             "cancelled": self.cancelled, "timed_out": self.timed_out,
             "mean_batch_size": self.requests / self.batches if self.batches else 0.0,
             "queue_delay_p50_us": p50, "queue_delay_p99_us": p99,

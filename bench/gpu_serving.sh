@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On a GPU machine with two GPUs, the serving figures of one daemon in one call: jobs/s over the
+# local lane and ZeroMQ with 1, 4, 16 and 64 client processes (python -m vkpool.daemon.bench),
+# fixed batch and dynamic batching, the model on one GPU and replicated on both, then py-spy
+# samples of the daemon under 16 clients (all threads, and the thread holding the GIL).
+# Carry .gl, .whl (with py-spy) and .glsl as for bench/gpu_run.sh. Output under $OUT.
+# Environment: CLIENTS, SECONDS_EACH, MAX_BATCH.
+source bench/gpu_daemon_env.sh
+(cd /tmp && python3 -m vkpool devices | head -4)
+clients=${CLIENTS:-1 4 16 64}
+secs=${SECONDS_EACH:-2}
+run() {  # name, then bench arguments
+  local name=$1; shift
+  echo "=== $name: $*"
+  (cd /tmp && timeout 170 python3 -m vkpool.daemon.bench "$@" --seconds $secs \
+    --out "$OUT/$name.json" 2>&1 | grep -E "^\| |^CPU|Error|error")
+}
+run fixed mnist12_like add_chain_1 --runs 300 --clients $clients --transport both
+run batched mnist12_like --runs 300 --clients $clients --transport lane --max-batch ${MAX_BATCH:-32}
+run replicas-fixed mnist12_like --runs 100 --clients 1 16 64 --transport lane --objective throughput
+run replicas-batched mnist12_like --runs 100 --clients 1 16 64 --transport lane --objective throughput \
+  --max-batch ${MAX_BATCH:-32}
+for gil in "" --gil; do
+  echo "=== profile: 16 clients, fixed batch, lane $gil"
+  mkdir -p /tmp/prof$gil
+  (cd /tmp && timeout 90 python3 -m bench.daemon_profile mnist12_like --clients 16 --seconds 3 \
+    --transport lane $gil --out /tmp/prof$gil 2>&1 | head -24)
+  cp /tmp/prof$gil/daemon-profile.txt "$OUT/daemon-profile$gil.txt"
+done
