@@ -126,6 +126,8 @@ def test_the_gpus_ray_gives_a_node_are_its_vulkan_devices_of_those_uuids() -> No
 
 
 def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, mnist: Any) -> None:
+    from vkpool.cluster.session import HANDOVER_BYTES, MAX_BUNDLE, SPLIT_MAX_BUNDLE
+
     path, feeds, want = mnist
     with cluster[1].session(path, budgets=split_budgets()) as session:
         members = [c.member for c in session.plan.chunks]
@@ -138,8 +140,11 @@ def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, 
         assert set(session.memory_by_member()) == set(members)
         assert [i.name for i in session.get_inputs()] == ["x"]
         shown_plan = session.plan
-    with cluster[1].session(path, plan=shown_plan) as again:  # the plan given is the plan run
-        assert again.placement.member_of == shown_plan.member_of
+        # its calls are sized for the hand-over between the nodes (a few KiB a request here)
+        handed = sum(t.nbytes for t in shown_plan.transfers)
+        assert session._max_bundle == min(SPLIT_MAX_BUNDLE, -(-HANDOVER_BYTES // handed)) > MAX_BUNDLE
+    with cluster[1].session(path, plan=shown_plan, max_bundle=8) as again:  # the plan given is the plan run
+        assert again.placement.member_of == shown_plan.member_of and again._max_bundle == 8
         assert_same(again.run(None, feeds), want)
 
 

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +58,17 @@ _END, _FLUSH = object(), object()
 #: of two nodes idle half the time (two H200 nodes on one host: its actor at 0.51 CPU s/s against
 #: 0.80 for the node of the driver, docs/cluster.md)
 INLINE_SLACK = 2048
+#: a model split over nodes hands its stages' tensors from node to node through Ray's object
+#: store, whose throughput grows with what one transfer carries (bench.cluster's hop figures: 180
+#: MiB/s with transfers of 1 MiB, 469 with 3.5 MiB, 883 with 14 MiB, eight in flight). So the calls
+#: of a split carry, unless told otherwise, enough requests for its largest hand-over to reach
+#: HANDOVER_BYTES, from MAX_BUNDLE up to SPLIT_MAX_BUNDLE; a copy still sends only the requests
+#: that wait (a light load makes small calls). NOTE: two H200 nodes on one host, conv_many_255MB
+#: split in two stages (57 KiB a request between them), two nodes against one over 3 rounds:
+#: 1.29 (1.27-1.39) with calls of 64, 1.39 (1.38-1.40) with 128, 1.42 (1.35-1.45) with 256
+#: (docs/cluster.md)
+HANDOVER_BYTES = 16 << 20
+SPLIT_MAX_BUNDLE = 256
 CALLS_PER_STEP = 4
 MIN_CALLS = 2
 #: how often a session looks for a restarted actor of a copy that went down, in seconds
@@ -204,6 +215,9 @@ class ClusterSession:
         inline = cluster.inline_bytes - INLINE_SLACK
         if max_bundle is None and 0 < row <= inline:  # calls that travel inside Ray's call
             self._max_bundle = min(MAX_BUNDLE, inline // row)
+        handed = self._largest_handover()
+        if max_bundle is None and handed:  # a split: calls whose hand-overs the store moves well
+            self._max_bundle = max(self._max_bundle, min(SPLIT_MAX_BUNDLE, -(-HANDOVER_BYTES // handed)))
         self._output_names = [name for name, _ in self.model.outputs]
         try:
             self._copies = self._make_copies()
@@ -213,6 +227,18 @@ class ClusterSession:
             raise
 
     # -- copies ---------------------------------------------------------------------------------
+    def _largest_handover(self) -> int:
+        """Bytes of one request that the plan hands from one node to another, on its largest
+        hop (0: the plan does not cross nodes)."""
+        from vkpool.cluster.links import node_of
+
+        hops: Counter[tuple[str, str]] = Counter()
+        for t in self.placement.transfers:
+            src, dst = node_of(t.src), node_of(t.dst)
+            if src != dst:
+                hops[src, dst] += t.nbytes
+        return max(hops.values(), default=0)
+
     def _make_copies(self) -> list[_Copy]:
         from vkpool.cluster.links import node_of
 
