@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                     shared = (lambda which: {"name": f"bench-{kind}-{row}-{which}"}) if args.shared else (
                         lambda which: {})
                     how = f"{bundle or 'auto'}x{calls}, {load}, {drivers} driver(s)"
-                    shown = [""]
+                    shown = ["", 0]  # the two-node plan, and its sessions' max_bundle
 
                     def measure_one(first: bool) -> tuple[Any, Any, int]:
                         with cluster.session(path, devices=[a], **calling, **shared("one")) as one:
@@ -589,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                         try:
                             with cluster.session(path, **given, **calling) as two:
                                 plan = two.placement
+                                shown[1] = two._max_bundle
                                 copies = ", ".join([plan.chunks[0].member, *plan.replicas])
                                 shown[0] = (f"replicas on {copies}" if plan.replicas
                                             else " → ".join(c.member for c in plan.chunks))
@@ -640,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                         ratios = [max(t[0][0], t[1][0]) / max(o[0][0], o[1][0]) for o, t in zip(ones, twos)]
                     spread = (f" ({min(ratios):.2f}–{max(ratios):.2f} over {len(ratios)} rounds)"
                               if len(ratios) > 1 else "")
-                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({bundled})'}x{calls}", load,
+                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({bundled} one, {shown[1]} two)'}x{calls}", load,
                                  f"{drivers}{' shared' if args.shared else ''}", figure(single),
                                  figure(both), f"{both[0] / single[0]:.2f}", shown[0])
                                 + ((figure(single2), figure(doubled), f"{doubled[0] / single2[0]:.2f}",

@@ -2,7 +2,7 @@
 # On a GPU machine with two GPUs, the serving figures of one daemon in one call: jobs/s over the
 # local lane and ZeroMQ with 1, 4, 16 and 64 client processes (python -m vkpool.daemon.bench),
 # fixed batch and dynamic batching, the model on one GPU and replicated on both, then py-spy
-# samples of the daemon under 16 clients (all threads, and the thread holding the GIL).
+# samples of the daemon under 16 clients, fixed batch and batching (all threads).
 # Carry .gl, .whl (with py-spy) and .glsl as for bench/gpu_run.sh. Output under $OUT.
 # Environment: CLIENTS, SECONDS_EACH, MAX_BATCH.
 source bench/gpu_daemon_env.sh
@@ -20,10 +20,11 @@ run batched mnist12_like --runs 300 --clients $clients --transport lane --max-ba
 run replicas-fixed mnist12_like --runs 100 --clients 1 16 64 --transport lane --objective throughput
 run replicas-batched mnist12_like --runs 100 --clients 1 16 64 --transport lane --objective throughput \
   --max-batch ${MAX_BATCH:-32}
-for gil in "" --gil; do
-  echo "=== profile: 16 clients, fixed batch, lane $gil"
-  mkdir -p /tmp/prof$gil
+for batch in "" "--max-batch ${MAX_BATCH:-32}"; do
+  name=$([ -n "$batch" ] && echo batched || echo fixed)
+  echo "=== profile: 16 clients, $name, lane"
+  mkdir -p /tmp/prof-$name
   (cd /tmp && timeout 90 python3 -m bench.daemon_profile mnist12_like --clients 16 --seconds 3 \
-    --transport lane $gil --out /tmp/prof$gil 2>&1 | head -24)
-  cp /tmp/prof$gil/daemon-profile.txt "$OUT/daemon-profile$gil.txt"
+    --transport lane $batch --out /tmp/prof-$name 2>&1 | head -24)
+  cp /tmp/prof-$name/daemon-profile.txt "$OUT/daemon-profile-$name.txt"
 done
