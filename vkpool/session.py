@@ -190,6 +190,9 @@ class Session:
         self._placement_members: list[Any] = []
         self.dynamic: Any = None
         self.shapes: Any = None
+        self._exact: Any = None  # the inputs' one shape each, for _check_feeds, of this model and shapes
+        self._exact_for: Any = None
+        self._exact_shapes: Any = None
         self._closed = False
         self._lock = threading.Lock()
 
@@ -590,6 +593,21 @@ class Session:
         return out
 
     def _check_feeds(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        # what most calls give: an array of each input's fixed shape and type, and nothing else
+        model = self.model
+        if self._exact_for is not model or self._exact_shapes is not self.shapes:
+            self._exact = self._exact_inputs()
+            self._exact_for, self._exact_shapes = model, self.shapes
+        exact = self._exact
+        if exact is not None and len(input_feed) == len(exact):
+            feeds = {}
+            for name, dtype, shape in exact:
+                value = input_feed.get(name)
+                if type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape:
+                    break
+                feeds[name] = value
+            else:
+                return feeds
         expected = {n: i for n, i in self.model.inputs}
         extra = sorted(set(input_feed) - set(expected))
         if extra:
@@ -610,6 +628,17 @@ class Session:
                 raise InvalidInput(f"input {name!r} must have shape {shape}, got {list(value.shape)}{where}")
             feeds[name] = value
         return feeds
+
+    def _exact_inputs(self) -> tuple[tuple[str, np.dtype, tuple[int, ...]], ...] | None:
+        """(name, dtype, shape) of every input when each has one shape only (no dim left
+        symbolic or unknown): :meth:`_check_feeds` then accepts arrays of exactly those at once."""
+        exact = []
+        for name, info in self.model.inputs:
+            free = self.model.symbolic.get(name, ()) if self.shapes is not None else ()
+            if free or any(d < 0 for d in info.shape):
+                return None
+            exact.append((name, np.dtype(info.dtype), tuple(int(d) for d in info.shape)))
+        return tuple(exact)
 
     # -- what it holds ----------------------------------------------------------------------------
     @property
