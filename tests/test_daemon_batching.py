@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -41,6 +41,15 @@ def reference(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def in_threads(client: Any, count: int, timeout: float) -> None:
+    """``client(i)`` for i in 0..count-1, each in a thread of its own, all at once."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[InprocDaemon]:
     from vkpool.daemon.runtime import Runtime
@@ -63,11 +72,7 @@ def test_clients_requests_run_together_and_match_unbatched_runs(daemon: InprocDa
                 s = c.session(batch_model(), max_batch=8, max_queue_delay=0.3)
                 results[i] = s.run(None, {"x": xs[i]})[0]
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(xs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        in_threads(client, len(xs), 60)
         assert sorted(results) == list(range(len(xs)))
         with vkpool.Session(batch_model(1), pool=daemon.runtime.pool) as single:
             for i, x in enumerate(xs):
@@ -237,11 +242,7 @@ def test_batches_of_lane_requests_run_where_they_were_read(inline_run_max: str) 
                         start.wait(30)
                         results[i] = [s.run(None, {"x": x})[0] for x in xs[i]]
 
-                threads = [threading.Thread(target=client, args=(i,)) for i in range(len(xs))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(120)
+                in_threads(client, len(xs), 120)
                 assert sorted(results) == list(range(len(xs)))
                 with vkpool.Session(batch_model(1, graph="read")) as single:
                     for i in results:
