@@ -663,6 +663,10 @@ class Server:
                         except Exception:  # never let one message take the daemon down
                             log.exception("unexpected failure handling a message; dropped")
                             self.stats.count("dropped")
+                    try:  # the batches of what was read together
+                        self.service.run_held()
+                    except Exception:
+                        log.exception("unexpected failure running the batches of the messages read")
                 now = time.monotonic()
                 if self._waiting:
                     self._send_waiting(now)

@@ -79,7 +79,7 @@ class Service:
         self._admin_thread.start()
         self.draining = False
         self._plans: dict[bytes, InferPlan] = {}
-        self._held: dict[str, ModelEntry] = {}  # batching models with jobs held in the lanes' pass
+        self._held = threading.local()  # per reading thread: batching models with jobs held in its pass
         self._replies = P.InferReplies()
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -243,24 +243,34 @@ class Service:
         job = Job(client=client, request_id=rid, model_id=entry.id, feeds=feeds, outputs=outputs,
                   priority=plan.priority, finish_cb=self._job_finished,
                   deadline=deadline, accepted_at=accepted, rows=rows)
-        # a quick batching model read by the lanes' thread: its batch runs there, after the pass
-        held = (inline is True and entry.batching is not None and run_s is not None
-                and run_s <= self.settings.inline_run_max)
+        # a quick batching model, read by a thread that calls run_held after each pass over what
+        # it read (the I/O thread, the lanes'): its batch runs there, once the pass is read
+        held = (inline is not False and entry.batching is not None and run_s is not None
+                and run_s <= self.settings.inline_run_max and getattr(self._held, "passes", False))
         try:
             self.scheduler.submit(job, wake=not held)
         except Busy as exc:
             self.stats.count("busy")
             raise ProtocolViolation("Busy", str(exc), {"model": entry.id}) from None
         if held:
-            self._held[entry.id] = entry
+            mine = getattr(self._held, "models", None)
+            if mine is None:
+                mine = self._held.models = {}
+            mine[entry.id] = entry
         self.watch(job)
 
     def run_held(self) -> None:
-        """The batches of the jobs held in the lanes' last pass (:meth:`_infer`), run on this
-        thread when their model can take them now; what it cannot goes to the model's workers.
-        So requests read together run together, and none crosses a thread on its way: the
-        lanes' thread reads them, runs their batch and writes the replies."""
-        held, self._held = self._held, {}
+        """The batches of the jobs this thread held in its last pass (:meth:`_infer`), run here
+        when their model can take them now; what it cannot goes to the model's workers. So
+        requests read together run together, and none crosses a thread on its way: the thread
+        that read them (the I/O thread, or the lanes') runs their batch and writes the replies.
+        A thread that calls this after each pass over what it read has its batches held from
+        its next pass on; other threads never do."""
+        held = getattr(self._held, "models", None)
+        if not held:
+            self._held.passes = True
+            return
+        self._held.models = {}
         for entry in held.values():
             jobs = None
             try:

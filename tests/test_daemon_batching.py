@@ -217,11 +217,12 @@ def test_a_client_killed_while_its_requests_wait_in_a_batch() -> None:
             assert proc.wait(60) == 0
 
 
-@pytest.mark.parametrize("inline_run_max", ["1s", "0s"])
-def test_batches_of_lane_requests_run_where_they_were_read(inline_run_max: str) -> None:
-    """Requests read together from several local lanes form a batch that the lanes' thread runs
-    itself (a batching model whose batches take at most ``inline_run_max``), with the same
-    answers as unbatched runs; with ``inline_run_max`` 0 every batch goes to the model's workers."""
+@pytest.mark.parametrize("inline_run_max,lane", [("1s", True), ("1s", False), ("0s", True)])
+def test_batches_run_where_their_requests_were_read(inline_run_max: str, lane: bool) -> None:
+    """Requests read together from several clients, over local lanes or ZeroMQ, form a batch that
+    the thread that read them (the lanes', the I/O thread) runs itself, for a batching model whose
+    batches take at most ``inline_run_max``, with the same answers as unbatched runs; with
+    ``inline_run_max`` 0 every batch goes to the model's workers."""
     from test_daemon_e2e import Daemon
 
     with short_folder("vkb") as folder:
@@ -230,13 +231,13 @@ def test_batches_of_lane_requests_run_where_they_were_read(inline_run_max: str) 
             xs = [[RNG.standard_normal((1 + (i + k) % 2, 16)).astype(np.float32) for k in range(12)]
                   for i in range(4)]
             results: dict[int, list[np.ndarray]] = {}
-            with daemon.client() as admin:
-                assert admin.local_lane
+            with daemon.client(local_lane=lane) as admin:
+                assert admin.local_lane == lane
                 model = admin.load_model(batch_model(graph="read"), name="read", max_batch=8, keep_alive=0)
                 start = threading.Barrier(len(xs))
 
                 def client(i: int) -> None:
-                    with daemon.client() as c:
+                    with daemon.client(local_lane=lane) as c:
                         s = c.session(batch_model(graph="read"))
                         s.run(None, {"x": xs[i][0]})
                         start.wait(30)

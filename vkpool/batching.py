@@ -71,7 +71,7 @@ class BatchStats:
     rows: int = 0
     padded_rows: int = 0
     failed_batches: int = 0
-    where_read: int = 0  # batches run by the thread that read their requests (the daemon's lanes)
+    where_read: int = 0  # batches run by the thread that read their requests (the daemon's)
     cancelled: int = 0
     timed_out: int = 0
     keep: int = 10_000
