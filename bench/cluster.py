@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"call) (default autox{CALLS_PER_STEP}, the defaults)")
     parser.add_argument("--figures", nargs="+", choices=("replicas", "split", "hop"),
                         default=["replicas", "split", "hop"],
-                        help="which figures to measure (default both)")
+                        help="which figures to measure (default all three)")
     parser.add_argument("--split-driver", action="store_true", help="after each two-node figure, run it "
                         "again for --seconds, timing the session's answers and call starts in the driver")
     parser.add_argument("--drivers", type=int, nargs="+", default=[1],
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                     shared = (lambda which: {"name": f"bench-{kind}-{row}-{which}"}) if args.shared else (
                         lambda which: {})
                     how = f"{bundle or 'auto'}x{calls}, {load}, {drivers} driver(s)"
-                    shown = ["", 0]  # the two-node plan, and its sessions' max_bundle
+                    shown = [""]
 
                     def measure_one(first: bool) -> tuple[Any, Any, int]:
                         with cluster.session(path, devices=[a], **calling, **shared("one")) as one:
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                             print(cpu.report(f"{kind} {name} on node a, {how}"))
                         return single, single2, bundled
 
-                    def measure_two(first: bool) -> tuple[Any, Any]:
+                    def measure_two(first: bool) -> tuple[Any, Any, int]:
                         if kind == "replicas":
                             given: dict[str, Any] = {"objective": "throughput", "devices": [a, b]}
                         else:  # budgets under the model on each node: the planner must cut it in two
@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                         try:
                             with cluster.session(path, **given, **calling) as two:
                                 plan = two.placement
-                                shown[1] = two._max_bundle
+                                bundled_two = two._max_bundle
                                 copies = ", ".join([plan.chunks[0].member, *plan.replicas])
                                 shown[0] = (f"replicas on {copies}" if plan.replicas
                                             else " → ".join(c.member for c in plan.chunks))
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                         finally:
                             for member in (a, b):
                                 cluster.set_budget(member, budgets[member])
-                        return both, doubled
+                        return both, doubled, bundled_two
 
                     wanted: list[np.ndarray] = []
                     ones, twos = [], []
@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                         ratios = [max(t[0][0], t[1][0]) / max(o[0][0], o[1][0]) for o, t in zip(ones, twos)]
                     spread = (f" ({min(ratios):.2f}–{max(ratios):.2f} over {len(ratios)} rounds)"
                               if len(ratios) > 1 else "")
-                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({bundled} one, {shown[1]} two)'}x{calls}", load,
+                    rows.append((f"{kind}: {name}", f"{bundle or f'auto ({bundled} one, {twos[0][2]} two)'}x{calls}", load,
                                  f"{drivers}{' shared' if args.shared else ''}", figure(single),
                                  figure(both), f"{both[0] / single[0]:.2f}", shown[0])
                                 + ((figure(single2), figure(doubled), f"{doubled[0] / single2[0]:.2f}",

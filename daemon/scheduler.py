@@ -210,8 +210,8 @@ class Scheduler:
 
     def submit(self, job: Job, wake: bool = True) -> None:
         """Queue a job (:class:`Busy` when it does not fit). ``wake`` False: the workers are not
-        told yet; the caller then either runs the job itself (:meth:`take_now`) or calls
-        :meth:`wake`."""
+        told yet; the caller then calls :meth:`take_now`, which runs what it can and tells them
+        of the rest."""
         with self._cond:
             queue = self._queues[job.model_id]
             if queue.size >= queue.limit:
@@ -224,13 +224,6 @@ class Scheduler:
             queue.push(job)
             self._index[(job.client, job.request_id)] = job
             if wake:
-                self._cond.notify_all()
-
-    def wake(self, model_id: str) -> None:
-        """Tell the workers of a model's jobs queued with ``wake=False``, if any are left."""
-        with self._cond:
-            queue = self._queues.get(model_id)
-            if queue is not None and queue.size:
                 self._cond.notify_all()
 
     def find(self, client: bytes, request_id: str) -> Job | None:
@@ -310,16 +303,18 @@ class Scheduler:
         """A batch of a batching model's queued jobs for a caller that runs it itself, without
         waiting: None when none can run now (nothing queued, a worker gathering, the model
         closing, a re-plan holding ``gate``, or a queue delay that still waits for company,
-        which the workers then wait out). ``gate`` is taken shared as in :meth:`claim_idle` and
-        held for the caller while it runs the batch; the jobs are settled as a worker's are."""
+        which the workers then wait out). The workers are told of what stays queued. ``gate`` is
+        taken shared as in :meth:`claim_idle` and held for the caller while it runs the batch;
+        the jobs are settled as a worker's are."""
         with self._cond:
             queue = self._queues.get(model_id)
-            if queue is None or not queue.size or queue.gathering or model_id in self._closing:
+            if queue is None or not queue.size:
                 return None
-            if gate is not None and not gate.try_acquire_shared():
+            if queue.gathering or model_id in self._closing or (gate is not None and not gate.try_acquire_shared()):
+                self._cond.notify_all()  # the workers take them
                 return None
             first = queue.pop()
-            jobs = None if first is None else self._gather(queue, first, False)
+            jobs = None if first is None else self._gather(queue, first, False)  # tells of what it leaves
             if not jobs and gate is not None:
                 gate.release_shared()
             return jobs or None

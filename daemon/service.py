@@ -79,7 +79,7 @@ class Service:
         self._admin_thread.start()
         self.draining = False
         self._plans: dict[bytes, InferPlan] = {}
-        self._held = threading.local()  # per reading thread: batching models with jobs held in its pass
+        self._held = threading.local()  # .models, per reading thread: batching models with jobs held in its pass
         self._replies = P.InferReplies()
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -245,17 +245,14 @@ class Service:
                   deadline=deadline, accepted_at=accepted, rows=rows)
         # a quick batching model, read by a thread that calls run_held after each pass over what
         # it read (the I/O thread, the lanes'): its batch runs there, once the pass is read
-        held = (inline is not False and entry.batching is not None and run_s is not None
-                and run_s <= self.settings.inline_run_max and getattr(self._held, "passes", False))
+        mine = getattr(self._held, "models", None) if entry.batching is not None else None
+        held = mine is not None and run_s is not None and run_s <= self.settings.inline_run_max
         try:
             self.scheduler.submit(job, wake=not held)
         except Busy as exc:
             self.stats.count("busy")
             raise ProtocolViolation("Busy", str(exc), {"model": entry.id}) from None
         if held:
-            mine = getattr(self._held, "models", None)
-            if mine is None:
-                mine = self._held.models = {}
             mine[entry.id] = entry
         self.watch(job)
 
@@ -268,15 +265,12 @@ class Service:
         its next pass on; other threads never do."""
         held = getattr(self._held, "models", None)
         if not held:
-            self._held.passes = True
+            if held is None:  # this thread reads in passes: its next ones hold batches
+                self._held.models = {}
             return
         self._held.models = {}
         for entry in held.values():
-            jobs = None
-            try:
-                jobs = self.scheduler.take_now(entry.id, entry.gate)
-            finally:
-                self.scheduler.wake(entry.id)  # the rest, if any, to the workers meanwhile
+            jobs = self.scheduler.take_now(entry.id, entry.gate)  # the rest to the workers meanwhile
             if jobs is not None:
                 self.scheduler.run_taken(jobs, lambda taken, entry=entry: self._run_gathered(entry, taken, True))
 

@@ -246,8 +246,8 @@ def test_batches_run_where_their_requests_were_read(inline_run_max: str, lane: b
                 in_threads(client, len(xs), 120)
                 assert sorted(results) == list(range(len(xs)))
                 with vkpool.Session(batch_model(1, graph="read")) as single:
-                    for i in results:
-                        for x, got in zip(xs[i], results[i]):
+                    for i, got_i in results.items():
+                        for x, got in zip(xs[i], got_i):
                             unbatched = np.concatenate([single.run(None, {"x": x[r:r + 1]})[0]
                                                         for r in range(x.shape[0])])
                             np.testing.assert_allclose(got, unbatched, rtol=1e-5)
