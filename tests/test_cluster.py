@@ -148,6 +148,48 @@ def test_a_model_split_across_two_nodes_gives_one_members_outputs(cluster: Any, 
         assert_same(again.run(None, feeds), want)
 
 
+class _Recorded:
+    """A node's actor handle whose ``run_chunks`` calls are noted (arguments and result)."""
+
+    def __init__(self, actor: Any, calls: list[tuple[tuple[Any, ...], Any]]) -> None:
+        self._actor, self._calls = actor, calls
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._actor, name)
+        if name != "run_chunks":
+            return attr
+        calls = self._calls
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                ref = attr.remote(*args)
+                calls.append((args, ref))
+                return ref
+        return _Method
+
+
+def test_a_split_hands_its_tensor_from_node_to_node_not_through_the_caller(cluster: Any, mnist: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    path, feeds, want = mnist
+    calls: list[tuple[tuple[Any, ...], Any]] = []
+    gathered: list[Any] = []
+    with cluster[1].session(path, budgets=split_budgets()) as session:
+        monkeypatch.setattr(cluster[1], "actors", {n: _Recorded(a, calls) for n, a in cluster[1].actors.items()})
+        gather = session._gather
+        monkeypatch.setattr(session, "_gather", lambda copy, call, refs: (gathered.extend(refs),
+                                                                         gather(copy, call, refs))[1])
+        assert_same(session.run(None, feeds), want)
+    assert len(calls) == 2, calls  # one call per stage, on its own node
+    (first_args, first_ref), (second_args, second_ref) = calls
+    # the second stage is given the first stage's reference, which Ray resolves on the second
+    # node from the first node's store; the caller waits only on what makes the outputs
+    assert any(isinstance(a, ray.ObjectRef) and a == first_ref for a in second_args)
+    assert gathered == [second_ref]
+
+
 def test_replicas_over_two_nodes_share_the_requests(cluster: Any, mnist: Any) -> None:
     import vkpool.cluster
     from vkpool.cluster import DRIVER_INLINE_BYTES, INLINE_SETTING
