@@ -52,15 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     parser.add_argument("--config", type=Path, help="the daemon's config file (default: vkpool's own)")
+    parser.add_argument("--objective", choices=["latency", "throughput"],
+                        help="load the model for this objective (throughput: a copy on every member)")
     args = parser.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     work = Path(tempfile.mkdtemp(prefix="vkpool-profile-"))
     batching = None if args.max_batch is None else {"max_batch": args.max_batch, "max_queue_delay": 0.0}
+    load = {**(batching or {}), **({"objective": args.objective} if args.objective else {})}
     model = B.resolve_model(args.model, work, symbolic_batch=batching is not None)
     daemon = B.BenchDaemon(None if args.config is None else str(args.config))
     try:
         with daemon.client(local_lane=args.transport == "lane") as c:
-            c.session(model, **(batching or {}))  # loaded (and compiled) before the clients start
+            c.session(model, **load)  # loaded (and compiled) before the clients start
             raw = args.out / "daemon-profile.txt"
             args.out.mkdir(parents=True, exist_ok=True)
             spy_args = [spy, "record", "-p", str(daemon.proc.pid), "-d", str(max(1, int(args.seconds) - 1)),
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                         *(["--gil"] if args.gil else [])]
             recording: list[subprocess.Popen] = []
             # sampled while the clients run, not while they start
-            result = B.throughput(daemon.endpoint, model, args.clients, args.seconds, args.transport, batching,
+            result = B.throughput(daemon.endpoint, model, args.clients, args.seconds, args.transport, load,
                                   daemon.proc.pid, lambda: recording.append(subprocess.Popen(
                                       spy_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
             for proc in recording:

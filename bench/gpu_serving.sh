@@ -4,13 +4,15 @@
 # fixed batch and dynamic batching, the model on one GPU and replicated on both, then py-spy
 # samples of the daemon under 16 clients, fixed batch and batching (all threads).
 # Carry .gl, .whl (with py-spy) and .glsl as for bench/gpu_run.sh. Output under $OUT.
-# Environment: CLIENTS, SECONDS_EACH, MAX_BATCH.
+# Environment: CLIENTS, SECONDS_EACH, MAX_BATCH, PROFILES (0: no py-spy samples), ONLY (the runs to
+# make, of fixed batched replicas-fixed replicas-batched; default all).
 source bench/gpu_daemon_env.sh
 (cd /tmp && python3 -m vkpool devices | head -4)
 clients=${CLIENTS:-1 4 16 64}
 secs=${SECONDS_EACH:-2}
 run() {  # name, then bench arguments
   local name=$1; shift
+  [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]] && return 0
   echo "=== $name: $*"
   (cd /tmp && timeout 170 python3 -m vkpool.daemon.bench "$@" --seconds $secs \
     --out "$OUT/$name.json" 2>&1 | grep -E "^\| |^CPU|Error|error")
@@ -20,6 +22,7 @@ run batched mnist12_like --runs 300 --clients $clients --transport lane --max-ba
 run replicas-fixed mnist12_like --runs 100 --clients 1 16 64 --transport lane --objective throughput
 run replicas-batched mnist12_like --runs 100 --clients 1 16 64 --transport lane --objective throughput \
   --max-batch ${MAX_BATCH:-32}
+[ "${PROFILES:-1}" = 0 ] && exit 0
 for batch in "" "--max-batch ${MAX_BATCH:-32}"; do
   name=$([ -n "$batch" ] && echo batched || echo fixed)
   echo "=== profile: 16 clients, $name, lane"
