@@ -704,3 +704,7 @@ def test_a_node_killed_mid_run_without_a_replica_fails_each_request_clearly(clus
             return True
 
         wait_until(runs)
+    # no thread of the closed session is left holding Ray's references (freed after Ray shuts
+    # down, one ends the process): its answers' thread and its reviver have ended
+    assert not any(t.is_alive() for t in session._completions._threads)
+    assert session._reviver is None or not session._reviver.is_alive()

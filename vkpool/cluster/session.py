@@ -628,12 +628,14 @@ class ClusterSession:
             for copy in down:
                 try:
                     for node in copy.nodes:
-                        self._ray.get(self.cluster.actors[node].ping.remote(), timeout=PING_TIMEOUT_S)
+                        self._get_while_open(self.cluster.actors[node].ping.remote(), PING_TIMEOUT_S)
                     for node in copy.nodes:  # what survived on another node of the copy is opened anew
                         closing = self.cluster.actors[node].close.remote(copy.key, self._holder)
-                        self._ray.get(closing, timeout=PING_TIMEOUT_S)
-                    self._ray.get(self._open(copy), timeout=PING_TIMEOUT_S * 10)
+                        self._get_while_open(closing, PING_TIMEOUT_S)
+                    self._get_while_open(self._open(copy), PING_TIMEOUT_S * 10)
                 except Exception:
+                    if self._closed:
+                        return
                     continue
                 with self._lock:
                     copy.down = None
@@ -642,6 +644,21 @@ class ClusterSession:
                     for node in copy.nodes:
                         self.cluster.actors[node].close.remote(copy.key, self._holder)
             time.sleep(REVIVE_EVERY_S)
+
+    def _get_while_open(self, refs: Any, timeout: float) -> Any:
+        """``ray.get(refs)`` (one reference or a list) within ``timeout`` seconds, given up
+        (RuntimeError) once the session closes: looked at every REVIVE_EVERY_S, so that
+        :meth:`close` can wait for the thread that asks."""
+        waiting = list(refs) if isinstance(refs, list) else [refs]
+        deadline = time.monotonic() + timeout
+        while waiting:
+            if self._closed:
+                raise RuntimeError("the session closed")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer within {timeout} s")
+            _, waiting = self._ray.wait(waiting, num_returns=len(waiting), timeout=min(left, REVIVE_EVERY_S))
+        return self._ray.get(refs)
 
     @property
     def copies(self) -> list[dict[str, Any]]:
@@ -715,6 +732,9 @@ class ClusterSession:
             if self._closed:
                 return
             self._closed = True
+            reviver = self._reviver
+        if reviver is not None and reviver is not threading.current_thread():
+            reviver.join(REVIVE_EVERY_S * 4)  # it gives up at its next look (_get_while_open)
         for copy in self._copies:
             for node in copy.nodes:
                 try:
@@ -728,7 +748,10 @@ class ClusterSession:
                               timeout=PING_TIMEOUT_S)
             except Exception:
                 pass  # the names' actor restarted: it holds nothing of this driver
-        self._completions.shutdown(wait=False)
+        # answers not handled yet are dropped here, in this thread: each holds the future of a
+        # Ray reference, and a reference Ray frees after a shutdown (a driver's next step once its
+        # sessions are closed) ends the process
+        self._completions.shutdown(wait=False, cancel_futures=True)
         with self._lock:  # their completions will not be handled now
             left = [p for copy in self._copies for p in copy.queue]
             left += [p for copy in self._copies for call in copy.calls.values() for p in call]
@@ -738,6 +761,10 @@ class ClusterSession:
                 copy.calls.clear()
         for pending in left:
             _settle(pending.future, RuntimeError("the session was closed before this request finished"))
+        try:  # the answer being handled now, if any, ends before this returns
+            self._completions.shutdown(wait=True)
+        except RuntimeError:
+            pass  # closed from a completion's callback: that thread cannot wait for itself
 
     def __enter__(self) -> ClusterSession:
         return self
