@@ -305,12 +305,17 @@ class Scheduler:
         closing, a re-plan holding ``gate``, or a queue delay that still waits for company,
         which the workers then wait out). The workers are told of what stays queued. ``gate`` is
         taken shared as in :meth:`claim_idle` and held for the caller while it runs the batch;
-        the jobs are settled as a worker's are."""
+        the jobs are settled as a worker's are. A model with a queue delay and fewer jobs queued
+        than ``max_batch`` is left to the workers before anything is gathered: its batch may
+        still wait for company, and gathering it only to give it back would cost each pass."""
         with self._cond:
             queue = self._queues.get(model_id)
             if queue is None or not queue.size:
                 return None
-            if queue.gathering or model_id in self._closing or (gate is not None and not gate.try_acquire_shared()):
+            runner = queue.batching
+            if (queue.gathering or model_id in self._closing
+                    or (runner.max_queue_delay > 0 and queue.size < runner.max_batch)
+                    or (gate is not None and not gate.try_acquire_shared())):
                 self._cond.notify_all()  # the workers take them
                 return None
             first = queue.pop()
