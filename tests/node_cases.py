@@ -12,9 +12,11 @@ import vkpool
 
 def run_node(pool: Any, op_type: str, inputs: list[np.ndarray | None], attrs: dict[str, Any] | None = None, *,
              constants: tuple[int, ...] = (), num_outputs: int = 1, opset: int = 21,
-             expected: list[np.ndarray] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+             expected: list[np.ndarray] | None = None, device: str | None = None,
+             ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(device outputs, reference outputs) of one node; ``constants`` positions become initializers.
-    ``expected`` replaces the reference evaluator where it cannot run the case."""
+    ``expected`` replaces the reference evaluator where it cannot run the case; ``device`` picks
+    the member (the session's default placement otherwise)."""
     names = [f"in{i}" if x is not None else "" for i, x in enumerate(inputs)]
     outs = [f"out{i}" for i in range(num_outputs)]
     node = helper.make_node(op_type, names, outs, **(attrs or {}))
@@ -38,7 +40,7 @@ def run_node(pool: Any, op_type: str, inputs: list[np.ndarray | None], attrs: di
             model([helper.make_empty_tensor_value_info(o) for o in outs])).run(None, feeds)]
     typed = [helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(e.dtype), e.shape)
              for o, e in zip(outs, expected)]
-    with vkpool.Session(model(typed), pool=pool) as session:
+    with vkpool.Session(model(typed), pool=pool, **({"device": device} if device else {})) as session:
         got = session.run(None, feeds)
     return got, expected
 

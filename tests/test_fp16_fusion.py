@@ -291,13 +291,124 @@ def test_float16_attention_follows_the_device_limits(limits, kernel):
 # -- residual Add into LayerNormalization, and the Casts around norms and softmaxes ------------------
 
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
-def test_a_float16_residual_add_joins_the_layernorm(pool, pre_norm):
+@pytest.mark.parametrize("rows_max,kernel", [(None, "norm_rows"), (8, "norm")])
+def test_a_float16_residual_add_and_its_product_join_the_layernorm(pool, monkeypatch, pre_norm, rows_max, kernel):
+    """The residual block's product (the residual's other operand here) is computed by the norm:
+    on lavapipe, unsplit, into Y, then normalised in place by either norm kernel (norm.comp where
+    rows are longer than norm_rows.comp takes: that limit lowered)."""
+    from vkpool.kernels.ops import norms
+
+    if rows_max is not None:
+        monkeypatch.setattr(norms, "_ROWS_MAX", rows_max)
     model = half_model(_residual_block(pre_norm))
     nodes = load_model(model, cache=False).nodes
     norm = next(n for n in nodes if n.op_type == "LayerNormalization")
-    assert norm.attrs["residual"] == 1
-    assert [n.op_type for n in nodes] == ["MatMul", "LayerNormalization"] + (["Add"] if pre_norm else [])
-    check_half(pool, model, {"x": RNG.standard_normal((2, 9, 13))}).close()
+    assert norm.attrs["residual"] == 1 and norm.attrs["product"] == 1
+    assert norm.inputs == ["x", "g", "bn", "x", "w"]  # A, scale, bias, residual, W
+    assert [n.op_type for n in nodes] == ["LayerNormalization"] + (["Add"] if pre_norm else [])
+    with check_half(pool, model, {"x": RNG.standard_normal((2, 9, 13))}) as session:
+        norm_shaders = [label.split("[")[1].rstrip("]") for label in session._chunk.dispatch_labels
+                        if label.startswith("LayerNormalization")]
+        assert norm_shaders == ["gemm_f16", kernel]
+
+
+def _linear_norm(act: str | None = None, read_twice: bool = False, dtype_half: bool = True) -> bytes:
+    """LayerNorm(x + Linear(x)) with a bias, Linear's output optionally through an activation or
+    also a graph output."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["h"])]
+    if act:
+        nodes.append(helper.make_node(act, ["h"], ["ha"]))
+    h = "ha" if act else "h"
+    nodes += [helper.make_node("Add", [h, "x"], ["s"]),
+              helper.make_node("LayerNormalization", ["s", "g", "bn"], ["n"], axis=-1, epsilon=1e-5)]
+    outputs = ["n", h] if read_twice else ["n"]
+    model = _model(nodes, [("x", (3, 5, 24))], [_w("w", 24, 24), _w("b", 24), _w("g", 24), _w("bn", 24)], outputs)
+    return half_model(model) if dtype_half else model
+
+
+@pytest.mark.parametrize("case,folded", [
+    ({}, True), ({"act": "Relu"}, False), ({"read_twice": True}, False), ({"dtype_half": False}, False),
+], ids=["linear", "activation", "product-read-elsewhere", "float32"])
+def test_which_products_a_layernorm_takes_in(case, folded):
+    model = _linear_norm(**case)
+    nodes = load_model(model, cache=False).nodes
+    norm = next(n for n in nodes if n.op_type == "LayerNormalization")
+    assert ("product" in norm.attrs) == folded
+    assert ("MatMul" in [n.op_type for n in nodes]) != folded
+    if folded:
+        assert norm.inputs == ["x", "g", "bn", "x", "w", "b"]
+
+
+def test_a_layernorm_with_its_product_runs_on_the_host_in_onnxruntime(pool):
+    """The host member's onnxruntime model spells the norm's product (and its bias) out again."""
+    model = _linear_norm()
+    x = RNG.standard_normal((3, 5, 24)).astype(F16)
+    want = exact(model, {"x": x})[0]
+    with vkpool.Session(model, pool=pool, device="cpu") as s:
+        assert any(n.attrs.get("product") for n in s.model.nodes)
+        if pool.member("cpu").engine != "numpy":
+            assert s.plan.engine.startswith("onnxruntime"), s.plan.engine_note
+        got = s.run(None, {"x": x})[0]
+    assert rel_err(got, want) <= 2.0 ** -9
+
+
+@pytest.mark.parametrize("bias,residual,sum_out", [(True, True, True), (False, True, False)])
+def test_norm_rows_adds_a_split_products_partial_sums(pool, bias, residual, sum_out):
+    """norm_rows.comp reading a split product's float32 partial sums (NSPLITS) and its bias, run
+    alone on partials the test writes (lavapipe splits no product: a split needs cooperative
+    matrices): the same as the norm of their float32 sum."""
+    from vkpool.kernels.base import pack_push_constants
+
+    member = pool.vulkan_members[0]
+    device = member.device
+    rows, k, n, splits = 5, 96, 300, 3
+    infos = [TensorInfo((rows, k), F16), TensorInfo((n,), F16), TensorInfo((n,), F16), TensorInfo((rows, n), F16),
+             TensorInfo((k, n), F16)] + ([TensorInfo((n,), F16)] if bias else [])
+    w = RNG.standard_normal((k, n)).astype(F16)
+    node = create_op("LayerNormalization", {"residual": 1, "product": 1}, infos, {4: w}, opset=17,
+                     num_outputs=4 if sum_out else 1)
+    parts = RNG.standard_normal((splits, rows, n)).astype(np.float32)
+    res = RNG.standard_normal((rows, n)).astype(F16)
+    scale, beta, pbias = (1 + RNG.standard_normal(n) * 0.1).astype(F16), *(RNG.standard_normal((2, n)) * 0.3).astype(F16)
+    bufs = [member.alloc(a.nbytes) for a in (parts, scale, beta, res, pbias, res, res)]
+    try:
+        for buf, a in zip(bufs, (parts, scale, beta, res, pbias)):
+            member.upload(buf, a)
+        ctx = DispatchContext(["a", bufs[1], bufs[2], bufs[3] if residual else None, "w", bufs[4] if bias else None],
+                              [bufs[5], None, None, bufs[6] if sum_out else None], None, device.caps, {})
+        (d,) = node.norm_dispatches(ctx, bufs[0], (splits, bufs[4] if bias else None, n))
+        assert d.shader == "norm_rows" and d.defines["NSPLITS"] == splits and d.defines["PBIAS"] == int(bias)
+        device.run_once([("dispatch", device.pipeline(d.shader, d.defines),
+                          pack_push_constants(d.args, lambda alloc: alloc.address), d.groups)])
+        y, total = (member.download(buf, (rows, n), F16) for buf in bufs[5:])
+    finally:
+        for buf in bufs:
+            buf.free()
+    x = parts.sum(axis=0, dtype=np.float64) + (pbias if bias else 0) + res
+    if sum_out:
+        assert_fp16_close(total, x, 2.0 ** -11, 2.0 ** -20, "the residual sum")
+    assert rel_err(y, _norm64(x, scale, beta, -1, False)) <= 2.0 ** -10
+
+
+@pytest.mark.parametrize("m,k,n", [(128, 3072, 768), (37, 1000, 53)])
+def test_a_layernorm_adds_its_split_products_partials_on_a_gpu(pool, m, k, n):
+    """On a device with cooperative matrices, the norm's product is split over K and the norm reads
+    its partial sums: two dispatches, against the float64 norm of the float16 inputs."""
+    from node_cases import run_node
+
+    member = coop_member(pool)
+    a, w = RNG.uniform(-1, 1, (m, k)).astype(F16), (RNG.uniform(-1, 1, (k, n)) / 8).astype(F16)
+    pbias, res = RNG.standard_normal(n).astype(F16), RNG.standard_normal((m, n)).astype(F16)
+    scale, beta = (1 + RNG.standard_normal(n) * 0.1).astype(F16), (RNG.standard_normal(n) * 0.1).astype(F16)
+    inputs = [a, scale, beta, res, w, pbias]
+    node = create_op("LayerNormalization", {"residual": 1, "product": 1},
+                     [TensorInfo(t.shape, t.dtype) for t in inputs], {4: w}, opset=17)
+    ds = node.dispatches(DispatchContext(["a", "s", "b", "r", "w", "c"], ["y"], "ws", member.device.caps, {}))
+    assert node.product.splits > 1 and [d.shader for d in ds] == ["gemm_coopmat", "norm_rows"]
+    got, _ = run_node(pool, "LayerNormalization", inputs, {"residual": 1, "product": 1, "axis": -1},
+                      constants=(1, 2, 4, 5), opset=17, expected=[np.zeros((m, n), F16)], device=member.id)
+    x = a.astype(np.float64) @ w.astype(np.float64) + pbias + res
+    assert rel_err(got[0], _norm64(x, scale, beta, -1, False)) <= 2.0 ** -9
 
 
 def _norm64(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, axis: int, rms: bool) -> np.ndarray:

@@ -27,7 +27,11 @@ the latency. The rewrites, applied in node order until nothing changes:
 - ``LayerNormalization(Add(a, b))`` of two tensors of one shape becomes the norm of ``a`` with the
   residual ``b`` added as it is read (vkpool's attribute ``residual``, input 3); where the sum is
   read elsewhere too (a pre-norm block's residual stream) the norm also writes it, as its
-  output 3;
+  output 3. In float16 graphs, where ``a`` or ``b`` is a product by constant weights (with a
+  bias, no activation) that nothing else reads, the norm computes that product itself (vkpool's
+  attribute ``product``): a product split over K leaves its partial sums for the norm to add as
+  it reads them, one pass fewer per block (a transformer's attention output and FFN-down
+  projections);
 - scaled dot-product attention as exporters spell it, ``Softmax(MatMul(Q, Kᵀ) / c [+ mask]) @ V``
   with the heads split by ``Reshape`` + ``Transpose`` and merged back the same way, becomes one
   ``Attention`` node (``kernels/ops/attention.py``) on the [batch, sequence, heads·size] tensors
@@ -145,6 +149,9 @@ def _fuse_once(model: LoadedModel) -> bool:
             return True
         if node.op_type == "LayerNormalization" and "residual" not in node.attrs and _fuse_residual(g, node):
             return True
+        if node.op_type == "LayerNormalization" and node.attrs.get("residual") and "product" not in node.attrs \
+                and _fold_product_into_norm(g, node):
+            return True
         if node.op_type == "Cast" and _drop_same_type_cast(g, node):
             return True
         if node.op_type == "Attention" and node.domain == "" and "packed_qkv" not in node.attrs \
@@ -245,6 +252,42 @@ def _fuse_residual(g: _Graph, norm: Node) -> bool:
         g.model.tensors.pop(x, None)
     g.model.nodes.remove(add)
     return True
+
+
+def _fold_product_into_norm(g: _Graph, norm: Node) -> bool:
+    """A float16 residual ``LayerNormalization`` whose X (or residual: the sum is the same) is a
+    product of constant 2-D weights, with or without a bias and no activation, read by nothing
+    else, computes that product itself (vkpool's attribute ``product``; inputs A, scale, bias,
+    residual, W, product bias): a split product's partial sums are then added where the norm
+    reads them, not in a pass of their own (``kernels/ops/norms.py``)."""
+    model = g.model
+    if len(norm.inputs) != 4 or model.tensors.get(norm.inputs[0]) is None \
+            or model.tensors[norm.inputs[0]].dtype != np.float16:
+        return False
+    for pos in (0, 3):
+        x = norm.inputs[pos]
+        product = g.made_by(x, "MatMul")
+        if product is None or "activation" in product.attrs or not g.private(x, norm) \
+                or product.inputs[1] not in model.constants or len(model.tensors[product.inputs[1]].shape) != 2:
+            continue
+        a, w, c = (list(product.inputs) + ["", ""])[:3]
+        inputs = [a, norm.inputs[1], norm.inputs[2], norm.inputs[3 - pos], w, c]
+        attrs = {**norm.attrs, "product": 1}
+        from vkpool.kernels.registry import create_op  # the registry imports every op module
+
+        infos = [model.tensors.get(t) if t else None for t in inputs]
+        try:
+            op = create_op("LayerNormalization", attrs, infos, {4: model.constants[w]}, opset=model.opset,
+                           num_outputs=len(norm.outputs))
+            if op.output_infos()[0] != model.tensors[x]:
+                continue
+        except (OpError, UnsupportedOp):
+            continue
+        norm.inputs, norm.attrs = inputs if c else inputs[:5], attrs
+        model.tensors.pop(x, None)
+        model.nodes.remove(product)
+        return True
+    return False
 
 
 def _splice(model: LoadedModel, kept: Node, removed: Node) -> None:

@@ -18,8 +18,10 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from vkpool.kernels.base import (
-    F32, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
+    F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
 )
+from vkpool.kernels.ops.gemm import MatmulProblem
+from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, transposed_b
 from vkpool.kernels.ops.reduce import MAX_VIEW_RANK, normalize_axes, reduction_view, row_geometry
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -106,10 +108,31 @@ class RowNorm(Op):
         return [self.input(0)]
 
     def flops(self) -> int:
-        return 5 * self.input(0).size
+        return 5 * self.x_info().size
+
+    def x_info(self) -> TensorInfo:
+        """The tensor normalised (input 0, unless the norm computes it itself)."""
+        return self.input(0)
+
+    def rows_kernel(self, caps: DeviceCaps | None) -> bool:
+        """Whether a float16 norm runs norm_rows.comp on ``caps``' device (else norm.comp)."""
+        x = self.x_info()
+        dims, mask = reduction_view(self.view_shape, self.axes)
+        nred = math.prod(self.view_shape[a] for a in self.axes)
+        reduced = bin(mask).count("1")
+        tail = mask == ((1 << reduced) - 1) << (len(dims) - reduced)
+        return (x.dtype == np.float16 and tail and self.mode in (0, 1) and self.sdiv == 1 and nred <= _ROWS_MAX
+                and (caps is None or caps.max_workgroup_invocations >= 256))
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
-        x = self.input(0)
+        return self.norm_dispatches(ctx, ctx.inputs[0])
+
+    def norm_dispatches(self, ctx: DispatchContext, x_handle: object,
+                        partials: tuple[int, object | None, int] | None = None) -> list[Dispatch]:
+        """The norm of the tensor at ``x_handle``; with ``partials`` (splits, bias handle or None,
+        columns: only where :meth:`rows_kernel` holds) ``x_handle`` holds a split product's float32
+        partial sums, which norm_rows.comp adds with that bias as it reads them."""
+        x = self.x_info()
         if x.size == 0:
             return []
         dims, mask = reduction_view(self.view_shape, self.axes)
@@ -120,7 +143,7 @@ class RowNorm(Op):
         has_bias = self.bias_pos is not None and self.has_input(self.bias_pos)
         stats = [ctx.outputs[k] if k < len(ctx.outputs) and ctx.outputs[k] is not None else None for k in (1, 2)]
         has_stats = all(s is not None for s in stats)
-        x_ptr = Ptr(ctx.inputs[0])
+        x_ptr = Ptr(x_handle)
         args = [
             x_ptr,
             Ptr(ctx.inputs[self.scale_pos]) if has_scale else x_ptr,
@@ -142,22 +165,46 @@ class RowNorm(Op):
                    "RESIDUAL": int(residual), "SUM_OUT": int(sum_out is not None)}
         if x.dtype == np.float16:
             defines["HALF"] = 1  # float32 keeps its defines (and its cached pipelines) as they were
-            if tail and self.mode in (0, 1) and self.sdiv == 1 and nred <= _ROWS_MAX \
-                    and (ctx.caps is None or ctx.caps.max_workgroup_invocations >= 256):
+            if self.rows_kernel(ctx.caps):
                 del defines["ROW_THREADS"], defines["TAIL"], defines["P"], defines["HALF"]
                 args = [*args[:6], U32(nrows), F32(self.eps), U32(self.smod), U32(self.bmod), *args[-2:]]
                 subgroups = ctx.caps is not None and ctx.caps.subgroup_arithmetic
                 defines.update({"NRED": nred, "SUBGROUP_REDUCE": int(subgroups)})
+                if partials is not None:
+                    splits, pbias, cols = partials
+                    args += [Ptr(pbias) if pbias is not None else x_ptr, U32(cols)]
+                    defines.update({"NSPLITS": splits, "PBIAS": int(pbias is not None)})
                 return [Dispatch("norm_rows", args, groups_1d(nrows, 1, ctx.caps), defines)]
+        if partials is not None:
+            raise ValueError(f"{self.op_type}: only norm_rows.comp reads a product's partial sums")
         return [Dispatch("norm", args, groups, defines)]
 
 
 class LayerNormalization(RowNorm):
+    """ONNX LayerNormalization; :mod:`vkpool.fusion` may give it a residual (the attribute
+    ``residual``: input 3 added to X as it is read, the sum as output 3) and, in float16 graphs,
+    the product that computes X (the attribute ``product``: input 0 is then A, input 4 the
+    constant 2-D weights W and input 5 the product's bias, and X = A @ W + bias is computed in the
+    norm's own dispatches). A product split over K on a device with cooperative matrices leaves
+    its float32 partial sums in the workspace, and norm_rows.comp adds them (with the bias) as it
+    reads X: no pass of its own to finish the product. Elsewhere the product writes X into Y,
+    which the norm then normalises in place (each element is read before it is written, by the
+    invocation that writes it)."""
+
     op_type = "LayerNormalization"
     mode = 0
+    product: HalfMatmulPlan | None = None
+
+    def x_info(self) -> TensorInfo:
+        if not self.attr("product", 0):
+            return self.input(0)
+        a, w = self.input(0), self.input(4)
+        return TensorInfo((*a.shape[:-1], w.shape[-1]), a.dtype)
 
     def setup(self) -> None:
-        x = self.input(0)
+        if self.attr("product", 0):
+            self._setup_product()
+        x = self.x_info()
         rank = len(x.shape)
         self.axis = normalize_axes([self.attr("axis", -1)], rank, self.op_type)[0]
         self.require_float32_stash()
@@ -174,14 +221,58 @@ class LayerNormalization(RowNorm):
             self.bmod = tail_broadcast_size(self.input(2).shape, norm_shape, "bias")
         self.stats_shape = x.shape[:self.axis] + (1,) * (rank - self.axis)
 
+    def _setup_product(self) -> None:
+        a, w = self.input(0), self.input(4)
+        if a.dtype != np.float16 or w.dtype != np.float16 or len(w.shape) != 2 or len(a.shape) < 2:
+            raise UnsupportedOp("LayerNormalization: a fused product needs float16 A (2-D or more) and 2-D W")
+        if 4 not in self.constants:
+            raise UnsupportedOp("LayerNormalization: a fused product's weights must be constant")
+        (k, n), rows = w.shape, math.prod(a.shape[:-1])
+        if a.shape[-1] != k:
+            raise OpError(f"LayerNormalization: the fused product's inner dimensions differ ({a.shape} @ {w.shape})")
+        has_bias = self.has_input(5)
+        if has_bias and self.input(5) != TensorInfo((n,), np.float16):
+            raise OpError(f"LayerNormalization: the fused product's bias must be float16 of shape ({n},)")
+        if transposed_b(n, k):  # stored N x K: see transposed_b
+            self.transposed_constants = frozenset({4})
+            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=1, sBn=k)
+        else:
+            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1)
+        problem.has_bias, problem.sCn = has_bias, 1
+        self.product = HalfMatmulPlan(problem)
+        self.rereads_inputs = True  # each row of A is read by every column tile of the product
+
     def output_infos(self) -> list[TensorInfo]:
-        x = self.input(0)
+        x = self.x_info()
         stats = TensorInfo(self.stats_shape, np.float32)
         return [x, stats, stats, x][: max(1, self.num_outputs)]
+
+    def flops(self) -> int:
+        return super().flops() + (self.product.flops() if self.product is not None else 0)
+
+    def workspace_bytes(self) -> int:
+        return self.product.workspace_bytes() if self.product is not None else 0
+
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        if self.product is None:
+            return super().dispatches(ctx)
+        c = ctx.inputs[5] if len(ctx.inputs) > 5 else None
+        y = ctx.outputs[0]
+        work = self.product.dispatches(ctx.inputs[0], ctx.inputs[4], y, ctx.caps, c=c, ws=ctx.workspace)
+        if work and work[-1].shader == "gemm_reduce" and self.rows_kernel(ctx.caps):
+            partials = (work[-1].defines["NSPLITS"], c, self.product.p.N)
+            return [*work[:-1], *self.norm_dispatches(ctx, ctx.workspace, partials)]
+        return [*work, *self.norm_dispatches(ctx, y)]
 
     def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
         assert x is not None and scale is not None
+        if self.product is not None:
+            w = inputs[4]
+            assert w is not None
+            x = np.matmul(x, w)
+            if len(inputs) > 5 and inputs[5] is not None:
+                x = x + inputs[5]
         if self.residual:
             x = (x + inputs[3]).astype(np.float32)
         axes = tuple(self.axes)

@@ -7,6 +7,9 @@
 // memory at every element. Push constants as norm.comp's (x viewed as rows, no shape or mask);
 // RESIDUAL / SUM_OUT, HAS_SCALE / HAS_BIAS / HAS_STATS as there. SUBGROUP_REDUCE: the sums
 // through subgroupAdd and one shared value per subgroup (two barriers a sum, not nine).
+// NSPLITS (defined only then): x holds a split-K product's float32 partial sums, NSPLITS slices
+// of nrows * NRED values, added (in split order, loads unrolled) with the product's bias (PBIAS:
+// pbias[i % pcols]) as X is read: the product's own reduction pass is not needed.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -20,7 +23,11 @@
 layout(local_size_x = NT) in;
 
 layout(push_constant) uniform Args {
+#ifdef NSPLITS
+    F32Buf x;
+#else
     F16Buf x;
+#endif
     F16Buf scale;
     F16Buf bias;
     F16Buf y;
@@ -32,6 +39,10 @@ layout(push_constant) uniform Args {
     uint bmod;
     F16Buf res;
     F16Buf sum_out;
+#ifdef NSPLITS
+    F16Buf pbias;
+    uint pcols;
+#endif
 } pc;
 
 shared float partial[NT];
@@ -71,10 +82,18 @@ void main() {
         const uint r = lane + u * NT;
         v[u] = 0.0;
         if (r < NRED) {
-#if RESIDUAL
-            v[u] = float(pc.x.v[base + r]) + float(pc.res.v[base + r]);
+#ifdef NSPLITS
+            float s = 0.0;
+            [[unroll]] for (uint k = 0; k < NSPLITS; ++k) s += pc.x.v[k * pc.nrows * NRED + base + r];
+#if PBIAS
+            s += float(pc.pbias.v[(base + r) % pc.pcols]);
+#endif
+            v[u] = s;
 #else
             v[u] = float(pc.x.v[base + r]);
+#endif
+#if RESIDUAL
+            v[u] += float(pc.res.v[base + r]);
 #endif
         }
 #if MODE == 0
