@@ -5,8 +5,8 @@ A policy sets what ``kernels/ops/gemm_f16.py`` decides from constants: the small
 cooperative-matrix tile (the one taken when larger tiles leave the device short of workgroups),
 the tile split products run, the workgroups split-K aims at and the least K per split
 (``split=off``: never split). ``SPEC`` is comma-separated ``tile=CoopTile name``,
-``split_tile=CoopTile name``, ``target=N``, ``min_k=N``, ``split=off``; an empty SPEC is the
-planner's own. Each model is loaded once per
+``split_tile=CoopTile name``, ``target=N``, ``min_k=N``, ``split=off``, ``act_split=off`` (products
+with a fused activation never split); an empty SPEC is the planner's own. Each model is loaded once per
 policy, checked against the first policy's output (max|y - y0| / max|y0|, float16 rounding
 differs between tile shapes), and timed (median of ``--runs`` after 20 warm-up runs), with its
 dispatch count. The constants are set in this process only; nothing of vkpool is changed.
@@ -33,6 +33,7 @@ def apply(spec: str) -> dict[str, Any]:
     from vkpool.kernels.ops import gemm_f16
 
     saved = {k: getattr(gemm_f16, k) for k in ("COOP_TILES", "SPLIT_TILE", "_SPLIT_TARGET_GROUPS", "_SPLIT_MIN_K")}
+    saved["split_k"] = gemm_f16.HalfMatmulPlan.__dict__["split_k"]
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "tile":
@@ -45,6 +46,9 @@ def apply(spec: str) -> dict[str, Any]:
             gemm_f16._SPLIT_MIN_K = int(value)
         elif key == "split" and value == "off":
             gemm_f16._SPLIT_MIN_K = 1 << 30
+        elif key == "act_split" and value == "off":
+            split_k = saved["split_k"].__func__
+            gemm_f16.HalfMatmulPlan.split_k = staticmethod(lambda p: 1 if p.act else split_k(p))
         else:
             raise SystemExit(f"unknown policy item {item!r}")
     return saved
@@ -54,7 +58,7 @@ def restore(saved: dict[str, Any]) -> None:
     from vkpool.kernels.ops import gemm_f16
 
     for key, value in saved.items():
-        setattr(gemm_f16, key, value)
+        setattr(gemm_f16.HalfMatmulPlan if key == "split_k" else gemm_f16, key, value)
 
 
 def run(model: str, device: str | None, runs: int) -> tuple[float, int, np.ndarray]:
