@@ -6,7 +6,9 @@ cooperative-matrix tile (the one taken when larger tiles leave the device short 
 the tile split products run, the workgroups split-K aims at and the least K per split
 (``split=off``: never split). ``SPEC`` is comma-separated ``tile=CoopTile name``,
 ``split_tile=CoopTile name``, ``target=N``, ``min_k=N``, ``split=off``, ``act_split=off`` (products
-with a fused activation never split); an empty SPEC is the planner's own. Each model is loaded once per
+with a fused activation never split), ``matmul_split=off`` (MatMul and Gemm nodes never split: only
+the products a LayerNormalization computes, which need no pass to add their splits); an empty
+SPEC is the planner's own. Each model is loaded once per
 policy, checked against the first policy's output (max|y - y0| / max|y0|, float16 rounding
 differs between tile shapes), and timed (median of ``--runs`` after 20 warm-up runs), with its
 dispatch count. The constants are set in this process only; nothing of vkpool is changed.
@@ -34,6 +36,9 @@ def apply(spec: str) -> dict[str, Any]:
 
     saved = {k: getattr(gemm_f16, k) for k in ("COOP_TILES", "SPLIT_TILE", "_SPLIT_TARGET_GROUPS", "_SPLIT_MIN_K")}
     saved["split_k"] = gemm_f16.HalfMatmulPlan.__dict__["split_k"]
+    from vkpool.kernels.ops import gemm, matmul
+
+    saved["matmul"] = (matmul.HalfMatmulPlan, gemm_f16.HalfMatmulPlan)
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "tile":
@@ -46,6 +51,10 @@ def apply(spec: str) -> dict[str, Any]:
             gemm_f16._SPLIT_MIN_K = int(value)
         elif key == "split" and value == "off":
             gemm_f16._SPLIT_MIN_K = 1 << 30
+        elif key == "matmul_split" and value == "off":
+            class Unsplit(gemm_f16.HalfMatmulPlan):
+                split_k = staticmethod(lambda p: 1)
+            matmul.HalfMatmulPlan = gemm_f16.HalfMatmulPlan = Unsplit  # Gemm imports it from gemm_f16 when run
         elif key == "act_split" and value == "off":
             split_k = saved["split_k"].__func__
             gemm_f16.HalfMatmulPlan.split_k = staticmethod(lambda p: 1 if p.act else split_k(p))
@@ -57,6 +66,9 @@ def apply(spec: str) -> dict[str, Any]:
 def restore(saved: dict[str, Any]) -> None:
     from vkpool.kernels.ops import gemm_f16
 
+    from vkpool.kernels.ops import matmul
+
+    matmul.HalfMatmulPlan, gemm_f16.HalfMatmulPlan = saved.pop("matmul")
     for key, value in saved.items():
         setattr(gemm_f16.HalfMatmulPlan if key == "split_k" else gemm_f16, key, value)
 
