@@ -288,6 +288,50 @@ def test_float16_attention_follows_the_device_limits(limits, kernel):
         p.close()
 
 
+@pytest.mark.parametrize("b,hq,hkv,s,t,d,mask,causal", [
+    (1, 12, 12, 128, 128, 64, "padding", 0),   # BERT-base's heads, a padding mask
+    (2, 4, 2, 37, 37, 32, None, 1),            # grouped heads, a length no tile fills, causal
+    (1, 3, 3, 20, 70, 16, "add", 1),           # cross-attention: more keys than queries
+    (2, 2, 2, 33, 40, 48, "bool", 0),          # a boolean mask with a row masked whole
+], ids=["bert", "grouped-causal", "cross-add", "bool-masked-row"])
+def test_attention_on_cooperative_matrices_on_a_gpu(pool, b, hq, hkv, s, t, d, mask, causal):
+    """attention_coop.comp (float16, whole rows of scores in shared memory) against the float64
+    reference: within 2^-10 of the largest output (its probabilities are rounded to float16)."""
+    from node_cases import run_node
+
+    member = coop_member(pool)
+    q, k, v = (RNG.standard_normal(shape).astype(F16) for shape in ((b, s, hq * d), (b, t, hkv * d), (b, t, hkv * d)))
+    m = None
+    if mask == "padding":
+        m = np.where(np.arange(t) < t - 9, 0.0, -65504.0).reshape(1, 1, 1, t).astype(F16)
+    elif mask == "add":
+        m = (RNG.standard_normal((b, 1, s, t)) * 2).astype(F16)
+    elif mask == "bool":
+        m = RNG.random((b, 1, s, t)) > 0.3
+        m[0, 0, 3, :] = False
+    attrs = {"q_num_heads": hq, "kv_num_heads": hkv, "is_causal": causal}
+    inputs = [q, k, v] + ([m] if m is not None else [])
+    op = create_op("Attention", attrs, [TensorInfo(x.shape, x.dtype) for x in inputs], opset=23)
+    (d0,) = op.dispatches(DispatchContext(["q", "k", "v", "m"][:len(inputs)], ["y"], "ws", member.device.caps, {}))
+    assert d0.shader == "attention_coop"
+    got, _ = run_node(pool, "Attention", inputs, attrs, opset=23, expected=[np.zeros((b, s, hq * d), F16)],
+                      device=member.id)
+    wide = [x.astype(np.float64) if x.dtype == F16 else x for x in inputs]
+    op64 = create_op("Attention", attrs, [TensorInfo(x.shape, np.float32 if x.dtype == F16 else x.dtype)
+                                          for x in inputs], opset=23)
+    want = op64.reference([x.astype(np.float32) if x.dtype == np.float64 else x for x in wide])[0]
+    if mask == "bool":
+        assert not got[0][0, 3].any(), "a row masked whole is zeros"
+    assert rel_err(got[0], want) <= 2.0 ** -10
+
+
+def test_float16_self_attention_on_cooperative_matrices_reads_the_packed_product_on_a_gpu(pool):
+    member = coop_member(pool)
+    model, feeds = _self_attention(2, 19, 3, 16, "causal")
+    with check_half(pool, model, feeds, member) as session:
+        assert any(label.endswith("[attention_coop]") for label in session._chunk.dispatch_labels)
+
+
 # -- residual Add into LayerNormalization, and the Casts around norms and softmaxes ------------------
 
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])

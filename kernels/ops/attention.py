@@ -14,7 +14,10 @@ file): Q, K and V are side by side in input 0, one [B, S, Eq + Ek + Ev] tensor (
 the three projections), their sizes the attribute's three values; inputs 1 and 2 are absent.
 The kernels read each from its columns (``QKV_ROW``: the packed row's length).
 
-Three kernels: ``attention_tiled.comp`` (16 query rows per workgroup, keys and values through
+float16 attention without a KV cache on a device with cooperative matrices takes
+``attention_coop.comp`` where a head's whole rows of scores fit its shared memory (16 query rows
+per workgroup, the products on cooperative matrices, each row's softmax once over the whole row).
+Otherwise three kernels: ``attention_tiled.comp`` (16 query rows per workgroup, keys and values through
 shared memory in tiles with an online softmax) wherever the ``qk_matmul_output`` stage is not
 asked for and a tile fits the device's shared memory; on a CPU-like device
 (``DeviceCaps.cpu_like``) ``attention_rows.comp`` instead (a query row per invocation, its
@@ -153,6 +156,23 @@ class Attention(Op):
                 return kb
         return None
 
+    def _coop_defines(self, caps: DeviceCaps | None) -> dict[str, int] | None:
+        """The defines of ``attention_coop.comp`` where it runs: float16 without a KV cache on a
+        device with 16 x 16 x 16 float16 cooperative matrices, head sizes multiples of 16, every
+        Q/K/V row start a multiple of 8 halves (16-byte vectors), and the whole rows of scores
+        (T rounded up to 16) fitting the device's shared memory; else None."""
+        if caps is None or not self.half or self.has_past or not caps.cooperative_matrix or not caps.float16 \
+                or (16, 16, 16) not in caps.cooperative_matrix_f16 or caps.max_workgroup_invocations < 128 \
+                or 128 % caps.subgroup_size or self.d % 16 or self.dv % 16:
+            return None
+        if self.packed is not None and any(n % 8 for n in self.packed):
+            return None
+        tp = -(-self.t // 16) * 16
+        shared = 16 * self.d * 2 + tp * max(self.d, self.dv) * 2 + 16 * max(tp, self.dv) * 4 + 16 * tp * 2 + 16 * 9 * 4
+        if shared > caps.shared_memory_bytes:
+            return None
+        return {"TP": tp}
+
     def _rows_defines(self, caps: DeviceCaps | None) -> dict[str, int] | None:
         """The defines of ``attention_rows.comp`` on a CPU-like device whose loop limit its
         invocations stay within, else None."""
@@ -289,13 +309,14 @@ class Attention(Op):
             defines["QKV_ROW"] = sum(self.packed)
         # each of 64 lanes: its keys' scores (D each), two softmax passes, then a column of the output
         # over every key
-        rows = None if want[3] else self._rows_defines(ctx.caps)
-        tiled = None if want[3] or rows is not None else self._tile_keys(ctx.caps)
-        if rows is not None or tiled is not None:
+        coop = None if want[3] else self._coop_defines(ctx.caps)
+        rows = None if want[3] or coop is not None else self._rows_defines(ctx.caps)
+        tiled = None if want[3] or rows is not None or coop is not None else self._tile_keys(ctx.caps)
+        if coop is not None or rows is not None or tiled is not None:
             args = [q, k_ptr, v_ptr, Ptr(ctx.inputs[3]) if has_mask else q,
                     Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
-            shader, extra = ("attention_rows", rows) if rows is not None else \
-                ("attention_tiled", {"KB": tiled})
+            shader, extra = ("attention_coop", coop) if coop is not None else ("attention_rows", rows) \
+                if rows is not None else ("attention_tiled", {"KB": tiled})
             groups = (-(-self.s // (rows["WG"] if rows is not None else 16)), self.hq, self.b)
             check_grid(groups, ctx.caps, f"Attention over {self.s} queries")
             out.append(Dispatch(shader, args, groups, {**defines, **extra}))
