@@ -203,7 +203,9 @@ def test_float16_self_attention_reads_one_qkv_product(limits, kernel, mask):
     nodes = load_model(model, cache=False).nodes
     attention = next(n for n in nodes if n.op_type == "Attention")
     assert attention.attrs["packed_qkv"] == [24, 24, 24] and attention.inputs[1:3] == ["", ""]
-    assert [n.op_type for n in nodes].count("MatMul") == 2  # the Q/K/V product and the output's
+    # the attention computes the Q/K/V product itself: A = x, the packed weights and bias at 7 and 8
+    assert attention.attrs["product"] == 1 and attention.inputs[0] == "x" and len(attention.inputs) == 9
+    assert [n.op_type for n in nodes].count("MatMul") == 1  # the output's
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VKPOOL_DEVICE_LIMITS", limits)
         p = vulkan_pool()
@@ -325,11 +327,48 @@ def test_attention_on_cooperative_matrices_on_a_gpu(pool, b, hq, hkv, s, t, d, m
     assert rel_err(got[0], want) <= 2.0 ** -10
 
 
-def test_float16_self_attention_on_cooperative_matrices_reads_the_packed_product_on_a_gpu(pool):
+@pytest.mark.parametrize("b,s,h,d,mask,bias,split", [
+    (2, 19, 3, 16, "causal", False, False),
+    (1, 128, 12, 64, "add", True, True),    # BERT-base's Q/K/V product: split over K
+    (1, 128, 12, 64, "causal", False, True),
+], ids=["small", "bert-split-bias", "split-causal"])
+def test_float16_self_attention_on_cooperative_matrices_computes_its_product_on_a_gpu(pool, b, s, h, d, mask, bias,
+                                                                                      split):
+    """The attention computes the packed Q/K/V product; split over K, attention_coop.comp adds its
+    partial sums (and the bias) as it stages Q, K and V: two dispatches."""
     member = coop_member(pool)
-    model, feeds = _self_attention(2, 19, 3, 16, "causal")
+    model, feeds = _self_attention(b, s, h, d, mask)
+    if bias:  # a bias on each projection
+        m = onnx.load_from_string(model)
+        for node in list(m.graph.node):
+            if node.op_type == "MatMul" and node.output[0] in ("q", "k", "v"):
+                out = node.output[0]
+                node.output[0] = f"{out}_unbiased"
+                m.graph.node.append(helper.make_node("Add", [f"{out}_unbiased", f"b{out}"], [out]))
+                m.graph.initializer.append(numpy_helper.from_array((RNG.standard_normal(h * d) * 0.3).astype(F16), f"b{out}"))
+        model = _sorted(m).SerializeToString()  # the Adds were appended: put them after their products
     with check_half(pool, model, feeds, member) as session:
-        assert any(label.endswith("[attention_coop]") for label in session._chunk.dispatch_labels)
+        shaders = [label.split("[")[1].rstrip("]") for label in session._chunk.dispatch_labels
+                   if label.startswith("Attention")]
+        assert shaders == ["gemm_coopmat", "attention_coop"], shaders  # no pass of the split's own
+        (node,) = [n for n in session.model.nodes if n.op_type == "Attention"]
+        infos = [session.model.tensors.get(t) if t else None for t in node.inputs]
+        op = create_op("Attention", node.attrs, infos, {7: session.model.constants[node.inputs[7]]}, opset=23)
+        assert node.attrs["product"] == 1 and (op.product.splits > 1) == split
+
+
+def _sorted(m: onnx.ModelProto) -> onnx.ModelProto:
+    """``m`` with its nodes in an order where each reads only what earlier ones made."""
+    known = {i.name for i in m.graph.input} | {i.name for i in m.graph.initializer} | {""}
+    pending, ordered = list(m.graph.node), []
+    while pending:
+        node = next(n for n in pending if all(i in known for i in n.input))
+        pending.remove(node)
+        ordered.append(node)
+        known.update(node.output)
+    del m.graph.node[:]
+    m.graph.node.extend(ordered)
+    return m
 
 
 # -- residual Add into LayerNormalization, and the Casts around norms and softmaxes ------------------

@@ -56,7 +56,9 @@ and converters put around ops for precision:
 In float16 graphs, an ``Attention`` node whose Q, K and V are three products of one tensor by
 constant weights (with or without constant biases) reads them from one product instead, of the
 three weight matrices side by side (vkpool's attribute ``packed_qkv``): one dispatch for three,
-and a wider product that fills the device better; one whose Q, K and V are a ``Split`` of such a
+and a wider product that fills the device better, which the attention then computes itself
+(vkpool's attribute ``product``: a product split over K leaves its partial sums for the attention
+to add as it reads Q, K and V, with no pass of their own); one whose Q, K and V are a ``Split`` of such a
 product along its last axis (Hugging Face's GPT-2) reads the product itself, without the copies. Float32 graphs keep their three products (and
 the numbers their tile choices give).
 
@@ -156,6 +158,9 @@ def _fuse_once(model: LoadedModel) -> bool:
             return True
         if node.op_type == "Attention" and node.domain == "" and "packed_qkv" not in node.attrs \
                 and _pack_qkv(g, node):
+            return True
+        if node.op_type == "Attention" and node.domain == "" and "packed_qkv" in node.attrs \
+                and "product" not in node.attrs and _fold_product_into_attention(g, node):
             return True
         if node.op_type in _WIDE_IN_HALF and _drop_precision_casts(g, node):
             return True
@@ -650,6 +655,36 @@ def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict
                 model.tensors.pop(out, None)
     # in the merge's place: every input of the attention is computed before it
     model.nodes[:] = [fused if n is merge else n for n in model.nodes if n is merge or id(n) not in gone]
+    return True
+
+
+def _fold_product_into_attention(g: _Graph, attention: Node) -> bool:
+    """A packed float16 ``Attention`` whose Q/K/V tensor is a product of constant 2-D weights (with
+    or without a bias, no activation) read by nothing else computes that product itself (vkpool's
+    attribute ``product``; A in input 0, W and the bias as inputs 7 and 8): a product split over K
+    leaves its partial sums for the attention to add as it reads Q, K and V
+    (``kernels/ops/attention.py``)."""
+    model = g.model
+    x = attention.inputs[0]
+    product = g.made_by(x, "MatMul")
+    if product is None or "activation" in product.attrs or not g.private(x, attention) \
+            or model.tensors[x].dtype != _F16 or product.inputs[1] not in model.constants:
+        return False
+    a, w, c = (list(product.inputs) + ["", ""])[:3]
+    inputs = [a, *(list(attention.inputs[1:7]) + [""] * 6)[:6], w, c]
+    attrs = {**attention.attrs, "product": 1}
+    from vkpool.kernels.registry import create_op  # the registry imports every op module
+
+    try:
+        op = create_op("Attention", attrs, [model.tensors.get(t) if t else None for t in inputs],
+                       {7: model.constants[w]}, opset=model.opset, num_outputs=len(attention.outputs))
+        if op.output_infos()[0] != model.tensors[attention.outputs[0]]:
+            return False
+    except (OpError, UnsupportedOp):
+        return False
+    attention.inputs, attention.attrs = inputs if c else inputs[:8], attrs
+    model.tensors.pop(x, None)
+    model.nodes.remove(product)
     return True
 
 

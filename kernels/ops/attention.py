@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from vkpool.kernels.ops.gemm import _ptr
 from vkpool.kernels.base import (
     F32, LOOP_SLACK, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, check_grid,
     check_serial,
@@ -46,6 +47,9 @@ class Attention(Op):
 
     def check(self) -> None:
         self.packed: tuple[int, int, int] | None = None
+        self.product: Any = None
+        if self.attr("product"):
+            self._setup_product()
         if self.attr("packed_qkv") is not None:
             self._unpack()
         q, k, v = self.input(0), self.input(1), self.input(2)
@@ -113,6 +117,40 @@ class Attention(Op):
         self.wl = int(self.attr("left_window_size", -1))
         self.wr = int(self.attr("right_window_size", -1))
 
+    def _setup_product(self) -> None:
+        """``product`` (vkpool's own attribute, set by ``vkpool.fusion`` with ``packed_qkv``): input
+        0 is A and inputs 7 and 8 the constant weights W and the bias of the packed Q/K/V product
+        A @ W + bias, which the op computes itself. Split over K on a device with cooperative
+        matrices, its float32 partial sums are added as ``attention_coop.comp`` stages Q, K and V
+        (no pass of their own); otherwise the product writes the packed tensor into the workspace,
+        where the attention kernels read it."""
+        from vkpool.kernels.ops.gemm import MatmulProblem
+        from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, transposed_b
+
+        a, w = self.input(0), self.input(7)
+        if a.dtype != _F16 or w.dtype != _F16 or len(w.shape) != 2 or len(a.shape) != 3 or 7 not in self.constants:
+            raise UnsupportedOp("Attention: a fused product needs float16 3-D A and constant 2-D W")
+        (k, n), rows = w.shape, a.shape[0] * a.shape[1]
+        if a.shape[2] != k:
+            raise OpError(f"Attention: the fused product's inner dimensions differ ({a.shape} @ {w.shape})")
+        has_bias = self.has_input(8)
+        if has_bias and self.input(8) != TensorInfo((n,), _F16):
+            raise OpError(f"Attention: the fused product's bias must be float16 of shape ({n},)")
+        if transposed_b(n, k):  # stored N x K: see transposed_b
+            self.transposed_constants = frozenset({7})
+            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=1, sBn=k)
+        else:
+            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1)
+        problem.has_bias, problem.sCn = has_bias, 1
+        self.product = HalfMatmulPlan(problem)
+        self.rereads_inputs = True
+        self.inputs[0] = TensorInfo((a.shape[0], a.shape[1], n), _F16)  # the packed Q/K/V the product makes
+
+    def _product_regions(self) -> tuple[int, int]:
+        """Byte offsets in the workspace of the product's partial sums and of its packed output."""
+        own = -(-self._own_workspace() // 256) * 256
+        return own, own + -(-self.product.workspace_bytes() // 256) * 256
+
     def _unpack(self) -> None:
         """Q, K and V's infos from the packed input 0 (``packed_qkv``)."""
         sizes = tuple(int(n) for n in self.attr("packed_qkv"))
@@ -133,11 +171,17 @@ class Attention(Op):
                 TensorInfo((self.b, self.hkv, self.t, self.dv), f), TensorInfo((self.b, self.hq, self.s, self.t), f)]
         return outs[: max(1, self.num_outputs)]
 
-    def flops(self) -> int:
-        return 2 * self.b * self.hq * self.s * self.t * (self.d + self.dv)
+    def _own_workspace(self) -> int:
+        return 4 * self.b * self.hq * self.s * self.t
 
     def workspace_bytes(self) -> int:
-        return 4 * self.b * self.hq * self.s * self.t
+        if self.product is None:
+            return self._own_workspace()
+        return self._product_regions()[1] + 2 * self.product.p.M * self.product.p.N
+
+    def flops(self) -> int:
+        own = 2 * self.b * self.hq * self.s * self.t * (self.d + self.dv)
+        return own + (self.product.flops() if self.product is not None else 0)
 
     def _tile_keys(self, caps: DeviceCaps | None) -> int | None:
         """Keys per tile of ``attention_tiled.comp`` (the most of 64, 32, 16 whose shared memory
@@ -220,6 +264,9 @@ class Attention(Op):
     def reference(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         # float16 as the kernels compute it: widened, float32 throughout, Y rounded once
         wide = [x.astype(np.float32) if x is not None and x.dtype == _F16 else x for x in inputs]
+        if self.product is not None:  # the packed product, rounded to float16 as the kernels keep it
+            x = np.matmul(wide[0], wide[7]) + (wide[8] if len(wide) > 8 and wide[8] is not None else 0)
+            wide[0] = x.astype(_F16).astype(np.float32)
         if self.packed is not None:
             eq, ek, _ = self.packed
             qkv = wide[0]
@@ -259,15 +306,28 @@ class Attention(Op):
 
     # -- device ---------------------------------------------------------------------------------
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
+        if self.product is None:
+            return self._dispatches(ctx, Ptr(ctx.inputs[0]))
+        part_off, x_off = self._product_regions()
+        parts, x = Ptr(ctx.workspace, part_off), Ptr(ctx.workspace, x_off)
+        c = ctx.inputs[8] if len(ctx.inputs) > 8 else None
+        work = self.product.dispatches(ctx.inputs[0], ctx.inputs[7], x, ctx.caps, c=c, ws=parts)
+        if work and work[-1].shader == "gemm_reduce" and self._coop_defines(ctx.caps) is not None:
+            return [*work[:-1], *self._dispatches(ctx, x, (work[-1].defines["NSPLITS"], parts, c))]
+        return [*work, *self._dispatches(ctx, x)]
+
+    def _dispatches(self, ctx: DispatchContext, q: Ptr, partials: tuple[int, Ptr, Any] | None = None) -> list[Dispatch]:
+        """The attention's dispatches, Q (or the packed Q/K/V) at ``q``; with ``partials``
+        (splits, their pointer, the bias or None) attention_coop.comp adds the packed product's
+        split partial sums as it stages Q, K and V."""
         out: list[Dispatch] = []
         want = [k < len(ctx.outputs) and ctx.outputs[k] is not None for k in range(4)]
         k_src, v_src, kv3d = ctx.inputs[1], ctx.inputs[2], self.is3d
-        q = Ptr(ctx.inputs[0])
         k_ptr, v_ptr = (Ptr(k_src) if k_src is not None else None), (Ptr(v_src) if v_src is not None else None)
         if self.packed is not None:
             size = self.input(0).dtype.itemsize
-            k_ptr = Ptr(ctx.inputs[0], self.packed[0] * size)
-            v_ptr = Ptr(ctx.inputs[0], (self.packed[0] + self.packed[1]) * size)
+            k_ptr = _ptr(q, self.packed[0] * size)
+            v_ptr = _ptr(q, (self.packed[0] + self.packed[1]) * size)
         for pos, dim in ((1, self.d), (2, self.dv)):
             present = ctx.outputs[pos] if want[pos] else None
             if present is None and self.has_past:
@@ -315,6 +375,15 @@ class Attention(Op):
         if coop is not None or rows is not None or tiled is not None:
             args = [q, k_ptr, v_ptr, Ptr(ctx.inputs[3]) if has_mask else q,
                     Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
+            if partials is not None and coop is not None:
+                assert self.packed is not None
+                splits, parts, c = partials
+                cols = (0, self.packed[0], self.packed[0] + self.packed[1])
+                args[:3] = [_ptr(parts, 4 * col) for col in cols]
+                args += [_ptr(c, 2 * col) if c is not None else q for col in cols]
+                coop = {**coop, "NSPLITS": splits, "PBIAS": int(c is not None)}
+            elif partials is not None:
+                raise ValueError("Attention: only attention_coop.comp reads a product's partial sums")
             shader, extra = ("attention_coop", coop) if coop is not None else ("attention_rows", rows) \
                 if rows is not None else ("attention_tiled", {"KB": tiled})
             groups = (-(-self.s // (rows["WG"] if rows is not None else 16)), self.hq, self.b)

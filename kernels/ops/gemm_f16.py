@@ -34,8 +34,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from vkpool.kernels.base import F32, Dispatch, DeviceCaps, Ptr, U32, UnsupportedOp, ceil_div, check_grid, groups_1d
-from vkpool.kernels.ops.gemm import BatchDim, MatmulProblem
+from vkpool.kernels.base import F32, Dispatch, DeviceCaps, U32, UnsupportedOp, ceil_div, check_grid, groups_1d
+from vkpool.kernels.ops.gemm import BatchDim, MatmulProblem, _ptr
 
 _MAX_GROUPS = 65535
 #: below this many workgroups of the preferred tile, a smaller tile is taken (more workgroups)
@@ -197,7 +197,7 @@ class HalfMatmulPlan:
         total = p.M * p.N
         return Dispatch(
             "gemm_reduce",
-            [Ptr(ws), Ptr(c) if p.has_bias else Ptr(y), Ptr(y), U32(total), U32(splits), U32(p.N), U32(1), U32(0),
+            [_ptr(ws), _ptr(c) if p.has_bias else _ptr(y), _ptr(y), U32(total), U32(splits), U32(p.N), U32(1), U32(0),
              U32(1), F32(1.0), F32(1.0)],
             groups_1d(total, 256, caps),
             {"HAS_BIAS": int(p.has_bias), "ACT": p.act, "HALF": 1, "NSPLITS": splits},
@@ -210,7 +210,8 @@ class HalfMatmulPlan:
         """The dispatches computing Y on a device with ``caps``; ``c`` is the bias where the
         problem has one, ``ws`` the workspace (``workspace_bytes``); ``tile`` and ``splits``
         override the cooperative-matrix tile and the K splits (benchmarks compare them; a
-        forced split needs a workspace of ``4 * splits * M * N`` bytes)."""
+        forced split needs a workspace of ``4 * splits * M * N`` bytes). Each tensor may be given as
+        a :class:`Ptr` into a larger one."""
         p = self.p
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
@@ -266,8 +267,8 @@ class HalfMatmulPlan:
             oa = sum(i * d.a for i, d in zip(idx, outer)) * _HALF
             ob = sum(i * d.b for i, d in zip(idx, outer)) * _HALF
             oy = sum(i * d.y for i, d in zip(idx, outer)) * _HALF
-            bias = Ptr(c) if p.has_bias else Ptr(y, oy)
-            args = [Ptr(a, oa), Ptr(b, ob), Ptr(ws) if split > 1 else Ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
+            bias = _ptr(c) if p.has_bias else _ptr(y, oy)
+            args = [_ptr(a, oa), _ptr(b, ob), _ptr(ws) if split > 1 else _ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
                     U32(inner.a), U32(inner.b), bias]
             out.append(Dispatch(shader, args, groups, defines))
         if split > 1:

@@ -8,7 +8,11 @@
 // values replace the keys in shared memory and O = P V is matrix products again, divided by the
 // row's sum as it is written. No online rescaling: the row is whole. TP: T rounded up to 16.
 // Defines as attention_tiled.comp's (HALF always; no KV cache), plus TP and VEC (D, DV and every
-// row start multiples of 8 halves: Q/K/V staged as 16-byte vectors).
+// row start multiples of 8 halves: Q/K/V staged as 16-byte vectors). NSPLITS (defined only then):
+// q, k and v point into a packed Q/K/V product's float32 partial sums (NSPLITS slices of
+// B * S * QKV_ROW values), added in split order with the product's bias (PBIAS: qb, kb, vb at
+// each one's first column) and rounded to float16 as they are staged: the product's own
+// reduction pass is not needed.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -27,15 +31,25 @@
 layout(local_size_x = 128) in;
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };
 
+#ifdef NSPLITS
+#define SRC F32Buf
+#else
+#define SRC TBUF
+#endif
 layout(push_constant) uniform Args {
-    TBUF q;
-    TBUF k;
-    TBUF v;
+    SRC q;
+    SRC k;
+    SRC v;
     MBUF mask;
     I64Buf nonpad;
     TBUF y;
     float scale;
     float softcap;
+#ifdef NSPLITS
+    F16Buf qb;
+    F16Buf kb;
+    F16Buf vb;
+#endif
 } pc;
 
 #include "attention_index.glsl"
@@ -52,9 +66,29 @@ shared float16_t Ps[QB * TP];
 shared float red[QB][RT];
 shared float linv[QB];
 
+#ifdef NSPLITS
+// eight values of a packed row from the partial sums, plus the bias, as float16
+void stage(F32Buf src, F16Buf bias, uint row_index, uint d8, out uvec4 dst) {
+    const uint at = row_index / 4 + 2 * d8;
+    vec4 lo = vec4(0.0), hi = vec4(0.0);
+    [[unroll]] for (uint s = 0; s < NSPLITS; ++s) {
+        lo += V4Buf(src).v[s * (B * S * QKV_ROW / 4) + at];
+        hi += V4Buf(src).v[s * (B * S * QKV_ROW / 4) + at + 1];
+    }
+#if PBIAS
+    const uvec4 c = U4Buf(bias).v[(row_index % QKV_ROW) / 8 + d8];
+    lo += vec4(unpackHalf2x16(c.x), unpackHalf2x16(c.y));
+    hi += vec4(unpackHalf2x16(c.z), unpackHalf2x16(c.w));
+#endif
+    dst = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), packHalf2x16(hi.zw));
+}
+#define STAGE(which, bias, index, d8, dst) stage(which, bias, index, d8, dst)
+#else
 void stage(TBUF src, uint row_index, uint d8, out uvec4 dst) {
     dst = U4Buf(src).v[row_index / 8 + d8];
 }
+#define STAGE(which, bias, index, d8, dst) stage(which, index, d8, dst)
+#endif
 
 void main() {
     const uint id = gl_LocalInvocationIndex;
@@ -65,12 +99,12 @@ void main() {
 
     [[unroll]] for (uint e = id; e < QB * D / 8; e += NT) {
         const uint rr = e / (D / 8), d8 = e % (D / 8);
-        if (i0 + rr < S) stage(pc.q, q_index(b, h, i0 + rr, 0), d8, Qs[e]);
+        if (i0 + rr < S) STAGE(pc.q, pc.qb, q_index(b, h, i0 + rr, 0), d8, Qs[e]);
         else Qs[e] = uvec4(0);
     }
     for (uint e = id; e < TP * D / 8; e += NT) {
         const uint jj = e / (D / 8), d8 = e % (D / 8);
-        if (jj < T) stage(pc.k, kv_index(b, hk, jj, 0, D), d8, KVs[e]);
+        if (jj < T) STAGE(pc.k, pc.kb, kv_index(b, hk, jj, 0, D), d8, KVs[e]);
         else KVs[e] = uvec4(0);
     }
     barrier();
@@ -92,7 +126,7 @@ void main() {
 
     for (uint e = id; e < TP * DV / 8; e += NT) {
         const uint jj = e / (DV / 8), d8 = e % (DV / 8);
-        if (jj < T) stage(pc.v, kv_index(b, hk, jj, 0, DV), d8, KVs[e]);
+        if (jj < T) STAGE(pc.v, pc.vb, kv_index(b, hk, jj, 0, DV), d8, KVs[e]);
         else KVs[e] = uvec4(0);
     }
     {
