@@ -89,16 +89,17 @@ def _attribute_value(value: Any) -> Any:
     return value
 
 
-def _activation(kind: str, x: str, y: str, name: str) -> list[Any]:
+def _activation(kind: str, x: str, y: str, name: str, dtype: Any = np.float32) -> list[Any]:
     """ONNX nodes computing ``y`` = the activation ``kind`` (:data:`vkpool.kernels.ops.gemm.ACTIVATIONS`)
-    of ``x``, in ops of opset 13: GELU as exporters spell it."""
-    from onnx import helper
+    of ``x`` (of type ``dtype``), in ops of opset 13: GELU as exporters spell it."""
+    from onnx import helper, numpy_helper
 
     nodes: list[Any] = []
 
     def const(tag: str, value: float) -> str:
         out = f"{name}/{tag}"
-        nodes.append(helper.make_node("Constant", [], [out], name=out, value_float=value))
+        tensor = numpy_helper.from_array(np.array(value, dtype), out)
+        nodes.append(helper.make_node("Constant", [], [out], name=out, value=tensor))
         return out
 
     def step(op: str, inputs: list[str], tag: str, out: str | None = None) -> str:
@@ -187,12 +188,28 @@ _PRODUCT_AT = {"LayerNormalization": 4, "Attention": 7}
 def _node_protos(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any]:
     """The ONNX node(s) of a vkpool node, with what :mod:`vkpool.fusion` folded into it written
     out again: a product's ``activation`` (Relu, GELU), a ``MatMul``'s bias (its third input), the
-    ``product`` a node computes itself (input 0 @ W + bias, W and the bias at ``_PRODUCT_AT``), a
+    ``product`` a node computes itself (input 0 @ W + bias, W and the bias at ``_PRODUCT_AT``) and a
+    norm's ``inner`` product (its activation too), a
     ``LayerNormalization``'s ``residual`` (input 3 added first, the sum its output 3), an
     ``Attention`` of opset 23 in the ops of older opsets where :func:`_attention` can. Anything
     else goes as it is, and onnxruntime may refuse the chunk."""
     from onnx import helper
 
+    if node.attrs.get("inner"):  # a norm's inner product, with its bias and activation, then the norm
+        a, w, c = (list(node.inputs) + [""] * 8)[0], node.inputs[6], (list(node.inputs) + [""] * 8)[7]
+        h = f"{node.outputs[0]}/inner"
+        act = node.attrs.get("inner_activation")
+        made = f"{h}_product" if c or act else h
+        spelled = [helper.make_node("MatMul", [a, w], [made], name=made)]
+        if c:
+            biased = f"{h}_biased" if act else h
+            spelled.append(helper.make_node("Add", [made, c], [biased], name=biased))
+            made = biased
+        if act:
+            spelled += _activation(str(act), made, h, h, tensors[a].dtype)
+        rest = Node(node.name, node.op_type, node.domain, [h, *node.inputs[1:6]], list(node.outputs),
+                    {k: v for k, v in node.attrs.items() if k not in ("inner", "inner_activation")})
+        return spelled + _node_protos(rest, tensors)
     if node.attrs.get("product"):  # the product the node computes itself, then the node on its output
         a, w, c = (node.inputs[0], *(list(node.inputs[_PRODUCT_AT[node.op_type]:]) + [""])[:2])
         x = f"{node.outputs[0]}/product"
@@ -228,7 +245,7 @@ def _node_protos(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any]:
         nodes.append(helper.make_node("Add", [product, bias], [biased], name=f"{tag}/bias"))
         product = biased
     if activation is not None:
-        nodes += _activation(str(activation), product, y, tag)
+        nodes += _activation(str(activation), product, y, tag, tensors[y].dtype if y in tensors else np.float32)
     return nodes
 
 

@@ -102,7 +102,7 @@ void main() {
         if (i0 + rr < S) STAGE(pc.q, pc.qb, q_index(b, h, i0 + rr, 0), d8, Qs[e]);
         else Qs[e] = uvec4(0);
     }
-    for (uint e = id; e < TP * D / 8; e += NT) {
+    [[unroll]] for (uint e = id; e < TP * D / 8; e += NT) {  // every load in flight together
         const uint jj = e / (D / 8), d8 = e % (D / 8);
         if (jj < T) STAGE(pc.k, pc.kb, kv_index(b, hk, jj, 0, D), d8, KVs[e]);
         else KVs[e] = uvec4(0);
@@ -124,7 +124,7 @@ void main() {
     }
     barrier();  // every key read: the values take their place while the rows are normalised
 
-    for (uint e = id; e < TP * DV / 8; e += NT) {
+    [[unroll]] for (uint e = id; e < TP * DV / 8; e += NT) {
         const uint jj = e / (DV / 8), d8 = e % (DV / 8);
         if (jj < T) STAGE(pc.v, pc.vb, kv_index(b, hk, jj, 0, DV), d8, KVs[e]);
         else KVs[e] = uvec4(0);
@@ -132,7 +132,7 @@ void main() {
     {
         const uint r = id / RT, c = id % RT, i = i0 + r;
         float tmax = NEG_INF;
-        for (uint j = c; j < TP; j += RT) {
+        [[unroll]] for (uint j = c; j < TP; j += RT) {
             float t = NEG_INF;
             if (j < T && i < S) {
                 float x = Ss[r * SW + j] * pc.scale;
@@ -151,7 +151,7 @@ void main() {
         // a row masked whole has probabilities 0 and output 0, never exp(nan)
         const float base = tmax == NEG_INF ? 0.0 : tmax;
         float psum = 0.0;
-        for (uint j = c; j < TP; j += RT) {
+        [[unroll]] for (uint j = c; j < TP; j += RT) {
             const float t = Ss[r * SW + j];
             const float p = t == NEG_INF ? 0.0 : exp(t - base);
             Ps[r * TP + j] = float16_t(p);
