@@ -435,54 +435,6 @@ def test_a_layernorm_with_its_product_runs_on_the_host_in_onnxruntime(pool):
     assert rel_err(got, want) <= 2.0 ** -9
 
 
-def _ffn_block(m: int, k: int, hidden: int, n: int, act: str = "Gelu") -> tuple[bytes, dict[str, np.ndarray]]:
-    """A transformer's feed-forward block in float16: LayerNorm(r + act(a W1 + b1) W2 + b2)."""
-    w1, b1 = (RNG.uniform(-1, 1, (k, hidden)) / np.sqrt(k)).astype(F16), (RNG.standard_normal(hidden) * 0.1).astype(F16)
-    w2, b2 = (RNG.uniform(-1, 1, (hidden, n)) / np.sqrt(hidden)).astype(F16), (RNG.standard_normal(n) * 0.1).astype(F16)
-    scale, beta = (1 + RNG.standard_normal(n) * 0.1).astype(F16), (RNG.standard_normal(n) * 0.1).astype(F16)
-    nodes = [helper.make_node("MatMul", ["a", "w1"], ["p1"]), helper.make_node("Add", ["p1", "b1"], ["h1"]),
-             helper.make_node(act, ["h1"], ["g"]) if act != "Gelu" else helper.make_node("Gelu", ["h1"], ["g"]),
-             helper.make_node("MatMul", ["g", "w2"], ["p2"]), helper.make_node("Add", ["p2", "b2"], ["h2"]),
-             helper.make_node("Add", ["h2", "r"], ["s"]),
-             helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5)]
-    ins = [helper.make_tensor_value_info(name, TensorProto.FLOAT16, shape) for name, shape in (("a", (m, k)), ("r", (m, n)))]
-    inits = [numpy_helper.from_array(v, name) for name, v in
-             (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2), ("gamma", scale), ("beta", beta))]
-    graph = helper.make_graph(nodes, "ffn", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT16, (m, n))], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=IR_VERSION)
-    feeds = {"a": RNG.uniform(-1, 1, (m, k)).astype(F16), "r": RNG.standard_normal((m, n)).astype(F16)}
-    return model.SerializeToString(), feeds
-
-
-@pytest.mark.parametrize("act,code", [("Gelu", "Gelu"), ("Relu", "Relu")])
-def test_a_feed_forward_block_is_one_layernorm(pool, act, code):
-    """Up product (bias, activation), down product (bias), residual and norm: one node, which on
-    lavapipe (no split) writes the up product's output into its workspace and reads it back."""
-    model, feeds = _ffn_block(7, 24, 40, 16, act)
-    (norm,) = load_model(model, cache=False).nodes
-    assert norm.op_type == "LayerNormalization" and norm.inputs == ["a", "gamma", "beta", "r", "w2", "b2", "w1", "b1"]
-    assert norm.attrs["product"] == norm.attrs["inner"] == 1 and norm.attrs["inner_activation"] == code
-    with check_half(pool, model, feeds) as session:
-        shaders = [label.split("[")[1].rstrip("]") for label in session._chunk.dispatch_labels]
-        assert shaders[-3:-1] in (["gemm_f16", "gemm_f16"], ["gemm_coopmat", "gemm_coopmat"]) and shaders[-1] == "norm_rows"
-    with vkpool.Session(model, pool=pool, device="cpu") as host:  # onnxruntime's model spells it out
-        if pool.member("cpu").engine != "numpy":
-            assert host.plan.engine.startswith("onnxruntime"), host.plan.engine_note
-        assert rel_err(host.run(None, feeds)[0], exact(model, feeds)[0]) <= 2.0 ** -9
-
-
-@pytest.mark.parametrize("m,k,hidden,n", [(128, 768, 3072, 768), (37, 520, 1032, 53)])
-def test_a_feed_forward_block_adds_its_up_products_partials_on_a_gpu(pool, m, k, hidden, n):
-    """On a device with cooperative matrices the up product is split over K and the down product
-    adds its partial sums (bias, GELU) as it fetches them: three dispatches, no reduction pass."""
-    member = coop_member(pool)
-    model, feeds = _ffn_block(m, k, hidden, n)
-    with check_half(pool, model, feeds, member) as session:
-        shaders = [label.split("[")[1].rstrip("]") for label in session._chunk.dispatch_labels
-                   if label.startswith("LayerNormalization")]
-        assert shaders == ["gemm_coopmat", "gemm_coopmat", "norm_rows"], shaders
-
-
 @pytest.mark.parametrize("bias,residual,sum_out", [(True, True, True), (False, True, False)])
 def test_norm_rows_adds_a_split_products_partial_sums(pool, bias, residual, sum_out):
     """norm_rows.comp reading a split product's float32 partial sums (NSPLITS) and its bias, run

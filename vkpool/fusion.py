@@ -31,9 +31,7 @@ the latency. The rewrites, applied in node order until nothing changes:
   bias, no activation) that nothing else reads, the norm computes that product itself (vkpool's
   attribute ``product``): a product split over K leaves its partial sums for the norm to add as
   it reads them, one pass fewer per block (a transformer's attention output and FFN-down
-  projections); where that product's A is itself such a product (with its bias and activation:
-  the FFN's up projection), the norm computes it too (vkpool's attribute ``inner``), and the
-  outer product adds its partial sums as it fetches A;
+  projections);
 - scaled dot-product attention as exporters spell it, ``Softmax(MatMul(Q, Kᵀ) / c [+ mask]) @ V``
   with the heads split by ``Reshape`` + ``Transpose`` and merged back the same way, becomes one
   ``Attention`` node (``kernels/ops/attention.py``) on the [batch, sequence, heads·size] tensors
@@ -155,9 +153,6 @@ def _fuse_once(model: LoadedModel) -> bool:
             return True
         if node.op_type == "LayerNormalization" and node.attrs.get("residual") and "product" not in node.attrs \
                 and _fold_product_into_norm(g, node):
-            return True
-        if node.op_type == "LayerNormalization" and node.attrs.get("product") and "inner" not in node.attrs \
-                and _fold_inner_product(g, node):
             return True
         if node.op_type == "Cast" and _drop_same_type_cast(g, node):
             return True
@@ -298,39 +293,6 @@ def _fold_product_into_norm(g: _Graph, norm: Node) -> bool:
         model.nodes.remove(product)
         return True
     return False
-
-
-def _fold_inner_product(g: _Graph, norm: Node) -> bool:
-    """A norm that computes its product (``product``) whose A is itself a float16 product of
-    constant 2-D weights (any fused bias and activation) read by nothing else computes that one
-    too (vkpool's attribute ``inner``; its weights and bias as inputs 6 and 7, its activation as
-    ``inner_activation``): a transformer's feed-forward block as one node, the inner product's split
-    partial sums added as the outer one fetches them (``kernels/ops/norms.py``)."""
-    model = g.model
-    h = norm.inputs[0]
-    inner = g.made_by(h, "MatMul")
-    if inner is None or not g.private(h, norm) or inner.inputs[1] not in model.constants \
-            or model.tensors[h].dtype != _F16:
-        return False
-    a, w, c = (list(inner.inputs) + ["", ""])[:3]
-    inputs = [a, *(list(norm.inputs[1:6]) + [""] * 5)[:5], w, c]
-    attrs = {**norm.attrs, "inner": 1}
-    if "activation" in inner.attrs:
-        attrs["inner_activation"] = inner.attrs["activation"]
-    from vkpool.kernels.registry import create_op  # the registry imports every op module
-
-    constants = {4: model.constants[norm.inputs[4]], 6: model.constants[w]}
-    try:
-        op = create_op("LayerNormalization", attrs, [model.tensors.get(t) if t else None for t in inputs], constants,
-                       opset=model.opset, num_outputs=len(norm.outputs))
-        if op.output_infos()[0] != model.tensors[norm.outputs[0]]:
-            return False
-    except (OpError, UnsupportedOp):
-        return False
-    norm.inputs, norm.attrs = inputs if c else inputs[:7], attrs
-    model.tensors.pop(h, None)
-    model.nodes.remove(inner)
-    return True
 
 
 def _splice(model: LoadedModel, kept: Node, removed: Node) -> None:

@@ -188,28 +188,12 @@ _PRODUCT_AT = {"LayerNormalization": 4, "Attention": 7}
 def _node_protos(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any]:
     """The ONNX node(s) of a vkpool node, with what :mod:`vkpool.fusion` folded into it written
     out again: a product's ``activation`` (Relu, GELU), a ``MatMul``'s bias (its third input), the
-    ``product`` a node computes itself (input 0 @ W + bias, W and the bias at ``_PRODUCT_AT``) and a
-    norm's ``inner`` product (its activation too), a
+    ``product`` a node computes itself (input 0 @ W + bias, W and the bias at ``_PRODUCT_AT``), a
     ``LayerNormalization``'s ``residual`` (input 3 added first, the sum its output 3), an
     ``Attention`` of opset 23 in the ops of older opsets where :func:`_attention` can. Anything
     else goes as it is, and onnxruntime may refuse the chunk."""
     from onnx import helper
 
-    if node.attrs.get("inner"):  # a norm's inner product, with its bias and activation, then the norm
-        a, w, c = (list(node.inputs) + [""] * 8)[0], node.inputs[6], (list(node.inputs) + [""] * 8)[7]
-        h = f"{node.outputs[0]}/inner"
-        act = node.attrs.get("inner_activation")
-        made = f"{h}_product" if c or act else h
-        spelled = [helper.make_node("MatMul", [a, w], [made], name=made)]
-        if c:
-            biased = f"{h}_biased" if act else h
-            spelled.append(helper.make_node("Add", [made, c], [biased], name=biased))
-            made = biased
-        if act:
-            spelled += _activation(str(act), made, h, h, tensors[a].dtype)
-        rest = Node(node.name, node.op_type, node.domain, [h, *node.inputs[1:6]], list(node.outputs),
-                    {k: v for k, v in node.attrs.items() if k not in ("inner", "inner_activation")})
-        return spelled + _node_protos(rest, tensors)
     if node.attrs.get("product"):  # the product the node computes itself, then the node on its output
         a, w, c = (node.inputs[0], *(list(node.inputs[_PRODUCT_AT[node.op_type]:]) + [""])[:2])
         x = f"{node.outputs[0]}/product"

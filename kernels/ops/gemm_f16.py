@@ -205,15 +205,13 @@ class HalfMatmulPlan:
 
     def dispatches(
         self, a: Any, b: Any, y: Any, caps: DeviceCaps, tile: CoopTile | None = None, c: Any = None,
-        ws: Any = None, splits: int | None = None, a_parts: tuple[int, Any, int] | None = None,
+        ws: Any = None, splits: int | None = None,
     ) -> list[Dispatch]:
         """The dispatches computing Y on a device with ``caps``; ``c`` is the bias where the
         problem has one, ``ws`` the workspace (``workspace_bytes``); ``tile`` and ``splits``
         override the cooperative-matrix tile and the K splits (benchmarks compare them; a
         forced split needs a workspace of ``4 * splits * M * N`` bytes). Each tensor may be given as
-        a :class:`Ptr` into a larger one. ``a_parts`` (splits, bias or None, activation code):
-        ``a`` holds another product's float32 partial sums, which the cooperative-matrix kernel
-        adds with that bias and activation as it fetches A (K a multiple of 8)."""
+        a :class:`Ptr` into a larger one."""
         p = self.p
         if p.M == 0 or p.N == 0 or p.batch_count == 0:
             return []
@@ -249,13 +247,7 @@ class HalfMatmulPlan:
             }
             if split > 1:  # float32 partial sums, whose rows start on 16 bytes when N % 4 == 0
                 defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split), "STORE_DIRECT": int(p.N % 4 == 0)})
-            if a_parts is not None:
-                if not vec_a or p.batch:
-                    raise UnsupportedOp("float16 product: A as partial sums needs one matrix and K % 8 == 0")
-                defines.update({"A_PARTS": a_parts[0], "A_PBIAS": int(a_parts[1] is not None), "A_ACT": a_parts[2]})
             bm, bn = tile.BM, tile.BN
-        elif a_parts is not None:
-            raise UnsupportedOp("float16 product: only the cooperative-matrix kernel reads A as partial sums")
         else:
             small = ceil_div(p.M, 64) * ceil_div(p.N, 64) * p.batch_count < 128
             bm = bn = 32 if small else 64
@@ -278,8 +270,6 @@ class HalfMatmulPlan:
             bias = _ptr(c) if p.has_bias else _ptr(y, oy)
             args = [_ptr(a, oa), _ptr(b, ob), _ptr(ws) if split > 1 else _ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
                     U32(inner.a), U32(inner.b), bias]
-            if a_parts is not None:
-                args.append(_ptr(a_parts[1]) if a_parts[1] is not None else _ptr(a))
             out.append(Dispatch(shader, args, groups, defines))
         if split > 1:
             out.append(self._reduce(ws, c, y, split, caps))

@@ -20,7 +20,7 @@ import numpy as np
 from vkpool.kernels.base import (
     F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
 )
-from vkpool.kernels.ops.gemm import ACTIVATIONS, MatmulProblem, apply_activation
+from vkpool.kernels.ops.gemm import MatmulProblem
 from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, transposed_b
 from vkpool.kernels.ops.reduce import MAX_VIEW_RANK, normalize_axes, reduction_view, row_geometry
 
@@ -189,14 +189,11 @@ class LayerNormalization(RowNorm):
     its float32 partial sums in the workspace, and norm_rows.comp adds them (with the bias) as it
     reads X: no pass of its own to finish the product. Elsewhere the product writes X into Y,
     which the norm then normalises in place (each element is read before it is written, by the
-    invocation that writes it). With the attribute ``inner`` too, A is itself a product the norm
-    computes (input 0 @ input 6 + input 7, through ``inner_activation``: a transformer's whole
-    feed-forward block), whose split partial sums the outer product adds as it fetches A."""
+    invocation that writes it)."""
 
     op_type = "LayerNormalization"
     mode = 0
     product: HalfMatmulPlan | None = None
-    inner: HalfMatmulPlan | None = None
 
     def x_info(self) -> TensorInfo:
         if not self.attr("product", 0):
@@ -225,9 +222,7 @@ class LayerNormalization(RowNorm):
         self.stats_shape = x.shape[:self.axis] + (1,) * (rank - self.axis)
 
     def _setup_product(self) -> None:
-        if self.attr("inner", 0):
-            self._setup_inner()
-        a, w = self.x_in(), self.input(4)
+        a, w = self.input(0), self.input(4)
         if a.dtype != np.float16 or w.dtype != np.float16 or len(w.shape) != 2 or len(a.shape) < 2:
             raise UnsupportedOp("LayerNormalization: a fused product needs float16 A (2-D or more) and 2-D W")
         if 4 not in self.constants:
@@ -239,7 +234,7 @@ class LayerNormalization(RowNorm):
         if has_bias and self.input(5) != TensorInfo((n,), np.float16):
             raise OpError(f"LayerNormalization: the fused product's bias must be float16 of shape ({n},)")
         if transposed_b(n, k):  # stored N x K: see transposed_b
-            self.transposed_constants = self.transposed_constants | {4}
+            self.transposed_constants = frozenset({4})
             problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=1, sBn=k)
         else:
             problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1)
@@ -247,100 +242,31 @@ class LayerNormalization(RowNorm):
         self.product = HalfMatmulPlan(problem)
         self.rereads_inputs = True  # each row of A is read by every column tile of the product
 
-    def x_in(self) -> TensorInfo:
-        """The product's A: input 0, or what the inner product makes of it."""
-        if self.inner is None:
-            return self.input(0)
-        a = self.input(0)
-        return TensorInfo((*a.shape[:-1], self.inner.p.N), a.dtype)
-
-    def _setup_inner(self) -> None:
-        """``inner`` (with ``product``): A is itself a product, input 0 @ input 6 (constant 2-D) +
-        input 7 through ``inner_activation``, which the norm computes too; split over K on a device
-        with cooperative matrices, its partial sums are added (with its bias and activation) as
-        the outer product fetches its A, with no pass of their own."""
-        a, w = self.input(0), self.input(6)
-        if a.dtype != np.float16 or w.dtype != np.float16 or len(w.shape) != 2 or 6 not in self.constants:
-            raise UnsupportedOp("LayerNormalization: an inner product needs float16 A and constant 2-D weights")
-        (k, n), rows = w.shape, math.prod(a.shape[:-1])
-        if a.shape[-1] != k:
-            raise OpError(f"LayerNormalization: the inner product's inner dimensions differ ({a.shape} @ {w.shape})")
-        has_bias = self.has_input(7)
-        if has_bias and self.input(7) != TensorInfo((n,), np.float16):
-            raise OpError(f"LayerNormalization: the inner product's bias must be float16 of shape ({n},)")
-        act = self.attr("inner_activation")
-        if act is not None and act not in ACTIVATIONS:
-            raise OpError(f"LayerNormalization: unknown inner activation {act!r}")
-        if transposed_b(n, k):
-            self.transposed_constants = self.transposed_constants | {6}
-            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=1, sBn=k)
-        else:
-            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1)
-        problem.has_bias, problem.sCn, problem.act = has_bias, 1, ACTIVATIONS[act] if act else 0
-        self.inner = HalfMatmulPlan(problem)
-
-    def _regions(self) -> tuple[int, int, int]:
-        """Workspace offsets: the product's partial sums, the inner product's, and its output."""
-        assert self.product is not None
-        up = lambda n: -(-n // 256) * 256  # noqa: E731
-        inner = up(self.product.workspace_bytes())
-        h = inner + up(self.inner.workspace_bytes() if self.inner is not None else 0)
-        return 0, inner, h
-
     def output_infos(self) -> list[TensorInfo]:
         x = self.x_info()
         stats = TensorInfo(self.stats_shape, np.float32)
         return [x, stats, stats, x][: max(1, self.num_outputs)]
 
     def flops(self) -> int:
-        plans = (self.product, self.inner)
-        return super().flops() + sum(p.flops() for p in plans if p is not None)
+        return super().flops() + (self.product.flops() if self.product is not None else 0)
 
     def workspace_bytes(self) -> int:
-        if self.product is None:
-            return 0
-        if self.inner is None:
-            return self.product.workspace_bytes()
-        return self._regions()[2] + 2 * self.inner.p.M * self.inner.p.N
+        return self.product.workspace_bytes() if self.product is not None else 0
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         if self.product is None:
             return super().dispatches(ctx)
         c = ctx.inputs[5] if len(ctx.inputs) > 5 else None
         y = ctx.outputs[0]
-        if self.inner is None:
-            work = self.product.dispatches(ctx.inputs[0], ctx.inputs[4], y, ctx.caps, c=c, ws=ctx.workspace)
-        else:
-            work = self._two_products(ctx, c, y)
+        work = self.product.dispatches(ctx.inputs[0], ctx.inputs[4], y, ctx.caps, c=c, ws=ctx.workspace)
         if work and work[-1].shader == "gemm_reduce" and self.rows_kernel(ctx.caps):
             partials = (work[-1].defines["NSPLITS"], c, self.product.p.N)
             return [*work[:-1], *self.norm_dispatches(ctx, ctx.workspace, partials)]
         return [*work, *self.norm_dispatches(ctx, y)]
 
-    def _two_products(self, ctx: DispatchContext, c: object, y: object) -> list[Dispatch]:
-        """The inner product, then the product of its output; where the inner one is split and
-        the outer one runs on cooperative matrices, the outer fetches the inner's partial sums."""
-        assert self.product is not None and self.inner is not None
-        outer, inner, h = (Ptr(ctx.workspace, off) for off in self._regions())
-        c1 = ctx.inputs[7] if len(ctx.inputs) > 7 else None
-        first = self.inner.dispatches(ctx.inputs[0], ctx.inputs[6], h, ctx.caps, c=c1, ws=inner)
-        if first and first[-1].shader == "gemm_reduce":
-            parts = (first[-1].defines["NSPLITS"], c1, self.inner.p.act)
-            try:
-                return [*first[:-1], *self.product.dispatches(inner, ctx.inputs[4], y, ctx.caps, c=c, ws=outer,
-                                                              a_parts=parts)]
-            except UnsupportedOp:
-                pass
-        return [*first, *self.product.dispatches(h, ctx.inputs[4], y, ctx.caps, c=c, ws=outer)]
-
     def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
         assert x is not None and scale is not None
-        if self.inner is not None:  # its output rounded to float16, as the kernels keep it
-            w1 = inputs[6]
-            assert w1 is not None
-            hidden = np.matmul(x, w1) + (inputs[7] if len(inputs) > 7 and inputs[7] is not None else 0)
-            x = apply_activation(self.inner.p.act, hidden).astype(np.float16).astype(np.float32)
         if self.product is not None:
             w = inputs[4]
             assert w is not None

@@ -16,14 +16,3 @@ float epilogue(float v) {
     return v;
 #endif
 }
-
-#ifdef A_PARTS
-// the same activations by a constant code (the branches fold away): a product reading its A as
-// another product's partial sums applies that product's activation as it loads them
-float activate(float v, const int code) {
-    if (code == 1) return max(v, 0.0);
-    if (code == 2) return 0.5 * v * (1.0 + erf_(v * 0.70710678118654752));
-    if (code == 3) return 0.5 * v * (1.0 + tanh_(0.79788456080286536 * (v + 0.044715 * v * v * v)));
-    return v;
-}
-#endif

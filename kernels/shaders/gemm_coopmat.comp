@@ -65,9 +65,6 @@ layout(push_constant) uniform Args {
     uint M, N, K;
     uint bA, bB;  // batch strides of A and B in elements (0: shared); Y's is M * N
     uint64_t c;   // the bias (HAS_BIAS)
-#ifdef A_PARTS
-    uint64_t abias;  // the bias of the product whose partial sums A is (A_PBIAS)
-#endif
 } pc;
 
 // the shared buffer in 16-byte units: the A slice (BM rows of BK halves), then the B slice (BK
@@ -100,40 +97,13 @@ uvec4 load8(uint64_t base, uint row, uint col, uint rows, uint cols, uint ld) {
     return uvec4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
 }
 
-#ifdef A_PARTS
-uvec4 load_parts(uint r, uint k) {
-    // eight values of A's row r from column k: the partial sums added, the bias, the activation
-    const uint64_t at = pc.a + 4 * (uint64_t(r) * pc.K + k);
-    vec4 lo = vec4(0.0), hi = vec4(0.0);
-    [[unroll]] for (uint s = 0; s < A_PARTS; ++s) {
-        const uint64_t slice = at + 4 * uint64_t(s) * pc.M * pc.K;
-        lo += V4Buf(slice).v[0];
-        hi += V4Buf(slice).v[1];
-    }
-#if A_PBIAS
-    const uvec4 c = U4Buf(pc.abias + 2 * k).v[0];
-    lo += vec4(unpackHalf2x16(c.x), unpackHalf2x16(c.y));
-    hi += vec4(unpackHalf2x16(c.z), unpackHalf2x16(c.w));
-#endif
-    [[unroll]] for (int e = 0; e < 4; ++e) {
-        lo[e] = activate(lo[e], A_ACT);
-        hi[e] = activate(hi[e], A_ACT);
-    }
-    return uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), packHalf2x16(hi.zw));
-}
-#endif
-
 void fetch(out uvec4 a_regs[A_LOADS], out uvec4 b_regs[B_LOADS], uint64_t aBase, uint64_t bBase, uint row0,
            uint col0, uint k0) {
     const uint tid = gl_LocalInvocationIndex;
     [[unroll]] for (uint i = 0; i < A_LOADS; ++i) {
         uint v = tid + i * NT;
         uint r = row0 + v / (BK / 8), k = k0 + (v % (BK / 8)) * 8;
-#if defined(A_PARTS) && !EDGES
-        a_regs[i] = load_parts(r, k);
-#elif defined(A_PARTS)
-        a_regs[i] = (r < pc.M && k < pc.K) ? load_parts(r, k) : uvec4(0);
-#elif A_VEC && !EDGES
+#if A_VEC && !EDGES
         a_regs[i] = U4Buf(aBase + 2 * (uint64_t(r) * pc.K + k)).v[0];
 #elif A_VEC
         a_regs[i] = (r < pc.M && k < pc.K) ? U4Buf(aBase + 2 * (uint64_t(r) * pc.K + k)).v[0] : uvec4(0);
