@@ -69,6 +69,10 @@ class Submission:
     wait_values: Any = None
     signal: Timeline | None = None
     signal_value: Any = None
+    #: the C array of command buffers of ``info`` (``cmd`` first) and how many places follow it,
+    #: which :meth:`LogicalDevice.submit` fills per run
+    commands: Any = None
+    follow: int = 0
 
     def release(self) -> None:
         self.device.destroy_fence(self.fence)
@@ -637,13 +641,15 @@ class LogicalDevice:
 
     def submission(self, cmd: Any, *, before: tuple[Any, Any] | None = None,
                    after: tuple[Any, Any] | None = None, waits: Sequence[Timeline] = (),
-                   signal: Timeline | None = None) -> Submission:
+                   signal: Timeline | None = None, follow: int = 0) -> Submission:
         """What a run submits, built once and reused by every run: ``cmd`` on the compute
         queue, and optionally a command buffer on the transfer queue ``before`` it (which
         ``cmd`` waits for at the compute stage) and one ``after`` it (which waits for ``cmd``,
         at the transfer stage), each given as (command buffer, semaphore it signals). The
         first of them waits for ``waits`` (timelines of other chunks' runs, the values given
-        to :meth:`submit`), the last signals ``signal`` and the fence."""
+        to :meth:`submit`), the last signals ``signal`` and the fence. ``follow``: places for
+        that many command buffers behind ``cmd`` in its batch, given to each :meth:`submit`
+        (the fence and signal then cover them too)."""
         ffi, b = self._ffi, self._b
         keep: list[Any] = []
         anywhere = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | b.VK_PIPELINE_STAGE_TRANSFER_BIT
@@ -652,7 +658,7 @@ class LogicalDevice:
         signal_value = ffi.new("uint64_t[]", 1) if signal is not None else None
 
         def info(buffer: Any, wait: Any = None, stage: int = 0, signal_sem: Any = None,
-                 first: bool = False, last: bool = False) -> Any:
+                 first: bool = False, last: bool = False, places: int = 0) -> Any:
             # a submission waits on a binary semaphore (the transfer before it) or, coming
             # first, on the timelines, never both; likewise for what it signals
             wait_sems, stages, signals = [], [], []
@@ -667,11 +673,13 @@ class LogicalDevice:
             elif last and signal is not None:
                 signals = [signal.handle]
                 timeline.update(signalSemaphoreValueCount=1, pSignalSemaphoreValues=signal_value)
-            arrays = (ffi.new("VkCommandBuffer[]", [buffer]), ffi.new("VkSemaphore[]", wait_sems),
-                      ffi.new("VkPipelineStageFlags[]", stages), ffi.new("VkSemaphore[]", signals))
+            arrays = (ffi.new("VkCommandBuffer[]", [buffer] + [ffi.NULL] * places),
+                      ffi.new("VkSemaphore[]", wait_sems), ffi.new("VkPipelineStageFlags[]", stages),
+                      ffi.new("VkSemaphore[]", signals))
             keep.extend(arrays)
             fields: dict[str, Any] = {
-                "sType": b.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": arrays[0],
+                "sType": b.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1 + places,
+                "pCommandBuffers": arrays[0],
                 "waitSemaphoreCount": len(wait_sems), "pWaitSemaphores": arrays[1], "pWaitDstStageMask": arrays[2],
                 "signalSemaphoreCount": len(signals), "pSignalSemaphores": arrays[3]}
             if timeline:
@@ -681,10 +689,11 @@ class LogicalDevice:
             return ffi.new("VkSubmitInfo*", fields)
 
         main = info(cmd, before[1] if before else None, b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                    after[1] if after else None, first=before is None, last=after is None)
+                    after[1] if after else None, first=before is None, last=after is None, places=follow)
         fence = self.create_fence()
         sub = Submission(self, cmd, main, keep, fence, ffi.new("VkFence[]", [fence]),
-                         wait_values=wait_values, signal=signal, signal_value=signal_value)
+                         wait_values=wait_values, signal=signal, signal_value=signal_value,
+                         commands=main.pCommandBuffers, follow=follow)
         keep.extend(v for v in (wait_values, signal_value) if v is not None)
         if before is not None:
             sub.before = info(before[0], signal_sem=before[1], first=True)
@@ -692,11 +701,16 @@ class LogicalDevice:
             sub.after = info(after[0], after[1], b.VK_PIPELINE_STAGE_TRANSFER_BIT, last=True)
         return sub
 
-    def submit(self, sub: Submission, waits: Sequence[int] = ()) -> int:
+    def submit(self, sub: Submission, waits: Sequence[int] = (), follow: Sequence[Any] = ()) -> int:
         """Submits ``sub``, its first submission waiting for ``waits`` (one value per timeline
-        it was built with); returns the value it signals on its timeline (0 without one)."""
+        it was built with) and ``follow`` (one command buffer per place it was built with)
+        behind its command buffer; returns the value it signals on its timeline (0 without one)."""
         lib, null = self._lib, self._ffi.NULL
         signaled = 0
+        if len(follow) != sub.follow:
+            raise ValueError(f"{self.name}: {len(follow)} command buffers given for {sub.follow} places")
+        for i, cmd in enumerate(follow, 1):
+            sub.commands[i] = cmd
         with self.queue_lock:
             for i, value in enumerate(waits):
                 sub.wait_values[i] = value

@@ -9,7 +9,8 @@ A :class:`VulkanChunk` is what one member executes as one command buffer:
 4. dispatches grouped into dependency levels: a node's level is one more than the levels of
    what produced its inputs and of what last touched the memory its outputs reuse, so a
    barrier stands only between levels, never between independent dispatches;
-5. one command buffer recorded once; a run writes the inputs, submits, waits, reads outputs.
+5. one command buffer recorded once; a run writes the inputs, submits, waits, reads outputs
+   (large ones the device writes into host memory handed to the caller: :mod:`vkpool.output_buffers`).
 
 A :class:`HostChunk` runs the same nodes on the host (the ``cpu`` member): as one onnxruntime
 session of the chunk's subgraph where it can, else with the ops' numpy references
@@ -22,7 +23,7 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -33,6 +34,7 @@ from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, check_
 from vkpool.kernels.registry import create_op
 from vkpool.memory import DeviceOutOfMemory
 from vkpool.model import Node
+from vkpool.output_buffers import HostBuffer, OutputBuffers
 
 if TYPE_CHECKING:
     from vkpool.device import Timeline
@@ -43,6 +45,19 @@ if TYPE_CHECKING:
 #: and a 16 KiB one written straight to host memory ran matmul_1GB_1layer in 275.5 µs and
 #: matmul_1GB_16layers in 337.5 µs, against 280.0 and 339.8 µs copied out after a barrier
 STAGED_OUTPUT_BYTES = 128 * 1024
+
+#: chunk outputs of at least this size computed in device memory are copied by the device into
+#: host memory imported into it (``VK_EXT_external_memory_host``), which the caller gets as the
+#: array (:mod:`vkpool.output_buffers`): no copy on the host. Why 1 MiB: the copy it saves is
+#: about 80 µs a MiB for one thread (12.3 MiB took 957 µs on the H200's host), so from 1 MiB it
+#: dwarfs what the path adds per run (handing a buffer out and taking it back, 4-8 µs of Python on
+#: the development VM; on the device a second command buffer and barrier, not measured on a GPU),
+#: while each such output holds up to ``IMPORTED_OUTPUT_BUFFERS`` imports of its size (pinned host
+#: memory, and device memory objects, of which drivers allow a few thousand).
+IMPORTED_OUTPUT_BYTES = 1 << 20
+#: host buffers per such output: a run whose caller holds this many of that output's arrays copies
+#: it out of the run slot's memory instead, as below the threshold
+IMPORTED_OUTPUT_BUFFERS = 4
 
 
 @dataclass(eq=False)
@@ -246,6 +261,11 @@ class VulkanChunk:
         # the device has one and runs can overlap (several slots): see _add_slot
         self._transfer = slots > 1 and self.device.transfer_family is not None
         self._arena: Any = None
+        # large outputs handed out in imported host memory (see IMPORTED_OUTPUT_BYTES): their
+        # names, one pool of host buffers each, and the command buffers copying into those
+        self._exported: list[str] = []
+        self.imported: dict[str, OutputBuffers] = {}
+        self._export_cmds: list[Any] = []
         # other chunks' timelines this chunk's runs wait on (values given to start), and the
         # one its runs signal (``signal``), for chunks that read each other on the device
         self._waits = list(waits)
@@ -339,6 +359,17 @@ class VulkanChunk:
             if name in t:
                 t[t[name].base].last_use = len(self.nodes)
 
+    def _exportable(self) -> list[str]:
+        """The outputs handed out in imported host memory: those of at least
+        ``IMPORTED_OUTPUT_BYTES`` that kernels write in device memory of the chunk's own, where
+        the device imports host memory and the slots' copies are not the transfer queue's."""
+        if not self.device.host_import_alignment or self._transfer:
+            return []
+        t = self.tensors
+        return [name for name in dict.fromkeys(self.output_names)
+                if name not in self._given and t[t[name].base].kind == "arena"
+                and t[name].info.nbytes >= IMPORTED_OUTPUT_BYTES]
+
     def _given_on_device(self, name: str) -> bool:
         """Whether ``name`` is in memory given as ``io`` that is the device's own (a tensor
         another chunk on the device shares); imported host memory is not."""
@@ -409,6 +440,9 @@ class VulkanChunk:
                 tensor.handle = TensorHandle(arena, tensor.offset, tensor.info.nbytes)
 
         self._scheduled = scheduled
+        self._exported = self._exportable()
+        self.imported = {name: OutputBuffers(self.device, t[name].info.nbytes, IMPORTED_OUTPUT_BUFFERS)
+                         for name in self._exported}
         self._add_slot()
         for _ in range(1, self.slots):
             try:
@@ -419,7 +453,7 @@ class VulkanChunk:
                 break
         self.slots = len(self._slots)
         if self.slots == 1:  # the others did not fit: the one left never runs behind another
-            self._slots[0].chained = None
+            self._slots[0].chained = self._slots[0].bare_chained = None
         for index in range(self.slots):
             self._idle.put(index)
         self.device.save_pipeline_cache()
@@ -513,21 +547,11 @@ class VulkanChunk:
             self._build_pipelines([item for bucket in buckets.values() for _, item in bucket])
 
         def emit(label: str, item: Any) -> None:
-            if isinstance(item, tuple):
-                _, src, dst = item
-                commands.append(("copy", src.alloc.buffer, src.alloc.offset + src.offset,
-                                 dst.alloc.buffer, dst.alloc.offset + dst.offset, dst.nbytes))
-                return
-            check_grid(item.groups, caps, label)
-            pipe = self.device.pipeline(item.shader, item.defines)
-            push = pack_push_constants(item.args, _address)
-            if len(push) > self.device.push_constant_bytes:
-                raise OpError(f"{item.shader}: {len(push)} bytes of push constants exceed the "
-                              f"device's {self.device.push_constant_bytes}")
-            commands.append(("dispatch", pipe, push, item.groups))
-            labels.append(f"{label} [{item.shader}]")
-            if counting:
-                self.stats.dispatches += 1
+            commands.append(self._command(label, item))
+            if commands[-1][0] == "dispatch":
+                labels.append(f"{label} [{item.shader}]")
+                if counting:
+                    self.stats.dispatches += 1
 
         for key in sorted(buckets):
             if commands:
@@ -540,6 +564,7 @@ class VulkanChunk:
             self.stats.levels = len(buckets)
         # chunk outputs in device memory (large ones, and those no node writes: a chunk
         # input, a constant, a view of one) are copied to mapped memory after one barrier
+        run_end = len(commands)
         barrier_before_copies = bool(commands)
         for name in self.output_names:
             if t[name].kind == "output":
@@ -560,6 +585,51 @@ class VulkanChunk:
         slot.alone = self._recorded(commands, links)
         if self.slots > 1:
             slot.chained = self._recorded([("run_barrier",), *commands], links)
+        if self._exported:
+            # the same without the copies of exported outputs, for runs that copy those into
+            # host buffers (or into this slot's memory) in command buffers of their own (start)
+            bare = commands[:run_end]
+            kept = [name for name in self.output_names
+                    if t[name].kind != "output" and name not in self._exported]
+            if kept and bare:
+                bare.append(("barrier",))
+            bare += [self._command(f"copy-out {name}", item) for name in kept
+                     for item in _copy(handle(name), io[("out", name)], caps)]
+            bare.append(("host_barrier",))
+            slot.sources = [handle(name) for name in self._exported]
+            slot.to_slot = [self._export(handle(name), io[("out", name)]) for name in self._exported]
+            places = len(self._exported)
+            slot.bare_alone = self._recorded(bare, links, follow=places)
+            if self.slots > 1:
+                slot.bare_chained = self._recorded([("run_barrier",), *bare], links, follow=places)
+
+    def _command(self, label: str, item: Any) -> tuple[Any, ...]:
+        """A dispatch, or a copy ``("copy", src, dst)``, as a command of
+        :meth:`~vkpool.device.LogicalDevice.record`."""
+        if isinstance(item, tuple):
+            _, src, dst = item
+            return ("copy", src.alloc.buffer, src.alloc.offset + src.offset,
+                    dst.alloc.buffer, dst.alloc.offset + dst.offset, dst.nbytes)
+        check_grid(item.groups, self.device.caps, label)
+        pipe = self.device.pipeline(item.shader, item.defines)
+        push = pack_push_constants(item.args, _address)
+        if len(push) > self.device.push_constant_bytes:
+            raise OpError(f"{item.shader}: {len(push)} bytes of push constants exceed the "
+                          f"device's {self.device.push_constant_bytes}")
+        return ("dispatch", pipe, push, item.groups)
+
+    def _export(self, src: TensorHandle, dst: TensorHandle) -> Any:
+        """A command buffer copying an output from device memory ``src`` into host memory
+        ``dst``, submitted in one batch behind a run's commands. ``src`` was written by the run's
+        dispatches (no kernel writes by a copy command), so a barrier from the compute stage
+        orders the copy after them; a copy command as the copy gets one over the transfer stage
+        too (:meth:`~vkpool.device.LogicalDevice.record`)."""
+        copies = [self._command("copy-out", item) for item in _copy(src, dst, self.device.caps)]
+        commands = [("barrier",), *copies, ("host_barrier",)]
+        cmd = self.device.allocate_command_buffer()
+        self._export_cmds.append(cmd)
+        self.device.record(cmd, commands)
+        return cmd
 
     def _build_pipelines(self, work: list[Any]) -> None:
         """Build the pipeline of every shader variant ``work`` dispatches, once each, reporting
@@ -586,11 +656,12 @@ class VulkanChunk:
         self.device.record(cmd, commands, transfer=True)
         return link
 
-    def _recorded(self, commands: list[tuple[Any, ...]], links: tuple[Any, Any] = (None, None)) -> Any:
+    def _recorded(self, commands: list[tuple[Any, ...]], links: tuple[Any, Any] = (None, None),
+                  follow: int = 0) -> Any:
         cmd = self.device.allocate_command_buffer()
         try:
             sub = self.device.submission(cmd, before=links[0], after=links[1], waits=self._waits,
-                                         signal=self.timeline)
+                                         signal=self.timeline, follow=follow)
         except BaseException:
             self.device.free_command_buffer(cmd)
             raise
@@ -608,19 +679,56 @@ class VulkanChunk:
         ``waits`` (see :meth:`start_in_place`); returns the slot, which :meth:`finish` (from any
         thread) waits for. With every slot in flight, ``start`` waits for a ``finish``. Runs of
         one chunk execute in the order they start. Inputs in memory given as ``io`` are not
-        written: whoever gave it writes them."""
+        written: whoever gave it writes them. Outputs in :attr:`imported` are copied into a
+        free host buffer of theirs where one is, not into the slot's memory: :meth:`finish`
+        hands them out."""
         index = self._idle.get() if slot is None else slot
-        self._slots[index].pooled = slot is None
+        run = self._slots[index]
+        run.pooled = slot is None
         try:
-            views = self._slots[index].in_views
+            views = run.in_views
             for name in self._fed:
                 np.copyto(views[name], feeds[name], casting="no")
-            self.start_in_place(index, waits)
+            if self._exported:
+                self._start_exporting(index, waits)
+            else:
+                self.start_in_place(index, waits)
         except BaseException:
             if slot is None:
                 self._idle.put(index)
             raise
         return index
+
+    def _start_exporting(self, index: int, waits: Sequence[int]) -> None:
+        """Submits ``run`` with each output of :attr:`imported` copied into a free host buffer of
+        its own (the slot's memory for one whose buffers are all held), behind the run's commands
+        in one batch; with no buffer free at all, as :meth:`start_in_place` does."""
+        run = self._slots[index]
+        pools = [self.imported[name] for name in self._exported]
+        taken = [pool.take() for pool in pools]
+        if not any(taken):
+            run.taken = None
+            self._submit(run, run.alone, run.chained, waits)
+            return
+        try:
+            follow = [run.to_slot[k] if buf is None else self._export_into(index, k, buf)
+                      for k, buf in enumerate(taken)]
+            self._submit(run, run.bare_alone, run.bare_chained, waits, follow)
+        except BaseException:
+            for pool, buf in zip(pools, taken):
+                if buf is not None:
+                    pool.give_back(buf)
+            raise
+        run.taken = taken
+
+    def _export_into(self, index: int, k: int, buf: HostBuffer) -> Any:
+        """The command buffer copying exported output ``k`` of run slot ``index`` into ``buf``
+        (recorded the first time the slot uses that buffer)."""
+        cmd = buf.commands.get(index)
+        if cmd is None:
+            source = self._slots[index].sources[k]
+            cmd = buf.commands[index] = self._export(source, TensorHandle(buf.allocation, 0, buf.nbytes))
+        return cmd
 
     def slot_views(self, index: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Run slot ``index``'s inputs and outputs as host arrays (views of its memory)."""
@@ -632,15 +740,23 @@ class VulkanChunk:
         :meth:`slot_views`, or into the memory given as ``io``); the caller keeps each slot to
         one run at a time. Runs of one chunk execute in the order they start. ``waits``: per
         timeline given as ``waits`` at construction, the value the run waits for on the device
-        (that of the run whose outputs it reads); :meth:`signaled` is what this run signals."""
+        (that of the run whose outputs it reads); :meth:`signaled` is what this run signals.
+        Every output is then in the slot's memory (:meth:`slot_views`)."""
         slot = self._slots[index]
+        slot.taken = None
+        self._submit(slot, slot.alone, slot.chained, waits)
+
+    def _submit(self, slot: _Slot, alone: Any, chained: Any, waits: Sequence[int],
+                follow: Sequence[Any] = ()) -> None:
+        """Submits ``alone``, or ``chained`` behind another run of the chunk in flight, with
+        ``follow`` behind it in its batch."""
         if slot.chained is None:  # one slot: no other run of the chunk can be in flight
-            slot.submitted = slot.alone
-            slot.signaled = self.device.submit(slot.alone, waits)
+            slot.submitted = alone
+            slot.signaled = self.device.submit(alone, waits, follow)
             return
         with self._lock:  # another run in flight: go behind it (the slots share the arena)
-            slot.submitted = slot.chained if self._running else slot.alone
-            slot.signaled = self.device.submit(slot.submitted, waits)
+            slot.submitted = chained if self._running else alone
+            slot.signaled = self.device.submit(slot.submitted, waits, follow)
             self._running += 1
 
     def signaled(self, index: int) -> int:
@@ -661,15 +777,39 @@ class VulkanChunk:
                     self._running -= 1
 
     def finish(self, slot: int, *, spin: bool = True, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """Waits for the run in ``slot`` (see :meth:`wait_in_place`) and returns copies of its
-        outputs (of those named in ``outputs`` when given)."""
+        """Waits for the run in ``slot`` (see :meth:`wait_in_place`) and returns its outputs (those
+        named in ``outputs`` when given): copies, or for those :meth:`start` had the device copy
+        into host buffers, those buffers as arrays the caller owns (a buffer is written again
+        only once that array and every view of it are gone)."""
         try:
             self.wait_in_place(slot, spin=spin)
-            views = self._slots[slot].out_views
-            return {name: copy_out(views[name]) for name in (self.output_names if outputs is None else outputs)}
+            run = self._slots[slot]
+            names = self.output_names if outputs is None else outputs
+            if run.taken is None:
+                views = run.out_views
+                return {name: copy_out(views[name]) for name in names}
+            return self._hand_out(run, names)
         finally:
             if self._slots[slot].pooled:
                 self._idle.put(slot)
+
+    def _hand_out(self, run: _Slot, names: Sequence[str]) -> dict[str, np.ndarray]:
+        taken, run.taken = run.taken, None
+        held = dict(zip(self._exported, taken or ()))
+        out: dict[str, np.ndarray] = {}
+        for name in names:
+            if name in out:
+                continue
+            buf = held.pop(name, None)
+            if buf is None:
+                out[name] = copy_out(run.out_views[name])
+            else:
+                info = self.tensors[name].info
+                out[name] = self.imported[name].hand_out(buf, info.dtype, info.shape)
+        for name, buf in held.items():  # written, and not asked for
+            if buf is not None:
+                self.imported[name].give_back(buf)
+        return out
 
     def close(self) -> None:
         if self._subs:
@@ -681,6 +821,11 @@ class VulkanChunk:
             self.device.free_command_buffer(cmd, transfer=True)
             self.device.destroy_semaphore(sem)
         self._links = []
+        for cmd in self._export_cmds:
+            self.device.free_command_buffer(cmd)
+        self._export_cmds = []
+        for pool in self.imported.values():  # arrays the caller holds stay valid host memory
+            pool.close()
         if self.timeline is not None:
             self.device.destroy_semaphore(self.timeline.handle)
             self.timeline = None
@@ -703,6 +848,15 @@ class _Slot:
     submitted: Any = None
     signaled: int = 0  # the timeline value the last run started here signals
     pooled: bool = True  # the last run took this slot from the idle ones (start without a slot)
+    # with exported outputs (VulkanChunk.imported): the recordings without their copies (each
+    # submitted with one copy per exported output behind it), those copies' sources, the copies
+    # into this slot's memory, and the host buffer each got in the last run (None: this slot's
+    # memory; taken None: no export, every output in this slot's memory)
+    bare_alone: Any = None
+    bare_chained: Any = None
+    sources: list[TensorHandle] = field(default_factory=list)
+    to_slot: list[Any] = field(default_factory=list)
+    taken: list[HostBuffer | None] | None = None
 
 
 class HostChunk:
