@@ -36,7 +36,7 @@ def apply(spec: str) -> dict[str, Any]:
 
     saved = {k: getattr(gemm_f16, k) for k in ("COOP_TILES", "SPLIT_TILE", "_SPLIT_TARGET_GROUPS", "_SPLIT_MIN_K")}
     saved["split_k"] = gemm_f16.HalfMatmulPlan.__dict__["split_k"]
-    from vkpool.kernels.ops import gemm, matmul
+    from vkpool.kernels.ops import matmul
 
     saved["matmul"] = (matmul.HalfMatmulPlan, gemm_f16.HalfMatmulPlan)
     for item in filter(None, spec.split(",")):
@@ -56,17 +56,15 @@ def apply(spec: str) -> dict[str, Any]:
                 split_k = staticmethod(lambda p: 1)
             matmul.HalfMatmulPlan = gemm_f16.HalfMatmulPlan = Unsplit  # Gemm imports it from gemm_f16 when run
         elif key == "act_split" and value == "off":
-            split_k = saved["split_k"].__func__
-            gemm_f16.HalfMatmulPlan.split_k = staticmethod(lambda p: 1 if p.act else split_k(p))
+            planner_split = saved["split_k"].__func__
+            gemm_f16.HalfMatmulPlan.split_k = staticmethod(lambda p, split=planner_split: 1 if p.act else split(p))
         else:
             raise SystemExit(f"unknown policy item {item!r}")
     return saved
 
 
 def restore(saved: dict[str, Any]) -> None:
-    from vkpool.kernels.ops import gemm_f16
-
-    from vkpool.kernels.ops import matmul
+    from vkpool.kernels.ops import gemm_f16, matmul
 
     matmul.HalfMatmulPlan, gemm_f16.HalfMatmulPlan = saved.pop("matmul")
     for key, value in saved.items():

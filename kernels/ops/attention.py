@@ -31,12 +31,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from vkpool.kernels.ops.gemm import _ptr
 from vkpool.kernels.base import (
     F32, LOOP_SLACK, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, UnsupportedOp, check_grid,
     check_serial,
     groups_1d,
 )
+from vkpool.kernels.ops.gemm import ptr_at
 
 
 _F32, _F16 = np.dtype(np.float32), np.dtype(np.float16)
@@ -326,8 +326,8 @@ class Attention(Op):
         k_ptr, v_ptr = (Ptr(k_src) if k_src is not None else None), (Ptr(v_src) if v_src is not None else None)
         if self.packed is not None:
             size = self.input(0).dtype.itemsize
-            k_ptr = _ptr(q, self.packed[0] * size)
-            v_ptr = _ptr(q, (self.packed[0] + self.packed[1]) * size)
+            k_ptr = ptr_at(q, self.packed[0] * size)
+            v_ptr = ptr_at(q, (self.packed[0] + self.packed[1]) * size)
         for pos, dim in ((1, self.d), (2, self.dv)):
             present = ctx.outputs[pos] if want[pos] else None
             if present is None and self.has_past:
@@ -379,8 +379,8 @@ class Attention(Op):
                 assert self.packed is not None
                 splits, parts, c = partials
                 cols = (0, self.packed[0], self.packed[0] + self.packed[1])
-                args[:3] = [_ptr(parts, 4 * col) for col in cols]
-                args += [_ptr(c, 2 * col) if c is not None else q for col in cols]
+                args[:3] = [ptr_at(parts, 4 * col) for col in cols]
+                args += [ptr_at(c, 2 * col) if c is not None else q for col in cols]
                 coop = {**coop, "NSPLITS": splits, "PBIAS": int(c is not None)}
             elif partials is not None:
                 raise ValueError("Attention: only attention_coop.comp reads a product's partial sums")

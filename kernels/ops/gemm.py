@@ -128,7 +128,7 @@ def choose_tile(p: MatmulProblem, workgroups: Any) -> str:
     return "64x64" if groups * 2 >= _GEMM_TARGET_GROUPS else "32x32"
 
 
-def _ptr(t: Any, offset: int = 0) -> Ptr:
+def ptr_at(t: Any, offset: int = 0) -> Ptr:
     """A pointer to ``t`` (a tensor, or a :class:`Ptr` into one) ``offset`` bytes further."""
     return Ptr(t.tensor, t.byte_offset + offset) if isinstance(t, Ptr) else Ptr(t, offset)
 
@@ -195,7 +195,7 @@ class MatmulPlan:
         bias_rows = 1 if self.kind == "gemv" else (p.bias_rows or p.M)
         return Dispatch(
             "gemm_reduce",
-            [_ptr(ws), _ptr(c), _ptr(y), U32(total), U32(splits), U32(p.N), U32(bias_rows),
+            [ptr_at(ws), ptr_at(c), ptr_at(y), U32(total), U32(splits), U32(p.N), U32(bias_rows),
              U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta)],
             groups_1d(total, 256, caps), {"HAS_BIAS": int(p.has_bias), "ACT": p.act},
         )
@@ -272,8 +272,8 @@ class MatmulPlan:
             oc = sum(i * d.c for i, d in zip(idx, outer)) * 4
             oy = sum(i * d.y for i, d in zip(idx, outer)) * 4
             args = [
-                _ptr(a, oa), _ptr(b, ob), _ptr(c_or_y, oc if p.has_bias else 0),
-                _ptr(ws) if split else _ptr(y, oy),
+                ptr_at(a, oa), ptr_at(b, ob), ptr_at(c_or_y, oc if p.has_bias else 0),
+                ptr_at(ws) if split else ptr_at(y, oy),
                 U32(p.M), U32(p.N), U32(p.K),
                 U32(p.sAm), U32(p.sAk), U32(p.sBk), U32(p.sBn), U32(p.sCm), U32(p.sCn),
                 U32(inner.a), U32(inner.b), U32(inner.c), F32(p.alpha), F32(p.beta),
@@ -290,7 +290,7 @@ class MatmulPlan:
                    "HAS_BIAS": int(p.has_bias), "ACT": p.act}
         first = Dispatch(
             "gemv",
-            [_ptr(a), _ptr(b), _ptr(c), _ptr(ws if split else y), U32(p.N), U32(p.K), U32(p.sAk), U32(p.sBk),
+            [ptr_at(a), ptr_at(b), ptr_at(c), ptr_at(ws if split else y), U32(p.N), U32(p.K), U32(p.sAk), U32(p.sBk),
              U32(self.kchunk), U32(p.sCn), F32(p.alpha), F32(p.beta)],
             (self.col_groups, self.splits, 1), defines,
         )
@@ -313,7 +313,7 @@ class MatmulPlan:
                 tpr = caps.subgroup_size
         return Dispatch(
             "gemv_t",
-            [_ptr(a), _ptr(b), _ptr(c), _ptr(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
+            [ptr_at(a), ptr_at(b), ptr_at(c), ptr_at(y), U32(p.N), U32(p.K), U32(p.sBn), U32(p.sCn),
              F32(p.alpha), F32(p.beta)],
             groups_1d(p.N, rows, caps), {"VEC": vec, "TPR": tpr, "ROWS": rows, "HAS_BIAS": int(p.has_bias),
              "ACT": p.act, "SUBGROUP_REDUCE": int(rows == 1 and caps is not None and caps.subgroup_arithmetic)},

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vkpool.kernels.base import F32, Dispatch, DeviceCaps, U32, UnsupportedOp, ceil_div, check_grid, groups_1d
-from vkpool.kernels.ops.gemm import BatchDim, MatmulProblem, _ptr
+from vkpool.kernels.ops.gemm import BatchDim, MatmulProblem, ptr_at
 
 _MAX_GROUPS = 65535
 #: below this many workgroups of the preferred tile, a smaller tile is taken (more workgroups)
@@ -197,7 +197,7 @@ class HalfMatmulPlan:
         total = p.M * p.N
         return Dispatch(
             "gemm_reduce",
-            [_ptr(ws), _ptr(c) if p.has_bias else _ptr(y), _ptr(y), U32(total), U32(splits), U32(p.N), U32(1), U32(0),
+            [ptr_at(ws), ptr_at(c) if p.has_bias else ptr_at(y), ptr_at(y), U32(total), U32(splits), U32(p.N), U32(1), U32(0),
              U32(1), F32(1.0), F32(1.0)],
             groups_1d(total, 256, caps),
             {"HAS_BIAS": int(p.has_bias), "ACT": p.act, "HALF": 1, "NSPLITS": splits},
@@ -267,8 +267,8 @@ class HalfMatmulPlan:
             oa = sum(i * d.a for i, d in zip(idx, outer)) * _HALF
             ob = sum(i * d.b for i, d in zip(idx, outer)) * _HALF
             oy = sum(i * d.y for i, d in zip(idx, outer)) * _HALF
-            bias = _ptr(c) if p.has_bias else _ptr(y, oy)
-            args = [_ptr(a, oa), _ptr(b, ob), _ptr(ws) if split > 1 else _ptr(y, oy), U32(p.M), U32(p.N), U32(p.K),
+            bias = ptr_at(c) if p.has_bias else ptr_at(y, oy)
+            args = [ptr_at(a, oa), ptr_at(b, ob), ptr_at(ws) if split > 1 else ptr_at(y, oy), U32(p.M), U32(p.N), U32(p.K),
                     U32(inner.a), U32(inner.b), bias]
             out.append(Dispatch(shader, args, groups, defines))
         if split > 1:

@@ -119,7 +119,7 @@ class RowNorm(Op):
         x = self.x_info()
         dims, mask = reduction_view(self.view_shape, self.axes)
         nred = math.prod(self.view_shape[a] for a in self.axes)
-        reduced = bin(mask).count("1")
+        reduced = mask.bit_count()
         tail = mask == ((1 << reduced) - 1) << (len(dims) - reduced)
         return (x.dtype == np.float16 and tail and self.mode in (0, 1) and self.sdiv == 1 and nred <= _ROWS_MAX
                 and (caps is None or caps.max_workgroup_invocations >= 256))
@@ -158,7 +158,7 @@ class RowNorm(Op):
         sum_out = ctx.outputs[3] if len(ctx.outputs) > 3 else None
         args += [F32(self.eps), U32(self.sdiv), U32(self.smod), U32(self.bmod),
                  Ptr(ctx.inputs[3]) if residual else x_ptr, Ptr(sum_out) if sum_out is not None else x_ptr]
-        reduced = bin(mask).count("1")
+        reduced = mask.bit_count()
         tail = mask == ((1 << reduced) - 1) << (len(dims) - reduced)
         defines = {"MODE": self.mode, "ROW_THREADS": threads, "HAS_SCALE": int(has_scale),
                    "HAS_BIAS": int(has_bias), "HAS_STATS": int(has_stats), "P": self.p, "TAIL": int(tail),
