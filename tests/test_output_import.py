@@ -8,7 +8,7 @@ never be written while an array or view over it lives, and must come back when n
 from __future__ import annotations
 
 import gc
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx
@@ -229,11 +229,8 @@ def test_two_slots_back_to_back_and_threads(importing, monkeypatch):
                 if not np.allclose(y, _reference(data, x)[0], rtol=1e-4, atol=1e-5):
                     errors.append(f"thread {k} got another request's result")
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(6) as threads:
+            list(threads.map(worker, range(6)))
         assert not errors
         assert sess._chunk.imported["y"].imports <= CAP
 

@@ -124,26 +124,13 @@ class Attention(Op):
         matrices, its float32 partial sums are added as ``attention_coop.comp`` stages Q, K and V
         (no pass of their own); otherwise the product writes the packed tensor into the workspace,
         where the attention kernels read it."""
-        from vkpool.kernels.ops.gemm import MatmulProblem
-        from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, transposed_b
+        from vkpool.kernels.ops.gemm_f16 import fused_product_plan
 
-        a, w = self.input(0), self.input(7)
-        if a.dtype != _F16 or w.dtype != _F16 or len(w.shape) != 2 or len(a.shape) != 3 or 7 not in self.constants:
-            raise UnsupportedOp("Attention: a fused product needs float16 3-D A and constant 2-D W")
-        (k, n), rows = w.shape, a.shape[0] * a.shape[1]
-        if a.shape[2] != k:
-            raise OpError(f"Attention: the fused product's inner dimensions differ ({a.shape} @ {w.shape})")
-        has_bias = self.has_input(8)
-        if has_bias and self.input(8) != TensorInfo((n,), _F16):
-            raise OpError(f"Attention: the fused product's bias must be float16 of shape ({n},)")
-        if transposed_b(n, k):  # stored N x K: see transposed_b
-            self.transposed_constants = frozenset({7})
-            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=1, sBn=k)
-        else:
-            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1)
-        problem.has_bias, problem.sCn = has_bias, 1
-        self.product = HalfMatmulPlan(problem)
-        self.rereads_inputs = True
+        a = self.input(0)
+        if len(a.shape) != 3:
+            raise UnsupportedOp(f"Attention: a fused product needs a 3-D A, got {a.shape}")
+        self.product = fused_product_plan(self, 0, 7, 8)
+        n = self.product.p.N
         self.inputs[0] = TensorInfo((a.shape[0], a.shape[1], n), _F16)  # the packed Q/K/V the product makes
 
     def _product_regions(self) -> tuple[int, int]:

@@ -31,10 +31,15 @@ before the device is; it runs with ``SPLIT_TILE``.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from vkpool.kernels.base import F32, Dispatch, DeviceCaps, U32, UnsupportedOp, ceil_div, check_grid, groups_1d
+import numpy as np
+
+from vkpool.kernels.base import (
+    F32, DeviceCaps, Dispatch, Op, OpError, TensorInfo, U32, UnsupportedOp, ceil_div, check_grid, groups_1d,
+)
 from vkpool.kernels.ops.gemm import BatchDim, MatmulProblem, ptr_at
 
 _MAX_GROUPS = 65535
@@ -279,4 +284,30 @@ class HalfMatmulPlan:
         return 2 * self.p.M * self.p.N * self.p.K * self.p.batch_count
 
 
-__all__ = ["COOP_TILES", "SPLIT_TILE", "CoopTile", "HalfMatmulPlan", "coop_shape"]
+def fused_product_plan(op: Op, a: int, w: int, bias: int) -> HalfMatmulPlan:
+    """The float16 product a node of :mod:`vkpool.fusion` computes itself (vkpool's attribute
+    ``product``): input ``a`` (rows of K) @ input ``w`` (constant K x N weights) + input ``bias``
+    (N values, optional). The weights are stored transposed where :func:`transposed_b` says so;
+    A is read by every column tile, so a model input there is copied to device memory first."""
+    ai, wi = op.input(a), op.input(w)
+    half = np.dtype(np.float16)
+    if ai.dtype != half or wi.dtype != half or len(wi.shape) != 2 or len(ai.shape) < 2:
+        raise UnsupportedOp(f"{op.op_type}: a fused product needs float16 A (2-D or more) and 2-D W")
+    if w not in op.constants:
+        raise UnsupportedOp(f"{op.op_type}: a fused product's weights must be constant")
+    (k, n), rows = wi.shape, math.prod(ai.shape[:-1])
+    if ai.shape[-1] != k:
+        raise OpError(f"{op.op_type}: the fused product's inner dimensions differ ({ai.shape} @ {wi.shape})")
+    has_bias = op.has_input(bias)
+    if has_bias and op.input(bias) != TensorInfo((n,), half):
+        raise OpError(f"{op.op_type}: the fused product's bias must be float16 of shape ({n},)")
+    if transposed_b(n, k):
+        op.transposed_constants = op.transposed_constants | {w}
+        problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=1, sBn=k, has_bias=has_bias, sCn=1)
+    else:
+        problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1, has_bias=has_bias, sCn=1)
+    op.rereads_inputs = True
+    return HalfMatmulPlan(problem)
+
+
+__all__ = ["COOP_TILES", "SPLIT_TILE", "CoopTile", "HalfMatmulPlan", "coop_shape", "fused_product_plan"]

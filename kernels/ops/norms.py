@@ -20,8 +20,7 @@ import numpy as np
 from vkpool.kernels.base import (
     F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
 )
-from vkpool.kernels.ops.gemm import MatmulProblem
-from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, transposed_b
+from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, fused_product_plan
 from vkpool.kernels.ops.reduce import MAX_VIEW_RANK, normalize_axes, reduction_view, row_geometry
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -222,25 +221,7 @@ class LayerNormalization(RowNorm):
         self.stats_shape = x.shape[:self.axis] + (1,) * (rank - self.axis)
 
     def _setup_product(self) -> None:
-        a, w = self.input(0), self.input(4)
-        if a.dtype != np.float16 or w.dtype != np.float16 or len(w.shape) != 2 or len(a.shape) < 2:
-            raise UnsupportedOp("LayerNormalization: a fused product needs float16 A (2-D or more) and 2-D W")
-        if 4 not in self.constants:
-            raise UnsupportedOp("LayerNormalization: a fused product's weights must be constant")
-        (k, n), rows = w.shape, math.prod(a.shape[:-1])
-        if a.shape[-1] != k:
-            raise OpError(f"LayerNormalization: the fused product's inner dimensions differ ({a.shape} @ {w.shape})")
-        has_bias = self.has_input(5)
-        if has_bias and self.input(5) != TensorInfo((n,), np.float16):
-            raise OpError(f"LayerNormalization: the fused product's bias must be float16 of shape ({n},)")
-        if transposed_b(n, k):  # stored N x K: see transposed_b
-            self.transposed_constants = frozenset({4})
-            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=1, sBn=k)
-        else:
-            problem = MatmulProblem(M=rows, N=n, K=k, sAm=k, sAk=1, sBk=n, sBn=1)
-        problem.has_bias, problem.sCn = has_bias, 1
-        self.product = HalfMatmulPlan(problem)
-        self.rereads_inputs = True  # each row of A is read by every column tile of the product
+        self.product = fused_product_plan(self, 0, 4, 5)
 
     def output_infos(self) -> list[TensorInfo]:
         x = self.x_info()
