@@ -81,7 +81,11 @@ def _check(pool, half: bytes, wide: bytes, feeds: dict[str, np.ndarray]) -> None
 
 
 def _fused(data: bytes) -> Counter:
-    return Counter(n.op_type for n in load_model(data, cache=False).nodes)
+    """The fused model's ops; ``Attention`` counts attentions inside norms too (``attention``)."""
+    nodes = load_model(data, cache=False).nodes
+    ops = Counter(n.op_type for n in nodes)
+    ops["Attention"] += sum(1 for n in nodes if n.attrs.get("attention"))
+    return ops
 
 
 @pytest.mark.parametrize("name", list(SMALL))
@@ -94,13 +98,17 @@ def test_float16_export_of_the_benchmark_transformer(pool, name: str) -> None:
     assert types == {onnx.TensorProto.FLOAT16}
     ops = _fused(half)
     layers = SMALL[name]["layers"]
-    # per layer: the up product (bias and GELU inside), one attention that computes the packed q, k
-    # and v product, two norms that compute the out and down products they normalise
+    # per layer: the up product (bias and GELU inside) and two norms that compute what they
+    # normalise: the attention (its packed q, k and v product too) and its output projection; the
+    # down product
     assert ops["Attention"] == layers and ops["Softmax"] == 0 and ops["Erf"] == ops["Tanh"] == 0, ops
     assert ops["MatMul"] == layers + (name == "gpt2"), ops
     assert ops["LayerNormalization"] == 2 * layers + 1, ops
-    products = Counter(n.op_type for n in load_model(half, cache=False).nodes if n.attrs.get("product"))
-    assert products == {"LayerNormalization": 2 * layers, "Attention": layers}, products
+    nodes = load_model(half, cache=False).nodes
+    products = Counter(n.op_type for n in nodes if n.attrs.get("product"))
+    assert products == {"LayerNormalization": 2 * layers}, products
+    blocks = [n for n in nodes if n.attrs.get("attention")]
+    assert len(blocks) == layers and all(n.attrs["attention.product"] == 1 for n in blocks)
     _check(pool, half, wide, built.inputs)
 
 
