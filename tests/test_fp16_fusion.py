@@ -357,54 +357,6 @@ def test_float16_self_attention_on_cooperative_matrices_computes_its_product_on_
         assert node.attrs["product"] == 1 and (op.product.splits > 1) == split
 
 
-def _attention_block(b: int, s: int, h: int, d: int, mask: str) -> tuple[bytes, dict[str, np.ndarray]]:
-    """A float16 transformer attention block: LayerNorm(x + self-attention(x) @ Wo + bo)."""
-    model, feeds = _self_attention(b, s, h, d, mask)
-    m = onnx.load_from_string(model)
-    e = h * d
-    m.graph.node.extend([helper.make_node("Add", ["y", "bo"], ["yb"]), helper.make_node("Add", ["yb", "x"], ["res"]),
-                         helper.make_node("LayerNormalization", ["res", "gamma", "beta"], ["out"], axis=-1,
-                                          epsilon=1e-5)])
-    m.graph.initializer.extend(numpy_helper.from_array(v.astype(F16), name) for name, v in (
-        ("bo", RNG.standard_normal(e) * 0.1), ("gamma", 1 + RNG.standard_normal(e) * 0.1),
-        ("beta", RNG.standard_normal(e) * 0.1)))
-    m.graph.output[0].name = "out"
-    return m.SerializeToString(), feeds
-
-
-@pytest.mark.parametrize("mask", ["add", "causal"])
-def test_an_attention_block_is_one_layernorm(pool, mask):
-    """Self-attention (its Q/K/V product), the output projection, the residual and the norm: one
-    node; on lavapipe the attention's output goes through the workspace to the projection."""
-    model, feeds = _attention_block(2, 19, 3, 16, mask)
-    (norm,) = load_model(model, cache=False).nodes
-    assert norm.op_type == "LayerNormalization" and norm.attrs["attention"] == 1 and norm.attrs["product"] == 1
-    assert norm.inputs[:6] == ["x", "gamma", "beta", "x", "wo", "bo"] and norm.attrs["attention.product"] == 1
-    with check_half(pool, model, feeds) as session:
-        shaders = [label.split("[")[1].rstrip("]") for label in session._chunk.dispatch_labels]
-        assert shaders[-1] == "norm_rows" and len(shaders) >= 4, shaders
-    half = {k: v.astype(F16) if v.dtype.kind == "f" else v for k, v in feeds.items()}
-    with vkpool.Session(model, pool=pool, device="cpu") as host:  # the host's model spells the node out
-        assert rel_err(host.run(None, half)[0], exact(model, half)[0]) <= 2.0 ** -9
-
-
-@pytest.mark.parametrize("b,s,h,d,mask,projected", [
-    (1, 128, 12, 64, "add", True),       # BERT-base's block
-    (2, 32, 3, 16, "causal", True),
-    (2, 19, 3, 16, "causal", False),     # 19 rows: the projection as a product of its own
-], ids=["bert", "small-causal", "rows-not-16"])
-def test_an_attention_block_projects_in_the_attention_kernel_on_a_gpu(pool, b, s, h, d, mask, projected):
-    """On cooperative matrices the attention multiplies each head's output by its rows of the
-    projection's weights and the norm adds the heads' partial sums: no product of its own."""
-    member = coop_member(pool)
-    model, feeds = _attention_block(b, s, h, d, mask)
-    with check_half(pool, model, feeds, member) as session:
-        shaders = [label.split("[")[1].rstrip("]") for label in session._chunk.dispatch_labels
-                   if label.startswith("LayerNormalization")]
-        tail = ["attention_coop", "norm_rows"] if projected else ["attention_coop", "gemm_coopmat", "norm_rows"]
-        assert shaders[-len(tail):] == tail and "gemm_reduce" not in shaders, shaders
-
-
 def _sorted(m: onnx.ModelProto) -> onnx.ModelProto:
     """``m`` with its nodes in an order where each reads only what earlier ones made."""
     known = {i.name for i in m.graph.input} | {i.name for i in m.graph.initializer} | {""}

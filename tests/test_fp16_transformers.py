@@ -81,11 +81,7 @@ def _check(pool, half: bytes, wide: bytes, feeds: dict[str, np.ndarray]) -> None
 
 
 def _fused(data: bytes) -> Counter:
-    """The fused model's ops; ``Attention`` counts attentions inside norms too (``attention``)."""
-    nodes = load_model(data, cache=False).nodes
-    ops = Counter(n.op_type for n in nodes)
-    ops["Attention"] += sum(1 for n in nodes if n.attrs.get("attention"))
-    return ops
+    return Counter(n.op_type for n in load_model(data, cache=False).nodes)
 
 
 @pytest.mark.parametrize("name", list(SMALL))
@@ -98,17 +94,13 @@ def test_float16_export_of_the_benchmark_transformer(pool, name: str) -> None:
     assert types == {onnx.TensorProto.FLOAT16}
     ops = _fused(half)
     layers = SMALL[name]["layers"]
-    # per layer: the up product (bias and GELU inside) and two norms that compute what they
-    # normalise: the attention (its packed q, k and v product too) and its output projection; the
-    # down product
+    # per layer: the up product (bias and GELU inside), one attention that computes the packed q, k
+    # and v product, two norms that compute the out and down products they normalise
     assert ops["Attention"] == layers and ops["Softmax"] == 0 and ops["Erf"] == ops["Tanh"] == 0, ops
     assert ops["MatMul"] == layers + (name == "gpt2"), ops
     assert ops["LayerNormalization"] == 2 * layers + 1, ops
-    nodes = load_model(half, cache=False).nodes
-    products = Counter(n.op_type for n in nodes if n.attrs.get("product"))
-    assert products == {"LayerNormalization": 2 * layers}, products
-    blocks = [n for n in nodes if n.attrs.get("attention")]
-    assert len(blocks) == layers and all(n.attrs["attention.product"] == 1 for n in blocks)
+    products = Counter(n.op_type for n in load_model(half, cache=False).nodes if n.attrs.get("product"))
+    assert products == {"LayerNormalization": 2 * layers, "Attention": layers}, products
     _check(pool, half, wide, built.inputs)
 
 

@@ -154,9 +154,6 @@ def _fuse_once(model: LoadedModel) -> bool:
         if node.op_type == "LayerNormalization" and node.attrs.get("residual") and "product" not in node.attrs \
                 and _fold_product_into_norm(g, node):
             return True
-        if node.op_type == "LayerNormalization" and node.attrs.get("product") and "attention" not in node.attrs \
-                and _fold_attention_into_norm(g, node):
-            return True
         if node.op_type == "Cast" and _drop_same_type_cast(g, node):
             return True
         if node.op_type == "Attention" and node.domain == "" and "packed_qkv" not in node.attrs \
@@ -296,40 +293,6 @@ def _fold_product_into_norm(g: _Graph, norm: Node) -> bool:
         model.nodes.remove(product)
         return True
     return False
-
-
-def _fold_attention_into_norm(g: _Graph, norm: Node) -> bool:
-    """A norm that computes its product (``product``) whose A is the output of a packed float16
-    attention computing its own Q/K/V product, read by nothing else, runs that attention too
-    (vkpool's attribute ``attention``; the attention's mask, weights and bias as inputs 6 to 8, its
-    attributes prefixed ``attention.``): on cooperative matrices each head's output is multiplied
-    by its rows of the projection's weights in the attention kernel, and the norm adds the heads'
-    partial sums as it reads them (``kernels/ops/norms.py``)."""
-    model = g.model
-    t = norm.inputs[0]
-    attention = g.made_by(t, "Attention")
-    if attention is None or not attention.attrs.get("product") or not g.private(t, norm) \
-            or len([o for o in attention.outputs if o]) != 1 or any(attention.inputs[4:7]):
-        return False
-    ins = list(attention.inputs) + [""] * 9
-    inputs = [ins[0], *(list(norm.inputs[1:6]) + [""] * 5)[:5], ins[3], ins[7], ins[8]]
-    attrs = {**norm.attrs, "attention": 1, **{f"attention.{k}": v for k, v in attention.attrs.items()}}
-    from vkpool.kernels.registry import create_op  # the registry imports every op module
-
-    constants = {k: model.constants[name] for k, name in ((4, inputs[4]), (7, inputs[7])) if name in model.constants}
-    try:
-        op = create_op("LayerNormalization", attrs, [model.tensors.get(n) if n else None for n in inputs], constants,
-                       opset=model.opset, num_outputs=len(norm.outputs))
-        if op.output_infos()[0] != model.tensors[norm.outputs[0]]:
-            return False
-    except (OpError, UnsupportedOp):
-        return False
-    while inputs[-1] == "":
-        inputs.pop()
-    norm.inputs, norm.attrs = inputs, attrs
-    model.tensors.pop(t, None)
-    model.nodes[:] = [n for n in model.nodes if n is not attention]
-    return True
 
 
 def _splice(model: LoadedModel, kept: Node, removed: Node) -> None:

@@ -194,14 +194,6 @@ def _node_protos(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any]:
     else goes as it is, and onnxruntime may refuse the chunk."""
     from onnx import helper
 
-    if node.attrs.get("attention"):  # a norm's attention, then the norm on its output
-        ins = list(node.inputs) + [""] * 9
-        t = f"{node.outputs[0]}/attention"
-        attention = Node(t, "Attention", "", [ins[0], "", "", ins[6], "", "", "", ins[7], ins[8]], [t],
-                         {k[len("attention."):]: v for k, v in node.attrs.items() if k.startswith("attention.")})
-        rest = Node(node.name, node.op_type, node.domain, [t, *node.inputs[1:6]], list(node.outputs),
-                    {k: v for k, v in node.attrs.items() if k != "attention" and not k.startswith("attention.")})
-        return _node_protos(attention, tensors) + _node_protos(rest, tensors)
     if node.attrs.get("product"):  # the product the node computes itself, then the node on its output
         a, w, c = (node.inputs[0], *(list(node.inputs[_PRODUCT_AT[node.op_type]:]) + [""])[:2])
         x = f"{node.outputs[0]}/product"

@@ -187,7 +187,7 @@ class Attention(Op):
                 return kb
         return None
 
-    def _coop_defines(self, caps: DeviceCaps | None, extra_shared: int = 0) -> dict[str, int] | None:
+    def _coop_defines(self, caps: DeviceCaps | None) -> dict[str, int] | None:
         """The defines of ``attention_coop.comp`` where it runs: float16 without a KV cache on a
         device with 16 x 16 x 16 float16 cooperative matrices, head sizes multiples of 16, every
         Q/K/V row start a multiple of 8 halves (16-byte vectors), and the whole rows of scores
@@ -200,7 +200,7 @@ class Attention(Op):
             return None
         tp = -(-self.t // 16) * 16
         shared = 16 * self.d * 2 + tp * max(self.d, self.dv) * 2 + 16 * max(tp, self.dv) * 4 + 16 * tp * 2 + 16 * 9 * 4
-        if shared + extra_shared > caps.shared_memory_bytes:
+        if shared > caps.shared_memory_bytes:
             return None
         return {"TP": tp}
 
@@ -292,34 +292,21 @@ class Attention(Op):
         return outs[: max(1, self.num_outputs)]
 
     # -- device ---------------------------------------------------------------------------------
-    def dispatches(self, ctx: DispatchContext, out_proj: tuple[Any, Any, int] | None = None) -> list[Dispatch]:
+    def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         if self.product is None:
-            return self._dispatches(ctx, Ptr(ctx.inputs[0]), None, out_proj)
+            return self._dispatches(ctx, Ptr(ctx.inputs[0]))
         part_off, x_off = self._product_regions()
-        parts, x = ptr_at(ctx.workspace, part_off), ptr_at(ctx.workspace, x_off)
+        parts, x = Ptr(ctx.workspace, part_off), Ptr(ctx.workspace, x_off)
         c = ctx.inputs[8] if len(ctx.inputs) > 8 else None
         work = self.product.dispatches(ctx.inputs[0], ctx.inputs[7], x, ctx.caps, c=c, ws=parts)
         if work and work[-1].shader == "gemm_reduce" and self._coop_defines(ctx.caps) is not None:
-            return [*work[:-1], *self._dispatches(ctx, x, (work[-1].defines["NSPLITS"], parts, c), out_proj)]
-        return [*work, *self._dispatches(ctx, x, None, out_proj)]
+            return [*work[:-1], *self._dispatches(ctx, x, (work[-1].defines["NSPLITS"], parts, c))]
+        return [*work, *self._dispatches(ctx, x)]
 
-    def projected_dispatches(self, ctx: DispatchContext, wo: Any, parts: Any, n: int) -> list[Dispatch] | None:
-        """The dispatches with the output multiplied by constant weights ``wo`` (HQ * DV rows of
-        ``n`` halves, row-major) in attention_coop.comp itself: each head's share written as one of
-        HQ float32 slices of [B * S, n] partial sums at ``parts`` (the projection split over K at
-        head boundaries); None where that kernel does not run here or cannot (4-D, S or ``n`` not
-        multiples of 16)."""
-        coop = self._coop_defines(ctx.caps, extra_shared=32 * self.dv)
-        if coop is None or not self.is3d or self.s % 16 or n % 16 or any(ctx.outputs[1:]):
-            return None
-        return self.dispatches(ctx, (wo, parts, n))
-
-    def _dispatches(self, ctx: DispatchContext, q: Ptr, partials: tuple[int, Ptr, Any] | None = None,
-                    out_proj: tuple[Any, Any, int] | None = None) -> list[Dispatch]:
+    def _dispatches(self, ctx: DispatchContext, q: Ptr, partials: tuple[int, Ptr, Any] | None = None) -> list[Dispatch]:
         """The attention's dispatches, Q (or the packed Q/K/V) at ``q``; with ``partials``
         (splits, their pointer, the bias or None) attention_coop.comp adds the packed product's
-        split partial sums as it stages Q, K and V; with ``out_proj`` (see
-        :meth:`projected_dispatches`) it writes the projected partial sums instead of Y."""
+        split partial sums as it stages Q, K and V."""
         out: list[Dispatch] = []
         want = [k < len(ctx.outputs) and ctx.outputs[k] is not None for k in range(4)]
         k_src, v_src, kv3d = ctx.inputs[1], ctx.inputs[2], self.is3d
@@ -374,7 +361,7 @@ class Attention(Op):
         tiled = None if want[3] or rows is not None or coop is not None else self._tile_keys(ctx.caps)
         if coop is not None or rows is not None or tiled is not None:
             args = [q, k_ptr, v_ptr, Ptr(ctx.inputs[3]) if has_mask else q,
-                    Ptr(ctx.inputs[6]) if self.has_nonpad else q, ptr_at(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
+                    Ptr(ctx.inputs[6]) if self.has_nonpad else q, Ptr(ctx.outputs[0]), F32(self.scale), F32(self.softcap)]
             if partials is not None and coop is not None:
                 assert self.packed is not None
                 splits, parts, c = partials
@@ -384,11 +371,6 @@ class Attention(Op):
                 coop = {**coop, "NSPLITS": splits, "PBIAS": int(c is not None)}
             elif partials is not None:
                 raise ValueError("Attention: only attention_coop.comp reads a product's partial sums")
-            if out_proj is not None:
-                if coop is None:
-                    raise ValueError("Attention: only attention_coop.comp projects its output")
-                args += [Ptr(out_proj[0]), ptr_at(out_proj[1])]
-                coop = {**coop, "OUTPROJ": out_proj[2]}
             shader, extra = ("attention_coop", coop) if coop is not None else ("attention_rows", rows) \
                 if rows is not None else ("attention_tiled", {"KB": tiled})
             groups = (-(-self.s // (rows["WG"] if rows is not None else 16)), self.hq, self.b)

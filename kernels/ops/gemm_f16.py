@@ -284,13 +284,12 @@ class HalfMatmulPlan:
         return 2 * self.p.M * self.p.N * self.p.K * self.p.batch_count
 
 
-def fused_product_plan(op: Op, a: int, w: int, bias: int, a_info: TensorInfo | None = None) -> HalfMatmulPlan:
+def fused_product_plan(op: Op, a: int, w: int, bias: int) -> HalfMatmulPlan:
     """The float16 product a node of :mod:`vkpool.fusion` computes itself (vkpool's attribute
-    ``product``): input ``a`` (rows of K; ``a_info`` where the node computes A too) @ input ``w``
-    (constant K x N weights) + input ``bias`` (N values, optional). The weights are stored
-    transposed where :func:`transposed_b` says so; A is read by every column tile, so a model
-    input there is copied to device memory first."""
-    ai, wi = a_info or op.input(a), op.input(w)
+    ``product``): input ``a`` (rows of K) @ input ``w`` (constant K x N weights) + input ``bias``
+    (N values, optional). The weights are stored transposed where :func:`transposed_b` says so;
+    A is read by every column tile, so a model input there is copied to device memory first."""
+    ai, wi = op.input(a), op.input(w)
     half = np.dtype(np.float16)
     if ai.dtype != half or wi.dtype != half or len(wi.shape) != 2 or len(ai.shape) < 2:
         raise UnsupportedOp(f"{op.op_type}: a fused product needs float16 A (2-D or more) and 2-D W")

@@ -13,14 +13,13 @@ from __future__ import annotations
 from abc import abstractmethod
 
 import math
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
 from vkpool.kernels.base import (
     F32, DeviceCaps, Dispatch, DispatchContext, Op, OpError, Ptr, TensorInfo, U32, UnsupportedOp, groups_1d,
 )
-from vkpool.kernels.ops.gemm import ptr_at
 from vkpool.kernels.ops.gemm_f16 import HalfMatmulPlan, fused_product_plan
 from vkpool.kernels.ops.reduce import MAX_VIEW_RANK, normalize_axes, reduction_view, row_geometry
 
@@ -143,7 +142,7 @@ class RowNorm(Op):
         has_bias = self.bias_pos is not None and self.has_input(self.bias_pos)
         stats = [ctx.outputs[k] if k < len(ctx.outputs) and ctx.outputs[k] is not None else None for k in (1, 2)]
         has_stats = all(s is not None for s in stats)
-        x_ptr = ptr_at(x_handle)
+        x_ptr = Ptr(x_handle)
         args = [
             x_ptr,
             Ptr(ctx.inputs[self.scale_pos]) if has_scale else x_ptr,
@@ -194,13 +193,12 @@ class LayerNormalization(RowNorm):
     op_type = "LayerNormalization"
     mode = 0
     product: HalfMatmulPlan | None = None
-    attention: Op | None = None
 
     def x_info(self) -> TensorInfo:
         if not self.attr("product", 0):
             return self.input(0)
-        a = self.attention.output_infos()[0] if self.attention is not None else self.input(0)
-        return TensorInfo((*a.shape[:-1], self.input(4).shape[-1]), a.dtype)
+        a, w = self.input(0), self.input(4)
+        return TensorInfo((*a.shape[:-1], w.shape[-1]), a.dtype)
 
     def setup(self) -> None:
         if self.attr("product", 0):
@@ -223,28 +221,7 @@ class LayerNormalization(RowNorm):
         self.stats_shape = x.shape[:self.axis] + (1,) * (rank - self.axis)
 
     def _setup_product(self) -> None:
-        a_info = None
-        if self.attr("attention", 0):
-            self._setup_attention()
-            assert self.attention is not None
-            a_info = self.attention.output_infos()[0]
-        self.product = fused_product_plan(self, 0, 4, 5, a_info)
-
-    def _setup_attention(self) -> None:
-        """``attention`` (with ``product``): A is the output of an attention that computes its packed
-        Q/K/V product of input 0 (``packed_qkv`` and ``product``; its mask input 6, its weights and
-        bias inputs 7 and 8, its attributes prefixed ``attention.``), which the norm runs too: a
-        transformer's attention block as one node. On cooperative matrices the attention multiplies
-        each head's output by that head's rows of the norm's product weights itself, and the norm
-        adds those per-head partial sums as it reads X: no product dispatch of its own."""
-        from vkpool.kernels.registry import create_op  # the registry imports this module
-
-        attrs = {k[len("attention."):]: v for k, v in self.attrs.items() if k.startswith("attention.")}
-        infos = [self.input(0), None, None, self.inputs[6] if self.has_input(6) else None, None, None, None,
-                 self.input(7), self.inputs[8] if self.has_input(8) else None]
-        self.attention = create_op("Attention", attrs, infos, {7: self.constants[7]} if 7 in self.constants else {},
-                                   opset=max(self.opset, 23), num_outputs=1)
-        self.transposed_constants = self.transposed_constants | self.attention.transposed_constants
+        self.product = fused_product_plan(self, 0, 4, 5)
 
     def output_infos(self) -> list[TensorInfo]:
         x = self.x_info()
@@ -252,62 +229,25 @@ class LayerNormalization(RowNorm):
         return [x, stats, stats, x][: max(1, self.num_outputs)]
 
     def flops(self) -> int:
-        parts = (self.product, self.attention)
-        return super().flops() + sum(part.flops() for part in parts if part is not None)
-
-    def _regions(self) -> tuple[int, int]:
-        """With ``attention``: workspace offsets of the attention's output and of the product's
-        partial sums (the attention's own workspace first)."""
-        assert self.attention is not None and self.product is not None
-        up = lambda n: -(-n // 256) * 256
-        t = up(self.attention.workspace_bytes())
-        return t, t + up(self.product.p.M * self.product.p.K * 2)
+        return super().flops() + (self.product.flops() if self.product is not None else 0)
 
     def workspace_bytes(self) -> int:
-        if self.product is None:
-            return 0
-        if self.attention is None:
-            return self.product.workspace_bytes()
-        heads = self.attention.hq  # type: ignore[attr-defined]
-        p = self.product.p
-        return self._regions()[1] + max(self.product.workspace_bytes(), 4 * heads * p.M * p.N)
+        return self.product.workspace_bytes() if self.product is not None else 0
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         if self.product is None:
             return super().dispatches(ctx)
         c = ctx.inputs[5] if len(ctx.inputs) > 5 else None
         y = ctx.outputs[0]
-        a = ctx.inputs[0]
-        parts: Any = ctx.workspace
-        if self.attention is not None:
-            t_off, parts_off = self._regions()
-            parts, a = ptr_at(ctx.workspace, parts_off), ptr_at(ctx.workspace, t_off)
-            get = lambda k: ctx.inputs[k] if len(ctx.inputs) > k else None
-            actx = DispatchContext([ctx.inputs[0], None, None, get(6), None, None, None, get(7), get(8)], [a],
-                                   ctx.workspace, ctx.caps, {})
-            heads = self.attention.hq  # type: ignore[attr-defined]
-            projected = None
-            if 4 not in self.transposed_constants and self.rows_kernel(ctx.caps):
-                projected = self.attention.projected_dispatches(  # type: ignore[attr-defined]
-                    actx, ctx.inputs[4], parts, self.product.p.N)
-            if projected is not None:
-                return [*projected, *self.norm_dispatches(ctx, parts, (heads, c, self.product.p.N))]
-            first = self.attention.dispatches(actx)
-        else:
-            first = []
-        work = [*first, *self.product.dispatches(a, ctx.inputs[4], y, ctx.caps, c=c, ws=parts)]
+        work = self.product.dispatches(ctx.inputs[0], ctx.inputs[4], y, ctx.caps, c=c, ws=ctx.workspace)
         if work and work[-1].shader == "gemm_reduce" and self.rows_kernel(ctx.caps):
             partials = (work[-1].defines["NSPLITS"], c, self.product.p.N)
-            return [*work[:-1], *self.norm_dispatches(ctx, parts, partials)]
+            return [*work[:-1], *self.norm_dispatches(ctx, ctx.workspace, partials)]
         return [*work, *self.norm_dispatches(ctx, y)]
 
     def reference_f32(self, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
         x, scale, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
         assert x is not None and scale is not None
-        if self.attention is not None:  # its output rounded to float16, as the kernels keep it
-            get = lambda k: inputs[k] if len(inputs) > k else None
-            x = self.attention.reference([x, None, None, get(6), None, None, None, get(7), get(8)])[0]
-            x = x.astype(np.float32)
         if self.product is not None:
             w = inputs[4]
             assert w is not None

@@ -12,11 +12,7 @@
 // q, k and v point into a packed Q/K/V product's float32 partial sums (NSPLITS slices of
 // B * S * QKV_ROW values), added in split order with the product's bias (PBIAS: qb, kb, vb at
 // each one's first column) and rounded to float16 as they are staged: the product's own
-// reduction pass is not needed. OUTPROJ (the projection's N, defined only then; 3-D Y, S a
-// multiple of 16): the output is not written; each workgroup multiplies its 16 rows of its head's
-// output by that head's DV rows of the projection's weights wo (K = HQ * DV rows of N halves) and
-// writes the float32 product into slice h of parts (HQ slices of B * S rows of N): the projection
-// split over K at head boundaries, its partial sums for the reader to add.
+// reduction pass is not needed.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -54,10 +50,6 @@ layout(push_constant) uniform Args {
     F16Buf kb;
     F16Buf vb;
 #endif
-#ifdef OUTPROJ
-    F16Buf wo;
-    F32Buf parts;
-#endif
 } pc;
 
 #include "attention_index.glsl"
@@ -73,9 +65,6 @@ shared float Ss[QB * SW];
 shared float16_t Ps[QB * TP];
 shared float red[QB][RT];
 shared float linv[QB];
-#ifdef OUTPROJ
-shared float16_t O16[QB * DV];
-#endif
 
 #ifdef NSPLITS
 // eight values of a packed row from the partial sums, plus the bias, as float16
@@ -194,30 +183,8 @@ void main() {
     }
     barrier();
 
-#ifdef OUTPROJ
-    for (uint e = id; e < QB * DV; e += NT) {
-        const uint r = e / DV;
-        O16[e] = float16_t(Ss[r * SW + e % DV] * linv[r]);
-    }
-    barrier();
-    // this head's share of the projection: O (16 x DV) @ wo[h * DV ..][0 .. OUTPROJ)
-    const uint row0 = (h * B + b) * S + i0;
-    for (uint nt = sg; nt < OUTPROJ / 16; nt += nsg) {
-        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc =
-            coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
-        [[unroll]] for (uint d0 = 0; d0 < DV; d0 += 16) {
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> ma;
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> mb;
-            coopMatLoad(ma, O16, d0, DV, gl_CooperativeMatrixLayoutRowMajor);
-            coopMatLoad(mb, pc.wo.v, (h * DV + d0) * OUTPROJ + nt * 16, OUTPROJ, gl_CooperativeMatrixLayoutRowMajor);
-            acc = coopMatMulAdd(ma, mb, acc);
-        }
-        coopMatStore(acc, pc.parts.v, row0 * OUTPROJ + nt * 16, OUTPROJ, gl_CooperativeMatrixLayoutRowMajor);
-    }
-#else
     for (uint e = id; e < QB * DV; e += NT) {
         const uint r = e / DV, d = e % DV;
         if (i0 + r < S) pc.y.v[y_index(b, h, i0 + r, d)] = TT(Ss[r * SW + d] * linv[r]);
     }
-#endif
 }
