@@ -27,9 +27,6 @@ _TYPES = (np.dtype(np.float32), np.dtype(np.float16))
 #: float16 rows up to this long are normalised by norm_rows.comp (a workgroup per row, every element
 #: read once into registers: 16 per invocation at most)
 _ROWS_MAX = 16 * 256
-#: rows of at most this many elements per invocation of one subgroup are normalised by one
-#: subgroup (norm_rows.comp's NT), the row's sums by subgroup arithmetic alone
-ROW_SUBGROUP_PER = 24
 
 
 def tail_broadcast_size(param: tuple[int, ...], norm_shape: tuple[int, ...], what: str) -> int:
@@ -172,8 +169,6 @@ class RowNorm(Op):
                 args = [*args[:6], U32(nrows), F32(self.eps), U32(self.smod), U32(self.bmod), *args[-2:]]
                 subgroups = ctx.caps is not None and ctx.caps.subgroup_arithmetic
                 defines.update({"NRED": nred, "SUBGROUP_REDUCE": int(subgroups)})
-                if subgroups and ctx.caps is not None and nred <= ROW_SUBGROUP_PER * ctx.caps.subgroup_size:
-                    defines["NT"] = ctx.caps.subgroup_size  # a row per subgroup: sums without barriers
                 if partials is not None:
                     splits, pbias, cols = partials
                     args += [Ptr(pbias) if pbias is not None else x_ptr, U32(cols)]

@@ -6,9 +6,7 @@
 // once. norm.comp reads a row three times, one element after another, which on a GPU waits for
 // memory at every element. Push constants as norm.comp's (x viewed as rows, no shape or mask);
 // RESIDUAL / SUM_OUT, HAS_SCALE / HAS_BIAS / HAS_STATS as there. SUBGROUP_REDUCE: the sums
-// through subgroupAdd and one shared value per subgroup (two barriers a sum, not nine). NT: the
-// invocations per row (256 unless set; one subgroup's worth where rows are short enough, then
-// the sums need neither shared memory nor barriers).
+// through subgroupAdd and one shared value per subgroup (two barriers a sum, not nine).
 // NSPLITS (defined only then): x holds a split-K product's float32 partial sums, NSPLITS slices
 // of nrows * NRED values, added (in split order, loads unrolled) with the product's bias (PBIAS:
 // pbias[i % pcols]) as X is read: the product's own reduction pass is not needed.
@@ -20,9 +18,7 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
-#ifndef NT
 #define NT 256
-#endif
 #define PER ((NRED + NT - 1) / NT)
 layout(local_size_x = NT) in;
 
@@ -54,7 +50,6 @@ shared float partial[NT];
 #if SUBGROUP_REDUCE
 float group_sum(float v, uint lane) {
     const float mine = subgroupAdd(v);
-    if (gl_NumSubgroups == 1) return mine;  // a workgroup of one subgroup: no shared memory, no barrier
     if (subgroupElect()) partial[gl_SubgroupID] = mine;
     barrier();
     float total = 0.0;
