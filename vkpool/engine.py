@@ -453,7 +453,7 @@ class VulkanChunk:
                 break
         self.slots = len(self._slots)
         if self.slots == 1:  # the others did not fit: the one left never runs behind another
-            self._slots[0].chained = self._slots[0].bare_chained = None
+            self._slots[0].chained = None
         for index in range(self.slots):
             self._idle.put(index)
         self.device.save_pipeline_cache()
@@ -579,29 +579,27 @@ class VulkanChunk:
         # the kernels of the chunks sharing it touch it)
         views = [{n: _io_view(io[(kind, n)], t[n].info) for n in names if io[(kind, n)].alloc.host_visible}
                  for kind, names in (("in", self.input_names), ("out", self.output_names))]
-        slot = _Slot(commands, labels, *views)
+        slot = _Slot(commands, labels, *views)  # every command of a run, as profiles record them
         self._slots.append(slot)
         links = (self._transfer_link(before), self._transfer_link(after))
-        slot.alone = self._recorded(commands, links)
-        if self.slots > 1:
-            slot.chained = self._recorded([("run_barrier",), *commands], links)
+        recorded = commands
         if self._exported:
-            # the same without the copies of exported outputs, for runs that copy those into
-            # host buffers (or into this slot's memory) in command buffers of their own (start)
-            bare = commands[:run_end]
+            # recorded without the copies of exported outputs: every run submits those behind
+            # its commands in the same batch, into a host buffer or into this slot's memory
+            recorded = commands[:run_end]
             kept = [name for name in self.output_names
                     if t[name].kind != "output" and name not in self._exported]
-            if kept and bare:
-                bare.append(("barrier",))
-            bare += [self._command(f"copy-out {name}", item) for name in kept
-                     for item in _copy(handle(name), io[("out", name)], caps)]
-            bare.append(("host_barrier",))
+            if kept and recorded:
+                recorded.append(("barrier",))
+            recorded += [self._command(f"copy-out {name}", item) for name in kept
+                         for item in _copy(handle(name), io[("out", name)], caps)]
+            recorded.append(("host_barrier",))
             slot.sources = [handle(name) for name in self._exported]
             slot.to_slot = [self._export(handle(name), io[("out", name)]) for name in self._exported]
-            places = len(self._exported)
-            slot.bare_alone = self._recorded(bare, links, follow=places)
-            if self.slots > 1:
-                slot.bare_chained = self._recorded([("run_barrier",), *bare], links, follow=places)
+        places = len(self._exported)
+        slot.alone = self._recorded(recorded, links, follow=places)
+        if self.slots > 1:
+            slot.chained = self._recorded([("run_barrier",), *recorded], links, follow=places)
 
     def _command(self, label: str, item: Any) -> tuple[Any, ...]:
         """A dispatch, or a copy ``("copy", src, dst)``, as a command of
@@ -701,25 +699,24 @@ class VulkanChunk:
 
     def _start_exporting(self, index: int, waits: Sequence[int]) -> None:
         """Submits ``run`` with each output of :attr:`imported` copied into a free host buffer of
-        its own (the slot's memory for one whose buffers are all held), behind the run's commands
-        in one batch; with no buffer free at all, as :meth:`start_in_place` does."""
+        its own (the slot's memory for one whose buffers are all held) behind the run's commands
+        in one batch."""
         run = self._slots[index]
-        pools = [self.imported[name] for name in self._exported]
-        taken = [pool.take() for pool in pools]
-        if not any(taken):
-            run.taken = None
-            self._submit(run, run.alone, run.chained, waits)
-            return
+        taken = [self.imported[name].take() for name in self._exported]
         try:
             follow = [run.to_slot[k] if buf is None else self._export_into(index, k, buf)
                       for k, buf in enumerate(taken)]
-            self._submit(run, run.bare_alone, run.bare_chained, waits, follow)
+            self._submit(run, waits, follow)
         except BaseException:
-            for pool, buf in zip(pools, taken):
-                if buf is not None:
-                    pool.give_back(buf)
+            self._give_back(taken)
             raise
-        run.taken = taken
+        run.taken = taken if any(taken) else None
+
+    def _give_back(self, taken: Sequence[HostBuffer | None]) -> None:
+        """Returns the host buffers a run took (``taken``, one per exported output) to their pools."""
+        for name, buf in zip(self._exported, taken):
+            if buf is not None:
+                self.imported[name].give_back(buf)
 
     def _export_into(self, index: int, k: int, buf: HostBuffer) -> Any:
         """The command buffer copying exported output ``k`` of run slot ``index`` into ``buf``
@@ -744,18 +741,17 @@ class VulkanChunk:
         Every output is then in the slot's memory (:meth:`slot_views`)."""
         slot = self._slots[index]
         slot.taken = None
-        self._submit(slot, slot.alone, slot.chained, waits)
+        self._submit(slot, waits, slot.to_slot)
 
-    def _submit(self, slot: _Slot, alone: Any, chained: Any, waits: Sequence[int],
-                follow: Sequence[Any] = ()) -> None:
-        """Submits ``alone``, or ``chained`` behind another run of the chunk in flight, with
-        ``follow`` behind it in its batch."""
+    def _submit(self, slot: _Slot, waits: Sequence[int], follow: Sequence[Any] = ()) -> None:
+        """Submits the slot's recording, behind another run of the chunk in flight where there is
+        one, with ``follow`` (the copies of exported outputs) behind it in its batch."""
         if slot.chained is None:  # one slot: no other run of the chunk can be in flight
-            slot.submitted = alone
-            slot.signaled = self.device.submit(alone, waits, follow)
+            slot.submitted = slot.alone
+            slot.signaled = self.device.submit(slot.alone, waits, follow)
             return
         with self._lock:  # another run in flight: go behind it (the slots share the arena)
-            slot.submitted = chained if self._running else alone
+            slot.submitted = slot.chained if self._running else slot.alone
             slot.signaled = self.device.submit(slot.submitted, waits, follow)
             self._running += 1
 
@@ -781,9 +777,14 @@ class VulkanChunk:
         named in ``outputs`` when given): copies, or for those :meth:`start` had the device copy
         into host buffers, those buffers as arrays the caller owns (a buffer is written again
         only once that array and every view of it are gone)."""
+        run = self._slots[slot]
         try:
-            self.wait_in_place(slot, spin=spin)
-            run = self._slots[slot]
+            try:
+                self.wait_in_place(slot, spin=spin)
+            except BaseException:
+                self._give_back(run.taken or ())  # the run failed: its buffers are free again
+                run.taken = None
+                raise
             names = self.output_names if outputs is None else outputs
             if run.taken is None:
                 views = run.out_views
@@ -806,9 +807,7 @@ class VulkanChunk:
             else:
                 info = self.tensors[name].info
                 out[name] = self.imported[name].hand_out(buf, info.dtype, info.shape)
-        for name, buf in held.items():  # written, and not asked for
-            if buf is not None:
-                self.imported[name].give_back(buf)
+        self._give_back([held.get(name) for name in self._exported])  # written, and not asked for
         return out
 
     def close(self) -> None:
@@ -848,12 +847,10 @@ class _Slot:
     submitted: Any = None
     signaled: int = 0  # the timeline value the last run started here signals
     pooled: bool = True  # the last run took this slot from the idle ones (start without a slot)
-    # with exported outputs (VulkanChunk.imported): the recordings without their copies (each
-    # submitted with one copy per exported output behind it), those copies' sources, the copies
-    # into this slot's memory, and the host buffer each got in the last run (None: this slot's
-    # memory; taken None: no export, every output in this slot's memory)
-    bare_alone: Any = None
-    bare_chained: Any = None
+    # with exported outputs (VulkanChunk.imported; the recordings then leave their copies out,
+    # each run submitting one copy per exported output behind them): those copies' sources, the
+    # copies into this slot's memory, and the host buffer each got in the last run (None: this
+    # slot's memory; taken None: every output in this slot's memory)
     sources: list[TensorHandle] = field(default_factory=list)
     to_slot: list[Any] = field(default_factory=list)
     taken: list[HostBuffer | None] | None = None

@@ -259,40 +259,52 @@ def _fuse_residual(g: _Graph, norm: Node) -> bool:
     return True
 
 
+#: where a node that computes its product (vkpool's attribute ``product``) takes the product's
+#: constant weights, then its bias; input 0 is the product's A
+PRODUCT_AT = {"LayerNormalization": 4, "Attention": 7}
+
+
+def _absorb_product(g: _Graph, node: Node, x: str, inputs: list[str]) -> bool:
+    """``node`` computes the float16 product ``x`` itself (vkpool's attribute ``product``) where
+    ``x`` is a product of constant 2-D weights, with or without a bias and no activation, read by
+    nothing else: A becomes input 0, the weights and bias go to ``PRODUCT_AT``, ``inputs`` giving
+    the node's other inputs (positions 1 on). The op is built first, so a node its kernels cannot
+    take stays as it is."""
+    model = g.model
+    product = g.made_by(x, "MatMul")
+    info = model.tensors.get(x)
+    if product is None or "activation" in product.attrs or not g.private(x, node) or info is None \
+            or info.dtype != _F16 or product.inputs[1] not in model.constants \
+            or model.constants[product.inputs[1]].ndim != 2:
+        return False
+    a, w, c = (list(product.inputs) + ["", ""])[:3]
+    at = PRODUCT_AT[node.op_type]
+    new = [a, *(inputs + [""] * at)[:at - 1], w, c]
+    attrs = {**node.attrs, "product": 1}
+    from vkpool.kernels.registry import create_op  # the registry imports every op module
+
+    try:
+        op = create_op(node.op_type, attrs, [model.tensors.get(t) if t else None for t in new],
+                       {at: model.constants[w]}, opset=model.opset, num_outputs=len(node.outputs))
+        if op.output_infos()[0] != model.tensors[node.outputs[0]]:
+            return False
+    except (OpError, UnsupportedOp):
+        return False
+    node.inputs, node.attrs = new if c else new[:-1], attrs
+    model.tensors.pop(x, None)
+    model.nodes.remove(product)
+    return True
+
+
 def _fold_product_into_norm(g: _Graph, norm: Node) -> bool:
     """A float16 residual ``LayerNormalization`` whose X (or residual: the sum is the same) is a
-    product of constant 2-D weights, with or without a bias and no activation, read by nothing
-    else, computes that product itself (vkpool's attribute ``product``; inputs A, scale, bias,
-    residual, W, product bias): a split product's partial sums are then added where the norm
-    reads them, not in a pass of their own (``kernels/ops/norms.py``)."""
-    model = g.model
-    if len(norm.inputs) != 4 or model.tensors.get(norm.inputs[0]) is None \
-            or model.tensors[norm.inputs[0]].dtype != np.float16:
+    product of constant weights computes that product itself (inputs A, scale, bias, residual, W,
+    product bias): a split product's partial sums are then added where the norm reads them, not
+    in a pass of their own (``kernels/ops/norms.py``)."""
+    if len(norm.inputs) != 4:
         return False
-    for pos in (0, 3):
-        x = norm.inputs[pos]
-        product = g.made_by(x, "MatMul")
-        if product is None or "activation" in product.attrs or not g.private(x, norm) \
-                or product.inputs[1] not in model.constants or len(model.tensors[product.inputs[1]].shape) != 2:
-            continue
-        a, w, c = (list(product.inputs) + ["", ""])[:3]
-        inputs = [a, norm.inputs[1], norm.inputs[2], norm.inputs[3 - pos], w, c]
-        attrs = {**norm.attrs, "product": 1}
-        from vkpool.kernels.registry import create_op  # the registry imports every op module
-
-        infos = [model.tensors.get(t) if t else None for t in inputs]
-        try:
-            op = create_op("LayerNormalization", attrs, infos, {4: model.constants[w]}, opset=model.opset,
-                           num_outputs=len(norm.outputs))
-            if op.output_infos()[0] != model.tensors[x]:
-                continue
-        except (OpError, UnsupportedOp):
-            continue
-        norm.inputs, norm.attrs = inputs if c else inputs[:5], attrs
-        model.tensors.pop(x, None)
-        model.nodes.remove(product)
-        return True
-    return False
+    return any(_absorb_product(g, norm, norm.inputs[pos], [*norm.inputs[1:3], norm.inputs[3 - pos]])
+               for pos in (0, 3))
 
 
 def _splice(model: LoadedModel, kept: Node, removed: Node) -> None:
@@ -659,33 +671,11 @@ def _fuse_attention_from(g: _Graph, softmax: Node, pv: Node, y: str, extra: dict
 
 
 def _fold_product_into_attention(g: _Graph, attention: Node) -> bool:
-    """A packed float16 ``Attention`` whose Q/K/V tensor is a product of constant 2-D weights (with
-    or without a bias, no activation) read by nothing else computes that product itself (vkpool's
-    attribute ``product``; A in input 0, W and the bias as inputs 7 and 8): a product split over K
+    """A packed float16 ``Attention`` whose Q/K/V tensor is a product of constant weights computes
+    that product itself (A in input 0, W and the bias as inputs 7 and 8): a product split over K
     leaves its partial sums for the attention to add as it reads Q, K and V
     (``kernels/ops/attention.py``)."""
-    model = g.model
-    x = attention.inputs[0]
-    product = g.made_by(x, "MatMul")
-    if product is None or "activation" in product.attrs or not g.private(x, attention) \
-            or model.tensors[x].dtype != _F16 or product.inputs[1] not in model.constants:
-        return False
-    a, w, c = (list(product.inputs) + ["", ""])[:3]
-    inputs = [a, *(list(attention.inputs[1:7]) + [""] * 6)[:6], w, c]
-    attrs = {**attention.attrs, "product": 1}
-    from vkpool.kernels.registry import create_op  # the registry imports every op module
-
-    try:
-        op = create_op("Attention", attrs, [model.tensors.get(t) if t else None for t in inputs],
-                       {7: model.constants[w]}, opset=model.opset, num_outputs=len(attention.outputs))
-        if op.output_infos()[0] != model.tensors[attention.outputs[0]]:
-            return False
-    except (OpError, UnsupportedOp):
-        return False
-    attention.inputs, attention.attrs = inputs if c else inputs[:8], attrs
-    model.tensors.pop(x, None)
-    model.nodes.remove(product)
-    return True
+    return _absorb_product(g, attention, attention.inputs[0], list(attention.inputs[1:7]))
 
 
 def _split_qkv(g: _Graph, attention: Node) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from vkpool.fusion import PRODUCT_AT
 from vkpool.kernels.base import TensorInfo
 from vkpool.model import Node
 
@@ -180,27 +181,23 @@ def _attention(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any] | Non
     return nodes
 
 
-#: where the weights (then the bias) of the product a node computes itself (vkpool's attribute
-#: ``product``, set by :mod:`vkpool.fusion`) are among its inputs; input 0 is the product's A
-_PRODUCT_AT = {"LayerNormalization": 4, "Attention": 7}
-
-
 def _node_protos(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any]:
     """The ONNX node(s) of a vkpool node, with what :mod:`vkpool.fusion` folded into it written
     out again: a product's ``activation`` (Relu, GELU), a ``MatMul``'s bias (its third input), the
-    ``product`` a node computes itself (input 0 @ W + bias, W and the bias at ``_PRODUCT_AT``), a
+    ``product`` a node computes itself (input 0 @ W + bias, W and the bias at
+    :data:`vkpool.fusion.PRODUCT_AT`), a
     ``LayerNormalization``'s ``residual`` (input 3 added first, the sum its output 3), an
     ``Attention`` of opset 23 in the ops of older opsets where :func:`_attention` can. Anything
     else goes as it is, and onnxruntime may refuse the chunk."""
     from onnx import helper
 
     if node.attrs.get("product"):  # the product the node computes itself, then the node on its output
-        a, w, c = (node.inputs[0], *(list(node.inputs[_PRODUCT_AT[node.op_type]:]) + [""])[:2])
+        a, w, c = (node.inputs[0], *(list(node.inputs[PRODUCT_AT[node.op_type]:]) + [""])[:2])
         x = f"{node.outputs[0]}/product"
         product = [helper.make_node("MatMul", [a, w], [f"{x}_unbiased" if c else x], name=x)]
         if c:
             product.append(helper.make_node("Add", [f"{x}_unbiased", c], [x], name=f"{x}_bias"))
-        rest = Node(node.name, node.op_type, node.domain, [x, *node.inputs[1:_PRODUCT_AT[node.op_type]]],
+        rest = Node(node.name, node.op_type, node.domain, [x, *node.inputs[1:PRODUCT_AT[node.op_type]]],
                     list(node.outputs), {k: v for k, v in node.attrs.items() if k != "product"})
         return product + _node_protos(rest, tensors)
     if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
