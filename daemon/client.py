@@ -30,6 +30,7 @@ import numpy as np
 import zmq
 
 from vkpool.daemon import protocol as P
+from vkpool.daemon.bound import ClientBinding, views
 from vkpool.daemon.endpoint import default_endpoint, ipc_path
 from vkpool.daemon.errors import DaemonUnavailable, from_reply
 from vkpool.daemon.lane import CLIENT_MAX_LANES, POLL_MAX_S, ClientLane, LaneRefused, Poller, lane_wanted
@@ -392,9 +393,12 @@ class Client:
         The packed content is remembered per model, output names, options and input
         names/dtypes/shapes, so running one model on same-shaped inputs packs only the header.
         The daemon, for its part, checks a content it has seen before only against the frames.
-        Small tensors travel as copies of their bytes (see :data:`~vkpool.daemon.protocol.SMALL_FRAME`)."""
+        Small tensors travel as copies of their bytes (see :data:`~vkpool.daemon.protocol.SMALL_FRAME`).
+        On a lane with a ring such an infer is bound once (:mod:`vkpool.daemon.bound`): after
+        that only its inputs' bytes are written, and its outputs read, in the ring."""
         frames: list[Any] = []
-        key: list[Any] = [model_id, priority, timeout, outputs if outputs is None else tuple(outputs)]
+        arrays: list[np.ndarray] = []
+        key: Any = [model_id, priority, timeout, outputs if outputs is None else tuple(outputs)]
         small = P.SMALL_FRAME
         for name, value in feeds.items():
             array = value if type(value) is np.ndarray else np.asarray(value)
@@ -406,7 +410,9 @@ class Client:
             else:  # to be converted: the general path
                 content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
                 packed = P.pack(content)
+                key = None
                 break
+            arrays.append(array)
             key += (name, dtype, array.shape)
         else:
             key = tuple(key)
@@ -416,7 +422,18 @@ class Client:
                 if len(self._packed) >= 64:
                     self._packed.clear()
                 self._packed[key] = packed
-        reply = self._lane_infer_request(packed, frames, wait)
+        if len(frames) + 2 > self._max_frames:
+            return None
+        lane = self._take_lane()
+        if lane is None:
+            return None
+        if key is not None and lane.ring is not None and key not in lane.unbound:
+            bound = lane.bindings.get(key)
+            if bound is None:
+                bound = self._bind(lane, key, packed, frames, arrays, wait)
+            if bound is not None:
+                return self._bound_infer(lane, key, bound, arrays, wait)
+        reply = self._lane_infer_request(lane, packed, frames, wait)
         if reply is None:
             return None
         ok, content, raw = reply
@@ -427,30 +444,83 @@ class Client:
         # one, is already)
         return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
 
-    def _lane_infer_request(self, packed_content: bytes, frames: Sequence[Any], timeout: float | None
-                            ) -> tuple[bool, memoryview, list[Any]] | None:
-        """One infer request on the local lane: whether the reply is ``ok``, its packed content
-        and raw frames; or None when it must go over ZeroMQ instead (no lane to be had, or the
-        request is over the daemon's limits). An ``ok`` reply's header is known in advance (see
-        :func:`~vkpool.daemon.protocol.packed_header`): one that matches it is not unpacked."""
-        if len(frames) + 2 > self._max_frames:
-            return None
-        idle = self._lanes_idle
-        try:
-            lane = idle.pop()
-        except IndexError:
-            lane = self._take_lane()
-            if lane is None:
-                return None
+    def _bind(self, lane: ClientLane, key: Any, packed: bytes, frames: list[Any], arrays: list[np.ndarray],
+              wait: float | None) -> ClientBinding | None:
+        """Bind an infer on ``lane`` (``bind_infer``: the infer's own content and frames); None when
+        the daemon does not (it is then sent framed on this lane from now on). The lane stays the
+        caller's, unless the error the infer itself would get is raised (the lane is then idle
+        again, or dropped when it failed)."""
         rid = f"{self._prefix}-{next(self._ids)}"
-        packed_rid = P.pack_id(rid)
-        prefix, suffix = _INFER_REQUEST
-        parts = [prefix + packed_rid + suffix, packed_content, *frames]
+        parts = [P.packed_header("bind_infer_request", rid), packed, *frames]
         if sum(map(len, parts)) > self._max_bytes:
-            self._lanes_idle.append(lane)
+            lane.unbound.add(key)
             return None
+        reply = self._lane_exchange(lane, parts, rid, wait)
         try:
-            lane.send(parts)
+            if type(reply) is memoryview:
+                raise P.ProtocolViolation("ProtocolError", "a record")
+            header, content = P.unpack(reply[0]), P.unpack(reply[1])
+        except P.ProtocolViolation:
+            header = content = None
+        if not isinstance(header, dict) or header.get("id") != rid or "status" not in header:
+            self._drop_lane(lane)
+            raise DaemonUnavailable(f"the local lane of {self.endpoint} answered {rid} with something that is "
+                                    "no bind_infer_reply")
+        if header["status"] != "ok" or not isinstance(content, dict):
+            self._lane_done(lane)
+            raise from_reply(content if isinstance(content, dict) else {"message": "an error reply without content"})
+        index, offsets = content.get("binding"), content.get("offsets")
+        ring = lane.ring
+        if (type(index) is not int or ring is None or not isinstance(offsets, list) or len(offsets) != len(arrays)
+                or not all(type(o) is int and 0 <= o for o in offsets)
+                or any(o + a.nbytes > ring.half for o, a in zip(offsets, arrays))):
+            lane.unbound.add(key)
+            return None
+        bound = lane.bindings[key] = ClientBinding(index, views(ring.request, [(a.dtype, a.shape) for a in arrays],
+                                                                offsets))
+        return bound
+
+    def _bound_infer(self, lane: ClientLane, key: Any, bound: ClientBinding, arrays: list[np.ndarray],
+                     wait: float | None) -> list[np.ndarray]:
+        """A bound infer: its inputs written in the ring, its outputs read from a record there (or
+        from a framed reply: an error, outputs too large for the ring)."""
+        bound.write(arrays)
+        reply = self._lane_exchange(lane, bound.index, None, wait)
+        if type(reply) is memoryview:
+            try:
+                results = bound.read(reply)
+            except ConnectionResetError as exc:
+                self._drop_lane(lane)
+                raise DaemonUnavailable(f"the local lane of {self.endpoint}: {exc}") from None
+            self._lane_done(lane)
+            return results
+        try:
+            header = P.unpack(reply[0])
+        except P.ProtocolViolation:
+            header = None
+        if not isinstance(header, dict) or "status" not in header:
+            self._drop_lane(lane)
+            raise DaemonUnavailable(f"the local lane of {self.endpoint} answered with something that is no reply")
+        self._lane_done(lane)
+        if header["status"] == "ok":
+            return [a if a.flags.writeable else a.copy() for a in self._outputs.read(reply[1], reply[2:])]
+        error = P.unpack(reply[1])
+        if not isinstance(error, dict):
+            error = {"message": "an error reply without content"}
+        if error.get("type") in ("UnknownModel", "InvalidRequest"):  # the binding is gone: bind again next time
+            lane.bindings.pop(key, None)
+        raise from_reply(error)
+
+    def _lane_exchange(self, lane: ClientLane, parts: list[Any] | int, rid: str | None, wait: float | None
+                       ) -> list[Any] | memoryview:
+        """Send a request on ``lane`` (its frames, or the number of a bound infer whose inputs are
+        written) and read its reply (:meth:`ClientLane.receive_frames`). On failure the lane is
+        dropped and the error raised."""
+        try:
+            if type(parts) is int:
+                lane.send_bound(parts)
+            else:
+                lane.send(parts)
         except OSError as exc:
             # the daemon closed the lane, as it does when it stops: nothing was accepted. Later
             # requests go over ZeroMQ (a daemon started again offers a lane to new clients).
@@ -458,18 +528,44 @@ class Client:
             self._lane_offer = None
             raise DaemonUnavailable(f"the daemon at {self.endpoint} closed the local lane ({exc}); it is "
                                     "stopping or was restarted") from None
-        wait = timeout if timeout is not None else self.timeout
+        wait = wait if wait is not None else self.timeout
+        what = "a bound infer" if rid is None else f"request {rid}"
         try:
-            reply = lane.receive_frames(wait)
+            return lane.receive_frames(wait)
         except TimeoutError:
             self._drop_lane(lane)
-            raise TimeoutError(f"no infer_reply from {self.endpoint} within {wait:g} s") from None
+            raise TimeoutError(f"no reply to {what} from {self.endpoint} within {wait:g} s") from None
         except OSError as exc:
             self._drop_lane(lane)
             if self._closed.is_set():
                 raise DaemonUnavailable("this client was closed while waiting for a reply") from None
             raise DaemonUnavailable(f"the daemon at {self.endpoint} closed the local lane before answering "
-                                    f"infer request {rid} ({exc})") from None
+                                    f"{what} ({exc})") from None
+
+    def _lane_done(self, lane: ClientLane) -> None:
+        """The lane's exchange is over: idle again, or closed with the client."""
+        if self._closed.is_set():
+            self._drop_lane(lane)
+        else:
+            self._lanes_idle.append(lane)
+
+    def _lane_infer_request(self, lane: ClientLane, packed_content: bytes, frames: Sequence[Any],
+                            timeout: float | None) -> tuple[bool, memoryview, list[Any]] | None:
+        """One framed infer request on ``lane``: whether the reply is ``ok``, its packed content
+        and raw frames; or None when it must go over ZeroMQ instead (the request is over the
+        daemon's limits). An ``ok`` reply's header is known in advance (see
+        :func:`~vkpool.daemon.protocol.packed_header`): one that matches it is not unpacked."""
+        rid = f"{self._prefix}-{next(self._ids)}"
+        packed_rid = P.pack_id(rid)
+        prefix, suffix = _INFER_REQUEST
+        parts = [prefix + packed_rid + suffix, packed_content, *frames]
+        if sum(map(len, parts)) > self._max_bytes:
+            self._lanes_idle.append(lane)
+            return None
+        reply = self._lane_exchange(lane, parts, rid, timeout)
+        if type(reply) is memoryview:  # a record where no bound infer was sent
+            self._drop_lane(lane)
+            raise DaemonUnavailable(f"the local lane of {self.endpoint} answered request {rid} with a record")
         prefix, suffix = _INFER_OK
         ok = reply[0] == prefix + packed_rid + suffix
         if not ok:
@@ -483,10 +579,7 @@ class Client:
                                         + (f"request {header.get('id')!r} instead of {rid}"
                                            if isinstance(header, dict) else "with something that is no reply"))
             ok = header["status"] == "ok"
-        if self._closed.is_set():
-            self._drop_lane(lane)
-        else:
-            self._lanes_idle.append(lane)
+        self._lane_done(lane)
         return ok, reply[1], reply[2:]
 
     def close(self) -> None:

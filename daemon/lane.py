@@ -101,8 +101,12 @@ RING_HALF = 256 << 10
 _RING_HEAD = 4096
 #: ring words, 8-byte aligned, each on a cache line of its own: 0 request sequence (written by the
 #: client), 8 reply sequence (the daemon), 16 "the daemon sleeps in recv" (the daemon), 24 "the
-#: client sleeps in recv" (the client)
-_REQ, _REP, _DAEMON_ASLEEP, _CLIENT_ASLEEP = 0, 8, 16, 24
+#: client sleeps in recv" (the client), 32 what the request half holds (the client: 0 a framed
+#: message, k + 1 a bound infer of binding k, :mod:`vkpool.daemon.bound`), 40 what the reply half
+#: holds (the daemon: 0 a framed message, 1 a bound infer's outputs)
+_REQ, _REP, _DAEMON_ASLEEP, _CLIENT_ASLEEP, _REQ_KIND, _REP_KIND = 0, 8, 16, 24, 32, 40
+#: the reply-kind word of a bound infer's outputs
+RECORD = 1
 _FENCE = threading.Lock()
 #: ring checks between two ``poll(0)`` of the socket while spinning (each poll lets the process's
 #: other threads take the GIL, and sees a message or end of file on the socket)
@@ -173,6 +177,7 @@ class Ring:
         and publish it: the bytes of its frames, or None when it does not fit (nothing written)."""
         size = P.lane_pack_into(self.request if which == _REQ else self.reply, parts, start)
         if size is not None:
+            self.words[_REQ_KIND if which == _REQ else _REP_KIND] = 0  # a framed message
             self.words[which] += 1  # after the message: see the class's doc
         return size
 
@@ -317,7 +322,7 @@ class LaneConnection:
     answered came in the ring, so its reply goes there too."""
 
     __slots__ = ("sock", "fd", "client", "send_lock", "open", "ring", "ring_reply", "ring_seen",
-                 "on_lost", "_backlog", "_writer")
+                 "on_lost", "bindings", "_backlog", "_writer")
 
     def __init__(self, sock: socket.socket, on_lost: Any = None) -> None:
         self.sock = sock
@@ -330,6 +335,8 @@ class LaneConnection:
         self.ring_seen = 0
         #: called with the status of each reply that was taken but could not be written
         self.on_lost = on_lost
+        #: this lane's bound infers (:class:`vkpool.daemon.bound.Binding`), by number
+        self.bindings: list[Any] = []
         # (bytes still to send, status of the reply they end or None), in order
         self._backlog: deque[tuple[memoryview, str | None]] = deque()
         self._writer: threading.Thread | None = None
@@ -361,6 +368,34 @@ class LaneConnection:
                     buffers, size = P.lane_buffers(body, start)
                     self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
                 return size
+            except OSError:
+                self.open = False
+                lost = self._drop_backlog()
+        self.shutdown()
+        self._report(lost)
+        return 0
+
+    def send_record(self, fill: Any) -> int:
+        """Answer a bound infer in the ring: ``fill(reply half)`` writes its outputs there and
+        says whether they fitted; then the reply-kind word, the sequence number and a wake-up as
+        :meth:`send` writes them. 1 when sent, -1 when the outputs do not fit (nothing sent: the
+        caller sends a framed reply instead), 0 when the connection is closed or the write fails."""
+        with self.send_lock:
+            ring = self.ring
+            if not self.open or ring is None:
+                return 0
+            if not fill(ring.reply):
+                return -1
+            self.ring_reply = False
+            words = ring.words
+            words[_REP_KIND] = RECORD
+            words[_REP] += 1
+            try:
+                _FENCE.acquire()  # fence(), inline
+                _FENCE.release()
+                if words[_CLIENT_ASLEEP]:
+                    self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
+                return 1
             except OSError:
                 self.open = False
                 lost = self._drop_backlog()
@@ -506,7 +541,8 @@ class LaneReactor:
 
     The server's callbacks: ``accept(sock) -> LaneConnection | None`` for a new connection,
     ``opened(conn, parts) -> bool`` for its first message (False: close it), ``request(conn,
-    parts)`` for the others, ``broken(conn, exc)`` for a
+    parts)`` for the others (``parts``: the frames, or the binding number of a bound infer),
+    ``broken(conn, exc)`` for a
     :class:`~vkpool.daemon.protocol.LaneError`, ``closed(conn, failed)`` when it ends
     (``failed``: by an unexpected error); ``listening()`` says whether new connections are taken
     now; ``passed()`` ends each pass over the requests read together (the server runs the
@@ -650,6 +686,10 @@ class LaneReactor:
             ring = conn.ring
             assert ring is not None
             conn.ring_seen = ring.words[_REQ]
+            kind = ring.words[_REQ_KIND]
+            if kind:  # a bound infer: the number of its binding, read no further here
+                work.append((conn, kind - 1, True))
+                continue
             try:
                 parts: Any = P.lane_parse(ring.request, self.max_frames, self.max_bytes)
                 if not parts:
@@ -733,7 +773,7 @@ class LaneReactor:
         fd = conn.fd
         if fd not in self.conns:
             return  # closed by an earlier message of this pass
-        if type(parts) is list and fd in self._open:  # a request, as most messages are
+        if (type(parts) is list or type(parts) is int) and fd in self._open:  # a request (int: bound)
             if conn.backlogged():  # its client does not read its replies: this one waits with them
                 if fd not in self._stalled:
                     if fd not in self._away:
@@ -808,7 +848,8 @@ class ClientLane:
     above 0) it asks for a :class:`Ring`: requests and replies that fit then travel in shared
     memory, and the socket only wakes a side that sleeps."""
 
-    __slots__ = ("sock", "reader", "timeout", "sent_at", "reply_s", "poller", "ring", "on_ring", "rep_seen")
+    __slots__ = ("sock", "reader", "timeout", "sent_at", "reply_s", "poller", "ring", "on_ring", "rep_seen",
+                 "bindings", "unbound")
 
     def __init__(self, offer: dict[str, Any], client: bytes, timeout: float, poller: Poller) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -819,6 +860,10 @@ class ClientLane:
         self.ring: Ring | None = None
         self.on_ring = False  # the request in flight went in the ring
         self.rep_seen = 0
+        #: bound infers of this lane (:class:`vkpool.daemon.bound.ClientBinding`) by request key, and
+        #: the keys the daemon would not bind (sent as framed infers)
+        self.bindings: dict[Any, Any] = {}
+        self.unbound: set[Any] = set()
         try:
             sock.settimeout(timeout)
             sock.connect(str(offer["path"]))  # OSError: no lane to be had from here
@@ -889,8 +934,21 @@ class ClientLane:
             raise ConnectionResetError("the daemon sent something that is no reply on the local lane")
         return header, frames[1], frames[2:]
 
-    def receive_frames(self, timeout: float | None) -> list[memoryview]:
-        """:meth:`receive`, the header left packed: the reply's frames (at least two)."""
+    def send_bound(self, index: int) -> None:
+        """Publish the bound infer whose inputs were written in the request half (binding
+        ``index``); its reply is read with :meth:`receive_frames`."""
+        ring = self.ring
+        assert ring is not None
+        words = ring.words
+        words[_REQ_KIND] = index + 1
+        words[_REQ] += 1
+        self.on_ring = True
+        ring_wake(self.sock, words, _DAEMON_ASLEEP)
+        self.sent_at = time.perf_counter()
+
+    def receive_frames(self, timeout: float | None) -> list[memoryview] | memoryview:
+        """:meth:`receive`, the header left packed: the reply's frames (at least two), or the ring's
+        reply half when it holds a bound infer's outputs (read them before the next request)."""
         if timeout != self.timeout:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
             self.timeout = timeout
@@ -912,7 +970,7 @@ class ClientLane:
         self.reply_s = self.poller.average(self.reply_s, time.perf_counter() - self.sent_at)
         return frames
 
-    def _from_ring(self) -> list[memoryview] | None:
+    def _from_ring(self) -> list[memoryview] | memoryview | None:
         """The reply to a request sent in the ring: copied out of the ring (the lane may carry the
         next request before the caller is done with this reply), or read from the socket."""
         ring = self.ring
@@ -929,6 +987,8 @@ class ClientLane:
                 if parts is None or parts:  # end of file, or a reply on the socket
                     return parts
         self.rep_seen = words[_REP]
+        if words[_REP_KIND] == RECORD:
+            return ring.reply
         frames = P.lane_parse(ring.reply, copy=True)
         if not frames:  # the reply was too large for the ring: it is on the socket
             frames = self.reader.read()

@@ -72,6 +72,12 @@ def _f(name: str, kind: str, doc: str, *, required: bool = True, nullable: bool 
 
 
 _TENSOR_LIST = "list of `{name, dtype, shape}`, one per raw frame, in frame order"
+_INFER_REQUEST = (
+    _f("model", "str", "model id"),
+    _f("inputs", "list", _TENSOR_LIST),
+    _f("outputs", "list", "wanted output names; null = all", required=False, nullable=True),
+    _f("priority", "int", "higher runs first within a client's queue", required=False),
+    _f("timeout", "number", "seconds from acceptance; null = the config default", required=False, nullable=True))
 _MODEL_INFO = (
     "`{id, name, binding, objective, batching, inputs, outputs, memory_by_member, members, refs, keep_alive, "
     "idle_s, queued, running, done}`; `binding` is `{batch, dims}` as loaded (empty when nothing was bound); "
@@ -134,17 +140,19 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                    _f("plan", "map", "the plan as JSON")),
             ),
     Message("infer", "Runs a loaded model on the given inputs.",
-            request=(_f("model", "str", "model id"),
-                     _f("inputs", "list", _TENSOR_LIST),
-                     _f("outputs", "list", "wanted output names; null = all", required=False,
-                        nullable=True),
-                     _f("priority", "int", "higher runs first within a client's queue", required=False),
-                     _f("timeout", "number", "seconds from acceptance; null = the config default",
-                        required=False, nullable=True)),
+            request=_INFER_REQUEST,
             reply=(_f("outputs", "list", _TENSOR_LIST),
                    _f("queue_s", "float", "seconds spent queued"),
                    _f("run_s", "float", "seconds spent running")),
             request_frames="one per input tensor", reply_frames="one per output tensor", transport="both"),
+    Message("bind_infer", "Lays out infers of these inputs' names, dtypes and shapes in the lane's ring "
+            "(see *Bound infers*). Checked as `infer` is, with the inputs an infer would carry; nothing runs.",
+            request=_INFER_REQUEST,
+            reply=(_f("binding", "int", "the binding's number; null: send these infers framed (they do not "
+                      "fit the ring's half, the lane has no ring, or it has 64 bindings)", nullable=True),
+                   _f("offsets", "list", "each input's byte offset in the request half, in the order of "
+                      "`inputs`")),
+            request_frames="one per input tensor", reply_frames="none", transport="lane"),
     Message("cancel", "Cancels a queued or running infer of this client.",
             request=(_f("request_id", "str", "id of the infer request"),),
             reply=(_f("cancelled", "bool", "true when the infer was answered `Cancelled`"),

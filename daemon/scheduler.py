@@ -186,27 +186,28 @@ class Scheduler:
             return 0 if queue is None else queue.size + queue.gathered + queue.running
 
     # -- jobs ---------------------------------------------------------------------------------
-    def claim_idle(self, model_id: str, gate: Any = None) -> ModelQueue | None:
-        """Count one job as running on a model with nothing queued or running, for a caller that
-        runs it itself; None when the model is busy. ``gate``: the model's
+    def claim_idle(self, model_id: str, gate: Any = None, jobs: int = 1) -> ModelQueue | None:
+        """Count ``jobs`` jobs as running on a model with nothing queued or running, for a caller
+        that runs them itself; None when the model is busy. ``gate``: the model's
         :class:`~vkpool.daemon.registry.SharedGate`, taken shared in the same call (None when a
-        re-plan holds it or waits for it). Pair with :meth:`release_claim`, given the same gate."""
+        re-plan holds it or waits for it). Pair with :meth:`release_claim`, given the same gate and
+        count."""
         with self._lock:
             queue = self._queues.get(model_id)
             if queue is None or queue.size or queue.running or model_id in self._closing:
                 return None
             if gate is not None and not gate.try_acquire_shared():  # the gate's lock nests in ours
                 return None
-            queue.running += 1
+            queue.running += jobs
             return queue
 
-    def release_claim(self, queue: ModelQueue, gate: Any = None) -> None:
-        """The claimed job ran: counted done, and the gate released."""
+    def release_claim(self, queue: ModelQueue, gate: Any = None, jobs: int = 1) -> None:
+        """The claimed jobs ran: counted done, and the gate released."""
         if gate is not None:
             gate.release_shared()
         with self._lock:
-            queue.running -= 1
-            queue.done += 1
+            queue.running -= jobs
+            queue.done += jobs
 
     def submit(self, job: Job, wake: bool = True) -> None:
         """Queue a job (:class:`Busy` when it does not fit). ``wake`` False: the workers are not

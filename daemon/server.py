@@ -19,6 +19,7 @@ guarded by one lock.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import os
 import signal
@@ -30,10 +31,12 @@ from typing import Any
 import zmq
 
 from vkpool.daemon import protocol as P
+from vkpool.daemon.bound import BINDINGS_MAX, Binding, places, views
 from vkpool.daemon.endpoint import (LISTEN_BACKLOG, ConnectionWatch, EndpointError, EndpointLock,
                                     connection_cap, fd_reserve, ipc_path, lane_fits, lane_path, raise_fd_limit)
 from vkpool.daemon.lane import LaneConnection, LaneListener, LaneReactor, Ring, ring_supported
 from vkpool.daemon.protocol import ProtocolViolation
+from vkpool.daemon.runtime import classify
 from vkpool.daemon.scheduler import Job
 from vkpool.daemon.service import Service, _error
 from vkpool.daemon.settings import DaemonSettings
@@ -103,6 +106,8 @@ class Server:
         self._lane_routes: dict[tuple[bytes, str], LaneConnection] = {}  # lane requests in progress
         self._lanes: set[LaneConnection] = set()
         self._lanes_closed = False
+        self._bound: list[tuple[LaneConnection, int]] = []  # bound infers read in the lanes' pass
+        self._bound_ids = itertools.count()  # request ids of bound infers queued as jobs
         self._lane_listener: LaneListener | None = None
         self._reactor: LaneReactor | None = None  # reads the lanes, from serve_forever on
         self._io_ident: int | None = None
@@ -394,7 +399,10 @@ class Server:
         self._connections.check()
         return conn
 
-    def _lane_request(self, conn: LaneConnection, parts: list[Any]) -> None:
+    def _lane_request(self, conn: LaneConnection, parts: list[Any] | int) -> None:
+        if type(parts) is int:  # a bound infer: run with the others of this pass, at its end
+            self._bound.append((conn, parts))
+            return
         try:
             self._on_lane_request(conn, parts)
         except Exception:  # never let one message take the lane down
@@ -461,6 +469,9 @@ class Server:
                     return
                 header, content, frames = P.decode_request(parts, header)
                 action = P.action_of(header)
+                if action == "bind_infer":
+                    self._bind_infer(conn, client, rid, content, frames)
+                    return
                 if action not in P.LANE_ACTIONS or action in P.LANE_ONLY:
                     raise ProtocolViolation("InvalidRequest", f"{header['type']} does not travel on the local "
                                             "lane; send it over ZeroMQ")
@@ -494,6 +505,128 @@ class Server:
         except Exception as exc:
             self._reply_from_thread(client, rid, action if plan is None else "infer", "error",
                                     _error(_violation(exc)), [])
+
+    # -- bound infers (vkpool.daemon.bound) ---------------------------------------------------
+    def _bind_infer(self, conn: LaneConnection, client: bytes, rid: str, content: dict[str, Any],
+                    frames: list[Any]) -> None:
+        """Check a ``bind_infer`` as its infer, and lay its inputs out in the lane's ring."""
+        with self._book:
+            if self._lanes_closed:
+                conn.shutdown()
+                return
+            self.stats.count("accepted")
+        try:
+            plan, feeds, rows = self.service.check_bound(client, content, frames)
+            arrays = [feeds[meta["name"]] for meta in content["inputs"]]
+            offsets, size = places(arrays)
+            ring = conn.ring
+            reply: dict[str, Any] = {"binding": None, "offsets": []}
+            if ring is not None and size <= ring.half and len(conn.bindings) < BINDINGS_MAX:
+                placed = views(ring.request, [(a.dtype, a.shape) for a in arrays], offsets)
+                conn.bindings.append(Binding(plan, {m["name"]: v for m, v in zip(content["inputs"], placed)}, rows))
+                reply = {"binding": len(conn.bindings) - 1, "offsets": offsets}
+            status: str = "ok"
+        except Exception as exc:
+            status, reply = "error", _error(_violation(exc))
+        self._lane_reply(conn, (client, rid), "bind_infer", status, reply, [])
+
+    def _lanes_passed(self) -> None:
+        """The end of the lanes' pass over what they held: the bound infers it read run, by model,
+        then the batches it held (:meth:`Service.run_held`)."""
+        if self._bound:
+            bound, self._bound = self._bound, []
+            self._run_bound(bound)
+        self.service.run_held()
+
+    def _run_bound(self, items: list[tuple[LaneConnection, int]]) -> None:
+        accepted = time.monotonic()
+        with self._book:
+            closed = self._lanes_closed
+            if not closed:
+                self.stats.count("accepted", len(items))
+        if closed:  # the daemon is stopping: not accepted, and the lanes close
+            for conn, _ in items:
+                conn.shutdown()
+            return
+        groups: dict[str, tuple[Any, list[tuple[LaneConnection, Binding]]]] = {}
+        for conn, index in items:
+            item = conn.bindings[index] if index < len(conn.bindings) else None
+            if item is None:
+                self._bound_error(conn, ProtocolViolation(
+                    "InvalidRequest", f"this lane has no binding {index}; send bind_infer_request first"))
+                continue
+            entry = item.plan.entry
+            if not self.service.registry.current(entry, conn.client):
+                self._bound_error(conn, ProtocolViolation(
+                    "UnknownModel", f"model {entry.id[:12]} is not loaded by this client any more; load it and "
+                    "bind again", {"model": entry.id}))
+                continue
+            groups.setdefault(entry.id, (entry, []))[1].append((conn, item))
+        for entry, members in groups.values():
+            answered: set[int] = set()
+
+            def answer(k: int, result: Any, queued_s: float, run_s: float,
+                       members: list[tuple[LaneConnection, Binding]] = members, answered: set[int] = answered) -> None:
+                answered.add(k)
+                self._bound_answer(*members[k], result, queued_s, run_s, accepted)
+
+            def fallback(k: int, members: list[tuple[LaneConnection, Binding]] = members,
+                         answered: set[int] = answered) -> None:
+                answered.add(k)
+                self._bound_queued(*members[k])
+
+            try:
+                self.service.run_bound(entry, [item for _, item in members], accepted, answer, fallback)
+            except Exception as exc:  # never a request without its reply
+                violation = _violation(exc)
+                for k, (conn, _) in enumerate(members):
+                    if k not in answered:
+                        self._bound_error(conn, violation)
+
+    def _bound_answer(self, conn: LaneConnection, item: Binding, result: Any, queued_s: float, run_s: float,
+                      accepted: float) -> None:
+        """A bound infer's outputs as a record in the ring, or a framed reply (an error, outputs too
+        large for the ring)."""
+        if isinstance(result, ProtocolViolation):
+            self._bound_error(conn, result)
+            return
+        sent = conn.send_record(lambda half: item.fill(half, result))
+        if sent > 0:
+            self.stats.count("ok")
+            self.stats.infer_done(time.monotonic() - accepted)
+            return
+        if sent == 0:
+            self.stats.count("client_gone")
+            return
+        plan = item.plan
+        try:
+            content, frames = self.service._replies.pack(plan.outputs or plan.entry.output_names, result,
+                                                        queued_s, run_s)
+        except Exception as exc:
+            self._bound_error(conn, classify(exc))
+            return
+        conn.ring_reply = True
+        self._lane_reply(conn, None, "infer", "ok", content, frames)
+        self.stats.infer_done(time.monotonic() - accepted)
+
+    def _bound_error(self, conn: LaneConnection, violation: ProtocolViolation) -> None:
+        conn.ring_reply = True
+        self._lane_reply(conn, None, "infer", "error", _error(violation), [])
+
+    def _bound_queued(self, conn: LaneConnection, item: Binding) -> None:
+        """A bound infer queued as a job (its model is busy, or slow): answered framed, by id."""
+        client = conn.client
+        assert client is not None
+        rid = f"bound-{next(self._bound_ids)}"
+        key = (client, rid)
+        with self._book:
+            self._in_progress.add(key)
+            self._lane_routes[key] = conn
+        conn.ring_reply = True
+        try:
+            self.service.queue_bound(client, rid, item.plan, item.feeds)
+        except Exception as exc:
+            self._reply_from_thread(client, rid, "infer", "error", _error(_violation(exc)), [])
 
     def _lane_error(self, conn: LaneConnection, client: bytes, header: dict[str, Any],
                     violation: ProtocolViolation) -> None:
@@ -642,7 +775,7 @@ class Server:
                 self._lane_listener, settings.max_frames, settings.max_message_bytes, settings.lane_poll,
                 accept=self._lane_accept, opened=self._open_lane, request=self._lane_request,
                 broken=self._lane_broken, closed=self._lane_ended, listening=lambda: watch.listening,
-                passed=self.service.run_held, log=log)
+                passed=self._lanes_passed, log=log)
             self._reactor.start()
         last_sweep = 0.0
         try:

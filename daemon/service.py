@@ -274,6 +274,85 @@ class Service:
             if jobs is not None:
                 self.scheduler.run_taken(jobs, lambda taken, entry=entry: self._run_gathered(entry, taken, True))
 
+    # -- bound infers (vkpool.daemon.bound) ---------------------------------------------------
+    def check_bound(self, client: bytes, content: dict[str, Any], frames: list[Any]
+                    ) -> tuple[InferPlan, dict[str, np.ndarray], int]:
+        """A ``bind_infer`` checked as the same ``infer`` would be: its plan, the feeds it carried
+        and their rows (1 unless the model batches)."""
+        if self.draining:
+            raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
+        plan, feeds = self._plan_infer(client, content, frames, None)
+        rows = 1
+        if plan.entry.batching is not None:
+            try:
+                feeds, rows = plan.entry.batching.check(feeds, plan.outputs)
+            except ValueError as exc:
+                raise ProtocolViolation("InvalidTensor", str(exc)) from None
+        return plan, feeds, rows
+
+    def run_bound(self, entry: ModelEntry, items: list[Any], accepted: float, answer: Callable[..., None],
+                  fallback: Callable[[int], None]) -> None:
+        """The bound infers of one model read in one pass over the lanes (``items``, each with
+        ``plan``, ``feeds`` and ``rows``; accepted at ``accepted``, a ``time.monotonic()`` value),
+        run on this thread when the model is idle and quick: a batching model's as batches of
+        their rows, any other's back to back. ``answer(k, outputs or ProtocolViolation, queued_s,
+        run_s)`` answers ``items[k]``; ``fallback(k)`` has it queued as a job instead
+        (:meth:`queue_bound`), when the model is busy, being re-planned, not yet timed or slower
+        than ``inline_run_max``."""
+        run_s = entry.run_s
+        queue = None
+        if run_s is not None and run_s <= self.settings.inline_run_max and not self.draining:
+            queue = self.scheduler.claim_idle(entry.id, entry.gate, len(items))
+        if queue is None:
+            for k in range(len(items)):
+                fallback(k)
+            return
+        try:
+            runner = entry.batching  # read under the gate: a re-plan swaps the session
+            if runner is None:
+                self._run_many(entry, items, accepted, answer)
+                return
+            at = 0
+            for count in runner.batches([item.rows for item in items]):
+                group = items[at:at + count]
+                runner.stats.where_read += 1
+                batch, started, finished = self._timed_batch(entry, [(i.feeds, i.plan.outputs) for i in group],
+                                                             [accepted] * count)
+                for k, item in enumerate(group, at):
+                    results = batch if isinstance(batch, ProtocolViolation) else batch[k - at]
+                    answer(k, _in_time(item.plan, results, accepted, finished), started - accepted,
+                           finished - started)
+                at += count
+        finally:
+            self.scheduler.release_claim(queue, entry.gate, len(items))
+
+    def _run_many(self, entry: ModelEntry, items: list[Any], accepted: float, answer: Callable[..., None]) -> None:
+        """:meth:`run_bound` for a model that does not batch: the requests of each output list go to
+        ``Session.run_many`` together, so a plan over several members or replicas works on them at
+        once, and each is answered as it ends."""
+        by_outputs: dict[Any, list[int]] = {}
+        for k, item in enumerate(items):
+            outputs = item.plan.outputs
+            by_outputs.setdefault(None if outputs is None else tuple(outputs), []).append(k)
+        for outputs, ks in by_outputs.items():
+            started = last = time.monotonic()
+
+            def each(i: int, result: Any, ks: list[int] = ks, started: float = started) -> None:
+                nonlocal last
+                finished = time.monotonic()
+                results = self._ran(entry, result, started - accepted, last, finished)
+                last = finished
+                item = items[ks[i]]
+                answer(ks[i], _in_time(item.plan, results, accepted, finished), started - accepted, finished - started)
+
+            entry.session.run_many((items[k].feeds for k in ks), None if outputs is None else list(outputs), each)
+
+    def queue_bound(self, client: bytes, rid: str, plan: InferPlan, feeds: dict[str, np.ndarray]) -> None:
+        """A bound infer that does not run where it was read: queued as a job, answered by id."""
+        if self.draining:
+            raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
+        self._infer(client, rid, plan, feeds, False)
+
     def watch(self, job: Job) -> None:
         """Overridden by the server to track deadlines."""
 
@@ -309,22 +388,65 @@ class Service:
         """Run a job on its model (the caller holds the model's gate): status, content (packed
         already when ok), frames, and the ``time.monotonic()`` at which the run ended (``started``:
         the one read just before the call; the two are the only clock reads of a run)."""
+        results, finished = self._timed_run(entry, outputs, feeds, queued_s, started)
+        if isinstance(results, ProtocolViolation):
+            return "error", _error(results), [], finished
         try:
-            results = entry.session.run(outputs, feeds)  # None: all, as the in-process session is asked
-            finished = time.monotonic()
             content, frames = self._replies.pack(entry.output_names if outputs is None else outputs, results,
                                                  queued_s, finished - started)
         except Exception as exc:
-            finished = entry.last_used = time.monotonic()
-            violation = classify(exc)
-            log.warning("job on %s failed: %s", entry.id[:12], violation.message)
-            self.stats.ran(entry, violation.type, finished - started, queued_s)
-            return "error", _error(violation), [], finished
+            return "error", _error(classify(exc)), [], finished
+        return "ok", content, frames, finished
+
+    def _timed_run(self, entry: ModelEntry, outputs: list[str] | None, feeds: dict[str, np.ndarray],
+                   queued_s: float, started: float) -> tuple[list[np.ndarray] | ProtocolViolation, float]:
+        """One run of a job on its model (the caller holds the model's gate), counted and timed:
+        its outputs or the error to answer, and the ``time.monotonic()`` at which it ended."""
+        try:
+            results = entry.session.run(outputs, feeds)  # None: all, as the in-process session is asked
+        except Exception as exc:
+            results = exc
+        finished = time.monotonic()
+        return self._ran(entry, results, queued_s, started, finished), finished
+
+    def _ran(self, entry: ModelEntry, results: Any, queued_s: float, started: float, finished: float
+             ) -> list[np.ndarray] | ProtocolViolation:
+        """A run of ``entry`` from ``started`` to ``finished`` that gave ``results`` (its outputs, or
+        the exception it raised) counted: the outputs, or the error to answer."""
         entry.last_used = finished
         run_s = finished - started
+        if isinstance(results, BaseException):
+            violation = classify(results)
+            log.warning("job on %s failed: %s", entry.id[:12], violation.message)
+            self.stats.ran(entry, violation.type, run_s, queued_s)
+            return violation
         entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
         self.stats.ran(entry, "ok", run_s, queued_s)
-        return "ok", content, frames, finished
+        return results
+
+    def _timed_batch(self, entry: ModelEntry, requests: list[tuple[dict[str, np.ndarray], list[str] | None]],
+                     accepted: list[float]) -> tuple[list[list[np.ndarray]] | ProtocolViolation, float, float]:
+        """One batch of checked requests (accepted at ``accepted``, ``time.monotonic()`` values) on a
+        batching model (the caller holds the model's gate), counted and timed: each request's
+        outputs or the batch's error, when it started and when it ended."""
+        runner = entry.batching
+        started = time.monotonic()
+        try:
+            results = runner.run(requests)
+        except Exception as exc:
+            finished = time.monotonic()
+            violation = classify(exc)
+            log.warning("a batch of %d job(s) on %s failed: %s", len(requests), entry.id[:12], violation.message)
+            self.stats.ran(entry, violation.type, finished - started, *[started - a for a in accepted])
+            return violation, started, finished
+        finished = entry.last_used = time.monotonic()
+        run_s = finished - started
+        entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s  # a batch's run
+        queued = [started - a for a in accepted]
+        self.stats.ran(entry, "ok", run_s, *queued)
+        for q in queued:
+            runner.stats.record_delay(q)
+        return results, started, finished
 
     def _run_job(self, job: Job) -> None:
         entry = self.registry.get(job.model_id)
@@ -360,8 +482,7 @@ class Service:
         """:meth:`_run_batch` once the caller holds the model's gate shared (released here);
         ``where_read``: on the thread that read the requests (counted in the batch stats)."""
         try:
-            runner = entry.batching  # read under the gate: a re-plan swaps the session
-            runner.stats.where_read += where_read
+            entry.batching.stats.where_read += where_read  # read under the gate: a re-plan swaps the session
             # feeds taken before the state is read (answering a job empties them); jobs timed out
             # while waiting for a re-plan left out
             taken = [(job, job.feeds) for job in jobs]
@@ -369,27 +490,20 @@ class Service:
             jobs = [job for job, _ in taken]
             if not jobs:
                 return
-            started = time.monotonic()
-            try:
-                results = runner.run([(feeds, job.outputs) for job, feeds in taken])
-            except Exception as exc:
-                violation = classify(exc)
-                log.warning("a batch of %d job(s) on %s failed: %s", len(jobs), entry.id[:12], violation.message)
-                self.stats.ran(entry, violation.type, time.monotonic() - started,
-                               *[(job.started_at or started) - job.accepted_at for job in jobs])
-                for job in jobs:
-                    self.scheduler.settle(job)
-                    job.finish("error", _error(violation))
-                return
+            now = time.monotonic()
+            # a job's queue delay ends when the scheduler took it (started_at), not when its batch starts
+            results, started, finished = self._timed_batch(
+                entry, [(feeds, job.outputs) for job, feeds in taken],
+                [job.accepted_at + now - (job.started_at or now) for job in jobs])
         finally:
             entry.gate.release_shared()
-        finished = entry.last_used = time.monotonic()
-        run_s = finished - started
-        entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s  # a batch's run
-        self.stats.ran(entry, "ok", run_s, *[(job.started_at or started) - job.accepted_at for job in jobs])
+        if isinstance(results, ProtocolViolation):
+            for job in jobs:
+                self.scheduler.settle(job)
+                job.finish("error", _error(results))
+            return
         for job, result in zip(jobs, results):
             queued = (job.started_at or started) - job.accepted_at
-            runner.stats.record_delay(queued)
             content, frames = self._replies.pack(entry.output_names if job.outputs is None else job.outputs,
                                                  result, queued, finished - started)
             job.feeds = {}  # the request's frames are not needed any more
@@ -569,6 +683,14 @@ def _timeout(seconds: float) -> dict[str, Any]:
     """The error content of a job that ran inline past its timeout."""
     return {"type": "Timeout", "message": f"job did not finish within its timeout ({seconds:.3g} s)",
             "details": {"state": "running"}}
+
+
+def _in_time(plan: InferPlan, results: Any, accepted: float, finished: float) -> Any:
+    """``results``, or the Timeout of a job that ran past its plan's timeout."""
+    if plan.timeout is not None and finished - accepted > plan.timeout and not isinstance(results, ProtocolViolation):
+        return ProtocolViolation("Timeout", f"job did not finish within its timeout ({plan.timeout:.3g} s)",
+                                 {"state": "running"})
+    return results
 
 
 def _check_feeds(entry: ModelEntry, feeds: dict[str, np.ndarray]) -> None:

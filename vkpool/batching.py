@@ -168,6 +168,21 @@ class BatchRunner:
                 exact = k
         return exact or len(rows)
 
+    def batches(self, rows: Sequence[int]) -> list[int]:
+        """How requests read together (their row counts, in order, each at most ``max_batch``)
+        split into consecutive batches: the number of requests in each, as :meth:`gather` and
+        :meth:`fit` would take them from a queue that holds them all."""
+        out, start = [], 0
+        while start < len(rows):
+            end, total = start, 0
+            while end < len(rows) and total + rows[end] <= self.max_batch:
+                total += rows[end]
+                end += 1
+            keep = self.fit(rows[start:max(end, start + 1)])
+            out.append(keep)
+            start += keep
+        return out
+
     def gather(self, first: Any, rows: Callable[[Any], int], take: Callable[[], Any], give_back: Callable[[list], None],
                wait: Callable[[float], Any], left: Callable[[], float]) -> list:
         """The batch that request ``first`` opens, for a queue that holds its lock: more requests

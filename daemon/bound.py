@@ -1,0 +1,147 @@
+"""Bound infers: an infer of fixed input shapes laid out once in a lane's ring.
+
+A framed infer costs the daemon's lane thread its decoding, its checks and the packing of its
+reply, every time. A client whose lane has a ring (:class:`vkpool.daemon.lane.Ring`) binds an
+infer instead, once per model, output names, options and input names, dtypes and shapes:
+``bind_infer`` carries exactly what an ``infer`` carries and is checked as one; its reply gives
+the binding a number and each input a place (a byte offset) in the ring's request half. From then
+on the client writes the inputs' bytes at their places, the binding's number + 1 in the
+request-kind word and the next request sequence number, nothing else. The daemon reads one word to
+know the request, checks nothing more (the shapes were checked at binding; the bytes are the
+client's own business), and answers with a *record* in the reply half (reply-kind word 1):
+
+    u32 n | n × (u8 dtype index in DTYPES, u8 ndim, ndim × u64 dim) | each output's bytes, C order,
+    at the next multiple of 64 from the half's start                                 (little-endian)
+
+An error, or outputs that do not fit the half, is answered as a framed ``infer_reply`` instead
+(reply-kind word 0). The lane thread takes every bound infer it finds in one pass over the lanes
+and runs them by model: a batching model's as batches of their rows, any other back to back on the
+thread itself (see :meth:`vkpool.daemon.service.Service.run_bound`).
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Sequence
+
+import numpy as np
+
+from vkpool.daemon import protocol as P
+
+#: bound infers one lane keeps; a bind past it is answered ``binding: null`` (infer as usual)
+BINDINGS_MAX = 64
+_ALIGN = 64
+_COUNT = struct.Struct("<I")
+_DESC = struct.Struct("<BB")
+_CODE_OF = {P._DTYPE_OF[name]: code for code, name in enumerate(P.DTYPES)}
+_DTYPE_AT = [P._DTYPE_OF[name] for name in P.DTYPES]
+
+
+def _up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def places(arrays: Sequence[np.ndarray]) -> tuple[list[int], int]:
+    """Where each array goes in a request half (64-byte aligned, in order), and the bytes used."""
+    at, out = 0, []
+    for a in arrays:
+        out.append(at)
+        at = _up(at + a.nbytes)
+    return out, at
+
+
+def views(half: Any, specs: Sequence[tuple[np.dtype, tuple[int, ...]]], offsets: Sequence[int]) -> list[np.ndarray]:
+    """Arrays over ``half`` at ``offsets``, of the given dtypes and shapes."""
+    return [np.frombuffer(half, dtype, math.prod(shape), at).reshape(shape)
+            for (dtype, shape), at in zip(specs, offsets)]
+
+
+def record_layout(arrays: Sequence[np.ndarray]) -> tuple[bytes, list[int], int]:
+    """A record's head, where each output's bytes go, and the bytes it takes. ``KeyError`` for a
+    dtype the protocol has no name for."""
+    head = [_COUNT.pack(len(arrays))]
+    for a in arrays:
+        head.append(_DESC.pack(_CODE_OF[a.dtype], a.ndim) + struct.pack(f"<{a.ndim}Q", *a.shape))
+    packed = b"".join(head)
+    at, offsets = _up(len(packed)), []
+    for a in arrays:
+        offsets.append(at)
+        at = _up(at + a.nbytes)
+    return packed, offsets, at
+
+
+class Binding:
+    """The daemon's side of a bound infer: the checked plan (:class:`vkpool.daemon.service.InferPlan`),
+    the feeds (arrays over the ring's request half), their rows for a batching model, and the
+    layout of the last outputs written (outputs of the same shapes reuse it)."""
+
+    __slots__ = ("plan", "feeds", "rows", "_key", "_head", "_out")
+
+    def __init__(self, plan: Any, feeds: dict[str, np.ndarray], rows: int) -> None:
+        self.plan, self.feeds, self.rows = plan, feeds, rows
+        self._key: tuple | None = None
+        self._head = b""
+        self._out: list[np.ndarray] = []
+
+    def fill(self, half: Any, arrays: Sequence[np.ndarray]) -> bool:
+        """Write ``arrays`` as a record into ``half``; False (nothing written) when they do not fit
+        or have a dtype the protocol cannot name."""
+        key = tuple((a.dtype, a.shape) for a in arrays)
+        if key != self._key:
+            try:
+                head, offsets, end = record_layout(arrays)
+            except KeyError:
+                return False
+            if end > len(half):
+                return False
+            self._key, self._head = key, head
+            self._out = views(half, key, offsets)
+        half[:len(self._head)] = self._head
+        for out, a in zip(self._out, arrays):
+            np.copyto(out, a, casting="no")
+        return True
+
+
+class ClientBinding:
+    """The client's side: the binding's number, the inputs' arrays over the request half (in the
+    order of the feeds it was made from), and the last record layout read."""
+
+    __slots__ = ("index", "inputs", "_head", "_outs")
+
+    def __init__(self, index: int, inputs: list[np.ndarray]) -> None:
+        self.index, self.inputs = index, inputs
+        self._head = b""
+        self._outs: list[tuple[np.dtype, int, int, tuple[int, ...]]] = []
+
+    def write(self, values: Sequence[np.ndarray]) -> None:
+        for place, value in zip(self.inputs, values):
+            np.copyto(place, value, casting="no")
+
+    def read(self, half: memoryview) -> list[np.ndarray]:
+        """The outputs of the record in ``half``, copied out (writable, the caller's own)."""
+        head = self._head
+        if not head or half[:len(head)] != head:
+            self._parse(half)
+        return [np.frombuffer(half, dtype, count, at).reshape(shape).copy() for dtype, count, at, shape in self._outs]
+
+    def _parse(self, half: memoryview) -> None:
+        (n,) = _COUNT.unpack_from(half)
+        if n > 4096:
+            raise ConnectionResetError(f"the daemon's reply record names {n} outputs")
+        pos, descs = _COUNT.size, []
+        for _ in range(n):
+            code, ndim = _DESC.unpack_from(half, pos)
+            shape = struct.unpack_from(f"<{ndim}Q", half, pos + _DESC.size)
+            pos += _DESC.size + 8 * ndim
+            if code >= len(_DTYPE_AT):
+                raise ConnectionResetError(f"the daemon's reply record has dtype index {code}")
+            descs.append((_DTYPE_AT[code], shape))
+        self._head = bytes(half[:pos])
+        at, outs = _up(pos), []
+        for dtype, shape in descs:
+            count = math.prod(shape)
+            outs.append((dtype, count, at, shape))
+            at = _up(at + count * dtype.itemsize)
+        if at > len(half):
+            raise ConnectionResetError("the daemon's reply record runs past the ring's half")
+        self._outs = outs

@@ -1,0 +1,297 @@
+"""Bound infers (``vkpool.daemon.bound``): infers laid out once in a lane's ring, then carried as the
+inputs' bytes and one word. A real ``vkpool serve`` subprocess on lavapipe, real client processes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from test_daemon_batching import batch_model, reference
+from test_daemon_e2e import Daemon, run_clients
+from test_daemon_support import add_model, daemon_env, mlp_model, short_folder
+from vkpool.batching import BatchRunner
+from vkpool.daemon import errors as E
+from vkpool.daemon.bound import Binding, ClientBinding, record_layout
+from vkpool.daemon.client import Client
+from vkpool.daemon.lane import _REQ, RING_HALF
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    with short_folder("vkbd") as path:
+        # both sides poll (the default on 4 CPUs or more), so lanes get rings and infers are bound
+        d = Daemon(path, daemon={"lane_poll": "0.2ms"})
+        yield d
+        assert d.stop() == 0
+
+
+def polling(client: Client) -> Client:
+    client._lane_poller.max_s = 300e-6  # this process's default on 2 CPUs: no polling, so no ring
+    return client
+
+
+def balanced(client: Client) -> dict[str, int]:
+    deadline = time.monotonic() + 10
+    while True:
+        c = client.status()["counters"]
+        assert c["accepted"] == c["ok"] + c["error"] + c["client_gone"] + c["in_flight"], c
+        if c["in_flight"] == 0 or time.monotonic() > deadline:
+            return c
+        time.sleep(0.05)
+
+
+def tile_model(n: int, times: int) -> bytes:
+    """y = tile(x, [1, times]), x float32 [1, n]: a small input, an output ``times`` as large."""
+    reps = numpy_helper.from_array(np.array([1, times], np.int64), "reps")
+    graph = helper.make_graph([helper.make_node("Tile", ["x", "reps"], ["y"])], "tile",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n * times])], [reps])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def test_bound_infers_match_in_process_runs_and_framed_ones(daemon: Daemon) -> None:
+    from vkpool.session import Session
+
+    path = daemon.folder / "mlp.onnx"
+    path.write_bytes(mlp_model(8, 16, seed=11))
+    rng = np.random.default_rng(1)
+    with polling(daemon.client()) as client, Session(str(path)) as local:
+        before = balanced(client)
+        session = client.session(path)
+        xs = [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(20)]
+        for x in xs:
+            got = session.run(None, {"x": x})
+            for g, want in zip(got, local.run(None, {"x": x}), strict=True):
+                assert g.flags.writeable
+                np.testing.assert_array_equal(g, want)
+        [lane] = client._lanes
+        assert lane.ring is not None and len(lane.bindings) == 1 and not lane.unbound
+        # one output asked for: a binding of its own
+        sent = lane.ring.words[_REQ]
+        (y,) = session.run(["y"], {"x": xs[0]})
+        np.testing.assert_array_equal(y, local.run(["y"], {"x": xs[0]})[0])
+        assert len(lane.bindings) == 2 and lane.ring.words[_REQ] == sent + 2  # the bind and the infer
+        # the same requests framed give the same bytes
+        lane.unbound.update(lane.bindings)
+        lane.bindings.clear()
+        for x in xs[:3]:
+            for g, want in zip(session.run(None, {"x": x}), local.run(None, {"x": x}), strict=True):
+                np.testing.assert_array_equal(g, want)
+        after = balanced(client)
+    assert after["error"] == before["error"]
+    # the first status, the load, open_lane, two binds, 21 bound infers, 3 framed
+    assert after["ok"] - before["ok"] == 1 + 1 + 1 + 2 + 21 + 3
+
+
+def test_a_batching_model_runs_bound_infers_of_several_processes_as_batches(daemon: Daemon) -> None:
+    code = """
+import os, sys, threading, numpy as np
+sys.path.insert(0, sys.argv[3])
+from test_daemon_batching import batch_model, reference
+from vkpool.daemon.client import Client
+endpoint, seed = sys.argv[1], int(sys.argv[2])
+with Client(endpoint) as client:
+    client._lane_poller.max_s = 300e-6
+    session = client.session(batch_model(), max_batch=8)
+    def work(t):
+        rng = np.random.default_rng(seed * 10 + t)
+        for j in range(40):
+            x = rng.standard_normal((1 + (j + t) % 3, 16)).astype(np.float32)
+            (y,) = session.run(None, {"x": x})
+            np.testing.assert_allclose(y, reference(x), rtol=1e-5, atol=1e-6)
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for p in pool: p.start()
+    for p in pool: p.join()
+    assert any(lane.bindings for lane in client._lanes), "no infer was bound"
+"""
+    tests = str(Path(__file__).parent)
+    with polling(daemon.client()) as watcher:
+        before = balanced(watcher)
+        run_clients(code, [[daemon.endpoint, str(i), tests] for i in range(4)])
+        after = balanced(watcher)
+        [info] = [m for m in watcher.list_models() if m["batching"] and m["batching"]["max_batch"] == 8]
+    stats = info["batching"]
+    assert after["error"] == before["error"]
+    assert after["ok"] - before["ok"] >= 4 * 2 * 40
+    assert stats["requests"] >= 4 * 2 * 40 and stats["where_read"] >= 1
+    assert stats["rows"] >= stats["requests"]
+
+
+def test_bad_bound_infers_are_answered_and_the_daemon_keeps_serving(daemon: Daemon) -> None:
+    from vkpool.session import Session
+
+    path = daemon.folder / "bad.onnx"
+    path.write_bytes(mlp_model(8, 16, seed=12))
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    with polling(daemon.client()) as client, Session(str(path)) as local:
+        before = balanced(client)
+        session = client.session(path, keep_alive=0)
+        want = local.run(None, {"x": x})
+        session.run(None, {"x": x})
+        [lane] = client._lanes
+        client._lanes_idle.remove(lane)
+        # a binding number the lane never made: a framed error, and the lane goes on
+        lane.send_bound(999)
+        header, content, _ = (lambda f: (f[0], f[1], f[2:]))(lane.receive_frames(10))
+        from vkpool.daemon import protocol as P
+        assert P.unpack(header)["status"] == "error" and P.unpack(content)["type"] == "InvalidRequest"
+        client._lanes_idle.append(lane)
+        for g, w in zip(session.run(None, {"x": x}), want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        # an input of the wrong dtype is refused at binding, as the infer would be
+        with pytest.raises(E.InvalidTensor):
+            session.run(None, {"x": x.astype(np.float64)})
+        assert len(lane.bindings) == 1
+        # the model unloaded under a binding: UnknownModel, the binding dropped; loaded again, bound again
+        model = client.list_models()
+        client.unload_model(next(m["id"] for m in model if m["name"] == "bad.onnx"))
+        with pytest.raises(E.UnknownModel):
+            session.run(None, {"x": x})
+        assert not lane.bindings
+        session = client.session(path)
+        for g, w in zip(session.run(None, {"x": x}), want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        assert len(lane.bindings) == 1
+        after = balanced(client)
+    # the unknown binding, the dtype, the unloaded model
+    assert after["error"] - before["error"] == 3
+
+
+def test_tensors_too_large_for_the_ring_travel_framed(daemon: Daemon) -> None:
+    small_in, big_in = daemon.folder / "tile.onnx", daemon.folder / "add.onnx"
+    times = RING_HALF // 32 + 100  # 8 float32 in, over the ring's half out
+    small_in.write_bytes(tile_model(8, times))
+    n = RING_HALF // 4 + 100
+    big_in.write_bytes(add_model(n, 3.0))
+    rng = np.random.default_rng(2)
+    with polling(daemon.client()) as client:
+        before = balanced(client)
+        tile, add = client.session(small_in), client.session(big_in)
+        for _ in range(3):
+            x = rng.standard_normal((1, 8)).astype(np.float32)
+            (y,) = tile.run(None, {"x": x})
+            np.testing.assert_array_equal(y, np.tile(x, (1, times)))
+            big = rng.standard_normal((1, n)).astype(np.float32)
+            (z,) = add.run(None, {"x": big})
+            np.testing.assert_array_equal(z, big + 3.0)
+        [lane] = client._lanes
+        assert len(lane.bindings) == 1 and len(lane.unbound) == 1  # the tile bound; the add's input does not fit
+        after = balanced(client)
+    # the first status, two loads, open_lane, two binds (one answered "null"), 6 infers
+    assert after["error"] == before["error"] and after["ok"] - before["ok"] == 1 + 2 + 1 + 2 + 6
+
+
+def test_bound_infers_are_queued_as_jobs_where_they_cannot_run_where_read() -> None:
+    """``inline_run_max: 0``: no request runs on the lanes' thread, so every bound infer is queued
+    as a job and answered framed by the model's workers."""
+    with short_folder("vkbq") as path:
+        d = Daemon(path, daemon={"lane_poll": "0.2ms", "inline_run_max": 0})
+        try:
+            rng = np.random.default_rng(3)
+            with polling(d.client()) as client:
+                fixed = client.session(mlp_model(8, 16, seed=13))
+                batched = client.session(batch_model(graph="q"), max_batch=4)
+                from vkpool.session import Session
+                with Session(mlp_model(8, 16, seed=13)) as local:
+                    for _ in range(10):
+                        x = rng.standard_normal((1, 8)).astype(np.float32)
+                        for g, w in zip(fixed.run(None, {"x": x}), local.run(None, {"x": x}), strict=True):
+                            np.testing.assert_array_equal(g, w)
+                        b = rng.standard_normal((2, 16)).astype(np.float32)
+                        np.testing.assert_allclose(batched.run(None, {"x": b})[0], reference(b), rtol=1e-5, atol=1e-6)
+                [lane] = client._lanes
+                assert len(lane.bindings) == 2
+                counters = balanced(client)
+                [info] = [m for m in client.list_models() if m["batching"]]
+                assert counters["error"] == 0 and info["batching"]["where_read"] == 0
+                assert info["batching"]["requests"] == 10
+        finally:
+            assert d.stop() == 0
+
+
+KILLED = """
+import os, sys, threading, numpy as np
+sys.path.insert(0, sys.argv[2])
+from test_daemon_batching import batch_model
+from vkpool.daemon.client import Client
+client = Client(sys.argv[1])
+client._lane_poller.max_s = 300e-6
+session = client.session(batch_model(graph="k"), max_batch=4, keep_alive=0)
+def work():
+    while True:
+        session.run(None, {"x": np.ones((2, 16), np.float32)})
+for _ in range(3):
+    threading.Thread(target=work, daemon=True).start()
+print("running", flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_client_killed_mid_bound_infer_leaves_the_daemon_serving(daemon: Daemon) -> None:
+    with polling(daemon.client()) as watcher:
+        proc = subprocess.Popen([sys.executable, "-c", KILLED, daemon.endpoint, str(Path(__file__).parent)],
+                                env=daemon_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == b"running", proc.stderr.read()
+            time.sleep(1.0)
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        counters = balanced(watcher)
+        assert counters["in_flight"] == 0
+        session = watcher.session(batch_model(graph="k"), max_batch=4)
+        x = np.ones((3, 16), np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], reference(x), rtol=1e-5, atol=1e-6)
+        assert watcher._lanes and any(lane.bindings for lane in watcher._lanes)
+
+
+@pytest.mark.parametrize("arrays", [
+    [np.arange(6, dtype=np.float32).reshape(2, 3)],
+    [np.array(1.5, np.float16), np.array([True, False]), np.arange(5, dtype=np.int64)],
+    [np.zeros((0, 4), np.float32), np.arange(24, dtype=np.uint8).reshape(2, 3, 4)],
+], ids=["one", "scalar-bool-int64", "empty"])
+def test_a_record_reads_back_what_was_written(arrays: list[np.ndarray]) -> None:
+    half = memoryview(bytearray(4096))
+    daemon_side, client_side = Binding(None, {}, 1), ClientBinding(0, [])
+    for k in range(2):  # the second time through the layouts both sides kept
+        shifted = [np.asarray(a + k, a.dtype) if a.dtype != bool else a for a in arrays]
+        assert daemon_side.fill(half, shifted)
+        got = client_side.read(half)
+        assert [g.dtype for g in got] == [a.dtype for a in shifted]
+        for g, a in zip(got, shifted, strict=True):
+            np.testing.assert_array_equal(g, a)
+            assert g.flags.writeable and g.shape == a.shape
+    _, _, size = record_layout(arrays)
+    assert not Binding(None, {}, 1).fill(memoryview(bytearray(size - 1)), arrays)
+
+
+def test_a_record_too_large_or_of_an_unnamed_dtype_is_not_written() -> None:
+    half = memoryview(bytearray(256))
+    binding = Binding(None, {}, 1)
+    assert not binding.fill(half, [np.zeros(100, np.float32)])
+    assert not binding.fill(half, [np.zeros(2, np.complex64)])
+    assert bytes(half) == bytes(256)
+
+
+@pytest.mark.parametrize("rows, want", [
+    ([1] * 10, [8, 2]),
+    ([3, 3, 3], [2, 1]),        # 6 rows in a variant of 8 wastes a quarter: runs; the third opens the next
+    ([5, 4], [1, 1]),           # 9 rows: 5 alone, padded to 8 (no prefix fills a variant); then 4
+    ([4, 1], [1, 1]),           # 5 rows in 8 would waste over a quarter: the 4 that fill a variant run first
+    ([8, 8], [1, 1]),
+    ([2, 2, 4, 1], [3, 1]),
+])
+def test_requests_read_together_split_into_batches_as_a_queue_would(rows: list[int], want: list[int]) -> None:
+    runner = BatchRunner(lambda size: None, [("x", (1, 4), np.float32)], ["y"], max_batch=8)
+    got = runner.batches(rows)
+    assert got == want and sum(got) == len(rows)
