@@ -5,7 +5,8 @@
 # samples of the daemon under 16 clients, fixed batch and batching (all threads).
 # Carry .gl, .whl (with py-spy) and .glsl as for bench/gpu_run.sh. Output under $OUT.
 # Environment: CLIENTS, SECONDS_EACH, MAX_BATCH, PROFILES (0: no py-spy samples), ONLY (the runs to
-# make, of fixed batched replicas-fixed replicas-batched; default all).
+# make, of fixed batched replicas-fixed replicas-batched; default all), CONFIG (the daemon's config
+# file, passed to every run).
 source bench/gpu_daemon_env.sh
 (cd /tmp && python3 -m vkpool devices | head -4)
 clients=${CLIENTS:-1 4 16 64}
@@ -14,7 +15,7 @@ run() {  # name, then bench arguments
   local name=$1; shift
   [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]] && return 0
   echo "=== $name: $*"
-  (cd /tmp && timeout 170 python3 -m vkpool.daemon.bench "$@" --seconds $secs \
+  (cd /tmp && timeout 170 python3 -m vkpool.daemon.bench "$@" --seconds $secs ${CONFIG:+--config $CONFIG} \
     --out "$OUT/$name.json" 2>&1 | grep -E "^\| |^CPU|Error|error")
 }
 run fixed mnist12_like add_chain_1 --runs 300 --clients $clients --transport both

@@ -375,16 +375,16 @@ class LaneConnection:
         self._report(lost)
         return 0
 
-    def send_record(self, fill: Any) -> int:
-        """Answer a bound infer in the ring: ``fill(reply half)`` writes its outputs there and
-        says whether they fitted; then the reply-kind word, the sequence number and a wake-up as
+    def send_record(self, fill: Any, arrays: Any) -> int:
+        """Answer a bound infer in the ring: ``fill(reply half, arrays)`` writes its outputs there
+        and says whether they fitted; then the reply-kind word, the sequence number and a wake-up as
         :meth:`send` writes them. 1 when sent, -1 when the outputs do not fit (nothing sent: the
         caller sends a framed reply instead), 0 when the connection is closed or the write fails."""
         with self.send_lock:
             ring = self.ring
             if not self.open or ring is None:
                 return 0
-            if not fill(ring.reply):
+            if not fill(ring.reply, arrays):
                 return -1
             self.ring_reply = False
             words = ring.words

@@ -35,16 +35,18 @@ class Runtime:
         return int(self.pool.member(member).budget_bytes)
 
     def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
-             batching: Mapping[str, Any] | None = None, objective: str = "latency") -> Any:
+             batching: Mapping[str, Any] | None = None, objective: str = "latency", run_slots: int = 1) -> Any:
         """A session of the model on the pool; ``shape``: ``{batch, dims}`` binding symbolic dims;
         ``batching``: ``{max_batch, max_queue_delay}`` for a model whose requests are batched;
-        ``objective``: what its plan is made for (``latency`` or ``throughput``)."""
+        ``objective``: what its plan is made for (``latency`` or ``throughput``); ``run_slots``:
+        as :class:`vkpool.Session` takes it."""
         from vkpool.session import Session
 
         shape, batching = shape or {}, batching or {}
         return Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool,
                        batch=shape.get("batch") or 1, dims=shape.get("dims") or None, objective=objective,
-                       max_batch=batching.get("max_batch"), max_queue_delay=batching.get("max_queue_delay", 0.0))
+                       max_batch=batching.get("max_batch"), max_queue_delay=batching.get("max_queue_delay", 0.0),
+                       run_slots=run_slots)
 
     def set_budget(self, member: str, nbytes: int) -> None:
         self.pool.set_budget(member, nbytes)

@@ -562,13 +562,25 @@ class Server:
                     "bind again", {"model": entry.id}))
                 continue
             groups.setdefault(entry.id, (entry, []))[1].append((conn, item))
+        done: list[float] = []  # the latencies of the infers answered ok
         for entry, members in groups.values():
             answered: set[int] = set()
 
             def answer(k: int, result: Any, queued_s: float, run_s: float,
                        members: list[tuple[LaneConnection, Binding]] = members, answered: set[int] = answered) -> None:
                 answered.add(k)
-                self._bound_answer(*members[k], result, queued_s, run_s, accepted)
+                conn, item = members[k]
+                if type(result) is list:  # outputs: a record in the ring when they fit
+                    self.stats.count("ok")  # counted before it is written, as every reply
+                    sent = conn.send_record(item.fill, result)
+                    if sent > 0:
+                        done.append(time.monotonic() - accepted)
+                        return
+                    self.stats.count("ok", -1)
+                    if sent == 0:
+                        self.stats.count("client_gone")
+                        return
+                self._bound_framed(conn, item, result, queued_s, run_s, accepted, done)
 
             def fallback(k: int, members: list[tuple[LaneConnection, Binding]] = members,
                          answered: set[int] = answered) -> None:
@@ -582,21 +594,14 @@ class Server:
                 for k, (conn, _) in enumerate(members):
                     if k not in answered:
                         self._bound_error(conn, violation)
+        if done:
+            self.stats.infers_done(done, time.monotonic())
 
-    def _bound_answer(self, conn: LaneConnection, item: Binding, result: Any, queued_s: float, run_s: float,
-                      accepted: float) -> None:
-        """A bound infer's outputs as a record in the ring, or a framed reply (an error, outputs too
-        large for the ring)."""
+    def _bound_framed(self, conn: LaneConnection, item: Binding, result: Any, queued_s: float, run_s: float,
+                      accepted: float, done: list[float]) -> None:
+        """A bound infer answered with a framed reply: its error, or outputs too large for the ring."""
         if isinstance(result, ProtocolViolation):
             self._bound_error(conn, result)
-            return
-        sent = conn.send_record(lambda half: item.fill(half, result))
-        if sent > 0:
-            self.stats.count("ok")
-            self.stats.infer_done(time.monotonic() - accepted)
-            return
-        if sent == 0:
-            self.stats.count("client_gone")
             return
         plan = item.plan
         try:
@@ -607,7 +612,7 @@ class Server:
             return
         conn.ring_reply = True
         self._lane_reply(conn, None, "infer", "ok", content, frames)
-        self.stats.infer_done(time.monotonic() - accepted)
+        done.append(time.monotonic() - accepted)
 
     def _bound_error(self, conn: LaneConnection, violation: ProtocolViolation) -> None:
         conn.ring_reply = True

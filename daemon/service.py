@@ -316,8 +316,9 @@ class Service:
             for count in runner.batches([item.rows for item in items]):
                 group = items[at:at + count]
                 runner.stats.where_read += 1
+                # views of the batch's outputs: each is copied into its ring as it is answered
                 batch, started, finished = self._timed_batch(entry, [(i.feeds, i.plan.outputs) for i in group],
-                                                             [accepted] * count)
+                                                             [accepted] * count, copy=False)
                 for k, item in enumerate(group, at):
                     results = batch if isinstance(batch, ProtocolViolation) else batch[k - at]
                     answer(k, _in_time(item.plan, results, accepted, finished), started - accepted,
@@ -425,14 +426,16 @@ class Service:
         return results
 
     def _timed_batch(self, entry: ModelEntry, requests: list[tuple[dict[str, np.ndarray], list[str] | None]],
-                     accepted: list[float]) -> tuple[list[list[np.ndarray]] | ProtocolViolation, float, float]:
+                     accepted: list[float], copy: bool = True
+                     ) -> tuple[list[list[np.ndarray]] | ProtocolViolation, float, float]:
         """One batch of checked requests (accepted at ``accepted``, ``time.monotonic()`` values) on a
         batching model (the caller holds the model's gate), counted and timed: each request's
-        outputs or the batch's error, when it started and when it ended."""
+        outputs (``copy``: as :meth:`BatchRunner.run`) or the batch's error, when it started and
+        when it ended."""
         runner = entry.batching
         started = time.monotonic()
         try:
-            results = runner.run(requests)
+            results = runner.run(requests, copy)
         except Exception as exc:
             finished = time.monotonic()
             violation = classify(exc)
@@ -444,8 +447,7 @@ class Service:
         entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s  # a batch's run
         queued = [started - a for a in accepted]
         self.stats.ran(entry, "ok", run_s, *queued)
-        for q in queued:
-            runner.stats.record_delay(q)
+        runner.stats.record_delays(queued)
         return results, started, finished
 
     def _run_job(self, job: Job) -> None:
@@ -579,7 +581,7 @@ class Service:
                      objective: str = "latency") -> Any:
         if isinstance(source, Path):  # read again at a re-plan: it may have been replaced since
             check_regular(source, self.settings.max_model_bytes)
-        return self.runtime.open(source, binding, batching, objective)
+        return self.runtime.open(source, binding, batching, objective, self.settings.run_slots)
 
     def _open_admitted(self, source: Path | bytes, binding: dict[str, Any], batching: dict[str, Any],
                        objective: str) -> Any:

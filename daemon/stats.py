@@ -58,6 +58,14 @@ class Stats:
             while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
                 self._finished_at.popleft()
 
+    def infers_done(self, latencies_s: list[float], now: float) -> None:
+        """:meth:`infer_done` for several infers answered by ``now``."""
+        with self._lock:
+            self._latencies.extend(latencies_s)
+            self._finished_at.extend([now] * len(latencies_s))
+            while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
+                self._finished_at.popleft()
+
     def ran(self, entry: Any, status: str, run_s: float, *queued_s: float) -> None:
         """One run on ``entry`` (a registry ModelEntry) of a job, or of a batch of jobs,
         each queued for one of ``queued_s``; ``status`` is ``ok`` or the error type."""

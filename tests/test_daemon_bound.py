@@ -295,3 +295,47 @@ def test_requests_read_together_split_into_batches_as_a_queue_would(rows: list[i
     runner = BatchRunner(lambda size: None, [("x", (1, 4), np.float32)], ["y"], max_batch=8)
     got = runner.batches(rows)
     assert got == want and sum(got) == len(rows)
+
+
+SLOTS_CLIENT = """
+import sys, threading, numpy as np
+from vkpool.daemon.client import Client
+endpoint, model, out, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+results = {}
+with Client(endpoint) as client:
+    client._lane_poller.max_s = 300e-6
+    session = client.session(model)
+    rng = np.random.default_rng(seed)
+    for j in range(40):
+        x = rng.standard_normal((1, 8)).astype(np.float32)
+        results[f"x{j}"] = x
+        for k, y in enumerate(session.run(None, {"x": x})):
+            results[f"y{j}_{k}"] = y
+    assert any(lane.bindings for lane in client._lanes), "no infer was bound"
+np.savez(out, **results)
+"""
+
+
+def test_two_run_slots_answer_the_bound_infers_of_several_clients() -> None:
+    """``run_slots: 2``: the lanes' thread runs a pass's infers of one model back to back on two
+    run slots (the device runs one while the next one's inputs are written); every client gets its
+    own outputs."""
+    from vkpool.session import Session
+
+    with short_folder("vkbs") as path:
+        d = Daemon(path, daemon={"lane_poll": "0.2ms", "run_slots": 2})
+        try:
+            model = path / "m.onnx"
+            model.write_bytes(mlp_model(8, 32, seed=14))
+            run_clients(SLOTS_CLIENT, [[d.endpoint, str(model), str(path / f"c{i}.npz"), str(i)] for i in range(4)])
+            with Session(str(model)) as local:
+                for i in range(4):
+                    data = np.load(path / f"c{i}.npz")
+                    for j in range(40):
+                        for k, want in enumerate(local.run(None, {"x": data[f"x{j}"]})):
+                            np.testing.assert_array_equal(data[f"y{j}_{k}"], want)
+            with polling(d.client()) as client:
+                counters = balanced(client)
+                assert counters["error"] == 0
+        finally:
+            assert d.stop() == 0

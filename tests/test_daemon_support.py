@@ -205,7 +205,9 @@ class StandInRuntime:
         return self.members_[0]["budget_bytes"]
 
     def open(self, source: Path | bytes, binding: dict[str, Any] | None = None,
-             batching: dict[str, Any] | None = None, objective: str = "latency") -> StandInSession:
+             batching: dict[str, Any] | None = None, objective: str = "latency", run_slots: int = 1) -> StandInSession:
+        if run_slots != 1:
+            raise UnsupportedOp("the stand-in runtime runs one job at a time per call: run_slots must be 1")
         if batching:
             raise UnsupportedOp("the stand-in runtime does not batch requests")
         if objective != "latency":

@@ -82,6 +82,12 @@ class BatchStats:
         if len(self.delays) > self.keep:
             self.delays.popleft()
 
+    def record_delays(self, seconds: Sequence[float]) -> None:
+        delays = self.delays
+        delays.extend(seconds)
+        while len(delays) > self.keep:
+            delays.popleft()
+
     def snapshot(self) -> dict[str, Any]:
         delays = np.asarray(self.delays, dtype=np.float64)
         p50, p99 = (np.percentile(delays, [50, 99]) * 1e6).tolist() if delays.size else (0.0, 0.0)
@@ -223,9 +229,12 @@ class BatchRunner:
                 variant = self._variants[size] = self._make_variant(size)
             return variant
 
-    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Sequence[str] | None]]) -> list[list[np.ndarray]]:
+    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Sequence[str] | None]], copy: bool = True
+            ) -> list[list[np.ndarray]]:
         """Runs checked requests (arrays as :meth:`check` gives them, and output names or None for
-        all) as one batch; each request's outputs, its own rows. Raises when the batch fails."""
+        all) as one batch; each request's outputs, its own rows: copies, or with ``copy`` False
+        views of the batch's outputs (for a caller that copies them before the variant runs again).
+        Raises when the batch fails."""
         rows = [next(iter(feeds.values())).shape[0] for feeds, _ in requests]
         total = sum(rows)
         size = next(s for s in self.sizes if s >= total)
@@ -253,7 +262,8 @@ class BatchRunner:
         results, offset = [], 0
         for (_, names), r in zip(requests, rows):
             # copies, so that one request's result does not keep the whole batch's arrays alive
-            results.append([by_name[n][offset:offset + r].copy() for n in (names or self.outputs)])
+            views = [by_name[n][offset:offset + r] for n in (names or self.outputs)]
+            results.append([v.copy() for v in views] if copy else views)
             offset += r
         return results
 
