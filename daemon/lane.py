@@ -58,6 +58,10 @@ POLL_MIN_CPUS = 4
 POLL_MAX_S = float(os.environ.get("VKPOOL_LANE_POLL_US", "200" if usable_cpus() >= POLL_MIN_CPUS else "0")) * 1e-6
 
 
+#: every this many waits past ``max_s``, a :class:`Poller` polls for ``max_s`` all the same
+PROBE = 8
+
+
 def wake(sock: socket.socket) -> None:
     """Ends both directions of ``sock``, so a thread blocked in its ``recv`` returns end of file."""
     try:
@@ -69,13 +73,19 @@ def wake(sock: socket.socket) -> None:
 class Poller:
     """Polling for a lane message (:meth:`vkpool.daemon.protocol.LaneReader.poll`) for up to twice
     the usual wait, when that is under ``max_s``, by one thread at a time: a busy CPU per process,
-    and no threads taking the GIL from each other while they poll."""
+    and no threads taking the GIL from each other while they poll.
 
-    __slots__ = ("max_s", "_token")
+    A side that sleeps is woken through the socket, which makes its waits longer still: waits
+    that went over ``max_s`` once (a burst of slow jobs) could keep it sleeping after they are
+    quick again. So every :data:`PROBE`-th wait past ``max_s`` polls for ``max_s`` anyway: a
+    reply that comes within it pulls the average back under, and polling resumes."""
+
+    __slots__ = ("max_s", "_token", "_looks")
 
     def __init__(self, max_s: float) -> None:
         self.max_s = max_s
         self._token = threading.Lock()
+        self._looks = 0
 
     def average(self, usual_s: float, seen_s: float) -> float:
         """The moving average of a wait, each sample capped at twice ``max_s``: one long pause
@@ -83,11 +93,23 @@ class Poller:
         while waits that stay long take the average over ``max_s`` within a few samples."""
         return 0.8 * usual_s + 0.2 * min(seen_s, 2.0 * self.max_s)
 
+    def until(self, usual_s: float, since: float) -> float | None:
+        """Until when (a ``time.perf_counter`` value) to poll for a message awaited since
+        ``since`` whose wait is usually ``usual_s``; None: sleep at once."""
+        if usual_s < self.max_s:
+            return since + 2.0 * usual_s
+        if self.max_s > 0:
+            self._looks += 1
+            if self._looks % PROBE == 0:
+                return since + self.max_s
+        return None
+
     def wait(self, reader: P.LaneReader, usual_s: float, since: float) -> None:
-        """Poll until ``since + 2 * usual_s`` (a ``time.perf_counter`` value) when worth it."""
-        if usual_s < self.max_s and not reader.rest and self._token.acquire(False):
+        """Poll until :meth:`until` says, when it says to."""
+        until = self.until(usual_s, since)
+        if until is not None and not reader.rest and self._token.acquire(False):
             try:
-                reader.poll(since + 2.0 * usual_s - time.perf_counter())
+                reader.poll(until - time.perf_counter())
             finally:
                 self._token.release()
 
@@ -379,22 +401,27 @@ class LaneConnection:
         """Answer a bound infer in the ring: ``fill(reply half, arrays)`` writes its outputs there
         and says whether they fitted; then the reply-kind word, the sequence number and a wake-up as
         :meth:`send` writes them. 1 when sent, -1 when the outputs do not fit (nothing sent: the
-        caller sends a framed reply instead), 0 when the connection is closed or the write fails."""
+        caller sends a framed reply instead), 0 when the connection is closed or the wake-up
+        cannot be written. Only the lanes' thread answers bound infers, and a lane has one request
+        in flight: the ring needs no lock, only the wake-up on the socket takes ``send_lock``."""
+        ring = self.ring
+        if not self.open or ring is None:
+            return 0
+        if not fill(ring.reply, arrays):
+            return -1
+        self.ring_reply = False
+        words = ring.words
+        words[_REP_KIND] = RECORD
+        words[_REP] += 1
+        _FENCE.acquire()  # fence(), inline
+        _FENCE.release()
+        if not words[_CLIENT_ASLEEP]:
+            return 1
         with self.send_lock:
-            ring = self.ring
-            if not self.open or ring is None:
+            if not self.open:
                 return 0
-            if not fill(ring.reply, arrays):
-                return -1
-            self.ring_reply = False
-            words = ring.words
-            words[_REP_KIND] = RECORD
-            words[_REP] += 1
             try:
-                _FENCE.acquire()  # fence(), inline
-                _FENCE.release()
-                if words[_CLIENT_ASLEEP]:
-                    self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
+                self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
                 return 1
             except OSError:
                 self.open = False
@@ -977,9 +1004,10 @@ class ClientLane:
         assert ring is not None
         words, seen, poller = ring.words, self.rep_seen, self.poller
         if words[_REP] == seen:
-            if self.reply_s < poller.max_s and poller._token.acquire(False):
+            until = poller.until(self.reply_s, self.sent_at)
+            if until is not None and poller._token.acquire(False):
                 try:
-                    ring_wait(words, _REP, seen, self.reader, self.sent_at + 2.0 * self.reply_s)
+                    ring_wait(words, _REP, seen, self.reader, until)
                 finally:
                     poller._token.release()
             if words[_REP] == seen:

@@ -40,7 +40,7 @@ class DaemonSettings:
     evict_idle: bool = False             # free unused models to admit a load that does not fit
     workers_per_model: int = 2           # runtime calls in flight per model
     inline_run_max: float = 0.001        # jobs this fast run where they are read, when idle; 0 = never
-    run_slots: int = 1                   # a model compiled whole on one Vulkan member: runs it keeps in flight
+    run_slots: int = 2                   # a model compiled whole on one Vulkan member: runs it keeps in flight
     replay_window: int = 1024            # remembered replies per daemon for retried request ids
     log_file: Path | None = None
     log_level: str = "INFO"

@@ -177,6 +177,19 @@ class StandInSession:
             time.sleep(self.delay_s)
         return list(self._ref.run(names, feeds))
 
+    def run_many(self, feeds: Any, names: list[str] | None = None, each: Any = None) -> list[Any]:
+        """As Session.run_many: each request in turn, a failure its own."""
+        out: list[Any] = []
+        for index, given in enumerate(feeds):
+            try:
+                result: Any = self.run(names, given)
+            except Exception as exc:
+                result = exc
+            out.append(result)
+            if each is not None:
+                each(index, result)
+        return out
+
     def memory_by_member(self) -> dict[str, int]:
         return {"cpu": self.need}
 
@@ -206,8 +219,7 @@ class StandInRuntime:
 
     def open(self, source: Path | bytes, binding: dict[str, Any] | None = None,
              batching: dict[str, Any] | None = None, objective: str = "latency", run_slots: int = 1) -> StandInSession:
-        if run_slots != 1:
-            raise UnsupportedOp("the stand-in runtime runs one job at a time per call: run_slots must be 1")
+        # run_slots: the stand-in runs each call alone whatever it is (Session.run_many runs calls in turn)
         if batching:
             raise UnsupportedOp("the stand-in runtime does not batch requests")
         if objective != "latency":
