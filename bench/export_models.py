@@ -343,8 +343,9 @@ def build(name: str, **sizes: Any) -> Built:
 # -- export ----------------------------------------------------------------------------------------
 
 
-def to_onnx(built: Built) -> bytes:
-    """The module exported at opset 17 with the TorchScript-based exporter; constants folded."""
+def to_onnx(built: Built, batch_dim: bool = False) -> bytes:
+    """The module exported at opset 17 with the TorchScript-based exporter; constants folded.
+    ``batch_dim``: the first dim of every input and of the output is the symbolic ``batch``."""
     import torch
 
     args = tuple(torch.from_numpy(v) for v in built.inputs.values())
@@ -353,8 +354,9 @@ def to_onnx(built: Built) -> bytes:
     buf = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch >= 2.9: "legacy exporter"
+        dynamic = {name: {0: "batch"} for name in [*built.inputs, built.output]} if batch_dim else None
         torch.onnx.export(built.module, args, buf, opset_version=OPSET, input_names=list(built.inputs),
-                          output_names=[built.output], do_constant_folding=True, **choose)
+                          output_names=[built.output], do_constant_folding=True, dynamic_axes=dynamic, **choose)
     return buf.getvalue()
 
 
@@ -366,11 +368,12 @@ def stamp() -> str:
     return hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
 
 
-def export(name: str, out: Path = DEFAULT_OUT, **sizes: Any) -> Path:
-    """Writes ``<out>/<name>.onnx`` (full size unless ``sizes`` are given); returns its path."""
+def export(name: str, out: Path = DEFAULT_OUT, batch_dim: bool = False, **sizes: Any) -> Path:
+    """Writes ``<out>/<name>.onnx`` (full size unless ``sizes`` are given), or with ``batch_dim``
+    ``<out>/<name>-batch.onnx`` (see :func:`to_onnx`); returns its path."""
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.onnx"
-    path.write_bytes(to_onnx(build(name, **sizes)))
+    path = out / f"{name}{'-batch' if batch_dim else ''}.onnx"
+    path.write_bytes(to_onnx(build(name, **sizes), batch_dim))
     return path
 
 
@@ -389,9 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: models/)")
     parser.add_argument("--only", nargs="+", metavar="NAME", choices=list(BUILDERS),
                         help=f"models to export (default: all): {', '.join(BUILDERS)}")
+    parser.add_argument("--batch-dim", action="store_true",
+                        help="export with a symbolic first dim `batch` (written as NAME-batch.onnx), for dynamic batching")
     args = parser.parse_args(argv)
     for name in args.only or list(BUILDERS):
-        path = export(name, args.out)
+        path = export(name, args.out, args.batch_dim)
         path.with_suffix(".stamp").write_text(stamp())
         print(f"{name}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
