@@ -31,9 +31,11 @@ class ClusterRuntime:
             raise _cause(exc) from None
 
     def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
-             batching: Mapping[str, Any] | None = None, objective: str = "latency") -> Any:
+             batching: Mapping[str, Any] | None = None, objective: str = "latency", run_slots: int = 1) -> Any:
         """A cluster session of the model; ``shape``, ``batching`` and ``objective`` as
-        :meth:`Runtime.open` takes them."""
+        :meth:`Runtime.open` takes them. ``run_slots`` (the daemon's setting) is not the driver's
+        to give: each node opens its copies with the run slots it keeps for calls of many
+        requests (:data:`vkpool.executor.RUN_SLOTS`)."""
         shape, batching = shape or {}, batching or {}
         options: dict[str, Any] = {"batch": shape.get("batch") or 1, "dims": shape.get("dims") or None,
                                    "objective": objective}
