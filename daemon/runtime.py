@@ -39,14 +39,16 @@ class Runtime:
         """A session of the model on the pool; ``shape``: ``{batch, dims}`` binding symbolic dims;
         ``batching``: ``{max_batch, max_queue_delay}`` for a model whose requests are batched;
         ``objective``: what its plan is made for (``latency`` or ``throughput``); ``run_slots``:
-        as :class:`vkpool.Session` takes it."""
+        as :class:`vkpool.Session` takes it. A throughput plan's copies run in threads of the
+        daemon (``processes=False``), so that the thread that reads the requests drives every
+        copy itself (``Session.run_many``) instead of handing each request to a worker process."""
         from vkpool.session import Session
 
         shape, batching = shape or {}, batching or {}
         return Session(str(source) if isinstance(source, Path) else bytes(source), pool=self.pool,
                        batch=shape.get("batch") or 1, dims=shape.get("dims") or None, objective=objective,
                        max_batch=batching.get("max_batch"), max_queue_delay=batching.get("max_queue_delay", 0.0),
-                       run_slots=run_slots)
+                       run_slots=run_slots, processes=False if objective == "throughput" else None)
 
     def set_budget(self, member: str, nbytes: int) -> None:
         self.pool.set_budget(member, nbytes)

@@ -356,3 +356,30 @@ def test_a_poller_past_its_limit_still_polls_now_and_then() -> None:
         usual = poller.average(usual, 90e-6)
     assert poller.until(usual, 0.0) is not None
     assert all(Poller(0.0).until(u, 0.0) is None for u in (0.0, 1e-6, 1.0) for _ in range(PROBE))
+
+
+def test_bound_infers_on_a_model_loaded_for_throughput_run_on_every_copy() -> None:
+    """Loaded for throughput on lavapipe split in two members: a whole copy on each, in threads of
+    the daemon, and the lanes' thread drives both (each infer of a pass on the next copy)."""
+    from vkpool.session import Session
+
+    split = "devices:\n  - match: {index: 0}\n    split: 2\n    budget: 128MiB\nhost:\n  enabled: false\n"
+    with short_folder("vkbt") as path:
+        d = Daemon(path, daemon={"lane_poll": "0.2ms"}, extra=split)
+        try:
+            model = path / "m.onnx"
+            model.write_bytes(mlp_model(8, 32, seed=15))
+            with polling(d.client()) as client:
+                info = client.load_model(model, objective="throughput")
+                assert sorted(info["members"]) == ["vk0.0", "vk0.1"], info
+                run_clients(SLOTS_CLIENT, [[d.endpoint, str(model), str(path / f"t{i}.npz"), str(i)] for i in range(4)])
+                counters = balanced(client)
+                assert counters["error"] == 0
+            with Session(str(model)) as local:
+                for i in range(4):
+                    data = np.load(path / f"t{i}.npz")
+                    for j in range(40):
+                        for k, want in enumerate(local.run(None, {"x": data[f"x{j}"]})):
+                            np.testing.assert_allclose(data[f"y{j}_{k}"], want, rtol=1e-5, atol=1e-6)
+        finally:
+            assert d.stop() == 0

@@ -23,7 +23,7 @@ from vkpool.config.loader import parse_config
 from vkpool.pipeline import IDLE, InlineRunner, RequestStats
 from vkpool.session import InvalidInput, Session
 
-KINDS = ["inline", "threads", "processes", "cut", "batched"]
+KINDS = ["inline", "threads", "processes", "cut", "batched", "copies"]
 #: more than the places of the plan's copy in threads (two run slots: its chunks share a device)
 #: and in processes (six mailboxes), so requests submitted back to back wait in the backlog too
 REQUESTS = 8
@@ -58,6 +58,8 @@ def _open(kind: str, pool: Any) -> tuple[Session, onnx.ModelProto, list[dict[str
     if kind == "batched":
         model = workloads.symbolic_batch(model)
         return Session(model.SerializeToString(), pool=pool, device="vk0.0", max_batch=4), model, feeds
+    if kind == "copies":  # a throughput plan: a whole copy on each member, in threads of this process
+        return Session(data, pool=pool, objective="throughput", processes=False), model, feeds
     with Session(data, pool=pool, device="vk0.0") as probe:
         plan = _halves(probe)
     return Session(data, pool=pool, plan=plan, processes=kind == "processes"), model, feeds
@@ -159,6 +161,18 @@ def test_run_many_answers_each_request_alone(pool2, kind: str) -> None:
     try:
         if kind in ("inline", "cut", "inline_two_slots"):
             assert session.runner.depth == (2 if kind == "inline_two_slots" else 1)
+        if kind == "copies":  # driven from this thread: each request on the next copy in turn
+            assert [len(c.stages) for c in session.runner.copies] == [1, 1], session.runner.copies
+            started: list[str] = []
+
+            def noting(member: str, start: Any) -> Any:  # the chunk's own start, each call noted
+                def noted(*args: Any, **kwargs: Any) -> Any:
+                    started.append(member)
+                    return start(*args, **kwargs)
+                return noted
+
+            for copy in session.runner.copies:
+                copy.stages[0].chunk.start = noting(copy.stages[0].member.id, copy.stages[0].chunk.start)
         wrong = {name: value.astype(np.float64) for name, value in feeds[0].items()}
         given = [*feeds[:3], wrong, *feeds[3:]]
         results = session.run_many(given)
@@ -172,6 +186,8 @@ def test_run_many_answers_each_request_alone(pool2, kind: str) -> None:
             _assert_outputs(dict(zip(names, result)), model, fed)
         runner = session._batcher if kind == "batched" else session.runner
         assert _balanced(runner.stats()) and runner.stats().pending == 0
+        if kind == "copies":
+            assert started == ["vk0.0", "vk0.1"] * (len(given) // 2), started  # the wrong one never started
         # a stream that has nothing ready says IDLE: what it gave before ends and is reported
         # before it is read again (a stream that then waits for more holds nothing back)
         reported: list[int] = []

@@ -30,17 +30,19 @@ copy of the model, its place, its stages' dependencies, failure, trace, outputs)
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from vkpool.engine import HostChunk, VulkanChunk
 from vkpool.model import LoadedModel
-from vkpool.pipeline import TRACE_REQUESTS, ChunkEvent, ModelCopy, Pipeline, Request, Stage, plan_copies
+from vkpool.pipeline import (TRACE_REQUESTS, ChunkEvent, ModelCopy, Pipeline, Request, Shape, Stage, back_to_back,
+                             plan_copies, submit_all)
 
 #: runs a member's Vulkan chunk may have on the device at once: one executing, one queued
 RUN_SLOTS = 2
@@ -246,6 +248,64 @@ class PlanExecutor(Pipeline):
 
     def _launch(self, request: Request, stage: Stage) -> None:
         self._runners[stage.member.id].offer(request, stage)
+
+    def run_many(self, feeds: Iterable[Mapping[str, np.ndarray]], shape: Shape | None = None,
+                 each: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """Runs several requests and returns each one's result, or the exception it raised (it
+        fails alone); ``each(index, result)`` as each ends, in order. Where every copy of the model is one chunk (a
+        whole model on one member: the copies of a throughput plan), this thread drives them
+        itself: each request starts on the next copy in turn, with every copy's run slots in
+        flight (:func:`~vkpool.pipeline.back_to_back`), and ends in order, with no thread of a
+        member in between; such runs are counted in :meth:`stats` but not traced. Otherwise the
+        requests are submitted together and waited for in order."""
+        live = [c for c in self.copies if c.alive]
+        if not live or any(len(c.stages) != 1 for c in live):
+            return submit_all(lambda one: self.submit(one, shape), feeds, each)
+        stages = [c.stages[0] for c in live]
+        turn = itertools.cycle(range(len(stages)))
+        counts, lock, outputs = self._counts, self._lock, self._output_names
+        copied = self._input_names
+
+        def start(one: Mapping[str, np.ndarray]) -> tuple[Stage, Any]:
+            with lock:
+                if self._closed:
+                    raise RuntimeError("the executor is closed")
+                counts.accepted += 1
+                self._driving += 1
+                counts.pending = len(self._pending) + self._driving
+            stage = stages[next(turn)]
+            try:
+                return stage, stage.chunk.start({n: one[n] for n in stage.inputs})
+            except BaseException:
+                ended(False)
+                raise
+
+        def finish(handle: tuple[Stage, Any]) -> Any:
+            stage, slot = handle
+            try:
+                produced = stage.chunk.finish(slot)
+                out = {n: produced[n].copy() if n in copied else produced[n] for n in outputs}
+                if shape is not None:
+                    out = shape(out)
+            except BaseException:
+                ended(False)
+                raise
+            ended(True)
+            return out
+
+        def ended(ok: bool) -> None:
+            with lock:
+                self._driving -= 1
+                counts.pending = len(self._pending) + self._driving
+                if ok:
+                    counts.ok += 1
+                else:
+                    counts.failed += 1
+
+        # round robin over copies of equal depth: the oldest run in flight is on the copy the
+        # next one starts on, and is finished first
+        depth = len(stages) * min(getattr(st.chunk, "slots", 1) for st in stages)
+        return back_to_back(start, finish, feeds, depth, each)
 
     def _stop(self) -> None:
         # a stage queued behind a stopped member never runs: close fails its request

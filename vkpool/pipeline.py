@@ -460,6 +460,7 @@ class Pipeline(ABC):
         self._backlog: deque[Request] = deque()
         self._pending: dict[int, Request] = {}
         self._counts = RequestStats()
+        self._driving = 0  # requests a backend's run_many drives in the caller's thread, not in _pending
         # (request id, copy, stage runs) of the last requests
         self._trace: deque[tuple[int, int, list[tuple[int, str, int, int, int]]]] = deque(maxlen=TRACE_REQUESTS)
         self._input_names = {name for name, _ in model.inputs}
@@ -634,7 +635,7 @@ class Pipeline(ABC):
             if request.copy is not None:
                 request.copy.in_flight -= 1
             self._pending.pop(request.id, None)
-            self._counts.pending = len(self._pending)
+            self._counts.pending = len(self._pending) + self._driving
             if error is None:
                 self._counts.ok += 1
                 self._trace.append((request.id, request.copy.index, request.events))  # type: ignore[union-attr]
@@ -683,6 +684,8 @@ class Pipeline(ABC):
             self._backlog.clear()
         for request in left:
             self._fail(request, RuntimeError(CLOSED))
+        while self._driving:  # a run_many in the caller's thread ends its runs on its own
+            time.sleep(0.001)
         self._free()
 
     # -- what it reports -------------------------------------------------------------------------

@@ -533,13 +533,15 @@ class Session:
         On one member (and for a cut model) the requests run in this thread and ``input_feeds``
         is read lazily, a request only when it can start; on a Vulkan member opened with
         ``run_slots=2`` the device runs one request while this thread writes the next one's
-        inputs and reads the last one's outputs. Elsewhere the requests are submitted together
-        (:meth:`submit`: a plan's members and the batcher work on them at once) and waited for in
-        order."""
+        inputs and reads the last one's outputs. Copies of the model run in threads of this
+        process (a throughput plan, ``processes=False``) are driven from this thread the same way,
+        each request on the next copy in turn (:meth:`vkpool.executor.PlanExecutor.run_many`).
+        Elsewhere the requests are submitted together (:meth:`submit`: a plan's members, worker
+        processes and the batcher work on them at once) and waited for in order."""
         if self._closed:
             raise RuntimeError("the session is closed")
         names = self._output_list(output_names)
-        if self._batcher is not None or not isinstance(self._runner, InlineRunner):
+        if self._batcher is not None or not hasattr(self._runner, "run_many"):
             return submit_all(lambda given: self.submit(given, names), input_feeds, each)
         out: list[Any] = []
 
