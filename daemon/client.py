@@ -396,26 +396,31 @@ class Client:
         Small tensors travel as copies of their bytes (see :data:`~vkpool.daemon.protocol.SMALL_FRAME`).
         On a lane with a ring such an infer is bound once (:mod:`vkpool.daemon.bound`): after
         that only its inputs' bytes are written, and its outputs read, in the ring."""
-        frames: list[Any] = []
         arrays: list[np.ndarray] = []
         key: Any = [model_id, priority, timeout, outputs if outputs is None else tuple(outputs)]
-        small = P.SMALL_FRAME
         for name, value in feeds.items():
             array = value if type(value) is np.ndarray else np.asarray(value)
             dtype = P._NAME_OF.get(array.dtype)
-            if dtype is not None and array.nbytes < small:
-                frames.append(array.tobytes())  # C order, whatever the array's strides
-            elif dtype is not None and array.flags.c_contiguous:
-                frames.append(memoryview(array).cast("B"))
-            else:  # to be converted: the general path
-                content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
-                packed = P.pack(content)
-                key = None
+            if dtype is None or not (array.nbytes < P.SMALL_FRAME or array.flags.c_contiguous):
+                key = None  # to be converted: the general path
                 break
             arrays.append(array)
             key += (name, dtype, array.shape)
         else:
             key = tuple(key)
+        lane = self._take_lane()
+        if lane is None:
+            return None
+        if key is not None and lane.ring is not None and key not in lane.unbound:
+            bound = lane.bindings.get(key)
+            if bound is not None:  # the usual case: neither frames nor content are made
+                return self._bound_infer(lane, key, bound, arrays, wait)
+        if key is None:
+            content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
+            packed = P.pack(content)
+        else:
+            # small tensors as copies of their bytes (C order, whatever the array's strides)
+            frames = [a.tobytes() if a.nbytes < P.SMALL_FRAME else memoryview(a).cast("B") for a in arrays]
             packed = self._packed.get(key)
             if packed is None:
                 packed = P.pack(infer_content(model_id, feeds, outputs, priority, timeout)[0])
@@ -423,14 +428,10 @@ class Client:
                     self._packed.clear()
                 self._packed[key] = packed
         if len(frames) + 2 > self._max_frames:
-            return None
-        lane = self._take_lane()
-        if lane is None:
+            self._lane_done(lane)
             return None
         if key is not None and lane.ring is not None and key not in lane.unbound:
-            bound = lane.bindings.get(key)
-            if bound is None:
-                bound = self._bind(lane, key, packed, frames, arrays, wait)
+            bound = self._bind(lane, key, packed, frames, arrays, wait)
             if bound is not None:
                 return self._bound_infer(lane, key, bound, arrays, wait)
         reply = self._lane_infer_request(lane, packed, frames, wait)
