@@ -542,10 +542,6 @@ def message_whole(reader: P.LaneReader) -> bool:
 _TAKES = 16
 
 
-#: while polling, the reactor looks at the rings for up to this long before it looks at the
-#: sockets (a system call), and skips the sockets when it looked at them this recently
-_RING_LOOK_S = 20e-6
-
 #: how long the reactor sleeps at most: it then looks whether the daemon takes connections again,
 #: and whether connections whose replies waited may be read again
 _REACTOR_TICK_S = 0.02
@@ -599,7 +595,6 @@ class LaneReactor:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._listener_polled = False
-        self._socks_seen = 0.0  # perf_counter of the last look at the sockets
         self._running = True
         self.thread = threading.Thread(target=self._run, name="vkpool-lanes", daemon=True)
 
@@ -667,27 +662,18 @@ class LaneReactor:
         rings = self._rings
         ready = self._ready_rings() if rings else []
         asleep = False
-        clock = time.perf_counter
-        if ready or (gap < self.poll_s and clock() < done + 2.0 * gap):
+        if ready or (gap < self.poll_s and time.perf_counter() < done + 2.0 * gap):
             timeout = 0.0
-            if rings and not ready:  # the rings a while, then the sockets (a system call)
-                until = clock() + _RING_LOOK_S
-                while not ready and clock() < until:
-                    ready = self._ready_rings()
         else:
             if rings:
                 asleep = self._mark_rings(True)
                 ready = self._ready_rings()
             timeout = 0.0 if ready else _REACTOR_TICK_S if self._stalled or self._done else 0.05
-        if ready and clock() - self._socks_seen < _RING_LOOK_S:
-            events: list[tuple[int, int]] = []  # the sockets were looked at just now
-        else:
-            try:
-                events = self._epoll.poll(timeout)
-            finally:
-                if asleep:
-                    self._mark_rings(False)
-            self._socks_seen = clock()
+        try:
+            events = self._epoll.poll(timeout)
+        finally:
+            if asleep:
+                self._mark_rings(False)
         work = self._collect(events, ready)
         if self._stalled:
             work += self._unstall()

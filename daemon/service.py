@@ -330,14 +330,7 @@ class Service:
     def _run_many(self, entry: ModelEntry, items: list[Any], accepted: float, answer: Callable[..., None]) -> None:
         """:meth:`run_bound` for a model that does not batch: the requests of each output list go to
         ``Session.run_many`` together, so a plan over several members or replicas works on them at
-        once, and each is answered as it ends (one request alone: ``Session.run``, which spares it
-        the stream's machinery)."""
-        if len(items) == 1:
-            item = items[0]
-            started = time.monotonic()
-            results, finished = self._timed_run(entry, item.plan.outputs, item.feeds, started - accepted, started)
-            answer(0, _in_time(item.plan, results, accepted, finished), started - accepted, finished - started)
-            return
+        once, and each is answered as it ends."""
         by_outputs: dict[Any, list[int]] = {}
         for k, item in enumerate(items):
             outputs = item.plan.outputs
