@@ -572,7 +572,11 @@ class Server:
                 conn, item = members[k]
                 if type(result) is list:  # outputs: a record in the ring when they fit
                     self.stats.count("ok")  # counted before it is written, as every reply
-                    sent = conn.send_record(item.fill, result)
+                    try:
+                        sent = conn.send_record(item.fill, result)
+                    except Exception as exc:  # outputs the record cannot hold: answered framed
+                        sent = -1
+                        result = _violation(exc)
                     if sent > 0:
                         done.append(time.monotonic() - accepted)
                         return
