@@ -368,28 +368,36 @@ class LaneConnection:
         socket does not take now: the bytes of its frames, or 0 when the connection is closed or
         the write fails, which then shuts the connection down. ``status``: the reply's, for
         ``on_lost`` should it be queued and never written."""
+        return self._guarded(lambda: self._send(body, start, fds, status))
+
+    def _send(self, body: list[Any], start: int, fds: tuple[int, ...], status: str | None) -> int:
+        ring = self.ring
+        if ring is not None and self.ring_reply:
+            self.ring_reply = False
+            size = ring.post(body, _REP, start)
+            if size is None:
+                # too large for the ring: on the socket, and in the ring a pointer to it
+                buffers, size = P.lane_buffers(body, start)
+                self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
+                ring.post([], _REP)
+            fence()  # ring_wake, with the wake-up written as a reply is
+            if ring.words[_CLIENT_ASLEEP]:
+                self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
+        elif fds:  # the open_lane reply, the first bytes on the connection: sent at once
+            size = P.lane_send(self.sock, body, start, fds)
+        else:
+            buffers, size = P.lane_buffers(body, start)
+            self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
+        return size
+
+    def _guarded(self, write: Any) -> int:
+        """``write()`` under ``send_lock`` (what it returns), or 0 when the connection is closed; a
+        write that fails shuts the connection down and reports the replies left unsent."""
         with self.send_lock:
             if not self.open:
                 return 0
             try:
-                ring = self.ring
-                if ring is not None and self.ring_reply:
-                    self.ring_reply = False
-                    size = ring.post(body, _REP, start)
-                    if size is None:
-                        # too large for the ring: on the socket, and in the ring a pointer to it
-                        buffers, size = P.lane_buffers(body, start)
-                        self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
-                        ring.post([], _REP)
-                    fence()  # ring_wake, with the wake-up written as a reply is
-                    if ring.words[_CLIENT_ASLEEP]:
-                        self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
-                elif fds:  # the open_lane reply, the first bytes on the connection: sent at once
-                    size = P.lane_send(self.sock, body, start, fds)
-                else:
-                    buffers, size = P.lane_buffers(body, start)
-                    self._write(buffers, 4 + 8 * (len(buffers) - 1) + size, status)
-                return size
+                return write()
             except OSError:
                 self.open = False
                 lost = self._drop_backlog()
@@ -417,18 +425,11 @@ class LaneConnection:
         _FENCE.release()
         if not words[_CLIENT_ASLEEP]:
             return 1
-        with self.send_lock:
-            if not self.open:
-                return 0
-            try:
-                self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
-                return 1
-            except OSError:
-                self.open = False
-                lost = self._drop_backlog()
-        self.shutdown()
-        self._report(lost)
-        return 0
+        return self._guarded(self._wake)
+
+    def _wake(self) -> int:
+        self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
+        return 1
 
     def _write(self, buffers: list[Any], total: int, status: str | None) -> None:
         """Send without blocking what the socket takes now of ``buffers`` (``total`` bytes); queue
