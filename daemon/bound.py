@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-
 from vkpool.daemon import protocol as P
 
 #: bound infers one lane keeps; a bind past it is answered ``binding: null`` (infer as usual)
@@ -75,7 +75,7 @@ class Binding:
     the feeds (arrays over the ring's request half), their rows for a batching model, and the
     layout of the last outputs written (outputs of the same shapes reuse it)."""
 
-    __slots__ = ("plan", "feeds", "rows", "_key", "_head", "_out")
+    __slots__ = ("_head", "_key", "_out", "feeds", "plan", "rows")
 
     def __init__(self, plan: Any, feeds: dict[str, np.ndarray], rows: int) -> None:
         self.plan, self.feeds, self.rows = plan, feeds, rows
@@ -106,7 +106,7 @@ class ClientBinding:
     """The client's side: the binding's number, the inputs' arrays over the request half (in the
     order of the feeds it was made from), and the last record layout read."""
 
-    __slots__ = ("index", "inputs", "_head", "_outs")
+    __slots__ = ("_head", "_outs", "index", "inputs")
 
     def __init__(self, index: int, inputs: list[np.ndarray]) -> None:
         self.index, self.inputs = index, inputs

@@ -7,21 +7,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
 
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-
 from test_daemon_batching import batch_model, reference
 from test_daemon_e2e import Daemon, run_clients
 from test_daemon_support import add_model, daemon_env, mlp_model, short_folder
-from vkpool.batching import BatchRunner
 from vkpool.daemon import errors as E
 from vkpool.daemon.bound import Binding, ClientBinding, record_layout
 from vkpool.daemon.client import Client
 from vkpool.daemon.lane import _REQ, RING_HALF
+
+from vkpool.batching import BatchRunner
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -142,9 +142,9 @@ def test_bad_bound_infers_are_answered_and_the_daemon_keeps_serving(daemon: Daem
         client._lanes_idle.remove(lane)
         # a binding number the lane never made: a framed error, and the lane goes on
         lane.send_bound(999)
-        header, content, _ = (lambda f: (f[0], f[1], f[2:]))(lane.receive_frames(10))
+        frames = lane.receive_frames(10)
         from vkpool.daemon import protocol as P
-        assert P.unpack(header)["status"] == "error" and P.unpack(content)["type"] == "InvalidRequest"
+        assert P.unpack(frames[0])["status"] == "error" and P.unpack(frames[1])["type"] == "InvalidRequest"
         client._lanes_idle.append(lane)
         for g, w in zip(session.run(None, {"x": x}), want, strict=True):
             np.testing.assert_array_equal(g, w)
