@@ -467,6 +467,9 @@ class Client:
             self._drop_lane(lane)
             raise DaemonUnavailable(f"the local lane of {self.endpoint} answered {rid} with something that is "
                                     "no bind_infer_reply")
+        if header["status"] != "ok" and isinstance(content, dict) and content.get("type") == "UnknownRequest":
+            lane.unbound.add(key)  # a daemon from before bound infers: infers go framed on this lane
+            return None
         if header["status"] != "ok" or not isinstance(content, dict):
             self._lane_done(lane)
             raise from_reply(content if isinstance(content, dict) else {"message": "an error reply without content"})

@@ -383,3 +383,25 @@ def test_bound_infers_on_a_model_loaded_for_throughput_run_on_every_copy() -> No
                             np.testing.assert_allclose(data[f"y{j}_{k}"], want, rtol=1e-5, atol=1e-6)
         finally:
             assert d.stop() == 0
+
+
+def test_a_daemon_that_does_not_know_bind_infer_gets_framed_infers(daemon: Daemon, monkeypatch) -> None:
+    """A client newer than its daemon: the daemon answers the bind ``UnknownRequest`` (here, by
+    the request's type being one this daemon does not know), and the client sends that lane's
+    infers framed instead of failing them."""
+    from vkpool.daemon import client as C
+    from vkpool.session import Session
+
+    packed_header = C.P.packed_header
+    monkeypatch.setattr(C.P, "packed_header", lambda kind, rid, status=None: packed_header(
+        "bind_infer_v9_request" if kind == "bind_infer_request" else kind, rid, status))
+    path = daemon.folder / "old.onnx"
+    path.write_bytes(mlp_model(8, 16, seed=16))
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    with polling(daemon.client()) as client, Session(str(path)) as local:
+        session = client.session(path)
+        for _ in range(3):
+            for g, w in zip(session.run(None, {"x": x}), local.run(None, {"x": x}), strict=True):
+                np.testing.assert_array_equal(g, w)
+        [lane] = client._lanes
+        assert lane.ring is not None and not lane.bindings and len(lane.unbound) == 1
