@@ -58,6 +58,10 @@ def serve(config: str | Path | None = None, endpoint: str | None = None, runtime
     except SettingsError as exc:
         print(f"vkpool serve: {exc}", file=sys.stderr)
         return 2
+    refusal = getattr(runtime, "refuses", lambda _: None)(settings)
+    if refusal:
+        print(f"vkpool serve: {refusal}", file=sys.stderr)
+        return 2
     if log_file is not None:
         settings = dataclasses.replace(settings, log_file=log_file)
     pid_file = pid_file or settings.pid_file

@@ -390,6 +390,7 @@ def test_a_daemon_that_does_not_know_bind_infer_gets_framed_infers(daemon: Daemo
     the request's type being one this daemon does not know), and the client sends that lane's
     infers framed instead of failing them."""
     from vkpool.daemon import client as C
+
     from vkpool.session import Session
 
     packed_header = C.P.packed_header
@@ -405,3 +406,19 @@ def test_a_daemon_that_does_not_know_bind_infer_gets_framed_infers(daemon: Daemo
                 np.testing.assert_array_equal(g, w)
         [lane] = client._lanes
         assert lane.ring is not None and not lane.bindings and len(lane.unbound) == 1
+
+
+def test_serve_on_a_cluster_refuses_run_slots_its_nodes_do_not_keep(tmp_path: Path, capsys) -> None:
+    """The nodes of a cluster open their copies with their own run slots: a daemon configured with
+    other run slots would not run what it says, so it does not start."""
+    from vkpool.daemon.main import serve
+    from vkpool.daemon.settings import DaemonSettings
+
+    from vkpool.cluster.runtime import ClusterRuntime
+    from vkpool.executor import RUN_SLOTS
+
+    config = tmp_path / "vkpool.yaml"
+    config.write_text(f"daemon: {{run_slots: {RUN_SLOTS + 1}}}\n")
+    assert serve(config, f"ipc://{tmp_path}/d.sock", ClusterRuntime(None)) == 2
+    assert f"daemon.run_slots is {RUN_SLOTS + 1}" in capsys.readouterr().err
+    assert ClusterRuntime.refuses(DaemonSettings(run_slots=RUN_SLOTS)) is None  # the default

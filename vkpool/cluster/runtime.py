@@ -12,6 +12,16 @@ class ClusterRuntime:
     def __init__(self, cluster: Any) -> None:
         self.cluster = cluster
 
+    @staticmethod
+    def refuses(settings: Any) -> str | None:
+        """Why a daemon with ``settings`` cannot run on a cluster, or None."""
+        from vkpool.executor import RUN_SLOTS
+
+        if settings.run_slots != RUN_SLOTS:
+            return (f"daemon.run_slots is {settings.run_slots}, but with --cluster each node runs its copies "
+                    f"with {RUN_SLOTS} run slots of its own: leave daemon.run_slots out, or set it to {RUN_SLOTS}")
+        return None
+
     def members(self) -> list[dict[str, Any]]:
         return [{"id": m["id"], "kind": m["kind"], "name": m["name"], "budget_bytes": int(m["budget_bytes"]),
                  "used_bytes": int(m["used_bytes"])} for m in self.cluster.members()]
@@ -33,9 +43,9 @@ class ClusterRuntime:
     def open(self, source: Path | bytes, shape: Mapping[str, Any] | None = None,
              batching: Mapping[str, Any] | None = None, objective: str = "latency", run_slots: int = 1) -> Any:
         """A cluster session of the model; ``shape``, ``batching`` and ``objective`` as
-        :meth:`Runtime.open` takes them. ``run_slots`` (the daemon's setting) is not the driver's
-        to give: each node opens its copies with the run slots it keeps for calls of many
-        requests (:data:`vkpool.executor.RUN_SLOTS`)."""
+        :meth:`Runtime.open` takes them. ``run_slots`` is not the driver's to give: each node
+        opens its copies with :data:`vkpool.executor.RUN_SLOTS` (a daemon configured otherwise
+        does not start: :meth:`refuses`)."""
         shape, batching = shape or {}, batching or {}
         options: dict[str, Any] = {"batch": shape.get("batch") or 1, "dims": shape.get("dims") or None,
                                    "objective": objective}
