@@ -41,12 +41,13 @@ def _up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def places(arrays: Sequence[np.ndarray]) -> tuple[list[int], int]:
-    """Where each array goes in a request half (64-byte aligned, in order), and the bytes used."""
-    at, out = 0, []
-    for a in arrays:
+def places(sizes: Sequence[int], start: int = 0) -> tuple[list[int], int]:
+    """Where blocks of ``sizes`` bytes go, in order, each at a multiple of 64 from ``start`` on
+    (a request half's inputs, a record's outputs), and the end of the last."""
+    at, out = _up(start), []
+    for size in sizes:
         out.append(at)
-        at = _up(at + a.nbytes)
+        at = _up(at + size)
     return out, at
 
 
@@ -63,11 +64,7 @@ def record_layout(arrays: Sequence[np.ndarray]) -> tuple[bytes, list[int], int]:
     for a in arrays:
         head.append(_DESC.pack(_CODE_OF[a.dtype], a.ndim) + struct.pack(f"<{a.ndim}Q", *a.shape))
     packed = b"".join(head)
-    at, offsets = _up(len(packed)), []
-    for a in arrays:
-        offsets.append(at)
-        at = _up(at + a.nbytes)
-    return packed, offsets, at
+    return (packed, *places([a.nbytes for a in arrays], len(packed)))
 
 
 class Binding:
@@ -137,11 +134,8 @@ class ClientBinding:
                 raise ConnectionResetError(f"the daemon's reply record has dtype index {code}")
             descs.append((_DTYPE_AT[code], shape))
         self._head = bytes(half[:pos])
-        at, outs = _up(pos), []
-        for dtype, shape in descs:
-            count = math.prod(shape)
-            outs.append((dtype, count, at, shape))
-            at = _up(at + count * dtype.itemsize)
-        if at > len(half):
+        counts = [math.prod(shape) for _, shape in descs]
+        offsets, end = places([c * dtype.itemsize for c, (dtype, _) in zip(counts, descs)], pos)
+        if end > len(half):
             raise ConnectionResetError("the daemon's reply record runs past the ring's half")
-        self._outs = outs
+        self._outs = [(dtype, c, at, shape) for (dtype, shape), c, at in zip(descs, counts, offsets)]

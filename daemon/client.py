@@ -411,7 +411,8 @@ class Client:
         lane = self._take_lane()
         if lane is None:
             return None
-        if key is not None and lane.ring is not None and key not in lane.unbound:
+        bindable = key is not None and lane.ring is not None and key not in lane.unbound
+        if bindable:
             bound = lane.bindings.get(key)
             if bound is not None:  # the usual case: neither frames nor content are made
                 return self._bound_infer(lane, key, bound, arrays, wait)
@@ -430,7 +431,7 @@ class Client:
         if len(frames) + 2 > self._max_frames:
             self._lane_done(lane)
             return None
-        if key is not None and lane.ring is not None and key not in lane.unbound:
+        if bindable:
             bound = self._bind(lane, key, packed, frames, arrays, wait)
             if bound is not None:
                 return self._bound_infer(lane, key, bound, arrays, wait)

@@ -518,7 +518,7 @@ class Server:
         try:
             plan, feeds, rows = self.service.check_bound(client, content, frames)
             arrays = [feeds[meta["name"]] for meta in content["inputs"]]
-            offsets, size = places(arrays)
+            offsets, size = places([a.nbytes for a in arrays])
             ring = conn.ring
             reply: dict[str, Any] = {"binding": None, "offsets": []}
             if ring is not None and size <= ring.half and len(conn.bindings) < BINDINGS_MAX:

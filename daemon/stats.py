@@ -50,16 +50,10 @@ class Stats:
     def infer_done(self, latency_s: float, now: float | None = None) -> None:
         """An infer answered ``ok`` after ``latency_s``; ``now``: ``time.monotonic()`` when the
         caller has read it already."""
-        if now is None:
-            now = time.monotonic()
-        with self._lock:
-            self._latencies.append(latency_s)
-            self._finished_at.append(now)
-            while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
-                self._finished_at.popleft()
+        self.infers_done([latency_s], time.monotonic() if now is None else now)
 
     def infers_done(self, latencies_s: list[float], now: float) -> None:
-        """:meth:`infer_done` for several infers answered by ``now``."""
+        """Infers answered ``ok`` by ``now`` (``time.monotonic()``) after ``latencies_s``."""
         with self._lock:
             self._latencies.extend(latencies_s)
             self._finished_at.extend([now] * len(latencies_s))

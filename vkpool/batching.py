@@ -78,9 +78,7 @@ class BatchStats:
     delays: deque = field(default_factory=deque)
 
     def record_delay(self, seconds: float) -> None:
-        self.delays.append(seconds)
-        if len(self.delays) > self.keep:
-            self.delays.popleft()
+        self.record_delays((seconds,))
 
     def record_delays(self, seconds: Sequence[float]) -> None:
         delays = self.delays
