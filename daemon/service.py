@@ -341,7 +341,7 @@ class Service:
             def each(i: int, result: Any, ks: list[int] = ks, started: float = started) -> None:
                 nonlocal last
                 finished = time.monotonic()
-                results = self._ran(entry, result, started - accepted, last, finished)
+                results = self._ran(entry, result, last, finished, started - accepted)
                 last = finished
                 item = items[ks[i]]
                 answer(ks[i], _in_time(item.plan, results, accepted, finished), started - accepted, finished - started)
@@ -408,46 +408,44 @@ class Service:
         except Exception as exc:
             results = exc
         finished = time.monotonic()
-        return self._ran(entry, results, queued_s, started, finished), finished
+        return self._ran(entry, results, started, finished, queued_s), finished
 
-    def _ran(self, entry: ModelEntry, results: Any, queued_s: float, started: float, finished: float
-             ) -> list[np.ndarray] | ProtocolViolation:
-        """A run of ``entry`` from ``started`` to ``finished`` that gave ``results`` (its outputs, or
-        the exception it raised) counted: the outputs, or the error to answer."""
+    def _ran(self, entry: ModelEntry, results: Any, started: float, finished: float, *queued_s: float
+             ) -> Any:
+        """A run of ``entry`` from ``started`` to ``finished``, of one request or a batch of them
+        (each queued for one of ``queued_s``), that gave ``results`` (its outputs, or the
+        exception it raised) counted: the outputs, or the error to answer."""
         entry.last_used = finished
         run_s = finished - started
         if isinstance(results, BaseException):
             violation = classify(results)
-            log.warning("job on %s failed: %s", entry.id[:12], violation.message)
-            self.stats.ran(entry, violation.type, run_s, queued_s)
+            log.warning("%s on %s failed: %s", "job" if len(queued_s) == 1 else f"a batch of {len(queued_s)} jobs",
+                        entry.id[:12], violation.message)
+            self.stats.ran(entry, violation.type, run_s, *queued_s)
             return violation
         entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s
-        self.stats.ran(entry, "ok", run_s, queued_s)
+        self.stats.ran(entry, "ok", run_s, *queued_s)
         return results
 
     def _timed_batch(self, entry: ModelEntry, requests: list[tuple[dict[str, np.ndarray], list[str] | None]],
-                     accepted: list[float], copy: bool = True
+                     accepted: list[float], taken: list[float | None] | None = None, copy: bool = True
                      ) -> tuple[list[list[np.ndarray]] | ProtocolViolation, float, float]:
-        """One batch of checked requests (accepted at ``accepted``, ``time.monotonic()`` values) on a
-        batching model (the caller holds the model's gate), counted and timed: each request's
-        outputs (``copy``: as :meth:`BatchRunner.run`) or the batch's error, when it started and
-        when it ended."""
+        """One batch of checked requests on a batching model (the caller holds the model's gate),
+        counted and timed: each request's outputs (``copy``: as :meth:`BatchRunner.run`) or the
+        batch's error, when it started and when it ended. A request's queue delay runs from its
+        ``accepted`` to its ``taken`` (when the scheduler took it; None, or no list: the batch's
+        start), ``time.monotonic()`` values."""
         runner = entry.batching
         started = time.monotonic()
         try:
-            results = runner.run(requests, copy)
+            results: Any = runner.run(requests, copy)
         except Exception as exc:
-            finished = time.monotonic()
-            violation = classify(exc)
-            log.warning("a batch of %d job(s) on %s failed: %s", len(requests), entry.id[:12], violation.message)
-            self.stats.ran(entry, violation.type, finished - started, *[started - a for a in accepted])
-            return violation, started, finished
-        finished = entry.last_used = time.monotonic()
-        run_s = finished - started
-        entry.run_s = run_s if entry.run_s is None else 0.8 * entry.run_s + 0.2 * run_s  # a batch's run
-        queued = [started - a for a in accepted]
-        self.stats.ran(entry, "ok", run_s, *queued)
-        runner.stats.record_delays(queued)
+            results = exc
+        finished = time.monotonic()
+        queued = [(started if t is None else t) - a for a, t in zip(accepted, taken or [None] * len(accepted))]
+        results = self._ran(entry, results, started, finished, *queued)
+        if not isinstance(results, ProtocolViolation):
+            runner.stats.record_delays(queued)
         return results, started, finished
 
     def _run_job(self, job: Job) -> None:
@@ -492,11 +490,10 @@ class Service:
             jobs = [job for job, _ in taken]
             if not jobs:
                 return
-            now = time.monotonic()
             # a job's queue delay ends when the scheduler took it (started_at), not when its batch starts
             results, started, finished = self._timed_batch(
-                entry, [(feeds, job.outputs) for job, feeds in taken],
-                [job.accepted_at + now - (job.started_at or now) for job in jobs])
+                entry, [(feeds, job.outputs) for job, feeds in taken], [job.accepted_at for job in jobs],
+                [job.started_at for job in jobs])
         finally:
             entry.gate.release_shared()
         if isinstance(results, ProtocolViolation):
