@@ -5,9 +5,10 @@
 # with a symbolic batch (fixed and batched; RESNET_BATCH, default 16), then py-spy
 # samples of the daemon under 16 clients, fixed batch and batching (all threads).
 # Carry .gl, .whl (with py-spy) and .glsl as for bench/gpu_run.sh. Output under $OUT.
-# Environment: CLIENTS, SECONDS_EACH, MAX_BATCH, PROFILES (0: no py-spy samples), ONLY (the runs to
-# make, of fixed batched resnet50-fixed resnet50-batched replicas-fixed replicas-batched; default all), CONFIG (the daemon's config
-# file, passed to every run).
+# Environment: CLIENTS, SECONDS_EACH, MAX_BATCH, DELAYS_US (queue delays, in µs, each a batched run
+# of its own, batched-dN), PROFILES (0: no py-spy samples), ONLY (the runs to make, of fixed batched
+# batched-dN resnet50-fixed resnet50-batched replicas-fixed replicas-batched; default all), CONFIG
+# (the daemon's config file, passed to every run).
 source bench/gpu_daemon_env.sh
 (cd /tmp && python3 -m vkpool devices | head -4)
 clients=${CLIENTS:-1 4 16 64}
@@ -21,6 +22,10 @@ run() {  # name, then bench arguments
 }
 run fixed mnist12_like add_chain_1 --runs 300 --clients $clients --transport both
 run batched mnist12_like --runs 300 --clients $clients --transport lane --max-batch ${MAX_BATCH:-32}
+for us in ${DELAYS_US:-}; do  # batching with a queue delay: the first request waits for company
+  run batched-d$us mnist12_like --runs 100 --clients $clients --transport lane --max-batch ${MAX_BATCH:-32} \
+    --max-delay-us $us
+done
 if [[ -z "${ONLY:-}" || " $ONLY " == *" resnet50-"* ]]; then  # ResNet-50 with a symbolic batch (torch exports it)
   (cd /tmp && timeout 200 python3 -m bench.export_models --only resnet50 --batch-dim --out /tmp/models | tail -1)
 fi

@@ -169,6 +169,21 @@ def throughput(endpoint: str | list[str], model: Path, clients: int, seconds: fl
     return result
 
 
+def batched(status: Callable[[], dict[str, Any]], run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``'s figures, with the mean batch size of the batches the daemon ran meanwhile
+    (``mean_batch``, from ``status()`` before and after) where its models batch."""
+    def counts() -> tuple[int, int]:
+        stats = [m["batching"] for m in status().get("models", []) if m.get("batching")]
+        return sum(b["batches"] for b in stats), sum(b["requests"] for b in stats)
+
+    before = counts()
+    result = run()
+    batches, requests = (a - b for a, b in zip(counts(), before))
+    if batches:
+        result["mean_batch"] = round(requests / batches, 2)
+    return result
+
+
 class BenchDaemon:
     """``vkpool serve`` on a temporary ipc socket, its log kept for failures."""
 
@@ -235,9 +250,9 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
                 for t in transports:
                     entry[t] = summary_us(times[t])
                 entry["added_us"] = {t: round(entry[t]["median_us"] - base["median_us"], 1) for t in transports}
-                entry["throughput"] = {t: {str(n): throughput(daemon.endpoint, path, n, seconds, t, load,
-                                                               daemon.proc.pid)
-                                           for n in clients} for t in transports}
+                status = next(iter(via.values())).status
+                entry["throughput"] = {t: {str(n): batched(status, lambda n=n, t=t: throughput(
+                    daemon.endpoint, path, n, seconds, t, load, daemon.proc.pid)) for n in clients} for t in transports}
                 entry["jobs_per_s"] = {t: {n: r["jobs_per_s"] for n, r in by.items()}
                                        for t, by in entry["throughput"].items()}
                 results[path.stem] = entry
@@ -286,7 +301,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     if batching:
         lines += ["", f"Batching: max_batch {batching['max_batch']}, max_queue_delay "
                       f"{batching.get('max_queue_delay', 0) * 1e6:g} µs."]
-    lines += ["", "CPU: cores busy in the daemon / in the clients together, while they ran.",
+    lines += ["", "CPU: cores busy in the daemon / in the clients together, while they ran"
+                  + ("; batch: the mean size of the batches run meanwhile." if batching else "."),
               "", "| model | transport | " + " | ".join(f"{n} client{'s' if n > 1 else ''}: jobs/s (p50 / p99 µs; "
                                                           "CPU)" for n in counts) + " |",
               "|---|---|" + "---|" * len(counts)]
@@ -296,6 +312,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             for n in counts:
                 f = r["throughput"][t][str(n)]
                 cpu = f"; {f['daemon_cpu']:.2f} / {f['clients_cpu']:.2f}" if "daemon_cpu" in f else ""
+                cpu += f"; batch {f['mean_batch']:.1f}" if "mean_batch" in f else ""
                 cells.append(f"{f['jobs_per_s']:.0f} ({f['p50_us']:.0f} / {f['p99_us']:.0f}{cpu})")
             lines.append(f"| {name} | {_NAMES[t]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
