@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,30 @@ def ring_wait(words: memoryview, which: int, seen: int, reader: P.LaneReader, un
             return words[which] != seen
 
 
+#: a client that has stopped polling for its reply in the ring looks at the ring every this many
+#: seconds (``time.sleep``) for up to :data:`DOZE_FOR_S` after its request, and only then sleeps in
+#: ``recv``: a client that dozes costs the daemon no wake-up on the socket (one system call and a
+#: scheduler wake-up on the daemon's lanes' thread, per reply). ``$VKPOOL_LANE_DOZE_US`` sets it in
+#: microseconds (0: never doze); by default 100 where the clients poll, else 0.
+DOZE_S = float(os.environ.get("VKPOOL_LANE_DOZE_US", "100" if POLL_MAX_S > 0 else "0")) * 1e-6
+#: how long after its request a client dozes before it sleeps in ``recv``
+DOZE_FOR_S = 2e-3
+
+
+def ring_doze(words: memoryview, which: int, seen: int, reader: P.LaneReader, until: float) -> bool:
+    """Look at ``words[which]`` every :data:`DOZE_S` until it differs from ``seen`` (True), or
+    until ``until`` or a message on the socket (False)."""
+    if reader._poll is None:
+        reader._poll = select.poll()
+        reader._poll.register(reader.sock.fileno(), select.POLLIN)
+    ready, clock, nap = reader._poll.poll, time.perf_counter, time.sleep
+    while words[which] == seen:
+        if ready(0) or clock() > until:
+            return words[which] != seen
+        nap(DOZE_S)
+    return True
+
+
 def ring_sleep(words: memoryview, which: int, seen: int, asleep: int, reader: P.LaneReader
                ) -> list[memoryview] | None:
     """Sleep in ``recv`` until the other side publishes (``words[which]`` differs from ``seen``:
@@ -405,13 +430,13 @@ class LaneConnection:
         self._report(lost)
         return 0
 
-    def send_record(self, fill: Any, arrays: Any) -> int:
+    def post_record(self, fill: Any, arrays: Any) -> int:
         """Answer a bound infer in the ring: ``fill(reply half, arrays)`` writes its outputs there
-        and says whether they fitted; then the reply-kind word, the sequence number and a wake-up as
-        :meth:`send` writes them. 1 when sent, -1 when the outputs do not fit (nothing sent: the
-        caller sends a framed reply instead), 0 when the connection is closed or the wake-up
-        cannot be written. Only the lanes' thread answers bound infers, and a lane has one request
-        in flight: the ring needs no lock, only the wake-up on the socket takes ``send_lock``."""
+        and says whether they fitted; then the reply-kind word and the sequence number. The caller
+        then wakes the client if it sleeps (:func:`wake_sleepers`). 1 when posted, -1 when the
+        outputs do not fit (nothing posted: the caller sends a framed reply instead), 0 when the
+        connection is closed. Only the lanes' thread answers bound infers, and a lane has one
+        request in flight: the ring needs no lock."""
         ring = self.ring
         if not self.open or ring is None:
             return 0
@@ -421,11 +446,14 @@ class LaneConnection:
         words = ring.words
         words[_REP_KIND] = RECORD
         words[_REP] += 1
-        _FENCE.acquire()  # fence(), inline
-        _FENCE.release()
-        if not words[_CLIENT_ASLEEP]:
-            return 1
-        return self._guarded(self._wake)
+        return 1
+
+    def send_record(self, fill: Any, arrays: Any) -> int:
+        """:meth:`post_record`, then the wake-up: 0 also when it cannot be written."""
+        sent = self.post_record(fill, arrays)
+        if sent <= 0:
+            return sent
+        return 0 if wake_sleepers((self,)) else 1
 
     def _wake(self) -> int:
         self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
@@ -517,6 +545,20 @@ class LaneConnection:
             ring.close()
 
 
+def wake_sleepers(conns: Sequence[LaneConnection]) -> list[LaneConnection]:
+    """After posting replies in the rings of ``conns`` (:meth:`LaneConnection.post_record`): one
+    :func:`fence` for them all, then a wake-up for each client that sleeps in ``recv``. The
+    connections whose wake-up could not be written (their clients are gone)."""
+    _FENCE.acquire()  # fence(), inline
+    _FENCE.release()
+    gone = []
+    for conn in conns:
+        ring = conn.ring
+        if ring is not None and ring.words[_CLIENT_ASLEEP] and not conn._guarded(conn._wake):
+            gone.append(conn)
+    return gone
+
+
 def take_waiting(reader: P.LaneReader) -> int:
     """Moves what the socket holds now into the reader's buffer, without waiting (one ``recv`` of
     up to :data:`~vkpool.daemon.protocol.LANE_CHUNK`): the bytes taken, 0 when none waited, -1 at
@@ -578,13 +620,13 @@ class LaneReactor:
 
     def __init__(self, listener: LaneListener, max_frames: int, max_bytes: int, poll_s: float, *,
                  accept: Any, opened: Any, request: Any, broken: Any, closed: Any, listening: Any,
-                 passed: Any, log: Any) -> None:
+                 passed: Any, log: Any, due: Any = lambda: None) -> None:
         self.listener = listener
         self.max_frames, self.max_bytes, self.poll_s = max_frames, max_bytes, poll_s
         self._gaps = Poller(poll_s)  # the moving average of the gap between requests
         self._accept, self._opened, self._request = accept, opened, request
         self._broken, self._closed, self._listening, self._log = broken, closed, listening, log
-        self._passed = passed
+        self._passed, self._due = passed, due
         self.conns: dict[int, tuple[LaneConnection, P.LaneReader]] = {}  # by descriptor
         self._open: set[int] = set()      # descriptors whose open_lane was taken
         self._rings: dict[int, LaneConnection] = {}
@@ -638,9 +680,11 @@ class LaneReactor:
                 time.sleep(_REACTOR_TICK_S)
                 continue
             if not work:
-                continue
+                due = self._due()  # requests waiting for company: run once it comes
+                if due is None or time.monotonic() < due:
+                    continue
             start = clock()
-            if self.poll_s > 0:
+            if self.poll_s > 0 and work:
                 gap = self._gaps.average(gap, start - done)
             for conn, parts, ringed in work:
                 try:
@@ -670,6 +714,9 @@ class LaneReactor:
                 asleep = self._mark_rings(True)
                 ready = self._ready_rings()
             timeout = 0.0 if ready else _REACTOR_TICK_S if self._stalled or self._done else 0.05
+            due = self._due()  # requests waiting for company run by then
+            if due is not None:
+                timeout = min(timeout, max(0.0, due - time.monotonic()))
         try:
             events = self._epoll.poll(timeout)
         finally:
@@ -1011,6 +1058,8 @@ class ClientLane:
                     ring_wait(words, _REP, seen, self.reader, until)
                 finally:
                     poller._token.release()
+            if words[_REP] == seen and DOZE_S > 0:
+                ring_doze(words, _REP, seen, self.reader, self.sent_at + DOZE_FOR_S)
             if words[_REP] == seen:
                 parts = ring_sleep(words, _REP, seen, _CLIENT_ASLEEP, self.reader)
                 if parts is None or parts:  # end of file, or a reply on the socket

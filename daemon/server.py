@@ -34,11 +34,11 @@ from vkpool.daemon import protocol as P
 from vkpool.daemon.bound import BINDINGS_MAX, Binding, places, views
 from vkpool.daemon.endpoint import (LISTEN_BACKLOG, ConnectionWatch, EndpointError, EndpointLock,
                                     connection_cap, fd_reserve, ipc_path, lane_fits, lane_path, raise_fd_limit)
-from vkpool.daemon.lane import LaneConnection, LaneListener, LaneReactor, Ring, ring_supported
+from vkpool.daemon.lane import LaneConnection, LaneListener, LaneReactor, Ring, ring_supported, wake_sleepers
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.runtime import classify
 from vkpool.daemon.scheduler import Job
-from vkpool.daemon.service import Service, _error
+from vkpool.daemon.service import Service, _error, _in_time
 from vkpool.daemon.settings import DaemonSettings
 from vkpool.daemon.stats import Stats
 
@@ -107,6 +107,10 @@ class Server:
         self._lanes: set[LaneConnection] = set()
         self._lanes_closed = False
         self._bound: list[tuple[LaneConnection, int]] = []  # bound infers read in the lanes' pass
+        # bound infers of batching models waiting for company, by model: (entry, [(connection,
+        # binding, accepted at)]), and when the first of them must run
+        self._bound_waiting: dict[str, tuple[Any, list[tuple[LaneConnection, Binding, float]]]] = {}
+        self._bound_deadline = 0.0
         self._bound_ids = itertools.count()  # request ids of bound infers queued as jobs
         self._lane_listener: LaneListener | None = None
         self._reactor: LaneReactor | None = None  # reads the lanes, from serve_forever on
@@ -532,23 +536,41 @@ class Server:
 
     def _lanes_passed(self) -> None:
         """The end of the lanes' pass over what they held: the bound infers it read run, by model,
-        then the batches it held (:meth:`Service.run_held`)."""
-        if self._bound:
+        with those that waited for company, then the batches it held (:meth:`Service.run_held`)."""
+        if self._bound or self._bound_waiting:
             bound, self._bound = self._bound, []
             self._run_bound(bound)
         self.service.run_held()
 
+    def _bound_due(self) -> float | None:
+        """When the first bound infer waiting for company must run (a ``time.monotonic()``
+        value; the lanes' thread passes again by then), or None."""
+        return self._bound_deadline if self._bound_waiting else None
+
     def _run_bound(self, items: list[tuple[LaneConnection, int]]) -> None:
-        accepted = time.monotonic()
+        """Bound infers read in this pass, and those waiting for company from earlier passes: run
+        by model (:meth:`Service.run_bound`). A batching model with a queue delay keeps its
+        requests waiting while their rows are fewer than its ``max_batch`` and the first of them
+        has waited less than ``max_queue_delay``: the lanes' thread reads on meanwhile and runs
+        them with what comes, as the scheduler's queue would for framed requests."""
+        now = time.monotonic()
         with self._book:
             closed = self._lanes_closed
             if not closed:
                 self.stats.count("accepted", len(items))
+        waiting, self._bound_waiting = self._bound_waiting, {}
         if closed:  # the daemon is stopping: not accepted, and the lanes close
             for conn, _ in items:
                 conn.shutdown()
+            for _, members in waiting.values():
+                for conn, _, _ in members:
+                    conn.shutdown()
             return
-        groups: dict[str, tuple[Any, list[tuple[LaneConnection, Binding]]]] = {}
+        groups: dict[str, tuple[Any, list[tuple[LaneConnection, Binding, float]]]] = {}
+        for key, (entry, members) in waiting.items():  # still their clients' model?
+            kept = [m for m in members if self._bound_current(m[0], entry)]
+            if kept:
+                groups[key] = (entry, kept)
         for conn, index in items:
             item = conn.bindings[index] if index < len(conn.bindings) else None
             if item is None:
@@ -556,50 +578,119 @@ class Server:
                     "InvalidRequest", f"this lane has no binding {index}; send bind_infer_request first"))
                 continue
             entry = item.plan.entry
-            if not self.service.registry.current(entry, conn.client):
-                self._bound_error(conn, ProtocolViolation(
-                    "UnknownModel", f"model {entry.id[:12]} is not loaded by this client any more; load it and "
-                    "bind again", {"model": entry.id}))
-                continue
-            groups.setdefault(entry.id, (entry, []))[1].append((conn, item))
+            if self._bound_current(conn, entry):
+                groups.setdefault(entry.id, (entry, []))[1].append((conn, item, now))
         done: list[float] = []  # the latencies of the infers answered ok
         for entry, members in groups.values():
-            answered: set[int] = set()
-
-            def answer(k: int, result: Any, queued_s: float, run_s: float,
-                       members: list[tuple[LaneConnection, Binding]] = members, answered: set[int] = answered) -> None:
-                answered.add(k)
-                conn, item = members[k]
-                if type(result) is list:  # outputs: a record in the ring when they fit
-                    self.stats.count("ok")  # counted before it is written, as every reply
-                    try:
-                        sent = conn.send_record(item.fill, result)
-                    except Exception as exc:  # outputs the record cannot hold: answered framed
-                        sent = -1
-                        result = _violation(exc)
-                    if sent > 0:
-                        done.append(time.monotonic() - accepted)
-                        return
-                    self.stats.count("ok", -1)
-                    if sent == 0:
-                        self.stats.count("client_gone")
-                        return
-                self._bound_framed(conn, item, result, queued_s, run_s, accepted, done)
-
-            def fallback(k: int, members: list[tuple[LaneConnection, Binding]] = members,
-                         answered: set[int] = answered) -> None:
-                answered.add(k)
-                self._bound_queued(*members[k])
-
-            try:
-                self.service.run_bound(entry, [item for _, item in members], accepted, answer, fallback)
-            except Exception as exc:  # never a request without its reply
-                violation = _violation(exc)
-                for k, (conn, _) in enumerate(members):
-                    if k not in answered:
-                        self._bound_error(conn, violation)
+            runner = entry.batching
+            if runner is not None and runner.max_queue_delay > 0 and not self.service.draining:
+                due = members[0][2] + runner.max_queue_delay
+                if now < due and sum(item.rows for _, item, _ in members) < runner.max_batch:
+                    if not self._bound_waiting or due < self._bound_deadline:
+                        self._bound_deadline = due
+                    self._bound_waiting[entry.id] = (entry, members)
+                    continue
+            self._run_bound_group(entry, members, done)
         if done:
             self.stats.infers_done(done, time.monotonic())
+
+    def _bound_current(self, conn: LaneConnection, entry: Any) -> bool:
+        """Whether a bound infer's model is still loaded by its client; if not, it is answered
+        ``UnknownModel`` (the client binds again after loading)."""
+        if self.service.registry.current(entry, conn.client):
+            return True
+        self._bound_error(conn, ProtocolViolation(
+            "UnknownModel", f"model {entry.id[:12]} is not loaded by this client any more; load it and bind again",
+            {"model": entry.id}))
+        return False
+
+    def _run_bound_group(self, entry: Any, members: list[tuple[LaneConnection, Binding, float]],
+                         done: list[float]) -> None:
+        """One model's bound infers (each with when it was accepted) run now, each answered once."""
+        answered: set[int] = set()
+
+        def answer(k: int, result: Any, queued_s: float, run_s: float) -> None:
+            answered.add(k)
+            conn, item, accepted = members[k]
+            if type(result) is list:  # outputs: a record in the ring when they fit
+                self.stats.count("ok")  # counted before it is written, as every reply
+                try:
+                    sent = conn.send_record(item.fill, result)
+                except Exception as exc:  # outputs the record cannot hold: answered framed
+                    sent = -1
+                    result = _violation(exc)
+                if sent > 0:
+                    done.append(time.monotonic() - accepted)
+                    return
+                self.stats.count("ok", -1)
+                if sent == 0:
+                    self.stats.count("client_gone")
+                    return
+            self._bound_framed(conn, item, result, queued_s, run_s, accepted, done)
+
+        def answer_batch(at: int, count: int, batch: Any, started: float, finished: float) -> None:
+            answered.update(range(at, at + count))
+            self._answer_batch(members[at:at + count], batch, started, finished, done)
+
+        def fallback(k: int) -> None:
+            answered.add(k)
+            conn, item, _ = members[k]
+            self._bound_queued(conn, item)
+
+        try:
+            self.service.run_bound(entry, [item for _, item, _ in members], [a for _, _, a in members], answer,
+                                   answer_batch, fallback)
+        except Exception as exc:  # never a request without its reply
+            violation = _violation(exc)
+            for k, (conn, _, _) in enumerate(members):
+                if k not in answered:
+                    self._bound_error(conn, violation)
+
+    def _answer_batch(self, members: list[tuple[LaneConnection, Binding, float]], batch: Any,
+                      started: float, finished: float, done: list[float]) -> None:
+        """Bound infers run as one batch, answered together: each one's rows of the batch's outputs
+        posted in its ring as a record, then one fence and the wake-ups of the clients asleep
+        (:func:`~vkpool.daemon.lane.wake_sleepers`); the batch's error, a timeout or outputs that do
+        not fit a ring are answered framed."""
+        if isinstance(batch, ProtocolViolation):
+            for conn, _, _ in members:
+                self._bound_error(conn, batch)
+            return
+        outputs, rows = batch
+        run_s = finished - started
+        self.stats.count("ok", len(members))  # counted before they are written, as every reply
+        posted: list[LaneConnection] = []
+        accepted_at: list[float] = []
+        unsent = offset = 0
+        for (conn, item, accepted), r in zip(members, rows):
+            plan = item.plan
+            result: Any = None
+            try:
+                result = [outputs[n][offset:offset + r] for n in (plan.outputs or outputs)]
+                if plan.timeout is not None:
+                    result = _in_time(plan, result, accepted, finished)
+                sent = -1 if isinstance(result, ProtocolViolation) else conn.post_record(item.fill, result)
+            except Exception as exc:  # outputs the record cannot hold: answered framed
+                sent, result = -1, _violation(exc)
+            offset += r
+            if sent > 0:
+                posted.append(conn)
+                accepted_at.append(accepted)
+                continue
+            unsent += 1
+            if sent == 0:
+                self.stats.count("client_gone")
+            else:  # copies: a framed reply may wait to be written while the next batch runs
+                result = result if isinstance(result, ProtocolViolation) else [a.copy() for a in result]
+                self._bound_framed(conn, item, result, started - accepted, run_s, accepted, done)
+        gone = wake_sleepers(posted)
+        if gone:
+            self.stats.count("client_gone", len(gone))
+            accepted_at = [a for conn, a in zip(posted, accepted_at) if conn not in gone]
+        if unsent or gone:
+            self.stats.count("ok", -unsent - len(gone))
+        now = time.monotonic()
+        done.extend(now - a for a in accepted_at)
 
     def _bound_framed(self, conn: LaneConnection, item: Binding, result: Any, queued_s: float, run_s: float,
                       accepted: float, done: list[float]) -> None:
@@ -784,7 +875,7 @@ class Server:
                 self._lane_listener, settings.max_frames, settings.max_message_bytes, settings.lane_poll,
                 accept=self._lane_accept, opened=self._open_lane, request=self._lane_request,
                 broken=self._lane_broken, closed=self._lane_ended, listening=lambda: watch.listening,
-                passed=self._lanes_passed, log=log)
+                passed=self._lanes_passed, log=log, due=self._bound_due)
             self._reactor.start()
         last_sweep = 0.0
         try:
@@ -841,7 +932,8 @@ class Server:
         # only an empty set of unanswered requests says that every reply has been sent
         with self._book:  # and from here on, a lane accepts nothing more
             if (not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0)
-                    and not self._waiting and not any(conn.backlogged() for conn in list(self._lanes))):
+                    and not self._waiting and not self._bound_waiting
+                    and not any(conn.backlogged() for conn in list(self._lanes))):
                 self._lanes_closed = True
                 return True
         if now >= self._drain_until:

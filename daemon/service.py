@@ -290,15 +290,17 @@ class Service:
                 raise ProtocolViolation("InvalidTensor", str(exc)) from None
         return plan, feeds, rows
 
-    def run_bound(self, entry: ModelEntry, items: list[Any], accepted: float, answer: Callable[..., None],
-                  fallback: Callable[[int], None]) -> None:
-        """The bound infers of one model read in one pass over the lanes (``items``, each with
-        ``plan``, ``feeds`` and ``rows``; accepted at ``accepted``, a ``time.monotonic()`` value),
+    def run_bound(self, entry: ModelEntry, items: list[Any], accepted: list[float], answer: Callable[..., None],
+                  answer_batch: Callable[..., None], fallback: Callable[[int], None]) -> None:
+        """The bound infers of one model that the lanes' thread runs now (``items``, each with
+        ``plan``, ``feeds`` and ``rows``, accepted at ``accepted``, ``time.monotonic()`` values),
         run on this thread when the model is idle and quick: a batching model's as batches of
         their rows, any other's back to back. ``answer(k, outputs or ProtocolViolation, queued_s,
-        run_s)`` answers ``items[k]``; ``fallback(k)`` has it queued as a job instead
-        (:meth:`queue_bound`), when the model is busy, being re-planned, not yet timed or slower
-        than ``inline_run_max``."""
+        run_s)`` answers ``items[k]``; ``answer_batch(at, count, batch, started, finished)``
+        answers ``items[at:at + count]``, run as one batch (``batch``: the batch's outputs and the
+        requests' rows, as :meth:`BatchRunner.run_whole` gives them, or its ProtocolViolation);
+        ``fallback(k)`` has ``items[k]`` queued as a job instead (:meth:`queue_bound`), when the
+        model is busy, being re-planned, not yet timed or slower than ``inline_run_max``."""
         run_s = entry.run_s
         queue = None
         if run_s is not None and run_s <= self.settings.inline_run_max and not self.draining:
@@ -314,20 +316,16 @@ class Service:
                 return
             at = 0
             for count in runner.batches([item.rows for item in items]):
-                group = items[at:at + count]
                 runner.stats.where_read += 1
-                # views of the batch's outputs: each is copied into its ring as it is answered
-                batch, started, finished = self._timed_batch(entry, [(i.feeds, i.plan.outputs) for i in group],
-                                                             [accepted] * count, copy=False)
-                for k, item in enumerate(group, at):
-                    results = batch if isinstance(batch, ProtocolViolation) else batch[k - at]
-                    answer(k, _in_time(item.plan, results, accepted, finished), started - accepted,
-                           finished - started)
+                batch, started, finished = self._timed_batch(entry, [i.feeds for i in items[at:at + count]],
+                                                             accepted[at:at + count])
+                answer_batch(at, count, batch, started, finished)
                 at += count
         finally:
             self.scheduler.release_claim(queue, entry.gate, len(items))
 
-    def _run_many(self, entry: ModelEntry, items: list[Any], accepted: float, answer: Callable[..., None]) -> None:
+    def _run_many(self, entry: ModelEntry, items: list[Any], accepted: list[float], answer: Callable[..., None]
+                  ) -> None:
         """:meth:`run_bound` for a model that does not batch: the requests of each output list go to
         ``Session.run_many`` together, so a plan over several members or replicas works on them at
         once, and each is answered as it ends."""
@@ -341,10 +339,11 @@ class Service:
             def each(i: int, result: Any, ks: list[int] = ks, started: float = started) -> None:
                 nonlocal last
                 finished = time.monotonic()
-                results = self._ran(entry, result, last, finished, started - accepted)
+                k = ks[i]
+                results = self._ran(entry, result, last, finished, started - accepted[k])
                 last = finished
-                item = items[ks[i]]
-                answer(ks[i], _in_time(item.plan, results, accepted, finished), started - accepted, finished - started)
+                answer(k, _in_time(items[k].plan, results, accepted[k], finished), started - accepted[k],
+                       finished - started)
 
             entry.session.run_many((items[k].feeds for k in ks), None if outputs is None else list(outputs), each)
 
@@ -427,25 +426,24 @@ class Service:
         self.stats.ran(entry, "ok", run_s, *queued_s)
         return results
 
-    def _timed_batch(self, entry: ModelEntry, requests: list[tuple[dict[str, np.ndarray], list[str] | None]],
-                     accepted: list[float], taken: list[float | None] | None = None, copy: bool = True
-                     ) -> tuple[list[list[np.ndarray]] | ProtocolViolation, float, float]:
-        """One batch of checked requests on a batching model (the caller holds the model's gate),
-        counted and timed: each request's outputs (``copy``: as :meth:`BatchRunner.run`) or the
-        batch's error, when it started and when it ended. A request's queue delay runs from its
-        ``accepted`` to its ``taken`` (when the scheduler took it; None, or no list: the batch's
-        start), ``time.monotonic()`` values."""
-        runner = entry.batching
+    def _timed_batch(self, entry: ModelEntry, feeds: list[dict[str, np.ndarray]], accepted: list[float],
+                     taken: list[float | None] | None = None
+                     ) -> tuple[tuple[dict[str, np.ndarray], list[int]] | ProtocolViolation, float, float]:
+        """One batch of checked requests' feeds on a batching model (the caller holds the model's
+        gate), counted and timed: the batch's outputs and each request's rows
+        (:meth:`BatchRunner.run_whole`) or the batch's error, when it started and when it ended. A
+        request's queue delay runs from its ``accepted`` to its ``taken`` (when the scheduler took
+        it; None, or no list: the batch's start), ``time.monotonic()`` values."""
         started = time.monotonic()
         try:
-            results: Any = runner.run(requests, copy)
+            results: Any = entry.batching.run_whole(feeds)
         except Exception as exc:
             results = exc
         finished = time.monotonic()
         queued = [(started if t is None else t) - a for a, t in zip(accepted, taken or [None] * len(accepted))]
         results = self._ran(entry, results, started, finished, *queued)
         if not isinstance(results, ProtocolViolation):
-            runner.stats.record_delays(queued)
+            entry.batching.stats.record_delays(queued)
         return results, started, finished
 
     def _run_job(self, job: Job) -> None:
@@ -491,16 +489,16 @@ class Service:
             if not jobs:
                 return
             # a job's queue delay ends when the scheduler took it (started_at), not when its batch starts
-            results, started, finished = self._timed_batch(
-                entry, [(feeds, job.outputs) for job, feeds in taken], [job.accepted_at for job in jobs],
-                [job.started_at for job in jobs])
+            batch, started, finished = self._timed_batch(
+                entry, [feeds for _, feeds in taken], [job.accepted_at for job in jobs], [job.started_at for job in jobs])
+            if isinstance(batch, ProtocolViolation):
+                for job in jobs:
+                    self.scheduler.settle(job)
+                    job.finish("error", _error(batch))
+                return
+            results = entry.batching.split(*batch, [job.outputs for job in jobs])
         finally:
             entry.gate.release_shared()
-        if isinstance(results, ProtocolViolation):
-            for job in jobs:
-                self.scheduler.settle(job)
-                job.finish("error", _error(results))
-            return
         for job, result in zip(jobs, results):
             queued = (job.started_at or started) - job.accepted_at
             content, frames = self._replies.pack(entry.output_names if job.outputs is None else job.outputs,

@@ -422,3 +422,65 @@ def test_serve_on_a_cluster_refuses_run_slots_its_nodes_do_not_keep(tmp_path: Pa
     assert serve(config, f"ipc://{tmp_path}/d.sock", ClusterRuntime(None)) == 2
     assert f"daemon.run_slots is {RUN_SLOTS + 1}" in capsys.readouterr().err
     assert ClusterRuntime.refuses(DaemonSettings(run_slots=RUN_SLOTS)) is None  # the default
+
+
+@pytest.fixture(scope="module")
+def inline_daemon() -> Iterator[Daemon]:
+    with short_folder("vkbi") as path:
+        # every run quick enough to run where it was read, however loaded the machine
+        d = Daemon(path, daemon={"lane_poll": "0.2ms", "inline_run_max": "1s"})
+        yield d
+        assert d.stop() == 0
+
+
+def test_bound_infers_of_a_model_with_a_queue_delay_wait_for_company(inline_daemon: Daemon) -> None:
+    """A batching model loaded with a queue delay: a lone bound infer waits it out on the lanes'
+    thread (which reads on meanwhile) before it runs; two sent together run as one batch where
+    they were read, each with its own rows."""
+    import threading
+
+    daemon = inline_daemon
+    with polling(daemon.client()) as client:
+        session = client.session(batch_model(), max_batch=4, max_queue_delay=0.3)
+
+        def info() -> dict:
+            [m] = [m for m in client.list_models() if m["batching"] and m["batching"]["max_batch"] == 4]
+            return m["batching"]
+
+        x = np.random.default_rng(3).standard_normal((1, 16)).astype(np.float32)
+        session.run(None, {"x": x})  # binds
+        before = info()
+        started = time.monotonic()
+        (y,) = session.run(None, {"x": x})
+        waited = time.monotonic() - started
+        np.testing.assert_allclose(y, reference(x), rtol=1e-5, atol=1e-6)
+        assert 0.25 <= waited < 10.0, waited
+        lone = info()
+        assert (lone["batches"] - before["batches"], lone["where_read"] - before["where_read"]) == (1, 1)
+
+        with daemon.client() as other:
+            polling(other)
+            second = other.session(batch_model(), max_batch=4, max_queue_delay=0.3)
+            x2 = np.random.default_rng(4).standard_normal((2, 16)).astype(np.float32)
+            second.run(None, {"x": x2})  # binds
+            mid = info()
+            gate = threading.Barrier(2)
+            got: dict[str, np.ndarray] = {}
+
+            def send(name: str, s: object, value: np.ndarray) -> None:
+                gate.wait()
+                got[name] = s.run(None, {"x": value})[0]  # type: ignore[attr-defined]
+
+            threads = [threading.Thread(target=send, args=("a", session, x)),
+                       threading.Thread(target=send, args=("b", second, x2))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            after = info()
+        np.testing.assert_allclose(got["a"], reference(x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["b"], reference(x2), rtol=1e-5, atol=1e-6)
+        assert (after["batches"] - mid["batches"], after["requests"] - mid["requests"],
+                after["rows"] - mid["rows"]) == (1, 2, 3)
+        assert after["where_read"] - mid["where_read"] == 1
+        balanced(client)

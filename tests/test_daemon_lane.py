@@ -707,3 +707,70 @@ def test_a_reply_in_the_ring_to_a_client_gone_asleep_counts_as_undelivered() -> 
     finally:
         conn.close()
         b.close()
+
+
+def test_a_dozing_client_sees_a_reply_a_socket_message_or_its_limit() -> None:
+    """``ring_doze`` looks at the ring between short sleeps: it returns True once the other side
+    publishes, False at once when a message waits on the socket, and False at its limit."""
+    from vkpool.daemon import lane as L
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ring, fd = Ring.create(4096)
+    os.close(fd)
+    reader = P.LaneReader(a, 16, 1 << 20)
+    try:
+        words = ring.words
+        publisher = threading.Timer(0.02, lambda: words.__setitem__(_REP, 1))
+        publisher.start()
+        started = time.perf_counter()
+        assert L.ring_doze(words, _REP, 0, reader, started + 5.0)
+        assert 0.015 < time.perf_counter() - started < 2.0
+        publisher.join()
+        started = time.perf_counter()
+        assert not L.ring_doze(words, _REP, 1, reader, started + 0.05)  # nothing comes: its limit
+        assert time.perf_counter() - started >= 0.05
+        b.sendall(P.LANE_WAKE)
+        started = time.perf_counter()
+        assert not L.ring_doze(words, _REP, 1, reader, started + 5.0)  # a message on the socket
+        assert time.perf_counter() - started < 2.0
+    finally:
+        ring.close()
+        a.close()
+        b.close()
+
+
+def test_a_client_that_dozes_is_answered_without_sleeping_in_recv(shared: Daemon,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that does not poll for its replies but dozes (looks at its ring between short
+    sleeps) gets every reply without once sleeping in ``recv``: the daemon writes it no
+    wake-up. The replies are the same as a polling client's."""
+    from vkpool.daemon import lane as L
+
+    sleeps: list[int] = []
+    real_sleep = L.ring_sleep
+
+    def counted(*args: Any) -> Any:
+        sleeps.append(1)
+        return real_sleep(*args)
+
+    model = shared.folder / "doze.onnx"
+    model.write_bytes(mlp_model(8, 16, seed=5))
+    with shared.client() as client:
+        client._lane_poller.max_s = 300e-6  # this process's default on 2 CPUs: no polling, so no ring
+        session = client.session(model)
+        want = session.run(None, {"x": X})
+        [lane] = client._lanes
+        assert lane.ring is not None, "the daemon granted no ring"
+        monkeypatch.setattr(L, "DOZE_S", 50e-6)
+        monkeypatch.setattr(L, "DOZE_FOR_S", 30.0)
+        monkeypatch.setattr(L, "ring_sleep", counted)
+        client._lane_poller.max_s = 1e-9  # no polling: every reply is waited for dozing
+        rng = np.random.default_rng(1)
+        for _ in range(30):
+            xs = rng.standard_normal((1, 8)).astype(np.float32)
+            got = session.run(None, {"x": xs})
+            again = session.run(None, {"x": X})
+            for a, b in zip(again, want):
+                np.testing.assert_array_equal(a, b)
+            assert got[0].shape == want[0].shape
+        assert sleeps == []

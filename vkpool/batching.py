@@ -233,21 +233,29 @@ class BatchRunner:
         all) as one batch; each request's outputs, its own rows: copies, or with ``copy`` False
         views of the batch's outputs (for a caller that copies them before the variant runs again).
         Raises when the batch fails."""
-        rows = [next(iter(feeds.values())).shape[0] for feeds, _ in requests]
+        outputs, rows = self.run_whole([feeds for feeds, _ in requests])
+        return self.split(outputs, rows, [names for _, names in requests], copy)
+
+    def run_whole(self, feeds: Sequence[Mapping[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int]]:
+        """Runs checked requests' feeds as one batch: the batch's outputs by name (the requests'
+        rows first, in order, then any padding) and each request's row count. Raises when the
+        batch fails."""
+        first = self.inputs[0][0]
+        rows = [f[first].shape[0] for f in feeds]
         total = sum(rows)
         size = next(s for s in self.sizes if s >= total)
         stats = self.stats
         stats.batches += 1
-        stats.requests += len(requests)
+        stats.requests += len(rows)
         stats.rows += total
         try:
-            feeds = {}
+            stacked = {}
             for name, tail, dtype in self.inputs:
-                parts = [f[name] for f, _ in requests]
+                parts = [f[name] for f in feeds]
                 if size > total:
                     parts.append(np.zeros((size - total, *tail), dtype))
-                feeds[name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-            outputs = self._variant(size).run(self.outputs, feeds)
+                stacked[name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            outputs = self._variant(size).run(self.outputs, stacked)
             for name, out in zip(self.outputs, outputs):
                 if out.ndim == 0 or out.shape[0] != size:
                     raise BatchingError(f"output {name!r} has shape {list(out.shape)}: its first dim does not "
@@ -256,11 +264,16 @@ class BatchRunner:
             stats.failed_batches += 1
             raise
         stats.padded_rows += size - total
-        by_name = dict(zip(self.outputs, outputs))
+        return dict(zip(self.outputs, outputs)), rows
+
+    def split(self, outputs: Mapping[str, np.ndarray], rows: Sequence[int], names: Sequence[Sequence[str] | None],
+              copy: bool = True) -> list[list[np.ndarray]]:
+        """Each request's own rows of :meth:`run_whole`'s outputs, the outputs it names (``names``,
+        None for all): copies, or views with ``copy`` False."""
         results, offset = [], 0
-        for (_, names), r in zip(requests, rows):
+        for wanted, r in zip(names, rows):
             # copies, so that one request's result does not keep the whole batch's arrays alive
-            views = [by_name[n][offset:offset + r] for n in (names or self.outputs)]
+            views = [outputs[n][offset:offset + r] for n in (wanted or self.outputs)]
             results.append([v.copy() for v in views] if copy else views)
             offset += r
         return results
