@@ -118,6 +118,10 @@ class Poller:
 # ---------------------------------------------------------------------------------------------
 # The ring: shared memory beside the socket.
 
+#: a wait for requests kept waiting shorter than this is polled through, not slept (``epoll``'s
+#: timeout is in whole milliseconds, so a shorter sleep would last a millisecond)
+_DUE_SLEEP_MIN_S = 2e-3
+
 #: bytes of each of a ring's two halves (request, reply); a message larger than its half travels
 #: on the socket.
 RING_HALF = 256 << 10
@@ -228,30 +232,6 @@ def ring_wait(words: memoryview, which: int, seen: int, reader: P.LaneReader, un
                 return True
         if ready(0) or clock() > until:
             return words[which] != seen
-
-
-#: a client that has stopped polling for its reply in the ring looks at the ring every this many
-#: seconds (``time.sleep``) for up to :data:`DOZE_FOR_S` after its request, and only then sleeps in
-#: ``recv``: a client that dozes costs the daemon no wake-up on the socket (one system call and a
-#: scheduler wake-up on the daemon's lanes' thread, per reply). ``$VKPOOL_LANE_DOZE_US`` sets it in
-#: microseconds (0: never doze); by default 100 where the clients poll, else 0.
-DOZE_S = float(os.environ.get("VKPOOL_LANE_DOZE_US", "100" if POLL_MAX_S > 0 else "0")) * 1e-6
-#: how long after its request a client dozes before it sleeps in ``recv``
-DOZE_FOR_S = 2e-3
-
-
-def ring_doze(words: memoryview, which: int, seen: int, reader: P.LaneReader, until: float) -> bool:
-    """Look at ``words[which]`` every :data:`DOZE_S` until it differs from ``seen`` (True), or
-    until ``until`` or a message on the socket (False)."""
-    if reader._poll is None:
-        reader._poll = select.poll()
-        reader._poll.register(reader.sock.fileno(), select.POLLIN)
-    ready, clock, nap = reader._poll.poll, time.perf_counter, time.sleep
-    while words[which] == seen:
-        if ready(0) or clock() > until:
-            return words[which] != seen
-        nap(DOZE_S)
-    return True
 
 
 def ring_sleep(words: memoryview, which: int, seen: int, asleep: int, reader: P.LaneReader
@@ -715,8 +695,9 @@ class LaneReactor:
                 ready = self._ready_rings()
             timeout = 0.0 if ready else _REACTOR_TICK_S if self._stalled or self._done else 0.05
             due = self._due()  # requests waiting for company run by then
-            if due is not None:
-                timeout = min(timeout, max(0.0, due - time.monotonic()))
+            if due is not None:  # epoll counts whole milliseconds: a shorter wait is polled through
+                left = due - time.monotonic()
+                timeout = min(timeout, left) if left > _DUE_SLEEP_MIN_S else 0.0
         try:
             events = self._epoll.poll(timeout)
         finally:
@@ -1058,8 +1039,6 @@ class ClientLane:
                     ring_wait(words, _REP, seen, self.reader, until)
                 finally:
                     poller._token.release()
-            if words[_REP] == seen and DOZE_S > 0:
-                ring_doze(words, _REP, seen, self.reader, self.sent_at + DOZE_FOR_S)
             if words[_REP] == seen:
                 parts = ring_sleep(words, _REP, seen, _CLIENT_ASLEEP, self.reader)
                 if parts is None or parts:  # end of file, or a reply on the socket
