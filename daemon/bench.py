@@ -251,7 +251,7 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
                     entry[t] = summary_us(times[t])
                 entry["added_us"] = {t: round(entry[t]["median_us"] - base["median_us"], 1) for t in transports}
                 status = next(iter(via.values())).status
-                entry["throughput"] = {t: {str(n): batched(status, lambda n=n, t=t: throughput(
+                entry["throughput"] = {t: {str(n): batched(status, lambda n=n, t=t, path=path: throughput(
                     daemon.endpoint, path, n, seconds, t, load, daemon.proc.pid)) for n in clients} for t in transports}
                 entry["jobs_per_s"] = {t: {n: r["jobs_per_s"] for n, r in by.items()}
                                        for t, by in entry["throughput"].items()}
