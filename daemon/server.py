@@ -582,8 +582,9 @@ class Server:
                 groups.setdefault(entry.id, (entry, []))[1].append((conn, item, now))
         done: list[float] = []  # the latencies of the infers answered ok
         for entry, members in groups.values():
-            runner = entry.batching
-            if runner is not None and runner.max_queue_delay > 0 and not self.service.draining:
+            runner = entry.batching  # a model whose batches run elsewhere waits in its queue instead
+            if (runner is not None and runner.max_queue_delay > 0 and not self.service.draining
+                    and self.service.runs_where_read(entry)):
                 due = members[0][2] + runner.max_queue_delay
                 if now < due and sum(item.rows for _, item, _ in members) < runner.max_batch:
                     if not self._bound_waiting or due < self._bound_deadline:
@@ -634,8 +635,7 @@ class Server:
 
         def fallback(k: int) -> None:
             answered.add(k)
-            conn, item, _ = members[k]
-            self._bound_queued(conn, item)
+            self._bound_queued(*members[k])
 
         try:
             self.service.run_bound(entry, [item for _, item, _ in members], [a for _, _, a in members], answer,
@@ -713,7 +713,7 @@ class Server:
         conn.ring_reply = True
         self._lane_reply(conn, None, "infer", "error", _error(violation), [])
 
-    def _bound_queued(self, conn: LaneConnection, item: Binding) -> None:
+    def _bound_queued(self, conn: LaneConnection, item: Binding, accepted: float) -> None:
         """A bound infer queued as a job (its model is busy, or slow): answered framed, by id."""
         client = conn.client
         assert client is not None
@@ -724,7 +724,7 @@ class Server:
             self._lane_routes[key] = conn
         conn.ring_reply = True
         try:
-            self.service.queue_bound(client, rid, item.plan, item.feeds)
+            self.service.queue_bound(client, rid, item.plan, item.feeds, accepted)
         except Exception as exc:
             self._reply_from_thread(client, rid, "infer", "error", _error(_violation(exc)), [])
 

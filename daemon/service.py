@@ -225,8 +225,9 @@ class Service:
         self._infer(client, rid, plan, plan.feeds(frames), inline)
 
     def _infer(self, client: bytes, rid: str, plan: InferPlan, feeds: dict[str, np.ndarray],
-               inline: bool | None) -> None:
-        accepted = time.monotonic()
+               inline: bool | None, accepted: float | None = None) -> None:
+        if accepted is None:
+            accepted = time.monotonic()
         entry, outputs = plan.entry, plan.outputs
         deadline = None if plan.timeout is None else accepted + plan.timeout
         run_s = entry.run_s
@@ -301,9 +302,8 @@ class Service:
         requests' rows, as :meth:`BatchRunner.run_whole` gives them, or its ProtocolViolation);
         ``fallback(k)`` has ``items[k]`` queued as a job instead (:meth:`queue_bound`), when the
         model is busy, being re-planned, not yet timed or slower than ``inline_run_max``."""
-        run_s = entry.run_s
         queue = None
-        if run_s is not None and run_s <= self.settings.inline_run_max and not self.draining:
+        if self.runs_where_read(entry) and not self.draining:
             queue = self.scheduler.claim_idle(entry.id, entry.gate, len(items))
         if queue is None:
             for k in range(len(items)):
@@ -347,11 +347,19 @@ class Service:
 
             entry.session.run_many((items[k].feeds for k in ks), None if outputs is None else list(outputs), each)
 
-    def queue_bound(self, client: bytes, rid: str, plan: InferPlan, feeds: dict[str, np.ndarray]) -> None:
-        """A bound infer that does not run where it was read: queued as a job, answered by id."""
+    def queue_bound(self, client: bytes, rid: str, plan: InferPlan, feeds: dict[str, np.ndarray],
+                    accepted: float) -> None:
+        """A bound infer that does not run where it was read: queued as a job, answered by id. Its
+        queue delay and timeout count from ``accepted`` (``time.monotonic()``), when it was read."""
         if self.draining:
             raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
-        self._infer(client, rid, plan, feeds, False)
+        self._infer(client, rid, plan, feeds, False, accepted)
+
+    def runs_where_read(self, entry: ModelEntry) -> bool:
+        """Whether bound infers of ``entry`` may run on the lanes' thread (:meth:`run_bound`) as far
+        as its speed goes: timed, and quicker than ``inline_run_max``."""
+        run_s = entry.run_s
+        return run_s is not None and run_s <= self.settings.inline_run_max
 
     def watch(self, job: Job) -> None:
         """Overridden by the server to track deadlines."""

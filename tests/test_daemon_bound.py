@@ -219,6 +219,15 @@ def test_bound_infers_are_queued_as_jobs_where_they_cannot_run_where_read() -> N
                 [info] = [m for m in client.list_models() if m["batching"]]
                 assert counters["error"] == 0 and info["batching"]["where_read"] == 0
                 assert info["batching"]["requests"] == 10
+                # with a queue delay, a lone request waits it out once, in the model's queue: the
+                # lanes' thread does not hold requests that it will not run itself
+                delayed = client.session(batch_model(graph="qd"), max_batch=4, max_queue_delay=0.4)
+                b = rng.standard_normal((1, 16)).astype(np.float32)
+                delayed.run(None, {"x": b})  # binds
+                for _ in range(2):
+                    started = time.monotonic()
+                    np.testing.assert_allclose(delayed.run(None, {"x": b})[0], reference(b), rtol=1e-5, atol=1e-6)
+                    assert 0.35 <= time.monotonic() - started < 0.75
         finally:
             assert d.stop() == 0
 
