@@ -76,14 +76,14 @@ class Binding:
 
     def __init__(self, plan: Any, feeds: dict[str, np.ndarray], rows: int) -> None:
         self.plan, self.feeds, self.rows = plan, feeds, rows
-        self._key: tuple | None = None
+        self._key: list | None = None
         self._head = b""
         self._out: list[np.ndarray] = []
 
     def fill(self, half: Any, arrays: Sequence[np.ndarray]) -> bool:
         """Write ``arrays`` as a record into ``half``; False (nothing written) when they do not fit
         or have a dtype the protocol cannot name."""
-        key = tuple((a.dtype, a.shape) for a in arrays)
+        key = [(a.dtype, a.shape) for a in arrays]
         if key != self._key:
             try:
                 head, offsets, end = record_layout(arrays)
@@ -95,7 +95,7 @@ class Binding:
             self._out = views(half, key, offsets)
         half[:len(self._head)] = self._head
         for out, a in zip(self._out, arrays):
-            np.copyto(out, a, casting="no")
+            out[...] = a  # the same dtype and shape (the key): a plain copy
         return True
 
 
