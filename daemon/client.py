@@ -565,7 +565,7 @@ class Client:
         prefix, suffix = _INFER_REQUEST
         parts = [prefix + packed_rid + suffix, packed_content, *frames]
         if sum(map(len, parts)) > self._max_bytes:
-            self._lanes_idle.append(lane)
+            self._lane_done(lane)
             return None
         reply = self._lane_exchange(lane, parts, rid, timeout)
         if type(reply) is memoryview:  # a record where no bound infer was sent

@@ -107,9 +107,9 @@ class Server:
         self._lanes: set[LaneConnection] = set()
         self._lanes_closed = False
         self._bound: list[tuple[LaneConnection, int]] = []  # bound infers read in the lanes' pass
-        # bound infers of batching models waiting for company, by model: (entry, [(connection,
-        # binding, accepted at)]), and when the first of them must run
-        self._bound_waiting: dict[str, tuple[Any, list[tuple[LaneConnection, Binding, float]]]] = {}
+        # bound infers of batching models waiting for company, by model (the entry's identity):
+        # (entry, [(connection, binding, accepted at)]), and when the first of them must run
+        self._bound_waiting: dict[int, tuple[Any, list[tuple[LaneConnection, Binding, float]]]] = {}
         self._bound_deadline = 0.0
         self._bound_ids = itertools.count()  # request ids of bound infers queued as jobs
         self._lane_listener: LaneListener | None = None
@@ -549,39 +549,34 @@ class Server:
 
     def _run_bound(self, items: list[tuple[LaneConnection, int]]) -> None:
         """Bound infers read in this pass, and those waiting for company from earlier passes: run
-        by model (:meth:`Service.run_bound`). A batching model with a queue delay keeps its
-        requests waiting while their rows are fewer than its ``max_batch`` and the first of them
-        has waited less than ``max_queue_delay``: the lanes' thread reads on meanwhile and runs
-        them with what comes, as the scheduler's queue would for framed requests."""
+        by model (:meth:`Service.run_bound`). A batching model with a queue delay whose batches run
+        here keeps its requests waiting while their rows are fewer than its ``max_batch`` and the
+        first of them has waited less than ``max_queue_delay``: the lanes' thread reads on
+        meanwhile and runs them with what comes, as the scheduler's queue would for framed
+        requests. Each request is checked against its client's models once, when it runs."""
         now = time.monotonic()
         with self._book:
             closed = self._lanes_closed
             if not closed:
                 self.stats.count("accepted", len(items))
-        waiting, self._bound_waiting = self._bound_waiting, {}
+        groups, self._bound_waiting = self._bound_waiting, {}
         if closed:  # the daemon is stopping: not accepted, and the lanes close
             for conn, _ in items:
                 conn.shutdown()
-            for _, members in waiting.values():
+            for _, members in groups.values():
                 for conn, _, _ in members:
                     conn.shutdown()
             return
-        groups: dict[str, tuple[Any, list[tuple[LaneConnection, Binding, float]]]] = {}
-        for key, (entry, members) in waiting.items():  # still their clients' model?
-            kept = [m for m in members if self._bound_current(m[0], entry)]
-            if kept:
-                groups[key] = (entry, kept)
         for conn, index in items:
             item = conn.bindings[index] if index < len(conn.bindings) else None
             if item is None:
                 self._bound_error(conn, ProtocolViolation(
                     "InvalidRequest", f"this lane has no binding {index}; send bind_infer_request first"))
                 continue
-            entry = item.plan.entry
-            if self._bound_current(conn, entry):
-                groups.setdefault(entry.id, (entry, []))[1].append((conn, item, now))
+            entry = item.plan.entry  # by identity: a model loaded again is another entry of the same id
+            groups.setdefault(id(entry), (entry, []))[1].append((conn, item, now))
         done: list[float] = []  # the latencies of the infers answered ok
-        for entry, members in groups.values():
+        for key, (entry, members) in groups.items():
             runner = entry.batching  # a model whose batches run elsewhere waits in its queue instead
             if (runner is not None and runner.max_queue_delay > 0 and not self.service.draining
                     and self.service.runs_where_read(entry)):
@@ -589,9 +584,11 @@ class Server:
                 if now < due and sum(item.rows for _, item, _ in members) < runner.max_batch:
                     if not self._bound_waiting or due < self._bound_deadline:
                         self._bound_deadline = due
-                    self._bound_waiting[entry.id] = (entry, members)
+                    self._bound_waiting[key] = (entry, members)
                     continue
-            self._run_bound_group(entry, members, done)
+            members = [m for m in members if self._bound_current(m[0], entry)]
+            if members:
+                self._run_bound_group(entry, members, done)
         if done:
             self.stats.infers_done(done, time.monotonic())
 
@@ -612,26 +609,22 @@ class Server:
 
         def answer(k: int, result: Any, queued_s: float, run_s: float) -> None:
             answered.add(k)
-            conn, item, accepted = members[k]
-            if type(result) is list:  # outputs: a record in the ring when they fit
-                self.stats.count("ok")  # counted before it is written, as every reply
-                try:
-                    sent = conn.send_record(item.fill, result)
-                except Exception as exc:  # outputs the record cannot hold: answered framed
-                    sent = -1
-                    result = _violation(exc)
-                if sent > 0:
-                    done.append(time.monotonic() - accepted)
-                    return
-                self.stats.count("ok", -1)
-                if sent == 0:
-                    self.stats.count("client_gone")
-                    return
-            self._bound_framed(conn, item, result, queued_s, run_s, accepted, done)
+            self._answer_bound([(*members[k], result, queued_s)], run_s, done)
 
         def answer_batch(at: int, count: int, batch: Any, started: float, finished: float) -> None:
             answered.update(range(at, at + count))
-            self._answer_batch(members[at:at + count], batch, started, finished, done)
+            group = members[at:at + count]
+            if isinstance(batch, ProtocolViolation):
+                self._answer_bound([(*m, batch, started - m[2]) for m in group], finished - started, done)
+                return
+            outputs, rows = batch
+            answers, offset = [], 0
+            for (conn, item, accepted), r in zip(group, rows):
+                answers.append((conn, item, accepted,
+                                [outputs[n][offset:offset + r] for n in (item.plan.outputs or outputs)],
+                                started - accepted))
+                offset += r
+            self._answer_bound(answers, finished - started, done)
 
         def fallback(k: int) -> None:
             answered.add(k)
@@ -646,33 +639,24 @@ class Server:
                 if k not in answered:
                     self._bound_error(conn, violation)
 
-    def _answer_batch(self, members: list[tuple[LaneConnection, Binding, float]], batch: Any,
-                      started: float, finished: float, done: list[float]) -> None:
-        """Bound infers run as one batch, answered together: each one's rows of the batch's outputs
-        posted in its ring as a record, then one fence and the wake-ups of the clients asleep
-        (:func:`~vkpool.daemon.lane.wake_sleepers`); the batch's error, a timeout or outputs that do
-        not fit a ring are answered framed."""
-        if isinstance(batch, ProtocolViolation):
-            for conn, _, _ in members:
-                self._bound_error(conn, batch)
-            return
-        outputs, rows = batch
-        run_s = finished - started
-        self.stats.count("ok", len(members))  # counted before they are written, as every reply
+    def _answer_bound(self, answers: list[tuple[LaneConnection, Binding, float, Any, float]], run_s: float,
+                      done: list[float]) -> None:
+        """Bound infers answered, each ``(connection, binding, accepted at, outputs or
+        ProtocolViolation, queued_s)``: outputs are posted in the ring as a record, then one fence
+        for them all and the wake-ups of the clients asleep (:func:`~vkpool.daemon.lane.wake_sleepers`);
+        an error, a request past its timeout, or outputs a record cannot hold are answered framed
+        (outputs then copied: the reply may wait to be written while the next batch runs)."""
+        now = time.monotonic()
+        self.stats.count("ok", len(answers))  # counted before they are written, as every reply
         posted: list[LaneConnection] = []
         accepted_at: list[float] = []
-        unsent = offset = 0
-        for (conn, item, accepted), r in zip(members, rows):
-            plan = item.plan
-            result: Any = None
+        unsent = 0
+        for conn, item, accepted, result, queued_s in answers:
             try:
-                result = [outputs[n][offset:offset + r] for n in (plan.outputs or outputs)]
-                if plan.timeout is not None:
-                    result = _in_time(plan, result, accepted, finished)
-                sent = -1 if isinstance(result, ProtocolViolation) else conn.post_record(item.fill, result)
+                result = _in_time(item.plan, result, accepted, now)
+                sent = conn.post_record(item.fill, result) if type(result) is list else -1
             except Exception as exc:  # outputs the record cannot hold: answered framed
                 sent, result = -1, _violation(exc)
-            offset += r
             if sent > 0:
                 posted.append(conn)
                 accepted_at.append(accepted)
@@ -680,16 +664,15 @@ class Server:
             unsent += 1
             if sent == 0:
                 self.stats.count("client_gone")
-            else:  # copies: a framed reply may wait to be written while the next batch runs
-                result = result if isinstance(result, ProtocolViolation) else [a.copy() for a in result]
-                self._bound_framed(conn, item, result, started - accepted, run_s, accepted, done)
+            else:
+                self._bound_framed(conn, item, [a.copy() for a in result] if type(result) is list else result,
+                                   queued_s, run_s, accepted, done)
         gone = wake_sleepers(posted)
         if gone:
             self.stats.count("client_gone", len(gone))
             accepted_at = [a for conn, a in zip(posted, accepted_at) if conn not in gone]
         if unsent or gone:
             self.stats.count("ok", -unsent - len(gone))
-        now = time.monotonic()
         done.extend(now - a for a in accepted_at)
 
     def _bound_framed(self, conn: LaneConnection, item: Binding, result: Any, queued_s: float, run_s: float,

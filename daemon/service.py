@@ -342,8 +342,7 @@ class Service:
                 k = ks[i]
                 results = self._ran(entry, result, last, finished, started - accepted[k])
                 last = finished
-                answer(k, _in_time(items[k].plan, results, accepted[k], finished), started - accepted[k],
-                       finished - started)
+                answer(k, results, started - accepted[k], finished - started)
 
             entry.session.run_many((items[k].feeds for k in ks), None if outputs is None else list(outputs), each)
 
@@ -691,10 +690,10 @@ def _timeout(seconds: float) -> dict[str, Any]:
 
 
 def _in_time(plan: InferPlan, results: Any, accepted: float, finished: float) -> Any:
-    """``results``, or the Timeout of a job that ran past its plan's timeout."""
+    """``results``, or the Timeout (:func:`_timeout`) of a job that ran past its plan's timeout."""
     if plan.timeout is not None and finished - accepted > plan.timeout and not isinstance(results, ProtocolViolation):
-        return ProtocolViolation("Timeout", f"job did not finish within its timeout ({plan.timeout:.3g} s)",
-                                 {"state": "running"})
+        error = _timeout(plan.timeout)
+        return ProtocolViolation(error["type"], error["message"], error["details"])
     return results
 
 

@@ -497,3 +497,33 @@ def test_bound_infers_of_a_model_with_a_queue_delay_wait_for_company(inline_daem
                 after["rows"] - mid["rows"]) == (1, 2, 3)
         assert after["where_read"] - mid["where_read"] == 1
         balanced(client)
+
+
+def test_a_bound_infer_past_its_timeout_is_answered_timeout(inline_daemon: Daemon) -> None:
+    """A bound infer whose run ends after its timeout is answered ``Timeout``, on a batching model
+    (its batch answered together) and on a fixed one (answered as it ends); the same infer with
+    room to run is answered with its outputs, and the counters balance."""
+    from vkpool.session import Session
+
+    fixed_model = mlp_model(8, 16, seed=21)
+    with polling(inline_daemon.client()) as client, Session(fixed_model) as local:
+        fixed = client.session(fixed_model)
+        batched = client.session(batch_model(graph="late"), max_batch=4)
+        x = np.random.default_rng(5).standard_normal((1, 8)).astype(np.float32)
+        b = np.random.default_rng(6).standard_normal((2, 16)).astype(np.float32)
+        for _ in range(3):  # timed, so that they run where read
+            fixed.run(None, {"x": x})
+            batched.run(None, {"x": b})
+        before = balanced(client)
+        for _ in range(2):  # bound on the first, then bound already
+            with pytest.raises(E.Timeout):
+                fixed.run(None, {"x": x}, timeout=1e-7)
+            with pytest.raises(E.Timeout):
+                batched.run(None, {"x": b}, timeout=1e-7)
+        for g, w in zip(fixed.run(None, {"x": x}, timeout=30.0), local.run(None, {"x": x}), strict=True):
+            np.testing.assert_array_equal(g, w)
+        np.testing.assert_allclose(batched.run(None, {"x": b}, timeout=30.0)[0], reference(b), rtol=1e-5, atol=1e-6)
+        after = balanced(client)
+        assert after["error"] - before["error"] == 4
+        [lane] = client._lanes
+        assert sum(key[2] == 1e-7 for key in lane.bindings) == 2, "the late infers were not bound"
