@@ -428,13 +428,6 @@ class LaneConnection:
         words[_REP] += 1
         return 1
 
-    def send_record(self, fill: Any, arrays: Any) -> int:
-        """:meth:`post_record`, then the wake-up: 0 also when it cannot be written."""
-        sent = self.post_record(fill, arrays)
-        if sent <= 0:
-            return sent
-        return 0 if wake_sleepers((self,)) else 1
-
     def _wake(self) -> int:
         self._write([P.LANE_WAKE], len(P.LANE_WAKE), None)
         return 1
