@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from vkpool import progress
+from vkpool.batching import BatchFailed
 from vkpool.daemon import protocol as P
 from vkpool.daemon.runtime import classify
 from vkpool.daemon.protocol import ProtocolViolation
@@ -299,7 +300,8 @@ class Service:
         their rows, any other's back to back. ``answer(k, outputs or ProtocolViolation, queued_s,
         run_s)`` answers ``items[k]``; ``answer_batch(at, count, batch, started, finished)``
         answers ``items[at:at + count]``, run as one batch (``batch``: the batch's outputs and the
-        requests' rows, as :meth:`BatchRunner.run_whole` gives them, or its ProtocolViolation);
+        requests' rows, as :meth:`BatchRunner.run_whole` gives them, valid only during the call, or
+        its ProtocolViolation);
         ``fallback(k)`` has ``items[k]`` queued as a job instead (:meth:`queue_bound`), when the
         model is busy, being re-planned, not yet timed or slower than ``inline_run_max``."""
         queue = None
@@ -317,9 +319,9 @@ class Service:
             at = 0
             for count in runner.batches([item.rows for item in items]):
                 runner.stats.where_read += 1
-                batch, started, finished = self._timed_batch(entry, [i.feeds for i in items[at:at + count]],
-                                                             accepted[at:at + count])
-                answer_batch(at, count, batch, started, finished)
+                self._timed_batch(entry, [i.feeds for i in items[at:at + count]], accepted[at:at + count], None,
+                                  lambda batch, started, finished, at=at, count=count:
+                                  answer_batch(at, count, batch, started, finished))
                 at += count
         finally:
             self.scheduler.release_claim(queue, entry.gate, len(items))
@@ -434,24 +436,28 @@ class Service:
         return results
 
     def _timed_batch(self, entry: ModelEntry, feeds: list[dict[str, np.ndarray]], accepted: list[float],
-                     taken: list[float | None] | None = None
-                     ) -> tuple[tuple[dict[str, np.ndarray], list[int]] | ProtocolViolation, float, float]:
+                     taken: list[float | None] | None, answer: Callable[[Any, float, float], Any]) -> Any:
         """One batch of checked requests' feeds on a batching model (the caller holds the model's
-        gate), counted and timed: the batch's outputs and each request's rows
-        (:meth:`BatchRunner.run_whole`) or the batch's error, when it started and when it ended. A
-        request's queue delay runs from its ``accepted`` to its ``taken`` (when the scheduler took
-        it; None, or no list: the batch's start), ``time.monotonic()`` values."""
+        gate), counted and timed; returns ``answer(batch, started, finished)``, called once:
+        ``batch`` is the batch's outputs by name and the requests' rows
+        (:meth:`BatchRunner.run_whole`; the outputs valid only during the call) or the batch's
+        error, ``started`` and ``finished`` when the batch started and ended. A request's queue
+        delay runs from its ``accepted`` to its ``taken`` (when the scheduler took it; None, or no
+        list: the batch's start), ``time.monotonic()`` values."""
         started = time.monotonic()
+
+        def ran(results: Any) -> Any:
+            finished = time.monotonic()
+            queued = [(started if t is None else t) - a for a, t in zip(accepted, taken or [None] * len(accepted))]
+            results = self._ran(entry, results, started, finished, *queued)
+            if not isinstance(results, ProtocolViolation):
+                entry.batching.stats.record_delays(queued)
+            return answer(results, started, finished)
+
         try:
-            results: Any = entry.batching.run_whole(feeds)
-        except Exception as exc:
-            results = exc
-        finished = time.monotonic()
-        queued = [(started if t is None else t) - a for a, t in zip(accepted, taken or [None] * len(accepted))]
-        results = self._ran(entry, results, started, finished, *queued)
-        if not isinstance(results, ProtocolViolation):
-            entry.batching.stats.record_delays(queued)
-        return results, started, finished
+            return entry.batching.run_whole(feeds, lambda outputs, rows: ran((outputs, rows)))
+        except BatchFailed as exc:
+            return ran(exc.cause)
 
     def _run_job(self, job: Job) -> None:
         entry = self.registry.get(job.model_id)
@@ -496,14 +502,19 @@ class Service:
             if not jobs:
                 return
             # a job's queue delay ends when the scheduler took it (started_at), not when its batch starts
-            batch, started, finished = self._timed_batch(
-                entry, [feeds for _, feeds in taken], [job.accepted_at for job in jobs], [job.started_at for job in jobs])
-            if isinstance(batch, ProtocolViolation):
+            def split(batch: Any, started: float, finished: float) -> tuple[Any, float, float]:
+                if isinstance(batch, ProtocolViolation):
+                    return batch, started, finished
+                return entry.batching.split(*batch, [job.outputs for job in jobs]), started, finished
+
+            results, started, finished = self._timed_batch(
+                entry, [feeds for _, feeds in taken], [job.accepted_at for job in jobs], [job.started_at for job in jobs],
+                split)
+            if isinstance(results, ProtocolViolation):
                 for job in jobs:
                     self.scheduler.settle(job)
-                    job.finish("error", _error(batch))
+                    job.finish("error", _error(results))
                 return
-            results = entry.batching.split(*batch, [job.outputs for job in jobs])
         finally:
             entry.gate.release_shared()
         for job, result in zip(jobs, results):

@@ -200,3 +200,65 @@ def test_rows_that_would_waste_most_of_a_variant_run_as_an_exact_batch_first(bat
     after = batched.batching
     assert (after["batches"] - before["batches"], after["padded_rows"] - before["padded_rows"]) == (2, 0)
     np.testing.assert_allclose(got, reference(x), rtol=1e-4, atol=1e-6)
+
+
+def _run_whole(runner: BatchRunner, xs: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """A batch of ``xs`` through ``run_whole``: its whole output (padding rows too) and the rows."""
+    return runner.run_whole([{"x": x} for x in xs], lambda outputs, rows: (outputs["y"].copy(), rows))
+
+
+def test_a_batch_fills_a_run_slot_of_its_variant_in_place_padding_zeroed(batched):
+    """On a Vulkan member the batch's rows go straight into a run slot of the variant
+    (``Session.staged``): each slot is first filled with garbage, then a batch of five rows runs on
+    the batch-8 variant; its rows match the reference and its three padding rows are the model's
+    output for zero rows, so nothing of an earlier run's inputs is read."""
+    runner = batched.batch_runner
+    variant = runner._variant(8)
+    slots = []
+    for _ in range(variant._chunk.slots):
+        slot = variant.staged()
+        assert slot is not None and slot.inputs["x"].shape == (8, 16)
+        slot.inputs["x"][...] = 1e3
+        slots.append(slot)
+    for slot in slots:
+        slot.release()
+    before = variant.runner.stats()
+    xs = [RNG.standard_normal((r, 16)).astype(np.float32) for r in (2, 3)]
+    y, rows = _run_whole(runner, xs)
+    assert rows == [2, 3] and y.shape == (8, 8)
+    np.testing.assert_allclose(y[:5], reference(np.concatenate(xs)), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(y[5:], reference(np.zeros((3, 16), np.float32)), rtol=1e-4, atol=1e-6)
+    after = variant.runner.stats()
+    assert (after.accepted - before.accepted, after.ok - before.ok, after.pending) == (1, 1, 0)
+
+
+def test_a_failing_use_gives_the_slot_back(batched):
+    """What ``use`` raises passes through ``run_whole`` as it is (not as a failed batch), and the
+    run slot goes back: the next batches still run on every slot."""
+    runner = batched.batch_runner
+    variant = runner._variant(2)
+    failed = runner.stats.failed_batches
+    x = RNG.standard_normal((2, 16)).astype(np.float32)
+
+    def use(outputs, rows):
+        raise KeyError("the caller's own error")
+
+    with pytest.raises(KeyError):
+        runner.run_whole([{"x": x}], use)
+    assert runner.stats.failed_batches == failed
+    for _ in range(variant._chunk.slots + 1):
+        y, _ = _run_whole(runner, [x])
+        np.testing.assert_allclose(y, reference(x), rtol=1e-4, atol=1e-6)
+    assert variant.runner.stats().pending == 0
+
+
+def test_a_member_without_run_slots_batches_through_stacked_feeds(pool):
+    """The host member has no run slots to fill (``Session.staged`` is None there): a batch is
+    stacked into arrays and given to the variant's ``run``, with the same results."""
+    with vkpool.Session(mlp_model(), pool=pool, device="cpu", max_batch=4) as s:
+        variant = s.batch_runner._variant(4)
+        assert variant.staged() is None
+        xs = [RNG.standard_normal((r, 16)).astype(np.float32) for r in (1, 2)]
+        y, rows = _run_whole(s.batch_runner, xs)
+        assert rows == [1, 2] and y.shape == (4, 8)
+        np.testing.assert_allclose(y[:3], reference(np.concatenate(xs)), rtol=1e-4, atol=1e-6)

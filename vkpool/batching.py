@@ -12,10 +12,11 @@ it instead, ``vkpool.daemon.scheduler``):
 2. The dispatcher takes the oldest request and waits at most ``max_queue_delay`` seconds from its
    arrival for company (0: only what is already queued), taking requests in arrival order while
    their rows fit in ``max_batch``.
-3. The batch's rows are concatenated per input and padded with zeros to the smallest variant
-   that holds them (where that would waste more than a quarter of the run, the longest prefix of
-   requests that fills a variant exactly runs, and the rest opens the next batch); the variant
-   runs; each request gets its own rows of every output back.
+3. The batch's rows are written per input, padded with zeros, into a run slot of the smallest
+   variant that holds them (where that would waste more than a quarter of the run, the longest
+   prefix of requests that fills a variant exactly runs, and the rest opens the next batch;
+   a variant without run slots, on the host member, gets them stacked into arrays); the variant
+   runs; each request gets its own rows of every output back, copied out of the slot.
 4. A request cancelled (``future.cancel()``) or past its ``timeout`` before its batch starts
    leaves the batch; a batch that fails fails only its own requests, each with the error.
 
@@ -39,6 +40,15 @@ from vkpool.pipeline import RequestStats
 
 class BatchingError(ValueError):
     """The model cannot be batched as asked (no batch dimension, outputs that do not follow it)."""
+
+
+class BatchFailed(Exception):
+    """A batch's run failed (:meth:`BatchRunner.run_whole`): ``cause`` is what it raised, which
+    every request of the batch is answered with."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def variant_sizes(max_batch: int) -> tuple[int, ...]:
@@ -227,19 +237,24 @@ class BatchRunner:
                 variant = self._variants[size] = self._make_variant(size)
             return variant
 
-    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Sequence[str] | None]], copy: bool = True
-            ) -> list[list[np.ndarray]]:
+    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Sequence[str] | None]]) -> list[list[np.ndarray]]:
         """Runs checked requests (arrays as :meth:`check` gives them, and output names or None for
-        all) as one batch; each request's outputs, its own rows: copies, or with ``copy`` False
-        views of the batch's outputs (for a caller that copies them before the variant runs again).
-        Raises when the batch fails."""
-        outputs, rows = self.run_whole([feeds for feeds, _ in requests])
-        return self.split(outputs, rows, [names for _, names in requests], copy)
+        all) as one batch; each request's outputs, its own rows, copied. Raises when the batch fails."""
+        names = [names for _, names in requests]
+        try:
+            return self.run_whole([feeds for feeds, _ in requests],
+                                  lambda outputs, rows: self.split(outputs, rows, names))
+        except BatchFailed as exc:
+            raise exc.cause from None
 
-    def run_whole(self, feeds: Sequence[Mapping[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int]]:
-        """Runs checked requests' feeds as one batch: the batch's outputs by name (the requests'
-        rows first, in order, then any padding) and each request's row count. Raises when the
-        batch fails."""
+    def run_whole(self, feeds: Sequence[Mapping[str, np.ndarray]], use: Callable[[dict[str, np.ndarray], list[int]], Any]
+                  ) -> Any:
+        """Runs checked requests' feeds as one batch and returns ``use(outputs, rows)``: the batch's
+        outputs by name (the requests' rows first, in order, then any padding), valid only until
+        ``use`` returns, and each request's row count. The rows go straight into a run slot of
+        the variant where it has one (:meth:`vkpool.session.Session.staged`), else are stacked
+        and given to its ``run``. Raises :class:`BatchFailed` when the batch fails (``use`` is
+        not called then); what ``use`` raises passes through as it is."""
         first = self.inputs[0][0]
         rows = [f[first].shape[0] for f in feeds]
         total = sum(rows)
@@ -248,33 +263,70 @@ class BatchRunner:
         stats.batches += 1
         stats.requests += len(rows)
         stats.rows += total
+        slot = None
         try:
-            stacked = {}
-            for name, tail, dtype in self.inputs:
-                parts = [f[name] for f in feeds]
-                if size > total:
-                    parts.append(np.zeros((size - total, *tail), dtype))
-                stacked[name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-            outputs = self._variant(size).run(self.outputs, stacked)
+            variant = self._variant(size)
+            stage = getattr(variant, "staged", None)
+            slot = stage() if stage is not None else None
+            if slot is not None and self._fill(slot.inputs, feeds, rows, total, size):
+                got = slot.run()
+                outputs = [got[name] for name in self.outputs]
+            else:
+                if slot is not None:
+                    slot.release()
+                    slot = None
+                outputs = variant.run(self.outputs, self._stack(feeds, total, size))
             for name, out in zip(self.outputs, outputs):
                 if out.ndim == 0 or out.shape[0] != size:
                     raise BatchingError(f"output {name!r} has shape {list(out.shape)}: its first dim does not "
                                         f"follow the batch size {size}")
-        except Exception:
+        except Exception as exc:
             stats.failed_batches += 1
-            raise
+            if slot is not None:
+                slot.release()
+            raise BatchFailed(exc) from exc
         stats.padded_rows += size - total
-        return dict(zip(self.outputs, outputs)), rows
+        try:
+            return use(dict(zip(self.outputs, outputs)), rows)
+        finally:
+            if slot is not None:
+                slot.release()
 
-    def split(self, outputs: Mapping[str, np.ndarray], rows: Sequence[int], names: Sequence[Sequence[str] | None],
-              copy: bool = True) -> list[list[np.ndarray]]:
+    def _fill(self, into: Mapping[str, np.ndarray], feeds: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int],
+              total: int, size: int) -> bool:
+        """The requests' rows written into a run slot's inputs ``into``, the padding zeroed; False
+        (nothing run) where the slot's inputs are not of the batch's shapes."""
+        for name, tail, dtype in self.inputs:
+            dst = into.get(name)
+            if dst is None or dst.dtype != dtype or dst.shape != (size, *tail):
+                return False
+        for name, _, _ in self.inputs:
+            dst, at = into[name], 0
+            for f, r in zip(feeds, rows):
+                dst[at:at + r] = f[name]
+                at += r
+            if size > total:
+                dst[total:] = 0
+        return True
+
+    def _stack(self, feeds: Sequence[Mapping[str, np.ndarray]], total: int, size: int) -> dict[str, np.ndarray]:
+        """The requests' rows of each input in one array, padded with zeros to ``size`` rows."""
+        stacked = {}
+        for name, tail, dtype in self.inputs:
+            parts = [f[name] for f in feeds]
+            if size > total:
+                parts.append(np.zeros((size - total, *tail), dtype))
+            stacked[name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        return stacked
+
+    def split(self, outputs: Mapping[str, np.ndarray], rows: Sequence[int], names: Sequence[Sequence[str] | None]
+              ) -> list[list[np.ndarray]]:
         """Each request's own rows of :meth:`run_whole`'s outputs, the outputs it names (``names``,
-        None for all): copies, or views with ``copy`` False."""
+        None for all), copied: the batch's outputs may be a run slot's memory, written again by
+        the next run."""
         results, offset = [], 0
         for wanted, r in zip(names, rows):
-            # copies, so that one request's result does not keep the whole batch's arrays alive
-            views = [outputs[n][offset:offset + r] for n in (wanted or self.outputs)]
-            results.append([v.copy() for v in views] if copy else views)
+            results.append([outputs[n][offset:offset + r].copy() for n in (wanted or self.outputs)])
             offset += r
         return results
 

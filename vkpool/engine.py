@@ -24,7 +24,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -732,6 +732,16 @@ class VulkanChunk:
         slot = self._slots[index]
         return slot.in_views, slot.out_views
 
+    def staged(self, ended: Callable[[bool], None] | None = None) -> StagedRun | None:
+        """A free run slot held for a caller that writes the inputs straight into it and reads the
+        outputs where the run leaves them (:class:`StagedRun`): no copy of the inputs at start and
+        none of the outputs at finish. None for a chunk with inputs given as ``io`` or outputs
+        handed out in imported memory (those need :meth:`start` and :meth:`finish`). ``ended(ok)``
+        is called once, when the slot is given back."""
+        if self._given or self._exported:
+            return None
+        return StagedRun(self, self._idle.get(), ended)
+
     def start_in_place(self, index: int, waits: Sequence[int] = ()) -> None:
         """Submits run slot ``index`` on the inputs already in its memory (written through
         :meth:`slot_views`, or into the memory given as ``io``); the caller keeps each slot to
@@ -832,6 +842,43 @@ class VulkanChunk:
         for alloc in self._allocs:
             alloc.free()
         self._allocs = []
+
+
+class StagedRun:
+    """One run slot of a :class:`VulkanChunk`, held (:meth:`VulkanChunk.staged`): the caller writes
+    every input into :attr:`inputs` (views of the slot's memory, each of the input's whole shape),
+    :meth:`run` submits the slot and waits for it, and the outputs stay readable in
+    :attr:`outputs` until :meth:`release` (or the end of a ``with`` block) gives the slot back."""
+
+    __slots__ = ("_chunk", "_index", "_ended", "_ok", "inputs", "outputs")
+
+    def __init__(self, chunk: VulkanChunk, index: int, ended: Callable[[bool], None] | None) -> None:
+        self._chunk, self._index, self._ended, self._ok = chunk, index, ended, False
+        self.inputs, self.outputs = chunk.slot_views(index)
+
+    def run(self) -> dict[str, np.ndarray]:
+        """Runs the slot on the inputs written; its outputs (views, valid until the release)."""
+        chunk = self._chunk
+        if chunk is None:
+            raise RuntimeError("the run slot was given back")
+        chunk.start_in_place(self._index)
+        chunk.wait_in_place(self._index)
+        self._ok = True
+        return self.outputs
+
+    def release(self) -> None:
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            return
+        chunk._idle.put(self._index)
+        if self._ended is not None:
+            self._ended(self._ok)
+
+    def __enter__(self) -> StagedRun:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 @dataclass(eq=False)

@@ -203,9 +203,12 @@ class InlineRunner:
     def __init__(self, run: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
                  close: Callable[[], None] | None = None, *,
                  start: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
-                 finish: Callable[[Any], dict[str, np.ndarray]] | None = None, depth: int = 1) -> None:
+                 finish: Callable[[Any], dict[str, np.ndarray]] | None = None, depth: int = 1,
+                 stage: Callable[[Callable[[bool], None]], Any] | None = None) -> None:
         self._run = run
         self._close = close
+        # a run whose caller writes the inputs and reads the outputs in place (:meth:`staged`)
+        self._stage = stage
         # a run in two halves (a chunk's start and finish), for run_many to keep depth in flight
         self._start, self._finish, self._depth = start, finish, depth if start and finish else 1
         # one run_many at a time: two, each holding a run slot while it starts another, would
@@ -237,6 +240,34 @@ class InlineRunner:
         self._ok += 1
         lock.release()
         return out
+
+    def staged(self) -> Any:
+        """A run slot held for a caller that writes the inputs into it and reads the outputs
+        where the run leaves them (:class:`vkpool.engine.StagedRun`), counted as one request from
+        here until it is given back; None where this runner has no such slot (a host chunk, a
+        cut model, or a chunk whose outputs are handed out)."""
+        if self._stage is None:
+            return None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the runner is closed")
+            self._accepted += 1
+        try:
+            run = self._stage(self._staged_ended)
+        except BaseException:
+            self._staged_ended(False)
+            raise
+        if run is None:
+            with self._lock:
+                self._accepted -= 1
+        return run
+
+    def _staged_ended(self, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self._ok += 1
+            else:
+                self._failed += 1
 
     @property
     def depth(self) -> int:

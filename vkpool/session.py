@@ -313,7 +313,7 @@ class Session:
                                     f"batch 1, {list(two.shape)} at batch 2): its rows cannot be split per request")
         def make_variant(size: int) -> Any:
             if size == 1:  # this session itself, which the batcher must not close
-                return SimpleNamespace(run=self.run, close=lambda: None)
+                return SimpleNamespace(run=self.run, staged=self.staged, close=lambda: None)
             return Session(model, pool=self.pool, batch=size, dims=dims, **placement)
 
         runner = BatchRunner(make_variant, [(n, i.shape, i.dtype) for n, i in at1.inputs],
@@ -362,7 +362,8 @@ class Session:
         inputs = self._chunk_inputs
         self._runner = InlineRunner(lambda feeds: chunk.run({n: feeds[n] for n in inputs}), chunk.close,
                                     start=lambda feeds: chunk.start({n: feeds[n] for n in inputs}),
-                                    finish=chunk.finish, depth=getattr(chunk, "slots", 1))
+                                    finish=chunk.finish, depth=getattr(chunk, "slots", 1),
+                                    stage=getattr(chunk, "staged", None))
         self.member = member
 
     def _planner_members(self, ids: Sequence[str]) -> list[Any]:
@@ -498,6 +499,20 @@ class Session:
         else:
             produced = self._runner.run(feeds)
         return self._select(names, produced)
+
+    def staged(self) -> Any:
+        """For a session that runs the whole model as one chunk on a Vulkan member: one of its run
+        slots, held for a caller that writes every input straight into ``.inputs`` (the slot's
+        memory, each input's whole compiled shape), calls ``.run()`` and reads the outputs it
+        returns (views of the slot's memory) until ``.release()`` or the end of a ``with`` block
+        (:class:`vkpool.engine.StagedRun`); the batcher fills a batch's rows this way. None for
+        any other session (a plan over members, a cut model, the host member, a session that
+        compiles per run the shapes it is given): use :meth:`run`."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        if self._chunk is None or self._executor is not None or self.dynamic is not None:
+            return None
+        return self._runner.staged()
 
     def submit(self, input_feed: Mapping[str, Any], output_names: Sequence[str] | None = None) -> Future:
         """Starts a run and returns a future of its outputs (as :meth:`run` returns them).
