@@ -319,8 +319,8 @@ class Service:
             at = 0
             for count in runner.batches([item.rows for item in items]):
                 runner.stats.where_read += 1
-                self._timed_batch(entry, [i.feeds for i in items[at:at + count]], accepted[at:at + count], None,
-                                  lambda batch, started, finished, at=at, count=count:
+                self._timed_batch(entry, runner, [i.feeds for i in items[at:at + count]], accepted[at:at + count],
+                                  None, lambda batch, started, finished, at=at, count=count:
                                   answer_batch(at, count, batch, started, finished))
                 at += count
         finally:
@@ -435,10 +435,11 @@ class Service:
         self.stats.ran(entry, "ok", run_s, *queued_s)
         return results
 
-    def _timed_batch(self, entry: ModelEntry, feeds: list[dict[str, np.ndarray]], accepted: list[float],
+    def _timed_batch(self, entry: ModelEntry, runner: Any, feeds: list[dict[str, np.ndarray]], accepted: list[float],
                      taken: list[float | None] | None, answer: Callable[[Any, float, float], Any]) -> Any:
         """One batch of checked requests' feeds on a batching model (the caller holds the model's
-        gate), counted and timed; returns ``answer(batch, started, finished)``, called once:
+        gate, under which it read ``runner``, its :class:`BatchRunner`), counted and timed;
+        returns ``answer(batch, started, finished)``, called once:
         ``batch`` is the batch's outputs by name and the requests' rows
         (:meth:`BatchRunner.run_whole`; the outputs valid only during the call) or the batch's
         error, ``started`` and ``finished`` when the batch started and ended. A request's queue
@@ -448,14 +449,15 @@ class Service:
 
         def ran(results: Any) -> Any:
             finished = time.monotonic()
-            queued = [(started if t is None else t) - a for a, t in zip(accepted, taken or [None] * len(accepted))]
+            queued = ([started - a for a in accepted] if taken is None else
+                      [(started if t is None else t) - a for a, t in zip(accepted, taken)])
             results = self._ran(entry, results, started, finished, *queued)
             if not isinstance(results, ProtocolViolation):
-                entry.batching.stats.record_delays(queued)
+                runner.stats.record_delays(queued)
             return answer(results, started, finished)
 
         try:
-            return entry.batching.run_whole(feeds, lambda outputs, rows: ran((outputs, rows)))
+            return runner.run_whole(feeds, lambda outputs, rows: ran((outputs, rows)))
         except BatchFailed as exc:
             return ran(exc.cause)
 
@@ -493,7 +495,8 @@ class Service:
         """:meth:`_run_batch` once the caller holds the model's gate shared (released here);
         ``where_read``: on the thread that read the requests (counted in the batch stats)."""
         try:
-            entry.batching.stats.where_read += where_read  # read under the gate: a re-plan swaps the session
+            runner = entry.batching  # read under the gate: a re-plan swaps the session
+            runner.stats.where_read += where_read
             # feeds taken before the state is read (answering a job empties them); jobs timed out
             # while waiting for a re-plan left out
             taken = [(job, job.feeds) for job in jobs]
@@ -505,10 +508,10 @@ class Service:
             def split(batch: Any, started: float, finished: float) -> tuple[Any, float, float]:
                 if isinstance(batch, ProtocolViolation):
                     return batch, started, finished
-                return entry.batching.split(*batch, [job.outputs for job in jobs]), started, finished
+                return runner.split(*batch, [job.outputs for job in jobs]), started, finished
 
             results, started, finished = self._timed_batch(
-                entry, [feeds for _, feeds in taken], [job.accepted_at for job in jobs], [job.started_at for job in jobs],
+                entry, runner, [feeds for _, feeds in taken], [job.accepted_at for job in jobs], [job.started_at for job in jobs],
                 split)
             if isinstance(results, ProtocolViolation):
                 for job in jobs:

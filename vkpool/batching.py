@@ -186,6 +186,8 @@ class BatchRunner:
         """How requests read together (their row counts, in order, each at most ``max_batch``)
         split into consecutive batches: the number of requests in each, as :meth:`gather` and
         :meth:`fit` would take them from a queue that holds them all."""
+        if len(rows) == 1:  # what a lone client sends: one request, one batch
+            return [1]
         out, start = [], 0
         while start < len(rows):
             end, total = start, 0
