@@ -9,7 +9,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import vulkan_pool
 from onnx import TensorProto, helper, numpy_helper
+from vkpool.config.loader import parse_config
 
 import vkpool
 from vkpool.batching import Batcher, BatchingError, BatchRunner, variant_sizes
@@ -262,3 +264,35 @@ def test_a_member_without_run_slots_batches_through_stacked_feeds(pool):
         y, rows = _run_whole(s.batch_runner, xs)
         assert rows == [1, 2] and y.shape == (4, 8)
         np.testing.assert_allclose(y[:3], reference(np.concatenate(xs)), rtol=1e-4, atol=1e-6)
+
+
+def test_a_replicated_variant_fills_its_copies_in_turn():
+    """A throughput plan in threads (a whole copy of the model on each of two members): each
+    batch fills a run slot of the next copy in turn (``PlanExecutor.staged``), and the copies'
+    executor counts every batch as a request, none left pending."""
+    pool = vulkan_pool(parse_config("devices:\n  - match: {index: 0}\n    split: 2\n    budget: 256MiB\n"
+                                    "host:\n  enabled: false\n"))
+    try:
+        with vkpool.Session(mlp_model(), pool=pool, objective="throughput", processes=False, max_batch=4) as s:
+            runner = s.batch_runner
+            variant = runner._variant(4)
+            executor = variant.executor
+            assert executor is not None and [len(c.stages) for c in executor.copies] == [1, 1]
+            chunks = [c.stages[0].chunk for c in executor.copies]
+            used = []
+            for _ in range(4):
+                slot = variant.staged()
+                used.append(next(k for k, c in enumerate(chunks) if slot._chunk is c))
+                slot.release()
+            assert used == [0, 1, 0, 1]
+            before = executor.stats()
+            for rows in ((1, 3), (3,), (4,), (2, 2)):  # each on the batch-4 variant
+                xs = [RNG.standard_normal((r, 16)).astype(np.float32) for r in rows]
+                y, got_rows = _run_whole(runner, xs)
+                total = sum(rows)
+                assert got_rows == list(rows)
+                np.testing.assert_allclose(y[:total], reference(np.concatenate(xs)), rtol=1e-4, atol=1e-6)
+            after = executor.stats()
+            assert (after.accepted - before.accepted, after.ok - before.ok, after.pending) == (4, 4, 0)
+    finally:
+        pool.close()

@@ -850,7 +850,7 @@ class StagedRun:
     :meth:`run` submits the slot and waits for it, and the outputs stay readable in
     :attr:`outputs` until :meth:`release` (or the end of a ``with`` block) gives the slot back."""
 
-    __slots__ = ("_chunk", "_index", "_ended", "_ok", "inputs", "outputs")
+    __slots__ = ("_chunk", "_ended", "_index", "_ok", "inputs", "outputs")
 
     def __init__(self, chunk: VulkanChunk, index: int, ended: Callable[[bool], None] | None) -> None:
         self._chunk, self._index, self._ended, self._ok = chunk, index, ended, False
@@ -877,7 +877,7 @@ class StagedRun:
     def __enter__(self) -> StagedRun:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

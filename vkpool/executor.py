@@ -213,6 +213,7 @@ class PlanExecutor(Pipeline):
         self._runners: dict[str, _MemberRunner] = {}
         self._shared: list[tuple[str, Any]] = []
         self._boundary: dict[str, list[Any]] = {}  # linked tensor → its memory per run slot
+        self._turn = 0  # the copy whose run slot staged() holds next
         first = self.copies[0]  # replicas run one chunk each: nothing to link
         if link_on_device and link_stages(model, first.stages):
             first.free = list(range(RUN_SLOTS))
@@ -306,6 +307,49 @@ class PlanExecutor(Pipeline):
         # next one starts on, and is finished first
         depth = len(stages) * min(getattr(st.chunk, "slots", 1) for st in stages)
         return back_to_back(start, finish, feeds, depth, each)
+
+    def staged(self) -> Any:
+        """Where every copy of the model is one chunk (the copies of a throughput plan): a run slot
+        of the next copy in turn, held for a caller that writes the inputs into it and reads the
+        outputs in place (:meth:`vkpool.engine.VulkanChunk.staged`), counted as a request of this
+        executor until it is given back, as :meth:`run_many`'s runs are; None otherwise, or where
+        that copy has no such slot (a host member's)."""
+        live = [c for c in self.copies if c.alive]
+        if not live or any(len(c.stages) != 1 for c in live):
+            return None
+        counts, lock = self._counts, self._lock
+
+        def ended(ok: bool) -> None:
+            with lock:
+                self._driving -= 1
+                counts.pending = len(self._pending) + self._driving
+                if ok:
+                    counts.ok += 1
+                else:
+                    counts.failed += 1
+
+        with lock:
+            if self._closed:
+                raise RuntimeError("the executor is closed")
+            stage = live[self._turn % len(live)].stages[0]
+            self._turn += 1
+            stage_of = getattr(stage.chunk, "staged", None)
+            if stage_of is None:
+                return None
+            counts.accepted += 1
+            self._driving += 1
+            counts.pending = len(self._pending) + self._driving
+        try:
+            run = stage_of(ended)
+        except BaseException:
+            ended(False)
+            raise
+        if run is None:
+            with lock:
+                counts.accepted -= 1
+                self._driving -= 1
+                counts.pending = len(self._pending) + self._driving
+        return run
 
     def _stop(self) -> None:
         # a stage queued behind a stopped member never runs: close fails its request

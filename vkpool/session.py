@@ -501,16 +501,22 @@ class Session:
         return self._select(names, produced)
 
     def staged(self) -> Any:
-        """For a session that runs the whole model as one chunk on a Vulkan member: one of its run
-        slots, held for a caller that writes every input straight into ``.inputs`` (the slot's
-        memory, each input's whole compiled shape), calls ``.run()`` and reads the outputs it
-        returns (views of the slot's memory) until ``.release()`` or the end of a ``with`` block
+        """For a session that runs the whole model as one chunk on a Vulkan member, or as copies
+        that each do (a throughput plan, in threads: the copies in turn): one run slot, held for a
+        caller that writes every input straight into ``.inputs`` (the slot's memory, each input's
+        whole compiled shape), calls ``.run()`` and reads the outputs it returns (views of the
+        slot's memory) until ``.release()`` or the end of a ``with`` block
         (:class:`vkpool.engine.StagedRun`); the batcher fills a batch's rows this way. None for
-        any other session (a plan over members, a cut model, the host member, a session that
-        compiles per run the shapes it is given): use :meth:`run`."""
+        any other session (a plan cut in several chunks, worker processes, a cut model, the host
+        member, a session that compiles per run the shapes it is given): use :meth:`run`."""
         if self._closed:
             raise RuntimeError("the session is closed")
-        if self._chunk is None or self._executor is not None or self.dynamic is not None:
+        if self.dynamic is not None:
+            return None
+        if self._executor is not None:
+            staged = getattr(self._executor, "staged", None)
+            return staged() if staged is not None else None
+        if self._chunk is None:
             return None
         return self._runner.staged()
 
