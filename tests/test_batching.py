@@ -266,10 +266,11 @@ def test_a_member_without_run_slots_batches_through_stacked_feeds(pool):
         np.testing.assert_allclose(y[:3], reference(np.concatenate(xs)), rtol=1e-4, atol=1e-6)
 
 
-def test_a_replicated_variant_fills_its_copies_in_turn():
-    """A throughput plan in threads (a whole copy of the model on each of two members): each
-    batch fills a run slot of the next copy in turn (``PlanExecutor.staged``), and the copies'
-    executor counts every batch as a request, none left pending."""
+def test_a_replicated_variant_fills_the_least_busy_copy():
+    """A throughput plan in threads (a whole copy of the model on each of two members): a batch
+    fills a run slot of the copy with the fewest runs in flight, the first of those
+    (``PlanExecutor.staged``): one after another they keep to the first copy, held together they
+    spread; the copies' executor counts every batch as a request, none left pending."""
     pool = vulkan_pool(parse_config("devices:\n  - match: {index: 0}\n    split: 2\n    budget: 256MiB\n"
                                     "host:\n  enabled: false\n"))
     try:
@@ -279,12 +280,20 @@ def test_a_replicated_variant_fills_its_copies_in_turn():
             executor = variant.executor
             assert executor is not None and [len(c.stages) for c in executor.copies] == [1, 1]
             chunks = [c.stages[0].chunk for c in executor.copies]
-            used = []
-            for _ in range(4):
+            def copy_of(slot) -> int:
+                return next(k for k, c in enumerate(chunks) if slot._chunk is c)
+
+            one_by_one = []
+            for _ in range(3):
                 slot = variant.staged()
-                used.append(next(k for k, c in enumerate(chunks) if slot._chunk is c))
+                one_by_one.append(copy_of(slot))
                 slot.release()
-            assert used == [0, 1, 0, 1]
+            held = [variant.staged() for _ in range(2)]
+            together = [copy_of(slot) for slot in held]
+            for slot in held:
+                slot.release()
+            assert (one_by_one, together) == ([0, 0, 0], [0, 1])
+            assert [c.in_flight for c in executor.copies] == [0, 0]
             before = executor.stats()
             for rows in ((1, 3), (3,), (4,), (2, 2)):  # each on the batch-4 variant
                 xs = [RNG.standard_normal((r, 16)).astype(np.float32) for r in rows]

@@ -213,7 +213,6 @@ class PlanExecutor(Pipeline):
         self._runners: dict[str, _MemberRunner] = {}
         self._shared: list[tuple[str, Any]] = []
         self._boundary: dict[str, list[Any]] = {}  # linked tensor → its memory per run slot
-        self._turn = 0  # the copy whose run slot staged() holds next
         first = self.copies[0]  # replicas run one chunk each: nothing to link
         if link_on_device and link_stages(model, first.stages):
             first.free = list(range(RUN_SLOTS))
@@ -310,45 +309,46 @@ class PlanExecutor(Pipeline):
 
     def staged(self) -> Any:
         """Where every copy of the model is one chunk (the copies of a throughput plan): a run slot
-        of the next copy in turn, held for a caller that writes the inputs into it and reads the
-        outputs in place (:meth:`vkpool.engine.VulkanChunk.staged`), counted as a request of this
-        executor until it is given back, as :meth:`run_many`'s runs are; None otherwise, or where
-        that copy has no such slot (a host member's)."""
-        live = [c for c in self.copies if c.alive]
-        if not live or any(len(c.stages) != 1 for c in live):
-            return None
+        of the copy with the fewest requests in flight (the first of those: one caller at a time
+        keeps to one device, whose clocks stay up), held for a caller that writes the inputs into
+        it and reads the outputs in place (:meth:`vkpool.engine.VulkanChunk.staged`), counted as
+        a request of this executor and of that copy until it is given back; None otherwise, or
+        where that copy has no such slot (a host member's)."""
         counts, lock = self._counts, self._lock
+        with lock:
+            if self._closed:
+                raise RuntimeError("the executor is closed")
+            live = [c for c in self.copies if c.alive]
+            if not live or any(len(c.stages) != 1 for c in live):
+                return None
+            copy = min(live, key=lambda c: (c.in_flight, c.index))
+            stage_of = getattr(copy.stages[0].chunk, "staged", None)
+            if stage_of is None:
+                return None
+            counts.accepted += 1
+            copy.in_flight += 1
+            self._driving += 1
+            counts.pending = len(self._pending) + self._driving
 
-        def ended(ok: bool) -> None:
+        def ended(ok: bool, counted: bool = True) -> None:
             with lock:
+                copy.in_flight -= 1
                 self._driving -= 1
                 counts.pending = len(self._pending) + self._driving
-                if ok:
+                if not counted:
+                    counts.accepted -= 1
+                elif ok:
                     counts.ok += 1
                 else:
                     counts.failed += 1
 
-        with lock:
-            if self._closed:
-                raise RuntimeError("the executor is closed")
-            stage = live[self._turn % len(live)].stages[0]
-            self._turn += 1
-            stage_of = getattr(stage.chunk, "staged", None)
-            if stage_of is None:
-                return None
-            counts.accepted += 1
-            self._driving += 1
-            counts.pending = len(self._pending) + self._driving
         try:
             run = stage_of(ended)
         except BaseException:
             ended(False)
             raise
         if run is None:
-            with lock:
-                counts.accepted -= 1
-                self._driving -= 1
-                counts.pending = len(self._pending) + self._driving
+            ended(False, counted=False)
         return run
 
     def _stop(self) -> None:
