@@ -5,9 +5,12 @@ ceiling a daemon that shards its clients over K serving processes could reach, a
 (today's daemon), in the same run.
 
     python -m bench.daemon_shards [MODEL] [--shards 1 2 4 8] [--clients 16 64] [--seconds 3]
-                                  [--max-batch N] [--transport lane|zmq]
+                                  [--max-batch N] [--transport lane|zmq] [--per-device N]
 
 Each cell gives jobs/s, p50 / p99 latency (µs) and the CPU cores busy in the daemons together.
+``--per-device N`` (a machine with N Vulkan devices): daemon k sees device k mod N alone (a config
+excluding the others, the host member off), so K daemons on K devices are the ceiling of a daemon
+that serves each device from a process of its own, against one daemon on one device.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--transport", choices=["lane", "zmq"], default="lane")
+    parser.add_argument("--per-device", type=int, metavar="N",
+                        help="N Vulkan devices: daemon k sees device k mod N alone")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="vkpool-shards-"))
     batching = None if args.max_batch is None else {"max_batch": args.max_batch, "max_queue_delay": 0.0}
@@ -34,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = B.resolve_model(args.model, work, symbolic_batch=batching is not None)
         for k in args.shards:
-            daemons = [B.BenchDaemon(None) for _ in range(k)]
+            daemons = [B.BenchDaemon(_device_config(work, i % args.per_device, args.per_device)
+                                     if args.per_device else None) for i in range(k)]
             try:
                 for d in daemons:  # each loads (and compiles) the model before the clients start
                     with d.client(local_lane=args.transport == "lane") as c:
@@ -53,11 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mode = "fixed batch" if batching is None else f"dynamic batching, max_batch {args.max_batch}"
-    print(f"\n{args.model}, {args.transport}, {mode}, {args.seconds:g} s per figure\n")
+    where = f", daemon k on device k mod {args.per_device} alone" if args.per_device else ""
+    print(f"\n{args.model}, {args.transport}, {mode}{where}, {args.seconds:g} s per figure\n")
     print("| daemons | " + " | ".join(f"{n} clients: jobs/s (p50 / p99 µs; daemon CPU)" for n in args.clients) + " |")
     print("|---|" + "---|" * len(args.clients))
     print("\n".join(rows))
     return 0
+
+
+def _device_config(folder: Path, keep: int, devices: int) -> str:
+    """A config file that leaves every Vulkan device but index ``keep`` (of ``devices``) out, and the host member."""
+    path = folder / f"device-{keep}.yaml"
+    rules = "".join(f"  - match: {{index: {i}}}\n    exclude: true\n" for i in range(devices) if i != keep)
+    path.write_text(("devices:\n" + rules if rules else "") + "host:\n  enabled: false\n")
+    return str(path)
 
 
 if __name__ == "__main__":
