@@ -502,7 +502,7 @@ class Session:
 
     def staged(self) -> Any:
         """For a session that runs the whole model as one chunk on a Vulkan member, or as copies
-        that each do (a throughput plan, in threads: the copies in turn): one run slot, held for a
+        that each do (a throughput plan, in threads: the least busy copy): one run slot, held for a
         caller that writes every input straight into ``.inputs`` (the slot's memory, each input's
         whole compiled shape), calls ``.run()`` and reads the outputs it returns (views of the
         slot's memory) until ``.release()`` or the end of a ``with`` block
