@@ -228,7 +228,7 @@ class Client:
         deadline or close."""
         sock, outbox = self._sock, self._outbox_pull
         while not done() and not self._closed.is_set():
-            while outbox.get(zmq.EVENTS) & zmq.POLLIN:
+            while outbox.get(P.EVENTS) & P.POLLIN:
                 sock.send_multipart(outbox.recv_multipart(copy=False), copy=False)
             wait_ms = _POLL_SLICE_MS
             if deadline is not None:
@@ -237,7 +237,7 @@ class Client:
                     return
             if not self._poller.poll(wait_ms):
                 continue
-            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            while sock.get(P.EVENTS) & P.POLLIN:
                 self._deliver(parse_reply(P.recv_parts(sock, 3)))
 
     def _deliver(self, reply: tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None) -> None:

@@ -314,7 +314,7 @@ class Server:
         router = self._router
         first = router.recv(copy=False)
         parts: list[Any] = [first.bytes]
-        while router.get(zmq.RCVMORE):
+        while router.get(P.RCVMORE):
             parts.append(router.recv(copy=len(parts) < 4))
         return parts, _source_fd(first)
 
@@ -776,7 +776,7 @@ class Server:
 
     def _nothing_waiting(self) -> bool:
         """True when no further request is waiting on the socket (a short job may then run here)."""
-        return not self._router.get(zmq.EVENTS) & zmq.POLLIN
+        return not self._router.get(P.EVENTS) & P.POLLIN
 
     def _watch(self, job: Job) -> None:
         if job.deadline is not None:
@@ -866,12 +866,12 @@ class Server:
                 ready = [sock for sock, _ in poller.poll(1 if self._waiting else _TICK_S * 1000)]
                 if inbox in ready:  # worker replies first: they free room in the queues
                     for _ in range(256):
-                        if not inbox.get(zmq.EVENTS) & zmq.POLLIN:
+                        if not inbox.get(P.EVENTS) & P.POLLIN:
                             break
                         self._send_handed_over(inbox.recv_multipart(copy=False))
                 if router in ready:
                     for _ in range(256):
-                        if not router.get(zmq.EVENTS) & zmq.POLLIN:
+                        if not router.get(P.EVENTS) & P.POLLIN:
                             break
                         raw, fd = self._recv_request()
                         try:
@@ -934,7 +934,7 @@ class Server:
         return False
 
     def _shutdown(self) -> None:
-        while self._inbox.get(zmq.EVENTS) & zmq.POLLIN:  # flush replies handed over by workers
+        while self._inbox.get(P.EVENTS) & P.POLLIN:  # flush replies handed over by workers
             self._send_handed_over(self._inbox.recv_multipart(copy=False))
         with self._book:
             self._lanes_closed = True
