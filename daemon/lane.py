@@ -118,10 +118,6 @@ class Poller:
 # ---------------------------------------------------------------------------------------------
 # The ring: shared memory beside the socket.
 
-#: a wait for requests kept waiting shorter than this is polled through, not slept (``epoll``'s
-#: timeout is in whole milliseconds, so a shorter sleep would last a millisecond)
-_DUE_SLEEP_MIN_S = 2e-3
-
 #: bytes of each of a ring's two halves (request, reply); a message larger than its half travels
 #: on the socket.
 RING_HALF = 256 << 10
@@ -561,6 +557,9 @@ _TAKES = 16
 #: how long the reactor sleeps at most: it then looks whether the daemon takes connections again,
 #: and whether connections whose replies waited may be read again
 _REACTOR_TICK_S = 0.02
+#: a wait for requests kept waiting shorter than this is polled through, not slept (``epoll``'s
+#: timeout is in whole milliseconds, so a shorter sleep would last a millisecond)
+_DUE_SLEEP_MIN_S = 2e-3
 
 
 class LaneReactor:

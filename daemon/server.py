@@ -611,20 +611,12 @@ class Server:
             answered.add(k)
             self._answer_bound([(*members[k], result, queued_s)], run_s, done)
 
-        def answer_batch(at: int, count: int, batch: Any, started: float, finished: float) -> None:
+        def answer_batch(at: int, count: int, results: Any, started: float, finished: float) -> None:
             answered.update(range(at, at + count))
             group = members[at:at + count]
-            if isinstance(batch, ProtocolViolation):
-                self._answer_bound([(*m, batch, started - m[2]) for m in group], finished - started, done)
-                return
-            outputs, rows = batch
-            answers, offset = [], 0
-            for (conn, item, accepted), r in zip(group, rows):
-                answers.append((conn, item, accepted,
-                                [outputs[n][offset:offset + r] for n in (item.plan.outputs or outputs)],
-                                started - accepted))
-                offset += r
-            self._answer_bound(answers, finished - started, done)
+            if isinstance(results, ProtocolViolation):
+                results = [results] * count
+            self._answer_bound([(*m, r, started - m[2]) for m, r in zip(group, results)], finished - started, done)
 
         def fallback(k: int) -> None:
             answered.add(k)

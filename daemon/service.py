@@ -298,12 +298,12 @@ class Service:
         ``plan``, ``feeds`` and ``rows``, accepted at ``accepted``, ``time.monotonic()`` values),
         run on this thread when the model is idle and quick: a batching model's as batches of
         their rows, any other's back to back. ``answer(k, outputs or ProtocolViolation, queued_s,
-        run_s)`` answers ``items[k]``; ``answer_batch(at, count, batch, started, finished)``
-        answers ``items[at:at + count]``, run as one batch (``batch``: the batch's outputs and the
-        requests' rows, as :meth:`BatchRunner.run_whole` gives them, valid only during the call, or
-        its ProtocolViolation);
-        ``fallback(k)`` has ``items[k]`` queued as a job instead (:meth:`queue_bound`), when the
-        model is busy, being re-planned, not yet timed or slower than ``inline_run_max``."""
+        run_s)`` answers ``items[k]``; ``answer_batch(at, count, results, started, finished)``
+        answers ``items[at:at + count]``, run as one batch (``results``: each request's outputs,
+        views of the batch's valid only during the call (:meth:`BatchRunner.views`), or the batch's
+        ProtocolViolation); ``fallback(k)`` has ``items[k]`` queued as a job instead
+        (:meth:`queue_bound`), when the model is busy, being re-planned, not yet timed or slower
+        than ``inline_run_max``."""
         queue = None
         if self.runs_where_read(entry) and not self.draining:
             queue = self.scheduler.claim_idle(entry.id, entry.gate, len(items))
@@ -319,9 +319,16 @@ class Service:
             at = 0
             for count in runner.batches([item.rows for item in items]):
                 runner.stats.where_read += 1
-                self._timed_batch(entry, runner, [i.feeds for i in items[at:at + count]], accepted[at:at + count],
-                                  None, lambda batch, started, finished, at=at, count=count:
-                                  answer_batch(at, count, batch, started, finished))
+                group = items[at:at + count]
+
+                def answer_group(batch: Any, started: float, finished: float, at: int = at, count: int = count,
+                                 group: list[Any] = group) -> None:
+                    if not isinstance(batch, ProtocolViolation):
+                        batch = runner.views(*batch, [item.plan.outputs for item in group])
+                    answer_batch(at, count, batch, started, finished)
+
+                self._timed_batch(entry, runner, [i.feeds for i in group], accepted[at:at + count], None,
+                                  answer_group)
                 at += count
         finally:
             self.scheduler.release_claim(queue, entry.gate, len(items))
@@ -522,15 +529,15 @@ class Service:
                 return runner.split(*batch, [job.outputs for job in jobs]), started, finished
 
             results, started, finished = self._timed_batch(
-                entry, runner, [feeds for _, feeds in taken], [job.accepted_at for job in jobs], [job.started_at for job in jobs],
-                split)
-            if isinstance(results, ProtocolViolation):
-                for job in jobs:
-                    self.scheduler.settle(job)
-                    job.finish("error", _error(results))
-                return
+                entry, runner, [feeds for _, feeds in taken], [job.accepted_at for job in jobs],
+                [job.started_at for job in jobs], split)
         finally:
             entry.gate.release_shared()
+        if isinstance(results, ProtocolViolation):
+            for job in jobs:
+                self.scheduler.settle(job)
+                job.finish("error", _error(results))
+            return
         for job, result in zip(jobs, results):
             queued = (job.started_at or started) - job.accepted_at
             content, frames = self._replies.pack(entry.output_names if job.outputs is None else job.outputs,

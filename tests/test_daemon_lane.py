@@ -707,4 +707,3 @@ def test_a_reply_in_the_ring_to_a_client_gone_asleep_counts_as_undelivered() -> 
     finally:
         conn.close()
         b.close()
-

@@ -321,16 +321,21 @@ class BatchRunner:
             stacked[name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
         return stacked
 
-    def split(self, outputs: Mapping[str, np.ndarray], rows: Sequence[int], names: Sequence[Sequence[str] | None]
+    def views(self, outputs: Mapping[str, np.ndarray], rows: Sequence[int], names: Sequence[Sequence[str] | None]
               ) -> list[list[np.ndarray]]:
         """Each request's own rows of :meth:`run_whole`'s outputs, the outputs it names (``names``,
-        None for all), copied: the batch's outputs may be a run slot's memory, written again by
-        the next run."""
+        None for all), as views: valid only while the outputs are (inside ``use``)."""
         results, offset = [], 0
         for wanted, r in zip(names, rows):
-            results.append([outputs[n][offset:offset + r].copy() for n in (wanted or self.outputs)])
+            results.append([outputs[n][offset:offset + r] for n in (wanted or self.outputs)])
             offset += r
         return results
+
+    def split(self, outputs: Mapping[str, np.ndarray], rows: Sequence[int], names: Sequence[Sequence[str] | None]
+              ) -> list[list[np.ndarray]]:
+        """:meth:`views`, copied: the batch's outputs may be a run slot's memory, written again by
+        the next run."""
+        return [[v.copy() for v in request] for request in self.views(outputs, rows, names)]
 
     def close(self) -> None:
         with self._lock:
