@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NoReturn, Sequence
 
 import numpy as np
 import zmq
@@ -33,7 +33,8 @@ from vkpool.daemon import protocol as P
 from vkpool.daemon.bound import ClientBinding, views
 from vkpool.daemon.endpoint import default_endpoint, ipc_path
 from vkpool.daemon.errors import DaemonUnavailable, from_reply
-from vkpool.daemon.lane import CLIENT_MAX_LANES, POLL_MAX_S, ClientLane, LaneRefused, Poller, lane_wanted
+from vkpool.daemon.lane import (CLIENT_MAX_LANES, POLL_MAX_S, ZMQ_POLL_MAX_S, ClientLane, LaneRefused, Poller,
+                                lane_wanted)
 
 HELLO_TIMEOUT_S = 5.0
 _INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id
@@ -139,13 +140,14 @@ def load_content(model: str | os.PathLike[str] | bytes, name: str | None, keep_a
 class _Waiter:
     """One request in flight: where its reply lands and how its thread is woken."""
 
-    __slots__ = ("reply", "wake", "future")
+    __slots__ = ("reply", "wake", "future", "packed")
 
     def __init__(self, wake: threading.Event | None = None,
-                 future: concurrent.futures.Future[Any] | None = None) -> None:
-        self.reply: tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None = None
+                 future: concurrent.futures.Future[Any] | None = None, packed: bool = False) -> None:
+        self.reply: tuple[dict[str, Any], Any, list[zmq.Frame]] | None = None
         self.wake = wake
         self.future = future
+        self.packed = packed  # the reply's content is kept packed (an infer's, read by InferOutputs)
 
 
 class Client:
@@ -190,6 +192,8 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._outbox_pull, zmq.POLLIN)
+        self._spin = Poller(ZMQ_POLL_MAX_S)
+        self._reply_s = ZMQ_POLL_MAX_S / 2  # moving average of a reply's wait over ZeroMQ
         self._lead = threading.Lock()        # held by the thread using the DEALER socket
         self._send_lock = threading.Lock()   # guards the PUSH end of the outbox
         self._pending: dict[str, _Waiter] = {}
@@ -223,30 +227,47 @@ class Client:
         return self._lane_offer is not None
 
     # -- transport ----------------------------------------------------------------------------
-    def _pump(self, done: Any, deadline: float | None) -> None:
+    def _pump(self, done: Any, deadline: float | None, sent: float | None = None) -> None:
         """As the leader: forward queued requests and hand out replies until ``done()``, the
-        deadline or close."""
-        sock, outbox = self._sock, self._outbox_pull
+        deadline or close. ``sent``: when the leader's own request went (``time.perf_counter``),
+        to poll for its reply instead of sleeping when replies come soon (:class:`Poller`)."""
+        sock, outbox, poll = self._sock, self._outbox_pull, self._poller.poll
+        until = None if sent is None else self._spin.until(self._reply_s, sent)
+        if until is not None and self._spin._token.acquire(False):
+            try:  # zmq_poll without waiting: the interpreter lock is let go on each look
+                clock = time.perf_counter
+                while not poll(0) and clock() < until:
+                    pass
+            finally:
+                self._spin._token.release()
         while not done() and not self._closed.is_set():
-            while outbox.get(P.EVENTS) & P.POLLIN:
-                sock.send_multipart(outbox.recv_multipart(copy=False), copy=False)
             wait_ms = _POLL_SLICE_MS
             if deadline is not None:
                 wait_ms = min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1)
                 if wait_ms <= 0:
                     return
-            if not self._poller.poll(wait_ms):
-                continue
-            while sock.get(P.EVENTS) & P.POLLIN:
-                self._deliver(parse_reply(P.recv_parts(sock, 3)))
+            # a message at a time from each ready socket (zmq_poll sees the next one at once;
+            # it costs less than pyzmq's ``EVENTS``, read through an enum lookup)
+            for ready, _ in poll(wait_ms):
+                if ready is sock:
+                    self._deliver(P.recv_parts(sock, 3))
+                else:  # a request queued by another thread
+                    sock.send_multipart(outbox.recv_multipart(copy=False), copy=False)
 
-    def _deliver(self, reply: tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None) -> None:
-        if reply is None:
+    def _deliver(self, frames: list[Any]) -> None:
+        try:
+            _, body = P.split_routing(frames)
+            header = P.unpack(P._buffer(body[0]))
+            rid = str(header.get("id")) if isinstance(header, dict) else None
+            waiter = self._pending.pop(rid, None) if rid is not None else None
+        except (P.ProtocolViolation, IndexError):
             return  # a probe, or something that is no reply
-        rid = str(reply[0].get("id"))
-        waiter = self._pending.pop(rid, None)
         if waiter is None:
             return  # timed out meanwhile, or a retried id answered twice
+        reply = (header, body[1], body[2:]) if waiter.packed and "status" in header else parse_reply(frames)
+        if reply is None:
+            self._pending[rid] = waiter  # not a reply after all: still waiting
+            return
         waiter.reply = reply
         if waiter.future is not None:
             self._unanswered.discard(rid)
@@ -268,21 +289,25 @@ class Client:
         with self._send_lock:
             self._outbox.send_multipart(message, copy=False)
 
-    def _exchange(self, rid: str, message: list[Any], timeout: float | None
-                  ) -> tuple[dict[str, Any], dict[str, Any], list[zmq.Frame]] | None:
-        """Send one request and wait for its reply; None at the timeout."""
+    def _exchange(self, rid: str, message: list[Any], timeout: float | None, packed: bool = False
+                  ) -> tuple[dict[str, Any], Any, list[zmq.Frame]] | None:
+        """Send one request and wait for its reply; None at the timeout. ``packed``: the reply's
+        content stays packed (:class:`_Waiter`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._lead.acquire(blocking=False):
-            waiter = _Waiter()
+            waiter = _Waiter(packed=packed)
             self._pending[rid] = waiter
             try:
                 P.send_parts(self._sock, message)
-                self._pump(lambda: waiter.reply is not None, deadline)
+                sent = time.perf_counter()
+                self._pump(lambda: waiter.reply is not None, deadline, sent)
+                if waiter.reply is not None:
+                    self._reply_s = self._spin.average(self._reply_s, time.perf_counter() - sent)
             finally:
                 self._lead.release()
                 self._hand_over_lead()
         else:
-            waiter = _Waiter(wake=threading.Event())
+            waiter = _Waiter(wake=threading.Event(), packed=packed)
             self._pending[rid] = waiter
             self._followers.add(waiter)
             try:
@@ -329,18 +354,25 @@ class Client:
             raise DaemonUnavailable("this client is closed")
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
         wait = timeout if timeout is not None else self.timeout
-        message = build_request(action, rid, content or {}, frames)
+        reply = self._exchange(rid, self._checked(action, build_request(action, rid, content or {}, frames)), wait)
+        if reply is None:
+            self._timed_out(action, wait)
+        return result_of(reply)
+
+    def _checked(self, action: str, message: list[Any]) -> list[Any]:
+        """``message``, unless it is over the daemon's ``max_message_bytes`` (which would drop the
+        connection, not answer): MessageTooLarge is raised here instead."""
         size = sum(map(len, message))
-        if size > self._max_bytes:  # the daemon would drop the connection, not answer
+        if size > self._max_bytes:
             raise from_reply({"type": "MessageTooLarge", "message": f"{action}_request of {size} bytes exceeds the "
                               f"daemon's max_message_bytes {self._max_bytes}; load large models by path",
                               "details": {"bytes": size}})
-        reply = self._exchange(rid, message, wait)
-        if reply is None:
-            if self._closed.is_set():
-                raise DaemonUnavailable("this client was closed while waiting for a reply")
-            raise TimeoutError(f"no {action}_reply from {self.endpoint} within {wait:g} s")
-        return result_of(reply)
+        return message
+
+    def _timed_out(self, action: str, wait: float | None) -> NoReturn:
+        if self._closed.is_set():
+            raise DaemonUnavailable("this client was closed while waiting for a reply")
+        raise TimeoutError(f"no {action}_reply from {self.endpoint} within {wait:g} s")
 
     def submit(self, action: str, content: Mapping[str, Any] | None = None, frames: Sequence[Any] = (),
                *, request_id: str | None = None) -> concurrent.futures.Future[Any]:
@@ -390,24 +422,9 @@ class Client:
                     priority: int, timeout: float | None, wait: float | None) -> list[np.ndarray] | None:
         """``infer`` on the local lane; None when it must go over ZeroMQ instead.
 
-        The packed content is remembered per model, output names, options and input
-        names/dtypes/shapes, so running one model on same-shaped inputs packs only the header.
-        The daemon, for its part, checks a content it has seen before only against the frames.
-        Small tensors travel as copies of their bytes (see :data:`~vkpool.daemon.protocol.SMALL_FRAME`).
-        On a lane with a ring such an infer is bound once (:mod:`vkpool.daemon.bound`): after
+        It travels framed as over ZeroMQ (:meth:`_framed`), or, on a lane with a ring, is bound once (:mod:`vkpool.daemon.bound`): after
         that only its inputs' bytes are written, and its outputs read, in the ring."""
-        arrays: list[np.ndarray] = []
-        key: Any = [model_id, priority, timeout, outputs if outputs is None else tuple(outputs)]
-        for name, value in feeds.items():
-            array = value if type(value) is np.ndarray else np.asarray(value)
-            dtype = P._NAME_OF.get(array.dtype)
-            if dtype is None or not (array.nbytes < P.SMALL_FRAME or array.flags.c_contiguous):
-                key = None  # to be converted: the general path
-                break
-            arrays.append(array)
-            key += (name, dtype, array.shape)
-        else:
-            key = tuple(key)
+        key, arrays = self._infer_key(model_id, feeds, outputs, priority, timeout)
         lane = self._take_lane()
         if lane is None:
             return None
@@ -416,18 +433,7 @@ class Client:
             bound = lane.bindings.get(key)
             if bound is not None:  # the usual case: neither frames nor content are made
                 return self._bound_infer(lane, key, bound, arrays, wait)
-        if key is None:
-            content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
-            packed = P.pack(content)
-        else:
-            # small tensors as copies of their bytes (C order, whatever the array's strides)
-            frames = [a.tobytes() if a.nbytes < P.SMALL_FRAME else memoryview(a).cast("B") for a in arrays]
-            packed = self._packed.get(key)
-            if packed is None:
-                packed = P.pack(infer_content(model_id, feeds, outputs, priority, timeout)[0])
-                if len(self._packed) >= 64:
-                    self._packed.clear()
-                self._packed[key] = packed
+        key, arrays, packed, frames = self._framed(model_id, feeds, outputs, priority, timeout, (key, arrays))
         if len(frames) + 2 > self._max_frames:
             self._lane_done(lane)
             return None
@@ -445,6 +451,46 @@ class Client:
         # writable, like the in-process session's results (a reply read from the ring, or a large
         # one, is already)
         return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
+
+    @staticmethod
+    def _infer_key(model_id: str, feeds: Mapping[str, Any], outputs: list[str] | None, priority: int,
+                   timeout: float | None) -> tuple[Any, list[np.ndarray]]:
+        """What an infer's packed content depends on (the model, output names, options and input
+        names/dtypes/shapes) and its inputs as arrays; the key is None for inputs to be converted
+        (an unknown dtype, a large array not in C order)."""
+        arrays: list[np.ndarray] = []
+        key: Any = [model_id, priority, timeout, outputs if outputs is None else tuple(outputs)]
+        for name, value in feeds.items():
+            array = value if type(value) is np.ndarray else np.asarray(value)
+            dtype = P._NAME_OF.get(array.dtype)
+            if dtype is None or not (array.nbytes < P.SMALL_FRAME or array.flags.c_contiguous):
+                return None, arrays
+            arrays.append(array)
+            key += (name, dtype, array.shape)
+        return tuple(key), arrays
+
+    def _framed(self, model_id: str, feeds: Mapping[str, Any], outputs: list[str] | None, priority: int,
+                timeout: float | None, keyed: tuple[Any, list[np.ndarray]] | None = None
+                ) -> tuple[Any, list[np.ndarray], bytes, list[Any]]:
+        """An infer as it travels framed, on a lane or over ZeroMQ: its key and arrays
+        (:meth:`_infer_key`, or ``keyed``), its packed content and its tensor frames. The packed
+        content is remembered per key, so running one model on same-shaped inputs packs nothing
+        but the request's header; the daemon, for its part, checks a content it has seen before
+        only against the frames. Small tensors travel as copies of their bytes (see
+        :data:`~vkpool.daemon.protocol.SMALL_FRAME`)."""
+        key, arrays = keyed or self._infer_key(model_id, feeds, outputs, priority, timeout)
+        if key is None:
+            content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
+            return key, arrays, P.pack(content), frames
+        # small tensors as copies of their bytes (C order, whatever the array's strides)
+        frames = [a.tobytes() if a.nbytes < P.SMALL_FRAME else memoryview(a).cast("B") for a in arrays]
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = P.pack(infer_content(model_id, feeds, outputs, priority, timeout)[0])
+            if len(self._packed) >= 64:
+                self._packed.clear()
+            self._packed[key] = packed
+        return key, arrays, packed, frames
 
     def _bind(self, lane: ClientLane, key: Any, packed: bytes, frames: list[Any], arrays: list[np.ndarray],
               wait: float | None) -> ClientBinding | None:
@@ -649,8 +695,18 @@ class Client:
             results = self._lane_infer(model_id, feeds, outputs, priority, timeout, wait)
             if results is not None:
                 return results
-        content, frames = infer_content(model_id, feeds, outputs, priority, timeout)
-        return outputs_of(*self.request("infer", content, frames, timeout=wait))
+        packed, frames = self._framed(model_id, feeds, outputs, priority, timeout)[2:]
+        rid = f"{self._prefix}-{next(self._ids)}"
+        prefix, suffix = _INFER_REQUEST
+        reply = self._exchange(rid, self._checked("infer", [P.DELIMITER, prefix + P.pack_id(rid) + suffix, packed,
+                                                            *frames]), wait, packed=True)
+        if reply is None:
+            self._timed_out("infer", wait)
+        header, content, raw = reply
+        if header["status"] != "ok":
+            error = P.unpack(content)
+            raise from_reply(error if isinstance(error, dict) else {"message": "an error reply without content"})
+        return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
 
     def cancel(self, request_id: str) -> dict[str, Any]:
         return self.request("cancel", {"request_id": request_id})[0]

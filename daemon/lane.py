@@ -57,6 +57,8 @@ POLL_MIN_CPUS = 4
 #: sleeps in recv, when that time is under this (and no other thread of the client is polling);
 #: 0 = never poll. ``$VKPOOL_LANE_POLL_US`` sets it in microseconds.
 POLL_MAX_S = float(os.environ.get("VKPOOL_LANE_POLL_US", "200" if usable_cpus() >= POLL_MIN_CPUS else "0")) * 1e-6
+#: the same for a reply over ZeroMQ (``$VKPOOL_ZMQ_POLL_US``)
+ZMQ_POLL_MAX_S = float(os.environ.get("VKPOOL_ZMQ_POLL_US", "400" if usable_cpus() >= POLL_MIN_CPUS else "0")) * 1e-6
 
 
 #: every this many waits past ``max_s``, a :class:`Poller` polls for ``max_s`` all the same

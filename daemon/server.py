@@ -34,7 +34,7 @@ from vkpool.daemon import protocol as P
 from vkpool.daemon.bound import BINDINGS_MAX, Binding, places, views
 from vkpool.daemon.endpoint import (LISTEN_BACKLOG, ConnectionWatch, EndpointError, EndpointLock,
                                     connection_cap, fd_reserve, ipc_path, lane_fits, lane_path, raise_fd_limit)
-from vkpool.daemon.lane import LaneConnection, LaneListener, LaneReactor, Ring, ring_supported, wake_sleepers
+from vkpool.daemon.lane import LaneConnection, LaneListener, LaneReactor, Poller, Ring, ring_supported, wake_sleepers
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.runtime import classify
 from vkpool.daemon.scheduler import Job
@@ -312,10 +312,11 @@ class Server:
         """One request's frames (routing id, delimiter, header and content as bytes; raw frames
         zero-copy) and the file descriptor it came from."""
         router = self._router
-        first = router.recv(copy=False)
+        first = frame = router.recv(copy=False)
         parts: list[Any] = [first.bytes]
-        while router.get(P.RCVMORE):
-            parts.append(router.recv(copy=len(parts) < 4))
+        while frame.more:  # see protocol.recv_parts
+            frame = router.recv(copy=False)
+            parts.append(frame.bytes if len(parts) < 4 else frame)
         return parts, _source_fd(first)
 
     def _on_request(self, raw: list[Any], fd: int = -1) -> None:
@@ -853,15 +854,25 @@ class Server:
                 passed=self._lanes_passed, log=log, due=self._bound_due)
             self._reactor.start()
         last_sweep = 0.0
+        clock, poll_s = time.perf_counter, self.settings.zmq_poll
+        gaps = Poller(poll_s)  # the moving average of the gap between requests
+        gap, done = poll_s, clock()
         try:
             while True:
-                ready = [sock for sock, _ in poller.poll(1 if self._waiting else _TICK_S * 1000)]
+                events = None
+                if gap < poll_s and clock() < done + 2.0 * gap:  # the next request comes soon: poll
+                    until = done + 2.0 * gap
+                    while not (events := poller.poll(0)) and clock() < until:
+                        pass
+                ready = [sock for sock, _ in events or poller.poll(1 if self._waiting else _TICK_S * 1000)]
                 if inbox in ready:  # worker replies first: they free room in the queues
                     for _ in range(256):
                         if not inbox.get(P.EVENTS) & P.POLLIN:
                             break
                         self._send_handed_over(inbox.recv_multipart(copy=False))
                 if router in ready:
+                    if poll_s > 0:
+                        gap = gaps.average(gap, clock() - done)
                     for _ in range(256):
                         if not router.get(P.EVENTS) & P.POLLIN:
                             break
@@ -875,6 +886,7 @@ class Server:
                         self.service.run_held()
                     except Exception:
                         log.exception("unexpected failure running the batches of the messages read")
+                    done = clock()
                 now = time.monotonic()
                 if self._waiting:
                     self._send_waiting(now)

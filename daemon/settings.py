@@ -29,6 +29,7 @@ class DaemonSettings:
     max_connections: int = 4096          # clients beyond this get TooManyConnections
     max_lane_connections: int = 256      # local lane connections; 0 = offer no lane
     lane_poll: float = field(default_factory=lambda: _default_lane_poll())  # see docs/daemon.md; 0 = never
+    zmq_poll: float = field(default_factory=lambda: _default_zmq_poll())  # see docs/daemon.md; 0 = never
     queue_limit: int = 256               # queued jobs per model before Busy
     max_queued_jobs: int = 4096          # queued jobs over all models before Busy
     max_message_bytes: int = 256 << 20   # total size of one request
@@ -89,6 +90,13 @@ def _default_lane_poll() -> float:
     from vkpool.daemon.lane import POLL_MIN_CPUS, usable_cpus
 
     return 0.0001 if usable_cpus() >= POLL_MIN_CPUS else 0.0
+
+
+def _default_zmq_poll() -> float:
+    """400 µs, or 0 (no polling) on a machine with fewer than 4 CPUs."""
+    from vkpool.daemon.lane import ZMQ_POLL_MAX_S
+
+    return ZMQ_POLL_MAX_S
 
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(us|µs|ms|s|m|h)?\s*$")
@@ -211,6 +219,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_connections": _positive_int,
     "max_lane_connections": _non_negative_int,
     "lane_poll": lambda v: _non_negative(parse_duration(v)),
+    "zmq_poll": lambda v: _non_negative(parse_duration(v)),
     "queue_limit": _positive_int,
     "max_queued_jobs": _positive_int,
     "max_message_bytes": _size,

@@ -39,7 +39,8 @@ def folder() -> Iterator[Path]:
 def shared() -> Iterator[Daemon]:
     with short_folder("vkl") as path:
         # both sides poll for messages here whatever the machine's CPUs (the default on 4 or more)
-        daemon = Daemon(path, daemon={"max_frames": 16, "max_message_bytes": "1MiB", "lane_poll": "0.2ms"})
+        daemon = Daemon(path, daemon={"max_frames": 16, "max_message_bytes": "1MiB", "lane_poll": "0.2ms",
+                                      "zmq_poll": "0.4ms"})
         yield daemon
         assert daemon.stop() == 0
 
@@ -97,11 +98,13 @@ class RawLane:
         self.sock.close()
 
 
-LANE_JOBS = """
+POLLING_JOBS = """
 import os, sys, threading, numpy as np
 os.environ["VKPOOL_LANE_POLL_US"] = "300"
+os.environ["VKPOOL_ZMQ_POLL_US"] = "400"
+from vkpool.daemon import errors as E
 from vkpool.daemon.client import Client
-endpoint, out, seed, jobs, threads, *models = sys.argv[1:]
+transport, endpoint, out, seed, jobs, threads, *models = sys.argv[1:]
 results = {}
 def work(t):
     rng = np.random.default_rng(int(seed) * 100 + t)
@@ -113,19 +116,33 @@ def work(t):
         for k, y in enumerate(s.run(None, {"x": x})):
             assert y.flags.writeable
             results[f"y{t}_{j}_{k}"] = y
-with Client(endpoint) as client:
-    assert client.local_lane, client.info
-    assert client._lane_poller.max_s == 300e-6
+        if j % 20 == 7:  # an error reply among them, raised as its class
+            try:
+                s.run(None, {"x": x[:, :-1]})
+            except E.InvalidTensor as exc:
+                assert "x" in str(exc), exc
+            else:
+                raise AssertionError("a mis-shaped input was run")
+with Client(endpoint, local_lane=transport == "lane") as client:
+    assert client.local_lane == (transport == "lane"), client.info
+    assert abs(client._lane_poller.max_s - 300e-6) < 1e-12 and abs(client._spin.max_s - 400e-6) < 1e-12
     pool = [threading.Thread(target=work, args=(t,)) for t in range(int(threads))]
     for p in pool: p.start()
     for p in pool: p.join()
-    assert len(client._lanes) >= 1, "no job went on the lane"
-    assert client.status()["counters"]["lanes"] >= 1
+    if transport == "lane":
+        assert len(client._lanes) >= 1, "no job went on the lane"
+        assert client.status()["counters"]["lanes"] >= 1
+    else:
+        assert not client._lanes
 np.savez(out, **results)
 """
 
 
-def test_lane_jobs_from_several_processes_and_threads_match_in_process_runs(shared: Daemon) -> None:
+@pytest.mark.parametrize("transport", ["lane", "zmq"])
+def test_jobs_from_several_processes_and_threads_match_in_process_runs_with_both_sides_polling(
+        shared: Daemon, transport: str) -> None:
+    """On either transport, with the client and the daemon polling for messages instead of
+    sleeping (the default on machines of 4 CPUs or more)."""
     from vkpool.session import Session
 
     models = [shared.folder / "a.onnx", shared.folder / "b.onnx"]
@@ -134,15 +151,15 @@ def test_lane_jobs_from_several_processes_and_threads_match_in_process_runs(shar
     jobs, threads = 60, [1, 3, 2]
     with shared.client() as watcher:
         before = watcher.status()["counters"]
-        run_clients(LANE_JOBS, [[shared.endpoint, str(shared.folder / f"lane{i}.npz"), str(i), str(jobs),
-                                 str(n), *map(str, models)] for i, n in enumerate(threads)])
+        run_clients(POLLING_JOBS, [[transport, shared.endpoint, str(shared.folder / f"{transport}{i}.npz"), str(i),
+                                    str(jobs), str(n), *map(str, models)] for i, n in enumerate(threads)])
         after = settled(watcher)
     assert after["ok"] - before["ok"] >= sum(threads) * jobs
     assert after["lanes"] == 0  # the clients' lanes closed with them
     sessions = [Session(str(m)) for m in models]
     try:
         for i, n in enumerate(threads):
-            data = np.load(shared.folder / f"lane{i}.npz")
+            data = np.load(shared.folder / f"{transport}{i}.npz")
             for t in range(n):
                 for j in range(jobs):
                     want = sessions[j % 2].run(None, {"x": data[f"x{t}_{j}"]})
