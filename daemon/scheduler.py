@@ -186,15 +186,16 @@ class Scheduler:
             return 0 if queue is None else queue.size + queue.gathered + queue.running
 
     # -- jobs ---------------------------------------------------------------------------------
-    def claim_idle(self, model_id: str, gate: Any = None, jobs: int = 1) -> ModelQueue | None:
+    def claim_idle(self, model_id: str, gate: Any = None, jobs: int = 1, beside: int = 0) -> ModelQueue | None:
         """Count ``jobs`` jobs as running on a model with nothing queued or running, for a caller
         that runs them itself; None when the model is busy. ``gate``: the model's
         :class:`~vkpool.daemon.registry.SharedGate`, taken shared in the same call (None when a
         re-plan holds it or waits for it). Pair with :meth:`release_claim`, given the same gate and
-        count."""
+        count. ``beside``: jobs the caller's own earlier claim counts running, which are no
+        other caller's."""
         with self._lock:
             queue = self._queues.get(model_id)
-            if queue is None or queue.size or queue.running or model_id in self._closing:
+            if queue is None or queue.size or queue.running != beside or model_id in self._closing:
                 return None
             if gate is not None and not gate.try_acquire_shared():  # the gate's lock nests in ours
                 return None

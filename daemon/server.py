@@ -112,6 +112,8 @@ class Server:
         self._bound_waiting: dict[int, tuple[Any, list[tuple[LaneConnection, Binding, float]]]] = {}
         self._bound_deadline = 0.0
         self._bound_ids = itertools.count()  # request ids of bound infers queued as jobs
+        self._flights: dict[int, Any] = {}  # by model (the entry's identity): its batch left running
+        self._latencies: list[float] = []  # of the bound infers answered ok in the lanes' pass
         self._lane_listener: LaneListener | None = None
         self._reactor: LaneReactor | None = None  # reads the lanes, from serve_forever on
         self._io_ident: int | None = None
@@ -538,14 +540,30 @@ class Server:
     def _lanes_passed(self) -> None:
         """The end of the lanes' pass over what they held: the bound infers it read run, by model,
         with those that waited for company, then the batches it held (:meth:`Service.run_held`)."""
+        flights = self._flights
+        if flights:  # batches left running that have ended: answered now
+            for key, flight in list(flights.items()):
+                if flight.done():
+                    del flights[key]
+                    self.service.land(flight)
         if self._bound or self._bound_waiting:
             bound, self._bound = self._bound, []
             self._run_bound(bound)
+        if self._flights and self.service.holds():  # its batches take run slots as they come
+            for flight in self._flights.values():
+                self.service.land(flight)
+            self._flights.clear()
         self.service.run_held()
+        if self._latencies:
+            done, self._latencies = self._latencies, []
+            self.stats.infers_done(done, time.monotonic())
 
     def _bound_due(self) -> float | None:
         """When the first bound infer waiting for company must run (a ``time.monotonic()``
-        value; the lanes' thread passes again by then), or None."""
+        value; the lanes' thread passes again by then), or None; at once while a batch is left
+        running (:meth:`Service.run_bound`): the thread polls until it can answer it."""
+        if self._flights:
+            return 0.0
         return self._bound_deadline if self._bound_waiting else None
 
     def _run_bound(self, items: list[tuple[LaneConnection, int]]) -> None:
@@ -576,7 +594,7 @@ class Server:
                 continue
             entry = item.plan.entry  # by identity: a model loaded again is another entry of the same id
             groups.setdefault(id(entry), (entry, []))[1].append((conn, item, now))
-        done: list[float] = []  # the latencies of the infers answered ok
+        done = self._latencies  # the latencies of the infers answered ok
         for key, (entry, members) in groups.items():
             runner = entry.batching  # a model whose batches run elsewhere waits in its queue instead
             if (runner is not None and runner.max_queue_delay > 0 and not self.service.draining
@@ -590,8 +608,6 @@ class Server:
             members = [m for m in members if self._bound_current(m[0], entry)]
             if members:
                 self._run_bound_group(entry, members, done)
-        if done:
-            self.stats.infers_done(done, time.monotonic())
 
     def _bound_current(self, conn: LaneConnection, entry: Any) -> bool:
         """Whether a bound infer's model is still loaded by its client; if not, it is answered
@@ -623,14 +639,22 @@ class Server:
             answered.add(k)
             self._bound_queued(*members[k])
 
-        try:
-            self.service.run_bound(entry, [item for _, item, _ in members], [a for _, _, a in members], answer,
-                                   answer_batch, fallback)
-        except Exception as exc:  # never a request without its reply
+        def failed(exc: BaseException) -> None:  # never a request without its reply
             violation = _violation(exc)
             for k, (conn, _, _) in enumerate(members):
                 if k not in answered:
+                    answered.add(k)
                     self._bound_error(conn, violation)
+
+        key = id(entry)
+        try:  # the model's batch left running by the pass before goes back to run_bound
+            kept = self.service.run_bound(entry, [item for _, item, _ in members], [a for _, _, a in members], answer,
+                                          answer_batch, fallback, failed, self._flights.pop(key, None))
+        except Exception as exc:
+            failed(exc)
+        else:
+            if kept is not None:
+                self._flights[key] = kept
 
     def _answer_bound(self, answers: list[tuple[LaneConnection, Binding, float, Any, float]], run_s: float,
                       done: list[float]) -> None:
@@ -919,7 +943,7 @@ class Server:
         # only an empty set of unanswered requests says that every reply has been sent
         with self._book:  # and from here on, a lane accepts nothing more
             if (not self._in_progress and not pending and self.service.admin_idle() and not self._inbox.poll(0)
-                    and not self._waiting and not self._bound_waiting
+                    and not self._waiting and not self._bound_waiting and not self._flights
                     and not any(conn.backlogged() for conn in list(self._lanes))):
                 self._lanes_closed = True
                 return True
@@ -943,7 +967,11 @@ class Server:
         with self._book:
             self._lanes_closed = True
         if self._reactor is not None:
-            for conn in self._reactor.stop():
+            conns = self._reactor.stop()
+            for flight in list(self._flights.values()):  # the lanes' thread has ended: answered here
+                self.service.land(flight)
+            self._flights.clear()
+            for conn in conns:
                 self._lane_closed(conn)
         if self._lane_listener is not None:
             self._lane_listener.close()

@@ -31,6 +31,43 @@ Reply = Callable[[bytes, str, str, str, "dict[str, Any] | bytes", list[Any]], No
 _PLANS_MAX = 256  # remembered infer contents; the cache is emptied when it is full
 
 
+class StartedBatch:
+    """A batch started on its model's run slot (:meth:`Service._start_batch`): :meth:`finish`
+    waits for it, counts it and answers its requests."""
+
+    __slots__ = ("_failed", "_pending", "_ran")
+
+    def __init__(self, pending: Any, ran: Callable[[Any], Any], failed: BaseException | None = None) -> None:
+        self._pending, self._ran, self._failed = pending, ran, failed
+
+    def done(self) -> bool:
+        """Whether its run has ended (finishing then does not wait)."""
+        return self._pending is None or self._pending.done()
+
+    def finish(self) -> Any:
+        if self._pending is None:  # it failed to start
+            return self._ran(self._failed)
+        try:
+            return self._pending.finish(lambda outputs, rows: self._ran((outputs, rows)))
+        except BatchFailed as exc:
+            return self._ran(exc.cause)
+
+
+class Flight:
+    """A batch of bound infers left running on the lanes' thread (:meth:`Service.run_bound`): the
+    model's claim (its scheduler queue, its gate taken shared, the requests counted running) is
+    held until :meth:`Service.land`."""
+
+    __slots__ = ("batch", "failed", "gate", "jobs", "queue")
+
+    def __init__(self, batch: StartedBatch, queue: Any, gate: Any, jobs: int,
+                 failed: Callable[[BaseException], None]) -> None:
+        self.batch, self.queue, self.gate, self.jobs, self.failed = batch, queue, gate, jobs, failed
+
+    def done(self) -> bool:
+        return self.batch.done()
+
+
 class InferPlan:
     """An ``infer`` content checked against the model it names, once: its fields, its tensor
     descriptions, the model's inputs and outputs. A later request with the same content bytes
@@ -258,6 +295,10 @@ class Service:
             mine[entry.id] = entry
         self.watch(job)
 
+    def holds(self) -> bool:
+        """Whether this thread's last pass held batches for :meth:`run_held`."""
+        return bool(getattr(self._held, "models", None))
+
     def run_held(self) -> None:
         """The batches of the jobs this thread held in its last pass (:meth:`_infer`), run here
         when their model can take them now; what it cannot goes to the model's workers. So
@@ -293,7 +334,9 @@ class Service:
         return plan, feeds, rows
 
     def run_bound(self, entry: ModelEntry, items: list[Any], accepted: list[float], answer: Callable[..., None],
-                  answer_batch: Callable[..., None], fallback: Callable[[int], None]) -> None:
+                  answer_batch: Callable[..., None], fallback: Callable[[int], None],
+                  failed: Callable[[BaseException], None] | None = None, flight: Flight | None = None
+                  ) -> Flight | None:
         """The bound infers of one model that the lanes' thread runs now (``items``, each with
         ``plan``, ``feeds`` and ``rows``, accepted at ``accepted``, ``time.monotonic()`` values),
         run on this thread when the model is idle and quick: a batching model's as batches of
@@ -303,21 +346,37 @@ class Service:
         views of the batch's valid only during the call (:meth:`BatchRunner.views`), or the batch's
         ProtocolViolation); ``fallback(k)`` has ``items[k]`` queued as a job instead
         (:meth:`queue_bound`), when the model is busy, being re-planned, not yet timed or slower
-        than ``inline_run_max``."""
+        than ``inline_run_max``.
+
+        A batching model's last batch is left running: returned as a :class:`Flight` that the
+        caller lands (:meth:`land`) once it has ended, working meanwhile (reading the next
+        requests), or gives back here as ``flight`` with the model's next requests. Their first
+        batch then starts behind it on the device, in a run slot of its own, before it is landed,
+        so that the device runs one batch while this thread writes the next one's rows and
+        answers the last one's requests. ``failed(exc)`` answers the requests of the returned
+        flight that landing it left unanswered (what ``answer_batch`` raised)."""
         queue = None
         if self.runs_where_read(entry) and not self.draining:
-            queue = self.scheduler.claim_idle(entry.id, entry.gate, len(items))
+            queue = self.scheduler.claim_idle(entry.id, entry.gate, len(items), 0 if flight is None else flight.jobs)
+            if queue is None and flight is not None:  # a re-plan waits, or jobs were queued: land first
+                self.land(flight)
+                flight = None
+                queue = self.scheduler.claim_idle(entry.id, entry.gate, len(items))
         if queue is None:
+            if flight is not None:
+                self.land(flight)
             for k in range(len(items)):
                 fallback(k)
-            return
+            return None
+        kept = None
         try:
             runner = entry.batching  # read under the gate: a re-plan swaps the session
             if runner is None:
                 self._run_many(entry, items, accepted, answer)
-                return
+                return None
             at = 0
-            for count in runner.batches([item.rows for item in items]):
+            counts = runner.batches([item.rows for item in items])
+            for i, count in enumerate(counts):
                 runner.stats.where_read += 1
                 group = items[at:at + count]
 
@@ -327,11 +386,38 @@ class Service:
                         batch = runner.views(*batch, [item.plan.outputs for item in group])
                     answer_batch(at, count, batch, started, finished)
 
-                self._timed_batch(entry, runner, [i.feeds for i in group], accepted[at:at + count], None,
-                                  answer_group)
+                feeds, waited = [i.feeds for i in group], accepted[at:at + count]
+                batch = self._start_batch(entry, runner, feeds, waited, None, answer_group, block=flight is None)
+                if batch is None:  # the batch in flight holds the variant's only free slot
+                    assert flight is not None
+                    self.land(flight)
+                    flight = None
+                    batch = self._start_batch(entry, runner, feeds, waited, None, answer_group)
+                    assert batch is not None
+                if flight is not None:  # the batch before: answered while this one runs
+                    self.land(flight)
+                    flight = None
+                if i == len(counts) - 1 and failed is not None:
+                    kept = Flight(batch, queue, entry.gate, len(items), failed)
+                else:
+                    batch.finish()
                 at += count
         finally:
-            self.scheduler.release_claim(queue, entry.gate, len(items))
+            if flight is not None:
+                self.land(flight)
+            if kept is None:
+                self.scheduler.release_claim(queue, entry.gate, len(items))
+        return kept
+
+    def land(self, flight: Flight) -> None:
+        """A batch left running by :meth:`run_bound`: waited for, its requests answered, and the
+        model's claim given back. What answering it raises is passed to its ``failed``."""
+        try:
+            flight.batch.finish()
+        except Exception as exc:  # never a request without its reply
+            flight.failed(exc)
+        finally:
+            self.scheduler.release_claim(flight.queue, flight.gate, flight.jobs)
 
     def _run_many(self, entry: ModelEntry, items: list[Any], accepted: list[float], answer: Callable[..., None]
                   ) -> None:
@@ -463,6 +549,16 @@ class Service:
         error, ``started`` and ``finished`` when the batch started and ended. A request's queue
         delay runs from its ``accepted`` to its ``taken`` (when the scheduler took it; None, or no
         list: the batch's start), ``time.monotonic()`` values."""
+        batch = self._start_batch(entry, runner, feeds, accepted, taken, answer)
+        assert batch is not None
+        return batch.finish()
+
+    def _start_batch(self, entry: ModelEntry, runner: Any, feeds: list[dict[str, np.ndarray]],
+                     accepted: list[float], taken: list[float | None] | None,
+                     answer: Callable[[Any, float, float], Any], block: bool = True) -> StartedBatch | None:
+        """:meth:`_timed_batch` in two halves: the batch started (:meth:`BatchRunner.start_whole`),
+        and its :meth:`StartedBatch.finish`, which waits for it and answers. ``block`` False: None
+        when the variant has no free run slot."""
         started = time.monotonic()
 
         def ran(results: Any) -> Any:
@@ -475,9 +571,10 @@ class Service:
             return answer(results, started, finished)
 
         try:
-            return runner.run_whole(feeds, lambda outputs, rows: ran((outputs, rows)))
+            pending = runner.start_whole(feeds, block)
         except BatchFailed as exc:
-            return ran(exc.cause)
+            return StartedBatch(None, ran, exc.cause)
+        return None if pending is None else StartedBatch(pending, ran)
 
     def _run_job(self, job: Job) -> None:
         entry = self.registry.get(job.model_id)

@@ -254,6 +254,39 @@ def test_a_failing_use_gives_the_slot_back(batched):
     assert variant.runner.stats().pending == 0
 
 
+def test_batches_started_one_behind_another_each_get_their_own_outputs(pool):
+    """``start_whole``: a batch written into a run slot and submitted, finished later (the daemon's
+    lanes' thread starts the next batch of a model before answering the last). With two run
+    slots, two batches of one variant are in flight at once and a third, not blocking, gets None
+    (nothing counted); each batch finished gets its own rows, and the slots come back."""
+    member = pool.vulkan_members[0].id
+    with vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=4, run_slots=2) as s:
+        runner = s.batch_runner
+        variant = runner._variant(4)
+        assert variant._chunk.slots == 2
+        xs = [RNG.standard_normal((4, 16)).astype(np.float32) for _ in range(3)]
+        before = runner.stats.batches
+        first = runner.start_whole([{"x": xs[0]}], block=False)
+        second = runner.start_whole([{"x": xs[1][:2]}, {"x": xs[1][2:]}], block=False)
+        assert first is not None and second is not None
+        assert runner.start_whole([{"x": xs[2]}], block=False) is None
+        assert runner.stats.batches - before == 2
+        def copy(outputs, rows):
+            return outputs["y"].copy(), rows
+
+        got_second = second.finish(copy)  # finished out of order: each slot keeps its own outputs
+        got_first = first.finish(copy)
+        assert first.done() and second.done()
+        np.testing.assert_allclose(got_first[0], reference(xs[0]), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got_second[0], reference(xs[1]), rtol=1e-4, atol=1e-6)
+        assert got_second[1] == [2, 2]
+        third = runner.start_whole([{"x": xs[2]}], block=False)
+        assert third is not None
+        np.testing.assert_allclose(third.finish(copy)[0], reference(xs[2]), rtol=1e-4, atol=1e-6)
+        stats = variant.runner.stats()
+        assert (stats.accepted, stats.ok, stats.pending) == (3, 3, 0)
+
+
 def test_a_member_without_run_slots_batches_through_stacked_feeds(pool):
     """The host member has no run slots to fill (``Session.staged`` is None there): a batch is
     stacked into arrays and given to the variant's ``run``, with the same results."""

@@ -26,6 +26,7 @@ batch (its first dim is the batch size); a model whose outputs do not is refused
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -49,6 +50,46 @@ class BatchFailed(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+class PendingBatch:
+    """A batch started by :meth:`BatchRunner.start_whole`: :meth:`done` says whether its run has
+    ended, and :meth:`finish` (called once) waits for it and hands its outputs to ``use``."""
+
+    __slots__ = ("_outputs", "_runner", "_slot", "rows", "size")
+
+    def __init__(self, runner: BatchRunner, rows: list[int], size: int, slot: Any, outputs: list[np.ndarray] | None
+                 ) -> None:
+        self._runner, self.rows, self.size, self._slot, self._outputs = runner, rows, size, slot, outputs
+
+    def done(self) -> bool:
+        """Whether the run has ended (finishing it then does not wait)."""
+        return self._slot is None or self._slot.done()
+
+    def finish(self, use: Callable[[dict[str, np.ndarray], list[int]], Any]) -> Any:
+        """Waits for the run and returns ``use(outputs, rows)`` (:meth:`BatchRunner.run_whole`);
+        the run slot is given back after. Raises :class:`BatchFailed` when the batch failed."""
+        runner, slot = self._runner, self._slot
+        try:
+            try:
+                if slot is not None:
+                    got = slot.finish()
+                    outputs = [got[name] for name in runner.outputs]
+                else:
+                    outputs = self._outputs
+                    assert outputs is not None
+                for name, out in zip(runner.outputs, outputs):
+                    if out.ndim == 0 or out.shape[0] != self.size:
+                        raise BatchingError(f"output {name!r} has shape {list(out.shape)}: its first dim does "
+                                            f"not follow the batch size {self.size}")
+            except Exception as exc:
+                runner.stats.failed_batches += 1
+                raise BatchFailed(exc) from exc
+            runner.stats.padded_rows += self.size - sum(self.rows)
+            return use(dict(zip(runner.outputs, outputs)), self.rows)
+        finally:
+            if slot is not None:
+                slot.release()
 
 
 def variant_sizes(max_batch: int) -> tuple[int, ...]:
@@ -257,6 +298,16 @@ class BatchRunner:
         the variant where it has one (:meth:`vkpool.session.Session.staged`), else are stacked
         and given to its ``run``. Raises :class:`BatchFailed` when the batch fails (``use`` is
         not called then); what ``use`` raises passes through as it is."""
+        pending = self.start_whole(feeds)
+        assert pending is not None
+        return pending.finish(use)
+
+    def start_whole(self, feeds: Sequence[Mapping[str, np.ndarray]], block: bool = True) -> PendingBatch | None:
+        """:meth:`run_whole` in two halves: the batch written into a run slot and submitted, and
+        :meth:`PendingBatch.finish`, which waits for it (the caller may work meanwhile, and
+        must finish it). A variant without run slots runs here and now. ``block`` False: None
+        when the variant's run slots are all in use (nothing is counted then). Raises
+        :class:`BatchFailed` when the batch fails."""
         first = self.inputs[0][0]
         rows = [f[first].shape[0] for f in feeds]
         total = sum(rows)
@@ -269,30 +320,25 @@ class BatchRunner:
         try:
             variant = self._variant(size)
             stage = getattr(variant, "staged", None)
-            slot = stage() if stage is not None else None
+            try:
+                slot = stage(block) if stage is not None else None
+            except queue.Empty:
+                stats.batches -= 1
+                stats.requests -= len(rows)
+                stats.rows -= total
+                return None
             if slot is not None and self._fill(slot.inputs, feeds, rows, total, size):
-                got = slot.run()
-                outputs = [got[name] for name in self.outputs]
-            else:
-                if slot is not None:
-                    slot.release()
-                    slot = None
-                outputs = variant.run(self.outputs, self._stack(feeds, total, size))
-            for name, out in zip(self.outputs, outputs):
-                if out.ndim == 0 or out.shape[0] != size:
-                    raise BatchingError(f"output {name!r} has shape {list(out.shape)}: its first dim does not "
-                                        f"follow the batch size {size}")
+                slot.start()
+                return PendingBatch(self, rows, size, slot, None)
+            if slot is not None:
+                slot.release()
+                slot = None
+            return PendingBatch(self, rows, size, None, variant.run(self.outputs, self._stack(feeds, total, size)))
         except Exception as exc:
             stats.failed_batches += 1
             if slot is not None:
                 slot.release()
             raise BatchFailed(exc) from exc
-        stats.padded_rows += size - total
-        try:
-            return use(dict(zip(self.outputs, outputs)), rows)
-        finally:
-            if slot is not None:
-                slot.release()
 
     def _fill(self, into: Mapping[str, np.ndarray], feeds: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int],
               total: int, size: int) -> bool:

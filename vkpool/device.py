@@ -728,6 +728,14 @@ class LogicalDevice:
         self.counters.submissions += 1
         return signaled
 
+    def ended(self, sub: Submission) -> bool:
+        """Whether the submission's fence is signaled (without waiting; :meth:`wait` still
+        follows, to reset it)."""
+        r = self._lib.vkGetFenceStatus(self.handle, sub.fence)
+        if r != vk.VK_SUCCESS and r != vk.VK_NOT_READY:
+            vk.check("vkGetFenceStatus", r, self.name)
+        return r == vk.VK_SUCCESS
+
     def wait(self, sub: Submission, *, spin_seconds: float | None = None) -> None:
         """Waits for the submission's fence, then resets it.
 

@@ -732,15 +732,21 @@ class VulkanChunk:
         slot = self._slots[index]
         return slot.in_views, slot.out_views
 
-    def staged(self, ended: Callable[[bool], None] | None = None) -> StagedRun | None:
+    def staged(self, ended: Callable[[bool], None] | None = None, block: bool = True) -> StagedRun | None:
         """A free run slot held for a caller that writes the inputs straight into it and reads the
         outputs where the run leaves them (:class:`StagedRun`): no copy of the inputs at start and
         none of the outputs at finish. None for a chunk with inputs given as ``io`` or outputs
         handed out in imported memory (those need :meth:`start` and :meth:`finish`). ``ended(ok)``
-        is called once, when the slot is given back."""
+        is called once, when the slot is given back. ``block`` False: raises :class:`queue.Empty`
+        at once when every slot is in use (``ended`` is then not called)."""
         if self._given or self._exported:
             return None
-        return StagedRun(self, self._idle.get(), ended)
+        return StagedRun(self, self._idle.get(block), ended)
+
+    def done_in_place(self, index: int) -> bool:
+        """Whether the run started in slot ``index`` has ended on the device (without waiting;
+        :meth:`wait_in_place` still follows it)."""
+        return self.device.ended(self._slots[index].submitted)
 
     def start_in_place(self, index: int, waits: Sequence[int] = ()) -> None:
         """Submits run slot ``index`` on the inputs already in its memory (written through
@@ -858,10 +864,26 @@ class StagedRun:
 
     def run(self) -> dict[str, np.ndarray]:
         """Runs the slot on the inputs written; its outputs (views, valid until the release)."""
+        self.start()
+        return self.finish()
+
+    def start(self) -> None:
+        """Submits the slot on the inputs written; :meth:`finish` waits for it."""
         chunk = self._chunk
         if chunk is None:
             raise RuntimeError("the run slot was given back")
         chunk.start_in_place(self._index)
+
+    def done(self) -> bool:
+        """Whether the run :meth:`start` submitted has ended (without waiting)."""
+        chunk = self._chunk
+        return chunk is None or chunk.done_in_place(self._index)
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """Waits for the run :meth:`start` submitted; its outputs (views, valid until the release)."""
+        chunk = self._chunk
+        if chunk is None:
+            raise RuntimeError("the run slot was given back")
         chunk.wait_in_place(self._index)
         self._ok = True
         return self.outputs

@@ -307,13 +307,14 @@ class PlanExecutor(Pipeline):
         depth = len(stages) * min(getattr(st.chunk, "slots", 1) for st in stages)
         return back_to_back(start, finish, feeds, depth, each)
 
-    def staged(self) -> Any:
+    def staged(self, block: bool = True) -> Any:
         """Where every copy of the model is one chunk (the copies of a throughput plan): a run slot
         of the copy with the fewest requests in flight (the first of those: one caller at a time
         keeps to one device, whose clocks stay up), held for a caller that writes the inputs into
         it and reads the outputs in place (:meth:`vkpool.engine.VulkanChunk.staged`), counted as
         a request of this executor and of that copy until it is given back; None otherwise, or
-        where that copy has no such slot (a host member's)."""
+        where that copy has no such slot (a host member's). ``block`` False: raises
+        :class:`queue.Empty` at once when that copy's slots are all in use."""
         counts, lock = self._counts, self._lock
         with lock:
             if self._closed:
@@ -343,7 +344,10 @@ class PlanExecutor(Pipeline):
                     counts.failed += 1
 
         try:
-            run = stage_of(ended)
+            run = stage_of(ended, block)
+        except queue.Empty:
+            ended(False, counted=False)
+            raise
         except BaseException:
             ended(False)
             raise

@@ -57,6 +57,7 @@ pending, and frees the compiled chunks (:meth:`Pipeline._free`).
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -204,7 +205,7 @@ class InlineRunner:
                  close: Callable[[], None] | None = None, *,
                  start: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
                  finish: Callable[[Any], dict[str, np.ndarray]] | None = None, depth: int = 1,
-                 stage: Callable[[Callable[[bool], None]], Any] | None = None) -> None:
+                 stage: Callable[[Callable[[bool], None], bool], Any] | None = None) -> None:
         self._run = run
         self._close = close
         # a run whose caller writes the inputs and reads the outputs in place (:meth:`staged`)
@@ -241,11 +242,12 @@ class InlineRunner:
         lock.release()
         return out
 
-    def staged(self) -> Any:
+    def staged(self, block: bool = True) -> Any:
         """A run slot held for a caller that writes the inputs into it and reads the outputs
         where the run leaves them (:class:`vkpool.engine.StagedRun`), counted as one request from
         here until it is given back; None where this runner has no such slot (a host chunk, a
-        cut model, or a chunk whose outputs are handed out)."""
+        cut model, or a chunk whose outputs are handed out). ``block`` False: raises
+        :class:`queue.Empty` at once when every slot is in use."""
         if self._stage is None:
             return None
         with self._lock:
@@ -253,7 +255,11 @@ class InlineRunner:
                 raise RuntimeError("the runner is closed")
             self._accepted += 1
         try:
-            run = self._stage(self._staged_ended)
+            run = self._stage(self._staged_ended, block)
+        except queue.Empty:  # no slot free: not counted
+            with self._lock:
+                self._accepted -= 1
+            raise
         except BaseException:
             self._staged_ended(False)
             raise

@@ -314,7 +314,7 @@ class Session:
         def make_variant(size: int) -> Any:
             if size == 1:  # this session itself, which the batcher must not close
                 return SimpleNamespace(run=self.run, staged=self.staged, close=lambda: None)
-            return Session(model, pool=self.pool, batch=size, dims=dims, **placement)
+            return Session(model, pool=self.pool, batch=size, dims=dims, run_slots=self._run_slots, **placement)
 
         runner = BatchRunner(make_variant, [(n, i.shape, i.dtype) for n, i in at1.inputs],
                              [n for n, _ in at1.outputs], max_batch=max_batch, max_queue_delay=max_queue_delay)
@@ -500,7 +500,7 @@ class Session:
             produced = self._runner.run(feeds)
         return self._select(names, produced)
 
-    def staged(self) -> Any:
+    def staged(self, block: bool = True) -> Any:
         """For a session that runs the whole model as one chunk on a Vulkan member, or as copies
         that each do (a throughput plan, in threads: the least busy copy): one run slot, held for a
         caller that writes every input straight into ``.inputs`` (the slot's memory, each input's
@@ -508,17 +508,18 @@ class Session:
         slot's memory) until ``.release()`` or the end of a ``with`` block
         (:class:`vkpool.engine.StagedRun`); the batcher fills a batch's rows this way. None for
         any other session (a plan cut in several chunks, worker processes, a cut model, the host
-        member, a session that compiles per run the shapes it is given): use :meth:`run`."""
+        member, a session that compiles per run the shapes it is given): use :meth:`run`.
+        ``block`` False: raises :class:`queue.Empty` at once when no slot is free."""
         if self._closed:
             raise RuntimeError("the session is closed")
         if self.dynamic is not None:
             return None
         if self._executor is not None:
             staged = getattr(self._executor, "staged", None)
-            return staged() if staged is not None else None
+            return staged(block) if staged is not None else None
         if self._chunk is None:
             return None
-        return self._runner.staged()
+        return self._runner.staged(block)
 
     def submit(self, input_feed: Mapping[str, Any], output_names: Sequence[str] | None = None) -> Future:
         """Starts a run and returns a future of its outputs (as :meth:`run` returns them).
