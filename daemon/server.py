@@ -554,9 +554,9 @@ class Server:
                 self.service.land(flight)
             self._flights.clear()
         self.service.run_held()
-        if self._latencies:
-            done, self._latencies = self._latencies, []
-            self.stats.infers_done(done, time.monotonic())
+        if self._latencies:  # the same list: a flight answered in a later pass appends to it
+            self.stats.infers_done(self._latencies, time.monotonic())
+            self._latencies.clear()
 
     def _bound_due(self) -> float | None:
         """When the first bound infer waiting for company must run (a ``time.monotonic()``
@@ -647,9 +647,12 @@ class Server:
                     self._bound_error(conn, violation)
 
         key = id(entry)
+        # a batch is left running only where the lanes' thread polls (lane_poll): it polls until
+        # it can answer it, which a machine of fewer than 4 CPUs cannot spare
+        keep = failed if self.settings.lane_poll > 0 else None
         try:  # the model's batch left running by the pass before goes back to run_bound
             kept = self.service.run_bound(entry, [item for _, item, _ in members], [a for _, _, a in members], answer,
-                                          answer_batch, fallback, failed, self._flights.pop(key, None))
+                                          answer_batch, fallback, keep, self._flights.pop(key, None))
         except Exception as exc:
             failed(exc)
         else:
