@@ -271,6 +271,7 @@ def test_batches_started_one_behind_another_each_get_their_own_outputs(pool):
         assert first is not None and second is not None
         assert runner.start_whole([{"x": xs[2]}], block=False) is None
         assert runner.stats.batches - before == 2
+
         def copy(outputs, rows):
             return outputs["y"].copy(), rows
 
@@ -299,11 +300,12 @@ def test_a_member_without_run_slots_batches_through_stacked_feeds(pool):
         np.testing.assert_allclose(y[:3], reference(np.concatenate(xs)), rtol=1e-4, atol=1e-6)
 
 
-def test_a_replicated_variant_fills_the_least_busy_copy():
+def test_a_replicated_variant_fills_the_first_copy_with_a_free_slot():
     """A throughput plan in threads (a whole copy of the model on each of two members): a batch
-    fills a run slot of the copy with the fewest runs in flight, the first of those
-    (``PlanExecutor.staged``): one after another they keep to the first copy, held together they
-    spread; the copies' executor counts every batch as a request, none left pending."""
+    fills a run slot of the first copy that has one free, else of the copy with the fewest runs
+    in flight (``PlanExecutor.staged``): one after another they keep to the first copy, held
+    together beyond its slots they spread; the copies' executor counts every batch as a
+    request, none left pending."""
     pool = vulkan_pool(parse_config("devices:\n  - match: {index: 0}\n    split: 2\n    budget: 256MiB\n"
                                     "host:\n  enabled: false\n"))
     try:
@@ -321,11 +323,12 @@ def test_a_replicated_variant_fills_the_least_busy_copy():
                 slot = variant.staged()
                 one_by_one.append(copy_of(slot))
                 slot.release()
-            held = [variant.staged() for _ in range(2)]
+            slots = [c.slots for c in chunks]
+            held = [variant.staged() for _ in range(slots[0] + 1)]
             together = [copy_of(slot) for slot in held]
             for slot in held:
                 slot.release()
-            assert (one_by_one, together) == ([0, 0, 0], [0, 1])
+            assert (one_by_one, together) == ([0, 0, 0], [0] * slots[0] + [1])
             assert [c.in_flight for c in executor.copies] == [0, 0]
             before = executor.stats()
             for rows in ((1, 3), (3,), (4,), (2, 2)):  # each on the batch-4 variant

@@ -309,8 +309,10 @@ class PlanExecutor(Pipeline):
 
     def staged(self, block: bool = True) -> Any:
         """Where every copy of the model is one chunk (the copies of a throughput plan): a run slot
-        of the copy with the fewest requests in flight (the first of those: one caller at a time
-        keeps to one device, whose clocks stay up), held for a caller that writes the inputs into
+        of the first copy with one free (so batches started one behind another, as the daemon's
+        lanes' thread starts them, keep to one device, whose clocks stay up: taken in turn, each
+        device idled half the time and two served less than one), else of the copy with the
+        fewest requests in flight, held for a caller that writes the inputs into
         it and reads the outputs in place (:meth:`vkpool.engine.VulkanChunk.staged`), counted as
         a request of this executor and of that copy until it is given back; None otherwise, or
         where that copy has no such slot (a host member's). ``block`` False: raises
@@ -322,7 +324,11 @@ class PlanExecutor(Pipeline):
             live = [c for c in self.copies if c.alive]
             if not live or any(len(c.stages) != 1 for c in live):
                 return None
-            copy = min(live, key=lambda c: (c.in_flight, c.index))
+            def busy(c: Any) -> tuple[bool, int, int]:  # (no free slot, runs in flight when none, index)
+                full = c.in_flight >= getattr(c.stages[0].chunk, "slots", 1)
+                return full, c.in_flight if full else 0, c.index
+
+            copy = min(live, key=busy)
             stage_of = getattr(copy.stages[0].chunk, "staged", None)
             if stage_of is None:
                 return None
