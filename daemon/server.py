@@ -538,8 +538,11 @@ class Server:
         self._lane_reply(conn, (client, rid), "bind_infer", status, reply, [])
 
     def _lanes_passed(self) -> None:
-        """The end of the lanes' pass over what they held: the bound infers it read run, by model,
-        with those that waited for company, then the batches it held (:meth:`Service.run_held`)."""
+        """The end of the lanes' pass over what they held: the batches left running that have
+        ended are answered (:meth:`Service.land`), the bound infers it read run, by model, with
+        those that waited for company (a model's batch still running goes back to
+        :meth:`Service.run_bound` with them), then the batches it held (:meth:`Service.run_held`),
+        every batch still running landed first."""
         flights = self._flights
         if flights:  # batches left running that have ended: answered now
             for key, flight in list(flights.items()):
