@@ -326,6 +326,34 @@ class Scheduler:
                 gate.release_shared()
             return jobs or None
 
+    def take_idle(self, model_id: str, limit: int) -> list[Job] | None:
+        """Up to ``limit`` queued jobs of a model that does not batch, in the queue's order, for a
+        caller that runs them itself, one after another, as a worker would (then
+        :meth:`run_taken`), when none of the model's workers runs a job now: None otherwise, or
+        when nothing is queued (the workers are told of what stays queued)."""
+        with self._cond:
+            queue = self._queues.get(model_id)
+            if queue is None or not queue.size:
+                return None
+            if queue.running or model_id in self._closing:
+                self._cond.notify_all()  # the workers take them
+                return None
+            now, jobs = time.monotonic(), []
+            while len(jobs) < limit:
+                job = queue.pop()
+                if job is None:
+                    break
+                with job._lock:
+                    if job.state != "queued":  # cancelled or timed out while queued
+                        continue
+                    job.state = "running"
+                job.started_at = now
+                queue.running += 1
+                jobs.append(job)
+            if queue.size:
+                self._cond.notify_all()
+            return jobs or None
+
     def _gather(self, queue: ModelQueue, first: Job, wait: bool) -> list[Job]:
         """The batch that ``first`` opens (the caller holds the lock): more jobs in queue order
         while their rows fit in ``max_batch``, waiting for them (``wait``) until

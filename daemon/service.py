@@ -29,6 +29,7 @@ log = logging.getLogger("vkpool.daemon")
 
 Reply = Callable[[bytes, str, str, str, "dict[str, Any] | bytes", list[Any]], None]  # content packed or not
 _PLANS_MAX = 256  # remembered infer contents; the cache is emptied when it is full
+_HELD_MAX = 64  # jobs of a model that does not batch that a reading thread runs after one pass
 
 
 class StartedBatch:
@@ -282,9 +283,10 @@ class Service:
         job = Job(client=client, request_id=rid, model_id=entry.id, feeds=feeds, outputs=outputs,
                   priority=plan.priority, finish_cb=self._job_finished,
                   deadline=deadline, accepted_at=accepted, rows=rows)
-        # a quick batching model, read by a thread that calls run_held after each pass over what
-        # it read (the I/O thread, the lanes'): its batch runs there, once the pass is read
-        mine = getattr(self._held, "models", None) if entry.batching is not None else None
+        # a quick model, read by a thread that calls run_held after each pass over what it read
+        # (the I/O thread, the lanes'): its jobs run there once the pass is read (a batching
+        # model's as batches), not on its workers, unless the caller asked for them to be queued
+        mine = getattr(self._held, "models", None) if inline is not False else None
         held = mine is not None and run_s is not None and run_s <= self.settings.inline_run_max
         try:
             self.scheduler.submit(job, wake=not held)
@@ -313,9 +315,18 @@ class Service:
             return
         self._held.models = {}
         for entry in held.values():
+            if entry.batching is None:  # one after another, each as a worker would run it
+                jobs = self.scheduler.take_idle(entry.id, _HELD_MAX)
+                if jobs is not None:
+                    self.scheduler.run_taken(jobs, self._run_each)
+                continue
             jobs = self.scheduler.take_now(entry.id, entry.gate)  # the rest to the workers meanwhile
             if jobs is not None:
                 self.scheduler.run_taken(jobs, lambda taken, entry=entry: self._run_gathered(entry, taken, True))
+
+    def _run_each(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._run_job(job)
 
     # -- bound infers (vkpool.daemon.bound) ---------------------------------------------------
     def check_bound(self, client: bytes, content: dict[str, Any], frames: list[Any]
