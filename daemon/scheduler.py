@@ -326,16 +326,19 @@ class Scheduler:
                 gate.release_shared()
             return jobs or None
 
-    def take_idle(self, model_id: str, limit: int) -> list[Job] | None:
+    def take_idle(self, model_id: str, limit: int, gate: Any = None) -> list[Job] | None:
         """Up to ``limit`` queued jobs of a model that does not batch, in the queue's order, for a
         caller that runs them itself, one after another, as a worker would (then
         :meth:`run_taken`), when none of the model's workers runs a job now: None otherwise, or
-        when nothing is queued (the workers are told of what stays queued)."""
+        when nothing is queued (the workers are told of what stays queued). ``gate`` is taken
+        shared as in :meth:`claim_idle` and held for the caller while it runs them (None: a
+        re-plan holds it or waits for it)."""
         with self._cond:
             queue = self._queues.get(model_id)
             if queue is None or not queue.size:
                 return None
-            if queue.running or model_id in self._closing:
+            if (queue.running or model_id in self._closing
+                    or (gate is not None and not gate.try_acquire_shared())):
                 self._cond.notify_all()  # the workers take them
                 return None
             now, jobs = time.monotonic(), []
@@ -352,6 +355,8 @@ class Scheduler:
                 jobs.append(job)
             if queue.size:
                 self._cond.notify_all()
+            if not jobs and gate is not None:
+                gate.release_shared()
             return jobs or None
 
     def _gather(self, queue: ModelQueue, first: Job, wait: bool) -> list[Job]:

@@ -316,17 +316,17 @@ class Service:
         self._held.models = {}
         for entry in held.values():
             if entry.batching is None:  # one after another, each as a worker would run it
-                jobs = self.scheduler.take_idle(entry.id, _HELD_MAX)
+                jobs = self.scheduler.take_idle(entry.id, _HELD_MAX, entry.gate)
                 if jobs is not None:
-                    self.scheduler.run_taken(jobs, self._run_each)
+                    try:
+                        self.scheduler.run_taken(jobs, lambda taken, entry=entry: [self._run_job(job, entry)
+                                                                                   for job in taken])
+                    finally:
+                        entry.gate.release_shared()
                 continue
             jobs = self.scheduler.take_now(entry.id, entry.gate)  # the rest to the workers meanwhile
             if jobs is not None:
                 self.scheduler.run_taken(jobs, lambda taken, entry=entry: self._run_gathered(entry, taken, True))
-
-    def _run_each(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            self._run_job(job)
 
     # -- bound infers (vkpool.daemon.bound) ---------------------------------------------------
     def check_bound(self, client: bytes, content: dict[str, Any], frames: list[Any]
@@ -587,12 +587,15 @@ class Service:
             return StartedBatch(None, ran, exc.cause)
         return None if pending is None else StartedBatch(pending, ran)
 
-    def _run_job(self, job: Job) -> None:
-        entry = self.registry.get(job.model_id)
+    def _run_job(self, job: Job, held: ModelEntry | None = None) -> None:
+        """Run a job a worker took (or a reading thread, :meth:`run_held`: ``held`` is then its
+        model, whose gate that thread holds shared), and answer it."""
+        entry = held or self.registry.get(job.model_id)
         if entry is None:
             job.fail("UnknownModel", f"model {job.model_id[:12]} was unloaded")
             return
-        entry.gate.acquire_shared()
+        if held is None:
+            entry.gate.acquire_shared()
         try:
             feeds = job.feeds  # taken before the state is read: answering the job empties them
             if job.state == "done":  # timed out or cancelled while waiting for a re-plan
@@ -601,7 +604,8 @@ class Service:
             queued = (job.started_at or started) - job.accepted_at
             status, content, frames, _ = self._execute(entry, job.outputs, feeds, queued, started)
         finally:
-            entry.gate.release_shared()
+            if held is None:
+                entry.gate.release_shared()
         self.scheduler.settle(job)
         if job.finish(status, content, frames) and status == "ok":
             self.stats.infer_done(time.monotonic() - job.accepted_at)
