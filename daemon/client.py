@@ -232,14 +232,8 @@ class Client:
         deadline or close. ``sent``: when the leader's own request went (``time.perf_counter``),
         to poll for its reply instead of sleeping when replies come soon (:class:`Poller`)."""
         sock, outbox, poll = self._sock, self._outbox_pull, self._poller.poll
-        until = None if sent is None else self._spin.until(self._reply_s, sent)
-        if until is not None and self._spin._token.acquire(False):
-            try:  # zmq_poll without waiting: the interpreter lock is let go on each look
-                clock = time.perf_counter
-                while not poll(0) and clock() < until:
-                    pass
-            finally:
-                self._spin._token.release()
+        if sent is not None:
+            self._spin.spin(lambda: poll(0), self._reply_s, sent)
         while not done() and not self._closed.is_set():
             wait_ms = _POLL_SLICE_MS
             if deadline is not None:
@@ -264,10 +258,15 @@ class Client:
             return  # a probe, or something that is no reply
         if waiter is None:
             return  # timed out meanwhile, or a retried id answered twice
-        reply = (header, body[1], body[2:]) if waiter.packed and "status" in header else parse_reply(frames)
-        if reply is None:
+        # an infer's content stays packed (InferOutputs reads it); any other is unpacked here
+        try:
+            content = body[1] if waiter.packed else P.unpack(P._buffer(body[1]))
+        except (P.ProtocolViolation, IndexError):
+            content = None
+        if "status" not in header or not (waiter.packed or isinstance(content, dict)):
             self._pending[rid] = waiter  # not a reply after all: still waiting
             return
+        reply = (header, content, body[2:])
         waiter.reply = reply
         if waiter.future is not None:
             self._unanswered.discard(rid)

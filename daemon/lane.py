@@ -107,6 +107,21 @@ class Poller:
                 return since + self.max_s
         return None
 
+    def spin(self, ready: Any, usual_s: float, since: float) -> Any:
+        """Call ``ready()`` (a look that lets the interpreter lock go, such as ``zmq_poll``
+        without waiting) until it gives something true, or :meth:`until` says to stop; what it
+        gave last, or None when nothing was polled."""
+        until = self.until(usual_s, since)
+        if until is None or not self._token.acquire(False):
+            return None
+        try:
+            clock = time.perf_counter
+            while not (got := ready()) and clock() < until:
+                pass
+            return got
+        finally:
+            self._token.release()
+
     def wait(self, reader: P.LaneReader, usual_s: float, since: float) -> None:
         """Poll until :meth:`until` says, when it says to."""
         until = self.until(usual_s, since)

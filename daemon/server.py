@@ -543,23 +543,25 @@ class Server:
         those that waited for company (a model's batch still running goes back to
         :meth:`Service.run_bound` with them), then the batches it held (:meth:`Service.run_held`),
         every batch still running landed first."""
-        flights = self._flights
-        if flights:  # batches left running that have ended: answered now
-            for key, flight in list(flights.items()):
-                if flight.done():
-                    del flights[key]
-                    self.service.land(flight)
+        if self._flights:  # batches left running that have ended: answered now
+            self._land(only_done=True)
         if self._bound or self._bound_waiting:
             bound, self._bound = self._bound, []
             self._run_bound(bound)
         if self._flights and self.service.holds():  # its batches take run slots as they come
-            for flight in self._flights.values():
-                self.service.land(flight)
-            self._flights.clear()
+            self._land()
         self.service.run_held()
         if self._latencies:  # the same list: a flight answered in a later pass appends to it
             self.stats.infers_done(self._latencies, time.monotonic())
             self._latencies.clear()
+
+    def _land(self, only_done: bool = False) -> None:
+        """The batches left running (:meth:`Service.run_bound`) answered: those that have ended,
+        or all."""
+        for key, flight in list(self._flights.items()):
+            if not only_done or flight.done():
+                del self._flights[key]
+                self.service.land(flight)
 
     def _bound_due(self) -> float | None:
         """When the first bound infer waiting for company must run (a ``time.monotonic()``
@@ -889,11 +891,7 @@ class Server:
         gap, done = poll_s, clock()
         try:
             while True:
-                events = None
-                if gap < poll_s and clock() < done + 2.0 * gap:  # the next request comes soon: poll
-                    until = done + 2.0 * gap
-                    while not (events := poller.poll(0)) and clock() < until:
-                        pass
+                events = gaps.spin(lambda: poller.poll(0), gap, done)  # while the next request comes soon
                 ready = [sock for sock, _ in events or poller.poll(1 if self._waiting else _TICK_S * 1000)]
                 if inbox in ready:  # worker replies first: they free room in the queues
                     for _ in range(256):
@@ -974,9 +972,7 @@ class Server:
             self._lanes_closed = True
         if self._reactor is not None:
             conns = self._reactor.stop()
-            for flight in list(self._flights.values()):  # the lanes' thread has ended: answered here
-                self.service.land(flight)
-            self._flights.clear()
+            self._land()  # the lanes' thread has ended: what it left running is answered here
             for conn in conns:
                 self._lane_closed(conn)
         if self._lane_listener is not None:
