@@ -34,10 +34,16 @@ class AsyncClient:
         self._prefix = uuid.uuid4().hex[:8]
         self._reader: asyncio.Task[None] | None = None
         self.info: dict[str, Any] = {}
+        self.front: dict[str, Any] | None = None  # as Client.front
+        self.serving_endpoint = self.endpoint
+        self._front_client: AsyncClient | None = None
 
     @classmethod
     async def connect(cls, endpoint: str | None = None, *, hello_timeout: float = C.HELLO_TIMEOUT_S,
-                      **kwargs: Any) -> "AsyncClient":
+                      follow: bool = True, **kwargs: Any) -> "AsyncClient":
+        """A connected client; from the front of a daemon with ``process_per_device`` (and
+        ``follow``), one of the serving process it names, sending the front's requests
+        (:data:`protocol.FRONT_ACTIONS`) to the front, as :class:`~vkpool.daemon.client.Client` does."""
         client = cls(endpoint, **kwargs)
         try:
             client.info = (await client.request("hello", {"client": f"pid {os.getpid()} (asyncio)"},
@@ -48,7 +54,16 @@ class AsyncClient:
         except BaseException:
             await client.close()
             raise
-        return client
+        redirect = client.info.get("redirect") if follow else None
+        if not isinstance(redirect, str):
+            return client
+        try:
+            served = await cls.connect(redirect, hello_timeout=hello_timeout, follow=False, **kwargs)
+        except BaseException:
+            await client.close()
+            raise
+        served.endpoint, served.front, served._front_client = client.endpoint, client.info, client
+        return served
 
     async def _read(self) -> None:
         while True:
@@ -62,6 +77,8 @@ class AsyncClient:
                       *, timeout: float | None = None) -> tuple[dict[str, Any], list[Any]]:
         if self._sock.closed:
             raise DaemonUnavailable("this client is closed")
+        if self._front_client is not None and action in C.P.FRONT_ACTIONS and action != "hello":
+            return await self._front_client.request(action, content, frames, timeout=timeout)
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read())
         rid = f"{self._prefix}-{next(self._ids)}"
@@ -77,6 +94,8 @@ class AsyncClient:
         return C.result_of(reply)
 
     async def close(self) -> None:
+        if self._front_client is not None:
+            await self._front_client.close()
         if self._reader is not None:
             self._reader.cancel()
             try:

@@ -210,6 +210,12 @@ class BenchDaemon:
                                        + (self.folder / "daemon.log").read_text()[-3000:]) from None
                 time.sleep(0.2)
 
+    def pids(self) -> list[int]:
+        """The daemon's processes: its own, and its serving processes with ``process_per_device``."""
+        with self.client(local_lane=False) as client:
+            serving = (client.front or {}).get("serving") or []
+        return [self.proc.pid, *(p["pid"] for p in serving if p["pid"])]
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
@@ -251,8 +257,9 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
                     entry[t] = summary_us(times[t])
                 entry["added_us"] = {t: round(entry[t]["median_us"] - base["median_us"], 1) for t in transports}
                 status = next(iter(via.values())).status
+                pids = daemon.pids()
                 entry["throughput"] = {t: {str(n): batched(status, lambda n=n, t=t, path=path: throughput(
-                    daemon.endpoint, path, n, seconds, t, load, daemon.proc.pid)) for n in clients} for t in transports}
+                    daemon.endpoint, path, n, seconds, t, load, pids)) for n in clients} for t in transports}
                 entry["jobs_per_s"] = {t: {n: r["jobs_per_s"] for n, r in by.items()}
                                        for t, by in entry["throughput"].items()}
                 results[path.stem] = entry

@@ -195,6 +195,12 @@ def render_status(status: dict[str, Any]) -> str:
              f"requests: {c['accepted']} accepted = {c['ok']} ok + {c['error']} error + {c['client_gone']} "
              f"client gone + {c['in_flight']} in flight; {c['busy']} busy, {c['dropped']} dropped", "",
              "members:"]
+    for p in status.get("processes", []):
+        lines.insert(len(lines) - 2, f"  serving process for {p['member']}: pid {p['pid'] or '-'}, {p['state']}, "
+                     f"{p['clients']} client(s), {p['restarts']} restart(s), {p['endpoint']}")
+    if status.get("processes"):
+        lines.insert(len(lines) - 2 - len(status["processes"]), "a serving process per device "
+                     "(daemon.process_per_device); latencies: the highest of theirs")
     for m in status["members"]:
         lines.append(f"  {m['id']:<8} {m['kind']:<7} {format_size(m['used_bytes']):>10} used of "
                      f"{format_size(m['budget_bytes'])}  {m.get('name', '')}")
@@ -238,9 +244,14 @@ def cmd_load(args: argparse.Namespace) -> int:
     keep_alive = None if args.keep_alive is None else parse_duration(args.keep_alive)
     dims = parse_dims(args.dim)
     delay = None if args.max_delay is None else parse_duration(args.max_delay)
+    options = dict(keep_alive=keep_alive, batch=args.batch, dims=dims, max_batch=args.max_batch,
+                   max_queue_delay=delay, objective=args.objective)
     with _client(args) as client, _watch_load(client, args.model):
-        model = client.load_model(args.model, keep_alive=keep_alive, batch=args.batch, dims=dims,
-                                  max_batch=args.max_batch, max_queue_delay=delay, objective=args.objective)
+        model = client.load_model(args.model, **options)
+        for other in _other_serving(client):  # process_per_device: loaded in every serving process
+            with other:
+                theirs = other.load_model(args.model, **options)
+            model["memory_by_member"].update(theirs["memory_by_member"])
     memory = ", ".join(f"{k} {format_size(v)}" for k, v in model["memory_by_member"].items())
     kept = "forever" if model["keep_alive"] < 0 else f"{model['keep_alive']:g} s once unused"
     inputs = ", ".join(f"{i['name']}{i['shape']}" for i in model["inputs"])
@@ -307,14 +318,34 @@ def _resolve_model(client: Any, key: str) -> str:
     return matches[0]
 
 
+def _other_serving(client: Any) -> list[Any]:
+    """Clients of the serving processes other than ``client``'s, on a daemon with
+    ``process_per_device`` (none on any other daemon)."""
+    from vkpool.daemon.client import Client
+
+    serving = (client.front or {}).get("serving") or []
+    return [Client(p["endpoint"], follow=False) for p in serving
+            if p["endpoint"] != client.serving_endpoint and p["state"] == "serving"]
+
+
 def cmd_unload(args: argparse.Namespace) -> int:
     with _client(args) as client:
         model = _resolve_model(client, args.model)
-        reply = client.request("unload_model", {"model": model, "now": True})[0]
-    if reply["unloaded"]:
+        replies = []
+        for one in [client, *_other_serving(client)]:  # process_per_device: in every serving process
+            try:
+                replies.append(one.request("unload_model", {"model": model, "now": True})[0])
+            except Exception as exc:
+                if getattr(exc, "type", None) != "UnknownModel":  # not loaded in that process
+                    raise
+            finally:
+                if one is not client:
+                    one.close()
+    refs = sum(r["refs"] for r in replies if not r["unloaded"])
+    if not refs:
         print(f"{model[:12]} unloaded")
         return 0
-    print(f"{model[:12]} is still used by {reply['refs']} reference(s); it is freed once they are dropped")
+    print(f"{model[:12]} is still used by {refs} reference(s); it is freed once they are dropped")
     return 1
 
 
@@ -334,7 +365,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     try:
         with _client(args) as client:
             reply = client.shutdown()
-            pid = client.info.get("pid") if client.endpoint.startswith("ipc://") else None
+            pid = (client.front or client.info).get("pid") if client.endpoint.startswith("ipc://") else None
         print(f"daemon stopping; draining {reply['in_flight']} job(s)")
     except DaemonUnavailable:
         pid_file = args.pid_file or load_settings(None)[1].pid_file or default_pid_file()

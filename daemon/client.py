@@ -168,8 +168,15 @@ class Client:
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = None,
                  hello_timeout: float = HELLO_TIMEOUT_S, curve: tuple[bytes, bytes, bytes] | None = None,
                  name: str | None = None, context: zmq.Context | None = None,
-                 local_lane: bool | None = None) -> None:
+                 local_lane: bool | None = None, follow: bool = True) -> None:
         self.endpoint = resolve_endpoint(endpoint)
+        #: ``hello``'s reply from the front of a daemon with ``process_per_device`` (its ``pid`` and
+        #: ``serving``), None from any other daemon; ``serving_endpoint`` is where this client's
+        #: models and jobs go (``endpoint`` itself, or the ``redirect`` it was given)
+        self.front: dict[str, Any] | None = None
+        self.serving_endpoint = self.endpoint
+        self._front_client: Client | None = None
+        self._front_lock = threading.Lock()
         self.timeout = timeout
         check_endpoint(self.endpoint)
         self._own_ctx = context is None  # inproc:// endpoints need the daemon's context
@@ -207,6 +214,10 @@ class Client:
         self._max_bytes = 1 << 62  # until hello's reply gives the daemon's limit
         try:
             self.info = self.request("hello", {"client": name or f"pid {os.getpid()}"}, timeout=hello_timeout)[0]
+            redirect = self.info.get("redirect") if follow else None
+            if isinstance(redirect, str):
+                self._follow(redirect, curve)
+                self.info = self.request("hello", {"client": name or f"pid {os.getpid()}"}, timeout=hello_timeout)[0]
         except TimeoutError:
             self.close()
             raise _not_running(self.endpoint, f"no reply to hello within {hello_timeout:g} s") from None
@@ -220,6 +231,27 @@ class Client:
         limits = self.info.get("limits") or {}
         self._max_frames = int(limits.get("max_frames") or 1 << 30)
         self._max_bytes = int(limits.get("max_message_bytes") or 1 << 62)
+
+    def _follow(self, redirect: str, curve: tuple[bytes, bytes, bytes] | None) -> None:
+        """Send everything from here on to ``redirect`` (the serving process the front gave this
+        client), but the requests the front answers (:data:`protocol.FRONT_ACTIONS`)."""
+        self.front = self.info
+        check_endpoint(redirect)
+        self._poller.unregister(self._sock)
+        self._sock.close(0)
+        self._sock = make_socket(self._ctx, redirect, curve)
+        self._routing_id = self._sock.routing_id
+        self._poller.register(self._sock, zmq.POLLIN)
+        self.serving_endpoint = redirect
+
+    def _to_front(self, action: str) -> "Client | None":
+        """The client of the daemon's front (made on first use) when ``action`` goes there."""
+        if self.front is None or action not in P.FRONT_ACTIONS or action == "hello":
+            return None
+        with self._front_lock:
+            if self._front_client is None:
+                self._front_client = Client(self.endpoint, timeout=self.timeout, local_lane=False, follow=False)
+            return self._front_client
 
     @property
     def local_lane(self) -> bool:
@@ -348,9 +380,13 @@ class Client:
 
     def request(self, action: str, content: Mapping[str, Any] | None = None, frames: Sequence[Any] = (),
                 *, timeout: float | None = None, request_id: str | None = None) -> tuple[dict[str, Any], list[Any]]:
-        """Send one request and wait for its reply: ``(content, raw frames)``; raises on error replies."""
+        """Send one request and wait for its reply: ``(content, raw frames)``; raises on error replies.
+        On a daemon with ``process_per_device``, the front answers those of :data:`protocol.FRONT_ACTIONS`
+        (for the whole daemon), this client's serving process the others."""
         if self._closed.is_set():
             raise DaemonUnavailable("this client is closed")
+        if (front := self._to_front(action)) is not None:
+            return front.request(action, content, frames, timeout=timeout, request_id=request_id)
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
         wait = timeout if timeout is not None else self.timeout
         reply = self._exchange(rid, self._checked(action, build_request(action, rid, content or {}, frames)), wait)
@@ -378,6 +414,8 @@ class Client:
         """Send without waiting; the future's result is the raw reply (see :func:`result_of`)."""
         if self._closed.is_set():
             raise DaemonUnavailable("this client is closed")
+        if (front := self._to_front(action)) is not None:
+            return front.submit(action, content, frames, request_id=request_id)
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         future.request_id = rid  # type: ignore[attr-defined]
@@ -636,6 +674,8 @@ class Client:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._front_client is not None:
+            self._front_client.close()
         with self._lane_lock:
             for lane in self._lanes:
                 lane.shutdown()  # a thread waiting on one wakes up and closes it

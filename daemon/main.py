@@ -33,8 +33,9 @@ def load_settings(config: str | Path | None) -> tuple[Any, DaemonSettings]:
     return cfg, settings
 
 
-def setup_logging(settings: DaemonSettings) -> None:
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(settings: DaemonSettings, member: str | None = None) -> None:
+    where = "%(name)s" if member is None else f"%(name)s[{member}]"  # a serving process names its member
+    fmt = logging.Formatter(f"%(asctime)s %(levelname)s {where}: %(message)s")
     handlers: list[logging.Handler] = []
     if settings.log_file is not None:
         settings.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -49,24 +50,32 @@ def setup_logging(settings: DaemonSettings) -> None:
 
 
 def serve(config: str | Path | None = None, endpoint: str | None = None, runtime: Any = None, *,
-          pid_file: Path | None = None, log_file: Path | None = None) -> int:
+          pid_file: Path | None = None, log_file: Path | None = None, member: str | None = None) -> int:
     """Run the daemon in the foreground until SIGTERM/SIGINT or a shutdown request; exit status.
     ``pid_file`` (else ``daemon.pid_file``): written once the daemon listens, removed at exit;
-    a start is refused while it names a live daemon."""
+    a start is refused while it names a live daemon. ``member``: serve that Vulkan member alone,
+    as one serving process of a daemon with ``process_per_device`` (:mod:`vkpool.daemon.front`),
+    which owns the pid file and the metrics."""
     try:
         cfg, settings = load_settings(config)
     except SettingsError as exc:
         print(f"vkpool serve: {exc}", file=sys.stderr)
         return 2
+    if member is not None:
+        settings = dataclasses.replace(settings, process_per_device=False, pid_file=None, metrics=None)
+    endpoint = endpoint or settings.endpoint or default_endpoint()
     refusal = getattr(runtime, "refuses", lambda _: None)(settings)
+    if settings.process_per_device:
+        from vkpool.daemon.front import refusal as front_refusal
+
+        refusal = front_refusal(settings, endpoint, runtime is not None)
     if refusal:
         print(f"vkpool serve: {refusal}", file=sys.stderr)
         return 2
     if log_file is not None:
         settings = dataclasses.replace(settings, log_file=log_file)
     pid_file = pid_file or settings.pid_file
-    setup_logging(settings)
-    endpoint = endpoint or settings.endpoint or default_endpoint()
+    setup_logging(settings, member)
     if endpoint.startswith("tcp://") and settings.curve is None:
         log.error("refusing plain TCP on %s: anyone who reaches the port could load files and run jobs as "
                   "this user. Configure CURVE keys (daemon.curve: server_secret_key, authorized_keys_dir), "
@@ -75,6 +84,20 @@ def serve(config: str | Path | None = None, endpoint: str | None = None, runtime
     if pid_file is not None and (running := live_daemon(pid_file)) is not None:
         log.error("a vkpool daemon (pid %d) is running per %s; stop it first (`vkpool stop`)", running, pid_file)
         return 1
+    if settings.process_per_device:
+        from vkpool.daemon.front import serve_front
+
+        listening = (lambda: write_pid_file(pid_file)) if pid_file is not None else (lambda: None)
+        try:
+            return serve_front(settings, endpoint, config, cfg, listening)
+        finally:
+            if pid_file is not None:
+                remove_pid_file(pid_file)
+    if member is not None:
+        from vkpool.daemon.runtime import Runtime
+        from vkpool.pool import DevicePool
+
+        runtime = Runtime(DevicePool.from_config(cfg, only=member))
     metrics = None
     if settings.metrics is not None:
         from vkpool.daemon.metrics import Metrics

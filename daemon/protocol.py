@@ -101,7 +101,12 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                    _f("pid", "int", "daemon process id"),
                    _f("limits", "map", "`{max_message_bytes, max_frames, queue_limit}`"),
                    _f("local_lane", "map", "`{path, token}` of the local lane (see *Local lane*) on an "
-                      "ipc:// daemon that offers one; null over TCP or when disabled", nullable=True)),
+                      "ipc:// daemon that offers one; null over TCP or when disabled", nullable=True),
+                   _f("redirect", "str", "only from a daemon with `process_per_device`: the endpoint of the "
+                      "serving process this client is given; send every request but those of *The front* "
+                      "there, starting with a `hello`", required=False),
+                   _f("serving", "list", "only with `redirect`: the serving processes, `{member, endpoint, pid, "
+                      "state, restarts, clients}`", required=False)),
             control=True),
     Message("devices", "The pool members with their budgets and use.",
             request=(),
@@ -195,7 +200,10 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                       "replies and 64 MiB)"),
                    _f("jobs_per_s", "float", "infer replies per second over the last minute"),
                    _f("latency_ms", "map", "`{p50, p90, p99}` of infer latency over the last 1000 jobs"),
-                   _f("draining", "bool", "true once shutdown began")),
+                   _f("draining", "bool", "true once shutdown began"),
+                   _f("processes", "list", "only from the front of a daemon with `process_per_device`: its "
+                      "serving processes as in `hello`'s `serving`; the counters and jobs/s are then their sums, "
+                      "the latencies the highest of theirs", required=False)),
             control=True),
     Message("shutdown", "Stops accepting, drains in-flight jobs within the drain deadline, exits.",
             request=(),
@@ -237,6 +245,8 @@ ERROR_TYPES: dict[str, str] = {
     "UnknownMember": "no pool member has this id",
     "FileNotFound": "the model path cannot be read by the daemon",
     "EngineError": "the engine failed while running the job",
+    "Redirected": "this endpoint is a daemon's front (`process_per_device`): send the request to the "
+                  "serving process in `hello`'s `redirect` (also in the details)",
     "ReplayUnavailable": "a retried request's reply was too large to keep; the first reply was sent",
     "InternalError": "a bug in the daemon; the message says what failed",
 }
@@ -636,6 +646,10 @@ def decode_tensors(metas: Any, frames: Sequence[Any], what: str) -> dict[str, np
 LANE_ACTIONS = frozenset(a for a, m in MESSAGES.items() if m.transport != "zmq")
 #: actions that never travel over ZeroMQ.
 LANE_ONLY = frozenset(a for a, m in MESSAGES.items() if m.transport == "lane")
+#: what the front of a daemon with ``process_per_device`` answers itself, for the whole daemon
+#: (``daemon/front.py``); a client given a ``redirect`` sends these to the front, the rest to its
+#: serving process
+FRONT_ACTIONS = frozenset({"hello", "devices", "list_models", "status", "set_budget", "shutdown"})
 LANE_CHUNK = 1 << 16       # bytes asked of one recv; a larger message is read straight into its buffer
 _IOV_MAX = 512             # buffers per sendmsg call (the kernel takes at most 1024)
 _LANE_COUNT = struct.Struct("<I")

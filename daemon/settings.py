@@ -51,6 +51,8 @@ class DaemonSettings:
     #: dynamic batching per model: rules ``{match: glob on the model's name, max_batch, max_queue_delay}``,
     #: the first that matches applies to a load that asks for no batching itself
     batching: tuple[dict[str, Any], ...] = ()
+    #: serve each Vulkan pool member from a process of its own, behind a front (daemon/front.py)
+    process_per_device: bool = False
 
     def batching_for(self, name: str) -> dict[str, Any]:
         """``{max_batch, max_queue_delay}`` of the first batching rule matching ``name``, or empty."""
@@ -229,6 +231,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "job_timeout": _optional_duration,
     "drain_deadline": lambda v: _non_negative(parse_duration(v)),
     "evict_idle": _bool,
+    "process_per_device": _bool,
     "workers_per_model": _positive_int,
     "run_slots": _positive_int,
     "inline_run_max": lambda v: _non_negative(parse_duration(v)),

@@ -255,17 +255,24 @@ class DevicePool:
         self.config = config
 
     @classmethod
-    def from_config(cls, config: Config | str | None = None, *, infos: list[PhysicalDeviceInfo] | None = None
-                    ) -> DevicePool:
-        """Builds the pool from a config (object, path, or None for ``$VKPOOL_CONFIG``/default)."""
+    def from_config(cls, config: Config | str | None = None, *, infos: list[PhysicalDeviceInfo] | None = None,
+                    only: str | None = None) -> DevicePool:
+        """Builds the pool from a config (object, path, or None for ``$VKPOOL_CONFIG``/default).
+        ``only``: the id of the one Vulkan member to build (its budget and ledger key as in the
+        whole pool; no host member), as a daemon's serving process of one device uses it."""
         cfg = config if isinstance(config, Config) else load_config(config)
         infos = discover() if infos is None else infos
         plan = resolve_members(cfg, infos)
+        splits = Counter(info.index for _, info, _, _ in plan)  # of the whole pool: the ledger keys
+        if only is not None:
+            if only not in {member_id for member_id, *_ in plan}:
+                raise KeyError(f"no Vulkan pool member {only!r}; members: "
+                               f"{', '.join(m for m, *_ in plan) or 'none'}")
+            plan = [entry for entry in plan if entry[0] == only]
         from vkpool.device import LogicalDevice
 
         devices: dict[int, Any] = {}
         members: list[Member] = []
-        splits = Counter(info.index for _, info, _, _ in plan)
         for member_id, info, budget, split_index in plan:
             rule = next((r for r in cfg.devices if matches(info, r.match)), None)
             if info.index not in devices:
@@ -273,7 +280,7 @@ class DevicePool:
             key = member_key(info.uuid, split_index, splits[info.index])
             members.append(VulkanMember(member_id, info, devices[info.index], budget, split_index, key))
             members[-1].cost_override = dict(rule.cost) if rule is not None else {}
-        if cfg.host.enabled:
+        if cfg.host.enabled and only is None:
             members.append(HostMember(parse_size(cfg.host.budget), HOST_KEY, cfg.host.engine))
             members[-1].cost_override = dict(cfg.host.cost)
         return cls(members, devices, cfg)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On a machine with two GPUs, in one call: jobs/s of mnist12_like served from one GPU, replicated
+# on both by one daemon process (`--objective throughput`), and by a daemon with a serving process
+# per GPU (`daemon.process_per_device`), over the local lane with 1, 16 and 64 client processes,
+# fixed batch and with dynamic batching, in ROUNDS alternating rounds (python -m vkpool.daemon.bench).
+# Carry .gl, .whl and .glsl as for bench/gpu_run.sh. Output under $OUT: one JSON per run and
+# rounds.md. Environment: ROUNDS (default 2), CLIENTS (default "1 16 64"), SECONDS_EACH (2),
+# MAX_BATCH (32), ONLY (of one replicas perdev; default all).
+set -uo pipefail
+source bench/gpu_daemon_env.sh
+(cd /tmp && python3 -m vkpool devices | head -4)
+printf 'devices:\n  - match: {index: 1}\n    exclude: true\nhost:\n  enabled: false\n' > /tmp/one.yaml
+printf 'host:\n  enabled: false\n' > /tmp/two.yaml
+printf 'host:\n  enabled: false\ndaemon:\n  process_per_device: true\n' > /tmp/perdev.yaml
+clients=${CLIENTS:-1 16 64}
+for r in $(seq 1 "${ROUNDS:-2}"); do
+  for variant in one replicas perdev; do
+    [[ -n "${ONLY:-}" && " $ONLY " != *" $variant "* ]] && continue
+    case $variant in
+      one) opts="--config /tmp/one.yaml" ;;
+      replicas) opts="--config /tmp/two.yaml --objective throughput" ;;
+      perdev) opts="--config /tmp/perdev.yaml" ;;
+    esac
+    for batch in "" "--max-batch ${MAX_BATCH:-32}"; do
+      name=$variant-$([ -n "$batch" ] && echo batched || echo fixed)-$r
+      echo "=== round $r, $name"
+      (cd /tmp && timeout 170 python3 -m vkpool.daemon.bench mnist12_like --runs 100 --clients $clients \
+        --transport lane --seconds ${SECONDS_EACH:-2} $opts $batch --out "$OUT/$name.json" 2>&1 \
+        | grep -E "^\| mnist|Error|error")
+    done
+  done
+done 2>&1 | tee "$OUT/rounds.md"

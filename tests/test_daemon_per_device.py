@@ -1,0 +1,242 @@
+"""A daemon with a serving process per Vulkan member (``daemon.process_per_device``): a real
+``vkpool serve`` on lavapipe split into two members, real client processes, the real CLI."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import zmq
+from test_daemon_support import (
+    assert_balanced,
+    big_model,
+    daemon_env,
+    mlp_model,
+    reference_run,
+    short_folder,
+    spawn_daemon,
+    wait_ready,
+)
+from vkpool.daemon import errors as E
+from vkpool.daemon import protocol as P
+from vkpool.daemon.client import Client
+from vkpool.daemon.main import process_running
+
+pytestmark = pytest.mark.timeout(240)
+
+SPLIT = "devices:\n  - match: {name: 'llvmpipe*'}\n    split: 2\n    budget: 48MiB\nhost:\n  budget: 32MiB\n"
+
+
+class Front:
+    def __init__(self, folder: Path, daemon: dict[str, Any] | None = None) -> None:
+        self.folder = folder
+        self.endpoint = f"ipc://{folder}/d.sock"
+        self.config = folder / "vkpool.yaml"
+        self.config.write_text(SPLIT + "daemon: " + json.dumps({"process_per_device": True, **(daemon or {})}) + "\n")
+        self.proc = spawn_daemon(self.endpoint, config=self.config)
+        wait_ready(self.endpoint, self.proc, timeout=120)
+
+    def client(self, **kwargs: Any) -> Client:
+        return Client(self.endpoint, **kwargs)
+
+    def pids(self) -> dict[str, int]:
+        with self.client() as client:
+            return {p["member"]: p["pid"] for p in client.front["serving"]}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(90)
+
+
+@pytest.fixture(scope="module")
+def front() -> Iterator[Front]:
+    with short_folder("vkf") as path:
+        daemon = Front(path)
+        yield daemon
+        assert daemon.stop() == 0
+
+
+CLIENT = """
+import sys, json, numpy as np
+from vkpool.daemon.client import Client
+endpoint, model, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with Client(endpoint) as client:
+    session = client.session(model)
+    rng = np.random.default_rng(int(sys.argv[4]))
+    outs = []
+    for _ in range(jobs):
+        x = rng.standard_normal((1, 8)).astype(np.float32)
+        outs.append([x.tolist(), [o.tolist() for o in session.run(None, {"x": x})]])
+    print(json.dumps({"serving": client.serving_endpoint, "pid": client.info["pid"], "lane": client.local_lane,
+                      "front": client.front["pid"], "outs": outs}))
+"""
+
+
+def test_clients_are_spread_over_the_serving_processes_and_get_right_answers(front: Front) -> None:
+    model = mlp_model(seed=5)
+    path = front.folder / "mlp.onnx"
+    path.write_bytes(model)
+    with front.client() as watcher:
+        before = assert_balanced(watcher)
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, front.endpoint, str(path), "40", str(seed)],
+                              env=daemon_env(), stdout=subprocess.PIPE, text=True) for seed in range(4)]
+    answers = []
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    pids = front.pids()
+    # every client was sent to a serving process (not the front), both processes got clients
+    assert {a["pid"] for a in answers} == set(pids.values())
+    assert all(a["front"] == front.proc.pid and a["pid"] != front.proc.pid and a["lane"] for a in answers)
+    assert {a["serving"] for a in answers} == {f"{front.endpoint}.{m}" for m in pids}
+    for a in answers:
+        for x, outs in a["outs"]:
+            want = reference_run(model, {"x": np.asarray(x, np.float32)})
+            for got, ref in zip(outs, want):
+                np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=1e-5, atol=1e-5)
+    with front.client() as client:
+        status = client.status()
+        counters = assert_balanced(client)
+        # the front's status adds the processes' counters: the 160 infers are all there
+        assert counters["ok"] - before["ok"] >= 160
+        assert {p["member"]: p["state"] for p in status["processes"]} == {"vk0.0": "serving", "vk0.1": "serving"}
+        assert sorted(m["id"] for m in status["members"]) == ["vk0.0", "vk0.1"]
+        assert sorted(m["id"] for m in client.devices()) == ["vk0.0", "vk0.1"]  # no host member in this mode
+        loaded = next(m for m in status["models"] if m["name"].startswith("mlp"))
+        assert [m["id"] for m in client.list_models()].count(loaded["id"]) == 1
+        assert set(loaded["memory_by_member"]) == {"vk0.0", "vk0.1"}  # a copy in each process
+
+
+def test_the_front_answers_for_the_whole_daemon_and_redirects_the_rest(front: Front) -> None:
+    model = mlp_model(seed=6)
+    with front.client(follow=False) as raw:
+        assert raw.front is None and raw.info["redirect"].startswith(front.endpoint + ".vk0.")
+        assert {p["member"] for p in raw.info["serving"]} == {"vk0.0", "vk0.1"}
+        for action, content, frames in (("load_model", {"name": "m"}, [model]),
+                                        ("infer", {"model": "0" * 64, "inputs": []}, []),
+                                        ("cancel", {"request_id": "x"}, [])):
+            with pytest.raises(E.Redirected) as caught:
+                raw.request(action, content, frames)
+            assert caught.value.details["redirect"].startswith(front.endpoint + ".vk0.")
+        with pytest.raises(E.UnknownMember, match="vk0.0, vk0.1"):
+            raw.set_budget("vk7", "1MiB")
+        with pytest.raises(E.InvalidRequest):
+            raw.request("status", {"bogus": 1})
+    # bytes that are no request: one error reply each, and the front keeps serving
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(front.endpoint)
+    for bad in ([P.DELIMITER, b"\xc1", b"\x80"], [P.DELIMITER], [b"no delimiter"],
+                [P.DELIMITER, P.pack({"v": 1, "id": "r", "type": "nope_request"}), P.pack({})]):
+        sock.send_multipart(bad)
+        assert sock.poll(10_000), bad
+        reply = sock.recv_multipart()
+        assert reply[0] == P.DELIMITER and P.unpack(reply[1])["status"] == "error", bad
+    sock.close(0)
+    ctx.term()
+    # the budget goes to the process that has the member, and holds there
+    with front.client() as client:
+        reply = client.set_budget("vk0.1", "40MiB")
+        assert reply["member"] == "vk0.1" and reply["budget_bytes"] == 40 << 20
+        assert {m["id"]: m["budget_bytes"] for m in client.devices()}["vk0.1"] == 40 << 20
+        client.set_budget("vk0.1", "48MiB")
+
+
+def test_a_model_larger_than_one_member_is_refused_and_the_daemon_keeps_serving(front: Front) -> None:
+    with front.client() as client:
+        with pytest.raises(E.InsufficientMemory):
+            client.load_model(big_model(56 << 20), name="big")  # over one member's 48 MiB
+        session = client.session(mlp_model(seed=7))
+        x = np.ones((1, 8), np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], reference_run(mlp_model(seed=7), {"x": x})[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_cli_load_status_and_unload_cover_every_serving_process(front: Front) -> None:
+    path = front.folder / "cli.onnx"
+    path.write_bytes(mlp_model(seed=8))
+
+    def vkpool(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vkpool", *args, "--endpoint", front.endpoint],
+                              env=daemon_env(), capture_output=True, text=True, timeout=120)
+
+    done = vkpool("load", str(path), "--keep-alive", "-1")
+    assert done.returncode == 0, done.stderr
+    assert "vk0.0" in done.stdout and "vk0.1" in done.stdout  # loaded in both processes
+    status = vkpool("status")
+    assert status.returncode == 0, status.stderr
+    assert "serving process for vk0.0" in status.stdout and "serving process for vk0.1" in status.stdout
+    gone = vkpool("unload", "cli.onnx")
+    assert gone.returncode == 0 and "unloaded" in gone.stdout, gone.stdout + gone.stderr
+    with front.client() as client:
+        assert not any(m["name"] == "cli.onnx" for m in client.list_models())
+
+
+def test_a_serving_process_that_dies_is_started_again(front: Front) -> None:
+    old = front.pids()
+    os.kill(old["vk0.1"], signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        with front.client() as client:
+            processes = {p["member"]: p for p in client.status()["processes"]}
+        if processes["vk0.1"]["state"] == "serving" and processes["vk0.1"]["pid"] != old["vk0.1"]:
+            break
+        time.sleep(0.2)
+    assert processes["vk0.1"]["restarts"] >= 1 and processes["vk0.1"]["state"] == "serving", processes
+    assert processes["vk0.0"]["pid"] == old["vk0.0"]
+    # both take clients again
+    seen = set()
+    for _ in range(4):
+        with front.client() as client:
+            session = client.session(mlp_model(seed=9))
+            assert session.run(None, {"x": np.zeros((1, 8), np.float32)})[0].shape == (1, 8)
+            seen.add(client.serving_endpoint)
+            session.close()
+    assert len(seen) == 2
+
+
+def test_vkpool_stop_stops_every_serving_process() -> None:
+    with short_folder("vkf") as folder:
+        daemon = Front(folder)
+        pids = daemon.pids()
+        done = subprocess.run([sys.executable, "-m", "vkpool", "stop", "--endpoint", daemon.endpoint],
+                              env=daemon_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert f"pid {daemon.proc.pid}" in done.stdout
+        assert daemon.proc.wait(30) == 0
+        assert not any(process_running(pid) for pid in pids.values())
+        assert not (folder / "d.sock").exists()
+
+
+def test_serving_processes_do_not_outlive_a_killed_front() -> None:
+    with short_folder("vkf") as folder:
+        daemon = Front(folder)
+        pids = daemon.pids()
+        daemon.proc.kill()
+        daemon.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(process_running(pid) for pid in pids.values()):
+            time.sleep(0.1)
+        assert not any(process_running(pid) for pid in pids.values())
+
+
+@pytest.mark.parametrize("daemon, endpoint, reason", [
+    ({"metrics": "127.0.0.1:0"}, None, "daemon.metrics"),
+    ({}, "tcp://127.0.0.1:5999", "ipc://"),
+])
+def test_settings_it_cannot_honour_are_refused(daemon: dict[str, Any], endpoint: str | None, reason: str) -> None:
+    with short_folder("vkf") as folder:
+        config = folder / "vkpool.yaml"
+        config.write_text(SPLIT + "daemon: " + json.dumps({"process_per_device": True, **daemon}) + "\n")
+        proc = spawn_daemon(endpoint or f"ipc://{folder}/d.sock", config=config)
+        assert proc.wait(60) == 2
+        assert reason in proc.stderr.read().decode()
