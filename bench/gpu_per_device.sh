@@ -5,7 +5,7 @@
 # fixed batch and with dynamic batching, in ROUNDS alternating rounds (python -m vkpool.daemon.bench).
 # Carry .gl, .whl and .glsl as for bench/gpu_run.sh. Output under $OUT: one JSON per run and
 # rounds.md. Environment: ROUNDS (default 2), CLIENTS (default "1 16 64"), SECONDS_EACH (2),
-# MAX_BATCH (32), ONLY (of one replicas perdev; default all).
+# MAX_BATCH (32), ONLY (of one replicas perdev; default all), MODES (of fixed batched; default both).
 set -uo pipefail
 source bench/gpu_daemon_env.sh
 (cd /tmp && python3 -m vkpool devices | head -4)
@@ -21,8 +21,9 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
       replicas) opts="--config /tmp/two.yaml --objective throughput" ;;
       perdev) opts="--config /tmp/perdev.yaml" ;;
     esac
-    for batch in "" "--max-batch ${MAX_BATCH:-32}"; do
-      name=$variant-$([ -n "$batch" ] && echo batched || echo fixed)-$r
+    for mode in ${MODES:-fixed batched}; do
+      batch=; [ $mode = batched ] && batch="--max-batch ${MAX_BATCH:-32}"
+      name=$variant-$mode-$r
       echo "=== round $r, $name"
       (cd /tmp && timeout 170 python3 -m vkpool.daemon.bench mnist12_like --runs 100 --clients $clients \
         --transport lane --seconds ${SECONDS_EACH:-2} $opts $batch --out "$OUT/$name.json" 2>&1 \

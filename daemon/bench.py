@@ -184,6 +184,22 @@ def batched(status: Callable[[], dict[str, Any]], run: Callable[[], dict[str, An
     return result
 
 
+def spread(status: Callable[[], dict[str, Any]], run: Callable[[Callable[[], Any]], dict[str, Any]]
+           ) -> dict[str, Any]:
+    """``run(on_start)``'s figures; on a daemon with a serving process per device, with the
+    clients each process had as the run started (``clients_by_process``, the bench's own
+    connection included)."""
+    seen: list[int] = []
+
+    def on_start() -> None:
+        seen.extend(p["clients"] for p in status().get("processes", []))
+
+    result = run(on_start)
+    if seen:
+        result["clients_by_process"] = seen
+    return result
+
+
 class BenchDaemon:
     """``vkpool serve`` on a temporary ipc socket, its log kept for failures."""
 
@@ -258,8 +274,9 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
                 entry["added_us"] = {t: round(entry[t]["median_us"] - base["median_us"], 1) for t in transports}
                 status = next(iter(via.values())).status
                 pids = daemon.pids()
-                entry["throughput"] = {t: {str(n): batched(status, lambda n=n, t=t, path=path: throughput(
-                    daemon.endpoint, path, n, seconds, t, load, pids)) for n in clients} for t in transports}
+                entry["throughput"] = {t: {str(n): batched(status, lambda n=n, t=t, path=path: spread(
+                    status, lambda on_start: throughput(daemon.endpoint, path, n, seconds, t, load, pids, on_start)))
+                    for n in clients} for t in transports}
                 entry["jobs_per_s"] = {t: {n: r["jobs_per_s"] for n, r in by.items()}
                                        for t, by in entry["throughput"].items()}
                 results[path.stem] = entry
@@ -320,6 +337,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f = r["throughput"][t][str(n)]
                 cpu = f"; {f['daemon_cpu']:.2f} / {f['clients_cpu']:.2f}" if "daemon_cpu" in f else ""
                 cpu += f"; batch {f['mean_batch']:.1f}" if "mean_batch" in f else ""
+                cpu += f"; clients {'+'.join(map(str, f['clients_by_process']))}" if "clients_by_process" in f else ""
                 cells.append(f"{f['jobs_per_s']:.0f} ({f['p50_us']:.0f} / {f['p99_us']:.0f}{cpu})")
             lines.append(f"| {name} | {_NAMES[t]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
