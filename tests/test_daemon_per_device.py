@@ -151,6 +151,32 @@ def test_the_front_answers_for_the_whole_daemon_and_redirects_the_rest(front: Fr
         client.set_budget("vk0.1", "48MiB")
 
 
+def test_the_asyncio_client_follows_the_redirect(front: Front) -> None:
+    import asyncio
+
+    from vkpool.daemon.aclient import AsyncClient
+
+    model = mlp_model(seed=11)
+    x = np.random.default_rng(11).standard_normal((1, 8)).astype(np.float32)
+
+    async def main() -> tuple[Any, ...]:
+        client = await AsyncClient.connect(front.endpoint)
+        try:
+            session = await client.session(model)
+            outs = await session.run(None, {"x": x})
+            status = await client.status()
+            return client.front, client.info, client.serving_endpoint, outs, status
+        finally:
+            await client.close()
+
+    front_info, info, serving, outs, status = asyncio.run(main())
+    assert front_info["pid"] == front.proc.pid and info["pid"] in front.pids().values()
+    assert serving == front_info["redirect"]
+    for got, want in zip(outs, reference_run(model, {"x": x})):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert len(status["processes"]) == 2  # status went to the front
+
+
 def test_a_model_larger_than_one_member_is_refused_and_the_daemon_keeps_serving(front: Front) -> None:
     with front.client() as client:
         with pytest.raises(E.InsufficientMemory):
