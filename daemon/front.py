@@ -123,8 +123,8 @@ class Front:
     # -- serving processes ---------------------------------------------------------------------
     def _spawn(self, child: Serving) -> None:
         command = [sys.executable, "-m", "vkpool.daemon.front", "--member", child.member, "--endpoint",
-                   child.endpoint, *(["--config", self.config] if self.config else [])]
-        child.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                   child.endpoint, "--front", str(os.getpid()), *(["--config", self.config] if self.config else [])]
+        child.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         child.started = time.monotonic()
         child.ready = False
         _close(child.control)
@@ -228,10 +228,6 @@ class Front:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.request_stop())
-
     def serve_forever(self) -> int:
         assert self._router is not None
         router = self._router
@@ -259,9 +255,9 @@ class Front:
         """Ask every serving process to stop (draining its jobs) and wait for them."""
         self._stop.set()
         for child in self.children:
-            if child.proc is not None and child.proc.poll() is None:
-                if isinstance(self._ask(child, "shutdown"), Exception):
-                    child.proc.terminate()
+            if (child.proc is not None and child.proc.poll() is None
+                    and isinstance(self._ask(child, "shutdown"), Exception)):
+                child.proc.terminate()
         deadline = time.monotonic() + self.settings.drain_deadline + 15.0
         for child in self.children:
             _close(child.control)
@@ -429,27 +425,31 @@ def _close(client: Any) -> None:
             log.debug("closing a client of a serving process: %s", exc)
 
 
-def _die_with_parent() -> None:
-    """In a serving process before it runs: SIGTERM when the front dies (Linux), so that no
-    serving process outlives its daemon."""
+def _die_with_front(front: int) -> None:
+    """In a serving process: SIGTERM when the front (pid ``front``) dies (Linux), so that no
+    serving process outlives its daemon; exit now when it has died already."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != front:
+        raise SystemExit(f"the daemon's front (pid {front}) is gone")
 
 
 def serve_front(settings: DaemonSettings, endpoint: str, config: str | Path | None, cfg: Any,
                 on_listening: Callable[[], None]) -> int:
     """Run the front until a shutdown; exit status."""
+    from vkpool.daemon.server import stop_on_signals
+
     from vkpool.discovery import discover
     from vkpool.pool import resolve_members
 
     members = [member_id for member_id, *_ in resolve_members(cfg, discover())]
     try:
         front = Front(settings, endpoint, None if config is None else str(config), members)
-        front.install_signal_handlers()
+        stop_on_signals(front.request_stop)
         front.start()
     except EndpointError as exc:
         log.error("%s", exc)
@@ -464,8 +464,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description="serve one pool member for a daemon with process_per_device")
     parser.add_argument("--member", required=True)
     parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--front", type=int, required=True, help="the front's pid")
     parser.add_argument("--config")
     args = parser.parse_args(argv)
+    _die_with_front(args.front)
     from vkpool.daemon.main import serve
 
     return serve(args.config, args.endpoint, member=args.member)

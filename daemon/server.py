@@ -867,8 +867,7 @@ class Server:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.request_stop())
+        stop_on_signals(self.request_stop)
 
     def serve_forever(self) -> int:
         self._io_ident = threading.get_ident()
@@ -990,6 +989,12 @@ class Server:
         router.close(linger=2000)
         if getattr(self, "_auth", None) is not None:
             self._auth.stop()
+
+
+def stop_on_signals(request_stop: Any) -> None:
+    """SIGTERM and SIGINT call ``request_stop`` (a graceful stop), in the main thread."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: request_stop())
 
 
 def _violation(exc: Exception) -> ProtocolViolation:
