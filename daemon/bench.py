@@ -38,7 +38,7 @@ _CLIENT = """
 import json, sys, time, numpy as np
 from vkpool.daemon.client import Client
 endpoint, model, seconds, lane = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "lane"
-load_options = json.loads(sys.argv[5])
+load_options, warmup = json.loads(sys.argv[5]), float(sys.argv[6])
 with Client(endpoint, local_lane=lane) as client:
     if client.local_lane != lane:
         raise SystemExit("the daemon offers no local lane")
@@ -51,6 +51,9 @@ with Client(endpoint, local_lane=lane) as client:
     sys.stdout.write("ready\\n"); sys.stdout.flush()
     sys.stdin.readline()
     lat, clock = [], time.perf_counter
+    end = clock() + warmup  # the same load, unmeasured: the devices' clocks rise to it
+    while clock() < end:
+        session.run(None, feeds)
     cpu0 = time.process_time()
     end = clock() + seconds
     while True:
@@ -130,27 +133,28 @@ def cpu_seconds(pid: int) -> float:
 
 def throughput(endpoint: str | list[str], model: Path, clients: int, seconds: float, transport: str = "zmq",
                load_options: dict[str, Any] | None = None, daemon_pid: int | list[int] | None = None,
-               on_start: Callable[[], Any] | None = None) -> dict[str, float]:
+               on_start: Callable[[], Any] | None = None, warmup: float = 0.0) -> dict[str, float]:
     """Jobs per second completed by ``clients`` processes running together over ``transport``, with
     the p50 and p99 of their latencies (each client's latencies subsampled to 2000, pooled), and
-    the CPU the clients (together) and the daemon (``daemon_pid``) used meanwhile, in cores.
-    ``on_start`` is called once the clients are told to start. With several endpoints (and
-    daemons), the clients are dealt to them in turn."""
+    the CPU the clients (together) and the daemon (``daemon_pid``) used meanwhile, in cores. The
+    clients first run ``warmup`` seconds unmeasured. ``on_start`` is called as the measured
+    seconds start. With several endpoints (and daemons), the clients are dealt to them in turn."""
     endpoints = [endpoint] if isinstance(endpoint, str) else endpoint
     pids = [] if daemon_pid is None else [daemon_pid] if isinstance(daemon_pid, int) else daemon_pid
     procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, endpoints[i % len(endpoints)], str(model), str(seconds),
-                               transport, json.dumps(load_options or {})],
+                               transport, json.dumps(load_options or {}), str(warmup)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(clients)]
     try:
         for p in procs:
             assert p.stdout is not None
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a bench client exited {p.wait()} before it was ready")
-        daemon_cpu = sum(cpu_seconds(pid) for pid in pids)
         for p in procs:  # start together
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
+        time.sleep(warmup)
+        daemon_cpu = sum(cpu_seconds(pid) for pid in pids)
         if on_start is not None:
             on_start()
         answers = [json.loads(p.communicate(timeout=seconds + 120)[0].strip().splitlines()[-1]) for p in procs]
@@ -241,7 +245,8 @@ class BenchDaemon:
 
 def measure(models: list[Path], *, config: str | None, runs: int, seconds: float,
             clients: list[int], transports: tuple[str, ...] = TRANSPORTS,
-            batching: dict[str, Any] | None = None, objective: str | None = None) -> dict[str, Any]:
+            batching: dict[str, Any] | None = None, objective: str | None = None,
+            warmup: float = 0.0) -> dict[str, Any]:
     """Per model: the in-process latency, each transport's latency and added time, and jobs/s."""
     from contextlib import ExitStack
 
@@ -275,7 +280,8 @@ def measure(models: list[Path], *, config: str | None, runs: int, seconds: float
                 status = next(iter(via.values())).status
                 pids = daemon.pids()
                 entry["throughput"] = {t: {str(n): batched(status, lambda n=n, t=t, path=path: spread(
-                    status, lambda on_start: throughput(daemon.endpoint, path, n, seconds, t, load, pids, on_start)))
+                    status, lambda on_start: throughput(daemon.endpoint, path, n, seconds, t, load, pids, on_start,
+                                                        warmup)))
                     for n in clients} for t in transports}
                 entry["jobs_per_s"] = {t: {n: r["jobs_per_s"] for n, r in by.items()}
                                        for t, by in entry["throughput"].items()}
@@ -362,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--objective", choices=["latency", "throughput"],
                         help="load the models for this objective (throughput: a copy on every member that holds "
                              "one; see `vkpool load --objective`)")
+    parser.add_argument("--warmup", type=float, default=1.0, metavar="SECONDS",
+                        help="before each throughput figure, the clients run this long unmeasured, so that the "
+                             "devices' clocks have risen to the load (default 1)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON (and the table as .md)")
     args = parser.parse_args(argv)
     if args.max_batch is not None and args.max_batch < 1 or args.max_delay_us < 0:
@@ -370,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-delay-us needs --max-batch")
     if min(args.clients) < 1 or args.runs < 1 or args.seconds <= 0:
         parser.error("--clients, --runs and --seconds must be positive")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
     batching = None if args.max_batch is None else {"max_batch": args.max_batch,
                                                     "max_queue_delay": args.max_delay_us * 1e-6}
     work = Path(tempfile.mkdtemp(prefix="vkpool-bench-"))
@@ -377,13 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         models = [resolve_model(m, work, symbolic_batch=batching is not None) for m in args.models]
         transports = TRANSPORTS if args.transport == "both" else (args.transport,)
         figures = measure(models, config=args.config, runs=args.runs, seconds=args.seconds, clients=args.clients,
-                          transports=transports, batching=batching, objective=args.objective)
+                          transports=transports, batching=batching, objective=args.objective,
+                          warmup=args.warmup)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     command = "python -m vkpool.daemon.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"command": command.strip(), "environment": environment(), "runs": args.runs,
               "seconds": args.seconds, "clients": args.clients, "transports": list(transports), "models": figures,
-              "batching": batching, "objective": args.objective or "latency"}
+              "batching": batching, "objective": args.objective or "latency", "warmup": args.warmup}
     table = to_markdown(report)
     sys.stdout.write(table)
     if args.out is not None:
