@@ -14,8 +14,9 @@ pool), and keeps none of the work itself:
   all, each draining its jobs, then the front;
 - any other request is answered ``Redirected``, naming where to send it.
 
-A serving process that exits is started again (at most once a second), and the front leaves it
-out of ``hello`` until it answers. A model is loaded in each process whose clients ask for it, so
+A serving process that exits is started again (a second after its last start; while it keeps
+exiting before it answers, after 2, 4, … up to 60 seconds), and the front leaves it out of
+``hello`` until it answers. A model is loaded in each process whose clients ask for it, so
 a model with clients in several processes runs as replicas, one per device. A model that fits no
 single member is refused there: plans that span devices need ``process_per_device`` off.
 """
@@ -45,8 +46,10 @@ log = logging.getLogger("vkpool.daemon")
 READY_S = 120.0
 #: how often, at most, the front asks each serving process for its status (its clients, for ``hello``)
 LOAD_EVERY_S = 1.0
-#: a serving process that exits is started again no sooner than this after its last start
+#: a serving process that exits is started again no sooner than this after its last start, doubled
+#: for each start in a row after which it never answered (at most RESTART_MAX_S)
 RESTART_MIN_S = 1.0
+RESTART_MAX_S = 60.0
 #: how long a request the front passes on (status, set_budget, shutdown) waits for its answer
 FORWARD_S = 5.0
 _TICK_MS = 100
@@ -61,6 +64,8 @@ class Serving:
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     restarts: int = 0
+    failed: int = 0       # starts in a row after which it exited without answering
+    noted: int = 0        # the pid whose exit was logged
     ready: bool = False
     clients: int = 0      # connections it reported last
     given: int = 0        # hellos sent to it since then
@@ -135,14 +140,23 @@ class Front:
         """Start ``child`` again when it has exited; note when it answers."""
         proc = child.proc
         if proc is not None and proc.poll() is not None:
-            if not self._stop.is_set() and now - child.started >= RESTART_MIN_S:
-                log.error("serving process for %s (pid %d) exited with status %s; starting it again",
-                          child.member, proc.pid, proc.returncode)
+            if child.noted != proc.pid:
+                log.error("serving process for %s (pid %d) exited with status %s%s", child.member, proc.pid,
+                          proc.returncode, "" if child.ready else " before it answered")
+                child.noted = proc.pid
+                if child.ready:  # it had served: start again soon
+                    child.ready, child.failed = False, 0
+            delay = min(RESTART_MAX_S, RESTART_MIN_S * 2 ** child.failed)
+            if not self._stop.is_set() and now - child.started >= delay:
+                log.info("starting the serving process for %s again (restart %d)", child.member, child.restarts + 1)
                 child.restarts += 1
+                child.failed += 1
                 self._spawn(child)
             return
         if not child.ready:
             child.ready = self._control(child, wait=0.2) is not None
+            if child.ready:
+                child.failed = 0
 
     def _control(self, child: Serving, wait: float = FORWARD_S) -> Any:
         """The front's client of ``child`` (made on first use), or None while it does not answer."""

@@ -266,3 +266,29 @@ def test_settings_it_cannot_honour_are_refused(daemon: dict[str, Any], endpoint:
         proc = spawn_daemon(endpoint or f"ipc://{folder}/d.sock", config=config)
         assert proc.wait(60) == 2
         assert reason in proc.stderr.read().decode()
+
+
+def test_a_serving_process_that_keeps_failing_is_started_again_less_and_less_often() -> None:
+    from vkpool.daemon import front as F
+    from vkpool.daemon.settings import DaemonSettings
+
+    with short_folder("vkf") as folder:
+        front = F.Front(DaemonSettings(), f"ipc://{folder}/d.sock", None, ["vk0"])
+        child = front.children[0]
+        starts: list[float] = []
+        clock = [100.0]
+
+        def spawn(c: F.Serving) -> None:  # a process that exits at once, before answering
+            c.proc = subprocess.Popen(["true"])
+            c.proc.wait()
+            c.started, c.ready = clock[0], False
+            starts.append(clock[0])
+
+        front._spawn = spawn  # type: ignore[method-assign]
+        spawn(child)
+        for _ in range(1000):  # 250 s of the front's clock
+            clock[0] += 0.25
+            front._look_after(child, clock[0])
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        assert gaps[:6] == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] and set(gaps[6:]) == {60.0}, gaps
+        assert child.restarts == len(starts) - 1
