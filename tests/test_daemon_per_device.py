@@ -14,6 +14,8 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 from test_daemon_support import (
     assert_balanced,
     big_model,
@@ -24,9 +26,10 @@ from test_daemon_support import (
     spawn_daemon,
     wait_ready,
 )
+from test_protocol_fuzz import FUZZ, _packed, contents, frames, headers
 from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
-from vkpool.daemon.client import Client
+from vkpool.daemon.client import Client, parse_reply
 from vkpool.daemon.main import process_running
 
 pytestmark = pytest.mark.timeout(240)
@@ -292,3 +295,35 @@ def test_a_serving_process_that_keeps_failing_is_started_again_less_and_less_oft
         gaps = [b - a for a, b in zip(starts, starts[1:])]
         assert gaps[:6] == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] and set(gaps[6:]) == {60.0}, gaps
         assert child.restarts == len(starts) - 1
+
+
+@pytest.fixture(scope="module")
+def fuzzed() -> Iterator[Any]:
+    with short_folder("vkf") as path:
+        daemon = Front(path)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(daemon.endpoint)
+        yield daemon, sock
+        sock.close(0)
+        ctx.term()
+        with daemon.client() as client:  # still serving, every request answered
+            assert_balanced(client)
+            assert {p["state"] for p in client.status()["processes"]} == {"serving"}
+        assert daemon.stop() == 0
+
+
+@FUZZ
+@given(data=st.data())
+def test_the_front_answers_every_message_once(fuzzed: Any, data: st.DataObject) -> None:
+    daemon, sock = fuzzed
+    header = data.draw(headers())
+    body = [P.DELIMITER, _packed(header), _packed(data.draw(contents())), *data.draw(frames)]
+    sock.send_multipart(body)
+    assert sock.poll(10_000), f"no reply to {body[:3]}"
+    reply = parse_reply(sock.recv_multipart(copy=False))
+    assert reply is not None and not sock.poll(50)  # one reply, and only one
+    rid = header.get("id")
+    if isinstance(rid, str) and reply[0]["id"] is not None:
+        assert reply[0]["id"] == rid
