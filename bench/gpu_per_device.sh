@@ -5,21 +5,24 @@
 # fixed batch and with dynamic batching, in ROUNDS alternating rounds (python -m vkpool.daemon.bench).
 # Carry .gl, .whl and .glsl as for bench/gpu_run.sh. Output under $OUT: one JSON per run and
 # rounds.md. Environment: ROUNDS (default 2), CLIENTS (default "1 16 64"), SECONDS_EACH (2),
-# MAX_BATCH (32), ONLY (of one replicas perdev; default all), MODES (of fixed batched; default both).
+# MAX_BATCH (32), ONLY (the variants, in order, of one replicas perdev perdev3 perdev4 [run_slots 3
+# or 4]; default "one replicas perdev"), MODES (of fixed batched; default both).
 set -uo pipefail
 source bench/gpu_daemon_env.sh
 (cd /tmp && python3 -m vkpool devices | head -4)
 printf 'devices:\n  - match: {index: 1}\n    exclude: true\nhost:\n  enabled: false\n' > /tmp/one.yaml
 printf 'host:\n  enabled: false\n' > /tmp/two.yaml
 printf 'host:\n  enabled: false\ndaemon:\n  process_per_device: true\n' > /tmp/perdev.yaml
+for n in 3 4; do  # perdevN: a serving process per GPU, each model keeping N runs in flight
+  printf "host:\n  enabled: false\ndaemon:\n  process_per_device: true\n  run_slots: $n\n" > /tmp/perdev$n.yaml
+done
 clients=${CLIENTS:-1 16 64}
 for r in $(seq 1 "${ROUNDS:-2}"); do
-  for variant in one replicas perdev; do
-    [[ -n "${ONLY:-}" && " $ONLY " != *" $variant "* ]] && continue
+  for variant in ${ONLY:-one replicas perdev}; do
     case $variant in
       one) opts="--config /tmp/one.yaml" ;;
       replicas) opts="--config /tmp/two.yaml --objective throughput" ;;
-      perdev) opts="--config /tmp/perdev.yaml" ;;
+      perdev*) opts="--config /tmp/$variant.yaml" ;;
     esac
     for mode in ${MODES:-fixed batched}; do
       batch=; [ $mode = batched ] && batch="--max-batch ${MAX_BATCH:-32}"
