@@ -14,13 +14,16 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import zmq
 import zmq.asyncio
-
 from vkpool.daemon import client as C
 from vkpool.daemon.errors import DaemonUnavailable
 
 
 class AsyncClient:
     """``client = await AsyncClient.connect()``; then ``await client.infer(...)``."""
+
+    #: as Client.front: the front's ``hello`` reply when this client was redirected, else None
+    front: dict[str, Any] | None = None
+    _front_client: "AsyncClient | None" = None  # the front's client, for its requests
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = None,
                  curve: tuple[bytes, bytes, bytes] | None = None) -> None:
@@ -34,9 +37,7 @@ class AsyncClient:
         self._prefix = uuid.uuid4().hex[:8]
         self._reader: asyncio.Task[None] | None = None
         self.info: dict[str, Any] = {}
-        self.front: dict[str, Any] | None = None  # as Client.front
         self.serving_endpoint = self.endpoint
-        self._front_client: AsyncClient | None = None
 
     @classmethod
     async def connect(cls, endpoint: str | None = None, *, hello_timeout: float = C.HELLO_TIMEOUT_S,

@@ -85,6 +85,13 @@ def serving_endpoint(endpoint: str, member: str) -> str:
     return f"ipc://{path.with_name(f'{path.name}.{member}')}"
 
 
+def metrics_file(endpoint: str) -> Path:
+    """Where a serving process at ``endpoint`` writes the address of its metrics, for the front."""
+    path = ipc_path(endpoint)
+    assert path is not None
+    return path.with_name(f"{path.name}.metrics")
+
+
 def refusal(settings: DaemonSettings, endpoint: str, cluster: bool) -> str | None:
     """Why ``process_per_device`` cannot be honoured with these settings, or None."""
     if cluster:
@@ -93,9 +100,6 @@ def refusal(settings: DaemonSettings, endpoint: str, cluster: bool) -> str | Non
     if not endpoint.startswith("ipc://"):
         return (f"daemon.process_per_device needs an ipc:// endpoint (its serving processes listen beside "
                 f"it), not {endpoint}")
-    if settings.metrics is not None:
-        return ("daemon.metrics is not offered with daemon.process_per_device (each serving process counts "
-                "its own requests); turn one of them off")
     return None
 
 
@@ -128,7 +132,9 @@ class Front:
     # -- serving processes ---------------------------------------------------------------------
     def _spawn(self, child: Serving) -> None:
         command = [sys.executable, "-m", "vkpool.daemon.front", "--member", child.member, "--endpoint",
-                   child.endpoint, "--front", str(os.getpid()), *(["--config", self.config] if self.config else [])]
+                   child.endpoint, "--front", str(os.getpid()), *(["--config", self.config] if self.config else []),
+                   *(["--metrics"] if self.settings.metrics is not None else [])]
+        metrics_file(child.endpoint).unlink(missing_ok=True)
         child.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         child.started = time.monotonic()
         child.ready = False
@@ -239,6 +245,19 @@ class Front:
         log.info("listening on %s; serving processes: %s", self.endpoint,
                  ", ".join(f"{c.member} (pid {c.proc.pid})" for c in self.children if c.proc is not None))
 
+    def metric_sources(self) -> list[tuple[str, str | None, int]]:
+        """``(member, address of its metrics or None, restarts)`` of each serving process, for
+        :class:`vkpool.daemon.metrics.GatheredMetrics`."""
+        out = []
+        for child in self.children:
+            try:
+                address: str | None = metrics_file(child.endpoint).read_text().strip() or None
+            except OSError:
+                address = None
+            running = child.ready and child.proc is not None and child.proc.poll() is None
+            out.append((child.member, address if running else None, child.restarts))
+        return out
+
     def request_stop(self) -> None:
         self._stop.set()
 
@@ -276,6 +295,7 @@ class Front:
         for child in self.children:
             _close(child.control)
             child.control = None
+            metrics_file(child.endpoint).unlink(missing_ok=True)
             if child.proc is None:
                 continue
             try:
@@ -461,15 +481,29 @@ def serve_front(settings: DaemonSettings, endpoint: str, config: str | Path | No
     from vkpool.pool import resolve_members
 
     members = [member_id for member_id, *_ in resolve_members(cfg, discover())]
+    metrics = None
     try:
         front = Front(settings, endpoint, None if config is None else str(config), members)
+        if settings.metrics is not None:
+            from vkpool.daemon.metrics import GatheredMetrics
+
+            metrics = GatheredMetrics(front.metric_sources)
+            try:
+                metrics.serve(settings.metrics)
+            except OSError as exc:
+                log.error("cannot serve metrics on %s:%d: %s", *settings.metrics, exc)
+                return 1
         stop_on_signals(front.request_stop)
         front.start()
     except EndpointError as exc:
         log.error("%s", exc)
         return 1
-    on_listening()
-    return front.serve_forever()
+    else:
+        on_listening()
+        return front.serve_forever()
+    finally:
+        if metrics is not None:
+            metrics.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,11 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--front", type=int, required=True, help="the front's pid")
     parser.add_argument("--config")
+    parser.add_argument("--metrics", action="store_true", help="serve metrics on a free local port for the front")
     args = parser.parse_args(argv)
     _die_with_front(args.front)
     from vkpool.daemon.main import serve
 
-    return serve(args.config, args.endpoint, member=args.member)
+    return serve(args.config, args.endpoint, member=args.member, member_metrics=args.metrics)
 
 
 if __name__ == "__main__":

@@ -50,19 +50,22 @@ def setup_logging(settings: DaemonSettings, member: str | None = None) -> None:
 
 
 def serve(config: str | Path | None = None, endpoint: str | None = None, runtime: Any = None, *,
-          pid_file: Path | None = None, log_file: Path | None = None, member: str | None = None) -> int:
+          pid_file: Path | None = None, log_file: Path | None = None, member: str | None = None,
+          member_metrics: bool = False) -> int:
     """Run the daemon in the foreground until SIGTERM/SIGINT or a shutdown request; exit status.
     ``pid_file`` (else ``daemon.pid_file``): written once the daemon listens, removed at exit;
     a start is refused while it names a live daemon. ``member``: serve that Vulkan member alone,
     as one serving process of a daemon with ``process_per_device`` (:mod:`vkpool.daemon.front`),
-    which owns the pid file and the metrics."""
+    which owns the pid file; with ``member_metrics``, its metrics are served on a free local port,
+    named in a file beside its socket for the front to gather (:func:`front.metrics_file`)."""
     try:
         cfg, settings = load_settings(config)
     except SettingsError as exc:
         print(f"vkpool serve: {exc}", file=sys.stderr)
         return 2
     if member is not None:
-        settings = dataclasses.replace(settings, process_per_device=False, pid_file=None, metrics=None)
+        settings = dataclasses.replace(settings, process_per_device=False, pid_file=None,
+                                       metrics=("127.0.0.1", 0) if member_metrics else None)
     endpoint = endpoint or settings.endpoint or default_endpoint()
     refusal = getattr(runtime, "refuses", lambda _: None)(settings)
     if settings.process_per_device:
@@ -104,10 +107,14 @@ def serve(config: str | Path | None = None, endpoint: str | None = None, runtime
 
         metrics = Metrics()
         try:
-            metrics.serve(settings.metrics)
+            bound = metrics.serve(settings.metrics)
         except OSError as exc:
             log.error("cannot serve metrics on %s:%d: %s", *settings.metrics, exc)
             return 1
+        if member is not None:
+            from vkpool.daemon.front import metrics_file
+
+            metrics_file(endpoint).write_text(f"{bound[0]}:{bound[1]}\n")
     try:
         return _run(cfg, settings, endpoint, runtime, pid_file, metrics)
     finally:

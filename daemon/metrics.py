@@ -19,6 +19,9 @@ The families (``docs/daemon.md`` lists them with their labels):
 - ``vkpool_models_loaded``, ``vkpool_models_loading``;
 - ``vkpool_replay_bytes``: the replies kept for retried request ids;
 - ``vkpool_requests_total{outcome}``: the status counters (accepted, ok, error, client_gone, busy, ...).
+
+With ``process_per_device`` the front serves them all, labelled by serving process
+(:class:`GatheredMetrics`).
 """
 from __future__ import annotations
 
@@ -180,3 +183,54 @@ class _DaemonCollector:
 def _url_host(address: tuple[str, int]) -> tuple[str, int]:
     host, port = address
     return (f"[{host}]" if ":" in host else host), port
+
+
+class GatheredMetrics:
+    """The metrics of a daemon with a serving process per device, served by its front: at each
+    scrape, every serving process's families (read from its own endpoint, a free local port) with
+    a ``serving`` label naming its member, and ``vkpool_serving_process_up{serving}`` (1 while it
+    answers the scrape) and ``vkpool_serving_process_restarts_total{serving}``. ``sources()``
+    gives ``(member, "host:port" or None, restarts)`` for each serving process."""
+
+    def __init__(self, sources: Any) -> None:
+        self.sources = sources
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(self)
+        self._server: Any = None
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        import urllib.request
+
+        from prometheus_client.metrics_core import Metric
+        from prometheus_client.parser import text_string_to_metric_families
+
+        up = GaugeMetricFamily("vkpool_serving_process_up", "1 while the serving process answers, else 0",
+                               labels=["serving"])
+        restarts = CounterMetricFamily("vkpool_serving_process_restarts", "Times the serving process was "
+                                       "started again", labels=["serving"])
+        families: dict[str, Any] = {}
+        for member, address, started_again in self.sources():
+            text = None
+            if address is not None:
+                try:
+                    with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as reply:
+                        text = reply.read().decode()
+                except OSError as exc:
+                    log.warning("metrics of the serving process for %s: %s", member, exc)
+            up.add_metric([member], 0.0 if text is None else 1.0)
+            restarts.add_metric([member], started_again)
+            for family in text_string_to_metric_families(text or ""):
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "serving": member}, sample.value)
+        yield up
+        yield restarts
+        yield from families.values()
+
+    serve = Metrics.serve
+    close = Metrics.close

@@ -650,6 +650,8 @@ LANE_ONLY = frozenset(a for a, m in MESSAGES.items() if m.transport == "lane")
 #: (``daemon/front.py``); a client given a ``redirect`` sends these to the front, the rest to its
 #: serving process
 FRONT_ACTIONS = frozenset({"hello", "devices", "list_models", "status", "set_budget", "shutdown"})
+#: reply fields that only a front sends (``hello``'s ``redirect`` and ``serving``, ``status``'s ``processes``)
+FRONT_FIELDS = frozenset({"redirect", "serving", "processes"})
 LANE_CHUNK = 1 << 16       # bytes asked of one recv; a larger message is read straight into its buffer
 _IOV_MAX = 512             # buffers per sendmsg call (the kernel takes at most 1024)
 _LANE_COUNT = struct.Struct("<I")

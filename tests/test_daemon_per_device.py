@@ -123,6 +123,11 @@ def test_the_front_answers_for_the_whole_daemon_and_redirects_the_rest(front: Fr
     model = mlp_model(seed=6)
     with front.client(follow=False) as raw:
         assert raw.front is None and raw.info["redirect"].startswith(front.endpoint + ".vk0.")
+        # the front's replies carry every documented field, its own included
+        for action, reply in (("hello", raw.info), ("status", raw.status()), ("devices", raw.request("devices")[0]),
+                              ("list_models", raw.request("list_models")[0])):
+            P.validate(P.MESSAGES[action].reply, reply, action)
+            assert set(reply) == {f.name for f in P.MESSAGES[action].reply}, action
         assert {p["member"] for p in raw.info["serving"]} == {"vk0.0", "vk0.1"}
         for action, content, frames in (("load_model", {"name": "m"}, [model]),
                                         ("infer", {"model": "0" * 64, "inputs": []}, []),
@@ -258,17 +263,41 @@ def test_serving_processes_do_not_outlive_a_killed_front() -> None:
         assert not any(process_running(pid) for pid in pids.values())
 
 
-@pytest.mark.parametrize("daemon, endpoint, reason", [
-    ({"metrics": "127.0.0.1:0"}, None, "daemon.metrics"),
-    ({}, "tcp://127.0.0.1:5999", "ipc://"),
-])
-def test_settings_it_cannot_honour_are_refused(daemon: dict[str, Any], endpoint: str | None, reason: str) -> None:
+def test_a_tcp_endpoint_is_refused_with_the_reason() -> None:
     with short_folder("vkf") as folder:
         config = folder / "vkpool.yaml"
-        config.write_text(SPLIT + "daemon: " + json.dumps({"process_per_device": True, **daemon}) + "\n")
-        proc = spawn_daemon(endpoint or f"ipc://{folder}/d.sock", config=config)
+        config.write_text(SPLIT + "daemon: " + json.dumps({"process_per_device": True}) + "\n")
+        proc = spawn_daemon("tcp://127.0.0.1:5999", config=config)
         assert proc.wait(60) == 2
-        assert reason in proc.stderr.read().decode()
+        assert "needs an ipc:// endpoint" in proc.stderr.read().decode()
+
+
+def test_the_front_serves_the_metrics_of_every_serving_process() -> None:
+    from test_metrics import _free_port, _scrape, _value
+
+    port = _free_port()
+    with short_folder("vkf") as folder:
+        daemon = Front(folder, {"metrics": f"127.0.0.1:{port}"})
+        try:
+            clients = [daemon.client(), daemon.client()]
+            assert {c.serving_endpoint for c in clients} == {f"{daemon.endpoint}.vk0.0", f"{daemon.endpoint}.vk0.1"}
+            x = np.ones((1, 8), np.float32)
+            for n, client in zip((3, 5), clients):
+                session = client.session(mlp_model(seed=12))
+                for _ in range(n):
+                    session.run(None, {"x": x})
+            samples = _scrape(port)
+            jobs = {c.serving_endpoint.split("d.sock.")[-1]: n
+                    for n, c in zip((3, 5), clients)}
+            for member, n in jobs.items():
+                assert _value(samples, "vkpool_jobs_total", serving=member, status="ok") == n
+                assert _value(samples, "vkpool_serving_process_up", serving=member) == 1
+                assert _value(samples, "vkpool_serving_process_restarts_total", serving=member) == 0
+                assert _value(samples, "vkpool_member_budget_bytes", serving=member, member=member) == 48 << 20
+            for c in clients:
+                c.close()
+        finally:
+            assert daemon.stop() == 0
 
 
 def test_a_serving_process_that_keeps_failing_is_started_again_less_and_less_often() -> None:
