@@ -322,10 +322,10 @@ class Front:
             handler: Callable[[dict[str, Any], list[Any]], dict[str, Any]] | None = getattr(
                 self, f"_{action}", None) if action in P.FRONT_ACTIONS else None
             if handler is None:
+                there = self._choose().endpoint
                 raise ProtocolViolation("Redirected", f"this daemon serves each device from a process of its own "
                                         f"(daemon.process_per_device): send {action} to the endpoint in hello's "
-                                        f"redirect ({self._choose().endpoint})",
-                                        {"redirect": self._choose().endpoint})
+                                        f"redirect ({there})", {"redirect": there})
             if raw:
                 raise ProtocolViolation("InvalidRequest", f"{action}_request takes no raw frames, got {len(raw)}")
             result, status = handler(content, raw), "ok"

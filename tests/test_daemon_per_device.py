@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 import zmq
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_daemon_support import (
     assert_balanced,
@@ -343,7 +343,7 @@ def fuzzed() -> Iterator[Any]:
         assert daemon.stop() == 0
 
 
-@FUZZ
+@settings(FUZZ, max_examples=60)
 @given(data=st.data())
 def test_the_front_answers_every_message_once(fuzzed: Any, data: st.DataObject) -> None:
     daemon, sock = fuzzed
