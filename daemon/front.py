@@ -46,6 +46,9 @@ log = logging.getLogger("vkpool.daemon")
 READY_S = 120.0
 #: how often, at most, the front asks each serving process for its status (its clients, for ``hello``)
 LOAD_EVERY_S = 1.0
+#: how long a ``hello`` waits for a serving process's count of its clients (a hung process is
+#: then counted as it was)
+LOAD_WAIT_S = 0.5
 #: a serving process that exits is started again no sooner than this after its last start, doubled
 #: for each start in a row after which it never answered (at most RESTART_MAX_S)
 RESTART_MIN_S = 1.0
@@ -185,19 +188,22 @@ class Front:
             return
         self._next_load = now + LOAD_EVERY_S
         for child in self.children:
-            status = self._ask(child, "status")
+            status = self._ask(child, "status", wait=LOAD_WAIT_S)
             if isinstance(status, dict):
                 child.clients, child.given = max(0, int(status["counters"]["connections"]) - 1), 0
 
-    def _ask(self, child: Serving, action: str, content: dict[str, Any] | None = None) -> dict[str, Any] | Exception:
-        """``child``'s answer to one request, or the exception that came instead."""
+    def _ask(self, child: Serving, action: str, content: dict[str, Any] | None = None,
+             wait: float = FORWARD_S) -> dict[str, Any] | Exception:
+        """``child``'s answer to one request within ``wait`` seconds, or the exception that came
+        instead (at once for a process that is not running or has not answered yet)."""
         from vkpool.daemon.errors import DaemonError, DaemonUnavailable
 
-        control = self._control(child) if child.ready else None
+        running = child.ready and child.proc is not None and child.proc.poll() is None
+        control = self._control(child) if running else None
         if control is None:
             return DaemonUnavailable(f"the serving process for {child.member} is not running")
         try:
-            return control.request(action, content or {})[0]
+            return control.request(action, content or {}, timeout=wait)[0]
         except Exception as exc:  # an error reply, a timeout, or a process gone
             if not isinstance(exc, DaemonError):
                 _close(child.control)  # made afresh when next asked
@@ -266,16 +272,16 @@ class Front:
         router = self._router
         try:
             while not self._stop.is_set():
-                if router.poll(_TICK_MS, zmq.POLLIN):
-                    for _ in range(64):
-                        try:
-                            frames = router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_request(frames)
+                ready = router.poll(_TICK_MS, zmq.POLLIN)
                 now = time.monotonic()
-                for child in self.children:
+                for child in self.children:  # first: a process that has exited is asked nothing
                     self._look_after(child, now)
+                for _ in range(64 if ready else 0):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_request(frames)
             return 0
         finally:
             self.stop_children()
