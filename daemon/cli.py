@@ -331,13 +331,14 @@ def _other_serving(client: Any) -> list[Any]:
 def cmd_unload(args: argparse.Namespace) -> int:
     with _client(args) as client:
         model = _resolve_model(client, args.model)
+        from vkpool.daemon.errors import UnknownModel
+
         replies = []
         for one in [client, *_other_serving(client)]:  # process_per_device: in every serving process
             try:
                 replies.append(one.request("unload_model", {"model": model, "now": True})[0])
-            except Exception as exc:
-                if getattr(exc, "type", None) != "UnknownModel":  # not loaded in that process
-                    raise
+            except UnknownModel:
+                pass  # not loaded in that process
             finally:
                 if one is not client:
                     one.close()

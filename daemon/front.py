@@ -74,6 +74,10 @@ class Serving:
     given: int = 0        # hellos sent to it since then
     control: Any = None   # a Client of the front's thread, for status and set_budget
 
+    def noted_clients(self, status: dict[str, Any]) -> None:
+        """Its clients as its ``status`` counts them (less the front's own connection)."""
+        self.clients, self.given = max(0, int(status["counters"]["connections"]) - 1), 0
+
     def describe(self) -> dict[str, Any]:
         running = self.proc is not None and self.proc.poll() is None
         return {"member": self.member, "endpoint": self.endpoint, "pid": self.proc.pid if running else None,
@@ -190,7 +194,7 @@ class Front:
         for child in self.children:
             status = self._ask(child, "status", wait=LOAD_WAIT_S)
             if isinstance(status, dict):
-                child.clients, child.given = max(0, int(status["counters"]["connections"]) - 1), 0
+                child.noted_clients(status)
 
     def _ask(self, child: Serving, action: str, content: dict[str, Any] | None = None,
              wait: float = FORWARD_S) -> dict[str, Any] | Exception:
@@ -320,12 +324,12 @@ class Front:
         self.accepted += 1
         try:
             body = P.split_routing(frames[1:])[1]
-            if body:
-                peeked = P.unpack(body[0])
-                header = peeked if isinstance(peeked, dict) else {}
-            header, content, raw = P.decode_request(body)
+            peeked = P.unpack(body[0]) if body else None
+            if isinstance(peeked, dict):
+                header = peeked  # unpacked once: decode_request checks it as it is
+            header, content, raw = P.decode_request(body, header or None)
             action = P.action_of(header)
-            handler: Callable[[dict[str, Any], list[Any]], dict[str, Any]] | None = getattr(
+            handler: Callable[[dict[str, Any]], dict[str, Any]] | None = getattr(
                 self, f"_{action}", None) if action in P.FRONT_ACTIONS else None
             if handler is None:
                 there = self._choose().endpoint
@@ -334,7 +338,7 @@ class Front:
                                         f"redirect ({there})", {"redirect": there})
             if raw:
                 raise ProtocolViolation("InvalidRequest", f"{action}_request takes no raw frames, got {len(raw)}")
-            result, status = handler(content, raw), "ok"
+            result, status = handler(content), "ok"
         except ProtocolViolation as exc:
             result, status = {"type": exc.type, "message": exc.message, "details": exc.details}, "error"
         except Exception as exc:  # a request that cannot be taken is answered, whatever went wrong
@@ -360,7 +364,7 @@ class Front:
                                     "again); retry in a second")
         return min(ready, key=lambda c: (c.clients + c.given, self.children.index(c)))
 
-    def _hello(self, content: dict[str, Any], raw: list[Any]) -> dict[str, Any]:
+    def _hello(self, content: dict[str, Any]) -> dict[str, Any]:
         from vkpool import __version__
 
         self._refresh_loads()
@@ -376,20 +380,20 @@ class Front:
         answers = [(c, self._ask(c, action)) for c in self.children]
         return [(c, a) for c, a in answers if isinstance(a, dict)]
 
-    def _devices(self, content: dict[str, Any], raw: list[Any]) -> dict[str, Any]:
+    def _devices(self, content: dict[str, Any]) -> dict[str, Any]:
         return {"members": [m for _, a in self._gather("devices") for m in a["members"]]}
 
-    def _list_models(self, content: dict[str, Any], raw: list[Any]) -> dict[str, Any]:
+    def _list_models(self, content: dict[str, Any]) -> dict[str, Any]:
         return {"models": merge_models([a["models"] for _, a in self._gather("list_models")])}
 
-    def _status(self, content: dict[str, Any], raw: list[Any]) -> dict[str, Any]:
+    def _status(self, content: dict[str, Any]) -> dict[str, Any]:
         answers = self._gather("status")
         for child, answer in answers:
-            child.clients, child.given = max(0, int(answer["counters"]["connections"]) - 1), 0
+            child.noted_clients(answer)
         return merge_status([a for _, a in answers], time.monotonic() - self.started,
                             [c.describe() for c in self.children])
 
-    def _set_budget(self, content: dict[str, Any], raw: list[Any]) -> dict[str, Any]:
+    def _set_budget(self, content: dict[str, Any]) -> dict[str, Any]:
         member = content["member"]
         child = next((c for c in self.children if c.member == member), None)
         if child is None:
@@ -397,7 +401,7 @@ class Front:
                                     f"{', '.join(c.member for c in self.children)}", {"member": member})
         return _answer(self._ask(child, "set_budget", content))
 
-    def _shutdown(self, content: dict[str, Any], raw: list[Any]) -> dict[str, Any]:
+    def _shutdown(self, content: dict[str, Any]) -> dict[str, Any]:
         in_flight = sum(a["counters"]["in_flight"] for _, a in self._gather("status"))
         return {"draining": True, "in_flight": in_flight}
 
