@@ -55,6 +55,9 @@ RESTART_MIN_S = 1.0
 RESTART_MAX_S = 60.0
 #: how long a request the front passes on (status, set_budget, shutdown) waits for its answer
 FORWARD_S = 5.0
+#: a serving process whose front has gone and that still runs this long after its drain deadline
+#: (its own stop ends within 10 s of it) exits at once
+ORPHAN_GRACE_S = 15.0
 _TICK_MS = 100
 
 
@@ -469,9 +472,11 @@ def _close(client: Any) -> None:
             log.debug("closing a client of a serving process: %s", exc)
 
 
-def _die_with_front(front: int) -> None:
-    """In a serving process: SIGTERM when the front (pid ``front``) dies (Linux), so that no
-    serving process outlives its daemon; exit now when it has died already."""
+def _die_with_front(front: int, config: str | None) -> None:
+    """In a serving process: stop when the front (pid ``front``) dies, so that no serving process
+    outlives its daemon; exit now when it has died already. SIGTERM comes from the kernel's
+    parent-death signal (Linux) and, in any case, from a thread that looks for a new parent every
+    half second; a process still running ORPHAN_GRACE_S after its drain deadline exits at once."""
     try:
         import ctypes
 
@@ -480,6 +485,38 @@ def _die_with_front(front: int) -> None:
         pass
     if os.getppid() != front:
         raise SystemExit(f"the daemon's front (pid {front}) is gone")
+    threading.Thread(target=_watch_front, args=(front, config), name="vkpool-front-watch", daemon=True).start()
+
+
+def _watch_front(front: int, config: str | None) -> None:
+    while os.getppid() == front:
+        time.sleep(0.5)
+    from vkpool.daemon.main import load_settings
+
+    try:
+        limit = load_settings(config)[1].drain_deadline + ORPHAN_GRACE_S
+    except Exception:  # the process reports a bad configuration itself
+        limit = DaemonSettings().drain_deadline + ORPHAN_GRACE_S
+    log.warning("the daemon's front (pid %d) is gone: stopping", front)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(limit)
+    log.error("still running %.0f s after the daemon's front went: exiting now", limit)
+    _exit(1)
+
+
+def _exit(status: int) -> None:
+    """Leave a serving process at once: Python's exit functions (the pipeline cache) and the logs
+    flushed, then no interpreter teardown (a driver's exit handlers can wait on threads that the
+    teardown has stopped)."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def serve_front(settings: DaemonSettings, endpoint: str, config: str | Path | None, cfg: Any,
@@ -526,11 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config")
     parser.add_argument("--metrics", action="store_true", help="serve metrics on a free local port for the front")
     args = parser.parse_args(argv)
-    _die_with_front(args.front)
+    _die_with_front(args.front, args.config)
     from vkpool.daemon.main import serve
 
     return serve(args.config, args.endpoint, member=args.member, member_metrics=args.metrics)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -251,16 +251,80 @@ def test_vkpool_stop_stops_every_serving_process() -> None:
         assert not (folder / "d.sock").exists()
 
 
+def _process_state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as exc:
+        return f"pid {pid}: {exc}"
+    return f"pid {pid}: state {stat[0]}, parent {stat[1]}, waiting in {wchan or '-'}"
+
+
 def test_serving_processes_do_not_outlive_a_killed_front() -> None:
+    """They stop by themselves, each within its drain deadline and the grace after it."""
     with short_folder("vkf") as folder:
-        daemon = Front(folder)
+        daemon = Front(folder, {"drain_deadline": "2s"})
         pids = daemon.pids()
         daemon.proc.kill()
         daemon.proc.wait(10)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 2 + 10 + 15 + 10  # drain, reply grace, the backstop, spare
         while time.monotonic() < deadline and any(process_running(pid) for pid in pids.values()):
             time.sleep(0.1)
-        assert not any(process_running(pid) for pid in pids.values())
+        left = [pid for pid in pids.values() if process_running(pid)]
+        if left:  # what they were doing, and what they wrote (the pipe stays open while they run)
+            assert daemon.proc.stderr is not None
+            os.set_blocking(daemon.proc.stderr.fileno(), False)
+            logs = (daemon.proc.stderr.read() or b"").decode(errors="replace")[-4000:]
+            states = [_process_state(pid) for pid in left]
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"serving processes outlived their front: {states}\n{logs}")
+
+
+ORPHAN_PARENT = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid()), *sys.argv[2:]])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+# a serving process on a system without a parent-death signal: prctl fails
+ORPHAN_CHILD = """
+import ctypes, sys
+from vkpool.daemon import front
+def no_prctl(*args, **kwargs):
+    raise OSError("no parent-death signal here")
+found, ctypes.CDLL = ctypes.CDLL, no_prctl
+front._die_with_front(int(sys.argv[1]), sys.argv[2])
+ctypes.CDLL = found
+from vkpool.daemon.main import serve
+front._exit(serve(sys.argv[2], sys.argv[3], member="vk0.0"))
+"""
+
+
+def test_a_serving_process_notices_a_gone_front_without_a_parent_death_signal() -> None:
+    with short_folder("vkf") as folder:
+        config = folder / "vkpool.yaml"
+        config.write_text(SPLIT + "daemon: {drain_deadline: 2s}\n")
+        endpoint = f"ipc://{folder}/d.sock.vk0.0"
+        parent = subprocess.Popen([sys.executable, "-c", ORPHAN_PARENT, ORPHAN_CHILD, str(config), endpoint],
+                                  env=daemon_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        try:
+            wait_ready(endpoint, parent, timeout=60)
+            parent.kill()
+            parent.wait(10)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and process_running(child):
+                time.sleep(0.1)
+            assert not process_running(child), _process_state(child)
+        finally:
+            if process_running(child):
+                os.kill(child, signal.SIGKILL)
+        assert parent.stderr is not None
+        logs = parent.stderr.read().decode()
+        assert "front (pid %d) is gone: stopping" % parent.pid in logs
+        assert "stopped:" in logs
 
 
 def test_a_tcp_endpoint_is_refused_with_the_reason() -> None:
