@@ -68,3 +68,28 @@ def test_small_real_model_matches_onnxruntime(name: str, pool) -> None:
     assert np.isfinite(y).all()
     err = _rel_err(y, ref)
     assert err < MAX_REL_ERR, f"{name}: max relative error {err:.3g} against onnxruntime"
+
+
+def test_the_real_models_bench_times_vkpool_beside_onnxruntime(tmp_path, monkeypatch, capsys) -> None:
+    """``python -m bench.real_models`` as docs/benchmarks.md runs it on lavapipe, with the models
+    exported small (the full-size run takes minutes there)."""
+    import functools
+    import json
+
+    from bench import real_models
+
+    for name in ("resnet50", "bert"):
+        monkeypatch.setitem(em.BUILDERS, name, functools.partial(em.BUILDERS[name], **SMALL[name]))
+    out = tmp_path / "real.json"
+    rc = real_models.main(["--models", "resnet50", "bert", "--runtimes", "vkpool", "ort_cpu", "--device", "vk0",
+                           "--runs", "3", "--warmup", "1", "--models-dir", str(tmp_path), "--out", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    for name in ("resnet50", "bert"):
+        runtimes = results["models"][name]["runtimes"]
+        assert set(runtimes) == {"vkpool", "ort_cpu"}
+        for entry in runtimes.values():
+            assert 0 < entry["p05_ms"] <= entry["median_ms"] <= entry["p95_ms"]
+        assert runtimes["vkpool"]["max_rel_err"] <= real_models.MAX_REL_ERR
+    table = capsys.readouterr().out
+    assert table.count("\n| resnet50 |") + table.count("\n| bert |") == 2

@@ -43,7 +43,11 @@ class DemoError(RuntimeError):
 
 
 def say(text: str = "") -> None:
-    print(text, flush=True)
+    """Print a line in one write: the client processes share this stdout, and ``print`` writes
+    the line and its end apart when Python runs unbuffered (PYTHONUNBUFFERED, -u), so that
+    another process's line could land between them."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def step(number: int, title: str) -> None:
@@ -181,7 +185,7 @@ def client_main(argv: list[str]) -> int:
             latencies.append(time.perf_counter() - t0)
             logits.append(y[0])
             if (k + 1) % 40 == 0 or k + 1 == len(images):
-                print(f"{tag} {k + 1:>3}/{len(images)} jobs answered", flush=True)
+                say(f"{tag} {k + 1:>3}/{len(images)} jobs answered")
         wall = time.perf_counter() - t_start
         session.close()
     np.save(folder / f"logits{index}.npy", np.array(logits, dtype=np.float32).reshape(len(images), -1))
