@@ -32,6 +32,8 @@ from typing import Any
 
 from vkpool.daemon import protocol as P
 
+from vkpool.cpus import usable_cpus
+
 #: a lane connection's writer that cannot write to a client that does not read gives up after this
 #: long without progress and closes the connection (its unsent replies count as ``client_gone``).
 SEND_TIMEOUT_S = 10.0
@@ -41,13 +43,6 @@ CLIENT_MAX_LANES = 8
 _OFF = {"0", "false", "no", "off"}
 _IOV_MAX = 512  # buffers per sendmsg call (the kernel takes at most 1024)
 _DONTWAIT = socket.MSG_DONTWAIT | P._NOSIGNAL
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 #: polling keeps a CPU busy: on a machine with fewer CPUs than this, neither side polls by

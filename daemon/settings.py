@@ -89,7 +89,9 @@ class DaemonSettings:
 
 def _default_lane_poll() -> float:
     """100 µs, or 0 (no polling) on a machine with fewer than 4 CPUs."""
-    from vkpool.daemon.lane import POLL_MIN_CPUS, usable_cpus
+    from vkpool.daemon.lane import POLL_MIN_CPUS
+
+    from vkpool.cpus import usable_cpus
 
     return 0.0001 if usable_cpus() >= POLL_MIN_CPUS else 0.0
 

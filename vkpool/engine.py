@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from vkpool import progress
+from vkpool import progress, shaders
 from vkpool.host_engine import open_engine
 from vkpool.kernels.base import DispatchContext, Op, OpError, TensorInfo, check_grid, pack_push_constants
 from vkpool.kernels.registry import create_op
@@ -634,10 +634,12 @@ class VulkanChunk:
         progress: on a first load this compiles shaders (glslang, then the driver)."""
         variants = {(item.shader, repr(sorted(item.defines.items()))): item
                     for item in work if not isinstance(item, tuple)}
-        with progress.task("compile", len(variants), what=f"for {self.member.id}"):
-            for item in variants.values():
+        with progress.task("compile", len(variants), what=f"for {self.member.id}") as task:
+            ahead = shaders.compile_ahead([(item.shader, item.defines) for item in variants.values()], task.advance)
+            for index, item in enumerate(variants.values()):
                 self.device.pipeline(item.shader, item.defines)
-                progress.advance("compile")
+                if index not in ahead:
+                    task.advance()
 
     def _transfer_link(self, commands: list[tuple[Any, ...]]) -> tuple[Any, Any] | None:
         """``commands`` recorded for the transfer queue, with the semaphore its submission

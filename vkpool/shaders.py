@@ -15,9 +15,10 @@ import sysconfig
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from vkpool.cache import cache_dir, write_atomic
+from vkpool.cpus import usable_cpus
 
 SHADER_DIR = Path(__file__).resolve().parent.parent / "kernels" / "shaders"
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
@@ -150,15 +151,20 @@ _memory: dict[str, bytes] = {}
 stats = {"compiled": 0, "disk_hits": 0}
 
 
-def spirv(shader: str, defines: Mapping[str, Any] | None = None) -> bytes:
-    """SPIR-V of ``shaders/<shader>.comp`` compiled with ``defines``."""
+def _key(shader: str, defines: Mapping[str, Any] | None) -> tuple[str, list[tuple[str, str]], Path]:
+    """The cache key of a variant, its defines as glslang gets them, and its file on disk."""
     defs = sorted((str(k), str(v)) for k, v in (defines or {}).items())
     key_src = f"{shader}|{_source_digest(shader + '.comp')}|{defs}|{glslang_version()}"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    return key, defs, cache_dir("spirv") / f"{shader}-{key}.spv"
+
+
+def spirv(shader: str, defines: Mapping[str, Any] | None = None) -> bytes:
+    """SPIR-V of ``shaders/<shader>.comp`` compiled with ``defines``."""
+    key, defs, path = _key(shader, defines)
     with _lock:
         if key in _memory:
             return _memory[key]
-    path = cache_dir("spirv") / f"{shader}-{key}.spv"
     if path.exists():
         code = path.read_bytes()
         stats["disk_hits"] += 1
@@ -169,6 +175,39 @@ def spirv(shader: str, defines: Mapping[str, Any] | None = None) -> bytes:
     with _lock:
         _memory[key] = code
     return code
+
+
+def compile_ahead(variants: Sequence[tuple[str, Mapping[str, Any]]],
+                  done: Callable[[], None] | None = None) -> set[int]:
+    """Compile the variants that are not cached yet, several at once: glslang starts afresh for
+    each (about a quarter of a second on a small CPU), and a model's first load needs dozens.
+    Up to as many at a time as this process may use CPUs (at most 8). ``done`` is called in
+    the caller's thread as each compile ends. Returns the indices of the variants compiled here
+    (the first of repeated ones); the first compile error is raised, as :func:`spirv` raises it."""
+    todo: dict[str, int] = {}
+    for index, (shader, defines) in enumerate(variants):
+        key, _, path = _key(shader, defines)
+        with _lock:
+            known = key in _memory
+        if not known and key not in todo and not path.exists():
+            todo[key] = index
+    workers = min(len(todo), usable_cpus(), 8)
+    if workers < 2:
+        return set()
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="vkpool-glslang") as pool:
+        futures = [pool.submit(spirv, *variants[index]) for index in todo.values()]
+        try:
+            for future in as_completed(futures):
+                future.result()
+                if done is not None:
+                    done()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return set(todo.values())
 
 
 def _compile(shader: str, defs: list[tuple[str, str]]) -> bytes:
