@@ -161,7 +161,11 @@ def _key(shader: str, defines: Mapping[str, Any] | None) -> tuple[str, list[tupl
 
 def spirv(shader: str, defines: Mapping[str, Any] | None = None) -> bytes:
     """SPIR-V of ``shaders/<shader>.comp`` compiled with ``defines``."""
-    key, defs, path = _key(shader, defines)
+    return _fetch(shader, *_key(shader, defines))
+
+
+def _fetch(shader: str, key: str, defs: list[tuple[str, str]], path: Path) -> bytes:
+    """A variant's SPIR-V from memory, else from disk, else compiled and kept in both."""
     with _lock:
         if key in _memory:
             return _memory[key]
@@ -183,21 +187,22 @@ def compile_ahead(variants: Sequence[tuple[str, Mapping[str, Any]]],
     each (about a quarter of a second on a small CPU), and a model's first load needs dozens.
     Up to as many at a time as this process may use CPUs (at most 8). ``done`` is called in
     the caller's thread as each compile ends. Returns the indices of the variants compiled here
-    (the first of repeated ones); the first compile error is raised, as :func:`spirv` raises it."""
-    todo: dict[str, int] = {}
+    (the first of repeated ones); the first compile error to end is raised."""
+    missing: dict[str, tuple[int, list[tuple[str, str]], Path]] = {}
     for index, (shader, defines) in enumerate(variants):
-        key, _, path = _key(shader, defines)
+        key, defs, path = _key(shader, defines)
         with _lock:
             known = key in _memory
-        if not known and key not in todo and not path.exists():
-            todo[key] = index
-    workers = min(len(todo), usable_cpus(), 8)
+        if not known and key not in missing and not path.exists():
+            missing[key] = (index, defs, path)
+    workers = min(len(missing), usable_cpus(), 8)
     if workers < 2:
         return set()
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     with ThreadPoolExecutor(workers, thread_name_prefix="vkpool-glslang") as pool:
-        futures = [pool.submit(spirv, *variants[index]) for index in todo.values()]
+        futures = [pool.submit(_fetch, variants[index][0], key, defs, path)
+                   for key, (index, defs, path) in missing.items()]
         try:
             for future in as_completed(futures):
                 future.result()
@@ -207,7 +212,7 @@ def compile_ahead(variants: Sequence[tuple[str, Mapping[str, Any]]],
             for future in futures:
                 future.cancel()
             raise
-    return set(todo.values())
+    return {index for index, _, _ in missing.values()}
 
 
 def _compile(shader: str, defs: list[tuple[str, str]]) -> bytes:
