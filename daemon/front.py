@@ -474,15 +474,9 @@ def _close(client: Any) -> None:
 
 def _die_with_front(front: int, config: str | None) -> None:
     """In a serving process: stop when the front (pid ``front``) dies, so that no serving process
-    outlives its daemon; exit now when it has died already. SIGTERM comes from the kernel's
-    parent-death signal (Linux) and, in any case, from a thread that looks for a new parent every
-    half second; a process still running ORPHAN_GRACE_S after its drain deadline exits at once."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    outlives its daemon; exit now when it has died already. A thread looks for a new parent every
+    half second and sends this process SIGTERM (a drain for the clients it still has); a process
+    still running ORPHAN_GRACE_S after its drain deadline exits at once."""
     if os.getppid() != front:
         raise SystemExit(f"the daemon's front (pid {front}) is gone")
     threading.Thread(target=_watch_front, args=(front, config), name="vkpool-front-watch", daemon=True).start()
