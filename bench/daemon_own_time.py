@@ -1,0 +1,216 @@
+"""What the daemon does with one client's bound infer besides running it, in µs at the median.
+
+Usage: python -m bench.daemon_own_time MODEL.onnx [--runs 3000] [--config FILE] [--stub-run]
+
+Runs the daemon's server in a thread of this process (the model's session is the daemon's own)
+and a client in a child process that sends ``--runs`` bound infers back to back over the local
+lane. Each step of the lanes' thread on the way of a request is timed from this process's clock
+(a wrapper around it, so each adds a few tenths of a microsecond):
+
+- pass: the lanes' pass over what it read (``Server._lanes_passed``), the request's whole stay in
+  the daemon after it was taken off its ring;
+- run_bound: the service running the model's bound infers (claim, run, answers);
+- Session.run: the run itself, timed inside the daemon; beside it the same model's ``Session.run``
+  in this process before the daemon starts ("in-process run"), and the daemon's own session run
+  from this process's main thread once the client is done (the model still loaded);
+- answer: the outputs written in the client's ring (``Server._answer_bound``);
+- the daemon's own p50 (``status``: from the request taken off the lane to its reply written);
+- the client's round trip (its median, from its own clock);
+- how often the lanes' thread stopped polling and slept until a client woke it, the garbage
+  collections of the daemon's process and the threads that kept a core busy meanwhile.
+
+``--keep-local``: the in-process session stays open (idle) while the daemon serves, as it does in
+benches that alternate in-process runs with runs through the daemon.
+
+``--stub-run``: every ``Session.run`` after a session's first gives that first run's outputs again,
+so that what is left is the daemon's and the client's own work: the daemon's Python per request.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+CLIENT = """
+import sys, time
+from vkpool.daemon.bench import feeds_for
+from vkpool.daemon.client import Client
+endpoint, model, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with Client(endpoint, local_lane=True) as client:
+    remote = client.session(model)
+    feeds = feeds_for(remote.get_inputs())
+    took = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        remote.run(None, feeds)
+        took.append(time.perf_counter() - t0)
+    took = sorted(took[min(200, runs // 10):])
+    print(took[len(took) // 2] * 1e6, client.status()["latency_ms"]["p50"] * 1e3, flush=True)
+    sys.stdin.readline()  # the model stays loaded while the daemon's session is timed directly
+"""
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each thread of this process so far, by name (Linux: /proc/self/task)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = names.get(int(task.name)) or (task / "comm").read_text().strip() + " (not Python's)"
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        key = f"{name}/{task.name}"
+        out[key] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def busy_threads(before: dict[str, float], after: dict[str, float], wall: float) -> list[tuple[str, float]]:
+    shares = [(name.split("/")[0], (cpu - before.get(name, 0.0)) / wall) for name, cpu in after.items()]
+    return sorted(((n, s) for n, s in shares if s >= 0.02), key=lambda ns: -ns[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--runs", type=int, default=3000)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--stub-run", action="store_true", help="leave the model's run out (see above)")
+    ap.add_argument("--keep-local", action="store_true",
+                    help="keep the in-process session (its device) open, idle, while the daemon serves")
+    args = ap.parse_args()
+    from vkpool.daemon import server as server_module
+    from vkpool.daemon import service as service_module
+    from vkpool.daemon.bench import feeds_for
+    from vkpool.daemon.main import load_settings
+    from vkpool.daemon.runtime import Runtime
+
+    from vkpool.session import Session
+
+    times: dict[str, list[float]] = defaultdict(list)
+    clock = time.perf_counter
+    local = Session(str(args.model), config=args.config)
+    feeds = feeds_for(local.get_inputs())
+    alone = []
+    for _ in range(args.runs):
+        t0 = clock()
+        local.run(None, feeds)
+        alone.append(clock() - t0)
+    if not args.keep_local:
+        local.close()
+    in_process = statistics.median(alone[min(200, args.runs // 10):]) * 1e6
+    if args.stub_run:
+        first: dict[int, Any] = {}
+        real_run = Session.run
+
+        def stub(self: Any, *a: Any, **kw: Any) -> Any:
+            if id(self) not in first:
+                first[id(self)] = real_run(self, *a, **kw)
+            return first[id(self)]
+        Session.run = stub
+    lanes: list[int] = []
+
+    def timed(name: str, fn: Any, only_lanes: bool = False) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if not only_lanes or threading.get_ident() in lanes:
+                    times[name].append(clock() - t0)
+        return wrapper
+
+    Server = server_module.Server
+    passed = Server._lanes_passed
+
+    def lanes_passed(self: Any) -> None:
+        if not lanes:
+            lanes.append(threading.get_ident())
+        t0 = clock()
+        had = bool(self._bound)
+        passed(self)
+        if had:
+            times["pass"].append(clock() - t0)
+
+    Server._lanes_passed = lanes_passed
+    from vkpool.daemon import lane as lane_module
+    mark_rings = lane_module.LaneReactor._mark_rings
+    sleeps = [0]
+
+    def marked(self: Any, asleep: bool) -> bool:
+        sleeps[0] += bool(asleep)
+        return mark_rings(self, asleep)
+
+    lane_module.LaneReactor._mark_rings = marked
+    Server._answer_bound = timed("answer", Server._answer_bound)
+    service_module.Service.run_bound = timed("run_bound", service_module.Service.run_bound)
+    Session.run = timed("Session.run", Session.run, only_lanes=True)
+
+    cfg, settings = load_settings(args.config)
+    folder = Path(tempfile.mkdtemp(prefix="vko", dir="/tmp"))
+    endpoint = f"ipc://{folder}/own.sock"
+    server = Server(Runtime.from_config(cfg), settings, endpoint)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        gc_spent: dict[int, list[float]] = defaultdict(list)
+        gc_started = [0.0]
+
+        def gc_timed(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                gc_started[0] = clock()
+            else:
+                gc_spent[info["generation"]].append(clock() - gc_started[0])
+
+        gc.callbacks.append(gc_timed)
+        cpu_before, wall_before = thread_cpu(), clock()
+        child = subprocess.Popen([sys.executable, "-c", CLIENT, endpoint, str(args.model.resolve()), str(args.runs)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = child.stdout.readline() if child.stdout else ""
+        if not line:
+            child.wait(60)
+            raise SystemExit(f"the client failed:\n{child.stderr.read()[-3000:] if child.stderr else ''}")
+        round_trip, own = (float(v) for v in line.split())
+        busy = busy_threads(cpu_before, thread_cpu(), clock() - wall_before)
+        gc.callbacks.remove(gc_timed)
+        # the daemon's own session, run from this thread while the lanes' thread has nothing to do
+        direct = []
+        for entry in server.service.registry.all():
+            for _ in range(args.runs):
+                t0 = clock()
+                entry.session.run(None, feeds)
+                direct.append(clock() - t0)
+        child.communicate("\n", timeout=60)
+    finally:
+        server.request_stop()
+        thread.join(30)
+    skip = min(200, args.runs // 10)  # the first infers bind and warm up
+    print("| model | in-process run | the daemon's session, run from another thread | pass | run_bound | "
+          "Session.run | answer | pass - Session.run | daemon's own p50 | the client's round trip |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    med = {k: statistics.median(v[skip:]) * 1e6 for k, v in times.items() if len(v) > skip}
+    label = " (run stubbed)" if args.stub_run else " (in-process session kept open)" if args.keep_local else ""
+    print(f"| {args.model.stem}{label} | {in_process:.1f} | {statistics.median(direct[skip:]) * 1e6:.1f} | {med.get('pass', 0):.1f} | {med.get('run_bound', 0):.1f} | "
+          f"{med.get('Session.run', 0):.1f} | {med.get('answer', 0):.1f} | "
+          f"{med.get('pass', 0) - med.get('Session.run', 0):.1f} | {own:.1f} | {round_trip:.1f} |")
+    print("counts: " + ", ".join(f"{k} {len(v)}" for k, v in times.items())
+          + f"; the lanes' thread went to sleep {sleeps[0]} times")
+    print("garbage collections while the client ran: " + ", ".join(
+        f"generation {g}: {len(v)}, {sum(v) * 1e3:.1f} ms in all, {max(v) * 1e6:.0f} µs at most"
+        for g, v in sorted(gc_spent.items())))
+    print("threads of the daemon's process busy while the client ran (share of a core): "
+          + ", ".join(f"{name} {share:.2f}" for name, share in busy))
+
+
+if __name__ == "__main__":
+    main()
