@@ -72,30 +72,35 @@ class Binding:
     the feeds (arrays over the ring's request half), their rows for a batching model, and the
     layout of the last outputs written (outputs of the same shapes reuse it)."""
 
-    __slots__ = ("_head", "_key", "_out", "feeds", "plan", "rows")
+    __slots__ = ("_head", "_out", "feeds", "plan", "rows")
 
     def __init__(self, plan: Any, feeds: dict[str, np.ndarray], rows: int) -> None:
         self.plan, self.feeds, self.rows = plan, feeds, rows
-        self._key: list | None = None
         self._head = b""
         self._out: list[np.ndarray] = []
 
     def fill(self, half: Any, arrays: Sequence[np.ndarray]) -> bool:
         """Write ``arrays`` as a record into ``half``; False (nothing written) when they do not fit
         or have a dtype the protocol cannot name."""
-        key = [(a.dtype, a.shape) for a in arrays]
-        if key != self._key:
+        out = self._out
+        fresh = not self._head or len(out) != len(arrays)
+        if not fresh:
+            for o, a in zip(out, arrays):
+                if o.shape != a.shape or o.dtype != a.dtype:
+                    fresh = True
+                    break
+        if fresh:  # outputs of other shapes than the last: laid out again
             try:
                 head, offsets, end = record_layout(arrays)
             except KeyError:
                 return False
             if end > len(half):
                 return False
-            self._key, self._head = key, head
-            self._out = views(half, key, offsets)
+            self._head = head
+            self._out = out = views(half, [(a.dtype, a.shape) for a in arrays], offsets)
         half[:len(self._head)] = self._head
-        for out, a in zip(self._out, arrays):
-            out[...] = a  # the same dtype and shape (the key): a plain copy
+        for o, a in zip(out, arrays):
+            o[...] = a  # the same dtype and shape: a plain copy
         return True
 
 

@@ -48,8 +48,9 @@ _DONTWAIT = socket.MSG_DONTWAIT | P._NOSIGNAL
 #: polling keeps a CPU busy: on a machine with fewer CPUs than this, neither side polls by
 #: default (the daemon, its device's driver and the client need them all)
 POLL_MIN_CPUS = 4
-#: a client thread polls for its reply for up to twice the lane's usual reply time before it
-#: sleeps in recv, when that time is under this (and no other thread of the client is polling);
+#: a client thread polls for its reply for up to this, or twice the lane's usual reply time when
+#: longer, before it sleeps in recv, when that time is under this (and no other thread of the
+#: client is polling);
 #: 0 = never poll. ``$VKPOOL_LANE_POLL_US`` sets it in microseconds.
 POLL_MAX_S = float(os.environ.get("VKPOOL_LANE_POLL_US", "200" if usable_cpus() >= POLL_MIN_CPUS else "0")) * 1e-6
 #: the same for a reply over ZeroMQ (``$VKPOOL_ZMQ_POLL_US``)
@@ -69,9 +70,10 @@ def wake(sock: socket.socket) -> None:
 
 
 class Poller:
-    """Polling for a lane message (:meth:`vkpool.daemon.protocol.LaneReader.poll`) for up to twice
-    the usual wait, when that is under ``max_s``, by one thread at a time: a busy CPU per process,
-    and no threads taking the GIL from each other while they poll.
+    """Polling for a lane message (:meth:`vkpool.daemon.protocol.LaneReader.poll`) for up to
+    ``max_s`` or twice the usual wait, whichever is longer, when the usual wait is under ``max_s``,
+    by one thread at a time: a busy CPU per process, and no threads taking the GIL from each other
+    while they poll.
 
     A side that sleeps is woken through the socket, which makes its waits longer still: waits
     that went over ``max_s`` once (a burst of slow jobs) could keep it sleeping after they are
@@ -93,9 +95,12 @@ class Poller:
 
     def until(self, usual_s: float, since: float) -> float | None:
         """Until when (a ``time.perf_counter`` value) to poll for a message awaited since
-        ``since`` whose wait is usually ``usual_s``; None: sleep at once."""
+        ``since`` whose wait is usually ``usual_s``; None: sleep at once. While the usual wait is
+        under ``max_s``, for ``max_s`` or twice the usual wait, whichever is longer: a side that
+        sleeps is woken through the socket, tens of microseconds later than it would have seen
+        the message polling, so a wait somewhat longer than usual is still polled through."""
         if usual_s < self.max_s:
-            return since + 2.0 * usual_s
+            return since + max(2.0 * usual_s, self.max_s)
         if self.max_s > 0:
             self._looks += 1
             if self._looks % PROBE == 0:
@@ -572,6 +577,10 @@ _REACTOR_TICK_S = 0.02
 #: a wait for requests kept waiting shorter than this is polled through, not slept (``epoll``'s
 #: timeout is in whole milliseconds, so a shorter sleep would last a millisecond)
 _DUE_SLEEP_MIN_S = 2e-3
+#: while polling, the rings are looked at this many times between two looks at the sockets
+#: (``epoll`` without waiting: a system call), so that a request in a ring is taken sooner; a
+#: message on a socket (a framed request, a new connection) waits at most that many looks
+_RING_LOOKS = 16
 
 
 class LaneReactor:
@@ -582,9 +591,10 @@ class LaneReactor:
     the requests' work, are what a core spends its time on. Here one thread waits on all the
     sockets at once (``epoll``) and on the rings, and hands each request to the server in turn,
     which runs a short job right there when its model is idle (no thread hop either), so a burst
-    of requests from many clients costs one wake-up. While it found work within twice
-    the usual gap between requests (when that gap is under ``poll_s``) it polls instead of
-    sleeping; before it sleeps it marks every ring "asleep", so that a client that posts in a
+    of requests from many clients costs one wake-up. While the usual gap between requests is
+    under ``poll_s``, it polls for ``poll_s`` (or twice that gap, when longer) after each pass
+    instead of sleeping, looking at the rings ``_RING_LOOKS`` times for each look at the
+    sockets; before it sleeps it marks every ring "asleep", so that a client that posts in a
     ring wakes it through the socket.
 
     The reactor never waits on one client: what has come of a message waits in its lane's
@@ -622,6 +632,7 @@ class LaneReactor:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._listener_polled = False
+        self._ring_looks = 0  # looks at the rings since the sockets' last
         self._running = True
         self.thread = threading.Thread(target=self._run, name="vkpool-lanes", daemon=True)
 
@@ -684,15 +695,26 @@ class LaneReactor:
             done = clock()
 
     def _wait(self, gap: float, done: float) -> list[tuple[LaneConnection, Any, bool]]:
-        """The messages that come next: at once while polling (work was found within twice the
-        usual gap, under ``poll_s``), else after sleeping until something comes."""
+        """The messages that come next: at once while polling (see the class), else after
+        sleeping until something comes."""
         if self._listening() != self._listener_polled:
             self._arm_listener()
         rings = self._rings
         ready = self._ready_rings() if rings else []
         asleep = False
-        if ready or (gap < self.poll_s and time.perf_counter() < done + 2.0 * gap):
+        if ready or (gap < self.poll_s and time.perf_counter() < done + max(2.0 * gap, self.poll_s)):
             timeout = 0.0
+            if rings:  # the rings first, the sockets every _RING_LOOKS looks
+                looks = self._ring_looks
+                if not ready and self._due() is None:  # nothing else to look after meanwhile
+                    while not ready and looks < _RING_LOOKS:
+                        looks += 1
+                        ready = self._ready_rings()
+                if looks < _RING_LOOKS:
+                    self._ring_looks = looks + 1
+                    work = self._collect([], ready)
+                    return work + self._unstall() if self._stalled else work
+                self._ring_looks = 0
         else:
             if rings:
                 asleep = self._mark_rings(True)

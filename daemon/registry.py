@@ -158,6 +158,9 @@ class ModelEntry:
 
     def refresh(self) -> None:
         """Cache what the I/O thread needs, so it never calls into a session being replaced."""
+        #: the session's :class:`~vkpool.batching.BatchRunner` when the model batches requests, else
+        #: None (read on every request: an attribute, not a lookup in the session)
+        self.batching: Any = getattr(self.session, "batch_runner", None)
         self.inputs = describe_values(self.session.get_inputs())
         self.outputs = describe_values(self.session.get_outputs())
         if self.batching is not None:  # requests carry 1..max_batch rows along the first dim
@@ -170,11 +173,6 @@ class ModelEntry:
         self.input_dtypes = {i["name"]: np.dtype(i["dtype"]) for i in self.inputs}
         self.output_names = [o["name"] for o in self.outputs]
         self.memory = {k: int(v) for k, v in self.session.memory_by_member().items()}
-
-    @property
-    def batching(self) -> Any:
-        """The session's :class:`~vkpool.batching.BatchRunner` when the model batches requests, else None."""
-        return getattr(self.session, "batch_runner", None)
 
     def info(self, queued: int = 0, running: int = 0, done: int = 0) -> dict[str, Any]:
         runner = self.batching

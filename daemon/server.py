@@ -573,7 +573,8 @@ class Server:
 
     def _run_bound(self, items: list[tuple[LaneConnection, int]]) -> None:
         """Bound infers read in this pass, and those waiting for company from earlier passes: run
-        by model (:meth:`Service.run_bound`). A batching model with a queue delay whose batches run
+        by model, a batching model's by :meth:`Service.run_bound`, any other's by
+        :meth:`_run_plain`. A batching model with a queue delay whose batches run
         here keeps its requests waiting while their rows are fewer than its ``max_batch`` and the
         first of them has waited less than ``max_queue_delay``: the lanes' thread reads on
         meanwhile and runs them with what comes, as the scheduler's queue would for framed
@@ -592,14 +593,20 @@ class Server:
                     conn.shutdown()
             return
         for conn, index in items:
-            item = conn.bindings[index] if index < len(conn.bindings) else None
+            bindings = conn.bindings
+            item = bindings[index] if index < len(bindings) else None
             if item is None:
                 self._bound_error(conn, ProtocolViolation(
                     "InvalidRequest", f"this lane has no binding {index}; send bind_infer_request first"))
                 continue
             entry = item.plan.entry  # by identity: a model loaded again is another entry of the same id
-            groups.setdefault(id(entry), (entry, []))[1].append((conn, item, now))
+            group = groups.get(id(entry))
+            if group is None:
+                groups[id(entry)] = (entry, [(conn, item, now)])
+            else:
+                group[1].append((conn, item, now))
         done = self._latencies  # the latencies of the infers answered ok
+        current = self.service.registry.current
         for key, (entry, members) in groups.items():
             runner = entry.batching  # a model whose batches run elsewhere waits in its queue instead
             if (runner is not None and runner.max_queue_delay > 0 and not self.service.draining
@@ -610,8 +617,15 @@ class Server:
                         self._bound_deadline = due
                     self._bound_waiting[key] = (entry, members)
                     continue
-            members = [m for m in members if self._bound_current(m[0], entry)]
-            if members:
+            for conn, _, _ in members:
+                if not current(entry, conn.client):  # some are not: each answered UnknownModel
+                    members = [m for m in members if self._bound_current(m[0], entry)]
+                    break
+            if not members:
+                continue
+            if runner is None:
+                self._run_plain(entry, members, done)
+            else:
                 self._run_bound_group(entry, members, done)
 
     def _bound_current(self, conn: LaneConnection, entry: Any) -> bool:
@@ -624,14 +638,49 @@ class Server:
             {"model": entry.id}))
         return False
 
+    def _run_plain(self, entry: Any, members: list[tuple[LaneConnection, Binding, float]], done: list[float]) -> None:
+        """The bound infers of a model that does not batch (each with when it was accepted): run
+        on this thread when the model is idle and quick (:meth:`Service.claim_where_read`), a lone
+        one by :meth:`Service.run_one`, several by :meth:`Service.run_many`; else queued as jobs.
+        Each is answered once, whatever fails."""
+        service = self.service
+        queue = service.claim_where_read(entry, len(members))
+        if queue is None:
+            for member in members:
+                self._bound_queued(*member)
+            return
+        answered: set[int] = set()
+        try:
+            if len(members) == 1 and entry.session.executor is None:
+                conn, item, accepted = members[0]
+                result, queued_s, run_s = service.run_one(entry, item.plan.outputs, item.feeds, accepted)
+                answered = {0}
+                self._answer_bound([(conn, item, accepted, result, queued_s)], run_s, done)
+            else:
+                def answer(k: int, result: Any, queued_s: float, run_s: float) -> None:
+                    answered.add(k)
+                    self._answer_bound([(*members[k], result, queued_s)], run_s, done)
+
+                service.run_many(entry, [item for _, item, _ in members], [a for _, _, a in members], answer)
+        except Exception as exc:
+            self._bound_failed(members, answered, exc)
+        finally:
+            service.scheduler.release_claim(queue, entry.gate, len(members))
+
+    def _bound_failed(self, members: list[tuple[LaneConnection, Binding, float]], answered: set[int],
+                      exc: BaseException) -> None:
+        """Never a request without its reply: the members not in ``answered`` get ``exc``'s error."""
+        violation = _violation(exc)
+        for k, (conn, _, _) in enumerate(members):
+            if k not in answered:
+                answered.add(k)
+                self._bound_error(conn, violation)
+
     def _run_bound_group(self, entry: Any, members: list[tuple[LaneConnection, Binding, float]],
                          done: list[float]) -> None:
-        """One model's bound infers (each with when it was accepted) run now, each answered once."""
+        """A batching model's bound infers (each with when it was accepted) run now as batches
+        (:meth:`Service.run_bound`), each answered once."""
         answered: set[int] = set()
-
-        def answer(k: int, result: Any, queued_s: float, run_s: float) -> None:
-            answered.add(k)
-            self._answer_bound([(*members[k], result, queued_s)], run_s, done)
 
         def answer_batch(at: int, count: int, results: Any, started: float, finished: float) -> None:
             answered.update(range(at, at + count))
@@ -644,19 +693,15 @@ class Server:
             answered.add(k)
             self._bound_queued(*members[k])
 
-        def failed(exc: BaseException) -> None:  # never a request without its reply
-            violation = _violation(exc)
-            for k, (conn, _, _) in enumerate(members):
-                if k not in answered:
-                    answered.add(k)
-                    self._bound_error(conn, violation)
+        def failed(exc: BaseException) -> None:
+            self._bound_failed(members, answered, exc)
 
         key = id(entry)
         # a batch is left running only where the lanes' thread polls (lane_poll): it polls until
         # it can answer it, which a machine of fewer than 4 CPUs cannot spare
         keep = failed if self.settings.lane_poll > 0 else None
         try:  # the model's batch left running by the pass before goes back to run_bound
-            kept = self.service.run_bound(entry, [item for _, item, _ in members], [a for _, _, a in members], answer,
+            kept = self.service.run_bound(entry, [item for _, item, _ in members], [a for _, _, a in members],
                                           answer_batch, fallback, keep, self._flights.pop(key, None))
         except Exception as exc:
             failed(exc)
@@ -698,7 +743,7 @@ class Server:
             accepted_at = [a for conn, a in zip(posted, accepted_at) if conn not in gone]
         if unsent or gone:
             self.stats.count("ok", -unsent - len(gone))
-        done.extend(now - a for a in accepted_at)
+        done += [now - a for a in accepted_at]
 
     def _bound_framed(self, conn: LaneConnection, item: Binding, result: Any, queued_s: float, run_s: float,
                       accepted: float, done: list[float]) -> None:

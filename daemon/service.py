@@ -344,22 +344,45 @@ class Service:
                 raise ProtocolViolation("InvalidTensor", str(exc)) from None
         return plan, feeds, rows
 
-    def run_bound(self, entry: ModelEntry, items: list[Any], accepted: list[float], answer: Callable[..., None],
+    def claim_where_read(self, entry: ModelEntry, jobs: int) -> Any:
+        """The claim (:meth:`Scheduler.claim_idle`) for ``jobs`` bound infers of ``entry`` that the
+        reading thread runs itself; None when they go to the model's queue instead: the model is
+        busy, being re-planned, not yet timed or slower than ``inline_run_max``, or the daemon
+        drains. Pair with :meth:`Scheduler.release_claim`."""
+        if self.draining or not self.runs_where_read(entry):
+            return None
+        return self.scheduler.claim_idle(entry.id, entry.gate, jobs)
+
+    def run_one(self, entry: ModelEntry, outputs: list[str] | None, feeds: dict[str, np.ndarray], accepted: float
+                ) -> tuple[Any, float, float]:
+        """One request run with ``Session.run`` on the calling thread, which holds the model's claim,
+        counted: its outputs or the error to answer, its queue delay (since ``accepted``) and run
+        time. For a session without a plan's executor, nothing is kept in flight beside it, and
+        ``Session.run_many``'s machinery for one request cost more than the run's own host time (13
+        µs against 49 for add_chain_1 on lavapipe)."""
+        started = time.monotonic()
+        try:
+            result: Any = entry.session.run(outputs, feeds)
+        except Exception as exc:  # answered as run_many would: the request's own error
+            result = exc
+        finished = time.monotonic()
+        queued = started - accepted
+        return self._ran(entry, result, started, finished, queued), queued, finished - started
+
+    def run_bound(self, entry: ModelEntry, items: list[Any], accepted: list[float],
                   answer_batch: Callable[..., None], fallback: Callable[[int], None],
                   failed: Callable[[BaseException], None] | None = None, flight: Flight | None = None
                   ) -> Flight | None:
-        """The bound infers of one model that the lanes' thread runs now (``items``, each with
-        ``plan``, ``feeds`` and ``rows``, accepted at ``accepted``, ``time.monotonic()`` values),
-        run on this thread when the model is idle and quick: a batching model's as batches of
-        their rows, any other's back to back. ``answer(k, outputs or ProtocolViolation, queued_s,
-        run_s)`` answers ``items[k]``; ``answer_batch(at, count, results, started, finished)``
-        answers ``items[at:at + count]``, run as one batch (``results``: each request's outputs,
-        views of the batch's valid only during the call (:meth:`BatchRunner.views`), or the batch's
-        ProtocolViolation); ``fallback(k)`` has ``items[k]`` queued as a job instead
-        (:meth:`queue_bound`), when the model is busy, being re-planned, not yet timed or slower
-        than ``inline_run_max``.
+        """The bound infers of one batching model that the lanes' thread runs now (``items``, each
+        with ``plan``, ``feeds`` and ``rows``, accepted at ``accepted``, ``time.monotonic()``
+        values), as batches of their rows on this thread when the model is idle and quick.
+        ``answer_batch(at, count, results, started, finished)`` answers ``items[at:at + count]``,
+        run as one batch (``results``: each request's outputs, views of the batch's valid only
+        during the call (:meth:`BatchRunner.views`), or the batch's ProtocolViolation);
+        ``fallback(k)`` has ``items[k]`` queued as a job instead (:meth:`queue_bound`), when the
+        model is busy, being re-planned, not yet timed or slower than ``inline_run_max``.
 
-        A batching model's last batch is left running: returned as a :class:`Flight` that the
+        The model's last batch is left running: returned as a :class:`Flight` that the
         caller lands (:meth:`land`) once it has ended, working meanwhile (reading the next
         requests), or gives back here as ``flight`` with the model's next requests. Their first
         batch then starts behind it on the device, in a run slot of its own, before it is landed,
@@ -382,8 +405,9 @@ class Service:
         kept = None
         try:
             runner = entry.batching  # read under the gate: a re-plan swaps the session
-            if runner is None:
-                self._run_many(entry, items, accepted, answer)
+            if runner is None:  # re-planned without batching meanwhile: each request as a job
+                for k in range(len(items)):
+                    fallback(k)
                 return None
             at = 0
             counts = runner.batches([item.rows for item in items])
@@ -430,19 +454,23 @@ class Service:
         finally:
             self.scheduler.release_claim(flight.queue, flight.gate, flight.jobs)
 
-    def _run_many(self, entry: ModelEntry, items: list[Any], accepted: list[float], answer: Callable[..., None]
-                  ) -> None:
-        """:meth:`run_bound` for a model that does not batch: the requests of each output list go to
-        ``Session.run_many`` together, so a plan over several members or replicas works on them at
-        once, and each is answered as it ends. A lone request on a session without a plan's
-        executor runs with ``Session.run``: nothing to keep in flight beside it, and run_many's
-        machinery for one request cost more than the run's own host time (13 µs against 49 for
-        add_chain_1 on lavapipe)."""
+    def run_many(self, entry: ModelEntry, items: list[Any], accepted: list[float], answer: Callable[..., None]
+                 ) -> None:
+        """Bound infers of a model that does not batch (``items``, each with ``plan`` and ``feeds``,
+        accepted at ``accepted``), run on the calling thread, which holds the model's claim: the
+        requests of each output list go to ``Session.run_many`` together, so a plan over several
+        members or replicas works on them at once, and each is answered as it ends with
+        ``answer(k, outputs or ProtocolViolation, queued_s, run_s)``; a lone request of an output
+        list on a session without a plan's executor runs with :meth:`run_one`."""
         by_outputs: dict[Any, list[int]] = {}
         for k, item in enumerate(items):
             outputs = item.plan.outputs
             by_outputs.setdefault(None if outputs is None else tuple(outputs), []).append(k)
         for outputs, ks in by_outputs.items():
+            session, names = entry.session, None if outputs is None else list(outputs)
+            if len(ks) == 1 and session.executor is None:
+                answer(ks[0], *self.run_one(entry, names, items[ks[0]].feeds, accepted[ks[0]]))
+                continue
             started = last = time.monotonic()
 
             def each(i: int, result: Any, ks: list[int] = ks, started: float = started) -> None:
@@ -453,14 +481,6 @@ class Service:
                 last = finished
                 answer(k, results, started - accepted[k], finished - started)
 
-            session, names = entry.session, None if outputs is None else list(outputs)
-            if len(ks) == 1 and session.executor is None:
-                try:
-                    result: Any = session.run(names, items[ks[0]].feeds)
-                except Exception as exc:  # answered as run_many would: the request's own error
-                    result = exc
-                each(0, result)
-                continue
             session.run_many((items[k].feeds for k in ks), names, each)
 
     def queue_bound(self, client: bytes, rid: str, plan: InferPlan, feeds: dict[str, np.ndarray],

@@ -40,8 +40,9 @@ class Stats:
         self._finished_at: deque[float] = deque()
 
     def count(self, name: str, n: int = 1) -> None:
+        counters = self.__dict__  # the counters are plain attributes
         with self._lock:
-            setattr(self, name, getattr(self, name) + n)
+            counters[name] += n
 
     def answered(self) -> int:
         """Requests answered or dropped for their client so far."""

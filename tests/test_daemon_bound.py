@@ -361,12 +361,15 @@ def test_two_run_slots_answer_the_bound_infers_of_several_clients() -> None:
 
 
 def test_a_poller_past_its_limit_still_polls_now_and_then() -> None:
-    """Waits that went long (the side slept, and each wake-up made them longer) would otherwise
-    keep it asleep for good: every PROBE-th wait past the limit polls for the limit."""
+    """A wait under the limit is polled for the limit, or twice the usual wait when longer. Waits
+    that went long (the side slept, and each wake-up made them longer) would otherwise keep it
+    asleep for good: every PROBE-th wait past the limit polls for the limit."""
     from vkpool.daemon.lane import PROBE, Poller
 
     poller = Poller(200e-6)
-    assert poller.until(50e-6, 10.0) == pytest.approx(10.0 + 100e-6)
+    # under the limit: for the limit, or twice the usual wait when that is longer
+    assert poller.until(50e-6, 10.0) == pytest.approx(10.0 + 200e-6)
+    assert poller.until(150e-6, 10.0) == pytest.approx(10.0 + 300e-6)
     looks = [poller.until(300e-6, 10.0) for _ in range(3 * PROBE)]
     assert [k for k, u in enumerate(looks) if u is not None] == [PROBE - 1, 2 * PROBE - 1, 3 * PROBE - 1]
     assert looks[PROBE - 1] == pytest.approx(10.0 + 200e-6)
