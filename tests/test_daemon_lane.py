@@ -567,6 +567,31 @@ def test_the_bench_reports_both_transports(folder: Path) -> None:
     assert "| local lane |" in done.stdout and "added, ZeroMQ" in done.stdout
 
 
+def test_the_round_trip_benches_split_a_bound_infer(folder: Path) -> None:
+    """bench.round_trip_split and bench.daemon_own_time on lavapipe, polling on so that the lane
+    has a ring: every part of the round trip is measured, over the lane and ZeroMQ."""
+    path = folder / "m.onnx"
+    path.write_bytes(mlp_model())
+    config = folder / "poll.yaml"
+    config.write_text("daemon: {lane_poll: 0.0001}\n")
+    env = {**daemon_env(), "VKPOOL_LANE_POLL_US": "200"}
+    split = subprocess.run([sys.executable, "-m", "bench.round_trip_split", str(path), "--runs", "100", "--config",
+                            str(config)], env=env, capture_output=True, text=True, timeout=170)
+    assert split.returncode == 0, split.stderr[-3000:]
+    rows = {line.split("|")[2].strip(): line for line in split.stdout.splitlines() if line.startswith("| m |")}
+    assert set(rows) == {"lane", "zmq"}, split.stdout
+    for row in rows.values():
+        figures = [float(v) for v in row.strip().strip("|").split("|")[2:]]
+        assert len(figures) == 8 and all(v > 0 for v in figures[:4]), row  # run, before, waiting, after
+    own = subprocess.run([sys.executable, "-m", "bench.daemon_own_time", str(path), "--runs", "100", "--config",
+                          str(config), "--stub-run"], env=env, capture_output=True, text=True, timeout=170)
+    assert own.returncode == 0, own.stderr[-3000:]
+    row = next(line for line in own.stdout.splitlines() if line.startswith("| m (run stubbed) |"))
+    figures = [float(v) for v in row.strip().strip("|").split("|")[1:]]
+    assert len(figures) == 9 and figures[2] > 0 and figures[8] > 0, row  # the pass, the client's round trip
+    assert "went to sleep" in own.stdout and "threads of the daemon's process" in own.stdout
+
+
 def test_lane_framing_carries_big_tensors_many_frames_and_pipelined_messages() -> None:
     """The framing alone, over a socket pair: a message larger than one read arrives whole (and
     writable), more frames than one sendmsg takes, two messages in one read, polling."""
