@@ -5,7 +5,7 @@
 # ROUNDS times, with the CPU named. With BASE (a `git archive` of another commit) the base tree runs
 # after this one in every round. Carry .gl .whl .glsl (and BASE). Output under $OUT.
 # Environment: ROUNDS (default 3), MODELS (default: mnist12_like add_chain_1), RUNS (default 3000),
-# TRANSPORTS (default: lane zmq), BASE.
+# TRANSPORTS (default: lane zmq), BASE, ORDER (default "cur base": the trees in each round, in order).
 set -uo pipefail
 source bench/gpu_daemon_env.sh > /dev/null
 lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz" | tee "$OUT/cpu.txt"
@@ -20,7 +20,7 @@ for w in ${MODELS:-mnist12_like add_chain_1}; do
   models="$models /tmp/models/$w.onnx"
 done
 for r in $(seq 1 "${ROUNDS:-3}"); do
-  for tree in cur ${BASE:+base}; do
+  for tree in ${ORDER:-cur ${BASE:+base}}; do
     src=/tmp/vkpool-src; [ $tree = base ] && src=/tmp/vkpool-base
     echo "=== round $r, $tree"
     (cd /tmp && PYTHONPATH=/tmp/site:$src:/tmp/benchpkg timeout 200 python3 -m bench.round_trip_split $models \
@@ -34,7 +34,7 @@ done 2>&1 | tee "$OUT/round-trip-split.md"
 # SERVING: jobs/s at 1, 16 and 64 clients over the lane, fixed batch and --max-batch 32, both trees
 if [ -n "${SERVING:-}" ]; then
   for r in $(seq 1 "${SERVING_ROUNDS:-2}"); do
-    for tree in cur ${BASE:+base}; do
+    for tree in ${ORDER:-cur ${BASE:+base}}; do
       src=/tmp/vkpool-src; [ $tree = base ] && src=/tmp/vkpool-base
       for batch in "" "--max-batch 32"; do
         echo "=== serving round $r, $tree ${batch:-fixed}"
