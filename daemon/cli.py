@@ -200,7 +200,7 @@ def render_status(status: dict[str, Any]) -> str:
                      f"{p['clients']} client(s), {p['restarts']} restart(s), {p['endpoint']}")
     if status.get("processes"):
         lines.insert(len(lines) - 2 - len(status["processes"]), "a serving process per device "
-                     "(daemon.process_per_device); latencies: the highest of theirs")
+                     "(daemon.process_per_device); latencies: all of theirs together")
     for m in status["members"]:
         lines.append(f"  {m['id']:<8} {m['kind']:<7} {format_size(m['used_bytes']):>10} used of "
                      f"{format_size(m['budget_bytes'])}  {m.get('name', '')}")

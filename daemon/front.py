@@ -40,6 +40,8 @@ from vkpool.daemon.endpoint import EndpointError, EndpointLock, ipc_path, lane_f
 from vkpool.daemon.protocol import ProtocolViolation
 from vkpool.daemon.settings import DaemonSettings
 
+from vkpool.percentiles import delay_percentiles_us, latency_percentiles
+
 log = logging.getLogger("vkpool.daemon")
 
 #: how long the front waits for every serving process to answer before it listens
@@ -379,22 +381,23 @@ class Front:
                 "local_lane": None, "redirect": child.endpoint,
                 "serving": [c.describe() for c in self.children]}
 
-    def _gather(self, action: str) -> list[tuple[Serving, dict[str, Any]]]:
-        answers = [(c, self._ask(c, action)) for c in self.children]
+    def _gather(self, action: str, content: dict[str, Any] | None = None) -> list[tuple[Serving, dict[str, Any]]]:
+        answers = [(c, self._ask(c, action, content)) for c in self.children]
         return [(c, a) for c, a in answers if isinstance(a, dict)]
 
     def _devices(self, content: dict[str, Any]) -> dict[str, Any]:
         return {"members": [m for _, a in self._gather("devices") for m in a["members"]]}
 
     def _list_models(self, content: dict[str, Any]) -> dict[str, Any]:
-        return {"models": merge_models([a["models"] for _, a in self._gather("list_models")])}
+        answers = self._gather("list_models", {"samples": True})
+        return {"models": merge_models([a["models"] for _, a in answers], bool(content.get("samples")))}
 
     def _status(self, content: dict[str, Any]) -> dict[str, Any]:
-        answers = self._gather("status")
+        answers = self._gather("status", {"samples": True})
         for child, answer in answers:
             child.noted_clients(answer)
         return merge_status([a for _, a in answers], time.monotonic() - self.started,
-                            [c.describe() for c in self.children])
+                            [c.describe() for c in self.children], bool(content.get("samples")))
 
     def _set_budget(self, content: dict[str, Any]) -> dict[str, Any]:
         member = content["member"]
@@ -418,9 +421,10 @@ def _answer(answer: dict[str, Any] | Exception) -> dict[str, Any]:
     raise ProtocolViolation("ShuttingDown", f"the serving process did not answer: {answer}")
 
 
-def merge_models(lists: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One entry per model id over the serving processes' lists: counts added, memory by member
-    joined; a batching model's queue delays are those of the process that ran the most batches."""
+def merge_models(lists: list[list[dict[str, Any]]], samples: bool = False) -> list[dict[str, Any]]:
+    """One entry per model id over the serving processes' lists (asked with ``samples``): counts
+    added, memory by member joined; a batching model's queue delay percentiles those of all its
+    processes' queue delays together, which stay in the entry only with ``samples``."""
     merged: dict[str, dict[str, Any]] = {}
     for models in lists:
         for m in models:
@@ -435,32 +439,44 @@ def merge_models(lists: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             have["memory_by_member"].update(m["memory_by_member"])
             a, b = have.get("batching"), m.get("batching")
             if a and b:
-                busier = b if b.get("batches", 0) > a.get("batches", 0) else a
                 for key in ("batches", "requests", "rows", "padded_rows", "failed_batches", "where_read"):
                     if key in a or key in b:
                         a[key] = a.get(key, 0) + b.get(key, 0)
                 a["mean_batch_size"] = a["requests"] / a["batches"] if a.get("batches") else 0.0
-                a["queue_delay_p50_us"] = busier["queue_delay_p50_us"]
-                a["queue_delay_p99_us"] = busier["queue_delay_p99_us"]
+                a["queue_delays_us"] = [*a.get("queue_delays_us", ()), *b.get("queue_delays_us", ())]
+    for m in merged.values():
+        batching = m.get("batching")
+        if batching:
+            delays = batching.get("queue_delays_us", [])
+            if delays or "queue_delays_us" in batching:
+                batching["queue_delay_p50_us"], batching["queue_delay_p99_us"] = delay_percentiles_us(delays)
+            if not samples:
+                batching.pop("queue_delays_us", None)
     return list(merged.values())
 
 
-def merge_status(answers: list[dict[str, Any]], uptime_s: float, processes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The daemon's status from its serving processes': counters and jobs/s added, latency
-    percentiles the highest of them, members and models joined."""
+def merge_status(answers: list[dict[str, Any]], uptime_s: float, processes: list[dict[str, Any]],
+                 samples: bool = False) -> dict[str, Any]:
+    """The daemon's status from its serving processes' (asked with ``samples``): counters and
+    jobs/s added, latency percentiles those of all the processes' latencies together (which stay
+    in the reply only with ``samples``), members and models joined."""
     counters: dict[str, int] = {}
     for a in answers:
         for key, value in a["counters"].items():
             counters[key] = counters.get(key, 0) + value
     counters["connections"] = max(0, counters.get("connections", 0) - len(answers))  # the front's own
-    latency = {p: max((a["latency_ms"][p] for a in answers), default=0.0) for p in ("p50", "p90", "p99")}
-    return {"uptime_s": round(uptime_s, 3), "counters": counters,
-            "jobs_per_s": round(sum(a["jobs_per_s"] for a in answers), 3), "latency_ms": latency,
-            "members": [m for a in answers for m in a["members"]],
-            "models": merge_models([a["models"] for a in answers]),
-            "loading": [entry for a in answers for entry in a.get("loading", [])],
-            "queues": {k: v for a in answers for k, v in a.get("queues", {}).items()},
-            "draining": any(a.get("draining") for a in answers), "processes": processes}
+    latencies_ms = [v for a in answers for v in a.get("latency_samples_ms", ())]
+    status = {"uptime_s": round(uptime_s, 3), "counters": counters,
+              "jobs_per_s": round(sum(a["jobs_per_s"] for a in answers), 3),
+              "latency_ms": latency_percentiles([v / 1e3 for v in latencies_ms]),
+              "members": [m for a in answers for m in a["members"]],
+              "models": merge_models([a["models"] for a in answers], samples),
+              "loading": [entry for a in answers for entry in a.get("loading", [])],
+              "queues": {k: v for a in answers for k, v in a.get("queues", {}).items()},
+              "draining": any(a.get("draining") for a in answers), "processes": processes}
+    if samples:
+        status["latency_samples_ms"] = latencies_ms
+    return status
 
 
 def _close(client: Any) -> None:

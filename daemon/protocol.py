@@ -89,7 +89,8 @@ _MODEL_INFO = (
     "`objective` is what the model's plan was made for (`latency` or `throughput`); "
     "`batching` is null, or for a model that batches requests `{max_batch, max_queue_delay, batches, "
     "requests, rows, padded_rows, failed_batches, where_read, mean_batch_size, queue_delay_p50_us, "
-    "queue_delay_p99_us}` "
+    "queue_delay_p99_us}` (with `queue_delays_us` as well when the request asked for `samples`: the last "
+    "1000 queue delays, oldest first) "
     "(its first dim is then `\"batch\"`); `inputs`/`outputs` are lists of `{name, shape, type, dtype}`"
 )
 
@@ -139,7 +140,9 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                    _f("shared", "bool", "true when the model was already loaded with the same binding")),
             request_frames="one frame with the ONNX bytes when `path` is absent"),
     Message("list_models", "The loaded models, where each lives and its memory per member.",
-            request=(),
+            request=(_f("samples", "bool", "also the queue delays behind each batching model's percentiles "
+                        "(`queue_delays_us` in its `batching`), for merging them; the front of a daemon "
+                        "with `process_per_device` asks for them", required=False),),
             reply=(_f("models", "list", "list of " + _MODEL_INFO),),
             control=True),
     Message("plan", "The plan of a loaded model, or what it would be under other budgets.",
@@ -184,7 +187,9 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                    _f("budget_bytes", "int", "the new budget"),
                    _f("replanned", "list", "ids of the models re-planned"))),
     Message("status", "Members, models, queue depths, counters, throughput and latency.",
-            request=(),
+            request=(_f("samples", "bool", "also the latencies behind `latency_ms` (`latency_samples_ms`) and "
+                        "each batching model's queue delays (as in `list_models`), for merging them; the front "
+                        "of a daemon with `process_per_device` asks for them", required=False),),
             reply=(_f("uptime_s", "float", "seconds since start"),
                    _f("members", "list", "as in `devices`"),
                    _f("models", "list", "as in `list_models`"),
@@ -200,10 +205,13 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                       "replies and 64 MiB)"),
                    _f("jobs_per_s", "float", "infer replies per second over the last minute"),
                    _f("latency_ms", "map", "`{p50, p90, p99}` of infer latency over the last 1000 jobs"),
+                   _f("latency_samples_ms", "list", "only when the request asked for `samples`: those 1000 "
+                      "latencies (fewer before 1000 jobs), oldest first", required=False),
                    _f("draining", "bool", "true once shutdown began"),
                    _f("processes", "list", "only from the front of a daemon with `process_per_device`: its "
                       "serving processes as in `hello`'s `serving`; the counters and jobs/s are then their sums, "
-                      "the latencies the highest of theirs", required=False)),
+                      "the latency percentiles those of all their samples together (the last 1000 jobs of "
+                      "each), and so are each model's queue delays", required=False)),
             control=True),
     Message("shutdown", "Stops accepting, drains in-flight jobs within the drain deadline, exits.",
             request=(),
@@ -652,6 +660,8 @@ LANE_ONLY = frozenset(a for a, m in MESSAGES.items() if m.transport == "lane")
 FRONT_ACTIONS = frozenset({"hello", "devices", "list_models", "status", "set_budget", "shutdown"})
 #: reply fields that only a front sends (``hello``'s ``redirect`` and ``serving``, ``status``'s ``processes``)
 FRONT_FIELDS = frozenset({"redirect", "serving", "processes"})
+#: reply fields present only when the request asks for ``samples`` (``status``, ``list_models``)
+SAMPLE_FIELDS = frozenset({"latency_samples_ms"})
 LANE_CHUNK = 1 << 16       # bytes asked of one recv; a larger message is read straight into its buffer
 _IOV_MAX = 512             # buffers per sendmsg call (the kernel takes at most 1024)
 _LANE_COUNT = struct.Struct("<I")

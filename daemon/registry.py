@@ -174,9 +174,11 @@ class ModelEntry:
         self.output_names = [o["name"] for o in self.outputs]
         self.memory = {k: int(v) for k, v in self.session.memory_by_member().items()}
 
-    def info(self, queued: int = 0, running: int = 0, done: int = 0) -> dict[str, Any]:
+    def info(self, queued: int = 0, running: int = 0, done: int = 0, samples: bool = False) -> dict[str, Any]:
+        """The model as ``list_models`` describes it; ``samples``: with its queue delays
+        (:meth:`vkpool.batching.BatchStats.snapshot`)."""
         runner = self.batching
-        batching = None if runner is None else {**self.batch_config, **runner.stats.snapshot()}
+        batching = None if runner is None else {**self.batch_config, **runner.stats.snapshot(samples)}
         return {"id": self.id, "name": self.name, "binding": self.binding, "objective": self.objective,
                 "batching": batching,
                 "inputs": self.inputs, "outputs": self.outputs,

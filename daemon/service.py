@@ -189,18 +189,19 @@ class Service:
     def _devices(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
         return {"members": self.runtime.members()}
 
-    def model_infos(self) -> list[dict[str, Any]]:
-        return [e.info(*self.scheduler.counts(e.id)) for e in self.registry.all()]
+    def model_infos(self, samples: bool = False) -> list[dict[str, Any]]:
+        return [e.info(*self.scheduler.counts(e.id), samples=samples) for e in self.registry.all()]
 
     def _list_models(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
-        return {"models": self.model_infos()}
+        return {"models": self.model_infos(bool(content.get("samples")))}
 
     def _status(self, client: bytes, content: dict[str, Any], connections: int) -> dict[str, Any]:
-        snap = self.stats.snapshot(connections)
+        samples = bool(content.get("samples"))
+        snap = self.stats.snapshot(connections, samples)
         counters = snap["counters"]  # as they stood before this request: it is not counted as in flight
         counters["accepted"] -= 1
         counters["in_flight"] -= 1
-        return {**snap, "members": self.runtime.members(), "models": self.model_infos(),
+        return {**snap, "members": self.runtime.members(), "models": self.model_infos(samples),
                 "loading": self.registry.loading_infos(), "queues": self.scheduler.depths(),
                 "draining": self.draining}
 

@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 from vkpool.daemon import protocol as P
 
+from vkpool.percentiles import latency_percentiles
+
 log = logging.getLogger("vkpool.daemon")
 
 #: an error type is logged at most once per this many seconds; the replies not logged are counted
@@ -92,10 +94,12 @@ class Stats:
         log.warning("%s %s answered %s: %s%s", request, rid, error_type, message,
                     f" ({unlogged} more {error_type} replies since the last one logged)" if unlogged else "")
 
-    def snapshot(self, connections: int) -> dict[str, Any]:
+    def snapshot(self, connections: int, samples: bool = False) -> dict[str, Any]:
+        """Counters, jobs/s and latency percentiles; ``samples``: the latencies too
+        (``latency_samples_ms``, oldest first), for a front that merges several processes'."""
         now = time.monotonic()
         with self._lock:
-            lat = sorted(self._latencies)
+            lat = list(self._latencies)
             while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
                 self._finished_at.popleft()
             span = min(self.RATE_WINDOW_S, now - self.started)
@@ -105,13 +109,12 @@ class Stats:
                         "dropped": self.dropped, "busy": self.busy, "retries": self.retries,
                         "connections": connections, "lanes": self.lanes, "replay_bytes": self.replay_bytes}
             rate = len(self._finished_at) / span if span > 0 else 0.0
+        snap = {"uptime_s": round(now - self.started, 3), "counters": counters, "jobs_per_s": round(rate, 3),
+                "latency_ms": latency_percentiles(lat)}
+        if samples:
+            snap["latency_samples_ms"] = [round(v * 1e3, 4) for v in lat]
+        return snap
 
-        def pct(p: float) -> float:
-            return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3, 3) if lat else 0.0
-
-        return {"uptime_s": round(now - self.started, 3), "counters": counters,
-                "jobs_per_s": round(rate, 3),
-                "latency_ms": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99)}}
 
 
 def _bytes(frame: Any) -> bytes | memoryview:

@@ -42,13 +42,17 @@ def test_every_request_gets_a_reply_with_every_documented_field(inproc: InprocDa
         replies["cancel"] = client.request("cancel", {"request_id": "nothing"})[0]
         replies["set_budget"] = client.request("set_budget", {"member": "cpu", "size": "2MiB"})[0]
         replies["status"] = client.request("status")[0]
+        sampled = client.request("status", {"samples": True})[0]
         replies["unload_model"] = client.request("unload_model", {"model": model["id"]})[0]
         replies["shutdown"] = client.request("shutdown")[0]
     assert set(replies) == set(P.MESSAGES) - P.LANE_ONLY  # open_lane: tests/test_daemon_lane.py
     for action, reply in replies.items():
         P.validate(P.MESSAGES[action].reply, reply, action)
-        # a front's own fields: tests/test_daemon_per_device.py
-        assert set(reply) == {f.name for f in P.MESSAGES[action].reply} - P.FRONT_FIELDS, action
+        # a front's own fields: tests/test_daemon_per_device.py; the samples only when asked for
+        assert set(reply) == {f.name for f in P.MESSAGES[action].reply} - P.FRONT_FIELDS - P.SAMPLE_FIELDS, action
+    P.validate(P.MESSAGES["status"].reply, sampled, "status")
+    assert set(sampled) == {f.name for f in P.MESSAGES["status"].reply} - P.FRONT_FIELDS
+    assert len(sampled["latency_samples_ms"]) == 1  # the one infer
     assert replies["load_model"]["shared"] is True
     assert replies["set_budget"]["budget_bytes"] == 2 << 20
     assert replies["plan"]["plan"] == {"memory_by_member": {"cpu": 1 << 20}}

@@ -31,6 +31,7 @@ from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
 from vkpool.daemon.client import Client, parse_reply
 from vkpool.daemon.main import process_running
+from vkpool.percentiles import latency_percentiles
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -117,6 +118,40 @@ def test_clients_are_spread_over_the_serving_processes_and_get_right_answers(fro
         loaded = next(m for m in status["models"] if m["name"].startswith("mlp"))
         assert [m["id"] for m in client.list_models()].count(loaded["id"]) == 1
         assert set(loaded["memory_by_member"]) == {"vk0.0", "vk0.1"}  # a copy in each process
+        # latency percentiles over every process's latencies together, not the highest of theirs
+        assert "latency_samples_ms" not in status
+        merged = client.request("status", {"samples": True})[0]
+    samples = []
+    for member in pids:
+        with Client(f"{front.endpoint}.{member}", local_lane=False) as serving:
+            own = serving.request("status", {"samples": True})[0]
+        assert own["latency_samples_ms"]  # its share of the 160 infers
+        samples += own["latency_samples_ms"]
+    assert sorted(merged["latency_samples_ms"]) == sorted(samples)
+    assert merged["latency_ms"] == status["latency_ms"] == latency_percentiles([v / 1e3 for v in samples])
+
+
+def test_the_front_merges_each_batching_models_queue_delays() -> None:
+    """A model batching in two processes: its counts added, its queue delay percentiles those of
+    both processes' delays together; the delays themselves stay only when asked for."""
+    from vkpool.daemon.front import merge_models
+    from vkpool.percentiles import delay_percentiles_us
+
+    def model(member: str, delays: list[float], batches: int) -> dict[str, Any]:
+        p50, p99 = delay_percentiles_us(delays)
+        return {"id": "m1", "refs": 1, "queued": 0, "running": 0, "done": batches, "memory_by_member": {member: 1},
+                "batching": {"batches": batches, "requests": 2 * batches, "rows": 2 * batches, "padded_rows": 0,
+                             "failed_batches": 0, "where_read": batches, "mean_batch_size": 2.0,
+                             "queue_delay_p50_us": p50, "queue_delay_p99_us": p99, "queue_delays_us": delays}}
+
+    slow, quick = [900.0, 1000.0, 1100.0], [10.0 * k for k in range(1, 31)]
+    (merged,) = merge_models([[model("vk0.0", slow, 3)], [model("vk0.1", quick, 30)]])
+    batching = merged["batching"]
+    assert (batching["queue_delay_p50_us"], batching["queue_delay_p99_us"]) == delay_percentiles_us(slow + quick)
+    assert batching["batches"] == 33 and batching["mean_batch_size"] == 2.0 and "queue_delays_us" not in batching
+    assert merged["memory_by_member"] == {"vk0.0": 1, "vk0.1": 1} and merged["refs"] == 2
+    (kept,) = merge_models([[model("vk0.0", slow, 3)], [model("vk0.1", quick, 30)]], samples=True)
+    assert sorted(kept["batching"]["queue_delays_us"]) == sorted(slow + quick)
 
 
 def test_the_front_answers_for_the_whole_daemon_and_redirects_the_rest(front: Front) -> None:
@@ -127,7 +162,7 @@ def test_the_front_answers_for_the_whole_daemon_and_redirects_the_rest(front: Fr
         for action, reply in (("hello", raw.info), ("status", raw.status()), ("devices", raw.request("devices")[0]),
                               ("list_models", raw.request("list_models")[0])):
             P.validate(P.MESSAGES[action].reply, reply, action)
-            assert set(reply) == {f.name for f in P.MESSAGES[action].reply}, action
+            assert set(reply) == {f.name for f in P.MESSAGES[action].reply} - P.SAMPLE_FIELDS, action
         assert {p["member"] for p in raw.info["serving"]} == {"vk0.0", "vk0.1"}
         for action, content, frames in (("load_model", {"name": "m"}, [model]),
                                         ("infer", {"model": "0" * 64, "inputs": []}, []),

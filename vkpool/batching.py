@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from vkpool.percentiles import delay_percentiles_us
 from vkpool.pipeline import RequestStats
 
 
@@ -137,16 +138,22 @@ class BatchStats:
         while len(delays) > self.keep:
             delays.popleft()
 
-    def snapshot(self) -> dict[str, Any]:
-        delays = np.asarray(self.delays, dtype=np.float64)
-        p50, p99 = (np.percentile(delays, [50, 99]) * 1e6).tolist() if delays.size else (0.0, 0.0)
-        return {
+    def snapshot(self, samples: bool = False) -> dict[str, Any]:
+        """The figures; ``samples``: the kept queue delays too (``queue_delays_us``, oldest
+        first), for merging several batchers' (:func:`delay_percentiles_us`)."""
+        delays_us = np.asarray(self.delays, dtype=np.float64) * 1e6
+        p50, p99 = delay_percentiles_us(delays_us)
+        snap = {
             "batches": self.batches, "requests": self.requests, "rows": self.rows,
             "padded_rows": self.padded_rows, "failed_batches": self.failed_batches, "where_read": self.where_read,
             "cancelled": self.cancelled, "timed_out": self.timed_out,
             "mean_batch_size": self.requests / self.batches if self.batches else 0.0,
             "queue_delay_p50_us": p50, "queue_delay_p99_us": p99,
         }
+        if samples:
+            snap["queue_delays_us"] = np.round(delays_us, 1).tolist()
+        return snap
+
 
 
 class BatchRunner:
