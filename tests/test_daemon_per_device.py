@@ -31,6 +31,7 @@ from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
 from vkpool.daemon.client import Client, parse_reply
 from vkpool.daemon.main import process_running
+
 from vkpool.percentiles import latency_percentiles
 
 pytestmark = pytest.mark.timeout(240)
@@ -135,6 +136,7 @@ def test_the_front_merges_each_batching_models_queue_delays() -> None:
     """A model batching in two processes: its counts added, its queue delay percentiles those of
     both processes' delays together; the delays themselves stay only when asked for."""
     from vkpool.daemon.front import merge_models
+
     from vkpool.percentiles import delay_percentiles_us
 
     def model(member: str, delays: list[float], batches: int) -> dict[str, Any]:
