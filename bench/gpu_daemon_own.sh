@@ -8,10 +8,7 @@
 # real runs alone), BASE.
 set -uo pipefail
 source bench/gpu_daemon_env.sh > /dev/null
-if [ -n "${BASE:-}" ]; then
-  (cd "$BASE" && python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade \
-    --target /tmp/vkpool-base . > /dev/null) || exit 1
-fi
+install_base
 for w in ${MODELS:-mnist12_like add_chain_1}; do
   (cd /tmp && python3 -m bench.workloads --out /tmp/models $w > /dev/null)
 done

@@ -36,7 +36,7 @@ python3 -m vkpool.daemon.bench /tmp/models/mnist12_like.onnx /tmp/models/add_cha
 for i in 1 2 3 4 5; do
   python3 -m vkpool.daemon.bench /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 --seconds 1 --clients 1 --transport lane 2>&1 | grep -E '^\| (mnist|add)'
 done > $RES/daemon-lane-repeats.md
-python3 -m bench.daemon_run_time /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 > $RES/daemon-run-time.txt 2>&1
+python3 -m bench.round_trip_split /tmp/models/mnist12_like.onnx /tmp/models/add_chain_1.onnx --runs 3000 > $RES/daemon-round-trip.md 2>&1
 python3 -m bench.real_models --models-dir /tmp/real-models --out $RES/real_models.json > $RES/real_models.md 2>&1
 for w in mnist12_like mlp conv_few_15MB conv_many_255MB matmul_1GB_16layers matmul_1GB_1layer add_chain_1000; do
   [ -f /tmp/models/$w.onnx ] || python3 -m bench.workloads --out /tmp/models $w > /dev/null

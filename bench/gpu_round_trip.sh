@@ -10,10 +10,7 @@ set -uo pipefail
 source bench/gpu_daemon_env.sh > /dev/null
 lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz" | tee "$OUT/cpu.txt"
 python3 -m timeit -s "def f(a, b): return a" "f(1, 2)" | tee -a "$OUT/cpu.txt"
-if [ -n "${BASE:-}" ]; then
-  (cd "$BASE" && python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade \
-    --target /tmp/vkpool-base . > /dev/null) || exit 1
-fi
+install_base
 models=
 for w in ${MODELS:-mnist12_like add_chain_1}; do
   (cd /tmp && python3 -m bench.workloads --out /tmp/models $w > /dev/null)

@@ -10,10 +10,7 @@
 set -uo pipefail
 source bench/gpu_daemon_env.sh > /dev/null
 top=$(pwd)
-if [ -n "${BASE:-}" ]; then
-  (cd "$BASE" && python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade \
-    --target /tmp/vkpool-base . > /dev/null) || exit 1
-fi
+install_base
 args=${BENCH_ARGS:-mnist12_like --runs 300 --clients 1 16 64 --transport lane --max-batch 32 --seconds 2}
 for r in $(seq 1 "${ROUNDS:-3}"); do
   for tree in cur ${VARIANTS:-} ${BASE:+base}; do

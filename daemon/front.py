@@ -447,11 +447,9 @@ def merge_models(lists: list[list[dict[str, Any]]], samples: bool = False) -> li
     for m in merged.values():
         batching = m.get("batching")
         if batching:
-            delays = batching.get("queue_delays_us", [])
-            if delays or "queue_delays_us" in batching:
+            if "queue_delays_us" in batching:
+                delays = batching["queue_delays_us"] if samples else batching.pop("queue_delays_us")
                 batching["queue_delay_p50_us"], batching["queue_delay_p99_us"] = delay_percentiles_us(delays)
-            if not samples:
-                batching.pop("queue_delays_us", None)
     return list(merged.values())
 
 

@@ -116,6 +116,5 @@ class Stats:
         return snap
 
 
-
 def _bytes(frame: Any) -> bytes | memoryview:
     return frame if isinstance(frame, (bytes, memoryview)) else frame.bytes

@@ -155,7 +155,6 @@ class BatchStats:
         return snap
 
 
-
 class BatchRunner:
     """The batched execution of one model, shared by every queue that batches it (the in-process
     :class:`Batcher`, the daemon's scheduler): the requests' check, the choice of how many queued
