@@ -9,7 +9,8 @@
 #   real-models-fp32.txt/.json  the float32 models (vkpool and torch's CUDA graph): the float32 path's guard
 #   tests.txt           tests/test_fp16_*.py on the GPU (the cooperative-matrix paths run here)
 #   gemm-skinny.txt/.json  bench.gemm_fp16 on the products of those models (128 rows), tiles x K splits
-# TOP (dispatches the profile lists, default 12), SHAPES and VARIANTS (bench.gemm_fp16's) override
+# TOP (dispatches the profile lists, default 12), SHAPES and VARIANTS (bench.gemm_fp16's) and POLICIES
+# (bench.fp16_policies') override
 # the defaults. With BASE (a folder of the checkout holding another tree: `git archive <commit> |
 # tar -x -C .base`; carry it too), that tree's vkpool runs the headline after this one's, then
 # this one's again (real-models-base.*, real-models-again.*). Each step after the first is skipped once the call has run for BUDGET seconds (default 360), so
@@ -49,7 +50,7 @@ if step profile; then
 fi
 if step policies; then
   timeout $(( BUDGET + 60 - SECONDS )) python3 -m bench.fp16_policies /tmp/models/bert-fp16.onnx \
-    /tmp/models/gpt2-fp16.onnx --device vk0 --runs 50 2>&1 | tee "$OUT/policies.txt"
+    /tmp/models/gpt2-fp16.onnx --device vk0 --runs 50 ${POLICIES:+--policies $POLICIES} 2>&1 | tee "$OUT/policies.txt"
 fi
 if step fp32; then
   timeout 200 python3 -m bench.real_models --models bert gpt2 --runtimes vkpool torch_cudagraph \
