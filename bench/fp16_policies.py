@@ -6,8 +6,7 @@ cooperative-matrix tile (the one taken when larger tiles leave the device short 
 the tile split products run, the workgroups split-K aims at and the least K per split
 (``split=off``: never split). ``SPEC`` is comma-separated ``tile=CoopTile name``,
 ``split_tile=CoopTile name``, ``target=N``, ``min_k=N``, ``split=off``, ``act_split=off`` (products
-with a fused activation never split), ``sliced=act|wide|off`` and ``sliced_tile=CoopTile name``
-(which products split-K would split run unsplit on the sliced-K tile instead, and that tile), ``matmul_split=off`` (MatMul and Gemm nodes never split: only
+with a fused activation never split), ``matmul_split=off`` (MatMul and Gemm nodes never split: only
 the products a LayerNormalization computes, which need no pass to add their splits); an empty
 SPEC is the planner's own. Each model is loaded once per
 policy, checked against the first policy's output (max|y - y0| / max|y0|, float16 rounding
@@ -35,8 +34,7 @@ def apply(spec: str) -> dict[str, Any]:
     """Sets gemm_f16's constants for ``spec``; returns the previous values."""
     from vkpool.kernels.ops import gemm_f16
 
-    saved = {k: getattr(gemm_f16, k) for k in ("COOP_TILES", "SPLIT_TILE", "_SPLIT_TARGET_GROUPS", "_SPLIT_MIN_K",
-                                               "SLICED", "SLICED_TILE")}
+    saved = {k: getattr(gemm_f16, k) for k in ("COOP_TILES", "SPLIT_TILE", "_SPLIT_TARGET_GROUPS", "_SPLIT_MIN_K")}
     saved["split_k"] = gemm_f16.HalfMatmulPlan.__dict__["split_k"]
     from vkpool.kernels.ops import matmul
 
@@ -47,10 +45,6 @@ def apply(spec: str) -> dict[str, Any]:
             gemm_f16.COOP_TILES = (*saved["COOP_TILES"][:-1], gemm_f16.CoopTile.parse(value))
         elif key == "split_tile":
             gemm_f16.SPLIT_TILE = gemm_f16.CoopTile.parse(value)
-        elif key == "sliced" and value in ("act", "wide", "off"):
-            gemm_f16.SLICED = value
-        elif key == "sliced_tile":
-            gemm_f16.SLICED_TILE = gemm_f16.CoopTile.parse(value)
         elif key == "target":
             gemm_f16._SPLIT_TARGET_GROUPS = int(value)
         elif key == "min_k":

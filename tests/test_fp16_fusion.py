@@ -33,9 +33,9 @@ from test_fp16_gemm import coop_member
 from test_fusion_transformer import (
     ATTENTION_CASES, GELU_ERF, GELU_TANH_POW, SCALARS, _attention, _linear, _model, _residual_block, _w,
 )
-from vkpool.kernels.base import DeviceCaps, DispatchContext, TensorInfo, UnsupportedOp
+from vkpool.kernels.base import DeviceCaps, DispatchContext, TensorInfo
 from vkpool.kernels.ops.gemm import MatmulProblem, apply_activation
-from vkpool.kernels.ops.gemm_f16 import COOP_TILES, SLICED_TILE, SPLIT_TILE, CoopTile, HalfMatmulPlan, coop_shape
+from vkpool.kernels.ops.gemm_f16 import COOP_TILES, SPLIT_TILE, CoopTile, HalfMatmulPlan, coop_shape
 from vkpool.kernels.registry import create_op
 from vkpool.model import load_model
 
@@ -152,6 +152,8 @@ def test_a_gelu_after_a_reshape_of_the_products_rows_joins_the_product(pool):
 
 
 def test_a_float16_gemm_the_kernels_cannot_run_is_refused_with_the_reason():
+    from vkpool.kernels.base import UnsupportedOp
+
     a, b = TensorInfo((4, 6), F16), TensorInfo((6, 5), F16)
     for attrs, c in (({"transA": 1}, None), ({"alpha": 2.0}, None), ({}, TensorInfo((4, 5), F16))):
         infos = [TensorInfo((6, 4), F16) if attrs.get("transA") else a, b, *([c] if c else [])]
@@ -619,7 +621,7 @@ def test_a_fused_product_takes_the_cooperative_matrix_kernel_where_the_device_ha
 
 
 def test_every_cooperative_matrix_tile_has_room_for_the_bias_rows():
-    for tile in (*COOP_TILES, SPLIT_TILE, SLICED_TILE):
+    for tile in (*COOP_TILES, SPLIT_TILE):
         for b_trans in (False, True):
             assert tile.fits(GPU_CAPS, (16, 16, 16), b_trans), (tile.name, b_trans)
     # a tile whose B slice holds 16 rows of bias but not 32 (BK 16): it fits 16-row matrices and is
@@ -679,37 +681,6 @@ def test_a_short_wide_product_splits_its_reduction_on_a_cooperative_matrix_devic
     for q in (MatmulProblem(M=4096, N=4096, K=4096, sAm=4096, sAk=1, sBk=4096, sBn=1),
               MatmulProblem(M=128, N=768, K=255, sAm=255, sAk=1, sBk=768, sBn=1)):
         assert HalfMatmulPlan(q).splits == 1 and HalfMatmulPlan(q).workspace_bytes() == 0
-
-
-def test_a_short_wide_product_with_an_activation_slices_its_k_instead_of_splitting_it():
-    # BERT-base's FFN up-projection at 128 tokens, bias and GELU: split-K would need a pass to add
-    # its partial sums before the GELU; the sliced-K tile runs it unsplit, its activation in the
-    # epilogue, with as many slices in turn per workgroup as the split's (768 / 128 = 6)
-    p = MatmulProblem(M=128, N=3072, K=768, sAm=768, sAk=1, sBk=3072, sBn=1, has_bias=True, sCn=1, act=2)
-    plan = HalfMatmulPlan(p)
-    assert plan.sliced and plan.splits == 1 and plan.workspace_bytes() == 0
-    (gemm,) = plan.dispatches("a", "b", "y", GPU_CAPS, c="bias", ws=None)
-    assert gemm.shader == "gemm_coopmat" and "SPLITK" not in gemm.defines
-    assert (gemm.defines["BM"], gemm.defines["BN"], gemm.defines["BK"], gemm.defines["WK"]) == (32, 64, 128, 2)
-    assert gemm.defines["HAS_BIAS"] == 1 and gemm.defines["ACT"] == 2 and gemm.groups == (48, 4, 1)
-    assert CoopTile.parse(SLICED_TILE.name) == SLICED_TILE and "_w1x2x2_" in SLICED_TILE.name
-    # the same product without an activation keeps its split (a norm or an attention reading it adds
-    # the partial sums itself); a long K over few tiles keeps it too, activation or not
-    assert HalfMatmulPlan(dataclasses.replace(p, act=0)).splits == 2
-    long_k = HalfMatmulPlan(MatmulProblem(M=128, N=768, K=3072, sAm=3072, sAk=1, sBk=768, sBn=1, act=2))
-    assert not long_k.sliced and long_k.splits == 6
-    # where the sliced tile does not fit (a device's shared memory too small for it), another
-    # unsplit tile runs the product, the activation still in its epilogue
-    small = dataclasses.replace(GPU_CAPS, shared_memory_bytes=24 * 1024)
-    assert not SLICED_TILE.fits(small, (16, 16, 16))
-    (other,) = plan.dispatches("a", "b", "y", small, c="bias")
-    assert other.shader == "gemm_coopmat" and "WK" not in other.defines and other.defines["ACT"] == 2
-    # sliced K asks for room for every group's float32 sums: a tile whose slices are too small for
-    # them is refused; and it finishes its tiles itself, so it is never split over K too
-    assert not CoopTile(32, 64, 128, 1, 2, WK=4).fits(GPU_CAPS, (16, 16, 16))
-    assert CoopTile(16, 64, 128, 1, 2, WK=4).fits(GPU_CAPS, (16, 16, 16))
-    with pytest.raises(UnsupportedOp, match="not sliced"):
-        plan.dispatches("a", "b", "y", GPU_CAPS, SLICED_TILE, c="bias", ws="ws", splits=2)
 
 
 @pytest.mark.parametrize("act", [0, 3])

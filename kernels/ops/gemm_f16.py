@@ -57,9 +57,8 @@ _HALF = 2  # bytes
 
 @dataclass(frozen=True)
 class CoopTile:
-    """A workgroup tile of ``gemm_coopmat.comp``: BM x BN outputs over WM x WN subgroups (times
-    WK groups sharing each slice's depth: sliced K), BK-deep slices, PREFETCH slices in flight
-    (1 or 2), SWIZZLE tile-rows per L2 band (0: none)."""
+    """A workgroup tile of ``gemm_coopmat.comp``: BM x BN outputs over WM x WN subgroups,
+    BK-deep slices, PREFETCH slices in flight (1 or 2), SWIZZLE tile-rows per L2 band (0: none)."""
 
     BM: int
     BN: int
@@ -68,12 +67,10 @@ class CoopTile:
     WN: int
     PREFETCH: int = 1
     SWIZZLE: int = 8
-    WK: int = 1
 
     @property
     def name(self) -> str:
-        groups = f"x{self.WK}" if self.WK > 1 else ""
-        return f"{self.BM}x{self.BN}x{self.BK}_w{self.WM}x{self.WN}{groups}_p{self.PREFETCH}_z{self.SWIZZLE}"
+        return f"{self.BM}x{self.BN}x{self.BK}_w{self.WM}x{self.WN}_p{self.PREFETCH}_z{self.SWIZZLE}"
 
     def b_halves(self, b_trans: bool = False) -> int:
         """The B slice: BK rows of BN halves, or BN rows of BK for a transposed B, rows padded by 8."""
@@ -85,14 +82,12 @@ class CoopTile:
 
     def fits(self, caps: DeviceCaps, shape: tuple[int, int, int], b_trans: bool = False) -> bool:
         lm, ln, lk = shape
-        threads = self.WM * self.WN * self.WK * caps.subgroup_size
+        threads = self.WM * self.WN * caps.subgroup_size
         return (
             # a fused bias is staged as LM copies of the tile's BN bias values in the B slice
             lm * (self.BN + 8) <= self.b_halves(b_trans) and
-            self.BM % (self.WM * lm) == 0 and self.BN % (self.WN * ln) == 0 and self.BK % (self.WK * lk) == 0
-            and self.PREFETCH in (1, 2) and self.WK >= 1
-            # sliced K: every group's float32 sums (BM x BN each) meet in shared memory
-            and (self.WK == 1 or 4 * self.WK * self.BM * self.BN <= self.shared_bytes(b_trans))
+            self.BM % (self.WM * lm) == 0 and self.BN % (self.WN * ln) == 0 and self.BK % lk == 0
+            and self.PREFETCH in (1, 2)
             and threads <= caps.max_workgroup_invocations
             and (self.BM * self.BK // 8) % threads == 0 and (self.BK * self.BN // 8) % threads == 0
             and self.shared_bytes(b_trans) <= caps.shared_memory_bytes
@@ -106,8 +101,8 @@ class CoopTile:
         """``CoopTile.name``'s format back into a tile (``bench/gemm_fp16.py --variants``)."""
         dims, warps, prefetch, swizzle = text.split("_")
         bm, bn, bk = (int(v) for v in dims.split("x"))
-        wm, wn, *wk = (int(v) for v in warps[1:].split("x"))
-        return cls(bm, bn, bk, wm, wn, int(prefetch[1:]), int(swizzle[1:]), *wk)
+        wm, wn = (int(v) for v in warps[1:].split("x"))
+        return cls(bm, bn, bk, wm, wn, int(prefetch[1:]), int(swizzle[1:]))
 
 
 #: preferred first. NOTE: H200, driver 580, M = N = K = 8192 (bench/gemm_fp16.py --variants):
@@ -125,15 +120,6 @@ COOP_TILES = (
 #: against 2.308 and 2.220). Unsplit, GPT-2's 128 x 50257 x 768 logits run faster in
 #: COOP_TILES[-1]'s 64 x 64 x 32 (184 against 279 µs with 64-deep slices, 566 with this tile)
 SPLIT_TILE = CoopTile(32, 64, 64, 1, 2, PREFETCH=2)
-#: a product split-K would split that has a fused activation (whose split needs a pass of its own
-#: to add the partial sums before the activation) runs unsplit on this tile: two groups of two
-#: subgroups share each 128-deep slice, so its workgroups wait for as many slices in turn as the
-#: split's do, and the activation is applied where the sums are made
-SLICED_TILE = CoopTile(32, 64, 128, 1, 2, PREFETCH=2, WK=2)
-#: which products split-K would split run on SLICED_TILE instead: "act" (those with a fused
-#: activation), "wide" (also those with at least _SLICED_MIN_GROUPS of its tiles), "off"
-SLICED = "act"
-_SLICED_MIN_GROUPS = 128
 
 
 def coop_shape(caps: DeviceCaps) -> tuple[int, int, int] | None:
@@ -169,17 +155,6 @@ class HalfMatmulPlan:
             raise UnsupportedOp(f"matrix product with an inner batch of {p.batch[-1].count} > {_MAX_GROUPS}")
         self.p = p
         self.splits = self.split_k(p)
-        self.sliced = self.splits > 1 and self.slice_instead(p)
-        if self.sliced:
-            self.splits = 1
-
-    @staticmethod
-    def slice_instead(p: MatmulProblem) -> bool:
-        """Whether ``p``, which split-K would split, runs unsplit on ``SLICED_TILE`` (see ``SLICED``):
-        only where that leaves at least ``_SLICED_MIN_GROUPS`` workgroups (a long K over few tiles
-        keeps its split)."""
-        tiles = ceil_div(p.M, SLICED_TILE.BM) * ceil_div(p.N, SLICED_TILE.BN)
-        return tiles >= _SLICED_MIN_GROUPS and (SLICED == "wide" or (SLICED == "act" and bool(p.act)))
 
     @staticmethod
     def split_k(p: MatmulProblem) -> int:
@@ -254,14 +229,12 @@ class HalfMatmulPlan:
             if split > 1 and tile is None:
                 tile = next((t for t in (SPLIT_TILE, *reversed(COOP_TILES)) if t.fits(caps, shape, self.b_trans)),
                             None)
-            elif tile is None and self.sliced and SLICED_TILE.fits(caps, shape, self.b_trans):
-                tile = SLICED_TILE
             tile = tile or self.choose_tile(caps)
             if not tile.fits(caps, shape, self.b_trans):
                 raise UnsupportedOp(f"cooperative-matrix tile {tile.name} does not fit this device")
-            if split > 1 and (p.batch or ws is None or self.kchunk(split) % tile.BK or tile.WK > 1):
+            if split > 1 and (p.batch or ws is None or self.kchunk(split) % tile.BK):
                 raise UnsupportedOp(f"float16 product: {split} K splits need one matrix, a workspace and "
-                                    f"a tile whose BK divides {self.kchunk(split)}, not sliced over K")
+                                    f"a tile whose BK divides {self.kchunk(split)}")
             lm, ln, lk = shape
             # NOTE: the shader lays its WM x WN subgroups out by gl_SubgroupID, so it relies on the
             # driver running it with the subgroup size the device reports (32 on NVIDIA, seen on
@@ -277,8 +250,6 @@ class HalfMatmulPlan:
                 "SWIZZLE": tile.SWIZZLE, "A_VEC": int(vec_a), "B_VEC": int(vec_b),
                 "EDGES": int(not (full and vec_a and vec_b)), "STORE_DIRECT": int(p.N % 8 == 0),
             }
-            if tile.WK > 1:
-                defines["WK"] = tile.WK
             if split > 1:  # float32 partial sums, whose rows start on 16 bytes when N % 4 == 0
                 defines.update({"SPLITK": 1, "KCHUNK": self.kchunk(split), "STORE_DIRECT": int(p.N % 4 == 0)})
             bm, bn = tile.BM, tile.BN
@@ -339,4 +310,4 @@ def fused_product_plan(op: Op, a: int, w: int, bias: int) -> HalfMatmulPlan:
     return HalfMatmulPlan(problem)
 
 
-__all__ = ["COOP_TILES", "SLICED_TILE", "SPLIT_TILE", "CoopTile", "HalfMatmulPlan", "coop_shape", "fused_product_plan"]
+__all__ = ["COOP_TILES", "SPLIT_TILE", "CoopTile", "HalfMatmulPlan", "coop_shape", "fused_product_plan"]

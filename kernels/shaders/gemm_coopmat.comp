@@ -26,11 +26,6 @@
 // accumulator matrix), and ACT (epilogue.glsl) maps each accumulator element in place: the same
 // function at every position, so the matrix's element order does not matter. Both before the
 // one rounding to float16.
-// WK > 1 (sliced K, not with SPLITK): WK groups of WM x WN subgroups share each BK-deep slice,
-// group w multiplying its BK / WK rows of it into accumulators of its own; after the last slice
-// the groups' sums meet in shared memory, where the whole workgroup finishes the tile. A deep slice
-// per barrier, with the loads spread over WK times the invocations, halves (WK = 2) the slices
-// a short product's workgroup waits for in turn, without split-K's pass over partial sums.
 // SPLITK: workgroup z is a split of the reduction (one matrix, no batch): K from z * KCHUNK to
 // (z + 1) * KCHUNK (KCHUNK a multiple of BK), and y points at the float32 workspace, where the
 // split writes its partial sums (rows of N floats, split after split); gemm_reduce.comp adds them,
@@ -57,13 +52,7 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer F32Rows { f
 #define SPLITK 0
 #endif
 
-#ifndef WK
-#define WK 1
-#endif
-#if WK > 1 && SPLITK
-#error "sliced K (WK > 1) finishes its tiles itself: not with SPLITK"
-#endif
-#define NSUB (WM * WN * WK)
+#define NSUB (WM * WN)
 #define NT (NSUB * SG)
 #define TM (BM / WM / LM)
 #define TN (BN / WN / LN)
@@ -164,9 +153,8 @@ void stash(uvec4 a_regs[A_LOADS], uvec4 b_regs[B_LOADS]) {
 
 coopmat<float, gl_ScopeSubgroup, LM, LN, gl_MatrixUseAccumulator> acc[TM][TN];
 
-void multiply(uint sm, uint sn, uint k0) {
-    [[unroll]] for (uint k1 = 0; k1 < BK / WK; k1 += LK) {
-        const uint kk = k0 + k1;
+void multiply(uint sm, uint sn) {
+    [[unroll]] for (uint kk = 0; kk < BK; kk += LK) {
         coopmat<float16_t, gl_ScopeSubgroup, LM, LK, gl_MatrixUseA> ma[TM];
         [[unroll]] for (uint i = 0; i < TM; ++i)
             coopMatLoad(ma[i], smem, (sm + i * LM) * AROW + kk / 8, AROW, gl_CooperativeMatrixLayoutRowMajor);
@@ -210,8 +198,8 @@ void main() {
     const uint64_t aBase = pc.a + uint64_t(z) * pc.bA * 2;
     const uint64_t bBase = pc.b + uint64_t(z) * pc.bB * 2;
 #endif
-    const uint sg = gl_SubgroupID % (WM * WN), wk = gl_SubgroupID / (WM * WN);
-    const uint sm = (sg / WN) * (BM / WM), sn = (sg % WN) * (BN / WN), kw = wk * (BK / WK);
+    const uint sg = gl_SubgroupID;
+    const uint sm = (sg / WN) * (BM / WM), sn = (sg % WN) * (BN / WN);
 
     [[unroll]] for (uint i = 0; i < TM; ++i)
         [[unroll]] for (uint j = 0; j < TN; ++j)
@@ -229,13 +217,13 @@ void main() {
         stash(a0, b0);
         barrier();
         if (t + 2 < slices) fetch(a0, b0, aBase, bBase, row0, col0, kBegin + (t + 2) * BK);
-        multiply(sm, sn, kw);
+        multiply(sm, sn);
         barrier();
         if (t + 1 < slices) {
             stash(a1, b1);
             barrier();
             if (t + 3 < slices) fetch(a1, b1, aBase, bBase, row0, col0, kBegin + (t + 3) * BK);
-            multiply(sm, sn, kw);
+            multiply(sm, sn);
             barrier();
         }
     }
@@ -244,55 +232,13 @@ void main() {
         stash(a0, b0);
         barrier();
         if (t + 1 < slices) fetch(a0, b0, aBase, bBase, row0, col0, kBegin + (t + 1) * BK);
-        multiply(sm, sn, kw);
+        multiply(sm, sn);
         barrier();
     }
 #endif
 
     // epilogue: the shared buffer is free (every subgroup passed the last barrier)
-#if WK > 1
-    // sliced K: every group's sums into shared memory (group w's BM x BN floats from w * BM * BN),
-    // then each invocation of the workgroup adds the groups' sums of 8 neighbouring outputs, the
-    // bias and the activation, and writes them rounded once (the epilogue spread over all WK
-    // groups, with no per-element access to accumulator matrices)
-    [[unroll]] for (uint i = 0; i < TM; ++i)
-        [[unroll]] for (uint j = 0; j < TN; ++j)
-            coopMatStore(acc[i][j], smem, (wk * BM * BN + (sm + i * LM) * BN + sn + j * LN) / 4, BN / 4,
-                         gl_CooperativeMatrixLayoutRowMajor);
-    barrier();
-    const uint64_t yOff = uint64_t(z) * pc.M * pc.N;
-    for (uint v = gl_LocalInvocationIndex; v < BM * BN / 8; v += NT) {
-        const uint r = v / (BN / 8), c8 = (v % (BN / 8)) * 8;
-        const uint row = row0 + r, col = col0 + c8;
-        if (row >= pc.M || col >= pc.N) continue;
-        float s[8];
-        [[unroll]] for (uint e = 0; e < 8; ++e) s[e] = 0.0;
-        [[unroll]] for (uint w = 0; w < WK; ++w) {
-            const uint at = (w * BM * BN + r * BN + c8) / 4;
-            const uvec4 lo = smem[at], hi = smem[at + 1];
-            [[unroll]] for (uint e = 0; e < 4; ++e) {
-                s[e] += uintBitsToFloat(lo[e]);
-                s[4 + e] += uintBitsToFloat(hi[e]);
-            }
-        }
-#if HAS_BIAS
-        const uvec4 bq = load8(pc.c, 0, col, 1, pc.N, 0);
-        [[unroll]] for (uint e = 0; e < 8; ++e) s[e] += float(unpackFloat2x16(bq[e / 2])[e % 2]);
-#endif
-        uvec4 q;
-        [[unroll]] for (uint e = 0; e < 4; ++e)
-            q[e] = packFloat2x16(f16vec2(float16_t(epilogue(s[2 * e])), float16_t(epilogue(s[2 * e + 1]))));
-#if STORE_DIRECT
-        if (col + 8 <= pc.N) {
-            U4Buf(pc.y + 2 * (yOff + uint64_t(row) * pc.N + col)).v[0] = q;
-            continue;
-        }
-#endif
-        [[unroll]] for (uint e = 0; e < 8; ++e)
-            if (col + e < pc.N)
-                U16Buf(pc.y + 2 * (yOff + uint64_t(row) * pc.N + col + e)).v[0] = uint16_t((q[e / 2] >> (16 * (e % 2))) & 0xFFFFu);
-    }
-#elif SPLITK
+#if SPLITK
     const uint64_t wsBase = pc.y + 4 * uint64_t(z) * pc.M * pc.N;
     const uint scratch = sg * (LM * LN / 4);
     const uint lane = gl_SubgroupInvocationID;
