@@ -216,6 +216,57 @@ def test_a_residual_add_joins_the_layernorm(pool, pre_norm):
     _check(pool, model, {"x": RNG.standard_normal((2, 9, 13)).astype(np.float32)}).close()
 
 
+# -- embeddings: constant adds merged, a constant residual joins the LayerNormalization ----------
+
+def _embeddings(dtype: type = np.float32, sum_read: bool = False, vocab: int = 23, seq: int = 11,
+                width: int = 13) -> bytes:
+    """BERT's embeddings as exporters spell them: word embeddings gathered by token id, plus the
+    position embeddings (a Gather of constant indices, which folds into a constant at load), plus
+    the token type's row (a constant), then LayerNormalization. ``sum_read``: the first sum is a
+    graph output too."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inits = [_c(name, (RNG.standard_normal(shape) * 0.5).astype(dtype)) for name, shape in
+             (("words", (vocab, width)), ("positions", (seq, width)), ("token_type", (width,)), ("g", (width,)),
+              ("bn", (width,)))]
+    inits.append(_c("position_ids", np.arange(seq, dtype=np.int64)[None]))
+    nodes = [helper.make_node("Gather", ["words", "ids"], ["w"]), helper.make_node("Gather", ["positions", "position_ids"], ["p"]),
+             helper.make_node("Add", ["w", "p"], ["s"]), helper.make_node("Add", ["s", "token_type"], ["e"]),
+             helper.make_node("LayerNormalization", ["e", "g", "bn"], ["y"], axis=-1, epsilon=1e-5)]
+    outputs = [helper.make_tensor_value_info(n, elem, None) for n in (["y", "s"] if sum_read else ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, seq])],
+                              outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_embeddings_become_a_gather_and_a_norm_with_a_constant_residual(pool, dtype):
+    model = _embeddings(dtype)
+    loaded = load_model(model, cache=False)
+    assert [n.op_type for n in loaded.nodes] == ["Gather", "LayerNormalization"]
+    norm = loaded.nodes[1]
+    # the position and token type embeddings, summed at load, are the norm's residual
+    assert norm.attrs["residual"] == 1 and norm.inputs[0] == "w" and norm.inputs[3] in loaded.constants
+    ids = {"ids": RNG.integers(0, 23, (1, 11)).astype(np.int64)}
+    if dtype == np.float32:
+        _check(pool, model, ids).close()
+        return
+    # float16: the constants' sum and the norm's are taken in float32 or wider and rounded once,
+    # onnxruntime rounds after every op; both within a few float16 roundings of the exact value
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, ids)[0]
+    with vkpool.Session(model, pool=pool, device=pool.vulkan_members[0].id) as session:
+        (got,) = session.run(None, ids)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=0, atol=2.0 ** -7 * np.abs(want).max())
+
+
+def test_constant_adds_stay_apart_where_the_first_sum_is_read():
+    loaded = load_model(_embeddings(sum_read=True), cache=False)
+    # the first sum is an output: both Adds stay (the token type's row is no residual of the
+    # norm's shape)
+    assert [n.op_type for n in loaded.nodes] == ["Gather", "Add", "Add", "LayerNormalization"]
+    assert "residual" not in loaded.nodes[3].attrs
+
+
 # -- every tile of the tiled GEMM ------------------------------------------------------------------
 
 @pytest.mark.parametrize("tile", ["64x64", "32x32", "32x256", "128x128"])

@@ -24,8 +24,11 @@ the latency. The rewrites, applied in node order until nothing changes:
   the ``Add`` with the attribute ``activation`` = ``Relu`` (``kernels/shaders/binary.comp``'s
   ``RELU``): one pass over the sum instead of two. An ``Add`` of a constant is a bias, which the
   rewrites above take;
-- ``LayerNormalization(Add(a, b))`` of two tensors of one shape becomes the norm of ``a`` with the
-  residual ``b`` added as it is read (vkpool's attribute ``residual``, input 3); where the sum is
+- ``Add(Add(x, c1), c2)`` of two constants becomes ``Add(x, c1 + c2)`` (the constants summed in
+  float64, rounded once): a transformer's embeddings, ``word + position + token type`` with the
+  last two constant, then take one pass;
+- ``LayerNormalization(Add(a, b))`` of two tensors of one shape (one of them may be a constant:
+  the position embeddings) becomes the norm of ``a`` with the residual ``b`` added as it is read (vkpool's attribute ``residual``, input 3); where the sum is
   read elsewhere too (a pre-norm block's residual stream) the norm also writes it, as its
   output 3. In float16 graphs, where ``a`` or ``b`` is a product by constant weights (with a
   bias, no activation) that nothing else reads, the norm computes that product itself (vkpool's
@@ -147,6 +150,8 @@ def _fuse_once(model: LoadedModel) -> bool:
             return True
         if node.op_type == "Add" and "activation" not in node.attrs and _fuse_residual_relu(g, node):
             return True
+        if node.op_type == "Add" and "activation" not in node.attrs and _merge_constant_adds(g, node):
+            return True
         if node.op_type == "Softmax" and _fuse_attention(g, node):
             return True
         if node.op_type == "LayerNormalization" and "residual" not in node.attrs and _fuse_residual(g, node):
@@ -243,8 +248,10 @@ def _fuse_residual(g: _Graph, norm: Node) -> bool:
     if add is None or info is None or info.dtype not in _FLOATS or len(add.inputs) != 2 or len(norm.inputs) > 3:
         return False
     a, b = add.inputs
-    if any(g.model.tensors.get(t) != info or t in g.model.constants for t in (a, b)):
+    if any(g.model.tensors.get(t) != info for t in (a, b)) or all(t in g.model.constants for t in (a, b)):
         return False
+    if a in g.model.constants:  # a constant of the full shape (position embeddings) is the residual
+        a, b = b, a
     others = [r for r in g.readers.get(x, []) if r is not norm]
     order = {id(n): i for i, n in enumerate(g.model.nodes)}
     if any(order[id(r)] < order[id(norm)] for r in others):
@@ -381,6 +388,46 @@ _SMOOTH: dict[str, Callable[..., np.ndarray]] = {
 #: the most nodes a spelled-out activation may take (GELU's tanh form takes 8 or 9)
 _MAX_CHAIN = 12
 _PROBE = np.concatenate([np.linspace(-12.0, 12.0, 4801), [-1e3, -100.0, -50.0, -20.0, 20.0, 50.0, 100.0, 1e3]])
+
+
+def _merge_constant_adds(g: _Graph, add: Node) -> bool:
+    """``Add(Add(x, c1), c2)`` of constants ``c1`` and ``c2`` (in either operand order; the inner
+    sum read by nothing else) becomes ``Add(x, c1 + c2)``, the constants' sum taken in float64
+    and rounded once to their type, where it broadcasts with ``x`` to the same output: a
+    transformer's embeddings, ``word + position + token type``, with the last two constant."""
+    model = g.model
+    if len(add.inputs) != 2:
+        return False
+    for inner_name, c2_name in (add.inputs, add.inputs[::-1]):
+        inner = g.made_by(inner_name, "Add")
+        c2 = g.constant(c2_name)
+        if inner is None or c2 is None or not g.private(inner_name, add) or len(inner.inputs) != 2 \
+                or "activation" in inner.attrs:
+            continue
+        for x, c1_name in (inner.inputs, inner.inputs[::-1]):
+            c1 = g.constant(c1_name)
+            xi, out = model.tensors.get(x), model.tensors.get(add.outputs[0])
+            if c1 is None or x in model.constants or xi is None or out is None \
+                    or not (c1.dtype == c2.dtype == xi.dtype == out.dtype) or c1.dtype.kind not in "fiu":
+                continue
+            try:
+                shape = np.broadcast_shapes(c1.shape, c2.shape)
+                if np.broadcast_shapes(xi.shape, shape) != tuple(out.shape):
+                    continue
+            except ValueError:
+                continue
+            if c1.dtype.kind == "f":
+                total = (c1.astype(np.float64) + c2.astype(np.float64)).astype(c1.dtype)
+            else:  # integers wrap the same way in either order
+                total = (c1 + c2).astype(c1.dtype)
+            name = model.fresh_name(f"{add.name or add.outputs[0]}_constants")
+            model.constants[name] = total
+            model.tensors[name] = TensorInfo(tuple(total.shape), total.dtype)
+            add.inputs = [x, name]
+            model.tensors.pop(inner_name, None)
+            model.nodes.remove(inner)
+            return True
+    return False
 
 
 def _fuse_residual_relu(g: _Graph, add: Node) -> bool:

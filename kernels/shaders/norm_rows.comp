@@ -77,11 +77,25 @@ void main() {
     const uint lane = gl_LocalInvocationID.x;
     const uint base = row * NRED;
     float v[PER];
+#if HAS_SCALE
+    float sc[PER];
+#endif
+#if HAS_BIAS
+    float bi[PER];
+#endif
     float acc = 0.0;
     [[unroll]] for (uint u = 0; u < PER; ++u) {
         const uint r = lane + u * NT;
         v[u] = 0.0;
         if (r < NRED) {
+            // the scale and bias are loaded with X, so that their loads wait with X's instead of
+            // after the sums
+#if HAS_SCALE
+            sc[u] = float(pc.scale.v[(base + r) % pc.smod]);
+#endif
+#if HAS_BIAS
+            bi[u] = float(pc.bias.v[(base + r) % pc.bmod]);
+#endif
 #ifdef NSPLITS
             float s = 0.0;
             [[unroll]] for (uint k = 0; k < NSPLITS; ++k) s += pc.x.v[k * pc.nrows * NRED + base + r];
@@ -130,10 +144,10 @@ void main() {
 #endif
         float o = (v[u] - mean) * inv;
 #if HAS_SCALE
-        o *= float(pc.scale.v[i % pc.smod]);
+        o *= sc[u];
 #endif
 #if HAS_BIAS
-        o += float(pc.bias.v[i % pc.bmod]);
+        o += bi[u];
 #endif
         pc.y.v[i] = float16_t(o);
     }
