@@ -6,7 +6,10 @@ cooperative-matrix tile (the one taken when larger tiles leave the device short 
 the tile split products run, the workgroups split-K aims at and the least K per split
 (``split=off``: never split). ``SPEC`` is comma-separated ``tile=CoopTile name``,
 ``split_tile=CoopTile name``, ``target=N``, ``min_k=N``, ``split=off``, ``act_split=off`` (products
-with a fused activation never split), ``matmul_split=off`` (MatMul and Gemm nodes never split: only
+with a fused activation never split), ``attn_split=off`` (an attention's Q/K/V product never
+split: the attention reads it in float16), ``staged_out=BYTES`` (outputs from this size are
+computed in device memory and copied out, smaller ones written by their kernels into the
+memory the host reads: ``vkpool.engine.STAGED_OUTPUT_BYTES``), ``matmul_split=off`` (MatMul and Gemm nodes never split: only
 the products a LayerNormalization computes, which need no pass to add their splits); an empty
 SPEC is the planner's own. Each model is loaded once per
 policy, checked against the first policy's output (max|y - y0| / max|y0|, float16 rounding
@@ -45,6 +48,20 @@ def apply(spec: str) -> dict[str, Any]:
             gemm_f16.COOP_TILES = (*saved["COOP_TILES"][:-1], gemm_f16.CoopTile.parse(value))
         elif key == "split_tile":
             gemm_f16.SPLIT_TILE = gemm_f16.CoopTile.parse(value)
+        elif key == "attn_split" and value == "off":
+            planner_plan = saved.setdefault("fused_product_plan", gemm_f16.fused_product_plan)
+
+            def unsplit_attention(op: Any, *args: Any, plan: Any = planner_plan) -> Any:
+                product = plan(op, *args)
+                if op.op_type == "Attention":  # a norm's product (imported by norms.py) keeps its split
+                    product.splits = 1
+                return product
+            gemm_f16.fused_product_plan = unsplit_attention
+        elif key == "staged_out":
+            from vkpool import engine
+
+            saved.setdefault("STAGED_OUTPUT_BYTES", engine.STAGED_OUTPUT_BYTES)
+            engine.STAGED_OUTPUT_BYTES = int(value)
         elif key == "target":
             gemm_f16._SPLIT_TARGET_GROUPS = int(value)
         elif key == "min_k":
@@ -67,6 +84,10 @@ def restore(saved: dict[str, Any]) -> None:
     from vkpool.kernels.ops import gemm_f16, matmul
 
     matmul.HalfMatmulPlan, gemm_f16.HalfMatmulPlan = saved.pop("matmul")
+    if "STAGED_OUTPUT_BYTES" in saved:
+        from vkpool import engine
+
+        engine.STAGED_OUTPUT_BYTES = saved.pop("STAGED_OUTPUT_BYTES")
     for key, value in saved.items():
         setattr(gemm_f16.HalfMatmulPlan if key == "split_k" else gemm_f16, key, value)
 
