@@ -259,12 +259,22 @@ def test_embeddings_become_a_gather_and_a_norm_with_a_constant_residual(pool, dt
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=0, atol=2.0 ** -7 * np.abs(want).max())
 
 
-def test_constant_adds_stay_apart_where_the_first_sum_is_read():
-    loaded = load_model(_embeddings(sum_read=True), cache=False)
-    # the first sum is an output: both Adds stay (the token type's row is no residual of the
-    # norm's shape)
-    assert [n.op_type for n in loaded.nodes] == ["Gather", "Add", "Add", "LayerNormalization"]
-    assert "residual" not in loaded.nodes[3].attrs
+def test_a_sum_read_elsewhere_stays_and_only_the_constants_after_it_join_the_norm(pool):
+    model = _embeddings(sum_read=True)
+    loaded = load_model(model, cache=False)
+    # the first sum is an output: it stays, and the token type's row (broadcast) is the residual
+    assert [n.op_type for n in loaded.nodes] == ["Gather", "Add", "LayerNormalization"]
+    norm = loaded.nodes[2]
+    assert norm.attrs["residual"] == 1 and norm.inputs[0] == "s" and norm.inputs[3] in loaded.constants
+    _check(pool, model, {"ids": RNG.integers(0, 23, (1, 11)).astype(np.int64)}).close()
+
+
+def test_a_chain_of_constant_adds_without_a_norm_stays():
+    # what the add_chain workloads are: every Add a dispatch of its own
+    nodes = [helper.make_node("Add", [f"t{k}", f"c{k}"], [f"t{k + 1}"]) for k in range(3)]
+    model = _model([helper.make_node("Identity", ["x"], ["t0"]), *nodes], [("x", (4, 5))],
+                   [_w(f"c{k}", 4, 5) for k in range(3)], ["t3"])
+    assert [n.op_type for n in load_model(model, cache=False).nodes].count("Add") == 3
 
 
 # -- every tile of the tiled GEMM ------------------------------------------------------------------

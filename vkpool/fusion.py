@@ -24,17 +24,17 @@ the latency. The rewrites, applied in node order until nothing changes:
   the ``Add`` with the attribute ``activation`` = ``Relu`` (``kernels/shaders/binary.comp``'s
   ``RELU``): one pass over the sum instead of two. An ``Add`` of a constant is a bias, which the
   rewrites above take;
-- ``Add(Add(x, c1), c2)`` of two constants becomes ``Add(x, c1 + c2)`` (the constants summed in
-  float64, rounded once): a transformer's embeddings, ``word + position + token type`` with the
-  last two constant, then take one pass;
-- ``LayerNormalization(Add(a, b))`` of two tensors of one shape (one of them may be a constant:
-  the position embeddings) becomes the norm of ``a`` with the residual ``b`` added as it is read (vkpool's attribute ``residual``, input 3); where the sum is
+- ``LayerNormalization(Add(a, b))`` of two tensors of one shape becomes the norm of ``a`` with the
+  residual ``b`` added as it is read (vkpool's attribute ``residual``, input 3); where the sum is
   read elsewhere too (a pre-norm block's residual stream) the norm also writes it, as its
   output 3. In float16 graphs, where ``a`` or ``b`` is a product by constant weights (with a
   bias, no activation) that nothing else reads, the norm computes that product itself (vkpool's
   attribute ``product``): a product split over K leaves its partial sums for the norm to add as
   it reads them, one pass fewer per block (a transformer's attention output and FFN-down
-  projections);
+  projections). A norm of ``x + c1 + c2 + ...`` with constants ``c1``, ``c2``, ... (Adds in a
+  chain, ``x`` of the norm input's shape) takes the constants' sum as its residual (summed in
+  float64, broadcast to that shape, rounded once): a transformer's embeddings, word + position +
+  token type with the last two constant, become a Gather and a norm;
 - scaled dot-product attention as exporters spell it, ``Softmax(MatMul(Q, Kᵀ) / c [+ mask]) @ V``
   with the heads split by ``Reshape`` + ``Transpose`` and merged back the same way, becomes one
   ``Attention`` node (``kernels/ops/attention.py``) on the [batch, sequence, heads·size] tensors
@@ -150,8 +150,6 @@ def _fuse_once(model: LoadedModel) -> bool:
             return True
         if node.op_type == "Add" and "activation" not in node.attrs and _fuse_residual_relu(g, node):
             return True
-        if node.op_type == "Add" and "activation" not in node.attrs and _merge_constant_adds(g, node):
-            return True
         if node.op_type == "Softmax" and _fuse_attention(g, node):
             return True
         if node.op_type == "LayerNormalization" and "residual" not in node.attrs and _fuse_residual(g, node):
@@ -248,10 +246,14 @@ def _fuse_residual(g: _Graph, norm: Node) -> bool:
     if add is None or info is None or info.dtype not in _FLOATS or len(add.inputs) != 2 or len(norm.inputs) > 3:
         return False
     a, b = add.inputs
-    if any(g.model.tensors.get(t) != info for t in (a, b)) or all(t in g.model.constants for t in (a, b)):
+    removed = [add]
+    if a in g.model.constants or b in g.model.constants:
+        terms = _constant_terms(g, add, info)
+        if terms is None:
+            return False
+        a, b, removed = terms
+    elif any(g.model.tensors.get(t) != info for t in (a, b)):
         return False
-    if a in g.model.constants:  # a constant of the full shape (position embeddings) is the residual
-        a, b = b, a
     others = [r for r in g.readers.get(x, []) if r is not norm]
     order = {id(n): i for i, n in enumerate(g.model.nodes)}
     if any(order[id(r)] < order[id(norm)] for r in others):
@@ -262,8 +264,52 @@ def _fuse_residual(g: _Graph, norm: Node) -> bool:
         norm.outputs = [*norm.outputs, *([""] * (3 - len(norm.outputs))), x]
     else:
         g.model.tensors.pop(x, None)
-    g.model.nodes.remove(add)
+    for node in removed:
+        if node is not add:
+            g.model.tensors.pop(node.outputs[0], None)
+        g.model.nodes.remove(node)
     return True
+
+
+#: the most bytes of a residual made of constants (their sum, broadcast to the norm's input)
+_CONSTANT_RESIDUAL_BYTES = 64 << 20
+
+
+def _constant_terms(g: _Graph, add: Node, info: TensorInfo) -> tuple[str, str, list[Node]] | None:
+    """A norm's input ``add`` = ``x + c1 + c2 + ...``, Adds each of one computed tensor and one
+    constant (the inner sums read by nothing else), with ``x`` of the norm input's shape: ``x``,
+    the name of a new constant holding the constants' sum (taken in float64, broadcast to that
+    shape, rounded once to its type) and the Adds it replaces. A transformer's embeddings, word +
+    position + token type with the last two constant, so become the norm's residual."""
+    model = g.model
+    total: np.ndarray | None = None
+    chain: list[Node] = []
+    node: Node | None = add
+    x = ""
+    while node is not None:
+        if len(node.inputs) != 2 or "activation" in node.attrs:
+            break
+        p, q = node.inputs
+        if (p in model.constants) == (q in model.constants):
+            break
+        x, c = (q, p) if p in model.constants else (p, q)
+        value = model.constants[c]
+        if value.dtype != info.dtype:
+            break
+        total = value.astype(np.float64) if total is None else total + value.astype(np.float64)
+        chain.append(node)
+        inner = g.made_by(x, "Add")
+        node = inner if inner is not None and g.private(x, node) else None
+    if total is None or model.tensors.get(x) != info or info.nbytes > _CONSTANT_RESIDUAL_BYTES:
+        return None
+    try:
+        residual = np.broadcast_to(total, info.shape).astype(info.dtype)
+    except ValueError:
+        return None
+    name = model.fresh_name(f"{add.name or add.outputs[0]}_constant_residual")
+    model.constants[name] = np.ascontiguousarray(residual)
+    model.tensors[name] = TensorInfo(tuple(info.shape), info.dtype)
+    return x, name, chain
 
 
 #: where a node that computes its product (vkpool's attribute ``product``) takes the product's
@@ -388,46 +434,6 @@ _SMOOTH: dict[str, Callable[..., np.ndarray]] = {
 #: the most nodes a spelled-out activation may take (GELU's tanh form takes 8 or 9)
 _MAX_CHAIN = 12
 _PROBE = np.concatenate([np.linspace(-12.0, 12.0, 4801), [-1e3, -100.0, -50.0, -20.0, 20.0, 50.0, 100.0, 1e3]])
-
-
-def _merge_constant_adds(g: _Graph, add: Node) -> bool:
-    """``Add(Add(x, c1), c2)`` of constants ``c1`` and ``c2`` (in either operand order; the inner
-    sum read by nothing else) becomes ``Add(x, c1 + c2)``, the constants' sum taken in float64
-    and rounded once to their type, where it broadcasts with ``x`` to the same output: a
-    transformer's embeddings, ``word + position + token type``, with the last two constant."""
-    model = g.model
-    if len(add.inputs) != 2:
-        return False
-    for inner_name, c2_name in (add.inputs, add.inputs[::-1]):
-        inner = g.made_by(inner_name, "Add")
-        c2 = g.constant(c2_name)
-        if inner is None or c2 is None or not g.private(inner_name, add) or len(inner.inputs) != 2 \
-                or "activation" in inner.attrs:
-            continue
-        for x, c1_name in (inner.inputs, inner.inputs[::-1]):
-            c1 = g.constant(c1_name)
-            xi, out = model.tensors.get(x), model.tensors.get(add.outputs[0])
-            if c1 is None or x in model.constants or xi is None or out is None \
-                    or not (c1.dtype == c2.dtype == xi.dtype == out.dtype) or c1.dtype.kind not in "fiu":
-                continue
-            try:
-                shape = np.broadcast_shapes(c1.shape, c2.shape)
-                if np.broadcast_shapes(xi.shape, shape) != tuple(out.shape):
-                    continue
-            except ValueError:
-                continue
-            if c1.dtype.kind == "f":
-                total = (c1.astype(np.float64) + c2.astype(np.float64)).astype(c1.dtype)
-            else:  # integers wrap the same way in either order
-                total = (c1 + c2).astype(c1.dtype)
-            name = model.fresh_name(f"{add.name or add.outputs[0]}_constants")
-            model.constants[name] = total
-            model.tensors[name] = TensorInfo(tuple(total.shape), total.dtype)
-            add.inputs = [x, name]
-            model.tensors.pop(inner_name, None)
-            model.nodes.remove(inner)
-            return True
-    return False
 
 
 def _fuse_residual_relu(g: _Graph, add: Node) -> bool:
