@@ -14,6 +14,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
 from vkpool.daemon import client as C
 from vkpool.daemon.errors import DaemonUnavailable
 
@@ -26,16 +28,21 @@ class AsyncClient:
     _front_client: "AsyncClient | None" = None  # the front's client, for its requests
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = None,
-                 curve: tuple[bytes, bytes, bytes] | None = None) -> None:
+                 curve: tuple[bytes, bytes, bytes] | None = None,
+                 context: zmq.asyncio.Context | None = None) -> None:
         self.endpoint = C.resolve_endpoint(endpoint)
         self.timeout = timeout
         C.check_endpoint(self.endpoint)
-        self._ctx = zmq.asyncio.Context()
+        self._own_ctx = context is None  # inproc:// endpoints need the daemon's context
+        self._ctx = context or zmq.asyncio.Context()
         self._sock = C.make_socket(self._ctx, self.endpoint, curve)
         self._pending: dict[str, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._reader: asyncio.Task[None] | None = None
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._watcher: asyncio.Task[None] | None = None
+        self._down: str | None = None  # why the connection is down, while it is (see Client)
         self.info: dict[str, Any] = {}
         self.serving_endpoint = self.endpoint
 
@@ -74,6 +81,22 @@ class AsyncClient:
                 if future is not None and not future.done():
                     future.set_result(reply)
 
+    async def _watch(self) -> None:
+        """As :meth:`Client._watch_connection`: when the connection drops, the requests waiting on
+        it fail with DaemonUnavailable, and new ones until it is back."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._down = None
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._down = (f"the connection to the daemon at {self.serving_endpoint} closed (the daemon "
+                              f"stopped or crashed); requests it had not answered are lost: load the models "
+                              f"again once it runs")
+                pending, self._pending = self._pending, {}
+                for future in pending.values():
+                    if not future.done():
+                        future.set_exception(DaemonUnavailable(self._down))
+
     async def request(self, action: str, content: Mapping[str, Any] | None = None, frames: Sequence[Any] = (),
                       *, timeout: float | None = None) -> tuple[dict[str, Any], list[Any]]:
         if self._sock.closed:
@@ -82,6 +105,9 @@ class AsyncClient:
             return await self._front_client.request(action, content, frames, timeout=timeout)
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read())
+            self._watcher = asyncio.ensure_future(self._watch())
+        if self._down is not None:
+            raise DaemonUnavailable(self._down)
         rid = f"{self._prefix}-{next(self._ids)}"
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
@@ -97,14 +123,18 @@ class AsyncClient:
     async def close(self) -> None:
         if self._front_client is not None:
             await self._front_client.close()
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, zmq.ZMQError):
-                pass
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, zmq.ZMQError):
+                    pass
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

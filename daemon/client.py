@@ -28,11 +28,12 @@ from typing import Any, Iterable, Mapping, NoReturn, Sequence
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from vkpool.daemon import protocol as P
 from vkpool.daemon.bound import ClientBinding, views
 from vkpool.daemon.endpoint import default_endpoint, ipc_path
-from vkpool.daemon.errors import DaemonUnavailable, from_reply
+from vkpool.daemon.errors import CONNECTION_LOST, DaemonUnavailable, from_reply
 from vkpool.daemon.lane import (CLIENT_MAX_LANES, POLL_MAX_S, ZMQ_POLL_MAX_S, ClientLane, LaneRefused, Poller,
                                 lane_wanted)
 
@@ -199,6 +200,7 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._outbox_pull, zmq.POLLIN)
+        self._watch_connection()
         self._spin = Poller(ZMQ_POLL_MAX_S)
         self._reply_s = ZMQ_POLL_MAX_S / 2  # moving average of a reply's wait over ZeroMQ
         self._lead = threading.Lock()        # held by the thread using the DEALER socket
@@ -237,12 +239,43 @@ class Client:
         client), but the requests the front answers (:data:`protocol.FRONT_ACTIONS`)."""
         self.front = self.info
         check_endpoint(redirect)
+        self._unwatch_connection()
         self._poller.unregister(self._sock)
         self._sock.close(0)
         self._sock = make_socket(self._ctx, redirect, curve)
         self._routing_id = self._sock.routing_id
         self._poller.register(self._sock, zmq.POLLIN)
         self.serving_endpoint = redirect
+        self._watch_connection()
+
+    def _watch_connection(self) -> None:
+        """Watch the DEALER's connection (a socket monitor, read where replies are): when it
+        drops (the daemon, or this client's serving process, exited), the requests that wait on
+        it fail with DaemonUnavailable at once instead of waiting for replies that cannot come,
+        and so do new ones until it is back (libzmq reconnects by itself)."""
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._down: str | None = None  # why the connection is down, while it is
+
+    def _unwatch_connection(self) -> None:
+        if getattr(self, "_monitor", None) is None:
+            return
+        self._poller.unregister(self._monitor)
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+
+    def _connection_event(self) -> None:
+        event = recv_monitor_message(self._monitor)
+        if event["event"] == zmq.EVENT_CONNECTED:
+            self._down = None
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self._down = (f"the connection to the daemon at {self.serving_endpoint} closed (the daemon stopped "
+                          f"or crashed); requests it had not answered are lost: load the models again once "
+                          f"it runs")
+            for rid in list(self._pending):
+                waiter = self._pending.pop(rid, None)
+                if waiter is not None:
+                    self._answer(rid, waiter, {"type": CONNECTION_LOST, "message": self._down})
 
     def _to_front(self, action: str) -> "Client | None":
         """The client of the daemon's front (made on first use) when ``action`` goes there."""
@@ -277,8 +310,14 @@ class Client:
             for ready, _ in poll(wait_ms):
                 if ready is sock:
                     self._deliver(P.recv_parts(sock, 3))
+                elif ready is self._monitor:
+                    self._connection_event()
                 else:  # a request queued by another thread
-                    sock.send_multipart(outbox.recv_multipart(copy=False), copy=False)
+                    message = outbox.recv_multipart(copy=False)
+                    if self._down is None:
+                        sock.send_multipart(message, copy=False)
+                    else:  # answered here: the daemon is gone
+                        self._lost(P.unpack(P._buffer(message[1])))
 
     def _deliver(self, frames: list[Any]) -> None:
         try:
@@ -298,7 +337,9 @@ class Client:
         if "status" not in header or not (waiter.packed or isinstance(content, dict)):
             self._pending[rid] = waiter  # not a reply after all: still waiting
             return
-        reply = (header, content, body[2:])
+        self._settle(rid, waiter, (header, content, body[2:]))
+
+    def _settle(self, rid: str, waiter: _Waiter, reply: tuple[dict[str, Any], Any, list[Any]]) -> None:
         waiter.reply = reply
         if waiter.future is not None:
             self._unanswered.discard(rid)
@@ -306,6 +347,17 @@ class Client:
                 waiter.future.set_result(reply)
         if waiter.wake is not None:
             waiter.wake.set()
+
+    def _answer(self, rid: str, waiter: _Waiter, error: dict[str, Any]) -> None:
+        """``waiter`` answered here with ``error``, as the daemon's error reply would be."""
+        self._settle(rid, waiter, ({"status": "error", "id": rid}, P.pack(error) if waiter.packed else error, []))
+
+    def _lost(self, header: Any) -> None:
+        """A request taken from the outbox while the connection is down: answered DaemonUnavailable."""
+        rid = str(header.get("id")) if isinstance(header, dict) else None
+        waiter = self._pending.pop(rid, None) if rid is not None else None
+        if waiter is not None:
+            self._answer(rid, waiter, {"type": CONNECTION_LOST, "message": self._down})
 
     def _hand_over_lead(self) -> None:
         """After releasing the lead: wake one thread still waiting, so that it takes the lead."""
@@ -329,6 +381,9 @@ class Client:
             waiter = _Waiter(packed=packed)
             self._pending[rid] = waiter
             try:
+                if self._down is not None:  # a drop not yet read fails it in _pump
+                    self._pending.pop(rid, None)
+                    raise DaemonUnavailable(self._down)
                 P.send_parts(self._sock, message)
                 sent = time.perf_counter()
                 self._pump(lambda: waiter.reply is not None, deadline, sent)
@@ -688,6 +743,7 @@ class Client:
             self._driver.join()
         # the leader, if any, leaves within one poll slice
         held = self._lead.acquire(timeout=2 * _POLL_SLICE_MS / 1000 + 1)
+        self._unwatch_connection()
         for sock in (self._sock, self._outbox, self._outbox_pull):
             sock.close(0)
         if held:

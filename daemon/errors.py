@@ -50,8 +50,15 @@ ERRORS: dict[str, type[DaemonError]] = {name: _make(name, doc) for name, doc in 
 globals().update(ERRORS)
 
 
-def from_reply(content: Mapping[str, Any]) -> DaemonError:
+#: the type of the error reply a client makes itself for the requests it still waits on when its
+#: connection to the daemon drops (not a type the daemon sends): raised as DaemonUnavailable
+CONNECTION_LOST = "DaemonUnavailable"
+
+
+def from_reply(content: Mapping[str, Any]) -> DaemonError | DaemonUnavailable:
     """The exception for an error reply's content (unknown types map to DaemonError)."""
+    if content.get("type") == CONNECTION_LOST:
+        return DaemonUnavailable(str(content.get("message", "")))
     cls = ERRORS.get(str(content.get("type")), DaemonError)
     details = content.get("details")
     return cls(str(content.get("message", "")), details if isinstance(details, dict) else None)

@@ -601,3 +601,82 @@ def test_bad_input_and_a_flood_leave_the_daemon_serving_and_its_memory_where_it_
             assert watcher.session(add_model()).run(None, {"x": np.ones((1, 4), np.float32)})[0].sum() == 8
     finally:
         assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize("lane", [False, True], ids=["zeromq", "lane"])
+def test_a_daemon_killed_mid_request_fails_the_requests_waiting_on_it(folder: Path, lane: bool) -> None:
+    """The daemon dies (SIGKILL: no drain, no reply) while a request of this client runs and
+    another waits as a future: each fails with DaemonUnavailable within seconds, not after a
+    timeout the client never set, and a request made afterwards fails at once the same way."""
+    import threading
+
+    daemon = Daemon(folder, stand_in="delay_s=30", daemon={"workers_per_model": 1})
+    path = folder / "m.onnx"
+    path.write_bytes(mlp_model(8, 24, seed=5))
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    client = daemon.client(local_lane=lane)
+    try:
+        session = client.session(path)
+        assert client.local_lane == lane
+        outcome: dict[str, BaseException | str] = {}
+
+        def infer() -> None:
+            try:
+                session.run(None, {"x": x})
+                outcome["run"] = "answered"
+            except BaseException as exc:  # noqa: BLE001 - the outcome is what the test reads
+                outcome["run"] = exc
+
+        waiting = threading.Thread(target=infer)
+        waiting.start()
+        with daemon.client() as watcher:
+            deadline = time.monotonic() + 30
+            while watcher.status()["counters"]["in_flight"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        future = client.submit("list_models")  # a future whose reply is answered at once
+        future.result(10)
+        stuck = client.submit("status")
+        daemon.proc.kill()
+        daemon.proc.wait(30)
+        waiting.join(20)
+        assert not waiting.is_alive(), "the request still waits for a daemon that is gone"
+        assert isinstance(outcome["run"], E.DaemonUnavailable), outcome
+        try:  # the status request may have been answered before the kill
+            stuck.result(20)
+        except E.DaemonUnavailable:
+            pass
+        started = time.monotonic()
+        with pytest.raises(E.DaemonUnavailable):
+            client.list_models()
+        assert time.monotonic() - started < 10
+    finally:
+        client.close()
+
+
+def test_an_asyncio_client_whose_daemon_is_killed_fails_its_waiting_requests(folder: Path) -> None:
+    import asyncio
+
+    from vkpool.daemon.aclient import AsyncClient
+
+    daemon = Daemon(folder, stand_in="delay_s=30", daemon={"workers_per_model": 1})
+    path = folder / "m.onnx"
+    path.write_bytes(mlp_model(8, 24, seed=5))
+
+    async def main() -> None:
+        client = await AsyncClient.connect(daemon.endpoint)
+        try:
+            session = await client.session(str(path))
+            running = asyncio.ensure_future(session.run(None, {"x": np.ones((1, 8), np.float32)}))
+            while (await client.status())["counters"]["in_flight"] < 1:  # the infer running
+                await asyncio.sleep(0.02)
+            daemon.proc.kill()
+            daemon.proc.wait(30)
+            with pytest.raises(E.DaemonUnavailable):
+                await asyncio.wait_for(running, 20)
+            with pytest.raises(E.DaemonUnavailable):
+                await asyncio.wait_for(client.list_models(), 10)
+        finally:
+            await client.close()
+
+    asyncio.run(main())

@@ -361,29 +361,19 @@ def test_async_client_runs_many_requests_at_once(inproc: InprocDaemon) -> None:
 
     from vkpool.daemon.aclient import AsyncClient
 
-    async def main() -> None:
-        client = AsyncClient(inproc.endpoint)
-        client._ctx = None  # type: ignore[assignment]
-        await client.close()
-
-    # inproc needs the daemon's context: build the async client on it
+    # inproc needs the daemon's context: the async client is built on it
     async def real() -> None:
         import zmq.asyncio
 
-        from vkpool.daemon import client as C
-        ctx = zmq.asyncio.Context.shadow(inproc.ctx.underlying)
-        client = AsyncClient.__new__(AsyncClient)
-        client.endpoint, client.timeout, client._ctx = inproc.endpoint, None, ctx
-        client._sock = C.make_socket(ctx, inproc.endpoint, None)
-        client._pending, client._reader, client.info = {}, None, {}
-        client._ids, client._prefix = iter(range(10**9)), "a"
-        session = await client.session(mlp_model())
-        results = await asyncio.gather(*(session.run(None, {"x": X * i}) for i in range(20)))
-        for i, (y, z) in enumerate(results):
-            np.testing.assert_array_equal(z, reference_run(mlp_model(), {"x": X * i})[1])
-        await session.close()
-        client._reader.cancel()
-        client._sock.close(0)
+        client = AsyncClient(inproc.endpoint, context=zmq.asyncio.Context.shadow(inproc.ctx.underlying))
+        try:
+            session = await client.session(mlp_model())
+            results = await asyncio.gather(*(session.run(None, {"x": X * i}) for i in range(20)))
+            for i, (y, z) in enumerate(results):
+                np.testing.assert_array_equal(z, reference_run(mlp_model(), {"x": X * i})[1])
+            await session.close()
+        finally:
+            await client.close()
 
     asyncio.run(real())
 
