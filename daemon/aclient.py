@@ -40,9 +40,9 @@ class AsyncClient:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._reader: asyncio.Task[None] | None = None
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(C.WATCHED_EVENTS)
         self._watcher: asyncio.Task[None] | None = None
-        self._down: str | None = None  # why the connection is down, while it is (see Client)
+        self._connection = C.Connection()
         self.info: dict[str, Any] = {}
         self.serving_endpoint = self.endpoint
 
@@ -58,6 +58,8 @@ class AsyncClient:
                                                 timeout=hello_timeout))[0]
         except TimeoutError:
             await client.close()
+            if client._connection.refused is not None:
+                raise DaemonUnavailable(client._connection.refused) from None
             raise C._not_running(client.endpoint, f"no reply to hello within {hello_timeout:g} s") from None
         except BaseException:
             await client.close()
@@ -86,16 +88,11 @@ class AsyncClient:
         it fail with DaemonUnavailable, and new ones until it is back."""
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_CONNECTED:
-                self._down = None
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._down = (f"the connection to the daemon at {self.serving_endpoint} closed (the daemon "
-                              f"stopped or crashed); requests it had not answered are lost: load the models "
-                              f"again once it runs")
+            if self._connection.event(event, self.serving_endpoint):
                 pending, self._pending = self._pending, {}
                 for future in pending.values():
                     if not future.done():
-                        future.set_exception(DaemonUnavailable(self._down))
+                        future.set_exception(DaemonUnavailable(self._connection.down))
 
     async def request(self, action: str, content: Mapping[str, Any] | None = None, frames: Sequence[Any] = (),
                       *, timeout: float | None = None) -> tuple[dict[str, Any], list[Any]]:
@@ -106,8 +103,8 @@ class AsyncClient:
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read())
             self._watcher = asyncio.ensure_future(self._watch())
-        if self._down is not None:
-            raise DaemonUnavailable(self._down)
+        if self._connection.down is not None:
+            raise DaemonUnavailable(self._connection.down)
         rid = f"{self._prefix}-{next(self._ids)}"
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future

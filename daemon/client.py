@@ -81,6 +81,45 @@ def check_endpoint(endpoint: str) -> None:
         raise _not_running(endpoint, f"{path} does not exist")
 
 
+#: what a client's socket monitor reports (see :class:`Connection`)
+WATCHED_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+@dataclass
+class Connection:
+    """What a client knows of its socket's connection, from its monitor's events."""
+
+    down: str | None = None     # why requests cannot go (None: they may)
+    refused: str | None = None  # why the last handshake failed, until one succeeds
+    live: bool = False          # a handshake succeeded and the connection has not dropped since
+
+    def event(self, event: Mapping[str, Any], endpoint: str) -> bool:
+        """Takes a monitor ``event`` in; whether the requests waiting on the connection fail now: when
+        the daemon refused this client's key, or when a connection that was serving drops (the
+        daemon exited). A connection that drops or fails before its handshake is done is tried
+        again by libzmq (a daemon starting or restarting): its requests keep waiting."""
+        kind = event["event"]
+        if kind == zmq.EVENT_CONNECTED:
+            self.down = None
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.down, self.refused, self.live = None, None, True
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self.refused = self.down = (f"the daemon at {endpoint} refused this client's CURVE key: put its public "
+                                        f"key in the directory the daemon's daemon.curve.authorized_keys_dir names")
+            return True
+        elif kind & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+            self.refused = (f"the handshake with {endpoint} failed: check the server's public key given to the "
+                            f"client (curve=), and that a vkpool daemon listens there")
+        elif kind == zmq.EVENT_DISCONNECTED and self.live:
+            self.live = False
+            self.down = (f"the connection to the daemon at {endpoint} closed (the daemon stopped or crashed); "
+                         f"requests it had not answered are lost: load the models again once it runs")
+            return True
+        return False
+
+
 def build_request(action: str, rid: str, content: Mapping[str, Any], frames: Sequence[Any]) -> list[Any]:
     return [P.DELIMITER, P.packed_header(f"{action}_request", rid), P.pack(dict(content)), *frames]
 
@@ -221,7 +260,10 @@ class Client:
                 self._follow(redirect, curve)
                 self.info = self.request("hello", {"client": name or f"pid {os.getpid()}"}, timeout=hello_timeout)[0]
         except TimeoutError:
+            refused = self._connection.refused
             self.close()
+            if refused is not None:
+                raise DaemonUnavailable(refused) from None
             raise _not_running(self.endpoint, f"no reply to hello within {hello_timeout:g} s") from None
         except BaseException:
             self.close()
@@ -253,9 +295,9 @@ class Client:
         drops (the daemon, or this client's serving process, exited), the requests that wait on
         it fail with DaemonUnavailable at once instead of waiting for replies that cannot come,
         and so do new ones until it is back (libzmq reconnects by itself)."""
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(WATCHED_EVENTS)
         self._poller.register(self._monitor, zmq.POLLIN)
-        self._down: str | None = None  # why the connection is down, while it is
+        self._connection = Connection()
 
     def _unwatch_connection(self) -> None:
         if getattr(self, "_monitor", None) is None:
@@ -265,17 +307,12 @@ class Client:
         self._monitor.close(0)
 
     def _connection_event(self) -> None:
-        event = recv_monitor_message(self._monitor)
-        if event["event"] == zmq.EVENT_CONNECTED:
-            self._down = None
-        elif event["event"] == zmq.EVENT_DISCONNECTED:
-            self._down = (f"the connection to the daemon at {self.serving_endpoint} closed (the daemon stopped "
-                          f"or crashed); requests it had not answered are lost: load the models again once "
-                          f"it runs")
+        connection = self._connection
+        if connection.event(recv_monitor_message(self._monitor), self.serving_endpoint):
             for rid in list(self._pending):
                 waiter = self._pending.pop(rid, None)
                 if waiter is not None:
-                    self._answer(rid, waiter, {"type": CONNECTION_LOST, "message": self._down})
+                    self._answer(rid, waiter, {"type": CONNECTION_LOST, "message": connection.down})
 
     def _to_front(self, action: str) -> "Client | None":
         """The client of the daemon's front (made on first use) when ``action`` goes there."""
@@ -314,7 +351,7 @@ class Client:
                     self._connection_event()
                 else:  # a request queued by another thread
                     message = outbox.recv_multipart(copy=False)
-                    if self._down is None:
+                    if self._connection.down is None:
                         sock.send_multipart(message, copy=False)
                     else:  # answered here: the daemon is gone
                         self._lost(P.unpack(P._buffer(message[1])))
@@ -357,7 +394,7 @@ class Client:
         rid = str(header.get("id")) if isinstance(header, dict) else None
         waiter = self._pending.pop(rid, None) if rid is not None else None
         if waiter is not None:
-            self._answer(rid, waiter, {"type": CONNECTION_LOST, "message": self._down})
+            self._answer(rid, waiter, {"type": CONNECTION_LOST, "message": self._connection.down})
 
     def _hand_over_lead(self) -> None:
         """After releasing the lead: wake one thread still waiting, so that it takes the lead."""
@@ -381,9 +418,9 @@ class Client:
             waiter = _Waiter(packed=packed)
             self._pending[rid] = waiter
             try:
-                if self._down is not None:  # a drop not yet read fails it in _pump
+                if self._connection.down is not None:  # a drop not yet read fails it in _pump
                     self._pending.pop(rid, None)
-                    raise DaemonUnavailable(self._down)
+                    raise DaemonUnavailable(self._connection.down)
                 P.send_parts(self._sock, message)
                 sent = time.perf_counter()
                 self._pump(lambda: waiter.reply is not None, deadline, sent)

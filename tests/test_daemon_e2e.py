@@ -418,8 +418,11 @@ def test_plain_tcp_is_refused_and_curve_tcp_authenticates(folder: Path) -> None:
         with client:
             assert client.status()["counters"]["accepted"] >= 1
         stranger_public, stranger_secret = zmq.curve_keypair()
-        with pytest.raises(E.DaemonUnavailable):
+        with pytest.raises(E.DaemonUnavailable, match="refused this client's CURVE key"):
             Client(endpoint, curve=(stranger_public, stranger_secret, spub), hello_timeout=1)
+        wrong_server, _ = zmq.curve_keypair()  # the client trusts another server key
+        with pytest.raises(E.DaemonUnavailable, match="check the server's public key"):
+            Client(endpoint, curve=(cpub, csec, wrong_server), hello_timeout=1)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
