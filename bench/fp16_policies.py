@@ -9,9 +9,9 @@ the tile split products run, the workgroups split-K aims at and the least K per 
 with a fused activation never split), ``attn_split=off`` (an attention's Q/K/V product never
 split: the attention reads it in float16), ``staged_out=BYTES`` (outputs from this size are
 computed in device memory and copied out, smaller ones written by their kernels into the
-memory the host reads: ``vkpool.engine.STAGED_OUTPUT_BYTES``), ``matmul_split=off`` (MatMul and Gemm nodes never split: only
-the products a LayerNormalization computes, which need no pass to add their splits); an empty
-SPEC is the planner's own. Each model is loaded once per
+memory the host reads: ``vkpool.engine.STAGED_OUTPUT_BYTES``), ``matmul_split=off`` (MatMul and
+Gemm nodes never split: only the products a LayerNormalization computes, which need no pass to
+add their splits); an empty SPEC is the planner's own. Each model is loaded once per
 policy, checked against the first policy's output (max|y - y0| / max|y0|, float16 rounding
 differs between tile shapes), and timed (median of ``--runs`` after 20 warm-up runs), with its
 dispatch count. The constants are set in this process only; nothing of vkpool is changed.
