@@ -35,12 +35,11 @@ class AsyncClient:
         C.check_endpoint(self.endpoint)
         self._own_ctx = context is None  # inproc:// endpoints need the daemon's context
         self._ctx = context or zmq.asyncio.Context()
-        self._sock = C.make_socket(self._ctx, self.endpoint, curve)
+        self._sock, self._monitor = C.make_socket(self._ctx, self.endpoint, curve)
         self._pending: dict[str, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._reader: asyncio.Task[None] | None = None
-        self._monitor = self._sock.get_monitor_socket(C.WATCHED_EVENTS)
         self._watcher: asyncio.Task[None] | None = None
         self._connection = C.Connection()
         self.info: dict[str, Any] = {}

@@ -61,8 +61,11 @@ def _not_running(endpoint: str, why: str) -> DaemonUnavailable:
     return DaemonUnavailable(f"no vkpool daemon answers at {endpoint} ({why}); start it with `vkpool serve`")
 
 
-def make_socket(ctx: zmq.Context, endpoint: str, curve: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
-    """A DEALER with a random routing id (the daemon keys references and retries by it)."""
+def make_socket(ctx: zmq.Context, endpoint: str, curve: tuple[bytes, bytes, bytes] | None
+                ) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER with a random routing id (the daemon keys references and retries by it), and the
+    monitor of its connection (:data:`WATCHED_EVENTS`), set up before it connects so that no
+    event of the connection is missed."""
     sock = ctx.socket(zmq.DEALER)
     sock.routing_id = b"\x01" + uuid.uuid4().bytes  # a leading zero byte is reserved by libzmq
     sock.linger = 0
@@ -71,8 +74,9 @@ def make_socket(ctx: zmq.Context, endpoint: str, curve: tuple[bytes, bytes, byte
     sock.rcvhwm = 0
     if curve is not None:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
+    monitor = sock.get_monitor_socket(WATCHED_EVENTS)
     sock.connect(endpoint)
-    return sock
+    return sock, monitor
 
 
 def check_endpoint(endpoint: str) -> None:
@@ -221,7 +225,7 @@ class Client:
         check_endpoint(self.endpoint)
         self._own_ctx = context is None  # inproc:// endpoints need the daemon's context
         self._ctx = context or zmq.Context()
-        self._sock = make_socket(self._ctx, self.endpoint, curve)
+        self._sock, self._monitor = make_socket(self._ctx, self.endpoint, curve)
         self._routing_id: bytes = self._sock.routing_id
         self._lane_offer: dict[str, Any] | None = None
         self._lanes_idle: list[ClientLane] = []
@@ -284,24 +288,21 @@ class Client:
         self._unwatch_connection()
         self._poller.unregister(self._sock)
         self._sock.close(0)
-        self._sock = make_socket(self._ctx, redirect, curve)
+        self._sock, self._monitor = make_socket(self._ctx, redirect, curve)
         self._routing_id = self._sock.routing_id
         self._poller.register(self._sock, zmq.POLLIN)
         self.serving_endpoint = redirect
         self._watch_connection()
 
     def _watch_connection(self) -> None:
-        """Watch the DEALER's connection (a socket monitor, read where replies are): when it
-        drops (the daemon, or this client's serving process, exited), the requests that wait on
-        it fail with DaemonUnavailable at once instead of waiting for replies that cannot come,
-        and so do new ones until it is back (libzmq reconnects by itself)."""
-        self._monitor = self._sock.get_monitor_socket(WATCHED_EVENTS)
+        """Watch the DEALER's connection (its monitor, read where replies are): when it drops
+        (the daemon, or this client's serving process, exited), the requests that wait on it
+        fail with DaemonUnavailable at once instead of waiting for replies that cannot come, and
+        so do new ones until it is back (libzmq reconnects by itself)."""
         self._poller.register(self._monitor, zmq.POLLIN)
         self._connection = Connection()
 
     def _unwatch_connection(self) -> None:
-        if getattr(self, "_monitor", None) is None:
-            return
         self._poller.unregister(self._monitor)
         self._sock.disable_monitor()
         self._monitor.close(0)

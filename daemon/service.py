@@ -345,14 +345,14 @@ class Service:
                 raise ProtocolViolation("InvalidTensor", str(exc)) from None
         return plan, feeds, rows
 
-    def claim_where_read(self, entry: ModelEntry, jobs: int) -> Any:
+    def claim_where_read(self, entry: ModelEntry, jobs: int, beside: int = 0) -> Any:
         """The claim (:meth:`Scheduler.claim_idle`) for ``jobs`` bound infers of ``entry`` that the
-        reading thread runs itself; None when they go to the model's queue instead: the model is
-        busy, being re-planned, not yet timed or slower than ``inline_run_max``, or the daemon
-        drains. Pair with :meth:`Scheduler.release_claim`."""
+        reading thread runs itself (beside ``beside`` of its own claimed before); None when they go
+        to the model's queue instead: the model is busy, being re-planned, not yet timed or slower
+        than ``inline_run_max``, or the daemon drains. Pair with :meth:`Scheduler.release_claim`."""
         if self.draining or not self.runs_where_read(entry):
             return None
-        return self.scheduler.claim_idle(entry.id, entry.gate, jobs)
+        return self.scheduler.claim_idle(entry.id, entry.gate, jobs, beside)
 
     def run_one(self, entry: ModelEntry, outputs: list[str] | None, feeds: dict[str, np.ndarray], accepted: float
                 ) -> tuple[Any, float, float]:
@@ -390,16 +390,12 @@ class Service:
         so that the device runs one batch while this thread writes the next one's rows and
         answers the last one's requests. ``failed(exc)`` answers the requests of the returned
         flight that landing it left unanswered (what ``answer_batch`` raised)."""
-        queue = None
-        if self.runs_where_read(entry) and not self.draining:
-            queue = self.scheduler.claim_idle(entry.id, entry.gate, len(items), 0 if flight is None else flight.jobs)
-            if queue is None and flight is not None:  # a re-plan waits, or jobs were queued: land first
-                self.land(flight)
-                flight = None
-                queue = self.scheduler.claim_idle(entry.id, entry.gate, len(items))
+        queue = self.claim_where_read(entry, len(items), 0 if flight is None else flight.jobs)
+        if queue is None and flight is not None:  # a re-plan waits, or jobs were queued: land first
+            self.land(flight)
+            flight = None
+            queue = self.claim_where_read(entry, len(items))
         if queue is None:
-            if flight is not None:
-                self.land(flight)
             for k in range(len(items)):
                 fallback(k)
             return None

@@ -246,18 +246,22 @@ def _fuse_residual(g: _Graph, norm: Node) -> bool:
     if add is None or info is None or info.dtype not in _FLOATS or len(add.inputs) != 2 or len(norm.inputs) > 3:
         return False
     a, b = add.inputs
-    removed = [add]
+    removed, residual = [add], None
     if a in g.model.constants or b in g.model.constants:
         terms = _constant_terms(g, add, info)
         if terms is None:
             return False
-        a, b, removed = terms
+        a, residual, removed = terms
     elif any(g.model.tensors.get(t) != info for t in (a, b)):
         return False
     others = [r for r in g.readers.get(x, []) if r is not norm]
     order = {id(n): i for i, n in enumerate(g.model.nodes)}
     if any(order[id(r)] < order[id(norm)] for r in others):
         return False  # a reader of the sum before the norm would lose its producer
+    if residual is not None:  # the constants' sum becomes a constant of the model's
+        b = g.model.fresh_name(f"{add.name or add.outputs[0]}_constant_residual")
+        g.model.constants[b] = residual
+        g.model.tensors[b] = info
     norm.inputs = [a, *norm.inputs[1:3], *([""] * (3 - len(norm.inputs))), b]
     norm.attrs["residual"] = 1
     if others or x in g.outputs:
@@ -275,11 +279,11 @@ def _fuse_residual(g: _Graph, norm: Node) -> bool:
 _CONSTANT_RESIDUAL_BYTES = 64 << 20
 
 
-def _constant_terms(g: _Graph, add: Node, info: TensorInfo) -> tuple[str, str, list[Node]] | None:
+def _constant_terms(g: _Graph, add: Node, info: TensorInfo) -> tuple[str, np.ndarray, list[Node]] | None:
     """A norm's input ``add`` = ``x + c1 + c2 + ...``, Adds each of one computed tensor and one
     constant (the inner sums read by nothing else), with ``x`` of the norm input's shape: ``x``,
-    the name of a new constant holding the constants' sum (taken in float64, broadcast to that
-    shape, rounded once to its type) and the Adds it replaces. A transformer's embeddings, word +
+    the constants' sum (taken in float64, broadcast to that shape, rounded once to its type) and
+    the Adds it replaces. A transformer's embeddings, word +
     position + token type with the last two constant, so become the norm's residual."""
     model = g.model
     total: np.ndarray | None = None
@@ -303,13 +307,9 @@ def _constant_terms(g: _Graph, add: Node, info: TensorInfo) -> tuple[str, str, l
     if total is None or model.tensors.get(x) != info or info.nbytes > _CONSTANT_RESIDUAL_BYTES:
         return None
     try:
-        residual = np.broadcast_to(total, info.shape).astype(info.dtype)
+        return x, np.ascontiguousarray(np.broadcast_to(total, info.shape).astype(info.dtype)), chain
     except ValueError:
         return None
-    name = model.fresh_name(f"{add.name or add.outputs[0]}_constant_residual")
-    model.constants[name] = np.ascontiguousarray(residual)
-    model.tensors[name] = TensorInfo(tuple(info.shape), info.dtype)
-    return x, name, chain
 
 
 #: where a node that computes its product (vkpool's attribute ``product``) takes the product's
