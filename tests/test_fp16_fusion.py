@@ -290,18 +290,40 @@ def test_float16_attention_follows_the_device_limits(limits, kernel):
         p.close()
 
 
-@pytest.mark.parametrize("b,hq,hkv,s,t,d,mask,causal", [
-    (1, 12, 12, 128, 128, 64, "padding", 0),   # BERT-base's heads, a padding mask
-    (2, 4, 2, 37, 37, 32, None, 1),            # grouped heads, a length no tile fills, causal
-    (1, 3, 3, 20, 70, 16, "add", 1),           # cross-attention: more keys than queries
-    (2, 2, 2, 33, 40, 48, "bool", 0),          # a boolean mask with a row masked whole
-], ids=["bert", "grouped-causal", "cross-add", "bool-masked-row"])
-def test_attention_on_cooperative_matrices_on_a_gpu(pool, b, hq, hkv, s, t, d, mask, causal):
+@pytest.mark.parametrize("b,hq,hkv,s,t,d,mask,causal,layout", [
+    (1, 12, 12, 128, 128, 64, "padding", 0, "V_APART,ROW_SHUFFLE"),   # BERT-base's heads, a padding mask
+    # the same where the values must share the keys' memory (47,680 bytes apart, 31,296 shared),
+    # and with the softmax rows combined through shared memory
+    (1, 12, 12, 128, 128, 64, "padding", 0, "ROW_SHUFFLE"),
+    (1, 12, 12, 128, 128, 64, "padding", 0, "V_APART"),
+    (1, 12, 12, 128, 128, 64, "padding", 0, ""),
+    (2, 4, 2, 37, 37, 32, None, 1, "V_APART,ROW_SHUFFLE"),   # grouped heads, a length no tile fills, causal
+    (1, 3, 3, 20, 70, 16, "add", 1, "V_APART,ROW_SHUFFLE"),  # cross-attention: more keys than queries
+    (2, 2, 2, 33, 40, 48, "bool", 0, "V_APART,ROW_SHUFFLE"),  # a boolean mask with a row masked whole
+], ids=["bert", "bert-v-shared", "bert-rows-in-memory", "bert-neither", "grouped-causal", "cross-add",
+        "bool-masked-row"])
+def test_attention_on_cooperative_matrices_on_a_gpu(b, hq, hkv, s, t, d, mask, causal, layout):
     """attention_coop.comp (float16, whole rows of scores in shared memory) against the float64
-    reference: within 2^-10 of the largest output (its probabilities are rounded to float16)."""
+    reference: within 2^-10 of the largest output (its probabilities are rounded to float16). Its
+    layouts: the values in shared memory of their own where it fits (lowered to 40 KiB here, they
+    share the keys'), a softmax row's invocations combining by subgroup shuffles where the device
+    has them (taken away here, through shared memory)."""
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VKPOOL_DEVICE_LIMITS", "" if "V_APART" in layout else "max_shared_memory_bytes=40960")
+        pool = vulkan_pool()
+    try:
+        member = coop_member(pool)
+        if "ROW_SHUFFLE" not in layout:
+            member.device.caps = dataclasses.replace(member.device.caps, subgroup_shuffle=False)
+        _attention_on_cooperative_matrices(pool, member, b, hq, hkv, s, t, d, mask, causal, layout)
+    finally:
+        pool.close()
+
+
+def _attention_on_cooperative_matrices(pool, member, b, hq, hkv, s, t, d, mask, causal, layout):
     from node_cases import run_node
 
-    member = coop_member(pool)
     q, k, v = (RNG.standard_normal(shape).astype(F16) for shape in ((b, s, hq * d), (b, t, hkv * d), (b, t, hkv * d)))
     m = None
     if mask == "padding":
@@ -316,6 +338,7 @@ def test_attention_on_cooperative_matrices_on_a_gpu(pool, b, hq, hkv, s, t, d, m
     op = create_op("Attention", attrs, [TensorInfo(x.shape, x.dtype) for x in inputs], opset=23)
     (d0,) = op.dispatches(DispatchContext(["q", "k", "v", "m"][:len(inputs)], ["y"], "ws", member.device.caps, {}))
     assert d0.shader == "attention_coop"
+    assert {k for k in ("V_APART", "ROW_SHUFFLE") if d0.defines[k]} == set(filter(None, layout.split(","))), d0.defines
     got, _ = run_node(pool, "Attention", inputs, attrs, opset=23, expected=[np.zeros((b, s, hq * d), F16)],
                       device=member.id)
     wide = [x.astype(np.float64) if x.dtype == F16 else x for x in inputs]

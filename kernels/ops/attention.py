@@ -199,10 +199,17 @@ class Attention(Op):
         if self.packed is not None and any(n % 8 for n in self.packed):
             return None
         tp = -(-self.t // 16) * 16
+        # Q's rows, the keys (then the values), the scores (then the output), the probabilities,
+        # the rows' maxima and sums
         shared = 16 * self.d * 2 + tp * max(self.d, self.dv) * 2 + 16 * max(tp, self.dv) * 4 + 16 * tp * 2 + 16 * 9 * 4
         if shared > caps.shared_memory_bytes:
             return None
-        return {"TP": tp}
+        # the values in memory of their own where it fits (staged with the keys: one wait on memory)
+        apart = shared - tp * max(self.d, self.dv) * 2 + tp * (self.d + self.dv) * 2 <= caps.shared_memory_bytes
+        # a row's 8 invocations in one subgroup (every device with cooperative matrices met has
+        # subgroups of 8 or more)
+        shuffle = caps.subgroup_shuffle and caps.subgroup_size >= 8
+        return {"TP": tp, "V_APART": int(apart), "ROW_SHUFFLE": int(shuffle)}
 
     def _rows_defines(self, caps: DeviceCaps | None) -> dict[str, int] | None:
         """The defines of ``attention_rows.comp`` on a CPU-like device whose loop limit its

@@ -13,12 +13,19 @@
 // B * S * QKV_ROW values), added in split order with the product's bias (PBIAS: qb, kb, vb at
 // each one's first column) and rounded to float16 as they are staged: the product's own
 // reduction pass is not needed.
+// V_APART: V has shared memory of its own and is staged with K, so that one wait on memory serves
+// both (else V takes K's place after Q Kᵀ, a second wait). ROW_SHUFFLE: the invocations of a
+// softmax row are lanes of one subgroup (subgroups of at least RT, whole), which combine their
+// maxima and sums by shuffles instead of through shared memory and barriers.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#if ROW_SHUFFLE
+#extension GL_KHR_shader_subgroup_shuffle : require
+#endif
 #include "common.glsl"
 #include "elem_types.glsl"
 #define TBUF F16Buf
@@ -54,16 +61,31 @@ layout(push_constant) uniform Args {
 
 #include "attention_index.glsl"
 
+#ifndef V_APART
+#define V_APART 0
+#endif
+#ifndef ROW_SHUFFLE
+#define ROW_SHUFFLE 0
+#endif
 #define QB 16
 #define NT 128
 #define DKV (D > DV ? D : DV)
 #define SW (TP > DV ? TP : DV)   // a row of the scores, later of the output
 #define RT 8                      // invocations per row in the softmax
 shared uvec4 Qs[QB * D / 8];
+#if V_APART
+shared uvec4 KVs[TP * D / 8];
+shared uvec4 Vs[TP * DV / 8];
+#define VS Vs
+#else
 shared uvec4 KVs[TP * DKV / 8];
+#define VS KVs
+#endif
 shared float Ss[QB * SW];
 shared float16_t Ps[QB * TP];
+#if !ROW_SHUFFLE
 shared float red[QB][RT];
+#endif
 shared float linv[QB];
 
 #ifdef NSPLITS
@@ -107,6 +129,13 @@ void main() {
         if (jj < T) STAGE(pc.k, pc.kb, kv_index(b, hk, jj, 0, D), d8, KVs[e]);
         else KVs[e] = uvec4(0);
     }
+#if V_APART
+    [[unroll]] for (uint e = id; e < TP * DV / 8; e += NT) {
+        const uint jj = e / (DV / 8), d8 = e % (DV / 8);
+        if (jj < T) STAGE(pc.v, pc.vb, kv_index(b, hk, jj, 0, DV), d8, Vs[e]);
+        else Vs[e] = uvec4(0);
+    }
+#endif
     barrier();
 
     // S = Q Kᵀ, a 16 x 16 tile of keys per subgroup at a time: B[d][j] = K[j][d], column-major
@@ -122,15 +151,23 @@ void main() {
         }
         coopMatStore(acc, Ss, kt * 16, SW, gl_CooperativeMatrixLayoutRowMajor);
     }
-    barrier();  // every key read: the values take their place while the rows are normalised
+    barrier();  // every score written (and every key read: the values may take their place)
 
+#if !V_APART
     [[unroll]] for (uint e = id; e < TP * DV / 8; e += NT) {
         const uint jj = e / (DV / 8), d8 = e % (DV / 8);
         if (jj < T) STAGE(pc.v, pc.vb, kv_index(b, hk, jj, 0, DV), d8, KVs[e]);
         else KVs[e] = uvec4(0);
     }
+#endif
     {
+#if ROW_SHUFFLE
+        // RT consecutive lanes of a subgroup per row
+        const uint lane = gl_SubgroupInvocationID;
+        const uint r = sg * (gl_SubgroupSize / RT) + lane / RT, c = lane % RT, i = i0 + r;
+#else
         const uint r = id / RT, c = id % RT, i = i0 + r;
+#endif
         float tmax = NEG_INF;
         [[unroll]] for (uint j = c; j < TP; j += RT) {
             float t = NEG_INF;
@@ -144,10 +181,14 @@ void main() {
             Ss[r * SW + j] = t;
             tmax = max(tmax, t);
         }
+#if ROW_SHUFFLE
+        [[unroll]] for (uint w = RT / 2; w > 0; w /= 2) tmax = max(tmax, subgroupShuffleXor(tmax, w));
+#else
         red[r][c] = tmax;
         barrier();
         tmax = NEG_INF;
         [[unroll]] for (uint w = 0; w < RT; ++w) tmax = max(tmax, red[r][w]);
+#endif
         // a row masked whole has probabilities 0 and output 0, never exp(nan)
         const float base = tmax == NEG_INF ? 0.0 : tmax;
         float psum = 0.0;
@@ -157,6 +198,10 @@ void main() {
             Ps[r * TP + j] = float16_t(p);
             psum += p;
         }
+#if ROW_SHUFFLE
+        [[unroll]] for (uint w = RT / 2; w > 0; w /= 2) psum += subgroupShuffleXor(psum, w);
+        if (c == 0) linv[r] = psum > 0.0 ? 1.0 / psum : 0.0;
+#else
         barrier();  // red's maxima read by every lane of the row
         red[r][c] = psum;
         barrier();
@@ -165,6 +210,7 @@ void main() {
             [[unroll]] for (uint w = 0; w < RT; ++w) psum += red[r][w];
             linv[r] = psum > 0.0 ? 1.0 / psum : 0.0;
         }
+#endif
     }
     barrier();  // P complete, the values staged, the scores no longer read
 
@@ -176,7 +222,7 @@ void main() {
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> ma;
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> mb;
             coopMatLoad(ma, Ps, kt * 16, TP, gl_CooperativeMatrixLayoutRowMajor);
-            coopMatLoad(mb, KVs, (kt * 16 * DV + ot * 16) / 8, DV / 8, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatLoad(mb, VS, (kt * 16 * DV + ot * 16) / 8, DV / 8, gl_CooperativeMatrixLayoutRowMajor);
             acc = coopMatMulAdd(ma, mb, acc);
         }
         coopMatStore(acc, Ss, ot * 16, SW, gl_CooperativeMatrixLayoutRowMajor);
