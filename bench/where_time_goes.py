@@ -1,4 +1,7 @@
-"""Where the time of one ``Session.run`` goes: input copy, submit, wait, output copy (host clocks).
+"""Where the time of one ``Session.run`` goes: input copy, submit, wait, output copy (host clocks),
+and the GPU's own time for the run's commands (a timestamp before the first and after the last,
+the commands recorded once more with them: the wait beyond it is the device's start and the
+host's look at the fence).
 
 Usage: python -m bench.where_time_goes MODEL.onnx [--runs 200] [--device vk0]
 """
@@ -47,6 +50,8 @@ def main() -> None:
         t = time.perf_counter()
         sess.run(None, feeds)
         parts["run total"].append(time.perf_counter() - t)
+    parts["GPU, first command to last"] = [dev.profile(chunk.commands, each=False)[0] * 1e-6
+                                           for _ in range(min(args.runs, 50))]
     s = chunk.stats
     print(f"{args.model} on {sess.member.id} ({sess.member.info.name}): load {load * 1e3:.1f} ms; "
           f"{s.dispatches} dispatches, {s.levels} levels, {s.barriers} barriers; recording happens once at load")
