@@ -138,7 +138,7 @@ def test_a_wait_learns_how_long_its_runs_take(pool):
         t0 = time.perf_counter()
         sess.run(None, {"x": x})
         first = time.perf_counter() - t0
-        # from submission to the host seeing the run's end: inside the run's own wall time
+        # from submission to the host seeing the fence: inside the run's own wall time
         assert 0.0 < sub.typical_s <= first
         times = []
         for _ in range(5):
@@ -148,29 +148,6 @@ def test_a_wait_learns_how_long_its_runs_take(pool):
         # a blend of runs seen (a faster one replaces it outright): within their wall times
         assert 0.0 < sub.typical_s <= max(*times, first)
         np.testing.assert_allclose(out, _reference(x), rtol=1e-6, atol=1e-6)
-
-
-def test_a_run_ends_when_its_submissions_timeline_reaches_the_value_its_submit_signalled(pool):
-    """Runs learn their end from a timeline semaphore of the submission's own, signalled by each
-    submit with the next value: after n runs the counter is at n, and a wait that blocks in the
-    driver at once (no polling) returns the run's outputs as a polled wait does."""
-    with Session(_model(), pool=pool) as sess:
-        chunk = sess._chunk
-        device, sub = chunk.device, chunk.submission
-        counter = device._ffi.new("uint64_t*")
-        x = np.random.default_rng(5).standard_normal((3, 16)).astype(np.float32)
-        for n in range(1, 4):
-            (out,) = sess.run(None, {"x": x + n})
-            assert sub.done.value == n and device.ended(sub)
-            device._lib.vkGetSemaphoreCounterValue(device.handle, sub.done.handle, counter)
-            assert counter[0] == n
-            np.testing.assert_allclose(out, _reference(x + n), rtol=1e-6, atol=1e-6)
-        slot = chunk.start({"x": x})
-        chunk.wait_in_place(slot, spin=False)  # vkWaitSemaphores, no polling
-        (out,) = chunk.slot_views(slot)[1].values()
-        np.testing.assert_allclose(out, _reference(x), rtol=1e-6, atol=1e-6)
-        chunk._idle.put(slot)
-        assert sub.done.value == 4 and device.ended(sub)
 
 
 def _matmul_weight() -> np.ndarray:

@@ -1,4 +1,4 @@
-"""A logical Vulkan device: queue, memory types, pipelines, command buffers and semaphores.
+"""A logical Vulkan device: queue, memory types, pipelines, command buffers and fences.
 
 One :class:`LogicalDevice` exists per physical device; the members of a split device share
 it (each with its own budget and allocators). All pipelines share one layout: no descriptor
@@ -33,7 +33,7 @@ class Counters:
     submissions: int = 0
 
 
-#: bounds of the window in which :meth:`LogicalDevice.wait` polls a run's end before blocking
+#: bounds of the window in which :meth:`LogicalDevice.wait` polls a fence before blocking
 WAIT_POLL_MIN_S = 0.0002
 WAIT_POLL_MAX_S = 0.005
 
@@ -49,23 +49,14 @@ class Timeline:
 
 @dataclass(eq=False)
 class Submission:
-    """A recorded command buffer with its prebuilt VkSubmitInfo, and the timeline semaphore its
-    last batch signals at each submit (``done``: the host learns a run's end from its value).
-
-    NOTE: not a fence. NVIDIA H200, driver 580 (``python -m bench.sync_probe``): polling a
-    fence saw float16 BERT-base's 692 µs of GPU time end 8.8 µs after it, polling the counter
-    of a timeline semaphore signalled in the same batch 1.6 µs after; a fence also needs a
-    reset after each run (0.9 µs)."""
+    """A recorded command buffer with its prebuilt VkSubmitInfo and fence."""
 
     device: LogicalDevice
     cmd: Any
     info: Any
     keep: Any  # the C arrays the submit infos point to
-    done: Timeline
-    #: C arrays for the host's looks at ``done``: its handle, the value awaited, the value read
-    done_array: Any
-    done_wait: Any
-    done_read: Any
+    fence: Any
+    fence_array: Any
     #: when the last submit happened (``perf_counter``) and how long this command buffer's runs
     #: take until the host sees them done (seconds): how long :meth:`LogicalDevice.wait` polls
     submitted_at: float = 0.0
@@ -84,7 +75,7 @@ class Submission:
     follow: int = 0
 
     def release(self) -> None:
-        self.device.destroy_semaphore(self.done.handle)
+        self.device.destroy_fence(self.fence)
         self.device.free_command_buffer(self.cmd)
 
 
@@ -489,12 +480,7 @@ class LogicalDevice:
             self._lib.vkFreeCommandBuffers(self.handle, self.transfer_pool if transfer else self.command_pool, 1, arr)
 
     def create_semaphore(self) -> Any:
-        """A new binary ``VkSemaphore``."""
-        ffi = self._ffi
-        info = ffi.new("VkSemaphoreCreateInfo*", {"sType": self._b.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO})
-        handle = ffi.new("VkSemaphore*")
-        vk.call("vkCreateSemaphore", self.handle, info, ffi.NULL, handle, member=self.name)
-        return handle[0]
+        return self._create_sync("Semaphore")
 
     def create_timeline(self) -> Timeline:
         """A timeline semaphore at value 0 (free it with :meth:`destroy_semaphore` on its handle)."""
@@ -509,8 +495,8 @@ class LogicalDevice:
 
     def wait_idle(self) -> None:
         """Waits until the device has finished everything submitted to it, semaphore signals
-        included: before the command buffers and semaphores of runs are destroyed, since a run
-        can be seen ended a moment before the other semaphores of its batches are (lavapipe)."""
+        included: before the command buffers, fences and semaphores of runs are destroyed, since
+        a fence can be seen signalled a moment before the semaphores of its batches (lavapipe)."""
         with self.queue_lock:
             vk.check("vkDeviceWaitIdle", self._lib.vkDeviceWaitIdle(self.handle), self.name)
 
@@ -644,6 +630,20 @@ class LogicalDevice:
         period_us = props.limits.timestampPeriod / 1000.0
         return [float(d) * period_us for d in np.diff(stamps.astype(np.int64))]
 
+    def create_fence(self) -> Any:
+        return self._create_sync("Fence")
+
+    def _create_sync(self, kind: str) -> Any:
+        """A new ``VkFence`` or (binary) ``VkSemaphore``: ``kind`` is "Fence" or "Semaphore"."""
+        ffi = self._ffi
+        info = ffi.new(f"Vk{kind}CreateInfo*", {"sType": getattr(self._b, f"VK_STRUCTURE_TYPE_{kind.upper()}_CREATE_INFO")})
+        handle = ffi.new(f"Vk{kind}*")
+        vk.call(f"vkCreate{kind}", self.handle, info, ffi.NULL, handle, member=self.name)
+        return handle[0]
+
+    def destroy_fence(self, fence: Any) -> None:
+        self._lib.vkDestroyFence(self.handle, fence, self._ffi.NULL)
+
     def submission(self, cmd: Any, *, before: tuple[Any, Any] | None = None,
                    after: tuple[Any, Any] | None = None, waits: Sequence[Timeline] = (),
                    signal: Timeline | None = None, follow: int = 0) -> Submission:
@@ -652,17 +652,15 @@ class LogicalDevice:
         ``cmd`` waits for at the compute stage) and one ``after`` it (which waits for ``cmd``,
         at the transfer stage), each given as (command buffer, semaphore it signals). The
         first of them waits for ``waits`` (timelines of other chunks' runs, the values given
-        to :meth:`submit`), the last signals the submission's ``done`` and ``signal``.
-        ``follow``: places for that many command buffers behind ``cmd`` in its batch, given to
-        each :meth:`submit` (``done`` and ``signal`` then cover them too)."""
+        to :meth:`submit`), the last signals ``signal`` and the fence. ``follow``: places for
+        that many command buffers behind ``cmd`` in its batch, given to each :meth:`submit`
+        (the fence and signal then cover them too)."""
         ffi, b = self._ffi, self._b
         keep: list[Any] = []
         anywhere = b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | b.VK_PIPELINE_STAGE_TRANSFER_BIT
         # the values the first submission waits for and the last one signals: filled by submit
         wait_values = ffi.new("uint64_t[]", len(waits)) if waits else None
-        # the last batch signals ``done`` (the run's end, for the host) and then ``signal``
-        done = self.create_timeline()
-        signal_value = ffi.new("uint64_t[]", 2)
+        signal_value = ffi.new("uint64_t[]", 1) if signal is not None else None
 
         def info(buffer: Any, wait: Any = None, stage: int = 0, signal_sem: Any = None,
                  first: bool = False, last: bool = False, places: int = 0) -> Any:
@@ -677,9 +675,9 @@ class LogicalDevice:
                 timeline.update(waitSemaphoreValueCount=len(waits), pWaitSemaphoreValues=wait_values)
             if signal_sem is not None:
                 signals = [signal_sem]
-            elif last:
-                signals = [done.handle] + ([signal.handle] if signal is not None else [])
-                timeline.update(signalSemaphoreValueCount=len(signals), pSignalSemaphoreValues=signal_value)
+            elif last and signal is not None:
+                signals = [signal.handle]
+                timeline.update(signalSemaphoreValueCount=1, pSignalSemaphoreValues=signal_value)
             arrays = (ffi.new("VkCommandBuffer[]", [buffer] + [ffi.NULL] * places),
                       ffi.new("VkSemaphore[]", wait_sems), ffi.new("VkPipelineStageFlags[]", stages),
                       ffi.new("VkSemaphore[]", signals))
@@ -697,8 +695,8 @@ class LogicalDevice:
 
         main = info(cmd, before[1] if before else None, b.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
                     after[1] if after else None, first=before is None, last=after is None, places=follow)
-        sub = Submission(self, cmd, main, keep, done, ffi.new("VkSemaphore[]", [done.handle]),
-                         ffi.new("uint64_t[]", 1), ffi.new("uint64_t*"),
+        fence = self.create_fence()
+        sub = Submission(self, cmd, main, keep, fence, ffi.new("VkFence[]", [fence]),
                          wait_values=wait_values, signal=signal, signal_value=signal_value,
                          commands=main.pCommandBuffers, follow=follow)
         keep.extend(v for v in (wait_values, signal_value) if v is not None)
@@ -721,69 +719,70 @@ class LogicalDevice:
         with self.queue_lock:
             for i, value in enumerate(waits):
                 sub.wait_values[i] = value
-            done = sub.done
-            done.value += 1
-            sub.signal_value[0] = sub.done_wait[0] = done.value
             if sub.signal is not None:
                 sub.signal.value = signaled = sub.signal.value + 1
-                sub.signal_value[1] = signaled
+                sub.signal_value[0] = signaled
             if sub.before is not None:
                 vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.transfer_queue, 1, sub.before, null), self.name)
-            vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.queue, 1, sub.info, null), self.name)
-            if sub.after is not None:
-                vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.transfer_queue, 1, sub.after, null), self.name)
+            if sub.after is None:
+                vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.queue, 1, sub.info, sub.fence), self.name)
+            else:
+                vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.queue, 1, sub.info, null), self.name)
+                vk.check("vkQueueSubmit", lib.vkQueueSubmit(self.transfer_queue, 1, sub.after, sub.fence), self.name)
             sub.submitted_at = time.perf_counter()
         self.counters.submissions += 1
         return signaled
 
     def ended(self, sub: Submission) -> bool:
-        """Whether the submission's last submit has ended (without waiting; :meth:`wait` still
-        follows it)."""
-        read = sub.done_read
-        r = self._lib.vkGetSemaphoreCounterValue(self.handle, sub.done.handle, read)
-        if r != vk.VK_SUCCESS:
-            vk.check("vkGetSemaphoreCounterValue", r, self.name)
-        return read[0] >= sub.done_wait[0]
+        """Whether the submission's fence is signaled (without waiting; :meth:`wait` still
+        follows, to reset it)."""
+        r = self._lib.vkGetFenceStatus(self.handle, sub.fence)
+        if r != vk.VK_SUCCESS and r != vk.VK_NOT_READY:
+            vk.check("vkGetFenceStatus", r, self.name)
+        return r == vk.VK_SUCCESS
 
     def wait(self, sub: Submission, *, spin_seconds: float | None = None) -> None:
-        """Waits for the submission's last submit to end (its ``done`` timeline to reach the
-        value that submit signals).
+        """Waits for the submission's fence, then resets it.
 
-        Polls the counter first, since polling answers tens of microseconds sooner than the
+        Polls the fence first, since polling answers tens of microseconds sooner than the
         driver's blocking wait (NVIDIA H200: a 1 GiB GEMV model ran in 285 µs polled, 316 µs
         with a blocking wait after 0.2 ms, ``bench/wait_probe.py``); then blocks in the driver
         with the GIL released. The polling window is ``spin_seconds`` when given, else twice
         the time this command buffer's runs usually take, between ``WAIT_POLL_MIN_S`` and
         ``WAIT_POLL_MAX_S``: a run of usual length is polled to its end, and only a run far
         longer than usual (or longer than the cap) ends in a blocking wait. Sleeping through
-        the expected time instead was tried: wake-ups came hundreds of microseconds late."""
-        lib, handle = self._lib, self.handle
-        sem, read, want = sub.done.handle, sub.done_read, sub.done_wait[0]
+        the expected time instead was tried: wake-ups came hundreds of microseconds late.
+
+        NOTE: a timeline semaphore of each submission's own, signalled by its last batch and
+        polled with ``vkGetSemaphoreCounterValue``, was tried in place of the fence (H200, driver
+        580): back-to-back runs of float16 BERT-base saw their end 7 µs sooner
+        (``python -m bench.sync_probe``), but the daemon's jobs/s at 16 and 64 clients fell in 7
+        of 8 comparisons with this fence in the same call (docs/benchmarks.md)."""
+        lib = self._lib
+        fence, fence_array = sub.fence, sub.fence_array
         typical = sub.typical_s
         if spin_seconds is None:
             spin_seconds = min(WAIT_POLL_MAX_S, max(WAIT_POLL_MIN_S, 2.0 * typical))
         deadline = time.perf_counter() + spin_seconds
         while True:
-            r = lib.vkGetSemaphoreCounterValue(handle, sem, read)
-            if r != vk.VK_SUCCESS:
-                vk.check("vkGetSemaphoreCounterValue", r, self.name)
-            if read[0] >= want:
+            r = lib.vkGetFenceStatus(self.handle, fence)
+            if r == vk.VK_SUCCESS:
                 break
+            if r != vk.VK_NOT_READY:
+                vk.check("vkGetFenceStatus", r, self.name)
             if time.perf_counter() > deadline:
-                info = self._ffi.new("VkSemaphoreWaitInfo*", {
-                    "sType": self._b.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, "semaphoreCount": 1,
-                    "pSemaphores": sub.done_array, "pValues": sub.done_wait})
                 while True:
-                    r = lib.vkWaitSemaphores(handle, info, 1_000_000_000)
+                    r = lib.vkWaitForFences(self.handle, 1, fence_array, 1, 1_000_000_000)
                     if r == vk.VK_SUCCESS:
                         break
                     if r != vk.VK_TIMEOUT:
-                        vk.check("vkWaitSemaphores", r, self.name)
+                        vk.check("vkWaitForFences", r, self.name)
                 break
         took = time.perf_counter() - sub.submitted_at
         # follows a faster run at once and a slower one slowly, so one slow run (a clock dip)
         # does not stretch the polling of the runs after it
         sub.typical_s = took if typical == 0.0 or took < typical else 0.9 * typical + 0.1 * took
+        vk.check("vkResetFences", lib.vkResetFences(self.handle, 1, fence_array), self.name)
 
     def run_once(self, commands: list[tuple[Any, ...]]) -> None:
         """Records, submits and waits for a one-time command buffer (uploads, downloads)."""
