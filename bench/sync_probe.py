@@ -84,6 +84,13 @@ class _Way:
         self.info = ffi.new("VkSubmitInfo*", fields)
         self.spent: dict[str, list[float]] = {"submit": [], "poll": [], "reset": [], "whole": []}
 
+    def close(self) -> None:
+        if self.timeline:
+            self.device.destroy_semaphore(self.sem)
+        else:
+            self.lib.vkDestroyFence(self.device.handle, self.fence, self.ffi.NULL)
+        self.device.free_command_buffer(self.cmd)
+
     def once(self, gap_s: float) -> None:
         lib, dev, clock = self.lib, self.device.handle, time.perf_counter
         until = clock() + gap_s
@@ -149,7 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         for label, way in ways.items():
             m = {k: statistics.median(v) for k, v in way.spent.items()}
             print(f"| {label} | {m['submit']:.1f} | {m['poll']:.1f} | {m['reset']:.1f} | {m['whole']:.1f} |")
-    device.wait_idle()
+        device.wait_idle()
+        for way in ways.values():
+            if isinstance(way, _Way):
+                way.close()
     sess.close()
 
 
