@@ -15,7 +15,8 @@ run's own recording as a run submits and waits for it (with and without its inpu
 Prints the medians (µs) of the ``vkQueueSubmit`` call, of the polling until the end is seen, of
 the reset, and of the whole, and the GPU time of the model's commands (two timestamps). Each
 ``--gaps-us`` value is a table: the host waits that long (polling the clock) between a run's
-end and the next submit, as a caller's own work between runs would.
+end and the next submit, as a caller's own work between runs would. Last, the cost of one look
+at a run that has ended (``vkGetFenceStatus`` against ``vkGetSemaphoreCounterValue``).
 """
 from __future__ import annotations
 
@@ -157,6 +158,20 @@ def main(argv: list[str] | None = None) -> None:
             m = {k: statistics.median(v) for k, v in way.spent.items()}
             print(f"| {label} | {m['submit']:.1f} | {m['poll']:.1f} | {m['reset']:.1f} | {m['whole']:.1f} |")
         device.wait_idle()
+        # what one look at an ended run costs the host (a look the daemon's thread makes at
+        # every batch in flight on each pass)
+        looks = {}
+        for label in ("empty, fence", "empty, timeline"):
+            way = ways[label]
+            if way.timeline:
+                look = lambda w=way: w.lib.vkGetSemaphoreCounterValue(device.handle, w.sem, w.counter)  # noqa: E731
+            else:
+                look = lambda w=way: w.lib.vkGetFenceStatus(device.handle, w.fence)  # noqa: E731
+            t0 = time.perf_counter()
+            for _ in range(10000):
+                look()
+            looks[label.split(", ")[1]] = (time.perf_counter() - t0) / 10000 * 1e6
+        print(f"\none look at an ended run: fence {looks['fence']:.2f} µs, timeline {looks['timeline']:.2f} µs")
         for way in ways.values():
             if isinstance(way, _Way):
                 way.close()
