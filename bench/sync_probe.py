@@ -28,21 +28,40 @@ from typing import Any
 import numpy as np
 
 
-class _Engine:
+class _Timed:
+    """A way of running and waiting, with its times per part (µs, one entry per run)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, list[float]] = {"submit": [], "poll": [], "reset": [], "whole": []}
+
+    @staticmethod
+    def gap(gap_s: float) -> float:
+        """Polls the clock for ``gap_s`` (the caller's own work between runs); returns the time."""
+        clock = time.perf_counter
+        until = clock() + gap_s
+        while clock() < until:
+            pass
+        return clock()
+
+    def record(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        """A run submitted from ``t0`` to ``t1``, seen ended at ``t2``, reset by ``t3``."""
+        for key, v in zip(("submit", "poll", "reset", "whole"), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            self.spent[key].append(v * 1e6)
+
+
+class _Engine(_Timed):
     """The chunk's own submission, submitted and waited for as a run does (``LogicalDevice.submit``
-    and ``wait``), with the run's inputs written first when ``feeds`` are given."""
+    and ``wait``, the fence's reset inside the wait), with the run's inputs written first when
+    ``feeds`` are given."""
 
     def __init__(self, chunk: Any, feeds: dict[str, Any] | None) -> None:
+        super().__init__()
         self.chunk, self.feeds = chunk, feeds
-        self.spent: dict[str, list[float]] = {"submit": [], "poll": [], "reset": [], "whole": []}
 
     def once(self, gap_s: float) -> None:
         clock, chunk = time.perf_counter, self.chunk
         device, sub = chunk.device, chunk.submission
-        until = clock() + gap_s
-        while clock() < until:
-            pass
-        t0 = clock()
+        t0 = self.gap(gap_s)
         if self.feeds is not None:
             views = chunk._slots[0].in_views
             for name, value in self.feeds.items():
@@ -51,12 +70,15 @@ class _Engine:
         t1 = clock()
         device.wait(sub)
         t2 = clock()
-        for key, v in zip(("submit", "poll", "reset", "whole"), (t1 - t0, t2 - t1, 0.0, t2 - t0)):
-            self.spent[key].append(v * 1e6)
+        self.record(t0, t1, t2, t2)
 
 
-class _Way:
+class _Way(_Timed):
+    """``commands`` recorded once more, submitted raw, their end seen by a fence (reset after) or
+    by a timeline semaphore's counter."""
+
     def __init__(self, device: Any, commands: list[tuple[Any, ...]], timeline: bool) -> None:
+        super().__init__()
         self.device, self.timeline = device, timeline
         ffi, b, lib = device._ffi, device._b, device._lib
         self.ffi, self.lib = ffi, lib
@@ -83,7 +105,6 @@ class _Way:
             self.fence = fence[0]
             self.fences = ffi.new("VkFence[]", [self.fence])
         self.info = ffi.new("VkSubmitInfo*", fields)
-        self.spent: dict[str, list[float]] = {"submit": [], "poll": [], "reset": [], "whole": []}
 
     def close(self) -> None:
         if self.timeline:
@@ -92,32 +113,50 @@ class _Way:
             self.lib.vkDestroyFence(self.device.handle, self.fence, self.ffi.NULL)
         self.device.free_command_buffer(self.cmd)
 
-    def once(self, gap_s: float) -> None:
-        lib, dev, clock = self.lib, self.device.handle, time.perf_counter
-        until = clock() + gap_s
-        while clock() < until:
-            pass
-        t0 = clock()
+    def once(self, gap_s: float, reset: bool = True) -> None:
+        t0 = self.gap(gap_s)
         if self.timeline:
             self.value += 1
             self.values[0] = self.value
-        lib.vkQueueSubmit(self.device.queue, 1, self.info, self.fence)
-        t1 = clock()
+        self.lib.vkQueueSubmit(self.device.queue, 1, self.info, self.fence)
+        t1 = time.perf_counter()
+        t2 = t3 = self.wait(reset)
+        if not self.timeline and reset:
+            t3 = time.perf_counter()
+        self.record(t0, t1, t2, t3)
+
+    def wait(self, reset: bool) -> float:
+        """Polls until the last submit ended (then resets the fence, when ``reset``); returns when
+        it was seen ended."""
+        lib, dev = self.lib, self.device.handle
         if self.timeline:
             counter, sem, want = self.counter, self.sem, self.value
             while True:
                 lib.vkGetSemaphoreCounterValue(dev, sem, counter)
                 if counter[0] >= want:
-                    break
-            t2 = t3 = clock()
-        else:
-            while lib.vkGetFenceStatus(dev, self.fence) != 0:
-                pass
-            t2 = clock()
+                    return time.perf_counter()
+        while lib.vkGetFenceStatus(dev, self.fence) != 0:
+            pass
+        seen = time.perf_counter()
+        if reset:
             lib.vkResetFences(dev, 1, self.fences)
-            t3 = clock()
-        for key, v in zip(("submit", "poll", "reset", "whole"), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-            self.spent[key].append(v * 1e6)
+        return seen
+
+    def look_us(self, n: int = 10000) -> float:
+        """What one look at an ended run costs: a last run, left unreset, then ``n`` looks at it."""
+        self.once(0.0, reset=False)
+        lib, dev = self.lib, self.device.handle
+        t0 = time.perf_counter()
+        if self.timeline:
+            for _ in range(n):
+                lib.vkGetSemaphoreCounterValue(dev, self.sem, self.counter)
+        else:
+            for _ in range(n):
+                lib.vkGetFenceStatus(dev, self.fence)
+        spent = (time.perf_counter() - t0) / n * 1e6
+        if not self.timeline:
+            lib.vkResetFences(dev, 1, self.fences)
+        return spent
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,21 +196,11 @@ def main(argv: list[str] | None = None) -> None:
         for label, way in ways.items():
             m = {k: statistics.median(v) for k, v in way.spent.items()}
             print(f"| {label} | {m['submit']:.1f} | {m['poll']:.1f} | {m['reset']:.1f} | {m['whole']:.1f} |")
-        device.wait_idle()
         # what one look at an ended run costs the host (a look the daemon's thread makes at
         # every batch in flight on each pass)
-        looks = {}
-        for label in ("empty, fence", "empty, timeline"):
-            way = ways[label]
-            if way.timeline:
-                look = lambda w=way: w.lib.vkGetSemaphoreCounterValue(device.handle, w.sem, w.counter)  # noqa: E731
-            else:
-                look = lambda w=way: w.lib.vkGetFenceStatus(device.handle, w.fence)  # noqa: E731
-            t0 = time.perf_counter()
-            for _ in range(10000):
-                look()
-            looks[label.split(", ")[1]] = (time.perf_counter() - t0) / 10000 * 1e6
-        print(f"\none look at an ended run: fence {looks['fence']:.2f} µs, timeline {looks['timeline']:.2f} µs")
+        fence, timeline = ways["empty, fence"].look_us(), ways["empty, timeline"].look_us()
+        print(f"\none look at an ended run: fence {fence:.2f} µs, timeline {timeline:.2f} µs")
+        device.wait_idle()
         for way in ways.values():
             if isinstance(way, _Way):
                 way.close()

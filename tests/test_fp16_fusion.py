@@ -302,28 +302,23 @@ def test_float16_attention_follows_the_device_limits(limits, kernel):
     (2, 2, 2, 33, 40, 48, "bool", 0, "V_APART,ROW_SHUFFLE"),  # a boolean mask with a row masked whole
 ], ids=["bert", "bert-v-shared", "bert-rows-in-memory", "bert-neither", "grouped-causal", "cross-add",
         "bool-masked-row"])
-def test_attention_on_cooperative_matrices_on_a_gpu(b, hq, hkv, s, t, d, mask, causal, layout):
+def test_attention_on_cooperative_matrices_on_a_gpu(pool, monkeypatch, request, b, hq, hkv, s, t, d, mask, causal,
+                                                   layout):
     """attention_coop.comp (float16, whole rows of scores in shared memory) against the float64
     reference: within 2^-10 of the largest output (its probabilities are rounded to float16). Its
     layouts: the values in shared memory of their own where it fits (lowered to 40 KiB here, they
     share the keys'), a softmax row's invocations combining by subgroup shuffles where the device
     has them (taken away here, through shared memory)."""
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VKPOOL_DEVICE_LIMITS", "" if "V_APART" in layout else "max_shared_memory_bytes=40960")
-        pool = vulkan_pool()
-    try:
-        member = coop_member(pool)
-        if "ROW_SHUFFLE" not in layout:
-            member.device.caps = dataclasses.replace(member.device.caps, subgroup_shuffle=False)
-        _attention_on_cooperative_matrices(pool, member, b, hq, hkv, s, t, d, mask, causal, layout)
-    finally:
-        pool.close()
-
-
-def _attention_on_cooperative_matrices(pool, member, b, hq, hkv, s, t, d, mask, causal, layout):
     from node_cases import run_node
 
+    member = coop_member(pool)  # skips on a device without cooperative matrices
+    if "V_APART" not in layout:
+        monkeypatch.setenv("VKPOOL_DEVICE_LIMITS", "max_shared_memory_bytes=40960")
+        pool = vulkan_pool()
+        request.addfinalizer(pool.close)
+        member = coop_member(pool)
+    if "ROW_SHUFFLE" not in layout:
+        monkeypatch.setattr(member.device, "caps", dataclasses.replace(member.device.caps, subgroup_shuffle=False))
     q, k, v = (RNG.standard_normal(shape).astype(F16) for shape in ((b, s, hq * d), (b, t, hkv * d), (b, t, hkv * d)))
     m = None
     if mask == "padding":
