@@ -1,6 +1,7 @@
 """What one dependent dispatch costs on this device, per way of ordering it after the one before.
 
 Usage: python -m bench.barrier_probe [--device vk0] [--family K] [--lengths 100 1000] [--runs 50]
+                                    [--models MODEL.onnx ...] [--rounds 3]
 
 Takes the recorded commands of ``add_chain_N`` (one 1-element Add per dispatch, each reading the
 one before) and records them again with each kind of synchronisation between the dispatches:
@@ -10,12 +11,17 @@ one before) and records them again with each kind of synchronisation between the
 - ``execution``: the compute-to-compute barrier without its memory barrier (an execution
   dependency only: what the driver charges for ordering alone, not a correct recording);
 - ``event``: a set/wait event pair with the same memory barrier instead of the pipeline barrier;
+- ``state-first``: the engine's barrier, recorded after the next dispatch's pipeline bind and
+  push constants instead of before them (whether the driver sets the next dispatch up while the
+  one before still runs);
 - ``none``: no synchronisation at all (wrong results; the floor of dispatching alone).
 
 For each, the host-measured median of a run and the GPU time between a timestamp before the
 first and after the last command; the slope per dispatch is the difference between the two
 chain lengths divided by their difference in ops. ``--family K`` runs on queue family K instead
-of the first compute family (the families are listed first).
+of the first compute family (the families are listed first). ``--models``: each model's own
+recorded commands too, as ``compute`` and ``state-first`` in ``--rounds`` alternating rounds (GPU
+medians; the chains are then left out).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import numpy as np
 from bench import workloads
 from bench.stats import median_run_s
 
-KINDS = ("compute", "all-commands", "execution", "event", "none")
+KINDS = ("compute", "all-commands", "execution", "event", "state-first", "none")
 
 
 def _record(device: Any, cmd: Any, commands: list[tuple], kind: str, query_pool: Any, events: list[Any]) -> None:
@@ -42,7 +48,7 @@ def _record(device: Any, cmd: Any, commands: list[tuple], kind: str, query_pool:
     lib.vkCmdWriteTimestamp(cmd, b.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, query_pool, 0)
     for ev in events:
         lib.vkCmdResetEvent(cmd, ev, compute)
-    bound, e = None, 0
+    bound, e, deferred = None, 0, False
     for c in commands:
         if c[0] == "dispatch":
             _, pipe, push, groups = c
@@ -52,9 +58,14 @@ def _record(device: Any, cmd: Any, commands: list[tuple], kind: str, query_pool:
             if push:
                 lib.vkCmdPushConstants(cmd, device.layout, b.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push),
                                        ffi.from_buffer(push))
+            if deferred:  # state-first: the barrier comes after the dispatch's state
+                lib.vkCmdPipelineBarrier(cmd, compute, compute, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+                deferred = False
             lib.vkCmdDispatch(cmd, *groups)
         elif c[0] == "barrier":
-            if kind == "compute":
+            if kind == "state-first":
+                deferred = True
+            elif kind == "compute":
                 lib.vkCmdPipelineBarrier(cmd, compute, compute, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
             elif kind == "execution":
                 lib.vkCmdPipelineBarrier(cmd, compute, compute, 0, 0, ffi.NULL, 0, ffi.NULL, 0, ffi.NULL)
@@ -119,6 +130,8 @@ def main() -> None:
     ap.add_argument("--family", type=int, default=None, help="queue family to run on (default: the first with compute)")
     ap.add_argument("--lengths", type=int, nargs=2, default=[100, 1000])
     ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--models", nargs="*", default=[], help="models whose own commands are timed instead")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds for --models")
     args = ap.parse_args()
     from vkpool import device as device_module
     from vkpool import vk
@@ -129,6 +142,19 @@ def main() -> None:
         device_module.choose_queue_family = lambda flags: args.family
     pool = DevicePool.from_config(None)
     member = pool.member(args.device) if args.device else next(m for m in pool.members if m.kind == "vulkan")
+    if args.models:
+        for path in args.models:
+            with Session(path, pool=pool, device=member.id) as sess:
+                device, commands = sess._chunk.device, sess._chunk.commands
+                times: dict[str, list[float]] = {"compute": [], "state-first": []}
+                for _ in range(args.rounds):
+                    for kind in times:
+                        times[kind].append(_time(device, commands, kind, args.runs)[1])
+                print(f"{path} on {member.id} ({device.info.name}): {len(sess._chunk.dispatch_labels)} dispatches; "
+                      "GPU µs, median of each round's runs: " + "; ".join(
+                          f"{kind} {', '.join(f'{t:.1f}' for t in ts)}" for kind, ts in times.items()), flush=True)
+        pool.close()
+        return
     sessions = {n: Session(workloads.build(f"add_chain_{n}").SerializeToString(), pool=pool, device=member.id)
                 for n in args.lengths}
     device = sessions[args.lengths[0]]._chunk.device

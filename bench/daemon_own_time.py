@@ -22,6 +22,10 @@ lane. Each step of the lanes' thread on the way of a request is timed from this 
 ``--keep-local``: the in-process session stays open (idle) while the daemon serves, as it does in
 benches that alternate in-process runs with runs through the daemon.
 
+``--pin``: the in-process runs and then the lanes' thread run on one CPU, the client on another,
+and the daemon's other threads and this process's main thread (the direct runs) on the rest: a
+probe of whether moving between CPUs, or sharing one, is what slows a run inside the daemon.
+
 ``--stub-run``: every ``Session.run`` after a session's first gives that first run's outputs again,
 so that what is left is the daemon's and the client's own work: the daemon's Python per request.
 """
@@ -41,13 +45,15 @@ from pathlib import Path
 from typing import Any
 
 CLIENT = """
-import sys, time
+import os, sys, time
 from vkpool.daemon.bench import feeds_for
 from vkpool.daemon.client import Client
 endpoint, model, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with Client(endpoint, local_lane=True) as client:
     remote = client.session(model)
     feeds = feeds_for(remote.get_inputs())
+    if len(sys.argv) > 4:  # --pin: this thread only, once the client polls (it does on 4 CPUs or more)
+        os.sched_setaffinity(0, {int(sys.argv[4])})
     took = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -86,6 +92,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3000)
     ap.add_argument("--config", default=None)
     ap.add_argument("--stub-run", action="store_true", help="leave the model's run out (see above)")
+    ap.add_argument("--pin", action="store_true", help="hold the threads on CPUs of their own (see above)")
     ap.add_argument("--keep-local", action="store_true",
                     help="keep the in-process session (its device) open, idle, while the daemon serves")
     args = ap.parse_args()
@@ -99,6 +106,12 @@ def main() -> None:
 
     times: dict[str, list[float]] = defaultdict(list)
     clock = time.perf_counter
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 3:
+        raise SystemExit(f"--pin needs 3 CPUs, this process may use {len(cpus)}")
+    lane_cpu, client_cpu = (cpus[1], cpus[len(cpus) // 2]) if args.pin else (None, None)
+    if lane_cpu is not None:
+        os.sched_setaffinity(0, {lane_cpu})  # Linux: 0 is the calling thread
     local = Session(str(args.model), config=args.config)
     feeds = feeds_for(local.get_inputs())
     alone = []
@@ -136,6 +149,8 @@ def main() -> None:
     def lanes_passed(self: Any) -> None:
         if not lanes:
             lanes.append(threading.get_ident())
+            if lane_cpu is not None:
+                os.sched_setaffinity(0, {lane_cpu})
         t0 = clock()
         had = bool(self._bound)
         passed(self)
@@ -156,6 +171,8 @@ def main() -> None:
     service_module.Service.run_bound = timed("run_bound", service_module.Service.run_bound)
     Session.run = timed("Session.run", Session.run, only_lanes=True)
 
+    if lane_cpu is not None:  # the server's threads start on the others; the lanes' thread moves at its first pass
+        os.sched_setaffinity(0, set(cpus) - {lane_cpu, client_cpu})
     cfg, settings = load_settings(args.config)
     folder = Path(tempfile.mkdtemp(prefix="vko", dir="/tmp"))
     endpoint = f"ipc://{folder}/own.sock"
@@ -174,7 +191,8 @@ def main() -> None:
 
         gc.callbacks.append(gc_timed)
         cpu_before, wall_before = thread_cpu(), clock()
-        child = subprocess.Popen([sys.executable, "-c", CLIENT, endpoint, str(args.model.resolve()), str(args.runs)],
+        pin = [] if client_cpu is None else [str(client_cpu)]
+        child = subprocess.Popen([sys.executable, "-c", CLIENT, endpoint, str(args.model.resolve()), str(args.runs), *pin],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = child.stdout.readline() if child.stdout else ""
         if not line:
@@ -200,6 +218,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     med = {k: statistics.median(v[skip:]) * 1e6 for k, v in times.items() if len(v) > skip}
     label = " (run stubbed)" if args.stub_run else " (in-process session kept open)" if args.keep_local else ""
+    label += f" (pinned: CPU {lane_cpu}, client {client_cpu})" if args.pin else ""
     print(f"| {args.model.stem}{label} | {in_process:.1f} | {statistics.median(direct[skip:]) * 1e6:.1f} | {med.get('pass', 0):.1f} | {med.get('run_bound', 0):.1f} | "
           f"{med.get('Session.run', 0):.1f} | {med.get('answer', 0):.1f} | "
           f"{med.get('pass', 0) - med.get('Session.run', 0):.1f} | {own:.1f} | {round_trip:.1f} |")

@@ -92,7 +92,9 @@ def restore(saved: dict[str, Any]) -> None:
         setattr(gemm_f16.HalfMatmulPlan if key == "split_k" else gemm_f16, key, value)
 
 
-def run(model: str, device: str | None, runs: int) -> tuple[float, int, np.ndarray]:
+def run(model: str, device: str | None, runs: int) -> tuple[float, float, int, np.ndarray]:
+    """The median ``Session.run`` in ms, the median GPU time of the run's commands in µs (first
+    command to last, from two timestamps), the dispatch count and the first output."""
     from vkpool.cli import random_inputs
     from vkpool.session import Session
 
@@ -107,7 +109,9 @@ def run(model: str, device: str | None, runs: int) -> tuple[float, int, np.ndarr
             t0 = time.perf_counter()
             sess.run(None, feeds)
             times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3, len(sess._chunk.dispatch_labels), out
+        chunk = sess._chunk
+        gpu = statistics.median(chunk.device.profile(chunk.commands, each=False)[0] for _ in range(30))
+        return statistics.median(times) * 1e3, gpu, len(chunk.dispatch_labels), out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,24 +120,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), metavar="NAME=SPEC")
     ap.add_argument("--device", help="member id (default: the first Vulkan member that fits)")
     ap.add_argument("--runs", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=1, help="times through the policies, in order (alternation)")
     args = ap.parse_args(argv)
     for model in args.models:
-        print(f"\n{model}\n| policy | spec | ms, median | dispatches | max rel diff to the first |\n|---|---|---|---|---|")
+        print(f"\n{model}\n| policy | spec | ms, median | GPU µs, first command to last | dispatches "
+              f"| max rel diff to the first |\n|---|---|---|---|---|---|")
         first = None
-        for policy in args.policies:
+        for policy in args.policies * args.rounds:
             name, _, spec = policy.partition("=")
             saved = apply(spec)
             try:
-                ms, count, out = run(model, args.device, args.runs)
+                ms, gpu, count, out = run(model, args.device, args.runs)
             except Exception as exc:  # noqa: BLE001 - a policy the device rejects is reported, not fatal
-                print(f"| {name} | {spec} | {type(exc).__name__}: {exc} | | |", flush=True)
+                print(f"| {name} | {spec} | {type(exc).__name__}: {exc} | | | |", flush=True)
                 continue
             finally:
                 restore(saved)
             wide = out.astype(np.float64)
             first = wide if first is None else first
             diff = float(np.abs(wide - first).max() / np.abs(first).max())
-            print(f"| {name} | {spec or 'the planner'} | {ms:.3f} | {count} | {diff:.1e} |", flush=True)
+            print(f"| {name} | {spec or 'the planner'} | {ms:.3f} | {gpu:.1f} | {count} | {diff:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

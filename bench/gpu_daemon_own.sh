@@ -5,7 +5,7 @@
 # daemon's process. With BASE (a `git archive` of another commit), the base tree runs after this
 # one in every round. Carry .gl .whl .glsl (and BASE). Output under $OUT. Environment: ROUNDS
 # (default 2), MODELS (default: mnist12_like add_chain_1), RUNS (default 3000), STUB ("no": the
-# real runs alone), BASE.
+# real runs alone), BASE, PIN (1: each also with --pin, threads held on CPUs of their own).
 set -uo pipefail
 source bench/gpu_daemon_env.sh > /dev/null
 install_base
@@ -18,8 +18,10 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     echo "=== round $r, $tree"
     for w in ${MODELS:-mnist12_like add_chain_1}; do
       for stub in "" $([ "${STUB:-}" = no ] || echo --stub-run); do
-        (cd /tmp && PYTHONPATH=/tmp/site:$src:/tmp/benchpkg timeout 120 python3 -m bench.daemon_own_time \
-          /tmp/models/$w.onnx --runs "${RUNS:-3000}" $stub 2>&1 | grep -E "^\| [a-z]|^counts|^garbage|^threads|rror")
+        for pin in "" $([ "${PIN:-0}" = 1 ] && echo --pin); do
+          (cd /tmp && PYTHONPATH=/tmp/site:$src:/tmp/benchpkg timeout 120 python3 -m bench.daemon_own_time \
+            /tmp/models/$w.onnx --runs "${RUNS:-3000}" $stub $pin 2>&1 | grep -E "^\| [a-z]|^counts|^garbage|^threads|rror")
+        done
       done
     done
   done
