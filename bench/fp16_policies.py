@@ -13,8 +13,11 @@ memory the host reads: ``vkpool.engine.STAGED_OUTPUT_BYTES``), ``matmul_split=of
 Gemm nodes never split: only the products a LayerNormalization computes, which need no pass to
 add their splits); an empty SPEC is the planner's own. Each model is loaded once per
 policy, checked against the first policy's output (max|y - y0| / max|y0|, float16 rounding
-differs between tile shapes), and timed (median of ``--runs`` after 20 warm-up runs), with its
-dispatch count. The constants are set in this process only; nothing of vkpool is changed.
+differs between tile shapes), and timed (median of ``--runs`` after 20 warm-up runs), with the GPU
+time of its commands (median of 30 runs, between a timestamp before the first and one after the
+last: far steadier between calls than the host's time) and its dispatch count. ``--rounds N``
+goes through the policies N times, in order, so that each is timed between the others. The
+constants are set in this process only; nothing of vkpool is changed.
 """
 from __future__ import annotations
 
