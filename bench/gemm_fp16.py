@@ -171,7 +171,7 @@ def bench_vkpool(shape: Shape, a: np.ndarray, b: np.ndarray, rows: np.ndarray, r
                                                  "accuracy": accuracy(yv[rows], want)}
                     except Exception as exc:  # a tile the device rejects is reported, not fatal
                         out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-                    print(f"  tile {name}: {out['variants'][name]}", file=sys.stderr, flush=True)
+                    print(f"  {m}x{n}x{k} tile {name}: {out['variants'][name]}", file=sys.stderr, flush=True)
             finally:
                 for buf in bufs:
                     buf.free()
