@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.stats import gpu_times_us
+
 DEFAULT_POLICIES = (
     "planner=",
     "t512=target=512",
@@ -112,9 +114,8 @@ def run(model: str, device: str | None, runs: int) -> tuple[float, float, int, n
             t0 = time.perf_counter()
             sess.run(None, feeds)
             times.append(time.perf_counter() - t0)
-        chunk = sess._chunk
-        gpu = statistics.median(chunk.device.profile(chunk.commands, each=False)[0] for _ in range(30))
-        return statistics.median(times) * 1e3, gpu, len(chunk.dispatch_labels), out
+        gpu = statistics.median(gpu_times_us(sess._chunk))
+        return statistics.median(times) * 1e3, gpu, len(sess._chunk.dispatch_labels), out
 
 
 def main(argv: list[str] | None = None) -> None:

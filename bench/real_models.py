@@ -118,7 +118,9 @@ def _torch_eager(built: em.Built, keep: list[Any]) -> tuple[str, RunFn]:
     return what, run
 
 
-def _torch_cudagraph(built: em.Built, keep: list[Any]) -> tuple[str, RunFn]:
+def capture_cudagraph(built: em.Built) -> tuple[Any, Any, list[Any], Any]:
+    """``built``'s module on the GPU captured as a CUDA graph: (module, graph, its input tensors,
+    its output tensor); :class:`Unavailable` where torch sees no CUDA device."""
     torch = _torch_setup()
     if not torch.cuda.is_available():
         raise Unavailable("torch sees no CUDA device")
@@ -133,6 +135,12 @@ def _torch_cudagraph(built: em.Built, keep: list[Any]) -> tuple[str, RunFn]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
         static_out = module(*static_in)
+    return module, graph, static_in, static_out
+
+
+def _torch_cudagraph(built: em.Built, keep: list[Any]) -> tuple[str, RunFn]:
+    module, graph, static_in, static_out = capture_cudagraph(built)
+    import torch  # set up by capture_cudagraph
     keep.extend([module, graph, static_in, static_out])
     feeds = list(built.inputs.values())
 

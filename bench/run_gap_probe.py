@@ -14,6 +14,8 @@ import argparse
 import statistics
 import time
 
+from bench.stats import spin
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,10 +39,7 @@ def main(argv: list[str] | None = None) -> None:
                 for gap in args.gaps_us:
                     took = []
                     for _ in range(args.runs):
-                        until = clock() + gap * 1e-6
-                        while clock() < until:
-                            pass
-                        t0 = clock()
+                        t0 = spin(gap * 1e-6)
                         sess.run(None, feeds)
                         took.append(clock() - t0)
                     medians[gap].append(statistics.median(took) * 1e6)

@@ -42,6 +42,24 @@ def median_run_s(run: Callable[[], object], runs: int, warmup: int = 20) -> floa
     return statistics.median(times)
 
 
+def spin(gap_s: float) -> float:
+    """Polls the clock for ``gap_s`` (a caller's own work between runs, touching nothing);
+    returns ``time.perf_counter()`` at its end."""
+    clock = time.perf_counter
+    until = clock() + gap_s
+    while (now := clock()) < until:
+        pass
+    return now
+
+
+def gpu_times_us(chunk: object, runs: int = 30) -> list[float]:
+    """The GPU time of a Vulkan chunk's recorded commands (``chunk.commands`` on
+    ``chunk.device``), in µs from a timestamp before the first command to one after the last,
+    once per run: the commands recorded once more with the two timestamps and run ``runs`` times."""
+    device, commands = chunk.device, chunk.commands  # type: ignore[attr-defined]
+    return [device.profile(commands, each=False)[0] for _ in range(runs)]
+
+
 def summarize(samples_ns: list[int] | np.ndarray) -> LatencySummary:
     ms = np.asarray(samples_ns, dtype=np.float64) / 1e6
     if ms.size == 0:

@@ -27,21 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from bench.stats import gpu_times_us, spin
+
 
 class _Timed:
     """A way of running and waiting, with its times per part (µs, one entry per run)."""
 
     def __init__(self) -> None:
         self.spent: dict[str, list[float]] = {"submit": [], "poll": [], "reset": [], "whole": []}
-
-    @staticmethod
-    def gap(gap_s: float) -> float:
-        """Polls the clock for ``gap_s`` (the caller's own work between runs); returns the time."""
-        clock = time.perf_counter
-        until = clock() + gap_s
-        while clock() < until:
-            pass
-        return clock()
 
     def record(self, t0: float, t1: float, t2: float, t3: float) -> None:
         """A run submitted from ``t0`` to ``t1``, seen ended at ``t2``, reset by ``t3``."""
@@ -61,7 +54,7 @@ class _Engine(_Timed):
     def once(self, gap_s: float) -> None:
         clock, chunk = time.perf_counter, self.chunk
         device, sub = chunk.device, chunk.submission
-        t0 = self.gap(gap_s)
+        t0 = spin(gap_s)
         if self.feeds is not None:
             views = chunk._slots[0].in_views
             for name, value in self.feeds.items():
@@ -114,7 +107,7 @@ class _Way(_Timed):
         self.device.free_command_buffer(self.cmd)
 
     def once(self, gap_s: float, reset: bool = True) -> None:
-        t0 = self.gap(gap_s)
+        t0 = spin(gap_s)
         if self.timeline:
             self.value += 1
             self.values[0] = self.value
@@ -173,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     chunk = sess._chunk
     feeds = random_inputs(sess.get_inputs())
     device = chunk.device
-    gpu = statistics.median(device.profile(chunk.commands, each=False)[0] for _ in range(30))
+    gpu = statistics.median(gpu_times_us(chunk))
     print(f"{args.model} on {sess.member.id} ({device.info.name}): {len(chunk.dispatch_labels)} dispatches, "
           f"GPU time of its commands {gpu:.1f} µs (median of 30); µs, medians of {args.runs} runs")
     for gap in args.gaps_us:

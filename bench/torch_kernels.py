@@ -25,20 +25,11 @@ def profile(name: str, runs: int, top: int) -> None:
 
     from bench import export_models as em
     from bench import fp16_models
+    from bench.real_models import capture_cudagraph
 
     built = em.build(name)
     fp16_models.half(built)
-    module = built.module.to("cuda")
-    static_in = [torch.from_numpy(v).to("cuda") for v in built.inputs.values()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(3):
-            module(*static_in)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode():
-        module(*static_in)
+    _, graph, _, _ = capture_cudagraph(built)
     for _ in range(20):
         graph.replay()
     torch.cuda.synchronize()

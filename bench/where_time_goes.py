@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from bench.stats import gpu_times_us
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -50,8 +52,7 @@ def main() -> None:
         t = time.perf_counter()
         sess.run(None, feeds)
         parts["run total"].append(time.perf_counter() - t)
-    parts["GPU, first command to last"] = [dev.profile(chunk.commands, each=False)[0] * 1e-6
-                                           for _ in range(min(args.runs, 50))]
+    parts["GPU, first command to last"] = [us * 1e-6 for us in gpu_times_us(chunk, min(args.runs, 50))]
     s = chunk.stats
     print(f"{args.model} on {sess.member.id} ({sess.member.info.name}): load {load * 1e3:.1f} ms; "
           f"{s.dispatches} dispatches, {s.levels} levels, {s.barriers} barriers; recording happens once at load")
