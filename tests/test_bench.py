@@ -178,3 +178,24 @@ def test_ncnn_runner_converts_and_matches_onnxruntime(tmp_path: Path, workload: 
     got = runner.load(param, workload)(feed)
     want = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]).run(None, feed)[0]
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4, atol=1e-5)
+
+
+def test_run_gap_probe_times_runs_after_a_spun_and_a_busy_gap(tmp_path: Path) -> None:
+    """bench.run_gap_probe on lavapipe: a row per gap and way of spending it, a median per round."""
+    import subprocess
+    import sys
+
+    from test_daemon_support import daemon_env, mlp_model
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(mlp_model())
+    command = [sys.executable, "-m", "bench.run_gap_probe", str(path), "--gaps-us", "0", "50", "--runs", "20",
+               "--rounds", "2", "--gap-work", "spin", "touch", "--touch-mib", "1"]
+    done = subprocess.run(command, env=daemon_env(), capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    kinds = [[f" {gap} ", f" {spent} "] for gap in (0, 50) for spent in ("spinning", "touching 1 MiB")]
+    assert [r.split("|")[1:3] for r in rows] == kinds, done.stdout
+    for row in rows:
+        medians = [float(v) for v in row.strip().strip("|").split("|")[2:]]
+        assert len(medians) == 2 and all(m > 0 for m in medians), row

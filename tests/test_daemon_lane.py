@@ -592,6 +592,25 @@ def test_the_round_trip_benches_split_a_bound_infer(folder: Path) -> None:
     assert "went to sleep" in own.stdout and "threads of the daemon's process" in own.stdout
 
 
+def test_the_zmq_timeline_bench_measures_every_leg(folder: Path) -> None:
+    """bench.zmq_timeline on lavapipe, the run stubbed: each leg of a ZeroMQ round trip is
+    measured from both processes' clocks, and the legs add up to the round trip."""
+    path = folder / "m.onnx"
+    path.write_bytes(mlp_model())
+    env = {**daemon_env(), "VKPOOL_ZMQ_POLL_US": "400"}
+    command = [sys.executable, "-m", "bench.zmq_timeline", str(path), "--runs", "150", "--stub-run"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    matched = next(line for line in done.stdout.splitlines() if "infers matched" in line)
+    assert int(matched.split(":")[1].split()[0]) > 0, done.stdout
+    cells = done.stdout.strip().splitlines()[-1].strip("|").split("|")
+    assert len(cells) == 12 and cells[2].strip() == "-", done.stdout  # stubbed: no added time
+    figures = [float(v) if v.strip() != "-" else 0.0 for v in cells]
+    legs = figures[3:11]
+    assert all(v >= 0 for v in legs) and legs[2] > 0 and legs[6] > 0, done.stdout  # the two crossings
+    assert sum(legs) == pytest.approx(figures[1], rel=0.5), done.stdout  # medians: roughly the whole
+
+
 def test_lane_framing_carries_big_tensors_many_frames_and_pipelined_messages() -> None:
     """The framing alone, over a socket pair: a message larger than one read arrives whole (and
     writable), more frames than one sendmsg takes, two messages in one read, polling."""
