@@ -86,6 +86,57 @@ def busy_threads(before: dict[str, float], after: dict[str, float], wall: float)
     return sorted(((n, s) for n, s in shares if s >= 0.02), key=lambda ns: -ns[1])
 
 
+def in_process_us(model: Path, config: str | None, runs: int, keep: bool = False) -> tuple[float, Any, Any]:
+    """The median ``Session.run`` of ``model`` in this process (µs, after a warm-up of up to 200
+    runs), the feeds it ran on, and the session, closed unless ``keep``."""
+    from vkpool.daemon.bench import feeds_for
+    from vkpool.session import Session
+
+    clock = time.perf_counter
+    local = Session(str(model), config=config)
+    feeds = feeds_for(local.get_inputs())
+    alone = []
+    for _ in range(runs):
+        t0 = clock()
+        local.run(None, feeds)
+        alone.append(clock() - t0)
+    if not keep:
+        local.close()
+    return statistics.median(alone[min(200, runs // 10):]) * 1e6, feeds, local
+
+
+def stub_session_runs() -> None:
+    """Every ``Session.run`` after a session's first gives that first run's outputs again (see
+    ``--stub-run``)."""
+    from vkpool.session import Session
+
+    first: dict[int, Any] = {}
+    real_run = Session.run
+
+    def stub(self: Any, *a: Any, **kw: Any) -> Any:
+        if id(self) not in first:
+            first[id(self)] = real_run(self, *a, **kw)
+        return first[id(self)]
+    Session.run = stub  # type: ignore[method-assign]
+
+
+def serve_in_thread(config: str | None, wrap: Any = None) -> tuple[Any, threading.Thread, str]:
+    """The daemon's server on an ipc endpoint of its own, serving in a thread of this process
+    (``wrap(serve_forever)``: what the thread runs instead, when given): the server, the thread
+    and the endpoint. Stop it with ``server.request_stop()`` and join the thread."""
+    from vkpool.daemon.main import load_settings
+    from vkpool.daemon.runtime import Runtime
+    from vkpool.daemon.server import Server
+
+    cfg, settings = load_settings(config)
+    folder = Path(tempfile.mkdtemp(prefix="vko", dir="/tmp"))
+    server = Server(Runtime.from_config(cfg), settings, endpoint := f"ipc://{folder}/own.sock")
+    thread = threading.Thread(target=server.serve_forever if wrap is None else wrap(server.serve_forever),
+                              daemon=True)
+    thread.start()
+    return server, thread, endpoint
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
@@ -98,9 +149,6 @@ def main() -> None:
     args = ap.parse_args()
     from vkpool.daemon import server as server_module
     from vkpool.daemon import service as service_module
-    from vkpool.daemon.bench import feeds_for
-    from vkpool.daemon.main import load_settings
-    from vkpool.daemon.runtime import Runtime
 
     from vkpool.session import Session
 
@@ -112,25 +160,9 @@ def main() -> None:
     lane_cpu, client_cpu = (cpus[1], cpus[len(cpus) // 2]) if args.pin else (None, None)
     if lane_cpu is not None:
         os.sched_setaffinity(0, {lane_cpu})  # Linux: 0 is the calling thread
-    local = Session(str(args.model), config=args.config)
-    feeds = feeds_for(local.get_inputs())
-    alone = []
-    for _ in range(args.runs):
-        t0 = clock()
-        local.run(None, feeds)
-        alone.append(clock() - t0)
-    if not args.keep_local:
-        local.close()
-    in_process = statistics.median(alone[min(200, args.runs // 10):]) * 1e6
+    in_process, feeds, local = in_process_us(args.model, args.config, args.runs, keep=args.keep_local)
     if args.stub_run:
-        first: dict[int, Any] = {}
-        real_run = Session.run
-
-        def stub(self: Any, *a: Any, **kw: Any) -> Any:
-            if id(self) not in first:
-                first[id(self)] = real_run(self, *a, **kw)
-            return first[id(self)]
-        Session.run = stub
+        stub_session_runs()
     lanes: list[int] = []
 
     def timed(name: str, fn: Any, only_lanes: bool = False) -> Any:
@@ -173,12 +205,7 @@ def main() -> None:
 
     if lane_cpu is not None:  # the server's threads start on the others; the lanes' thread moves at its first pass
         os.sched_setaffinity(0, set(cpus) - {lane_cpu, client_cpu})
-    cfg, settings = load_settings(args.config)
-    folder = Path(tempfile.mkdtemp(prefix="vko", dir="/tmp"))
-    endpoint = f"ipc://{folder}/own.sock"
-    server = Server(Runtime.from_config(cfg), settings, endpoint)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server, thread, endpoint = serve_in_thread(args.config)
     try:
         gc_spent: dict[int, list[float]] = defaultdict(list)
         gc_started = [0.0]

@@ -27,14 +27,13 @@ what is the transport's and what is vkpool's.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import bisect
+import cProfile
 import json
+import pstats
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -93,35 +92,23 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile the daemon's I/O thread (see above)")
     args = ap.parse_args()
     import zmq
-
-    from bench.daemon_own_time import busy_threads, thread_cpu
     from vkpool.daemon import lane as lane_module
     from vkpool.daemon import protocol as P
     from vkpool.daemon import server as server_module
-    from vkpool.daemon.bench import feeds_for
-    from vkpool.daemon.main import load_settings
-    from vkpool.daemon.runtime import Runtime
 
+    from bench.daemon_own_time import (
+        busy_threads,
+        in_process_us,
+        serve_in_thread,
+        stub_session_runs,
+        thread_cpu,
+    )
     from vkpool.session import Session
 
     clock = time.perf_counter
-    local = Session(str(args.model), config=args.config)
-    feeds = feeds_for(local.get_inputs())
-    alone = []
-    for _ in range(args.runs):
-        t0 = clock()
-        local.run(None, feeds)
-        alone.append(clock() - t0)
-    local.close()
+    in_process, _, _ = in_process_us(args.model, args.config, args.runs)
     if args.stub_run:
-        first: dict[int, Any] = {}
-        real_run = Session.run
-
-        def stub(self: Any, *a: Any, **kw: Any) -> Any:
-            if id(self) not in first:
-                first[id(self)] = real_run(self, *a, **kw)
-            return first[id(self)]
-        Session.run = stub  # type: ignore[method-assign]
+        stub_session_runs()
     runs_inside: list[float] = []
     session_run = Session.run
 
@@ -132,7 +119,6 @@ def main() -> None:
         finally:
             runs_inside.append(clock() - t0)
     Session.run = timed_run  # type: ignore[method-assign]
-    in_process = statistics.median(alone[min(200, args.runs // 10):]) * 1e6
 
     seen: list[float] = []  # the I/O thread's poll returned with something
     reads: list[tuple[float, float]] = []
@@ -168,14 +154,9 @@ def main() -> None:
     lane_module.Poller.spin = timed_spin
     Server._recv_request = timed_recv
     P.send_parts = timed_send
-    cfg, settings = load_settings(args.config)
-    folder = Path(tempfile.mkdtemp(prefix="vkz", dir="/tmp"))
-    endpoint = f"ipc://{folder}/zt.sock"
-    server = Server(Runtime.from_config(cfg), settings, endpoint)
     profile = cProfile.Profile() if args.profile else None
-    target = server.serve_forever if profile is None else (lambda: profile.runcall(server.serve_forever))
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    wrap = None if profile is None else (lambda serve: lambda: profile.runcall(serve))
+    server, thread, endpoint = serve_in_thread(args.config, wrap)
     try:
         cpu_before, wall_before = thread_cpu(), clock()
         command = [sys.executable, "-c", CLIENT, endpoint, str(args.model.resolve()), str(args.runs)]
