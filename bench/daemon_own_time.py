@@ -86,10 +86,26 @@ def busy_threads(before: dict[str, float], after: dict[str, float], wall: float)
     return sorted(((n, s) for n, s in shares if s >= 0.02), key=lambda ns: -ns[1])
 
 
+def timed(fn: Any, into: list[float], threads: list[int] | None = None) -> Any:
+    """``fn`` wrapped so that each call's duration (s) is appended to ``into``; with ``threads``,
+    only calls made on a thread of that list (filled once the thread is known)."""
+    clock = time.perf_counter
+
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*a, **kw)
+        finally:
+            if threads is None or threading.get_ident() in threads:
+                into.append(clock() - t0)
+    return wrapper
+
+
 def in_process_us(model: Path, config: str | None, runs: int, keep: bool = False) -> tuple[float, Any, Any]:
     """The median ``Session.run`` of ``model`` in this process (µs, after a warm-up of up to 200
     runs), the feeds it ran on, and the session, closed unless ``keep``."""
     from vkpool.daemon.bench import feeds_for
+
     from vkpool.session import Session
 
     clock = time.perf_counter
@@ -165,16 +181,6 @@ def main() -> None:
         stub_session_runs()
     lanes: list[int] = []
 
-    def timed(name: str, fn: Any, only_lanes: bool = False) -> Any:
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            t0 = clock()
-            try:
-                return fn(*a, **kw)
-            finally:
-                if not only_lanes or threading.get_ident() in lanes:
-                    times[name].append(clock() - t0)
-        return wrapper
-
     Server = server_module.Server
     passed = Server._lanes_passed
 
@@ -199,9 +205,9 @@ def main() -> None:
         return mark_rings(self, asleep)
 
     lane_module.LaneReactor._mark_rings = marked
-    Server._answer_bound = timed("answer", Server._answer_bound)
-    service_module.Service.run_bound = timed("run_bound", service_module.Service.run_bound)
-    Session.run = timed("Session.run", Session.run, only_lanes=True)
+    Server._answer_bound = timed(Server._answer_bound, times["answer"])
+    service_module.Service.run_bound = timed(service_module.Service.run_bound, times["run_bound"])
+    Session.run = timed(Session.run, times["Session.run"], lanes)
 
     if lane_cpu is not None:  # the server's threads start on the others; the lanes' thread moves at its first pass
         os.sched_setaffinity(0, set(cpus) - {lane_cpu, client_cpu})

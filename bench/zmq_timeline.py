@@ -102,6 +102,7 @@ def main() -> None:
         serve_in_thread,
         stub_session_runs,
         thread_cpu,
+        timed,
     )
     from vkpool.session import Session
 
@@ -109,16 +110,8 @@ def main() -> None:
     in_process, _, _ = in_process_us(args.model, args.config, args.runs)
     if args.stub_run:
         stub_session_runs()
-    runs_inside: list[float] = []
-    session_run = Session.run
-
-    def timed_run(self: Any, *a: Any, **kw: Any) -> Any:
-        t0 = clock()
-        try:
-            return session_run(self, *a, **kw)
-        finally:
-            runs_inside.append(clock() - t0)
-    Session.run = timed_run  # type: ignore[method-assign]
+    runs_inside: list[float] = []  # on whichever thread runs it: the I/O thread, or a model's worker
+    Session.run = timed(Session.run, runs_inside)  # type: ignore[method-assign]
 
     seen: list[float] = []  # the I/O thread's poll returned with something
     reads: list[tuple[float, float]] = []
