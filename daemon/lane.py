@@ -135,9 +135,6 @@ class Poller:
 # ---------------------------------------------------------------------------------------------
 # The ring: shared memory beside the socket.
 
-#: bytes of each of a ring's two halves (request, reply); a message larger than its half travels
-#: on the socket.
-RING_HALF = 256 << 10
 _RING_HEAD = 4096
 #: ring words, 8-byte aligned, each on a cache line of its own: 0 request sequence (written by the
 #: client), 8 reply sequence (the daemon), 16 "the daemon sleeps in recv" (the daemon), 24 "the
@@ -202,8 +199,10 @@ class Ring:
         self.reply = view[_RING_HEAD + half:_RING_HEAD + 2 * half]
 
     @classmethod
-    def create(cls, half: int = RING_HALF) -> tuple["Ring", int]:
-        """A new ring and its file descriptor (the caller passes it on and closes it)."""
+    def create(cls, half: int) -> tuple["Ring", int]:
+        """A new ring of two ``half``-byte halves (``daemon.lane_ring_bytes``; a message larger
+        than its half travels on the socket) and its file descriptor (the caller passes it on and
+        closes it). The memory is a memfd's: a page takes memory once a message has touched it."""
         fd = os.memfd_create("vkpool-lane", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, _RING_HEAD + 2 * half)

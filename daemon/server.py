@@ -445,7 +445,7 @@ class Server:
         ring, fd = None, -1
         if content.get("ring") and self.settings.lane_poll > 0 and ring_supported():
             try:
-                ring, fd = Ring.create()
+                ring, fd = Ring.create(self.settings.lane_ring_bytes)
             except OSError as exc:
                 log.info("no ring for a local lane: %s", exc)
         self.stats.count("accepted")

@@ -28,6 +28,7 @@ class DaemonSettings:
     endpoint: str | None = None          # None: ipc:// socket in the user's runtime directory
     max_connections: int = 4096          # clients beyond this get TooManyConnections
     max_lane_connections: int = 256      # local lane connections; 0 = offer no lane
+    lane_ring_bytes: int = 16 << 20      # each half (request, reply) of a lane's shared-memory ring
     lane_poll: float = field(default_factory=lambda: _default_lane_poll())  # see docs/daemon.md; 0 = never
     zmq_poll: float = field(default_factory=lambda: _default_zmq_poll())  # see docs/daemon.md; 0 = never
     queue_limit: int = 256               # queued jobs per model before Busy
@@ -140,6 +141,13 @@ def _size(value: Any) -> int:
     return size
 
 
+def _size_between(value: Any, least: int, most: int) -> int:
+    size = _size(value)
+    if not least <= size <= most:
+        raise ValueError(f"expected a size from {least} to {most} bytes, got {value!r}")
+    return size
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
@@ -223,6 +231,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_connections": _positive_int,
     "max_lane_connections": _non_negative_int,
     "lane_poll": lambda v: _non_negative(parse_duration(v)),
+    "lane_ring_bytes": lambda v: _size_between(v, 4 << 10, 1 << 30),
     "zmq_poll": lambda v: _non_negative(parse_duration(v)),
     "queue_limit": _positive_int,
     "max_queued_jobs": _positive_int,

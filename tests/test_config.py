@@ -153,3 +153,14 @@ def test_unchanged_config_does_not_import_yaml(tmp_path):
     runs = [subprocess.run([sys.executable, "-c", script, str(config)], capture_output=True, text=True,
                            timeout=120, env=env, check=True).stdout.strip() for _ in range(2)]
     assert runs == ["True", "False"]
+
+
+def test_lane_ring_bytes_is_a_size_within_its_bounds():
+    from vkpool.daemon.settings import DaemonSettings, SettingsError
+
+    assert DaemonSettings().lane_ring_bytes == 16 << 20
+    assert DaemonSettings.from_dict({"lane_ring_bytes": "1MiB"}).lane_ring_bytes == 1 << 20
+    for bad in ("1KiB", "2GiB", "lots", 0):
+        with pytest.raises(SettingsError) as err:
+            DaemonSettings.from_dict({"lane_ring_bytes": bad})
+        assert str(err.value).startswith("daemon.lane_ring_bytes:"), str(err.value)

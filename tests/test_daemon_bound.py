@@ -19,18 +19,23 @@ from test_daemon_support import add_model, daemon_env, mlp_model, short_folder
 from vkpool.daemon import errors as E
 from vkpool.daemon.bound import Binding, ClientBinding, record_layout
 from vkpool.daemon.client import Client
-from vkpool.daemon.lane import _REQ, RING_HALF
+from vkpool.daemon.lane import _REQ
+from vkpool.daemon.settings import DaemonSettings
 
 from vkpool.batching import BatchRunner
 
 pytestmark = pytest.mark.timeout(240)
+
+#: each half of the rings of this module's daemon (``daemon.lane_ring_bytes``), small enough that
+#: tensors over it stay small
+RING_HALF = 256 << 10
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
     with short_folder("vkbd") as path:
         # both sides poll (the default on 4 CPUs or more), so lanes get rings and infers are bound
-        d = Daemon(path, daemon={"lane_poll": "0.2ms"})
+        d = Daemon(path, daemon={"lane_poll": "0.2ms", "lane_ring_bytes": RING_HALF})
         yield d
         assert d.stop() == 0
 
@@ -195,10 +200,35 @@ def test_tensors_too_large_for_the_ring_travel_framed(daemon: Daemon) -> None:
             (z,) = add.run(None, {"x": big})
             np.testing.assert_array_equal(z, big + 3.0)
         [lane] = client._lanes
+        assert lane.ring is not None and lane.ring.half == RING_HALF  # the daemon's lane_ring_bytes
         assert len(lane.bindings) == 1 and len(lane.unbound) == 1  # the tile bound; the add's input does not fit
         after = balanced(client)
     # the first status, two loads, open_lane, two binds (one answered "null"), 6 infers
     assert after["error"] == before["error"] and after["ok"] - before["ok"] == 1 + 2 + 1 + 2 + 6
+
+
+def test_an_image_sized_input_travels_bound_in_a_ring_of_the_default_size() -> None:
+    """The default ``lane_ring_bytes`` holds an image model's input (ResNet's 1 x 3 x 224 x 224
+    float32, 588 KiB): it is bound and travels in the ring, not framed on the socket."""
+    half = DaemonSettings().lane_ring_bytes
+    n = 3 * 224 * 224
+    assert 4 * n < half
+    with short_folder("vkbr") as path:
+        d = Daemon(path, daemon={"lane_poll": "0.2ms"})
+        try:
+            rng = np.random.default_rng(4)
+            with polling(d.client()) as client:
+                add = client.session(add_model(n, 1.5))
+                for _ in range(3):
+                    x = rng.standard_normal((1, n)).astype(np.float32)
+                    (y,) = add.run(None, {"x": x})
+                    np.testing.assert_array_equal(y, x + 1.5)
+                [lane] = client._lanes
+                assert lane.ring is not None and lane.ring.half == half
+                assert len(lane.bindings) == 1 and not lane.unbound
+                balanced(client)
+        finally:
+            assert d.stop() == 0
 
 
 def test_bound_infers_are_queued_as_jobs_where_they_cannot_run_where_read() -> None:

@@ -27,6 +27,8 @@ from vkpool.daemon.lane import _CLIENT_ASLEEP, _REP, LaneConnection, Ring
 
 pytestmark = pytest.mark.timeout(180)
 X = np.arange(8, dtype=np.float32).reshape(1, 8)
+#: each half of the shared daemon's rings (``daemon.lane_ring_bytes``): a tensor over it stays small
+RING_HALF = 256 << 10
 
 
 @pytest.fixture
@@ -40,7 +42,7 @@ def shared() -> Iterator[Daemon]:
     with short_folder("vkl") as path:
         # both sides poll for messages here whatever the machine's CPUs (the default on 4 or more)
         daemon = Daemon(path, daemon={"max_frames": 16, "max_message_bytes": "1MiB", "lane_poll": "0.2ms",
-                                      "zmq_poll": "0.4ms"})
+                                      "zmq_poll": "0.4ms", "lane_ring_bytes": RING_HALF})
         yield daemon
         assert daemon.stop() == 0
 
@@ -175,8 +177,6 @@ def test_the_ring_carries_small_jobs_the_socket_large_ones_and_wakes_a_sleeping_
     travel in shared memory, one over the ring's half on the socket; pauses between jobs let the
     daemon's lane thread fall asleep, so the wake-up on the socket is needed, and a job slower
     than the client's polling makes the client sleep and be woken."""
-    from vkpool.daemon.lane import RING_HALF
-
     small, large = shared.folder / "ring_small.onnx", shared.folder / "ring_large.onnx"
     small.write_bytes(mlp_model(8, 16, seed=3))
     n = RING_HALF // 4 + 1000  # float32 input and output each over the ring's half
