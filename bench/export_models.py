@@ -369,20 +369,23 @@ def stamp() -> str:
 
 
 def export(name: str, out: Path = DEFAULT_OUT, batch_dim: bool = False, **sizes: Any) -> Path:
-    """Writes ``<out>/<name>.onnx`` (full size unless ``sizes`` are given), or with ``batch_dim``
-    ``<out>/<name>-batch.onnx`` (see :func:`to_onnx`); returns its path."""
+    """Writes ``<out>/<name>.onnx`` (full size unless ``sizes`` are given), with ``batch_dim``
+    ``<out>/<name>-batch.onnx`` (see :func:`to_onnx`), and for a fixed ``batch`` of more than one
+    ``<out>/<name>-b<batch>.onnx``; returns its path."""
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}{'-batch' if batch_dim else ''}.onnx"
+    fixed = int(sizes.get("batch", 1))
+    path = out / f"{name}{'-batch' if batch_dim else f'-b{fixed}' if fixed > 1 else ''}.onnx"
     path.write_bytes(to_onnx(build(name, **sizes), batch_dim))
     return path
 
 
-def ensure(name: str, out: Path = DEFAULT_OUT) -> Path:
-    """The full-size ``<out>/<name>.onnx``, exported again only when :func:`stamp` changed."""
-    path = out / f"{name}.onnx"
+def ensure(name: str, out: Path = DEFAULT_OUT, batch: int = 1) -> Path:
+    """The full-size ``<out>/<name>.onnx`` (``<name>-b<batch>.onnx`` for a batch of more than
+    one), exported again only when :func:`stamp` changed."""
+    path = out / f"{name}{f'-b{batch}' if batch > 1 else ''}.onnx"
     stamp_path = path.with_suffix(".stamp")
     if not (path.exists() and stamp_path.exists() and stamp_path.read_text() == stamp()):
-        export(name, out)
+        export(name, out, **({"batch": batch} if batch > 1 else {}))
         stamp_path.write_text(stamp())
     return path
 

@@ -22,6 +22,9 @@ its error against ``ref16`` is at most 2e-2 (a few float16 roundings of the larg
 its error against ``ref32`` is at most twice ref16's own error against ``ref32`` plus 1e-3: the
 float16 rounding that torch's float16 makes, not a wrong result.
 
+``--batch N`` exports the models with a fixed batch of N images or sequences instead of one (the
+same weights; each input is N of the seeded samples), for what a batch costs on each runtime.
+
 Prints a markdown table and writes every number to ``--out`` (JSON).
 """
 from __future__ import annotations
@@ -206,8 +209,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.half:
         path, built, ref, ref32, ref_source = _half_references(name, args)
     else:
-        path = em.ensure(name, args.models_dir)
-        built = em.build(name)
+        path = em.ensure(name, args.models_dir, args.batch)
+        built = em.build(name, batch=args.batch)
         ref = _ort_session(path, optimize=False).run(None, built.inputs)[0]
         ref_source = "onnxruntime CPU, graph optimisations off"
     result: dict[str, Any] = {
@@ -318,6 +321,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the float16 exports (bench.fp16_models), torch in float16, two references")
     parser.add_argument("--runtimes", nargs="+", metavar="NAME", choices=RUNTIMES, default=list(RUNTIMES),
                         help=f"runtimes (default: all): {', '.join(RUNTIMES)}")
+    parser.add_argument("--batch", type=int, default=1, metavar="N",
+                        help="the models exported with a fixed batch of N (default 1; not with --half)")
     parser.add_argument("--runs", type=int, default=100, help="timed runs (default 100)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed runs first, at least 1 (default 20)")
     parser.add_argument("--device", help="vkpool member for the session (default: chosen by vkpool)")
@@ -328,6 +333,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
+    if args.half and args.batch != 1:
+        parser.error("--half exports a batch of 1 only: leave --batch out")
     if args.half and args.models and set(args.models) - set(HALF_MODELS):
         parser.error(f"--half exports only {', '.join(HALF_MODELS)}")
     args.models = args.models or list(HALF_MODELS if args.half else em.BUILDERS)
@@ -339,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "command": " ".join(["python -m bench.real_models", *(sys.argv[1:] if argv is None else argv)]),
         "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
-        "warmup": max(args.warmup, 1), "runs": args.runs, "half": args.half, "models": {},
+        "warmup": max(args.warmup, 1), "runs": args.runs, "half": args.half, "batch": args.batch,
+        "models": {},
         "max_rel_err_gate": (f"{HALF_MAX_REL_ERR:g} against ref16; against ref32 {HALF_FP32_FACTOR:g} x ref16's "
                              f"+ {HALF_FP32_SLACK:g}") if args.half else MAX_REL_ERR,
     }
