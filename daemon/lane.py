@@ -107,6 +107,23 @@ class Poller:
                 return since + self.max_s
         return None
 
+    @staticmethod
+    def earliest(earliest_s: float, seen_s: float) -> float:
+        """The running estimate of how soon a long wait usually ends (0: none yet): down at once
+        to a quicker wait, up by a tenth of the way to a slower one (an outlier barely moves it)."""
+        return seen_s if seen_s < earliest_s or earliest_s <= 0 else 0.9 * earliest_s + 0.1 * seen_s
+
+    def doze(self, earliest_s: float, since: float) -> tuple[float, float] | None:
+        """For a wait too long to poll through (:meth:`until` says sleep) that usually ends no
+        sooner than ``earliest_s`` after ``since``: (until when to sleep, until when to poll
+        after it), ``time.perf_counter`` values; None when it is not that long. The sleep ends
+        ``max_s`` before the usual end, so the timer's wake-up is over by then, and the polling
+        goes on ``2 * max_s`` past it; a reply that comes during the sleep wakes it through the
+        socket, as it would wake ``recv``."""
+        if self.max_s <= 0 or earliest_s < 3.0 * self.max_s:
+            return None
+        return since + earliest_s - self.max_s, since + earliest_s + 2.0 * self.max_s
+
     def spin(self, ready: Any, usual_s: float, since: float) -> Any:
         """Call ``ready()`` (a look that lets the interpreter lock go, such as ``zmq_poll``
         without waiting) until it gives something true, or :meth:`until` says to stop; what it
@@ -262,6 +279,26 @@ def ring_sleep(words: memoryview, which: int, seen: int, asleep: int, reader: P.
             words[asleep] = 0
         if parts is None or parts or words[which] != seen:
             return parts
+
+
+def ring_doze(words: memoryview, which: int, seen: int, asleep: int, sock: socket.socket,
+              until: float) -> None:
+    """Sleep until ``until`` (a ``time.perf_counter`` value), or less when the other side
+    publishes meanwhile: marked asleep, so that it sends a wake-up on the socket, which ends the
+    sleep (and is read with the socket's next message). The sleep is ``select``'s, to the
+    microsecond (``poll``'s is to the millisecond); a socket beyond ``select``'s range sleeps
+    ``time.sleep``'s, which a reply does not end."""
+    words[asleep] = 1
+    fence()
+    try:
+        left = until - time.perf_counter()
+        if words[which] == seen and left > 0:
+            try:
+                select.select((sock,), (), (), left)
+            except ValueError:  # a descriptor past FD_SETSIZE
+                time.sleep(left)
+    finally:
+        words[asleep] = 0
 
 
 def ring_wake(sock: socket.socket, words: memoryview, asleep: int) -> bool:
@@ -929,8 +966,8 @@ class ClientLane:
     above 0) it asks for a :class:`Ring`: requests and replies that fit then travel in shared
     memory, and the socket only wakes a side that sleeps."""
 
-    __slots__ = ("sock", "reader", "timeout", "sent_at", "reply_s", "poller", "ring", "on_ring", "rep_seen",
-                 "bindings", "unbound")
+    __slots__ = ("sock", "reader", "timeout", "sent_at", "reply_s", "earliest_s", "poller", "ring", "on_ring",
+                 "rep_seen", "bindings", "unbound")
 
     def __init__(self, offer: dict[str, Any], client: bytes, timeout: float, poller: Poller) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -938,6 +975,7 @@ class ClientLane:
         self.timeout: float | None = None
         self.sent_at = 0.0
         self.reply_s = poller.max_s / 2  # moving average of the time from request to reply
+        self.earliest_s = 0.0  # how soon a reply usually comes (Poller.earliest), for dozing on a ring
         self.ring: Ring | None = None
         self.on_ring = False  # the request in flight went in the ring
         self.rep_seen = 0
@@ -1048,7 +1086,9 @@ class ClientLane:
             raise TimeoutError(f"no reply within {timeout:g} s") from None
         if frames is None:
             raise ConnectionResetError("the daemon closed the local lane")
-        self.reply_s = self.poller.average(self.reply_s, time.perf_counter() - self.sent_at)
+        seen_s = time.perf_counter() - self.sent_at
+        self.reply_s = self.poller.average(self.reply_s, seen_s)
+        self.earliest_s = self.poller.earliest(self.earliest_s, seen_s)
         return frames
 
     def _from_ring(self) -> list[memoryview] | memoryview | None:
@@ -1059,6 +1099,10 @@ class ClientLane:
         words, seen, poller = ring.words, self.rep_seen, self.poller
         if words[_REP] == seen:
             until = poller.until(self.reply_s, self.sent_at)
+            if until is None and (doze := poller.doze(self.earliest_s, self.sent_at)) is not None:
+                # a reply that takes long (a slow model): sleep through most of it, then poll
+                ring_doze(words, _REP, seen, _CLIENT_ASLEEP, self.sock, doze[0])
+                until = doze[1]
             if until is not None and poller._token.acquire(False):
                 try:
                     ring_wait(words, _REP, seen, self.reader, until)

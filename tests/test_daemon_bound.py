@@ -410,6 +410,55 @@ def test_a_poller_past_its_limit_still_polls_now_and_then() -> None:
     assert all(Poller(0.0).until(u, 0.0) is None for u in (0.0, 1e-6, 1.0) for _ in range(PROBE))
 
 
+def test_a_poller_dozes_through_long_waits_and_polls_at_their_end() -> None:
+    """Waits of three times the limit or more are slept through until the limit before the usual
+    earliest end, then polled for twice the limit past it; the estimate drops at once to a
+    quicker wait and rises slowly to a slower one."""
+    from vkpool.daemon.lane import Poller
+
+    poller = Poller(200e-6)
+    assert poller.doze(0.0, 10.0) is None and poller.doze(500e-6, 10.0) is None  # no estimate; short
+    sleep_to, poll_to = poller.doze(1.5e-3, 10.0)
+    assert sleep_to == pytest.approx(10.0 + 1.3e-3) and poll_to == pytest.approx(10.0 + 1.9e-3)
+    assert Poller(0.0).doze(1.0, 0.0) is None  # a side that does not poll sleeps in recv
+    earliest = poller.earliest(0.0, 2e-3)
+    assert earliest == 2e-3 and poller.earliest(earliest, 1e-3) == 1e-3
+    assert poller.earliest(1e-3, 11e-3) == pytest.approx(2e-3)  # an outlier moves it a tenth of the way
+
+
+def test_a_client_dozing_on_a_ring_is_woken_by_a_reply_that_comes_early(daemon: Daemon, monkeypatch) -> None:
+    """A client expecting a long wait sleeps through most of it marked asleep; a reply that comes
+    sooner wakes it through the socket, as it would wake ``recv``, instead of waiting out the doze."""
+    from vkpool.daemon import lane as lanes
+
+    dozes: list[float] = []
+    real = lanes.ring_doze
+
+    def counted(words, which, seen, asleep, sock, until):  # noqa: ANN001 - the function's own types
+        dozes.append(until - time.perf_counter())
+        real(words, which, seen, asleep, sock, until)
+
+    monkeypatch.setattr(lanes, "ring_doze", counted)
+    path = daemon.folder / "doze.onnx"
+    path.write_bytes(add_model(8, 0.5))
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    with polling(daemon.client()) as client:
+        session = client.session(path)
+        np.testing.assert_array_equal(session.run(None, {"x": x})[0], x + 0.5)
+        [lane] = client._lanes
+        assert lane.ring is not None
+        for k in range(3):
+            lane.earliest_s = 30.0  # as if replies took 30 s: the client dozes for nearly that long
+            lane.poller._looks = 1  # not a PROBE-th look, which would poll instead of sleeping
+            started = time.perf_counter()
+            (y,) = session.run(None, {"x": x + k})
+            took = time.perf_counter() - started
+            np.testing.assert_array_equal(y, x + k + 0.5)
+            assert took < 10.0, f"the reply came after {took:.1f} s: it did not end the doze"
+        assert len(dozes) == 3 and all(d > 20.0 for d in dozes), dozes
+        balanced(client)
+
+
 def test_bound_infers_on_a_model_loaded_for_throughput_run_on_every_copy() -> None:
     """Loaded for throughput on lavapipe split in two members: a whole copy on each, in threads of
     the daemon, and the lanes' thread drives both (each infer of a pass on the next copy)."""
