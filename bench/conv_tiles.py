@@ -21,13 +21,14 @@ from typing import Any
 import numpy as np
 
 from bench.stats import median_run_s
+from vkpool.kernels.ops.gemm import TILES
 
-#: tiles a policy may name (BM x BN outputs per workgroup, BK deep stages, TM x TN per invocation)
+#: tiles a policy may name (BM x BN outputs per workgroup, BK deep stages, TM x TN per invocation):
+#: the planner's own, and two halves of its 128 x 128
 CANDIDATES: dict[str, dict[str, int]] = {
-    "128x128": {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8},
-    "128x64": {"BM": 128, "BN": 64, "BK": 8, "TM": 8, "TN": 4},
-    "64x128": {"BM": 64, "BN": 128, "BK": 8, "TM": 4, "TN": 8},
-    "64x64": {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4},
+    **TILES,
+    "128x64": {**TILES["128x128"], "BN": 64, "TN": 4},
+    "64x128": {**TILES["128x128"], "BM": 64, "TM": 4},
 }
 
 
