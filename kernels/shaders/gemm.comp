@@ -68,8 +68,23 @@ layout(push_constant) uniform Args {
 } pc;
 
 #if !REGISTER_TILE
-shared float As[BK][BM];
-shared float Bs[BK][BN];
+// An operand whose tile is read from memory along K (A with A_KCONTIG, B without B_NCONTIG) is
+// stored by consecutive invocations down a column of its stage: rows padded by 32 / BK floats put
+// a warp's 32 stores (BK values of k by 32 / BK of m or n) in 32 different banks, where unpadded
+// rows put them in 32 / BK banks.
+#define KPAD (BK < 32 ? 32 / BK : 1)
+#if A_KCONTIG
+#define PAD_A KPAD
+#else
+#define PAD_A 0
+#endif
+#if B_NCONTIG
+#define PAD_B 0
+#else
+#define PAD_B KPAD
+#endif
+shared float As[BK][BM + PAD_A];
+shared float Bs[BK][BN + PAD_B];
 #endif
 
 #ifdef CONV
