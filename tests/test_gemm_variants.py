@@ -109,6 +109,29 @@ def test_a_long_reduction_and_the_loop_limit(monkeypatch: pytest.MonkeyPatch) ->
         assert_outputs_match(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_tile_larger_than_the_shared_memory_gives_way_to_one_that_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A product of few rows and many columns takes the 32 x 256 tile (18.6 KB of shared memory
+    here); on a device of 16 KiB, the least Vulkan allows, it runs in a tile that fits, with the
+    same result, and with less still in the smallest."""
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=shared")
+    model, feeds, expected = ort_case("MatMul", [rand(20, 40), rand(40, 8200)], {}, (1,))
+    for limits, width in (("", 256), ("max_shared_memory_bytes=16384", 64),
+                          ("max_shared_memory_bytes=6000", 32)):
+        monkeypatch.setenv("VKPOOL_DEVICE_LIMITS", limits)
+        p = vulkan_pool()
+        try:
+            caps = p.vulkan_members[0].device.caps
+            with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
+                (op,) = s._chunk.ops
+                tile = op.plan.tile_for(caps)
+                fits = op.plan.shared_bytes(tile) <= caps.shared_memory_bytes
+                assert tile["BN"] == width and fits, (limits, tile)
+                assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
+        finally:
+            p.close()
+
+
 def test_relu_fused_into_the_register_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     from onnx import TensorProto, helper, numpy_helper
     import onnxruntime as ort

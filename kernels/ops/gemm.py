@@ -207,11 +207,21 @@ class MatmulPlan:
         workgroup of WG invocations, ``SPLITS``/``KCHUNK`` as :meth:`register_splits` gives
         them). The register tiling loops up to twice per k: past the device's loop limit
         (lavapipe ends longer loops early, silently) or with more workgroups than a grid holds,
-        the shared tile runs instead."""
-        shared = {**self.tile, "SPLITS": self.splits, **({"KCHUNK": self.kchunk} if self.splits > 1 else {})}
+        the shared tile runs instead. A shared tile larger than the device's shared memory
+        (:meth:`shared_bytes`) gives way to the largest of the 64 x 64 and 32 x 32 ones that fits."""
+        p = self.p
+        tile = self.tile
+        if caps is not None and self.shared_bytes(tile) > caps.shared_memory_bytes:
+            # a tile larger than the device's shared memory (the 32 x 256 one, on a device of
+            # 16 KiB): the largest of the others that fits
+            room = caps.shared_memory_bytes
+            fits = [TILES[n] for n in ("64x64", "32x32") if self.shared_bytes(TILES[n]) <= room]
+            if not fits:
+                raise UnsupportedOp(f"no tile of the matrix product fits {room} bytes of shared memory")
+            tile = fits[0]
+        shared = {**tile, "SPLITS": self.splits, **({"KCHUNK": self.kchunk} if self.splits > 1 else {})}
         if caps is None or caps.gemm_variant != "register":
             return shared
-        p = self.p
         tm, tn, wg = caps.register_tile
         splits, kchunk = self.register_splits(caps, inner)
         steps = kchunk if splits > 1 else p.K
@@ -223,6 +233,14 @@ class MatmulPlan:
             return shared
         return {"REGISTER_TILE": 1, "BM": tm, "BN": tn * wg, "TM": tm, "TN": tn, "WG": wg, "SPLITS": splits,
                 **({"KCHUNK": kchunk} if splits > 1 else {})}
+
+    def shared_bytes(self, tile: dict[str, int]) -> int:
+        """The shared memory ``gemm.comp`` declares for ``tile`` on this product: a BK-deep stage of
+        each operand, the rows of one read along K padded by 32 / BK floats (see the shader)."""
+        pad = 32 // tile["BK"] if tile["BK"] < 32 else 1
+        a_pad = pad if self.p.sAk == 1 else 0
+        b_pad = 0 if self.p.sBn == 1 else pad
+        return 4 * tile["BK"] * (tile["BM"] + a_pad + tile["BN"] + b_pad)
 
     def register_splits(self, caps: DeviceCaps, inner: int = 1) -> tuple[int, int]:
         """(K splits, K per split) of the register tiling: a split costs a pass over a workspace
