@@ -35,6 +35,11 @@ CASES: dict[str, tuple[str, list[np.ndarray], dict[str, Any], tuple[int, ...]]] 
     "conv_1x1_groups_batch": ("Conv", [rand(3, 140, 7, 5), rand(34, 70, 1, 1), rand(34)], {"group": 2}, (1, 2)),
     "conv_1x1_strided": ("Conv", [rand(1, 70, 9, 5), rand(33, 70, 1, 1)], {"strides": [2, 2]}, (1,)),
     "conv_1x1_split_k": ("Conv", [rand(1, 1030, 3, 3), rand(20, 1030, 1, 1), rand(20)], {}, (1, 2)),
+    # columns a multiple of 4
+    "matmul_cols_by_4": ("MatMul", [rand(45, 70), rand(70, 68)], {}, (1,)),
+    "gemm_cols_by_4_bias": ("Gemm", [rand(33, 50), rand(36, 50), rand(36)], {"transB": 1}, (1, 2)),
+    "conv_cols_by_4_split_k": ("Conv", [rand(2, 256, 8, 6), rand(24, 256, 3, 3), rand(24)], {"pads": [1, 1, 1, 1]},
+                               (1, 2)),
 }
 
 
@@ -130,6 +135,31 @@ def test_a_tile_larger_than_the_shared_memory_gives_way_to_one_that_fits(
                 assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
         finally:
             p.close()
+
+
+@pytest.mark.parametrize("tile", ["64x64", "32x32", "32x256", "128x128"])
+def test_every_shared_tile_matches_onnxruntime(tile: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tile of the shared tiling, forced on products of odd sizes and of columns in fours,
+    with either operand read along K or across it (its stage's rows padded or not), a split
+    reduction, grouped and strided convolutions: all equal onnxruntime's."""
+    from vkpool.kernels.ops import gemm
+
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=shared")
+    monkeypatch.setattr(gemm, "choose_tile", lambda p, workgroups: tile)
+    p = vulkan_pool()
+    try:
+        vk = p.vulkan_members[0]
+        for name in ("matmul_odd", "gemm_transposed_bias", "gemm_alpha_beta", "conv_groups_stride",
+                     "conv_split_k", "conv_1x1_groups_batch", "matmul_cols_by_4", "gemm_cols_by_4_bias",
+                     "conv_cols_by_4_split_k"):
+            op, inputs, attrs, constants = CASES[name]
+            model, feeds, expected = ort_case(op, inputs, attrs, constants)
+            with Session(model, pool=p, device=vk.id) as s:
+                plans = [o.plan for o in s._chunk.ops if getattr(o, "plan", None) is not None]
+                assert plans and all(pl.tile_for(vk.device.caps)["BM"] == gemm.TILES[tile]["BM"] for pl in plans)
+                assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        p.close()
 
 
 def test_relu_fused_into_the_register_tile(monkeypatch: pytest.MonkeyPatch) -> None:
