@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -77,7 +78,8 @@ class Serving:
     ready: bool = False
     clients: int = 0      # connections it reported last
     given: int = 0        # hellos sent to it since then
-    control: Any = None   # a Client of the front's thread, for status and set_budget
+    control: Any = None   # a Client of the front's, for status and set_budget
+    answered: bool = True  # whether it answered the front's last request for every process
 
     def noted_clients(self, status: dict[str, Any]) -> None:
         """Its clients as its ``status`` counts them (less the front's own connection)."""
@@ -86,7 +88,8 @@ class Serving:
     def describe(self) -> dict[str, Any]:
         running = self.proc is not None and self.proc.poll() is None
         return {"member": self.member, "endpoint": self.endpoint, "pid": self.proc.pid if running else None,
-                "state": "serving" if running and self.ready else "starting" if running else "exited",
+                "state": ("not answering" if not self.answered else "serving") if running and self.ready
+                else "starting" if running else "exited",
                 "restarts": self.restarts, "clients": self.clients}
 
 
@@ -135,6 +138,10 @@ class Front:
                 raise EndpointError(f"{lane_path(path)} is too long for a Unix socket: choose a shorter endpoint "
                                     "for daemon.process_per_device")
         self._stop = threading.Event()
+        #: threads that ask the serving processes at once (:meth:`_ask_all`): one that hangs costs a
+        #: request the time it waits for that process, not that time for each process in turn
+        self._askers = ThreadPoolExecutor(max_workers=len(self.children),
+                                          thread_name_prefix="vkpool-front-ask")
         self._lock: EndpointLock | None = None
         self._router: zmq.Socket | None = None
         self._next_load = 0.0
@@ -149,7 +156,7 @@ class Front:
         metrics_file(child.endpoint).unlink(missing_ok=True)
         child.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         child.started = time.monotonic()
-        child.ready = False
+        child.ready, child.answered = False, True
         _close(child.control)
         child.control = None
         log.info("serving process for %s started (pid %d) on %s", child.member, child.proc.pid, child.endpoint)
@@ -196,8 +203,7 @@ class Front:
         if now < self._next_load:
             return
         self._next_load = now + LOAD_EVERY_S
-        for child in self.children:
-            status = self._ask(child, "status", wait=LOAD_WAIT_S)
+        for child, status in self._ask_all("status", wait=LOAD_WAIT_S):
             if isinstance(status, dict):
                 child.noted_clients(status)
 
@@ -218,6 +224,17 @@ class Front:
                 _close(child.control)  # made afresh when next asked
                 child.control = None
             return exc
+
+    def _ask_all(self, action: str, content: dict[str, Any] | None = None, wait: float = FORWARD_S,
+                 children: list[Serving] | None = None) -> list[tuple[Serving, dict[str, Any] | Exception]]:
+        """Each serving process's (or each of ``children``'s) :meth:`_ask`, all asked at once: a
+        request waits ``wait`` at most however many of them hang. Each process's client is used by
+        one thread at a time, and by none while this thread is elsewhere."""
+        children = self.children if children is None else children
+        if len(children) < 2:
+            return [(c, self._ask(c, action, content, wait)) for c in children]
+        asked = [(c, self._askers.submit(self._ask, c, action, content, wait)) for c in children]
+        return [(c, future.result()) for c, future in asked]
 
     def start(self) -> None:
         """Start every serving process and wait until each answers; raises EndpointError when one
@@ -302,10 +319,10 @@ class Front:
     def stop_children(self) -> None:
         """Ask every serving process to stop (draining its jobs) and wait for them."""
         self._stop.set()
-        for child in self.children:
-            if (child.proc is not None and child.proc.poll() is None
-                    and isinstance(self._ask(child, "shutdown"), Exception)):
-                child.proc.terminate()
+        running = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for child, answer in self._ask_all("shutdown", children=running):
+            if isinstance(answer, Exception):
+                child.proc.terminate()  # type: ignore[union-attr]
         deadline = time.monotonic() + self.settings.drain_deadline + 15.0
         for child in self.children:
             _close(child.control)
@@ -319,6 +336,7 @@ class Front:
                 log.error("serving process for %s (pid %d) did not stop; killed", child.member, child.proc.pid)
                 child.proc.kill()
                 child.proc.wait()
+        self._askers.shutdown(wait=False)
 
     # -- requests --------------------------------------------------------------------------------
     def _on_request(self, frames: list[bytes]) -> None:
@@ -382,7 +400,11 @@ class Front:
                 "serving": [c.describe() for c in self.children]}
 
     def _gather(self, action: str, content: dict[str, Any] | None = None) -> list[tuple[Serving, dict[str, Any]]]:
-        answers = [(c, self._ask(c, action, content)) for c in self.children]
+        """The serving processes' answers, those that answered within FORWARD_S; the others are
+        noted (:attr:`Serving.answered`) for ``status``."""
+        answers = self._ask_all(action, content)
+        for child, answer in answers:
+            child.answered = isinstance(answer, dict)
         return [(c, a) for c, a in answers if isinstance(a, dict)]
 
     def _devices(self, content: dict[str, Any]) -> dict[str, Any]:

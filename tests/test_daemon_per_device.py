@@ -275,6 +275,31 @@ def test_a_serving_process_that_dies_is_started_again(front: Front) -> None:
     assert len(seen) == 2
 
 
+def test_serving_processes_that_hang_hold_status_once_not_once_each(front: Front) -> None:
+    """Two serving processes stopped (SIGSTOP): the front asks them at once, so ``status`` waits
+    its 5 s once, not once per process, shows both ``not answering``, and serves again once they
+    go on."""
+    pids = front.pids()
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with front.client(timeout=30.0, follow=False) as client:  # the front's own answer
+            started = time.monotonic()
+            status = client.status()
+            took = time.monotonic() - started
+    finally:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGCONT)
+    from vkpool.daemon.front import FORWARD_S
+
+    assert FORWARD_S - 0.5 < took < 2 * FORWARD_S - 1.0, took
+    assert {p["member"]: p["state"] for p in status["processes"]} == {m: "not answering" for m in pids}
+    with front.client(follow=False) as client:
+        again = client.status()
+    assert {p["member"]: p["state"] for p in again["processes"]} == {m: "serving" for m in pids}
+    assert {p["member"]: p["pid"] for p in again["processes"]} == pids
+
+
 def test_vkpool_stop_stops_every_serving_process() -> None:
     with short_folder("vkf") as folder:
         daemon = Front(folder)
