@@ -107,7 +107,9 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                       "serving process this client is given; send every request but those of *The front* "
                       "there, starting with a `hello`", required=False),
                    _f("serving", "list", "only with `redirect`: the serving processes, `{member, endpoint, pid, "
-                      "state, restarts, clients}`", required=False)),
+                      "state, restarts, clients}`; `state` is `serving`, `starting`, `exited`, or `not answering` "
+                      "(it did not answer the front's last request for every process within 5 s; the front asks "
+                      "them all at once, so `status` waits 5 s at most however many hang)", required=False)),
             control=True),
     Message("devices", "The pool members with their budgets and use.",
             request=(),
