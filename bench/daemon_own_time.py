@@ -153,12 +153,19 @@ def serve_in_thread(config: str | None, wrap: Any = None) -> tuple[Any, threadin
     return server, thread, endpoint
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def one_client_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments of the benches that time one client against a daemon served in a thread of
+    their own process: the model, ``--runs``, ``--config`` and ``--stub-run``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
     ap.add_argument("--runs", type=int, default=3000)
     ap.add_argument("--config", default=None)
     ap.add_argument("--stub-run", action="store_true", help="leave the model's run out (see above)")
+    return ap
+
+
+def main() -> None:
+    ap = one_client_parser(__doc__)
     ap.add_argument("--pin", action="store_true", help="hold the threads on CPUs of their own (see above)")
     ap.add_argument("--keep-local", action="store_true",
                     help="keep the in-process session (its device) open, idle, while the daemon serves")

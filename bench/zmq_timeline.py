@@ -26,7 +26,6 @@ what is the transport's and what is vkpool's.
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import cProfile
 import json
@@ -36,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 CLIENT = """
@@ -84,11 +82,9 @@ LEGS = ("client, before", "client, send", "to the daemon", "daemon, read", "daem
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--runs", type=int, default=3000)
-    ap.add_argument("--config", default=None)
-    ap.add_argument("--stub-run", action="store_true", help="leave the model's run out (see above)")
+    from bench.daemon_own_time import one_client_parser
+
+    ap = one_client_parser(__doc__)
     ap.add_argument("--profile", action="store_true", help="profile the daemon's I/O thread (see above)")
     args = ap.parse_args()
     import zmq

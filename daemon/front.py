@@ -88,8 +88,8 @@ class Serving:
     def describe(self) -> dict[str, Any]:
         running = self.proc is not None and self.proc.poll() is None
         return {"member": self.member, "endpoint": self.endpoint, "pid": self.proc.pid if running else None,
-                "state": ("not answering" if not self.answered else "serving") if running and self.ready
-                else "starting" if running else "exited",
+                "state": "exited" if not running else "starting" if not self.ready
+                else "serving" if self.answered else "not answering",
                 "restarts": self.restarts, "clients": self.clients}
 
 
@@ -138,10 +138,6 @@ class Front:
                 raise EndpointError(f"{lane_path(path)} is too long for a Unix socket: choose a shorter endpoint "
                                     "for daemon.process_per_device")
         self._stop = threading.Event()
-        #: threads that ask the serving processes at once (:meth:`_ask_all`): one that hangs costs a
-        #: request the time it waits for that process, not that time for each process in turn
-        self._askers = ThreadPoolExecutor(max_workers=len(self.children),
-                                          thread_name_prefix="vkpool-front-ask")
         self._lock: EndpointLock | None = None
         self._router: zmq.Socket | None = None
         self._next_load = 0.0
@@ -233,8 +229,9 @@ class Front:
         children = self.children if children is None else children
         if len(children) < 2:
             return [(c, self._ask(c, action, content, wait)) for c in children]
-        asked = [(c, self._askers.submit(self._ask, c, action, content, wait)) for c in children]
-        return [(c, future.result()) for c, future in asked]
+        with ThreadPoolExecutor(max_workers=len(children), thread_name_prefix="vkpool-front-ask") as askers:
+            asked = [(c, askers.submit(self._ask, c, action, content, wait)) for c in children]
+            return [(c, future.result()) for c, future in asked]
 
     def start(self) -> None:
         """Start every serving process and wait until each answers; raises EndpointError when one
@@ -336,7 +333,6 @@ class Front:
                 log.error("serving process for %s (pid %d) did not stop; killed", child.member, child.proc.pid)
                 child.proc.kill()
                 child.proc.wait()
-        self._askers.shutdown(wait=False)
 
     # -- requests --------------------------------------------------------------------------------
     def _on_request(self, frames: list[bytes]) -> None:
