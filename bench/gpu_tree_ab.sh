@@ -3,7 +3,8 @@
 # alternating rounds of `python -m bench.conv_tiles --policies planner` (host median and GPU time
 # of a run) over ResNet-50 at batch BATCH (default 16) and MODELS at batch 1 (default resnet50
 # unet mobilenetv2 bert gpt2), then this tree's errors against onnxruntime CPU
-# (`python -m bench.real_models --runtimes vkpool`). Carry .gl .whl .glsl and BASE. Output under $OUT.
+# (`python -m bench.real_models --runtimes vkpool`), ResNet-50 at batch BATCH among them. Carry .gl
+# .whl .glsl and BASE. Output under $OUT.
 set -uo pipefail
 source bench/gpu_daemon_env.sh > /dev/null
 install_base
@@ -27,3 +28,6 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
 done 2>&1 | tee "$OUT/tree-ab.md"
 (cd /tmp && timeout 300 python3 -m bench.real_models --models $models --runtimes vkpool --runs 5 --warmup 2 \
   --device vk0 --models-dir /tmp/models --out "$OUT/errors.json" 2>&1 | grep -E "^\||rror") | tee -a "$OUT/tree-ab.md"
+(cd /tmp && timeout 300 python3 -m bench.real_models --models resnet50 --batch ${BATCH:-16} --runtimes vkpool \
+  --runs 5 --warmup 2 --device vk0 --models-dir /tmp/models --out "$OUT/errors-b${BATCH:-16}.json" 2>&1 \
+  | grep -E "^\||rror") | tee -a "$OUT/tree-ab.md"

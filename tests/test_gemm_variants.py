@@ -40,6 +40,10 @@ CASES: dict[str, tuple[str, list[np.ndarray], dict[str, Any], tuple[int, ...]]] 
     "gemm_cols_by_4_bias": ("Gemm", [rand(33, 50), rand(36, 50), rand(36)], {"transB": 1}, (1, 2)),
     "conv_cols_by_4_split_k": ("Conv", [rand(2, 256, 8, 6), rand(24, 256, 3, 3), rand(24)], {"pads": [1, 1, 1, 1]},
                                (1, 2)),
+    # a batch whose images are columns of one product (FOLD): 3 x 4 x 3 outputs per image, so
+    # tiles straddle images
+    "conv_batch_folded": ("Conv", [rand(3, 20, 9, 7), rand(40, 20, 3, 3), rand(40)],
+                          {"strides": [2, 2], "pads": [1, 0, 0, 1], "dilations": [1, 2]}, (1, 2)),
 }
 
 
@@ -97,6 +101,24 @@ def test_pointwise_convolutions_run_as_plain_products_where_the_tiling_is_regist
         assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_batch_of_images_is_one_product_on_the_shared_tiling(variant_pool: Any) -> None:
+    """A convolution over a batch of images runs as one product whose columns span the images
+    (FOLD) on the shared tiling, per image on the register tiling; and where the folded product
+    would need a split reduction, per image on either. All equal onnxruntime's."""
+    from vkpool.kernels.base import DispatchContext
+
+    vk = variant_pool.vulkan_members[0]
+    shared = vk.device.caps.gemm_variant == "shared"
+    for name, folds in (("conv_batch_folded", shared), ("conv_cols_by_4_split_k", False)):
+        op, inputs, attrs, constants = CASES[name]
+        model, feeds, expected = ort_case(op, inputs, attrs, constants)
+        with Session(model, pool=variant_pool, device=vk.id) as s:
+            (conv,) = s._chunk.ops
+            ctx = DispatchContext([object(), object(), object()], [object()], object(), vk.device.caps, {})
+            assert [d.defines.get("FOLD", 0) for d in conv.dispatches(ctx) if d.shader != "gemm_reduce"] == [int(folds)], name
+            assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_a_long_reduction_and_the_loop_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """A product whose reduction runs 600 steps or more in one invocation; and one of 300 steps
     under a loop limit lowered below twice its steps (the register tiling's loop steps per k),
@@ -151,7 +173,7 @@ def test_every_shared_tile_matches_onnxruntime(tile: str, monkeypatch: pytest.Mo
         vk = p.vulkan_members[0]
         for name in ("matmul_odd", "gemm_transposed_bias", "gemm_alpha_beta", "conv_groups_stride",
                      "conv_split_k", "conv_1x1_groups_batch", "matmul_cols_by_4", "gemm_cols_by_4_bias",
-                     "conv_cols_by_4_split_k"):
+                     "conv_cols_by_4_split_k", "conv_batch_folded"):
             op, inputs, attrs, constants = CASES[name]
             model, feeds, expected = ort_case(op, inputs, attrs, constants)
             with Session(model, pool=p, device=vk.id) as s:

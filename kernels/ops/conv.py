@@ -66,6 +66,23 @@ class Conv(Op):
                 act=self.act,
             ), force_gemm=True)
         self.pointwise = self._pointwise_plan() if self.plan is not None else None
+        self.folded = self._folded_plan() if self.plan is not None else None
+
+    def _folded_plan(self) -> MatmulPlan | None:
+        """The implicit GEMM of a batch of images as one product whose columns run over the images
+        too, ``Y[M x N*P] = W[M x C*k] @ im2col(X)[C*k x N*P]`` (gemm.comp's FOLD): the tiles of a
+        deep layer then span images, where per image a 7 x 7 output fills 49 of a tile's 64
+        columns. For one group, on the shared tiling, where the product needs no split reduction;
+        None otherwise."""
+        n = self.input(0).shape[0]
+        if n <= 1 or self.group != 1:
+            return None
+        m, kred = self.input(1).shape[0], math.prod(self.input(1).shape[1:])
+        plan = MatmulPlan(MatmulProblem(
+            M=m, N=n * math.prod(self.win.out_shape), K=kred, sAm=kred, sAk=1, sBk=0, sBn=1,
+            has_bias=self.has_input(2), sCm=1, sCn=0, bias_rows=m, act=self.act,
+        ), force_gemm=True)
+        return plan if plan.splits == 1 else None
 
     def _pointwise_plan(self) -> MatmulPlan | None:
         """A 1x1 convolution of stride 1 and no padding as the plain product it is, per image and
@@ -128,8 +145,11 @@ class Conv(Op):
         if self.plan is not None:
             extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
+            plan = self.plan
+            if self.folded is not None and not self.folded.tile_for(ctx.caps).get("REGISTER_TILE"):
+                plan, extra["FOLD"] = self.folded, 1
             return [self._with_taps(d, ctx.caps)
-                    for d in self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)]
+                    for d in plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)]
         total = math.prod(self.out_shape)
         args = [Ptr(x), Ptr(w), Ptr(b if b is not None else y), Ptr(y), U32(total)]
         defines = {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None), "ACT": self.act,
@@ -147,7 +167,7 @@ class Conv(Op):
         return math.prod(self.out_shape) * per_output
 
     def workspace_bytes(self) -> int:
-        plans = [p for p in (self.plan, self.pointwise) if p is not None]
+        plans = [p for p in (self.plan, self.pointwise, self.folded) if p is not None]
         return max((p.workspace_bytes() for p in plans), default=0)
 
 

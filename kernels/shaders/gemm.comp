@@ -13,7 +13,9 @@
 //
 // With CONV defined this is an implicit-GEMM convolution: A is the weight [G][Mg][K],
 // B is the im2col of the input computed on the fly (K = Cg*KD*KH*KW rows, N = OD*OH*OW
-// columns), z = image * G + group and the bias is per output channel (row).
+// columns), z = image * G + group and the bias is per output channel (row). With FOLD as well
+// (one group only) the images are columns too: N = images * OD*OH*OW, column n is output
+// position n % (OD*OH*OW) of image n / (OD*OH*OW), and z is 0.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "epilogue.glsl"
@@ -90,7 +92,17 @@ shared float Bs[BK][BN + PAD_B];
 #ifdef CONV
 // Geometry (defines): G, CG (input channels per group), ID/IH/IW, OD/OH/OW, KD/KH/KW,
 // SD/SH/SW strides, PD/PH/PW leading pads, DD/DH/DW dilations; spatial dims padded to 3.
+#ifdef FOLD
+#if REGISTER_TILE || SPLITS > 1 || G != 1
+#error "FOLD is for the shared tiling of one group, its reduction unsplit"
+#endif
+#define OSIZE (OD * OH * OW)
+#endif
 float load_b(uint base, uint k, uint n) {
+#ifdef FOLD
+    base += (n / OSIZE) * (CG * ID * IH * IW);
+    n %= OSIZE;
+#endif
     uint kw = k % KW; uint t = k / KW;
     uint kh = t % KH; t /= KH;
     uint kd = t % KD; uint ch = t / KD;
@@ -305,7 +317,11 @@ void main() {
             v += pc.beta * pc.c.v[cBase + m * pc.sCm + n * pc.sCn];
 #endif
             v = epilogue(v);
+#ifdef FOLD
+            pc.y.v[(n / OSIZE * M + m) * OSIZE + n % OSIZE] = v;
+#else
             pc.y.v[yBase + m * N + n] = v;
+#endif
         }
     }
 }
