@@ -14,9 +14,19 @@ client's own business), and answers with a *record* in the reply half (reply-kin
     at the next multiple of 64 from the half's start                                 (little-endian)
 
 An error, or outputs that do not fit the half, is answered as a framed ``infer_reply`` instead
-(reply-kind word 0). The lane thread takes every bound infer it finds in one pass over the lanes
-and runs them by model: a batching model's as batches of their rows, any other back to back on the
-thread itself (see :meth:`vkpool.daemon.service.Service.run_bound`).
+(reply-kind word 0).
+
+The lane thread takes every bound infer it finds in one pass over the lanes and runs them by
+model: a batching model's as batches of their rows, any other back to back on the thread itself
+(see :meth:`vkpool.daemon.service.Service.run_bound`).
+
+Over ZeroMQ a binding works the same way, with a frame in place of the ring's halves
+(:class:`FrameBinding`): a bound infer is one frame, ``FRAME_HEAD`` (``b"vkB1"``, the binding's
+number, a request sequence number) then the inputs' bytes at the places the binding gave; its
+reply is one frame, ``FRAME_HEAD`` (``b"vkR1"``, 0, the same sequence number) then, from byte 64
+(``RECORD_AT``), a record as above, its offsets counted from there. An error is a framed
+``infer_reply`` whose id is ``frame-`` and the sequence number. These frames save the request's
+header, its content and a frame per tensor, each way.
 """
 from __future__ import annotations
 
@@ -28,8 +38,15 @@ from typing import Any
 import numpy as np
 from vkpool.daemon import protocol as P
 
-#: bound infers one lane keeps; a bind past it is answered ``binding: null`` (infer as usual)
+#: bound infers one lane (or one ZeroMQ client) keeps; a bind past it is answered ``binding:
+#: null`` (infer as usual)
 BINDINGS_MAX = 64
+#: a bound infer's frame over ZeroMQ, and its reply's: magic, binding number (0 in a reply),
+#: request sequence number; what follows starts at the next multiple of 64
+FRAME_HEAD = struct.Struct("<4sIQ")
+REQUEST_MAGIC = b"vkB1"
+REPLY_MAGIC = b"vkR1"
+RECORD_AT = 64
 _ALIGN = 64
 _COUNT = struct.Struct("<I")
 _DESC = struct.Struct("<BB")
@@ -49,6 +66,13 @@ def places(sizes: Sequence[int], start: int = 0) -> tuple[list[int], int]:
         out.append(at)
         at = _up(at + size)
     return out, at
+
+
+def frame_places(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where the inputs of a bound infer's frame over ZeroMQ go (after ``FRAME_HEAD``, each at a
+    multiple of 64), and the frame's length: the end of the last."""
+    offsets, _ = places(sizes, FRAME_HEAD.size)
+    return offsets, (offsets[-1] + sizes[-1]) if sizes else FRAME_HEAD.size
 
 
 def views(half: Any, specs: Sequence[tuple[np.dtype, tuple[int, ...]]], offsets: Sequence[int]) -> list[np.ndarray]:
@@ -102,6 +126,68 @@ class Binding:
         for o, a in zip(out, arrays):
             o[...] = a  # the same dtype and shape: a plain copy
         return True
+
+
+class FrameBinding:
+    """The daemon's side of a bound infer over ZeroMQ: a :class:`Binding` (plan, rows) whose feeds
+    are read from each request's frame, the inputs' places in that frame and its size, and a
+    reply buffer its records are written into (sent as a copy)."""
+
+    __slots__ = ("_reply", "binding", "names", "offsets", "size", "specs")
+
+    def __init__(self, plan: Any, names: Sequence[str], arrays: Sequence[np.ndarray], rows: int) -> None:
+        self.binding = Binding(plan, {}, rows)
+        self.names = list(names)
+        self.specs = [(a.dtype, a.shape) for a in arrays]
+        self.offsets, self.size = frame_places([a.nbytes for a in arrays])
+        self._reply = bytearray(RECORD_AT)
+
+    def feeds(self, frame: Any) -> dict[str, np.ndarray]:
+        """The inputs over a request's frame (read-only arrays; the frame is checked to be
+        ``size`` bytes by the caller)."""
+        return dict(zip(self.names, views(frame, self.specs, self.offsets)))
+
+    def record(self, seq: int, arrays: Sequence[np.ndarray]) -> bytes | None:
+        """The reply frame of request ``seq`` carrying ``arrays``; None for a dtype the protocol
+        cannot name."""
+        start = RECORD_AT
+        binding = self.binding
+        if not binding.fill(memoryview(self._reply)[start:], arrays):
+            try:
+                end = record_layout(arrays)[2]
+            except KeyError:
+                return None
+            self._reply = bytearray(start + end)  # grown: the record's views are made again
+            binding._head = b""
+            if not binding.fill(memoryview(self._reply)[start:], arrays):
+                return None
+        FRAME_HEAD.pack_into(self._reply, 0, REPLY_MAGIC, 0, seq)
+        return bytes(self._reply)
+
+
+class ClientFrameBinding:
+    """The client's side of a bound infer over ZeroMQ: the binding's number, its inputs' places and
+    the frame's size, and the last record layout read (a :class:`ClientBinding`)."""
+
+    __slots__ = ("index", "offsets", "reader", "size")
+
+    def __init__(self, index: int, arrays: Sequence[np.ndarray]) -> None:
+        self.index = index
+        self.offsets, self.size = frame_places([a.nbytes for a in arrays])
+        self.reader = ClientBinding(index, [])
+
+    def frame(self, seq: int, arrays: Sequence[np.ndarray]) -> bytearray:
+        """Request ``seq``'s frame: the head, then each array's bytes (C order) at its place."""
+        buf = bytearray(self.size)
+        FRAME_HEAD.pack_into(buf, 0, REQUEST_MAGIC, self.index, seq)
+        for at, a in zip(self.offsets, arrays):
+            np.frombuffer(buf, a.dtype, a.size, at).reshape(a.shape)[...] = a
+        return buf
+
+    def read(self, frame: Any) -> list[np.ndarray]:
+        """The outputs of a reply frame's record, copied out; ``ConnectionResetError`` for a
+        record that does not parse."""
+        return self.reader.read(memoryview(frame)[RECORD_AT:])
 
 
 class ClientBinding:

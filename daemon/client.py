@@ -31,7 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vkpool.daemon import protocol as P
-from vkpool.daemon.bound import ClientBinding, views
+from vkpool.daemon.bound import FRAME_HEAD, REPLY_MAGIC, ClientBinding, ClientFrameBinding, views
 from vkpool.daemon.endpoint import default_endpoint, ipc_path
 from vkpool.daemon.errors import CONNECTION_LOST, DaemonUnavailable, from_reply
 from vkpool.daemon.lane import (CLIENT_MAX_LANES, POLL_MAX_S, ZMQ_POLL_MAX_S, ClientLane, LaneRefused, Poller,
@@ -40,6 +40,8 @@ from vkpool.daemon.lane import (CLIENT_MAX_LANES, POLL_MAX_S, ZMQ_POLL_MAX_S, Cl
 HELLO_TIMEOUT_S = 5.0
 _INFER_REQUEST = P.header_parts("infer_request")  # around the packed request id
 _INFER_OK = P.header_parts("infer_reply", "ok")
+#: the header a bound infer's record reply is delivered with (its content: the reply frame)
+_RECORD: dict[str, Any] = {"status": "ok"}
 _POLL_SLICE_MS = 100  # how often a waiting thread looks at the clock and at close()
 
 
@@ -234,6 +236,8 @@ class Client:
         self._lane_lock = threading.Lock()
         self._lane_poller = Poller(POLL_MAX_S)
         self._packed: dict[tuple[Any, ...], bytes] = {}  # infer contents for the lane, see _lane_infer
+        self._frame_bound: dict[tuple[Any, ...], ClientFrameBinding] = {}  # bound infers over ZeroMQ, by key
+        self._frame_unbound: set[tuple[Any, ...]] = set()  # keys the daemon does not bind: framed
         self._outputs = P.InferOutputs()
         self._outbox_addr = f"inproc://vkpool-client-{id(self)}-{uuid.uuid4().hex[:8]}"
         self._outbox_pull = self._ctx.socket(zmq.PULL)
@@ -354,10 +358,18 @@ class Client:
                     message = outbox.recv_multipart(copy=False)
                     if self._connection.down is None:
                         sock.send_multipart(message, copy=False)
+                    elif len(message) == 1:  # a bound infer's frame, answered here: the daemon is gone
+                        self._lost({"id": f"frame-{FRAME_HEAD.unpack_from(message[0].buffer)[2]}"})
                     else:  # answered here: the daemon is gone
                         self._lost(P.unpack(P._buffer(message[1])))
 
     def _deliver(self, frames: list[Any]) -> None:
+        if len(frames) == 1 and frames[0][:4] == REPLY_MAGIC and len(frames[0]) >= FRAME_HEAD.size:
+            rid = f"frame-{FRAME_HEAD.unpack_from(frames[0])[2]}"  # a bound infer's record
+            waiter = self._pending.pop(rid, None)
+            if waiter is not None:
+                self._settle(rid, waiter, (_RECORD, frames[0], []))
+            return
         try:
             _, body = P.split_routing(frames)
             header = P.unpack(P._buffer(body[0]))
@@ -828,7 +840,21 @@ class Client:
             results = self._lane_infer(model_id, feeds, outputs, priority, timeout, wait)
             if results is not None:
                 return results
-        packed, frames = self._framed(model_id, feeds, outputs, priority, timeout)[2:]
+        keyed = self._infer_key(model_id, feeds, outputs, priority, timeout)
+        key, arrays = keyed
+        for _ in range(2):  # a binding the daemon no longer knows (it was restarted) is made again once
+            if key is None or key in self._frame_unbound:
+                break
+            bound = self._frame_bound.get(key)
+            if bound is None:
+                framed = self._framed(model_id, feeds, outputs, priority, timeout, keyed)
+                bound = self._frame_bind(key, *framed[1:], wait)
+                if bound is None:
+                    break
+            results = self._frame_infer(key, bound, arrays, wait)
+            if results is not None:
+                return results
+        packed, frames = self._framed(model_id, feeds, outputs, priority, timeout, keyed)[2:]
         rid = f"{self._prefix}-{next(self._ids)}"
         prefix, suffix = _INFER_REQUEST
         reply = self._exchange(rid, self._checked("infer", [P.DELIMITER, prefix + P.pack_id(rid) + suffix, packed,
@@ -840,6 +866,62 @@ class Client:
             error = P.unpack(content)
             raise from_reply(error if isinstance(error, dict) else {"message": "an error reply without content"})
         return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
+
+    def _frame_bind(self, key: Any, arrays: list[np.ndarray], packed: bytes, frames: list[Any],
+                    wait: float | None) -> ClientFrameBinding | None:
+        """Bind an infer over ZeroMQ (``bind_infer``: the infer's own content and frames); None when
+        the daemon does not (a daemon from before such bindings, or one that answers ``binding:
+        null``): it then travels framed from now on. The error the infer itself would get is raised."""
+        rid = f"{self._prefix}-{next(self._ids)}"
+        message = [P.DELIMITER, P.packed_header("bind_infer_request", rid), packed, *frames]
+        if sum(map(len, message)) > self._max_bytes:
+            self._frame_unbound.add(key)
+            return None
+        reply = self._exchange(rid, message, wait)
+        if reply is None:
+            self._timed_out("bind_infer", wait)
+        header, content, _ = reply
+        if header["status"] != "ok":
+            # a daemon without such bindings: framed, the infer itself says what else is wrong
+            if content.get("type") in ("UnknownRequest", "InvalidRequest"):
+                self._frame_unbound.add(key)
+                return None
+            raise from_reply(content)
+        index, offsets = content.get("binding"), content.get("offsets")
+        bound = ClientFrameBinding(index, arrays) if type(index) is int else None
+        if bound is None or offsets != bound.offsets:
+            self._frame_unbound.add(key)
+            return None
+        if len(self._frame_bound) >= 64:
+            self._frame_bound.clear()
+        self._frame_bound[key] = bound
+        return bound
+
+    def _frame_infer(self, key: Any, bound: ClientFrameBinding, arrays: list[np.ndarray], wait: float | None
+                     ) -> list[np.ndarray] | None:
+        """A bound infer over ZeroMQ: one frame each way (:mod:`vkpool.daemon.bound`). None when the
+        daemon no longer knows the binding (the caller binds again)."""
+        seq = next(self._ids)
+        rid = f"frame-{seq}"
+        reply = self._exchange(rid, self._checked("infer", [bound.frame(seq, arrays)]), wait, packed=True)
+        if reply is None:
+            self._timed_out("infer", wait)
+        header, content, raw = reply
+        if header is _RECORD:
+            try:
+                return bound.read(content)
+            except ConnectionResetError as exc:
+                raise DaemonUnavailable(f"{self.endpoint} answered a bound infer: {exc}") from None
+        if header["status"] == "ok":
+            return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
+        error = P.unpack(content)
+        if not isinstance(error, dict):
+            error = {"message": "an error reply without content"}
+        if error.get("type") in ("UnknownModel", "InvalidRequest"):  # the binding is gone
+            self._frame_bound.pop(key, None)
+            if error.get("type") == "InvalidRequest":
+                return None
+        raise from_reply(error)
 
     def cancel(self, request_id: str) -> dict[str, Any]:
         return self.request("cancel", {"request_id": request_id})[0]

@@ -160,14 +160,16 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                    _f("queue_s", "float", "seconds spent queued"),
                    _f("run_s", "float", "seconds spent running")),
             request_frames="one per input tensor", reply_frames="one per output tensor", transport="both"),
-    Message("bind_infer", "Lays out infers of these inputs' names, dtypes and shapes in the lane's ring "
-            "(see *Bound infers*). Checked as `infer` is, with the inputs an infer would carry; nothing runs.",
+    Message("bind_infer", "Lays out infers of these inputs' names, dtypes and shapes in the lane's ring, "
+            "or over ZeroMQ in one frame (see *Bound infers*). Checked as `infer` is, with the inputs an "
+            "infer would carry; nothing runs.",
             request=_INFER_REQUEST,
             reply=(_f("binding", "int", "the binding's number; null: send these infers framed (they do not "
-                      "fit the ring's half, the lane has no ring, or it has 64 bindings)", nullable=True),
-                   _f("offsets", "list", "each input's byte offset in the request half, in the order of "
-                      "`inputs`")),
-            request_frames="one per input tensor", reply_frames="none", transport="lane"),
+                      "fit the ring's half or `max_message_bytes`, the lane has no ring, or the lane or "
+                      "client has 64 bindings)", nullable=True),
+                   _f("offsets", "list", "each input's byte offset in the request half (on a lane) or in a "
+                      "bound infer's frame (over ZeroMQ), in the order of `inputs`")),
+            request_frames="one per input tensor", reply_frames="none", transport="both"),
     Message("cancel", "Cancels a queued or running infer of this client.",
             request=(_f("request_id", "str", "id of the infer request"),),
             reply=(_f("cancelled", "bool", "true when the infer was answered `Cancelled`"),

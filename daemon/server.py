@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 
 from vkpool.daemon import protocol as P
-from vkpool.daemon.bound import BINDINGS_MAX, Binding, places, views
+from vkpool.daemon.bound import BINDINGS_MAX, FRAME_HEAD, REQUEST_MAGIC, Binding, FrameBinding, places, views
 from vkpool.daemon.endpoint import (LISTEN_BACKLOG, ConnectionWatch, EndpointError, EndpointLock,
                                     connection_cap, fd_reserve, ipc_path, lane_fits, lane_path, raise_fd_limit)
 from vkpool.daemon.lane import LaneConnection, LaneListener, LaneReactor, Poller, Ring, ring_supported, wake_sleepers
@@ -112,6 +112,7 @@ class Server:
         self._bound_waiting: dict[int, tuple[Any, list[tuple[LaneConnection, Binding, float]]]] = {}
         self._bound_deadline = 0.0
         self._bound_ids = itertools.count()  # request ids of bound infers queued as jobs
+        self._frame_bindings: dict[bytes, list[FrameBinding]] = {}  # bound infers over ZeroMQ, by client
         self._flights: dict[int, Any] = {}  # by model (the entry's identity): its batch left running
         self._latencies: list[float] = []  # of the bound infers answered ok in the lanes' pass
         self._lane_listener: LaneListener | None = None
@@ -318,6 +319,9 @@ class Server:
         parts: list[Any] = [first.bytes]
         while frame.more:  # see protocol.recv_parts
             frame = router.recv(copy=False)
+            if len(parts) == 1 and not frame.more and frame.buffer[:4] == REQUEST_MAGIC:
+                parts.append(frame)  # a bound infer's one frame (vkpool.daemon.bound), read in place
+                break
             parts.append(frame.bytes if len(parts) < 4 else frame)
         return parts, _source_fd(first)
 
@@ -326,6 +330,9 @@ class Server:
             self.stats.count("dropped")  # nothing after the routing frame: nowhere to reply
             return
         client = _b(raw[0])
+        if len(raw) == 2 and type(raw[1]) is zmq.Frame:
+            self._on_frame_bound(client, raw[1].buffer)
+            return
         header: dict[str, Any] = {}
         try:
             # a DEALER client sends no routing frames: the delimiter follows the client's id
@@ -367,6 +374,8 @@ class Server:
         try:
             if plan is not None:
                 self.service.infer_planned(client, rid, plan, body[2:], None)
+            elif action == "bind_infer":
+                self._frame_bind(client, rid, content, frames)
             elif action == "shutdown":
                 self._reply_from_thread(client, rid, action, "ok",
                                         {"draining": True, "in_flight": self.service.scheduler.in_flight()}, [])
@@ -389,6 +398,79 @@ class Server:
             if replay is not None:
                 self.stats.count("retries")
             return replay
+
+    # -- bound infers over ZeroMQ (vkpool.daemon.bound) ---------------------------------------
+    def _frame_bind(self, client: bytes, rid: str, content: dict[str, Any], frames: list[Any]) -> None:
+        """A ``bind_infer`` over ZeroMQ: checked as its infer, then its inputs' places in the frame
+        of a bound infer (:class:`FrameBinding`); ``binding: null`` past ``BINDINGS_MAX``."""
+        try:
+            plan, feeds, rows = self.service.check_bound(client, content, frames)
+            names = [meta["name"] for meta in content["inputs"]]
+            bindings = self._frame_bindings.setdefault(client, [])
+            reply: dict[str, Any] = {"binding": None, "offsets": []}
+            if len(bindings) < BINDINGS_MAX:
+                item = FrameBinding(plan, names, [feeds[n] for n in names], rows)
+                if item.size <= self.settings.max_message_bytes:
+                    bindings.append(item)
+                    reply = {"binding": len(bindings) - 1, "offsets": item.offsets}
+            status = "ok"
+        except Exception as exc:
+            status, reply = "error", _error(_violation(exc))
+        self._send_reply(client, rid, *_reply_body("bind_infer", rid, status, reply, []))
+
+    def _on_frame_bound(self, client: bytes, frame: memoryview) -> None:
+        """A bound infer over ZeroMQ: run here and answered with a record frame when its model is
+        quick, idle and does not batch (as :meth:`Service._run_inline` runs a framed infer), else
+        queued as a job and answered framed, by the id ``frame-`` + its sequence number. Every
+        error is answered framed, by that id."""
+        _, index, seq = FRAME_HEAD.unpack_from(frame)
+        rid = f"frame-{seq}"
+        accepted = time.monotonic()
+        self.stats.count("accepted")
+        service = self.service
+        try:
+            bindings = self._frame_bindings.get(client)
+            item = bindings[index] if bindings is not None and index < len(bindings) else None
+            if item is None:
+                raise ProtocolViolation("InvalidRequest", f"this client has no binding {index}; send "
+                                        "bind_infer_request first")
+            if len(frame) != item.size:
+                raise ProtocolViolation("InvalidRequest", f"a bound infer of binding {index} is {item.size} "
+                                        f"bytes, got {len(frame)}")
+            if service.draining:
+                raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
+            plan = item.binding.plan
+            entry = plan.entry
+            if not service.registry.current(entry, client):
+                raise ProtocolViolation("UnknownModel", f"model {entry.id[:12]} is not loaded by this client "
+                                        "any more; load it and bind again", {"model": entry.id})
+            feeds = item.feeds(frame)
+            quick = entry.batching is None and service.inline_allowed()
+            queue = service.claim_where_read(entry, 1) if quick else None
+            if queue is None:
+                with self._book:
+                    self._in_progress.add((client, rid))
+                service.queue_bound(client, rid, plan, feeds, accepted, inline=None)
+                return
+            try:
+                result, queued_s, run_s = service.run_one(entry, plan.outputs, feeds, accepted)
+            finally:
+                service.scheduler.release_claim(queue, entry.gate, 1)
+            now = time.monotonic()
+            result = _in_time(plan, result, accepted, now)
+            if isinstance(result, ProtocolViolation):
+                raise result
+            record = item.record(seq, result)
+            if record is None:  # outputs a record cannot name: framed
+                names = plan.outputs or entry.output_names
+                content, frames = service._replies.pack(names, result, queued_s, run_s)
+                self._send_reply(client, rid, *_reply_body("infer", rid, "ok", content, frames))
+            elif not self._router_send(client, [record], "ok"):
+                self.stats.count("client_gone")
+                return
+            self.stats.infer_done(now - accepted, now)
+        except Exception as exc:
+            self._error_now(client, rid, "infer", _violation(exc))
 
     # -- the local lane -----------------------------------------------------------------------
     def _lane_accept(self, sock: Any) -> LaneConnection | None:
@@ -887,6 +969,7 @@ class Server:
 
     def _client_gone(self, client: bytes) -> None:
         del self._peers[client]
+        self._frame_bindings.pop(client, None)
         self._unread_warned.discard(client)
         waiting = self._waiting.pop(client, None)
         self._waiting_bytes.pop(client, None)

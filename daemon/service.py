@@ -481,12 +481,14 @@ class Service:
             session.run_many((items[k].feeds for k in ks), names, each)
 
     def queue_bound(self, client: bytes, rid: str, plan: InferPlan, feeds: dict[str, np.ndarray],
-                    accepted: float) -> None:
+                    accepted: float, inline: bool | None = False) -> None:
         """A bound infer that does not run where it was read: queued as a job, answered by id. Its
-        queue delay and timeout count from ``accepted`` (``time.monotonic()``), when it was read."""
+        queue delay and timeout count from ``accepted`` (``time.monotonic()``), when it was read.
+        ``inline``: as :meth:`_infer`'s (None: a batching model's job is held for :meth:`run_held`
+        by a thread that reads in passes)."""
         if self.draining:
             raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
-        self._infer(client, rid, plan, feeds, False, accepted)
+        self._infer(client, rid, plan, feeds, inline, accepted)
 
     def runs_where_read(self, entry: ModelEntry) -> bool:
         """Whether bound infers of ``entry`` may run on the lanes' thread (:meth:`run_bound`) as far

@@ -39,6 +39,8 @@ def test_every_request_gets_a_reply_with_every_documented_field(inproc: InprocDa
         content, frames = client.request("infer", {"model": model["id"], "inputs": P.tensor_frames([("x", X)])[0]},
                                          P.tensor_frames([("x", X)])[1])
         replies["infer"] = content
+        replies["bind_infer"] = client.request("bind_infer", {"model": model["id"], "inputs": P.tensor_frames(
+            [("x", X)])[0]}, P.tensor_frames([("x", X)])[1])[0]
         replies["cancel"] = client.request("cancel", {"request_id": "nothing"})[0]
         replies["set_budget"] = client.request("set_budget", {"member": "cpu", "size": "2MiB"})[0]
         replies["status"] = client.request("status")[0]
@@ -57,6 +59,7 @@ def test_every_request_gets_a_reply_with_every_documented_field(inproc: InprocDa
     assert replies["set_budget"]["budget_bytes"] == 2 << 20
     assert replies["plan"]["plan"] == {"memory_by_member": {"cpu": 1 << 20}}
     assert replies["cancel"] == {"cancelled": False, "state": "unknown"}
+    assert replies["bind_infer"] == {"binding": 0, "offsets": [64]}
     np.testing.assert_array_equal(P.decode_tensors(content["outputs"], frames, "o")["y"],
                                   reference_run(mlp_model(), {"x": X})[0])
 
