@@ -30,6 +30,8 @@ CANDIDATES: dict[str, dict[str, int]] = {
     "128x64": {**TILES["128x128"], "BN": 64, "TN": 4},
     "64x128": {**TILES["128x128"], "BM": 64, "TM": 4},
 }
+# each with its stages read as scalars, where it reads them as vec4 (gemm.comp's VEC4)
+CANDIDATES.update({f"{name}s": {**tile, "VEC4": 0} for name, tile in list(CANDIDATES.items()) if tile.get("VEC4")})
 
 
 def policy_choose(spec: str, planner: Any) -> Any:
@@ -37,6 +39,15 @@ def policy_choose(spec: str, planner: Any) -> Any:
     from vkpool.kernels.ops import gemm
 
     name, _, least = spec.partition(":")
+    if name == "scalar":  # the planner's tile, its stages read as scalars
+        def scalar(p: Any, workgroups: Any) -> str:
+            chosen = planner(p, workgroups)
+            if chosen + "s" in CANDIDATES:
+                gemm.TILES.setdefault(chosen + "s", CANDIDATES[chosen + "s"])
+                return chosen + "s"
+            return chosen
+
+        return scalar
     if name not in CANDIDATES:
         raise SystemExit(f"unknown tile {name!r}; known: {', '.join(CANDIDATES)}")
     gemm.TILES.setdefault(name, CANDIDATES[name])

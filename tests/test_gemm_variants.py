@@ -159,13 +159,17 @@ def test_a_tile_larger_than_the_shared_memory_gives_way_to_one_that_fits(
             p.close()
 
 
-@pytest.mark.parametrize("tile", ["64x64", "32x32", "32x256", "128x128"])
+@pytest.mark.parametrize("tile", ["64x64", "32x32", "32x256", "128x128", "64x64s", "128x128s"])
 def test_every_shared_tile_matches_onnxruntime(tile: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each tile of the shared tiling, forced on products of odd sizes and of columns in fours,
-    with either operand read along K or across it (its stage's rows padded or not), a split
-    reduction, grouped and strided convolutions: all equal onnxruntime's."""
+    """Each tile of the shared tiling (most read their stages as vec4), and two read as scalars
+    (``...s``), forced on
+    products of odd sizes and of columns in fours, with either operand read along K or across it
+    (its stage's rows padded or not), a split reduction, grouped and strided convolutions, a batch
+    of images as one product: all equal onnxruntime's."""
     from vkpool.kernels.ops import gemm
 
+    if tile.endswith("s"):
+        monkeypatch.setitem(gemm.TILES, tile, {**gemm.TILES[tile[:-1]], "VEC4": 0})
     monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=shared")
     monkeypatch.setattr(gemm, "choose_tile", lambda p, workgroups: tile)
     p = vulkan_pool()

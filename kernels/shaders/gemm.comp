@@ -85,8 +85,26 @@ layout(push_constant) uniform Args {
 #else
 #define PAD_B KPAD
 #endif
+#if VEC4
+// Each invocation's TM rows (TN columns) are groups of 4 consecutive ones, TY * 4 (TX * 4) apart,
+// read from the stages as vec4: a quarter of the shared-memory loads. Pads round up to a vec4.
+#if TM % 4 != 0 || TN % 4 != 0
+#error "VEC4 needs TM and TN multiples of 4"
+#endif
+shared vec4 As4[BK][(BM + PAD_A + 3) / 4];
+shared vec4 Bs4[BK][(BN + PAD_B + 3) / 4];
+#define OUT_ROW(i) (((ty + ((i) / 4) * TY) * 4) + (i) % 4)
+#define OUT_COL(j) (((tx + ((j) / 4) * TX) * 4) + (j) % 4)
+#else
 shared float As[BK][BM + PAD_A];
 shared float Bs[BK][BN + PAD_B];
+#define OUT_ROW(i) (ty + (i) * TY)
+#define OUT_COL(j) (tx + (j) * TX)
+#endif
+#endif
+#if REGISTER_TILE
+#define OUT_ROW(i) (ty + (i) * TY)
+#define OUT_COL(j) (tx + (j) * TX)
 #endif
 
 #ifdef CONV
@@ -274,11 +292,19 @@ void main() {
     for (uint k0 = kBegin; k0 < kEnd; k0 += BK) {
         for (uint u = 0; u < LA; ++u) {
             uint e = tid + u * NT;
+#if VEC4
+            if (e < BM * BK) As4[a_k(e)][a_m(e) / 4][a_m(e) % 4] = ra[u];
+#else
             if (e < BM * BK) As[a_k(e)][a_m(e)] = ra[u];
+#endif
         }
         for (uint u = 0; u < LB; ++u) {
             uint e = tid + u * NT;
+#if VEC4
+            if (e < BK * BN) Bs4[b_k(e)][b_n(e) / 4][b_n(e) % 4] = rb[u];
+#else
             if (e < BK * BN) Bs[b_k(e)][b_n(e)] = rb[u];
+#endif
         }
         barrier();
         if (k0 + BK < kEnd) {
@@ -286,11 +312,19 @@ void main() {
             for (uint u = 0; u < LB; ++u) rb[u] = fetch_b(tid + u * NT, k0 + BK, col0, bBase, kEnd);
         }
         for (uint kk = 0; kk < BK; ++kk) {
+#if VEC4
+            vec4 av[TM / 4], bv[TN / 4];
+            for (uint i = 0; i < TM / 4; ++i) av[i] = As4[kk][ty + i * TY];
+            for (uint j = 0; j < TN / 4; ++j) bv[j] = Bs4[kk][tx + j * TX];
+            for (uint i = 0; i < TM; ++i)
+                for (uint j = 0; j < TN; ++j) acc[i][j] = fma(av[i / 4][i % 4], bv[j / 4][j % 4], acc[i][j]);
+#else
             float av[TM], bv[TN];
             for (uint i = 0; i < TM; ++i) av[i] = As[kk][ty + i * TY];
             for (uint j = 0; j < TN; ++j) bv[j] = Bs[kk][tx + j * TX];
             for (uint i = 0; i < TM; ++i)
                 for (uint j = 0; j < TN; ++j) acc[i][j] = fma(av[i], bv[j], acc[i][j]);
+#endif
         }
         barrier();
     }
@@ -303,10 +337,10 @@ void main() {
     const uint yBase = z * M * N;
 #endif
     for (uint i = 0; i < TM; ++i) {
-        uint m = row0 + ty + i * TY;
+        uint m = row0 + OUT_ROW(i);
         if (m >= M) continue;
         for (uint j = 0; j < TN; ++j) {
-            uint n = col0 + tx + j * TX;
+            uint n = col0 + OUT_COL(j);
             if (n >= N) continue;
 #if SPLITS > 1
             pc.y.v[yBase + m * N + n] = acc[i][j];
