@@ -31,7 +31,8 @@ CANDIDATES: dict[str, dict[str, int]] = {
     "64x128": {**TILES["128x128"], "BM": 64, "TM": 4},
 }
 # each with its stages read as scalars, where it reads them as vec4 (gemm.comp's VEC4)
-CANDIDATES.update({f"{name}s": {**tile, "VEC4": 0} for name, tile in list(CANDIDATES.items()) if tile.get("VEC4")})
+CANDIDATES.update({f"{name}s": {**tile, "VEC4": 0}
+                   for name, tile in list(CANDIDATES.items()) if tile.get("VEC4")})
 
 
 def policy_choose(spec: str, planner: Any) -> Any:
