@@ -1,6 +1,6 @@
 """GPU time of every dispatch of a model's recorded command buffer, from Vulkan timestamps.
 
-Usage: python -m bench.gpu_profile MODEL.onnx [--device vk0] [--runs 5] [--top 15]
+Usage: python -m bench.gpu_profile MODEL.onnx [--device vk0] [--runs 5] [--top 15] [--shapes]
 
 The model's own commands (the ones every run replays) are recorded once more with a timestamp
 after each dispatch and run ``--runs`` times; each dispatch's share is the median over those
@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--device", help="member id (default: the first Vulkan member that fits)")
     ap.add_argument("--runs", type=int, default=5, help="profiled runs; each dispatch's median is shown")
     ap.add_argument("--top", type=int, default=15, help="how many of the costliest dispatches to list")
+    ap.add_argument("--shapes", action="store_true",
+                    help="beside each of the costliest: its product (M x N x K, tile) and TFLOP/s")
     args = ap.parse_args()
     from vkpool.cli import random_inputs
     from vkpool.session import Session
@@ -45,11 +47,27 @@ def main() -> None:
     print("\n| shader | dispatches | GPU µs | share |\n|---|---|---|---|")
     for shader, times in sorted(by_shader.items(), key=lambda kv: -sum(kv[1])):
         print(f"| {shader} | {len(times)} | {sum(times):.1f} | {100 * sum(times) / max(total, 1e-9):.0f} % |")
-    print("\n| costliest dispatches | GPU µs |\n|---|---|")
+    products = {f"{node.op_type} {node.name}": op for op, node in zip(chunk.ops, chunk.nodes)}
+    head = " product | TFLOP/s |\n|---|---|---|---|" if args.shapes else "\n|---|---|"
+    print("\n| costliest dispatches | GPU µs |" + head)
     ranked = sorted(zip(chunk.dispatch_labels, per_dispatch), key=lambda lt: -lt[1])
     for label, us in ranked[: args.top]:
-        print(f"| {label} | {us:.1f} |")
+        shape = _product(products.get(label.rsplit(" [", 1)[0]), us) if args.shapes else ""
+        print(f"| {label} | {us:.1f} |{shape}")
     sess.close()
+
+
+def _product(op: object, us: float) -> str:
+    """`` M x N x K (tile) | TFLOP/s |`` of the product ``op`` runs (a convolution's folded one
+    where it has it), or empty cells."""
+    plan = getattr(op, "folded", None) or getattr(op, "plan", None)
+    p = getattr(plan, "p", None)
+    if p is None or getattr(plan, "kind", "") != "gemm":
+        return " | |"
+    tile = plan.tile
+    name = f"{tile['BM']}x{tile['BN']}{'v' if tile.get('VEC4') else ''}"
+    flops = 2 * p.M * p.N * p.K * p.batch_count
+    return f" {p.M} x {p.N} x {p.K} ({name}, {plan.splits} splits) | {flops / us / 1e6:.1f} |"
 
 
 if __name__ == "__main__":

@@ -102,20 +102,28 @@ def test_pointwise_convolutions_run_as_plain_products_where_the_tiling_is_regist
 
 
 def test_a_batch_of_images_is_one_product_on_the_shared_tiling(variant_pool: Any) -> None:
-    """A convolution over a batch of images runs as one product whose columns span the images
-    (FOLD) on the shared tiling, per image on the register tiling; and where the folded product
-    would need a split reduction, per image on either. All equal onnxruntime's."""
+    """A convolution of one group over a batch of images runs as one product whose columns span
+    the images (FOLD: the outputs per image) on the shared tiling, its reduction split or not (the
+    split's sums placed by gemm_reduce's FOLD), per image on the register tiling; a grouped one per
+    image on either. All equal onnxruntime's."""
+    import math
+
     from vkpool.kernels.base import DispatchContext
 
     vk = variant_pool.vulkan_members[0]
     shared = vk.device.caps.gemm_variant == "shared"
-    for name, folds in (("conv_batch_folded", shared), ("conv_cols_by_4_split_k", False)):
+    for name, folds, split in (("conv_batch_folded", shared, False), ("conv_cols_by_4_split_k", shared, True),
+                               ("conv_groups_stride", False, False)):
         op, inputs, attrs, constants = CASES[name]
         model, feeds, expected = ort_case(op, inputs, attrs, constants)
         with Session(model, pool=variant_pool, device=vk.id) as s:
             (conv,) = s._chunk.ops
             ctx = DispatchContext([object(), object(), object()], [object()], object(), vk.device.caps, {})
-            assert [d.defines.get("FOLD", 0) for d in conv.dispatches(ctx) if d.shader != "gemm_reduce"] == [int(folds)], name
+            dispatches = conv.dispatches(ctx)
+            per_image = math.prod(conv.out_shape[2:])
+            assert {d.defines.get("FOLD", 0) for d in dispatches} == {per_image if folds else 0}, name
+            if folds:
+                assert (conv.folded.splits > 1) == split and any(d.shader == "gemm_reduce" for d in dispatches) == split
             assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
 
 

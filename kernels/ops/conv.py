@@ -72,8 +72,8 @@ class Conv(Op):
         """The implicit GEMM of a batch of images as one product whose columns run over the images
         too, ``Y[M x N*P] = W[M x C*k] @ im2col(X)[C*k x N*P]`` (gemm.comp's FOLD): the tiles of a
         deep layer then span images, where per image a 7 x 7 output fills 49 of a tile's 64
-        columns. For one group, on the shared tiling, where the product needs no split reduction;
-        None otherwise."""
+        columns. For one group, on the shared tiling (a split reduction's sums are placed by
+        gemm_reduce.comp's FOLD); None otherwise."""
         n = self.input(0).shape[0]
         if n <= 1 or self.group != 1:
             return None
@@ -82,7 +82,7 @@ class Conv(Op):
             M=m, N=n * math.prod(self.win.out_shape), K=kred, sAm=kred, sAk=1, sBk=0, sBn=1,
             has_bias=self.has_input(2), sCm=1, sCn=0, bias_rows=m, act=self.act,
         ), force_gemm=True)
-        return plan if plan.splits == 1 else None
+        return plan
 
     def _pointwise_plan(self) -> MatmulPlan | None:
         """A 1x1 convolution of stride 1 and no padding as the plain product it is, per image and
@@ -147,7 +147,7 @@ class Conv(Op):
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
             plan = self.plan
             if self.folded is not None and not self.folded.tile_for(ctx.caps).get("REGISTER_TILE"):
-                plan, extra["FOLD"] = self.folded, 1
+                plan, extra["FOLD"] = self.folded, math.prod(self.win.out_shape)
             return [self._with_taps(d, ctx.caps)
                     for d in plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)]
         total = math.prod(self.out_shape)

@@ -15,7 +15,8 @@
 // B is the im2col of the input computed on the fly (K = Cg*KD*KH*KW rows, N = OD*OH*OW
 // columns), z = image * G + group and the bias is per output channel (row). With FOLD as well
 // (one group only) the images are columns too: N = images * OD*OH*OW, column n is output
-// position n % (OD*OH*OW) of image n / (OD*OH*OW), and z is 0.
+// position n % (OD*OH*OW) of image n / (OD*OH*OW), and z is 0 (split over K, the partial
+// products keep the M x N layout; gemm_reduce.comp's FOLD places the sums).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "epilogue.glsl"
@@ -111,8 +112,8 @@ shared float Bs[BK][BN + PAD_B];
 // Geometry (defines): G, CG (input channels per group), ID/IH/IW, OD/OH/OW, KD/KH/KW,
 // SD/SH/SW strides, PD/PH/PW leading pads, DD/DH/DW dilations; spatial dims padded to 3.
 #ifdef FOLD
-#if REGISTER_TILE || SPLITS > 1 || G != 1
-#error "FOLD is for the shared tiling of one group, its reduction unsplit"
+#if REGISTER_TILE || G != 1
+#error "FOLD is for the shared tiling of one group"
 #endif
 #define OSIZE (OD * OH * OW)
 #endif

@@ -5,6 +5,8 @@
 // HALF: C and y are float16 (the float16 product's split-K, gemm_f16.py): y rounded once.
 // NSPLITS: the split count known when compiled, its loads unrolled so that they are all in flight
 // together (the float16 product's; a loop over pc.splits waits for each in turn on a GPU).
+// FOLD: a batch of images as one product's columns (gemm.comp's FOLD), FOLD outputs per image:
+// element (m, n) goes to output position n % FOLD of channel m of image n / FOLD.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -41,5 +43,10 @@ void main() {
     v += pc.beta * float(pc.c.v[((i / pc.cols) % pc.rows) * pc.sCm + (i % pc.cols) * pc.sCn]);
 #endif
     v = epilogue(v);
+#ifdef FOLD
+    const uint n = i % pc.cols;
+    pc.y.v[(n / FOLD * (pc.total / pc.cols) + i / pc.cols) * FOLD + n % FOLD] = OT(v);
+#else
     pc.y.v[i] = OT(v);
+#endif
 }
