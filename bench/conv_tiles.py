@@ -7,8 +7,9 @@ The planner (:func:`vkpool.kernels.ops.gemm.choose_tile`) picks its tiles for ba
 tiles, so mostly 64 x 64 with the reduction split. A batch of images gives each convolution many
 times the tiles, where larger tiles do more arithmetic per shared-memory load. A policy
 ``TILE:N`` makes every product (convolutions and plain products alike) whose ``TILE`` tiles number
-at least N take ``TILE``, and leaves the rest to the planner; ``planner`` is the tree as it is.
-TILE is one of :data:`CANDIDATES`. For each policy, in ``--rounds`` alternating rounds, the model is
+at least N take ``TILE``, and leaves the rest to the planner; ``A>B`` gives tile B wherever the
+planner takes A; ``planner`` is the tree as it is, ``scalar`` the planner's tiles with their stages
+read as scalars instead of vec4. TILE, A and B are of :data:`CANDIDATES`. For each policy, in ``--rounds`` alternating rounds, the model is
 loaded again and timed: the host median of ``--runs`` runs and the GPU time of one run from two
 timestamps. Each policy's outputs are compared with the planner's (max relative difference).
 """
@@ -30,6 +31,12 @@ CANDIDATES: dict[str, dict[str, int]] = {
     "128x64": {**TILES["128x128"], "BN": 64, "TN": 4},
     "64x128": {**TILES["128x128"], "BM": 64, "TM": 4},
 }
+# variants of the 64 x 64 tile: BK of 8 or 32, 8 rows or 8 columns per invocation, or both
+CANDIDATES.update({
+    "64x64k8": {**TILES["64x64"], "BK": 8}, "64x64k32": {**TILES["64x64"], "BK": 32},
+    "64x64m8": {**TILES["64x64"], "TM": 8}, "64x64n8": {**TILES["64x64"], "TN": 8},
+    "64x64x8": {**TILES["64x64"], "TM": 8, "TN": 8},
+})
 # each with its stages read as scalars, where it reads them as vec4 (gemm.comp's VEC4)
 CANDIDATES.update({f"{name}s": {**tile, "VEC4": 0}
                    for name, tile in list(CANDIDATES.items()) if tile.get("VEC4")})
@@ -39,6 +46,19 @@ def policy_choose(spec: str, planner: Any) -> Any:
     """A ``choose_tile`` for policy ``spec`` (``TILE:N``) over the ``planner``'s."""
     from vkpool.kernels.ops import gemm
 
+    if ">" in spec:  # A>B: where the planner takes tile A, B instead
+        was, now = spec.split(">", 1)
+        if now not in CANDIDATES:
+            raise SystemExit(f"unknown tile {now!r}; known: {', '.join(CANDIDATES)}")
+
+        def swap(p: Any, workgroups: Any) -> str:
+            chosen = planner(p, workgroups)
+            if chosen != was:
+                return chosen
+            gemm.TILES.setdefault(now, CANDIDATES[now])
+            return now
+
+        return swap
     name, _, least = spec.partition(":")
     if name == "scalar":  # the planner's tile, its stages read as scalars
         def scalar(p: Any, workgroups: Any) -> str:
