@@ -5,13 +5,18 @@ Usage: python -m bench.conv_tiles MODEL.onnx [...] [--policies planner 128x128:2
 
 The planner (:func:`vkpool.kernels.ops.gemm.choose_tile`) picks its tiles for batch-1 shapes: few
 tiles, so mostly 64 x 64 with the reduction split. A batch of images gives each convolution many
-times the tiles, where larger tiles do more arithmetic per shared-memory load. A policy
-``TILE:N`` makes every product (convolutions and plain products alike) whose ``TILE`` tiles number
-at least N take ``TILE``, and leaves the rest to the planner; ``A>B`` gives tile B wherever the
-planner takes A; ``planner`` is the tree as it is, ``scalar`` the planner's tiles with their stages
-read as scalars instead of vec4. TILE, A and B are of :data:`CANDIDATES`. For each policy, in ``--rounds`` alternating rounds, the model is
-loaded again and timed: the host median of ``--runs`` runs and the GPU time of one run from two
-timestamps. Each policy's outputs are compared with the planner's (max relative difference).
+times the tiles, where larger tiles do more arithmetic per shared-memory load. Policies:
+
+- ``planner``: the tree as it is;
+- ``TILE:N``: every product (convolutions and plain products alike) whose ``TILE`` tiles number at
+  least N takes ``TILE``, the rest are left to the planner;
+- ``A>B`` (several, comma-separated): tile B wherever the planner takes A;
+- ``scalar``: the planner's tiles, their stages read as scalars instead of vec4.
+
+TILE, A and B are of :data:`CANDIDATES`. For each policy, in ``--rounds`` alternating rounds, the
+model is loaded again and timed: the host median of ``--runs`` runs and the GPU time of one run
+from two timestamps. Each policy's outputs are compared with the planner's (max relative
+difference).
 """
 from __future__ import annotations
 
@@ -46,14 +51,16 @@ def policy_choose(spec: str, planner: Any) -> Any:
     """A ``choose_tile`` for policy ``spec`` (``TILE:N``) over the ``planner``'s."""
     from vkpool.kernels.ops import gemm
 
-    if ">" in spec:  # A>B: where the planner takes tile A, B instead
-        was, now = spec.split(">", 1)
-        if now not in CANDIDATES:
-            raise SystemExit(f"unknown tile {now!r}; known: {', '.join(CANDIDATES)}")
+    if ">" in spec:  # A>B[,C>D...]: where the planner takes tile A, B instead
+        swaps = dict(pair.split(">", 1) for pair in spec.split(","))
+        for now in swaps.values():
+            if now not in CANDIDATES:
+                raise SystemExit(f"unknown tile {now!r}; known: {', '.join(CANDIDATES)}")
 
         def swap(p: Any, workgroups: Any) -> str:
             chosen = planner(p, workgroups)
-            if chosen != was:
+            now = swaps.get(chosen)
+            if now is None:
                 return chosen
             gemm.TILES.setdefault(now, CANDIDATES[now])
             return now
