@@ -464,13 +464,16 @@ class Server:
             if record is None:  # outputs a record cannot name: framed
                 names = plan.outputs or entry.output_names
                 content, frames = service._replies.pack(names, result, queued_s, run_s)
-                self._send_reply(client, rid, *_reply_body("infer", rid, "ok", content, frames))
-            elif not self._router_send(client, [record], "ok"):
-                self.stats.count("client_gone")
-                return
-            self.stats.infer_done(now - accepted, now)
         except Exception as exc:
             self._error_now(client, rid, "infer", _violation(exc))
+            return
+        # the one reply, sent after everything that could fail
+        if record is None:
+            self._send_reply(client, rid, *_reply_body("infer", rid, "ok", content, frames))
+        elif not self._router_send(client, [record], "ok"):
+            self.stats.count("client_gone")
+            return
+        self.stats.infer_done(now - accepted, now)
 
     # -- the local lane -----------------------------------------------------------------------
     def _lane_accept(self, sock: Any) -> LaneConnection | None:

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -64,6 +65,22 @@ def tile_model(n: int, times: int) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
 
 
+def runs_match(session: Any, local: Any, xs: list[np.ndarray]) -> None:
+    """A remote session's outputs for each of ``xs`` are writable and the in-process session's bytes."""
+    for x in xs:
+        for g, want in zip(session.run(None, {"x": x}), local.run(None, {"x": x}), strict=True):
+            assert g.flags.writeable
+            np.testing.assert_array_equal(g, want)
+
+
+def framed_give_the_same(session: Any, local: Any, xs: list[np.ndarray], bindings: dict, unbound: set) -> None:
+    """The client's bindings set aside (``bindings`` emptied into ``unbound``): the same requests,
+    framed, give the in-process session's bytes."""
+    unbound.update(bindings)
+    bindings.clear()
+    runs_match(session, local, xs)
+
+
 def test_bound_infers_match_in_process_runs_and_framed_ones(daemon: Daemon) -> None:
     from vkpool.session import Session
 
@@ -74,11 +91,7 @@ def test_bound_infers_match_in_process_runs_and_framed_ones(daemon: Daemon) -> N
         before = balanced(client)
         session = client.session(path)
         xs = [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(20)]
-        for x in xs:
-            got = session.run(None, {"x": x})
-            for g, want in zip(got, local.run(None, {"x": x}), strict=True):
-                assert g.flags.writeable
-                np.testing.assert_array_equal(g, want)
+        runs_match(session, local, xs)
         [lane] = client._lanes
         assert lane.ring is not None and len(lane.bindings) == 1 and not lane.unbound
         # one output asked for: a binding of its own
@@ -86,40 +99,44 @@ def test_bound_infers_match_in_process_runs_and_framed_ones(daemon: Daemon) -> N
         (y,) = session.run(["y"], {"x": xs[0]})
         np.testing.assert_array_equal(y, local.run(["y"], {"x": xs[0]})[0])
         assert len(lane.bindings) == 2 and lane.ring.words[_REQ] == sent + 2  # the bind and the infer
-        # the same requests framed give the same bytes
-        lane.unbound.update(lane.bindings)
-        lane.bindings.clear()
-        for x in xs[:3]:
-            for g, want in zip(session.run(None, {"x": x}), local.run(None, {"x": x}), strict=True):
-                np.testing.assert_array_equal(g, want)
+        framed_give_the_same(session, local, xs[:3], lane.bindings, lane.unbound)
         after = balanced(client)
     assert after["error"] == before["error"]
     # the first status, the load, open_lane, two binds, 21 bound infers, 3 framed
     assert after["ok"] - before["ok"] == 1 + 1 + 1 + 2 + 21 + 3
 
 
-def test_a_batching_model_runs_bound_infers_of_several_processes_as_batches(inline_daemon: Daemon) -> None:
-    daemon = inline_daemon  # every batch quick enough to run where it was read, however loaded the machine
-    code = """
-import os, sys, threading, numpy as np
+def batching_clients(client_args: str, setup: str, runs: int, bound: str) -> str:
+    """A client process's code for :func:`test_daemon_e2e.run_clients` (argv: endpoint, seed, the
+    tests' folder): ``Client(endpoint{client_args})``, ``setup`` run on it, then two threads each
+    send ``runs`` infers of 1-3 rows to a batching model and check every output; at the end it
+    asserts ``bound`` (an expression and its message)."""
+    return f"""
+import sys, threading, numpy as np
 sys.path.insert(0, sys.argv[3])
 from test_daemon_batching import batch_model, reference
 from vkpool.daemon.client import Client
 endpoint, seed = sys.argv[1], int(sys.argv[2])
-with Client(endpoint) as client:
-    client._lane_poller.max_s = 300e-6
+with Client(endpoint{client_args}) as client:
+    {setup}
     session = client.session(batch_model(), max_batch=8)
     def work(t):
         rng = np.random.default_rng(seed * 10 + t)
-        for j in range(40):
+        for j in range({runs}):
             x = rng.standard_normal((1 + (j + t) % 3, 16)).astype(np.float32)
-            (y,) = session.run(None, {"x": x})
+            (y,) = session.run(None, {{"x": x}})
             np.testing.assert_allclose(y, reference(x), rtol=1e-5, atol=1e-6)
     pool = [threading.Thread(target=work, args=(t,)) for t in range(2)]
     for p in pool: p.start()
     for p in pool: p.join()
-    assert any(lane.bindings for lane in client._lanes), "no infer was bound"
+    assert {bound}
 """
+
+
+def test_a_batching_model_runs_bound_infers_of_several_processes_as_batches(inline_daemon: Daemon) -> None:
+    daemon = inline_daemon  # every batch quick enough to run where it was read, however loaded the machine
+    code = batching_clients("", "client._lane_poller.max_s = 300e-6", 40,
+                            'any(lane.bindings for lane in client._lanes), "no infer was bound"')
     tests = str(Path(__file__).parent)
     with polling(daemon.client()) as watcher:
         warm = watcher.session(batch_model(), max_batch=8)  # timed, and idle when the clients start
@@ -140,6 +157,26 @@ with Client(endpoint) as client:
         assert status["jobs_per_s"] * window >= 4 * 2 * 40 - 0.5, status
     assert stats["requests"] >= 4 * 2 * 40 and stats["where_read"] >= 1
     assert stats["rows"] >= stats["requests"]
+
+
+def refusals_drop_and_remake_bindings(client: Client, session: Any, path: Path, x: np.ndarray,
+                                      want: list[np.ndarray], bindings: Any) -> Any:
+    """With one binding made (``bindings()``: the client's): an input of the wrong dtype is refused
+    at binding, as the infer would be; the model unloaded under its binding answers UnknownModel
+    and the binding is dropped; loaded again, it is bound again and answers ``want``. Returns the
+    new session."""
+    with pytest.raises(E.InvalidTensor):
+        session.run(None, {"x": x.astype(np.float64)})
+    assert len(bindings()) == 1
+    client.unload_model(next(m["id"] for m in client.list_models() if m["name"] == path.name))
+    with pytest.raises(E.UnknownModel):
+        session.run(None, {"x": x})
+    assert not bindings()
+    session = client.session(path)
+    for g, w in zip(session.run(None, {"x": x}), want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert len(bindings()) == 1
+    return session
 
 
 def test_bad_bound_infers_are_answered_and_the_daemon_keeps_serving(daemon: Daemon) -> None:
@@ -163,20 +200,7 @@ def test_bad_bound_infers_are_answered_and_the_daemon_keeps_serving(daemon: Daem
         client._lanes_idle.append(lane)
         for g, w in zip(session.run(None, {"x": x}), want, strict=True):
             np.testing.assert_array_equal(g, w)
-        # an input of the wrong dtype is refused at binding, as the infer would be
-        with pytest.raises(E.InvalidTensor):
-            session.run(None, {"x": x.astype(np.float64)})
-        assert len(lane.bindings) == 1
-        # the model unloaded under a binding: UnknownModel, the binding dropped; loaded again, bound again
-        model = client.list_models()
-        client.unload_model(next(m["id"] for m in model if m["name"] == "bad.onnx"))
-        with pytest.raises(E.UnknownModel):
-            session.run(None, {"x": x})
-        assert not lane.bindings
-        session = client.session(path)
-        for g, w in zip(session.run(None, {"x": x}), want, strict=True):
-            np.testing.assert_array_equal(g, w)
-        assert len(lane.bindings) == 1
+        refusals_drop_and_remake_bindings(client, session, path, x, want, lambda: lane.bindings)
         after = balanced(client)
     # the unknown binding, the dtype, the unloaded model
     assert after["error"] - before["error"] == 3
@@ -492,10 +516,12 @@ def test_bound_infers_on_a_model_loaded_for_throughput_run_on_every_copy() -> No
             assert d.stop() == 0
 
 
-def test_a_daemon_that_does_not_know_bind_infer_gets_framed_infers(daemon: Daemon, monkeypatch) -> None:
+@pytest.mark.parametrize("transport", ["lane", "zmq"])
+def test_a_daemon_that_does_not_know_bind_infer_gets_framed_infers(daemon: Daemon, monkeypatch,
+                                                                    transport: str) -> None:
     """A client newer than its daemon: the daemon answers the bind ``UnknownRequest`` (here, by
-    the request's type being one this daemon does not know), and the client sends that lane's
-    infers framed instead of failing them."""
+    the request's type being one this daemon does not know), and the client sends those infers
+    framed instead of failing them, on its lane or over ZeroMQ."""
     from vkpool.daemon import client as C
 
     from vkpool.session import Session
@@ -503,16 +529,17 @@ def test_a_daemon_that_does_not_know_bind_infer_gets_framed_infers(daemon: Daemo
     packed_header = C.P.packed_header
     monkeypatch.setattr(C.P, "packed_header", lambda kind, rid, status=None: packed_header(
         "bind_infer_v9_request" if kind == "bind_infer_request" else kind, rid, status))
-    path = daemon.folder / "old.onnx"
+    path = daemon.folder / f"old-{transport}.onnx"
     path.write_bytes(mlp_model(8, 16, seed=16))
     x = np.arange(8, dtype=np.float32).reshape(1, 8)
-    with polling(daemon.client()) as client, Session(str(path)) as local:
-        session = client.session(path)
-        for _ in range(3):
-            for g, w in zip(session.run(None, {"x": x}), local.run(None, {"x": x}), strict=True):
-                np.testing.assert_array_equal(g, w)
-        [lane] = client._lanes
-        assert lane.ring is not None and not lane.bindings and len(lane.unbound) == 1
+    client = polling(daemon.client()) if transport == "lane" else daemon.client(local_lane=False)
+    with client, Session(str(path)) as local:
+        runs_match(client.session(path), local, [x] * 3)
+        if transport == "lane":
+            [lane] = client._lanes
+            assert lane.ring is not None and not lane.bindings and len(lane.unbound) == 1
+        else:
+            assert not client._lanes and not client._frame_bound and len(client._frame_unbound) == 1
 
 
 def test_serve_on_a_cluster_refuses_run_slots_its_nodes_do_not_keep(tmp_path: Path, capsys) -> None:

@@ -4,15 +4,20 @@ the local lane, a raw DEALER for frames no client would send."""
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import zmq
+from test_daemon_bound import (
+    balanced,
+    batching_clients,
+    framed_give_the_same,
+    refusals_drop_and_remake_bindings,
+    runs_match,
+)
 from test_daemon_e2e import Daemon, run_clients
 from test_daemon_support import mlp_model, short_folder
-from vkpool.daemon import errors as E
 from vkpool.daemon import protocol as P
 from vkpool.daemon.bound import FRAME_HEAD, REPLY_MAGIC, REQUEST_MAGIC
 from vkpool.daemon.client import Client
@@ -30,16 +35,6 @@ def daemon() -> Iterator[Daemon]:
 
 def zmq_client(daemon: Daemon) -> Client:
     return daemon.client(local_lane=False)
-
-
-def balanced(client: Client) -> dict[str, int]:
-    deadline = time.monotonic() + 10
-    while True:
-        c = client.status()["counters"]
-        assert c["accepted"] == c["ok"] + c["error"] + c["client_gone"] + c["in_flight"], c
-        if c["in_flight"] == 0 or time.monotonic() > deadline:
-            return c
-        time.sleep(0.05)
 
 
 def test_bound_infers_over_zeromq_match_in_process_runs_and_framed_ones(daemon: Daemon) -> None:
@@ -61,11 +56,7 @@ def test_bound_infers_over_zeromq_match_in_process_runs_and_framed_ones(daemon: 
         P.send_parts = counting
         try:
             xs = [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(20)]
-            for x in xs:
-                got = session.run(None, {"x": x})
-                for g, want in zip(got, local.run(None, {"x": x}), strict=True):
-                    assert g.flags.writeable
-                    np.testing.assert_array_equal(g, want)
+            runs_match(session, local, xs)
         finally:
             P.send_parts = real_send
         assert not client._lanes and len(client._frame_bound) == 1 and not client._frame_unbound
@@ -75,12 +66,7 @@ def test_bound_infers_over_zeromq_match_in_process_runs_and_framed_ones(daemon: 
         (y,) = session.run(["y"], {"x": xs[0]})
         np.testing.assert_array_equal(y, local.run(["y"], {"x": xs[0]})[0])
         assert len(client._frame_bound) == 2
-        # the same requests framed give the same bytes
-        client._frame_unbound.update(client._frame_bound)
-        client._frame_bound.clear()
-        for x in xs[:3]:
-            for g, want in zip(session.run(None, {"x": x}), local.run(None, {"x": x}), strict=True):
-                np.testing.assert_array_equal(g, want)
+        framed_give_the_same(session, local, xs[:3], client._frame_bound, client._frame_unbound)
         after = balanced(client)
     assert after["error"] == before["error"]
     # the first status, the load, two binds, 21 bound infers, 3 framed
@@ -176,17 +162,7 @@ def test_bad_inputs_unloaded_models_and_lost_bindings_over_zeromq(daemon: Daemon
         before = balanced(client)
         session = client.session(path, keep_alive=0)
         session.run(None, {"x": x})
-        with pytest.raises(E.InvalidTensor):
-            session.run(None, {"x": x.astype(np.float64)})
-        assert len(client._frame_bound) == 1
-        model = next(m["id"] for m in client.list_models() if m["name"] == "bad.onnx")
-        client.unload_model(model)
-        with pytest.raises(E.UnknownModel):
-            session.run(None, {"x": x})
-        assert not client._frame_bound
-        session = client.session(path)
-        for g, w in zip(session.run(None, {"x": x}), want, strict=True):
-            np.testing.assert_array_equal(g, w)
+        session = refusals_drop_and_remake_bindings(client, session, path, x, want, lambda: client._frame_bound)
         [bound] = client._frame_bound.values()
         bound.index = 40  # a number the daemon never gave this client
         for g, w in zip(session.run(None, {"x": x}), want, strict=True):
@@ -198,49 +174,11 @@ def test_bad_inputs_unloaded_models_and_lost_bindings_over_zeromq(daemon: Daemon
     assert after["error"] - before["error"] == 3
 
 
-def test_a_daemon_that_does_not_bind_over_zeromq_gets_framed_infers(daemon: Daemon, monkeypatch) -> None:
-    """A client newer than its daemon: the bind is answered as a request the daemon does not know
-    (here, by its type being one this daemon does not know), and the infers go framed."""
-    from vkpool.daemon import client as C
-
-    from vkpool.session import Session
-
-    packed_header = C.P.packed_header
-    monkeypatch.setattr(C.P, "packed_header", lambda kind, rid, status=None: packed_header(
-        "bind_infer_v9_request" if kind == "bind_infer_request" else kind, rid, status))
-    path = daemon.folder / "old.onnx"
-    path.write_bytes(mlp_model(8, 16, seed=24))
-    x = np.arange(8, dtype=np.float32).reshape(1, 8)
-    with zmq_client(daemon) as client, Session(str(path)) as local:
-        session = client.session(path)
-        for _ in range(3):
-            for g, w in zip(session.run(None, {"x": x}), local.run(None, {"x": x}), strict=True):
-                np.testing.assert_array_equal(g, w)
-        assert not client._frame_bound and len(client._frame_unbound) == 1
-
-
 def test_a_batching_model_batches_bound_infers_of_several_processes_over_zeromq(daemon: Daemon) -> None:
     """Bound infers of a batching model are queued with the framed ones and run as batches, answered
     framed by their ids; every output equals the reference."""
-    code = """
-import sys, threading, numpy as np
-sys.path.insert(0, sys.argv[3])
-from test_daemon_batching import batch_model, reference
-from vkpool.daemon.client import Client
-endpoint, seed = sys.argv[1], int(sys.argv[2])
-with Client(endpoint, local_lane=False) as client:
-    session = client.session(batch_model(), max_batch=8)
-    def work(t):
-        rng = np.random.default_rng(seed * 10 + t)
-        for j in range(30):
-            x = rng.standard_normal((1 + (j + t) % 3, 16)).astype(np.float32)
-            (y,) = session.run(None, {"x": x})
-            np.testing.assert_allclose(y, reference(x), rtol=1e-5, atol=1e-6)
-    pool = [threading.Thread(target=work, args=(t,)) for t in range(2)]
-    for p in pool: p.start()
-    for p in pool: p.join()
-    assert len(client._frame_bound) == 3, client._frame_bound  # one per batch size sent
-"""
+    code = batching_clients(", local_lane=False", "pass", 30,
+                            "len(client._frame_bound) == 3, client._frame_bound  # one per batch size sent")
     from pathlib import Path
 
     tests = str(Path(__file__).parent)
