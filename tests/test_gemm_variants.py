@@ -127,6 +127,37 @@ def test_a_batch_of_images_is_one_product_on_the_shared_tiling(variant_pool: Any
             assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_batch_whose_columns_pass_the_workgroup_grid_runs_per_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of images whose folded product would need more workgroups across than the device
+    dispatches (lowered here below it) runs per image, as it would without the fold, and equals
+    onnxruntime's."""
+    from vkpool.kernels.base import DispatchContext
+    from vkpool.kernels.ops.gemm import ceil_div
+
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=shared")
+    model, feeds, expected = ort_case("Conv", [rand(3, 8, 20, 20), rand(24, 8, 3, 3), rand(24)],
+                                      {"pads": [1, 1, 1, 1]}, (1, 2))
+    p = vulkan_pool()
+    try:
+        with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
+            (conv,) = s._chunk.ops
+            across = [ceil_div(plan.p.N, plan.tile["BN"]) for plan in (conv.plan, conv.folded)]
+    finally:
+        p.close()
+    assert across[0] < across[1]  # per image 400 columns, folded 1200
+    monkeypatch.setenv("VKPOOL_DEVICE_LIMITS", f"max_workgroup_count={across[0]}x65535x65535")
+    p = vulkan_pool()
+    try:
+        vk = p.vulkan_members[0]
+        with Session(model, pool=p, device=vk.id) as s:
+            (conv,) = s._chunk.ops
+            ctx = DispatchContext([object(), object(), object()], [object()], object(), vk.device.caps, {})
+            assert {d.defines.get("FOLD", 0) for d in conv.dispatches(ctx)} == {0}
+            assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        p.close()
+
+
 def test_a_long_reduction_and_the_loop_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """A product whose reduction runs 600 steps or more in one invocation; and one of 300 steps
     under a loop limit lowered below twice its steps (the register tiling's loop steps per k),

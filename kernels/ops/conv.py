@@ -145,11 +145,14 @@ class Conv(Op):
         if self.plan is not None:
             extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
-            plan = self.plan
             if self.folded is not None and not self.folded.tile_for(ctx.caps).get("REGISTER_TILE"):
-                plan, extra["FOLD"] = self.folded, math.prod(self.win.out_shape)
+                try:
+                    return self.folded.dispatches(w, x, b, y, ctx.workspace,
+                                                  {**extra, "FOLD": math.prod(self.win.out_shape)}, caps=ctx.caps)
+                except UnsupportedOp:  # the images' columns past the device's workgroup grid: per image
+                    pass
             return [self._with_taps(d, ctx.caps)
-                    for d in plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)]
+                    for d in self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)]
         total = math.prod(self.out_shape)
         args = [Ptr(x), Ptr(w), Ptr(b if b is not None else y), Ptr(y), U32(total)]
         defines = {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None), "ACT": self.act,
