@@ -192,14 +192,15 @@ class ClientFrameBinding:
 
 class ClientBinding:
     """The client's side: the binding's number, the inputs' arrays over the request half (in the
-    order of the feeds it was made from), and the last record layout read."""
+    order of the feeds it was made from), and the last record layout read: its head's bytes and
+    where each output lies, kept as one tuple, so that threads reading records of one binding
+    together (over ZeroMQ) never see one layout's head with another's places."""
 
-    __slots__ = ("_head", "_outs", "index", "inputs")
+    __slots__ = ("_layout", "index", "inputs")
 
     def __init__(self, index: int, inputs: list[np.ndarray]) -> None:
         self.index, self.inputs = index, inputs
-        self._head = b""
-        self._outs: list[tuple[np.dtype, int, int, tuple[int, ...]]] = []
+        self._layout: tuple[bytes, list[tuple[np.dtype, int, int, tuple[int, ...]]]] = (b"", [])
 
     def write(self, values: Sequence[np.ndarray]) -> None:
         for place, value in zip(self.inputs, values):
@@ -207,26 +208,29 @@ class ClientBinding:
 
     def read(self, half: memoryview) -> list[np.ndarray]:
         """The outputs of the record in ``half``, copied out (writable, the caller's own)."""
-        head = self._head
+        head, outs = self._layout
         if not head or half[:len(head)] != head:
-            self._parse(half)
-        return [np.frombuffer(half, dtype, count, at).reshape(shape).copy() for dtype, count, at, shape in self._outs]
+            head, outs = self._layout = _parse_record(half)
+        return [np.frombuffer(half, dtype, count, at).reshape(shape).copy()
+                for dtype, count, at, shape in outs]
 
-    def _parse(self, half: memoryview) -> None:
-        (n,) = _COUNT.unpack_from(half)
-        if n > 4096:
-            raise ConnectionResetError(f"the daemon's reply record names {n} outputs")
-        pos, descs = _COUNT.size, []
-        for _ in range(n):
-            code, ndim = _DESC.unpack_from(half, pos)
-            shape = struct.unpack_from(f"<{ndim}Q", half, pos + _DESC.size)
-            pos += _DESC.size + 8 * ndim
-            if code >= len(_DTYPE_AT):
-                raise ConnectionResetError(f"the daemon's reply record has dtype index {code}")
-            descs.append((_DTYPE_AT[code], shape))
-        self._head = bytes(half[:pos])
-        counts = [math.prod(shape) for _, shape in descs]
-        offsets, end = places([c * dtype.itemsize for c, (dtype, _) in zip(counts, descs)], pos)
-        if end > len(half):
-            raise ConnectionResetError("the daemon's reply record runs past the ring's half")
-        self._outs = [(dtype, c, at, shape) for (dtype, shape), c, at in zip(descs, counts, offsets)]
+
+def _parse_record(half: memoryview) -> tuple[bytes, list[tuple[np.dtype, int, int, tuple[int, ...]]]]:
+    """A record's head (its bytes) and each output's dtype, element count, offset and shape;
+    ``ConnectionResetError`` for a record that does not parse or runs past ``half``."""
+    (n,) = _COUNT.unpack_from(half)
+    if n > 4096:
+        raise ConnectionResetError(f"the daemon's reply record names {n} outputs")
+    pos, descs = _COUNT.size, []
+    for _ in range(n):
+        code, ndim = _DESC.unpack_from(half, pos)
+        shape = struct.unpack_from(f"<{ndim}Q", half, pos + _DESC.size)
+        pos += _DESC.size + 8 * ndim
+        if code >= len(_DTYPE_AT):
+            raise ConnectionResetError(f"the daemon's reply record has dtype index {code}")
+        descs.append((_DTYPE_AT[code], shape))
+    counts = [math.prod(shape) for _, shape in descs]
+    offsets, end = places([c * dtype.itemsize for c, (dtype, _) in zip(counts, descs)], pos)
+    if end > len(half):
+        raise ConnectionResetError("the daemon's reply record runs past its end")
+    return bytes(half[:pos]), [(dtype, c, at, shape) for (dtype, shape), c, at in zip(descs, counts, offsets)]

@@ -348,6 +348,28 @@ def test_a_record_reads_back_what_was_written(arrays: list[np.ndarray]) -> None:
     assert not Binding(None, {}, 1).fill(memoryview(bytearray(size - 1)), arrays)
 
 
+def test_records_of_two_layouts_read_in_turn_and_a_broken_one_leaves_nothing_behind() -> None:
+    """One client binding reads records of two layouts in turn (as threads sharing a binding over
+    ZeroMQ may); a record that runs past its end is refused, and the next record of a layout
+    read before is read right, not through the broken one's head."""
+    a = [np.arange(6, dtype=np.float32).reshape(2, 3)]
+    b = [np.arange(4, dtype=np.int64), np.ones(3, np.float16)]
+    halves = {}
+    for name, arrays in (("a", a), ("b", b)):
+        halves[name] = memoryview(bytearray(4096))
+        assert Binding(None, {}, 1).fill(halves[name], arrays)
+    client_side = ClientBinding(0, [])
+    for name in "abba":
+        for got, want in zip(client_side.read(halves[name]), a if name == "a" else b, strict=True):
+            np.testing.assert_array_equal(got, want)
+    cut = halves["b"][:record_layout(b)[2] - 1]
+    with pytest.raises(ConnectionResetError, match="runs past"):
+        client_side.read(cut)
+    for got, want in zip(client_side.read(halves["b"]), b, strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_record_too_large_or_of_an_unnamed_dtype_is_not_written() -> None:
     half = memoryview(bytearray(256))
     binding = Binding(None, {}, 1)
