@@ -249,7 +249,7 @@ class Client:
         self._poller.register(self._outbox_pull, zmq.POLLIN)
         self._watch_connection()
         self._spin = Poller(ZMQ_POLL_MAX_S)
-        self._reply_s = ZMQ_POLL_MAX_S / 2  # moving average of a reply's wait over ZeroMQ
+        self._reply_s = ZMQ_POLL_MAX_S / 2  # moving average of an infer reply's wait over ZeroMQ
         self._lead = threading.Lock()        # held by the thread using the DEALER socket
         self._send_lock = threading.Lock()   # guards the PUSH end of the outbox
         self._pending: dict[str, _Waiter] = {}
@@ -418,6 +418,16 @@ class Client:
         if self._unanswered:
             self._driver_wake.set()
 
+    def _usual_reply(self, seen_s: float) -> float:
+        """The usual wait of an infer's reply after one of ``seen_s`` (infers only: a model's load
+        would take it past polling, and the infers after it would sleep). A wait that sleeps ends
+        late by the wake-up, which keeps the average past polling once it is there; so a reply
+        within the polling limit while the average says sleep (one the periodic probe polled for)
+        sets it, and polling resumes at once. Replies that stay slow take it back within a few."""
+        if seen_s < self._spin.max_s <= self._reply_s:
+            return seen_s
+        return self._spin.average(self._reply_s, seen_s)
+
     def _send_queued(self, message: list[Any]) -> None:
         with self._send_lock:
             self._outbox.send_multipart(message, copy=False)
@@ -437,8 +447,8 @@ class Client:
                 P.send_parts(self._sock, message)
                 sent = time.perf_counter()
                 self._pump(lambda: waiter.reply is not None, deadline, sent)
-                if waiter.reply is not None:
-                    self._reply_s = self._spin.average(self._reply_s, time.perf_counter() - sent)
+                if waiter.reply is not None and packed:
+                    self._reply_s = self._usual_reply(time.perf_counter() - sent)
             finally:
                 self._lead.release()
                 self._hand_over_lead()

@@ -192,3 +192,22 @@ def test_a_batching_model_batches_bound_infers_of_several_processes_over_zeromq(
     stats = info["batching"]
     assert stats["requests"] >= 3 * 2 * 30 and stats["rows"] >= stats["requests"]
 
+
+
+def test_a_quick_infer_reply_brings_a_sleeping_zeromq_client_back_to_polling(daemon: Daemon) -> None:
+    """The client's usual infer wait (whether it polls for a reply or sleeps) counts infers only,
+    and one quick reply while it says sleep sets it: a client kept asleep by slow replies, or by
+    the wake-ups of sleeping, polls again from its first quick reply."""
+    path = daemon.folder / "usual.onnx"
+    path.write_bytes(mlp_model(8, 16, seed=25))
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    with zmq_client(daemon) as client:
+        session = client.session(path)
+        for _ in range(3):
+            session.run(None, {"x": x})
+        client._spin.max_s = 5.0  # every reply on this machine is "quick"
+        client._reply_s = 10.0    # asleep
+        client.status()
+        assert client._reply_s == 10.0  # not an infer
+        session.run(None, {"x": x})
+        assert client._reply_s < client._spin.max_s
