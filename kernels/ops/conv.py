@@ -78,11 +78,10 @@ class Conv(Op):
         if n <= 1 or self.group != 1:
             return None
         m, kred = self.input(1).shape[0], math.prod(self.input(1).shape[1:])
-        plan = MatmulPlan(MatmulProblem(
+        return MatmulPlan(MatmulProblem(
             M=m, N=n * math.prod(self.win.out_shape), K=kred, sAm=kred, sAk=1, sBk=0, sBn=1,
             has_bias=self.has_input(2), sCm=1, sCn=0, bias_rows=m, act=self.act,
         ), force_gemm=True)
-        return plan
 
     def _pointwise_plan(self) -> MatmulPlan | None:
         """A 1x1 convolution of stride 1 and no padding as the plain product it is, per image and
@@ -146,9 +145,9 @@ class Conv(Op):
             extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
             if self.folded is not None and not self.folded.tile_for(ctx.caps).get("REGISTER_TILE"):
+                fold = {**extra, "FOLD": math.prod(self.win.out_shape)}
                 try:
-                    return self.folded.dispatches(w, x, b, y, ctx.workspace,
-                                                  {**extra, "FOLD": math.prod(self.win.out_shape)}, caps=ctx.caps)
+                    return self.folded.dispatches(w, x, b, y, ctx.workspace, fold, caps=ctx.caps)
                 except UnsupportedOp:  # the images' columns past the device's workgroup grid: per image
                     pass
             return [self._with_taps(d, ctx.caps)

@@ -192,7 +192,8 @@ class MatmulPlan:
         rows = 1 if self.kind == "gemv" else p.M * p.batch_count
         return self.splits * rows * p.N * 4 if self.splits > 1 else 0
 
-    def _reduce(self, ws: Any, c: Any, y: Any, caps: DeviceCaps | None, splits: int, fold: int = 0) -> Dispatch:
+    def _reduce(self, ws: Any, c: Any, y: Any, caps: DeviceCaps | None, splits: int,
+                fold: int = 0) -> Dispatch:
         """Sums the split partial products in ``ws`` into ``y``, applying alpha and the bias;
         ``fold``: the outputs per image of a convolution whose images are the product's columns."""
         p = self.p
@@ -203,7 +204,8 @@ class MatmulPlan:
             "gemm_reduce",
             [ptr_at(ws), ptr_at(c), ptr_at(y), U32(total), U32(splits), U32(p.N), U32(bias_rows),
              U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta)],
-            groups_1d(total, 256, caps), {"HAS_BIAS": int(p.has_bias), "ACT": p.act, **({"FOLD": fold} if fold else {})},
+            groups_1d(total, 256, caps),
+            {"HAS_BIAS": int(p.has_bias), "ACT": p.act, **({"FOLD": fold} if fold else {})},
         )
 
     def tile_for(self, caps: DeviceCaps | None, inner: int = 1) -> dict[str, int]:

@@ -117,22 +117,6 @@ shared float Bs[BK][BN + PAD_B];
 #endif
 #define OSIZE (OD * OH * OW)
 #endif
-float load_b(uint base, uint k, uint n) {
-#ifdef FOLD
-    base += (n / OSIZE) * (CG * ID * IH * IW);
-    n %= OSIZE;
-#endif
-    uint kw = k % KW; uint t = k / KW;
-    uint kh = t % KH; t /= KH;
-    uint kd = t % KD; uint ch = t / KD;
-    uint ow = n % OW; uint u = n / OW;
-    uint oh = u % OH; uint od = u / OH;
-    int id = int(od * SD + kd * DD) - PD;
-    int ih = int(oh * SH + kh * DH) - PH;
-    int iw = int(ow * SW + kw * DW) - PW;
-    if (id < 0 || id >= ID || ih < 0 || ih >= IH || iw < 0 || iw >= IW) return 0.0;
-    return pc.b.v[base + ((ch * ID + uint(id)) * IH + uint(ih)) * IW + uint(iw)];
-}
 #endif
 
 // Element e of a stage's A tile (BM x BK) and B tile (BK x BN): consecutive invocations take
@@ -159,13 +143,16 @@ float fetch_a(uint e, uint k0, uint row0, uint aBase, uint kEnd) {
     return (e < BM * BK && gm < pc.M && gk < kEnd) ? pc.a.v[aBase + gm * pc.sAm + gk * pc.sAk] : 0.0;
 }
 
-#if defined(CONV) && !REGISTER_TILE && B_NCONTIG && NT % BN == 0
-// Every element of B an invocation loads lies in one column, col0 + tid % BN, at every stage: that
-// column's image and window origin are found once (set_column), and a load only places its row k
-// in the window. NOTE: H200, driver 580 (docs/gpu/h200-conv-column-once.md), GPU ms against
-// placing every element's column anew: ResNet-50 at batch 16 6.67 against 7.40, at batch 1 0.992
-// against 1.042, U-Net 1.403 against 1.45, MobileNetV2 0.474 against 0.520.
-#define COLUMN_ONCE 1
+#if defined(CONV) && !REGISTER_TILE
+// Every element of B an invocation loads lies in one column, col0 + tid % BN, at every stage (B's
+// columns are contiguous, and a tile's invocations are a multiple of BN): that column's image and
+// window origin are found once (set_column), and a load only places its row k in the window.
+// NOTE: H200, driver 580 (docs/gpu/h200-conv-column-once.md), GPU ms against placing every
+// element's column anew: ResNet-50 at batch 16 6.67 against 7.40, at batch 1 0.992 against
+// 1.042, U-Net 1.403 against 1.45, MobileNetV2 0.474 against 0.520.
+#if !B_NCONTIG || NT % BN != 0
+#error "an implicit-GEMM tile reads B's columns contiguous, with invocations a multiple of BN"
+#endif
 uint colBase;       // the column's image in B
 int colD, colH, colW;  // its window's origin (outside every row for a column past N)
 void set_column(uint bBase, uint n) {
@@ -181,7 +168,7 @@ void set_column(uint bBase, uint n) {
     colH = int(oh * SH) - PH;
     colW = n < pc.N ? int(ow * SW) - PW : -int(IW + KW * DW);
 }
-float load_b_column(uint k) {
+float load_b(uint k) {
     uint kw = k % KW; uint t = k / KW;
     uint kh = t % KH; t /= KH;
     uint kd = t % KD; uint ch = t / KD;
@@ -192,17 +179,13 @@ float load_b_column(uint k) {
 #endif
 
 float fetch_b(uint e, uint k0, uint col0, uint bBase, uint kEnd) {
-#if COLUMN_ONCE
+#if defined(CONV) && !REGISTER_TILE
     uint gk = k0 + b_k(e);
-    return (e < BK * BN && gk < kEnd) ? load_b_column(gk) : 0.0;
+    return (e < BK * BN && gk < kEnd) ? load_b(gk) : 0.0;
 #else
     uint gn = col0 + b_n(e), gk = k0 + b_k(e);
     if (e >= BK * BN || gn >= pc.N || gk >= kEnd) return 0.0;
-#ifdef CONV
-    return load_b(bBase, gk, gn);
-#else
     return pc.b.v[bBase + gk * pc.sBk + gn * pc.sBn];
-#endif
 #endif
 }
 
@@ -325,7 +308,7 @@ void main() {
     // each stage's tile elements are read from memory into registers while the stage before
     // is multiplied out of shared memory, so the loads' latency overlaps the arithmetic
     float ra[LA], rb[LB];
-#if COLUMN_ONCE
+#ifdef CONV
     set_column(bBase, col0 + tid % BN);
 #endif
     for (uint u = 0; u < LA; ++u) ra[u] = fetch_a(tid + u * NT, kBegin, row0, aBase, kEnd);
