@@ -129,40 +129,39 @@ class Binding:
 
 
 class FrameBinding:
-    """The daemon's side of a bound infer over ZeroMQ: a :class:`Binding` (plan, rows) whose feeds
-    are read from each request's frame, the inputs' places in that frame and its size, and a
-    reply buffer its records are written into (sent as a copy)."""
+    """The daemon's side of a bound infer over ZeroMQ: the checked plan
+    (:class:`vkpool.daemon.service.InferPlan`), and the inputs' names, dtypes, shapes and places
+    in a request's frame, and that frame's size."""
 
-    __slots__ = ("_reply", "binding", "names", "offsets", "size", "specs")
+    __slots__ = ("names", "offsets", "plan", "size", "specs")
 
-    def __init__(self, plan: Any, names: Sequence[str], arrays: Sequence[np.ndarray], rows: int) -> None:
-        self.binding = Binding(plan, {}, rows)
+    def __init__(self, plan: Any, names: Sequence[str], arrays: Sequence[np.ndarray]) -> None:
+        self.plan = plan
         self.names = list(names)
         self.specs = [(a.dtype, a.shape) for a in arrays]
         self.offsets, self.size = frame_places([a.nbytes for a in arrays])
-        self._reply = bytearray(RECORD_AT)
 
     def feeds(self, frame: Any) -> dict[str, np.ndarray]:
         """The inputs over a request's frame (read-only arrays; the frame is checked to be
         ``size`` bytes by the caller)."""
         return dict(zip(self.names, views(frame, self.specs, self.offsets)))
 
-    def record(self, seq: int, arrays: Sequence[np.ndarray]) -> bytes | None:
-        """The reply frame of request ``seq`` carrying ``arrays``; None for a dtype the protocol
-        cannot name."""
-        start = RECORD_AT
-        binding = self.binding
-        if not binding.fill(memoryview(self._reply)[start:], arrays):
-            try:
-                end = record_layout(arrays)[2]
-            except KeyError:
-                return None
-            self._reply = bytearray(start + end)  # grown: the record's views are made again
-            binding._head = b""
-            if not binding.fill(memoryview(self._reply)[start:], arrays):
-                return None
-        FRAME_HEAD.pack_into(self._reply, 0, REPLY_MAGIC, 0, seq)
-        return bytes(self._reply)
+
+def record_frame(seq: int, arrays: Sequence[np.ndarray]) -> bytearray | None:
+    """The reply frame of bound infer ``seq`` over ZeroMQ carrying ``arrays``: the head, then from
+    ``RECORD_AT`` their record; None for a dtype the protocol cannot name. A new buffer each time
+    (a reply may wait to be sent while the next is made)."""
+    try:
+        head, offsets, end = record_layout(arrays)
+    except KeyError:
+        return None
+    frame = bytearray(RECORD_AT + end)
+    FRAME_HEAD.pack_into(frame, 0, REPLY_MAGIC, 0, seq)
+    frame[RECORD_AT:RECORD_AT + len(head)] = head
+    at = [RECORD_AT + o for o in offsets]
+    for place, a in zip(views(frame, [(a.dtype, a.shape) for a in arrays], at), arrays):
+        place[...] = a
+    return frame
 
 
 class ClientFrameBinding:
@@ -180,8 +179,8 @@ class ClientFrameBinding:
         """Request ``seq``'s frame: the head, then each array's bytes (C order) at its place."""
         buf = bytearray(self.size)
         FRAME_HEAD.pack_into(buf, 0, REQUEST_MAGIC, self.index, seq)
-        for at, a in zip(self.offsets, arrays):
-            np.frombuffer(buf, a.dtype, a.size, at).reshape(a.shape)[...] = a
+        for place, a in zip(views(buf, [(a.dtype, a.shape) for a in arrays], self.offsets), arrays):
+            place[...] = a
         return buf
 
     def read(self, frame: Any) -> list[np.ndarray]:

@@ -364,7 +364,7 @@ class Client:
                         self._lost(P.unpack(P._buffer(message[1])))
 
     def _deliver(self, frames: list[Any]) -> None:
-        if len(frames) == 1 and frames[0][:4] == REPLY_MAGIC and len(frames[0]) >= FRAME_HEAD.size:
+        if len(frames) == 1 and len(frames[0]) >= FRAME_HEAD.size and frames[0].startswith(REPLY_MAGIC):
             rid = f"frame-{FRAME_HEAD.unpack_from(frames[0])[2]}"  # a bound infer's record
             waiter = self._pending.pop(rid, None)
             if waiter is not None:
@@ -596,13 +596,7 @@ class Client:
         reply = self._lane_infer_request(lane, packed, frames, wait)
         if reply is None:
             return None
-        ok, content, raw = reply
-        if not ok:
-            error = P.unpack(content)
-            raise from_reply(error if isinstance(error, dict) else {"message": "an error reply without content"})
-        # writable, like the in-process session's results (a reply read from the ring, or a large
-        # one, is already)
-        return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
+        return self._infer_result(*reply)
 
     @staticmethod
     def _infer_key(model_id: str, feeds: Mapping[str, Any], outputs: list[str] | None, priority: int,
@@ -706,10 +700,8 @@ class Client:
             raise DaemonUnavailable(f"the local lane of {self.endpoint} answered with something that is no reply")
         self._lane_done(lane)
         if header["status"] == "ok":
-            return [a if a.flags.writeable else a.copy() for a in self._outputs.read(reply[1], reply[2:])]
-        error = P.unpack(reply[1])
-        if not isinstance(error, dict):
-            error = {"message": "an error reply without content"}
+            return self._infer_result(True, reply[1], reply[2:])
+        error = _reply_error(reply[1])
         if error.get("type") in ("UnknownModel", "InvalidRequest"):  # the binding is gone: bind again next time
             lane.bindings.pop(key, None)
         raise from_reply(error)
@@ -872,10 +864,7 @@ class Client:
         if reply is None:
             self._timed_out("infer", wait)
         header, content, raw = reply
-        if header["status"] != "ok":
-            error = P.unpack(content)
-            raise from_reply(error if isinstance(error, dict) else {"message": "an error reply without content"})
-        return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
+        return self._infer_result(header["status"] == "ok", content, raw)
 
     def _frame_bind(self, key: Any, arrays: list[np.ndarray], packed: bytes, frames: list[Any],
                     wait: float | None) -> ClientFrameBinding | None:
@@ -923,15 +912,20 @@ class Client:
             except ConnectionResetError as exc:
                 raise DaemonUnavailable(f"{self.endpoint} answered a bound infer: {exc}") from None
         if header["status"] == "ok":
-            return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
-        error = P.unpack(content)
-        if not isinstance(error, dict):
-            error = {"message": "an error reply without content"}
+            return self._infer_result(True, content, raw)
+        error = _reply_error(content)
         if error.get("type") in ("UnknownModel", "InvalidRequest"):  # the binding is gone
             self._frame_bound.pop(key, None)
             if error.get("type") == "InvalidRequest":
                 return None
         raise from_reply(error)
+
+    def _infer_result(self, ok: bool, content: Any, raw: list[Any]) -> list[np.ndarray]:
+        """A framed infer reply's outputs, writable like the in-process session's results (a reply
+        read from the ring, or a large one, is already); or its error, raised."""
+        if not ok:
+            raise from_reply(_reply_error(content))
+        return [a if a.flags.writeable else a.copy() for a in self._outputs.read(content, raw)]
 
     def cancel(self, request_id: str) -> dict[str, Any]:
         return self.request("cancel", {"request_id": request_id})[0]
@@ -955,6 +949,12 @@ class Client:
         return RemoteSession(self, self.load_model(model, name=name, keep_alive=keep_alive, batch=batch, dims=dims,
                                                    max_batch=max_batch, max_queue_delay=max_queue_delay,
                                                    objective=objective))
+
+
+def _reply_error(packed: Any) -> dict[str, Any]:
+    """An error reply's packed content as :func:`from_reply` takes it."""
+    error = P.unpack(packed)
+    return error if isinstance(error, dict) else {"message": "an error reply without content"}
 
 
 def value_infos(described: list[dict[str, Any]]) -> list[ValueInfo]:

@@ -31,7 +31,8 @@ from typing import Any
 import zmq
 
 from vkpool.daemon import protocol as P
-from vkpool.daemon.bound import BINDINGS_MAX, FRAME_HEAD, REQUEST_MAGIC, Binding, FrameBinding, places, views
+from vkpool.daemon.bound import (BINDINGS_MAX, FRAME_HEAD, REQUEST_MAGIC, Binding, FrameBinding, places,
+                                 record_frame, views)
 from vkpool.daemon.endpoint import (LISTEN_BACKLOG, ConnectionWatch, EndpointError, EndpointLock,
                                     connection_cap, fd_reserve, ipc_path, lane_fits, lane_path, raise_fd_limit)
 from vkpool.daemon.lane import LaneConnection, LaneListener, LaneReactor, Poller, Ring, ring_supported, wake_sleepers
@@ -404,12 +405,12 @@ class Server:
         """A ``bind_infer`` over ZeroMQ: checked as its infer, then its inputs' places in the frame
         of a bound infer (:class:`FrameBinding`); ``binding: null`` past ``BINDINGS_MAX``."""
         try:
-            plan, feeds, rows = self.service.check_bound(client, content, frames)
+            plan, feeds, _ = self.service.check_bound(client, content, frames)
             names = [meta["name"] for meta in content["inputs"]]
             bindings = self._frame_bindings.setdefault(client, [])
             reply: dict[str, Any] = {"binding": None, "offsets": []}
             if len(bindings) < BINDINGS_MAX:
-                item = FrameBinding(plan, names, [feeds[n] for n in names], rows)
+                item = FrameBinding(plan, names, [feeds[n] for n in names])
                 if item.size <= self.settings.max_message_bytes:
                     bindings.append(item)
                     reply = {"binding": len(bindings) - 1, "offsets": item.offsets}
@@ -439,7 +440,7 @@ class Server:
                                         f"bytes, got {len(frame)}")
             if service.draining:
                 raise ProtocolViolation("ShuttingDown", "the daemon is shutting down and accepts no new work")
-            plan = item.binding.plan
+            plan = item.plan
             entry = plan.entry
             if not service.registry.current(entry, client):
                 raise ProtocolViolation("UnknownModel", f"model {entry.id[:12]} is not loaded by this client "
@@ -460,7 +461,7 @@ class Server:
             result = _in_time(plan, result, accepted, now)
             if isinstance(result, ProtocolViolation):
                 raise result
-            record = item.record(seq, result)
+            record = record_frame(seq, result)
             if record is None:  # outputs a record cannot name: framed
                 names = plan.outputs or entry.output_names
                 content, frames = service._replies.pack(names, result, queued_s, run_s)
