@@ -314,6 +314,10 @@ class Client:
     def _connection_event(self) -> None:
         connection = self._connection
         if connection.event(recv_monitor_message(self._monitor), self.serving_endpoint):
+            # replies the daemon sent before it went (a drain's last answers) are read first: only
+            # the requests still without one are lost
+            while self._sock.poll(0):
+                self._deliver(P.recv_parts(self._sock, 3))
             for rid in list(self._pending):
                 waiter = self._pending.pop(rid, None)
                 if waiter is not None:

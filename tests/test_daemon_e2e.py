@@ -18,6 +18,7 @@ import pytest
 from test_daemon_support import (add_model, batched_model, big_model, daemon_env, external_outside_model,
                                  mlp_model, short_folder, spawn_daemon, unsupported_model, wait_ready)
 from vkpool.daemon import errors as E
+from vkpool.daemon import protocol as P
 from vkpool.daemon.client import Client
 
 pytestmark = pytest.mark.timeout(180)
@@ -359,6 +360,26 @@ def test_sigterm_drains_in_flight_jobs_and_exits_0(folder: Path, stand_in: str |
     else:
         assert outcomes["ok"] >= 2 and outcomes["ShuttingDown"] >= 10
     assert not Path(daemon.endpoint[6:]).exists()
+
+
+def test_replies_read_with_the_daemon_s_exit_are_answers_not_losses(folder: Path) -> None:
+    """Replies a daemon sent just before it exited reach the client in the same look as the news
+    of the dropped connection: each is its request's answer, and only a request left without
+    one is lost."""
+    from vkpool.daemon import client as C
+
+    daemon = Daemon(folder, stand_in="")
+    with daemon.client(local_lane=False) as client:
+        waiters = {f"w-{k}": C._Waiter() for k in range(4)}
+        client._pending.update(waiters)
+        with client._lead:  # nobody reads the socket while the replies and the drop pile up
+            for k, rid in enumerate(waiters):
+                action = "shutdown" if k == len(waiters) - 1 else "status"
+                P.send_parts(client._sock, C.build_request(action, rid, {}, []))
+            assert daemon.proc.wait(30) == 0
+            time.sleep(0.5)  # the monitor's event of the drop is queued behind the replies
+            client._pump(lambda: all(w.reply is not None for w in waiters.values()), time.monotonic() + 10)
+    assert [w.reply[0]["status"] for w in waiters.values()] == ["ok"] * len(waiters)
 
 
 def test_one_daemon_per_socket_and_a_stale_socket_is_cleaned_up(folder: Path) -> None:
