@@ -48,11 +48,12 @@ CANDIDATES.update({f"{name}s": {**tile, "VEC4": 0}
 
 
 def policy_choose(spec: str, planner: Any) -> Any:
-    """A ``choose_tile`` for policy ``spec`` (``TILE:N``) over the ``planner``'s."""
+    """A ``choose_tile`` for policy ``spec`` (see above) over the ``planner``'s."""
     from vkpool.kernels.ops import gemm
 
-    if ">" in spec:  # A>B[,C>D...]: where the planner takes tile A, B instead
-        swaps = dict(pair.split(">", 1) for pair in spec.split(","))
+    if ">" in spec or spec == "scalar":  # tiles the planner takes swapped for others
+        swaps = dict(pair.split(">", 1) for pair in spec.split(",")) if ">" in spec else \
+            {name[:-1]: name for name in CANDIDATES if name.endswith("s") and name[:-1] in CANDIDATES}
         for now in swaps.values():
             if now not in CANDIDATES:
                 raise SystemExit(f"unknown tile {now!r}; known: {', '.join(CANDIDATES)}")
@@ -67,15 +68,6 @@ def policy_choose(spec: str, planner: Any) -> Any:
 
         return swap
     name, _, least = spec.partition(":")
-    if name == "scalar":  # the planner's tile, its stages read as scalars
-        def scalar(p: Any, workgroups: Any) -> str:
-            chosen = planner(p, workgroups)
-            if chosen + "s" in CANDIDATES:
-                gemm.TILES.setdefault(chosen + "s", CANDIDATES[chosen + "s"])
-                return chosen + "s"
-            return chosen
-
-        return scalar
     if name not in CANDIDATES:
         raise SystemExit(f"unknown tile {name!r}; known: {', '.join(CANDIDATES)}")
     gemm.TILES.setdefault(name, CANDIDATES[name])

@@ -82,6 +82,14 @@ def run_under_limits(model: bytes, feeds: dict[str, np.ndarray], limits: str,
         p.close()
 
 
+def dispatches_of(conv: Any, caps: Any) -> list[Any]:
+    """The dispatches a convolution of three inputs records on a device with ``caps`` (buffers
+    stand-ins: only the shaders and defines are looked at)."""
+    from vkpool.kernels.base import DispatchContext
+
+    return conv.dispatches(DispatchContext([object(), object(), object()], [object()], object(), caps, {}))
+
+
 def test_pointwise_convolutions_run_as_plain_products_where_the_tiling_is_register(variant_pool: Any) -> None:
     """A 1x1 convolution of stride 1 and no padding is a plain product on the register tiling
     (no window arithmetic: no CONV define), an implicit GEMM on the shared one."""
@@ -91,11 +99,7 @@ def test_pointwise_convolutions_run_as_plain_products_where_the_tiling_is_regist
     with Session(model, pool=variant_pool, device=vk.id) as s:
         (conv,) = s._chunk.ops
         assert conv.pointwise is not None
-        from vkpool.kernels.base import DispatchContext
-
-        handles = [object(), object(), object()]
-        ctx = DispatchContext(handles, [object()], object(), vk.device.caps, {})
-        defines = [d.defines for d in conv.dispatches(ctx)]
+        defines = [d.defines for d in dispatches_of(conv, vk.device.caps)]
         register = vk.device.caps.gemm_variant == "register"
         assert all(("CONV" in d) != register for d in defines)
         assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
@@ -108,8 +112,6 @@ def test_a_batch_of_images_is_one_product_on_the_shared_tiling(variant_pool: Any
     image on either. All equal onnxruntime's."""
     import math
 
-    from vkpool.kernels.base import DispatchContext
-
     vk = variant_pool.vulkan_members[0]
     shared = vk.device.caps.gemm_variant == "shared"
     for name, folds, split in (("conv_batch_folded", shared, False), ("conv_cols_by_4_split_k", shared, True),
@@ -118,8 +120,7 @@ def test_a_batch_of_images_is_one_product_on_the_shared_tiling(variant_pool: Any
         model, feeds, expected = ort_case(op, inputs, attrs, constants)
         with Session(model, pool=variant_pool, device=vk.id) as s:
             (conv,) = s._chunk.ops
-            ctx = DispatchContext([object(), object(), object()], [object()], object(), vk.device.caps, {})
-            dispatches = conv.dispatches(ctx)
+            dispatches = dispatches_of(conv, vk.device.caps)
             per_image = math.prod(conv.out_shape[2:])
             assert {d.defines.get("FOLD", 0) for d in dispatches} == {per_image if folds else 0}, name
             if folds:
@@ -131,7 +132,6 @@ def test_a_batch_whose_columns_pass_the_workgroup_grid_runs_per_image(monkeypatc
     """A batch of images whose folded product would need more workgroups across than the device
     dispatches (lowered here below it) runs per image, as it would without the fold, and equals
     onnxruntime's."""
-    from vkpool.kernels.base import DispatchContext
     from vkpool.kernels.ops.gemm import ceil_div
 
     monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", "gemm=shared")
@@ -151,8 +151,7 @@ def test_a_batch_whose_columns_pass_the_workgroup_grid_runs_per_image(monkeypatc
         vk = p.vulkan_members[0]
         with Session(model, pool=p, device=vk.id) as s:
             (conv,) = s._chunk.ops
-            ctx = DispatchContext([object(), object(), object()], [object()], object(), vk.device.caps, {})
-            assert {d.defines.get("FOLD", 0) for d in conv.dispatches(ctx)} == {0}
+            assert {d.defines.get("FOLD", 0) for d in dispatches_of(conv, vk.device.caps)} == {0}
             assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
     finally:
         p.close()
