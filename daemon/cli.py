@@ -81,8 +81,9 @@ def add_parsers(subparsers: Any) -> None:
                    help="batch the requests of every client along the model's symbolic first dim, up to N rows "
                         "per run (default: the config's daemon.batching rules, else no batching)")
     p.add_argument("--max-delay", metavar="DURATION",
-                   help="how long the first request of a batch may wait for company (200us, 2ms; default 0: "
-                        "only what is queued already); needs --max-batch")
+                   help="how long the first request of a batch may wait for company (200us, 2ms; "
+                        "default 0: only what is queued already), at most: it stops waiting once the "
+                        "clients of the batch answered last are all back; needs --max-batch")
     p.add_argument("--objective", choices=["latency", "throughput"],
                    help="what the plan is made for: latency (default: one request soonest, the model whole on "
                         "one member when one holds it) or throughput (most requests per second: a copy on every "

@@ -131,7 +131,9 @@ MESSAGES: dict[str, Message] = {m.action: m for m in (
                         "many rows per run (1..4096); default from the config's `daemon.batching` rules, else "
                         "no batching", required=False, nullable=True),
                      _f("max_queue_delay", "number", "seconds the first request of a batch may wait for "
-                        "company (0..10; default 0: only what is queued already); needs `max_batch`",
+                        "company (0..10; default 0: only what is queued already), at most: the wait ends "
+                        "once every client of the batch answered last has as many requests in it as it "
+                        "had there; needs `max_batch`",
                         required=False, nullable=True),
                      _f("objective", "str", "what the plan is made for: `latency` (the default: the plan "
                         "that runs one request soonest, the model whole on one member when one holds it) or "

@@ -308,15 +308,15 @@ class Scheduler:
         which the workers then wait out). The workers are told of what stays queued. ``gate`` is
         taken shared as in :meth:`claim_idle` and held for the caller while it runs the batch;
         the jobs are settled as a worker's are. A model with a queue delay and fewer jobs queued
-        than ``max_batch`` is left to the workers before anything is gathered: its batch may
-        still wait for company, and gathering it only to give it back would cost each pass."""
+        than its batch before held is left to the workers before anything is gathered: its batch
+        still waits for company, and gathering it only to give it back would cost each pass."""
         with self._cond:
             queue = self._queues.get(model_id)
             if queue is None or not queue.size:
                 return None
             runner = queue.batching
             if (queue.gathering or model_id in self._closing
-                    or (runner.max_queue_delay > 0 and queue.size < runner.max_batch)
+                    or (runner.max_queue_delay > 0 and queue.size < runner.company())
                     or (gate is not None and not gate.try_acquire_shared())):
                 self._cond.notify_all()  # the workers take them
                 return None
@@ -364,9 +364,9 @@ class Scheduler:
         while their rows fit in ``max_batch``, waiting for them (``wait``) until
         ``max_queue_delay`` after the first was accepted; the runner's :meth:`fit` decides how
         many run now and the rest go back to the queue (:meth:`vkpool.batching.BatchRunner.gather`,
-        as the in-process batcher gathers). Without ``wait``, a batch short of ``max_batch``
-        whose first job may still wait for company goes back whole (an empty list). The jobs
-        returned are marked running."""
+        as the in-process batcher gathers, each job's company being its client's). Without
+        ``wait``, a batch whose first job may still wait for company goes back whole (an empty
+        list). The jobs returned are marked running."""
         runner, model_id = queue.batching, queue.model_id
         queue.gathering = True
         queue.gathered = 1
@@ -383,12 +383,9 @@ class Scheduler:
 
         until = first.accepted_at + runner.max_queue_delay
         try:
-            jobs = runner.gather(first, lambda j: j.rows, take, give_back, self._cond.wait,
-                                 (lambda: 0.0 if model_id in self._closing else until - time.monotonic())
-                                 if wait else (lambda: 0.0))
-            if not wait and time.monotonic() < until and sum(j.rows for j in jobs) < runner.max_batch:
-                give_back(jobs)
-                jobs = []
+            jobs = runner.gather(first, lambda j: j.rows, take, give_back, self._cond.wait if wait else None,
+                                 lambda: 0.0 if model_id in self._closing else until - time.monotonic(),
+                                 lambda j: j.client)
         finally:
             queue.gathering = False
             queue.gathered = 0

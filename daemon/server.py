@@ -661,8 +661,8 @@ class Server:
         """Bound infers read in this pass, and those waiting for company from earlier passes: run
         by model, a batching model's by :meth:`Service.run_bound`, any other's by
         :meth:`_run_plain`. A batching model with a queue delay whose batches run
-        here keeps its requests waiting while their rows are fewer than its ``max_batch`` and the
-        first of them has waited less than ``max_queue_delay``: the lanes' thread reads on
+        here keeps its requests waiting while they wait for company (:meth:`BatchRunner.awaits`)
+        and the first of them has waited less than ``max_queue_delay``: the lanes' thread reads on
         meanwhile and runs them with what comes, as the scheduler's queue would for framed
         requests. Each request is checked against its client's models once, when it runs."""
         now = time.monotonic()
@@ -698,7 +698,8 @@ class Server:
             if (runner is not None and runner.max_queue_delay > 0 and not self.service.draining
                     and self.service.runs_where_read(entry)):
                 due = members[0][2] + runner.max_queue_delay
-                if now < due and sum(item.rows for _, item, _ in members) < runner.max_batch:
+                senders = [conn.client for conn, _, _ in members]
+                if now < due and runner.awaits(senders, sum(item.rows for _, item, _ in members)):
                     if not self._bound_waiting or due < self._bound_deadline:
                         self._bound_deadline = due
                     self._bound_waiting[key] = (entry, members)
@@ -771,6 +772,8 @@ class Server:
         def answer_batch(at: int, count: int, results: Any, started: float, finished: float) -> None:
             answered.update(range(at, at + count))
             group = members[at:at + count]
+            if entry.batching is not None:
+                entry.batching.answered([conn.client for conn, _, _ in group])
             if isinstance(results, ProtocolViolation):
                 results = [results] * count
             self._answer_bound([(*m, r, started - m[2]) for m, r in zip(group, results)], finished - started, done)

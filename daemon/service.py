@@ -664,6 +664,7 @@ class Service:
                 [job.started_at for job in jobs], split)
         finally:
             entry.gate.release_shared()
+        runner.answered([job.client for job in jobs])
         if isinstance(results, ProtocolViolation):
             for job in jobs:
                 self.scheduler.settle(job)

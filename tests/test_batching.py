@@ -88,22 +88,52 @@ def test_requests_from_many_threads(batched):
     assert stats["mean_batch_size"] > 1  # some requests shared a run
 
 
-def test_a_lone_request_waits_at_most_the_queue_delay_plus_a_run(pool):
+def test_a_lone_client_waits_for_company_once(pool):
     member = pool.vulkan_members[0].id
     with vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=4, max_queue_delay=0.05) as s:
         x = RNG.standard_normal((1, 16)).astype(np.float32)
-        s.submit({"x": x}).result(timeout=30)  # compiles nothing new: batch 1 is the session itself
-        for _ in range(3):
+        runs_s = []
+        for _ in range(4):
             t0 = time.perf_counter()
             s.submit({"x": x}).result(timeout=30)
-            run_s = time.perf_counter() - t0
+            runs_s.append(time.perf_counter() - t0)
         stats = s.batching
         assert stats["batches"] == 4 and stats["mean_batch_size"] == 1
-        # every queue delay is the wait for company: at least the delay, at most delay + one run
-        assert 50_000 <= stats["queue_delay_p50_us"] <= (0.05 + run_s) * 1e6
-        with vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=4, max_queue_delay=0.0) as eager:
-            eager.submit({"x": x}).result(timeout=30)
-            assert eager.batching["queue_delay_p99_us"] < 50_000  # 0: only what is already queued
+        delays = s.batch_runner.stats.snapshot(samples=True)["queue_delays_us"]
+        # the first request knows of no company yet: it waits the delay out, and no longer than
+        # the delay and its run; the batch before the others held only their sender's one
+        # request, which they are, so they wait for no one
+        assert 50_000 <= delays[0] <= (0.05 + runs_s[0]) * 1e6
+        assert all(d < 50_000 for d in delays[1:]), delays
+        assert min(runs_s[1:]) < 0.05
+
+
+def test_a_batch_waits_for_every_client_of_the_batch_before(pool):
+    """Three threads each send one request, then another once answered: the second batch waits
+    for all three (well within the delay), and the delay bounds the wait when one stops sending."""
+    member = pool.vulkan_members[0].id
+    with vkpool.Session(mlp_model(), pool=pool, device=member, max_batch=8, max_queue_delay=2.0) as s:
+        xs = [RNG.standard_normal((1, 16)).astype(np.float32) for _ in range(3)]
+        start = threading.Barrier(3)
+
+        def client(k: int, rounds: int) -> None:
+            start.wait()
+            for r in range(rounds):
+                time.sleep(0.05 * k * (r > 0))  # the second round's requests come apart
+                s.submit({"x": xs[k]}).result(timeout=30)
+
+        threads = [threading.Thread(target=client, args=(k, 2)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stats = s.batching
+        # round one: the first waits (no batch before) and all three run together within 2 s;
+        # round two: 0, 50 and 100 ms apart, they wait for one another, not for the delay
+        assert stats["batches"] == 2 and stats["requests"] == 6, stats
+        delays = s.batch_runner.stats.snapshot(samples=True)["queue_delays_us"]
+        assert min(delays[:3]) >= 1_800_000, delays  # no batch before: the delay, less the gaps
+        assert 80_000 <= max(delays[3:]) < 1_000_000, delays  # the first waited for the third
 
 
 def test_invalid_requests_are_refused_before_joining(batched):

@@ -258,6 +258,28 @@ def test_batches_run_where_their_requests_were_read(inline_run_max: str, lane: b
                 else:  # most: not the first ones, whose run time was not known yet, nor those a worker
                     # took as it came back from one of them
                     assert 2 * info["where_read"] >= info["batches"] and info["mean_batch_size"] > 1, info
+
+                # clients that each send again once answered: a batch waits for all of them, not
+                # for its whole delay (1 s), after the first, which knows of no company yet
+                company = admin.load_model(batch_model(graph="company"), name="company", max_batch=8,
+                                           max_queue_delay=1.0, keep_alive=0)
+                start = threading.Barrier(len(xs))
+                took: dict[int, float] = {}
+
+                def sender(i: int) -> None:
+                    with daemon.client(local_lane=lane) as c:
+                        s = c.session(batch_model(graph="company"))
+                        start.wait(30)
+                        s.run(None, {"x": xs[i][0]})
+                        t0 = time.monotonic()
+                        for x in xs[i][1:3]:
+                            s.run(None, {"x": x})
+                        took[i] = time.monotonic() - t0
+
+                in_threads(sender, len(xs), 120)
+                info = next(m for m in admin.status()["models"] if m["id"] == company["id"])["batching"]
+                assert info["batches"] == 3 and info["requests"] == 3 * len(xs), info
+                assert max(took.values()) < 0.9, took
                 assert_balanced(admin)
         finally:
             assert daemon.stop() == 0

@@ -279,15 +279,18 @@ def test_bound_infers_are_queued_as_jobs_where_they_cannot_run_where_read() -> N
                 [info] = [m for m in client.list_models() if m["batching"]]
                 assert counters["error"] == 0 and info["batching"]["where_read"] == 0
                 assert info["batching"]["requests"] == 10
-                # with a queue delay, a lone request waits it out once, in the model's queue: the
-                # lanes' thread does not hold requests that it will not run itself
+                # with a queue delay, the first request (no batch answered before it) waits it out,
+                # in the model's queue: the lanes' thread does not hold requests that it will not
+                # run itself; after it, a lone client waits for no one
                 delayed = client.session(batch_model(graph="qd"), max_batch=4, max_queue_delay=0.4)
                 b = rng.standard_normal((1, 16)).astype(np.float32)
+                started = time.monotonic()
                 delayed.run(None, {"x": b})  # binds
+                assert 0.35 <= time.monotonic() - started < 0.75
                 for _ in range(2):
                     started = time.monotonic()
                     np.testing.assert_allclose(delayed.run(None, {"x": b})[0], reference(b), rtol=1e-5, atol=1e-6)
-                    assert 0.35 <= time.monotonic() - started < 0.75
+                    assert time.monotonic() - started < 0.35
         finally:
             assert d.stop() == 0
 
@@ -590,55 +593,55 @@ def inline_daemon() -> Iterator[Daemon]:
 
 
 def test_bound_infers_of_a_model_with_a_queue_delay_wait_for_company(inline_daemon: Daemon) -> None:
-    """A batching model loaded with a queue delay: a lone bound infer waits it out on the lanes'
-    thread (which reads on meanwhile) before it runs; two sent together run as one batch where
-    they were read, each with its own rows."""
+    """A batching model loaded with a queue delay: bound infers wait on the lanes' thread (which
+    reads on meanwhile) for the clients of the batch answered last, at most the delay. Two
+    clients that sent together run as one batch where they were read, each with its own rows; a
+    lone client waits for no one; one whose company stopped sending waits the delay out."""
     import threading
 
     daemon = inline_daemon
-    with polling(daemon.client()) as client:
-        session = client.session(batch_model(graph="company"), max_batch=4, max_queue_delay=0.3)
+    with polling(daemon.client()) as client, daemon.client() as other:
+        polling(other)
+        sessions = [c.session(batch_model(graph="company"), max_batch=4, max_queue_delay=0.3) for c in (client, other)]
+        xs = [np.random.default_rng(3 + k).standard_normal((1 + k, 16)).astype(np.float32) for k in range(2)]
 
         def info() -> dict:
             [m] = [m for m in client.list_models() if m["batching"] and m["batching"]["max_batch"] == 4]
             return m["batching"]
 
-        x = np.random.default_rng(3).standard_normal((1, 16)).astype(np.float32)
-        session.run(None, {"x": x})  # binds
-        before = info()
-        started = time.monotonic()
-        (y,) = session.run(None, {"x": x})
-        waited = time.monotonic() - started
-        np.testing.assert_allclose(y, reference(x), rtol=1e-5, atol=1e-6)
-        assert 0.25 <= waited < 10.0, waited
-        lone = info()
-        assert (lone["batches"] - before["batches"], lone["where_read"] - before["where_read"]) == (1, 1)
-
-        with daemon.client() as other:
-            polling(other)
-            second = other.session(batch_model(graph="company"), max_batch=4, max_queue_delay=0.3)
-            x2 = np.random.default_rng(4).standard_normal((2, 16)).astype(np.float32)
-            second.run(None, {"x": x2})  # binds
-            mid = info()
+        def together() -> dict:
             gate = threading.Barrier(2)
-            got: dict[str, np.ndarray] = {}
+            got: dict[int, np.ndarray] = {}
 
-            def send(name: str, s: object, value: np.ndarray) -> None:
+            def send(k: int) -> None:
                 gate.wait()
-                got[name] = s.run(None, {"x": value})[0]  # type: ignore[attr-defined]
+                got[k] = sessions[k].run(None, {"x": xs[k]})[0]
 
-            threads = [threading.Thread(target=send, args=("a", session, x)),
-                       threading.Thread(target=send, args=("b", second, x2))]
+            threads = [threading.Thread(target=send, args=(k,)) for k in range(2)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(30)
-            after = info()
-        np.testing.assert_allclose(got["a"], reference(x), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got["b"], reference(x2), rtol=1e-5, atol=1e-6)
-        assert (after["batches"] - mid["batches"], after["requests"] - mid["requests"],
-                after["rows"] - mid["rows"]) == (1, 2, 3)
-        assert after["where_read"] - mid["where_read"] == 1
+            for k in range(2):
+                np.testing.assert_allclose(got[k], reference(xs[k]), rtol=1e-5, atol=1e-6)
+            return info()
+
+        first = together()  # binds; no batch was answered before: 3 rows wait the delay, together
+        assert (first["batches"], first["requests"], first["rows"]) == (1, 2, 3), first
+        after = together()  # each waits for the other, on the lanes' thread
+        assert (after["batches"] - first["batches"], after["requests"] - first["requests"],
+                after["rows"] - first["rows"], after["where_read"] - first["where_read"]) == (1, 2, 3, 1), after
+
+        def timed() -> float:
+            started = time.monotonic()
+            np.testing.assert_allclose(sessions[0].run(None, {"x": xs[0]})[0], reference(xs[0]), rtol=1e-5, atol=1e-6)
+            return time.monotonic() - started
+
+        assert 0.25 <= timed() < 10.0  # the other client does not come: the delay bounds the wait
+        before = info()
+        assert timed() < 0.25  # the batch answered last was this client's alone: no one to wait for
+        lone = info()
+        assert (lone["batches"] - before["batches"], lone["where_read"] - before["where_read"]) == (1, 1)
         balanced(client)
 
 

@@ -11,7 +11,10 @@ it instead, ``vkpool.daemon.scheduler``):
    refuses a bad one at once: an invalid request never joins a batch.
 2. The dispatcher takes the oldest request and waits at most ``max_queue_delay`` seconds from its
    arrival for company (0: only what is already queued), taking requests in arrival order while
-   their rows fit in ``max_batch``.
+   their rows fit in ``max_batch``. The wait ends sooner once every sender of the batch answered
+   last (a client of the daemon, a thread here) has as many requests in this one as it had
+   there: clients that each send again when answered are all back, and a lone client waits for
+   no one.
 3. The batch's rows are written per input, padded with zeros, into a run slot of the smallest
    variant that holds them (where that would waste more than a quarter of the run, the longest
    prefix of requests that fills a variant exactly runs, and the rest opens the next batch;
@@ -111,6 +114,7 @@ class _Request:
     deadline: float  # perf_counter time after which it may no longer start; inf: none
     shape: Callable[[dict[str, np.ndarray]], Any] | None = None  # applied to the request's outputs
     settled: bool = False  # counted (Batcher._ended)
+    sender: int = 0  # the submitting thread (BatchRunner.gather's company)
 
 
 @dataclass
@@ -179,6 +183,7 @@ class BatchRunner:
         self._variants: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.stats = BatchStats()
+        self._awaited: dict[Any, int] = {}  # requests per sender of the batch answered last
 
     def check(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None
               ) -> tuple[dict[str, np.ndarray], int]:
@@ -246,14 +251,46 @@ class BatchRunner:
             start += keep
         return out
 
+    def company(self) -> int:
+        """How many requests company is awaited from (:meth:`awaits`; ``max_batch`` before any
+        batch was answered): a queue holding fewer still waits for it."""
+        return min(sum(self._awaited.values()), self.max_batch) if self._awaited else self.max_batch
+
+    def awaits(self, senders: Sequence[Any], rows: int) -> bool:
+        """Whether requests gathered for a batch (who sent each, ``senders``; ``rows`` rows in
+        all) still wait for company while their queue delay lasts: while their rows are under
+        ``max_batch`` and a sender of the batch answered last (:meth:`answered`) has fewer
+        requests among them than it had there; before any batch was answered, until
+        ``max_batch`` rows. Clients that each send again once answered are so all back, and a
+        lone client waits for no one; clients whose batch still runs are not waited for."""
+        if rows >= self.max_batch:
+            return False
+        if not self._awaited:
+            return True
+        have: dict[Any, int] = {}
+        for who in senders:
+            have[who] = have.get(who, 0) + 1
+        return any(have.get(who, 0) < n for who, n in self._awaited.items())
+
+    def answered(self, senders: Sequence[Any]) -> None:
+        """A batch of requests from ``senders`` ran and is being answered: company is awaited
+        from them (:meth:`awaits`). Called before its replies go out."""
+        counts: dict[Any, int] = {}
+        for who in senders:
+            counts[who] = counts.get(who, 0) + 1
+        self._awaited = counts
+
     def gather(self, first: Any, rows: Callable[[Any], int], take: Callable[[], Any], give_back: Callable[[list], None],
-               wait: Callable[[float], Any], left: Callable[[], float]) -> list:
+               wait: Callable[[float], Any] | None, left: Callable[[], float],
+               sender: Callable[[Any], Any]) -> list:
         """The batch that request ``first`` opens, for a queue that holds its lock: more requests
         (``take()``, the queue's next or None) while their rows (``rows(request)``) fit in
         ``max_batch``, waiting (``wait(seconds)``, which lets the lock go) while ``left()`` says
-        time remains of the first one's queue delay (0 once the queue closes); :meth:`fit` then
-        decides how many run, and the others go back to the front of the queue in order
-        (``give_back``), the first of them opening the next batch."""
+        time remains of the first one's queue delay (0 once the queue closes) and company is due
+        (:meth:`awaits`, ``sender(request)`` telling who sent each); :meth:`fit` then decides how
+        many run, and the others go back to the front of the queue in order (``give_back``), the
+        first of them opening the next batch. ``wait`` None: nothing is waited for, and a batch
+        that would wait goes back whole (an empty list)."""
         batch, total = [first], rows(first)
         while total < self.max_batch:
             nxt = take()
@@ -264,9 +301,12 @@ class BatchRunner:
                 batch.append(nxt)
                 total += rows(nxt)
                 continue
-            remaining = left()
+            remaining = left() if self.awaits([sender(r) for r in batch], total) else 0.0
             if remaining <= 0:
                 break
+            if wait is None:
+                give_back(batch)
+                return []
             wait(remaining)
         keep = self.fit([rows(r) for r in batch])
         if keep < len(batch):
@@ -430,7 +470,8 @@ class Batcher:
             raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout}")
         now = time.perf_counter()
         request = _Request(arrays, rows, list(output_names) if output_names is not None else None, Future(), now,
-                           now + timeout if timeout is not None else float("inf"), shape)
+                           now + timeout if timeout is not None else float("inf"), shape,
+                           sender=threading.get_ident())
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the batcher of {self.name!r} is closed")
@@ -482,7 +523,8 @@ class Batcher:
             until = first.arrived + self.max_queue_delay
             return self.runner.gather(first, lambda r: r.rows, lambda: queue.popleft() if queue else None,
                                       lambda back: queue.extendleft(reversed(back)), self._cond.wait,
-                                      lambda: 0.0 if self._closed else until - time.perf_counter())
+                                      lambda: 0.0 if self._closed else until - time.perf_counter(),
+                                      lambda r: r.sender)
 
     def _loop(self) -> None:
         while True:
@@ -512,9 +554,11 @@ class Batcher:
             try:
                 results = self.runner.run([(r.feeds, r.outputs) for r in live])
             except Exception as exc:  # the batch's own requests fail, each with the error; the next batch runs
+                self.runner.answered([r.sender for r in live])
                 for r in live:
                     self._ended(r, error=exc)
                 continue
+            self.runner.answered([r.sender for r in live])
             for r, result in zip(live, results):
                 produced = dict(zip(r.outputs or self.runner.outputs, result))
                 try:
