@@ -42,6 +42,8 @@ CANDIDATES.update({
     "64x64m8": {**TILES["64x64"], "TM": 8}, "64x64n8": {**TILES["64x64"], "TN": 8},
     "64x64x8": {**TILES["64x64"], "TM": 8, "TN": 8},
 })
+# the 128 x 128 tile and its halves with 16-deep stages
+CANDIDATES.update({f"{name}k16": {**CANDIDATES[name], "BK": 16} for name in ("128x128", "128x64", "64x128")})
 # each with its stages read as scalars, where it reads them as vec4 (gemm.comp's VEC4)
 CANDIDATES.update({f"{name}s": {**tile, "VEC4": 0}
                    for name, tile in list(CANDIDATES.items()) if tile.get("VEC4")})
