@@ -373,7 +373,7 @@ class BatchRunner:
                 stats.requests -= len(rows)
                 stats.rows -= total
                 return None
-            if slot is not None and self._fill(slot.inputs, feeds, total, size):
+            if slot is not None and self._fill(slot.inputs, feeds, rows, total, size):
                 slot.start()
                 return PendingBatch(self, rows, size, slot, None)
             if slot is not None:
@@ -386,8 +386,8 @@ class BatchRunner:
                 slot.release()
             raise BatchFailed(exc) from exc
 
-    def _fill(self, into: Mapping[str, np.ndarray], feeds: Sequence[Mapping[str, np.ndarray]], total: int,
-              size: int) -> bool:
+    def _fill(self, into: Mapping[str, np.ndarray], feeds: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int],
+              total: int, size: int) -> bool:
         """The requests' rows written into a run slot's inputs ``into``, the padding zeroed; False
         (nothing run) where the slot's inputs are not of the batch's shapes."""
         for name, tail, dtype in self.inputs:
@@ -395,8 +395,10 @@ class BatchRunner:
             if dst is None or dst.dtype != dtype or dst.shape != (size, *tail):
                 return False
         for name, _, _ in self.inputs:
-            dst = into[name]
-            np.concatenate([f[name] for f in feeds], axis=0, out=dst[:total])  # one call, not one per request
+            dst, at = into[name], 0
+            for f, r in zip(feeds, rows):
+                dst[at:at + r] = f[name]
+                at += r
             if size > total:
                 dst[total:] = 0
         return True
