@@ -21,6 +21,7 @@ ERROR_LOG_INTERVAL_S = 1.0
 class Stats:
     LATENCY_WINDOW = 1000   # infer latencies kept for the percentiles
     RATE_WINDOW_S = 60.0    # jobs/s is measured over this many seconds
+    RATE_STEP_S = 0.01      # infers that end within this of a step's start are counted in it
 
     def __init__(self, metrics: Any = None) -> None:
         self.metrics = metrics  # a vkpool.daemon.metrics.Metrics when daemon.metrics is set
@@ -39,7 +40,9 @@ class Stats:
         self.lanes = 0          # local lane connections open
         self.replay_bytes = 0   # the replies the replay window keeps, in bytes
         self._latencies: deque[float] = deque(maxlen=self.LATENCY_WINDOW)
-        self._finished_at: deque[float] = deque()
+        # infers answered ok in the last RATE_WINDOW_S: [start, count] per step, and their sum
+        self._finished: deque[list[float]] = deque()
+        self._finished_n = 0
 
     def count(self, name: str, n: int = 1) -> None:
         counters = self.__dict__  # the counters are plain attributes
@@ -57,11 +60,22 @@ class Stats:
 
     def infers_done(self, latencies_s: list[float], now: float) -> None:
         """Infers answered ``ok`` by ``now`` (``time.monotonic()``) after ``latencies_s``."""
+        n = len(latencies_s)
         with self._lock:
             self._latencies.extend(latencies_s)
-            self._finished_at.extend([now] * len(latencies_s))
-            while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
-                self._finished_at.popleft()
+            finished = self._finished
+            if finished and now - finished[-1][0] < self.RATE_STEP_S:
+                finished[-1][1] += n
+            else:
+                finished.append([now, n])
+            self._finished_n += n
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Steps older than the rate's window dropped (the caller holds the lock)."""
+        finished, since = self._finished, now - self.RATE_WINDOW_S
+        while finished and finished[0][0] < since:
+            self._finished_n -= int(finished.popleft()[1])
 
     def ran(self, entry: Any, status: str, run_s: float, *queued_s: float) -> None:
         """One run on ``entry`` (a registry ModelEntry) of a job, or of a batch of jobs,
@@ -100,15 +114,14 @@ class Stats:
         now = time.monotonic()
         with self._lock:
             lat = list(self._latencies)
-            while self._finished_at and self._finished_at[0] < now - self.RATE_WINDOW_S:
-                self._finished_at.popleft()
+            self._expire(now)
             span = min(self.RATE_WINDOW_S, now - self.started)
             counters = {"accepted": self.accepted, "ok": self.ok, "error": self.error,
                         "client_gone": self.client_gone,
                         "in_flight": self.accepted - self.ok - self.error - self.client_gone,
                         "dropped": self.dropped, "busy": self.busy, "retries": self.retries,
                         "connections": connections, "lanes": self.lanes, "replay_bytes": self.replay_bytes}
-            rate = len(self._finished_at) / span if span > 0 else 0.0
+            rate = self._finished_n / span if span > 0 else 0.0
         snap = {"uptime_s": round(now - self.started, 3), "counters": counters, "jobs_per_s": round(rate, 3),
                 "latency_ms": latency_percentiles(lat)}
         if samples:

@@ -215,3 +215,23 @@ def test_a_batching_models_runs_are_counted_as_batches() -> None:
     assert _value(samples, "vkpool_job_seconds_count", **labels) == 4
     assert _value(samples, "vkpool_batch_size_sum", **labels) == 4  # jobs, in
     assert _value(samples, "vkpool_batch_size_count", **labels) == batching["batches"] < 4  # fewer runs
+
+
+def test_jobs_per_s_counts_the_infers_of_the_rate_window_only() -> None:
+    """``status``'s jobs/s: infers answered within the last ``RATE_WINDOW_S``, counted in steps of
+    ``RATE_STEP_S`` (several passes in one step add to it), those older dropped."""
+    import time
+
+    from vkpool.daemon.stats import Stats
+
+    stats = Stats()
+    now = time.monotonic()
+    stats.started = now - 2 * Stats.RATE_WINDOW_S
+    stats.infers_done([0.001] * 5, now - Stats.RATE_WINDOW_S - 1.0)  # out of the window
+    stats.infers_done([0.001] * 3, now - 1.0)
+    stats.infers_done([0.002] * 4, now - 1.0 + Stats.RATE_STEP_S / 2)  # the same step
+    stats.infers_done([0.003] * 2, now - 0.5)
+    snap = stats.snapshot(connections=0)
+    assert round(snap["jobs_per_s"] * Stats.RATE_WINDOW_S) == 9, snap
+    assert len(stats._finished) == 2
+    assert snap["latency_ms"]["p50"] > 0
