@@ -1,5 +1,6 @@
 """``Relu(Add(a, b))`` of two computed float tensors (a residual block's sum) becomes one ``Add``
-with a folded Relu (``vkpool.fusion``): which graphs are rewritten, and that the fused kernel gives
+with a folded Relu, or where ``a`` is a convolution's, that convolution (``vkpool.fusion``):
+which graphs are rewritten, and that the fused kernel gives
 onnxruntime's outputs on lavapipe (rtol 1e-5 in float32, NaN and infinities kept), with the kernel
 forms of a CPU-like device and of a GPU, float16 too, and on the host member, where the fused node
 is written out again as Add then Relu for onnxruntime."""
@@ -58,10 +59,11 @@ def run(model: bytes, feeds: dict[str, np.ndarray], **caps) -> np.ndarray:
         pool.close()
 
 
-def test_a_residual_sum_and_its_relu_become_one_add() -> None:
+def test_a_residual_block_becomes_one_convolution() -> None:
+    """The block's Add and Relu go into its convolution, which adds x before the Relu."""
     model = residual_block()
-    assert [(n.op_type, n.attrs.get("activation")) for n in load_model(model).nodes] == [
-        ("Conv", None), ("Add", "Relu")]
+    [node] = load_model(model).nodes
+    assert (node.op_type, node.attrs.get("activation"), node.inputs) == ("Conv", "Relu", ["x", "w", "", "x"])
     x = RNG.standard_normal((1, 5, 7, 9)).astype(np.float32)
     got = run(model, {"x": x})
     np.testing.assert_allclose(got, onnxruntime(model, {"x": x}), rtol=1e-5, atol=1e-6)

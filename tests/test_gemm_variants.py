@@ -293,3 +293,65 @@ def test_the_tuning_pass_keeps_the_fastest_tile_per_device_and_driver(monkeypatc
         assert gemm_choice(vk.info).variant == "shared"
     finally:
         p.close()
+
+
+def residual_case(name: str, relu: bool, swap: bool) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
+    """A residual block's sum as exporters spell it: ``[Relu](Add(Conv(x, w[, b]), r))`` (the Add's
+    operands swapped with ``swap``), the convolution of ``CASES[name]`` and ``r`` a second input;
+    the model and onnxruntime's outputs."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    _, inputs, attrs, _ = CASES[name]
+    x, w, *b = inputs
+    out = ort_case("Conv", inputs, attrs, tuple(range(1, len(inputs))))[2][0]
+    r = rand(*out.shape, seed=11)
+    weights = [numpy_helper.from_array(w, "w"), *[numpy_helper.from_array(v, "b") for v in b]]
+    nodes = [helper.make_node("Conv", ["x", "w", *(["b"] if b else [])], ["h"], **attrs),
+             helper.make_node("Add", ["r", "h"] if swap else ["h", "r"], ["s" if relu else "y"])]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["s"], ["y"]))
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+                                            helper.make_tensor_value_info("r", TensorProto.FLOAT, r.shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out.shape)], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                              ir_version=9).SerializeToString()
+    feeds = {"x": x, "r": r}
+    return model, feeds, ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+#: convolutions whose residual sum each kernel path adds: a grouped strided one per image, a split
+#: reduction (gemm_reduce.comp), a pointwise one over a batch, a batch of images as one product
+#: split over K (gemm_reduce.comp's FOLD) and not, and one of few channels (conv.comp)
+RESIDUAL_CASES = ["conv_groups_stride", "conv_split_k", "conv_1x1_groups_batch", "conv_cols_by_4_split_k",
+                  "conv_batch_folded", "conv_direct"]
+CASES["conv_direct"] = ("Conv", [rand(2, 3, 9, 8), rand(8, 3, 3, 3), rand(8)], {"pads": [1, 1, 1, 1]}, (1, 2))
+
+
+@pytest.mark.parametrize("variant, names", [
+    ("gemm=shared", ["conv_groups_stride", "conv_split_k", "conv_cols_by_4_split_k", "conv_batch_folded"]),
+    ("gemm=register", ["conv_groups_stride", "conv_1x1_groups_batch", "conv_direct"]),  # taps, pointwise
+    ("gemm=register:3x5x8", ["conv_split_k", "conv_batch_folded"]),
+])
+def test_a_residual_sum_runs_in_its_convolution(variant: str, names: list[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``[Relu](Add(Conv(...), r))`` loads as one Conv that adds ``r`` before the activation, on
+    every kernel path (the shared and register tilings, the window-taps kernel, the split
+    reduction, a folded batch, the direct convolution), equal to onnxruntime's outputs; the host
+    member runs it spelled out again."""
+    monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", variant)
+    p = vulkan_pool()
+    try:
+        for name in names:
+            k = RESIDUAL_CASES.index(name)
+            model, feeds, expected = residual_case(name, relu=k % 2 == 0, swap=k % 3 == 1)
+            with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
+                [node] = s.model.nodes
+                assert node.op_type == "Conv" and node.inputs[3] == "r", node
+                assert node.attrs.get("activation") == ("Relu" if k % 2 == 0 else None)
+                assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
+            if variant == "gemm=shared" and name == "conv_batch_folded":
+                with Session(model, pool=p, device="cpu") as host:
+                    assert_outputs_match(host.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        p.close()

@@ -24,6 +24,10 @@ the latency. The rewrites, applied in node order until nothing changes:
   the ``Add`` with the attribute ``activation`` = ``Relu`` (``kernels/shaders/binary.comp``'s
   ``RELU``): one pass over the sum instead of two. An ``Add`` of a constant is a bias, which the
   rewrites above take;
+- such an ``Add`` (with or without that ``Relu``) of a float32 ``Conv`` without an activation,
+  whose output nothing else reads, and a computed tensor ``r`` of the same shape becomes the
+  ``Conv`` with ``r`` as its input 3 (vkpool's own): the convolution adds it to its outputs after
+  the bias, applies the activation, and writes the block's output itself;
 - ``LayerNormalization(Add(a, b))`` of two tensors of one shape becomes the norm of ``a`` with the
   residual ``b`` added as it is read (vkpool's attribute ``residual``, input 3); where the sum is
   read elsewhere too (a pre-norm block's residual stream) the norm also writes it, as its
@@ -149,6 +153,8 @@ def _fuse_once(model: LoadedModel) -> bool:
         if node.op_type in ("Conv", "Gemm", "MatMul") and "activation" not in node.attrs and _fuse_activation(g, node):
             return True
         if node.op_type == "Add" and "activation" not in node.attrs and _fuse_residual_relu(g, node):
+            return True
+        if node.op_type == "Add" and _fold_residual_into_conv(g, node):
             return True
         if node.op_type == "Softmax" and _fuse_attention(g, node):
             return True
@@ -398,7 +404,8 @@ def _fold_conv_bias(model: LoadedModel, conv: Node, add: Node, first: str) -> bo
     name = model.fresh_name(f"{conv.name or conv.outputs[0]}_fused_bias")
     model.constants[name] = total
     model.tensors[name] = TensorInfo((channels,), _F32)
-    conv.inputs[2:] = [name]
+    conv.inputs = [*conv.inputs, *[""] * (3 - len(conv.inputs))]
+    conv.inputs[2] = name  # a residual (input 3) stays
     return True
 
 
@@ -450,6 +457,37 @@ def _fuse_residual_relu(g: _Graph, add: Node) -> bool:
     add.attrs["activation"] = "Relu"
     _splice(g.model, add, relu)
     return True
+
+
+def _fold_residual_into_conv(g: _Graph, add: Node) -> bool:
+    """``Add(Conv(...), r)`` (with the ``Relu`` the rule above may have given it) of a convolution
+    without an activation whose output only the ``Add`` reads, and ``r`` a computed tensor of the
+    same shape and type: the convolution adds ``r`` to its outputs before its activation (its
+    input 3, ``kernels/ops/conv.py``) and takes the ``Add``'s activation and output. It moves to
+    the ``Add``'s place, after ``r`` is made: one dispatch and one pass over the sum fewer."""
+    if len(add.inputs) != 2 or add.inputs[0] == add.inputs[1] or set(add.attrs) - {"activation"}:
+        return False
+    y = add.outputs[0]
+    info = g.model.tensors.get(y)
+    if info is None or info.dtype != _F32:
+        return False
+    for first in add.inputs:
+        conv = g.made_by(first, "Conv")
+        other = add.inputs[1] if add.inputs[0] == first else add.inputs[0]
+        if conv is None or not g.private(first, add) or "activation" in conv.attrs or len(conv.inputs) > 3 \
+                or g.model.tensors.get(first) != info or g.model.tensors.get(other) != info \
+                or g.constant(other) is not None:
+            continue
+        conv.inputs = [*conv.inputs, *[""] * (3 - len(conv.inputs)), other]
+        if "activation" in add.attrs:
+            conv.attrs["activation"] = add.attrs["activation"]
+        nodes = g.model.nodes
+        nodes.remove(conv)
+        nodes[nodes.index(add)] = conv
+        g.model.tensors.pop(first, None)
+        conv.outputs[0] = y
+        return True
+    return False
 
 
 def _fusable_product(g: _Graph, node: Node) -> bool:

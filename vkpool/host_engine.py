@@ -183,7 +183,8 @@ def _attention(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any] | Non
 
 def _node_protos(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any]:
     """The ONNX node(s) of a vkpool node, with what :mod:`vkpool.fusion` folded into it written
-    out again: a product's ``activation`` (Relu, GELU), a ``MatMul``'s bias (its third input), the
+    out again: a product's ``activation`` (Relu, GELU), a ``MatMul``'s bias (its third input), a
+    ``Conv``'s residual (its fourth), the
     ``product`` a node computes itself (input 0 @ W + bias, W and the bias at
     :data:`vkpool.fusion.PRODUCT_AT`), a
     ``LayerNormalization``'s ``residual`` (input 3 added first, the sum its output 3), an
@@ -213,9 +214,13 @@ def _node_protos(node: Node, tensors: Mapping[str, TensorInfo]) -> list[Any]:
         total = outputs[3] if len(outputs) > 3 and outputs[3] else f"{tag}/residual_sum"
         nodes.append(helper.make_node("Add", [inputs[0], inputs[3]], [total], name=f"{tag}/residual"))
         inputs, outputs = [total, *inputs[1:3]], outputs[:3]
-    bias = inputs[2] if node.op_type == "MatMul" and len(inputs) > 2 and inputs[2] else None
-    if bias is not None:
-        inputs = inputs[:2]
+    bias = None  # added to the op's output before the activation: a MatMul's bias, a Conv's residual
+    if node.op_type == "MatMul" and len(inputs) > 2 and inputs[2]:
+        bias, inputs = inputs[2], inputs[:2]
+    elif node.op_type == "Conv" and len(inputs) > 3 and inputs[3]:
+        bias, inputs = inputs[3], inputs[:3]
+        while not inputs[-1]:
+            inputs.pop()
     activation = node.attrs.get("activation")
     y = outputs[0]
     product = f"{tag}/product" if bias is not None or activation is not None else y

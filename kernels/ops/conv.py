@@ -5,6 +5,8 @@ output channels per group or short reductions, where a GEMM tile would be mostly
 otherwise an implicit GEMM (``gemm.comp`` with CONV) that computes the im2col on the fly
 while loading tiles (no im2col buffer): per image and group,
 Y[Mg x P] = W[Mg x Cg*k] @ im2col(X)[Cg*k x P]; its only workspace holds split-K partial sums.
+A fourth input (``vkpool.fusion``'s, never in a file) is a residual of Y's shape, added to each
+output after the bias and before the fused activation: a residual block's sum.
 On a CPU-like device (the register tiling, with shuffles) a window of up to 64 taps runs the
 same product as ``conv_taps.comp``, its window arithmetic hoisted out of the reduction.
 """
@@ -55,6 +57,11 @@ class Conv(Op):
         self.win: Window = window("Conv", self.attrs, x.shape[2:], kernel)
         self.act = fused_activation(self)
         self.out_shape = (n, m, *self.win.out_shape)
+        if self.has_input(3):  # a residual block's sum folded in (vkpool.fusion): vkpool's own input
+            r = self.input(3)
+            if r.dtype != _F32 or tuple(r.shape) != self.out_shape:
+                raise OpError(f"Conv: the residual must be float32 of the output's shape "
+                              f"{list(self.out_shape)}, got {r.dtype} {list(r.shape)}")
         mg, kred = m // self.group, cg * math.prod(kernel)
         self.plan: MatmulPlan | None = None
         if mg >= _GEMM_MIN_CHANNELS and kred >= _GEMM_MIN_REDUCTION:
@@ -131,36 +138,42 @@ class Conv(Op):
         y = np.einsum("gmk,ngkp->ngmp", wg, cols, optimize=True).reshape(self.out_shape)
         if b is not None:
             y = y + b.reshape(1, m, *([1] * self.win.rank))
+        if len(inputs) > 3 and inputs[3] is not None:
+            y = y + inputs[3]
         y = apply_activation(self.act, y)
         return [y.astype(np.float32, copy=False)]
 
     def dispatches(self, ctx: DispatchContext) -> list[Dispatch]:
         x, w, y = ctx.inputs[0], ctx.inputs[1], ctx.outputs[0]
         b = ctx.inputs[2] if len(ctx.inputs) > 2 and ctx.inputs[2] is not None else None
+        r = ctx.inputs[3] if len(ctx.inputs) > 3 else None  # the residual, added before the activation
         c, m = self.input(0).shape[1], self.input(1).shape[0]
         geometry = self.win.defines()
         if self.pointwise is not None and ctx.caps is not None and ctx.caps.gemm_variant == "register":
-            return self.pointwise.dispatches(w, x, b, y, ctx.workspace, caps=ctx.caps)
+            return self.pointwise.dispatches(w, x, b, y, ctx.workspace, caps=ctx.caps, residual=r)
         if self.plan is not None:
             extra = {"CONV": 1, "G": self.group, "CG": c // self.group,
                      **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
             if self.folded is not None and not self.folded.tile_for(ctx.caps).get("REGISTER_TILE"):
                 fold = {**extra, "FOLD": math.prod(self.win.out_shape)}
                 try:
-                    return self.folded.dispatches(w, x, b, y, ctx.workspace, fold, caps=ctx.caps)
+                    return self.folded.dispatches(w, x, b, y, ctx.workspace, fold, caps=ctx.caps, residual=r)
                 except UnsupportedOp:  # the images' columns past the device's workgroup grid: per image
                     pass
-            return [self._with_taps(d, ctx.caps)
-                    for d in self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps)]
+            planned = self.plan.dispatches(w, x, b, y, ctx.workspace, extra, caps=ctx.caps, residual=r)
+            return [self._with_taps(d, ctx.caps) for d in planned]
         total = math.prod(self.out_shape)
         args = [Ptr(x), Ptr(w), Ptr(b if b is not None else y), Ptr(y), U32(total)]
         defines = {"C": c, "M": m, "G": self.group, "HAS_BIAS": int(b is not None), "ACT": self.act,
+                   **({"HAS_RES": 1} if r is not None else {}),
                    **{k: v for k, v in geometry.items() if not k.startswith("Q")}}
         # loop iterations per input channel: every level of the window's loops
         k = self.win.kernel
         per_channel = sum(math.prod(k[:level]) for level in range(1, len(k) + 1)) + 1
         pieces = serial_pieces(c // self.group, per_channel, ctx.caps, "Conv")
-        return [Dispatch("conv", [*args, U32(start), U32(count), U32(int(start + count == c // self.group))],
+        res = [Ptr(r)] if r is not None else []
+        last = c // self.group
+        return [Dispatch("conv", [*args, U32(start), U32(count), U32(int(start + count == last)), *res],
                          groups_1d(total, 256, ctx.caps), defines) for start, count in pieces]
 
     def flops(self) -> int:

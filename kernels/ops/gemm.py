@@ -193,9 +193,10 @@ class MatmulPlan:
         return self.splits * rows * p.N * 4 if self.splits > 1 else 0
 
     def _reduce(self, ws: Any, c: Any, y: Any, caps: DeviceCaps | None, splits: int,
-                fold: int = 0) -> Dispatch:
-        """Sums the split partial products in ``ws`` into ``y``, applying alpha and the bias;
-        ``fold``: the outputs per image of a convolution whose images are the product's columns."""
+                fold: int = 0, residual: Any = None) -> Dispatch:
+        """Sums the split partial products in ``ws`` into ``y``, applying alpha, the bias and
+        ``residual`` (a tensor of y's layout, or None); ``fold``: the outputs per image of a
+        convolution whose images are the product's columns."""
         p = self.p
         rows = 1 if self.kind == "gemv" else p.M * p.batch_count
         total = rows * p.N
@@ -203,9 +204,11 @@ class MatmulPlan:
         return Dispatch(
             "gemm_reduce",
             [ptr_at(ws), ptr_at(c), ptr_at(y), U32(total), U32(splits), U32(p.N), U32(bias_rows),
-             U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta)],
+             U32(p.sCm), U32(p.sCn), F32(p.alpha), F32(p.beta),
+             *([ptr_at(residual)] if residual is not None else [])],
             groups_1d(total, 256, caps),
-            {"HAS_BIAS": int(p.has_bias), "ACT": p.act, **({"FOLD": fold} if fold else {})},
+            {"HAS_BIAS": int(p.has_bias), "ACT": p.act, **({"FOLD": fold} if fold else {}),
+             **({"HAS_RES": 1} if residual is not None else {})},
         )
 
     def tile_for(self, caps: DeviceCaps | None, inner: int = 1) -> dict[str, int]:
@@ -268,12 +271,16 @@ class MatmulPlan:
     # -- dispatches ----------------------------------------------------------------------
     def dispatches(
         self, a: Any, b: Any, c: Any, y: Any, ws: Any, extra_defines: dict[str, Any] | None = None,
-        caps: DeviceCaps | None = None,
+        caps: DeviceCaps | None = None, residual: Any = None,
     ) -> list[Dispatch]:
         """Dispatches computing Y; ``c`` may be None when the problem has no bias. ``caps``: the
-        device's, where kernels may use what it offers beyond the baseline."""
+        device's, where kernels may use what it offers beyond the baseline. ``residual``: a
+        tensor of Y's layout added to each output before the activation (a product planned as a
+        GEMM only)."""
         p = self.p
         c_or_y = c if p.has_bias else y  # an unused pointer still needs a valid address
+        if residual is not None and self.kind != "gemm":
+            raise UnsupportedOp(f"a residual added to a {self.kind} product")
         if self.kind == "gemv_t":
             return [self._gemv_t(a, b, c_or_y, y, caps)]
         if self.kind == "gemv":
@@ -287,6 +294,7 @@ class MatmulPlan:
         defines = {
             **tile, "A_KCONTIG": int(p.sAk == 1), "B_NCONTIG": int(p.sBn == 1),
             "HAS_BIAS": int(p.has_bias), "ACT": p.act, **(extra_defines or {}),
+            **({"HAS_RES": 1} if residual is not None and not split else {}),
         }
         if tile.get("REGISTER_TILE"):  # a one-subgroup workgroup shares its loads of A by shuffles
             defines["A_SHUFFLE"] = int(caps is not None and caps.subgroup_shuffle
@@ -305,9 +313,12 @@ class MatmulPlan:
                 U32(p.sAm), U32(p.sAk), U32(p.sBk), U32(p.sBn), U32(p.sCm), U32(p.sCn),
                 U32(inner.a), U32(inner.b), U32(inner.c), F32(p.alpha), F32(p.beta),
             ]
+            if residual is not None and not split:
+                args.append(ptr_at(residual, oy))
             out.append(Dispatch("gemm", args, groups, defines))
         if split:  # only with a single batch dimension: one product
-            out.append(self._reduce(ws, c_or_y, y, caps, splits, int((extra_defines or {}).get("FOLD", 0))))
+            out.append(self._reduce(ws, c_or_y, y, caps, splits, int((extra_defines or {}).get("FOLD", 0)),
+                                    residual))
         return out
 
     def _gemv(self, a: Any, b: Any, c: Any, y: Any, ws: Any, caps: DeviceCaps | None) -> list[Dispatch]:

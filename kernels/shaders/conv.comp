@@ -12,6 +12,9 @@
 #include "epilogue.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
 
+#ifndef HAS_RES
+#define HAS_RES 0
+#endif
 layout(push_constant) uniform Args {
     F32Buf x;
     F32Buf w;
@@ -21,6 +24,9 @@ layout(push_constant) uniform Args {
     uint c_start;
     uint c_count;
     uint last;
+#if HAS_RES
+    F32Buf r;  // a residual of y's layout, added before the activation
+#endif
 } pc;
 
 #define CG (C / G)
@@ -58,6 +64,9 @@ void main() {
     if (pc.last != 0u) {
 #if HAS_BIAS
         acc += pc.b.v[m];
+#endif
+#if HAS_RES
+        acc += pc.r.v[i];
 #endif
         acc = epilogue(acc);
     }

@@ -13,6 +13,9 @@
 
 layout(local_size_x = WG) in;
 
+#ifndef HAS_RES
+#define HAS_RES 0
+#endif
 layout(push_constant) uniform Args {
     F32Buf a;
     F32Buf b;
@@ -22,6 +25,9 @@ layout(push_constant) uniform Args {
     uint sAm, sAk, sBk, sBn, sCm, sCn;
     uint bA, bB, bC;  // batch strides of A, B, C (elements); Y's is M * N
     float alpha, beta;
+#if HAS_RES
+    F32Buf r;  // the residual, as gemm.comp's
+#endif
 } pc;
 
 #define TAPS (KD * KH * KW)
@@ -127,6 +133,9 @@ void main() {
             float v = pc.alpha * acc[i][j];
 #if HAS_BIAS
             v += pc.beta * pc.c.v[cBase + m * pc.sCm + n * pc.sCn];
+#endif
+#if HAS_RES
+            v += pc.r.v[yBase + m * N + n];
 #endif
             pc.y.v[yBase + m * N + n] = epilogue(v);
 #endif

@@ -11,6 +11,10 @@
 // With REGISTER_TILE (CPU-like devices, vkpool.kernel_variants) a workgroup is WG invocations
 // with TM x TN outputs each in registers, no shared memory and no barrier; see below.
 //
+// With HAS_RES a residual tensor of Y's layout is added to each output before the activation
+// (a residual block's sum folded into its convolution, vkpool.fusion); with SPLITS > 1 the
+// reduction adds it.
+//
 // With CONV defined this is an implicit-GEMM convolution: A is the weight [G][Mg][K],
 // B is the im2col of the input computed on the fly (K = Cg*KD*KH*KW rows, N = OD*OH*OW
 // columns), z = image * G + group and the bias is per output channel (row). With FOLD as well
@@ -59,6 +63,9 @@
 #endif
 layout(local_size_x = NT) in;
 
+#ifndef HAS_RES
+#define HAS_RES 0
+#endif
 layout(push_constant) uniform Args {
     F32Buf a;
     F32Buf b;
@@ -68,6 +75,9 @@ layout(push_constant) uniform Args {
     uint sAm, sAk, sBk, sBn, sCm, sCn;
     uint bA, bB, bC;  // batch strides of A, B, C (elements); Y's is M * N
     float alpha, beta;
+#if HAS_RES
+    F32Buf r;  // the residual: added to each output after the bias, before the activation
+#endif
 } pc;
 
 #if !REGISTER_TILE
@@ -374,12 +384,15 @@ void main() {
 #if HAS_BIAS
             v += pc.beta * pc.c.v[cBase + m * pc.sCm + n * pc.sCn];
 #endif
-            v = epilogue(v);
 #ifdef FOLD
-            pc.y.v[(n / OSIZE * M + m) * OSIZE + n % OSIZE] = v;
+            const uint yi = (n / OSIZE * M + m) * OSIZE + n % OSIZE;
 #else
-            pc.y.v[yBase + m * N + n] = v;
+            const uint yi = yBase + m * N + n;
 #endif
+#if HAS_RES
+            v += pc.r.v[yi];
+#endif
+            pc.y.v[yi] = epilogue(v);
         }
     }
 }

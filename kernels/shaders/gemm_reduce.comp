@@ -7,6 +7,7 @@
 // together (the float16 product's; a loop over pc.splits waits for each in turn on a GPU).
 // FOLD: a batch of images as one product's columns (gemm.comp's FOLD), FOLD outputs per image:
 // element (m, n) goes to output position n % FOLD of channel m of image n / FOLD.
+// HAS_RES: a float32 residual of y's layout added before the activation.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -21,12 +22,18 @@
 #endif
 layout(local_size_x = LOCAL_SIZE) in;
 
+#ifndef HAS_RES
+#define HAS_RES 0
+#endif
 layout(push_constant) uniform Args {
     F32Buf ws;
     OBUF c;
     OBUF y;
     uint total, splits, cols, rows, sCm, sCn;
     float alpha, beta;
+#if HAS_RES
+    F32Buf r;  // a residual of y's layout, added before the activation
+#endif
 } pc;
 
 void main() {
@@ -42,11 +49,14 @@ void main() {
 #if HAS_BIAS
     v += pc.beta * float(pc.c.v[((i / pc.cols) % pc.rows) * pc.sCm + (i % pc.cols) * pc.sCn]);
 #endif
-    v = epilogue(v);
 #ifdef FOLD
     const uint n = i % pc.cols;
-    pc.y.v[(n / FOLD * (pc.total / pc.cols) + i / pc.cols) * FOLD + n % FOLD] = OT(v);
+    const uint yi = (n / FOLD * (pc.total / pc.cols) + i / pc.cols) * FOLD + n % FOLD;
 #else
-    pc.y.v[i] = OT(v);
+    const uint yi = i;
 #endif
+#if HAS_RES
+    v += pc.r.v[yi];
+#endif
+    pc.y.v[yi] = OT(epilogue(v));
 }
