@@ -32,7 +32,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -183,7 +183,7 @@ class BatchRunner:
         self._variants: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.stats = BatchStats()
-        self._awaited: dict[Any, int] = {}  # requests per sender of the batch answered last
+        self._awaited: Counter[Any] = Counter()  # requests per sender of the batch answered last
 
     def check(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None
               ) -> tuple[dict[str, np.ndarray], int]:
@@ -267,18 +267,13 @@ class BatchRunner:
             return False
         if not self._awaited:
             return True
-        have: dict[Any, int] = {}
-        for who in senders:
-            have[who] = have.get(who, 0) + 1
-        return any(have.get(who, 0) < n for who, n in self._awaited.items())
+        have = Counter(senders)
+        return any(have[who] < n for who, n in self._awaited.items())
 
     def answered(self, senders: Sequence[Any]) -> None:
         """A batch of requests from ``senders`` ran and is being answered: company is awaited
         from them (:meth:`awaits`). Called before its replies go out."""
-        counts: dict[Any, int] = {}
-        for who in senders:
-            counts[who] = counts.get(who, 0) + 1
-        self._awaited = counts
+        self._awaited = Counter(senders)
 
     def gather(self, first: Any, rows: Callable[[Any], int], take: Callable[[], Any], give_back: Callable[[list], None],
                wait: Callable[[float], Any] | None, left: Callable[[], float],
@@ -551,14 +546,15 @@ class Batcher:
                 continue
             for r in live:
                 self.batch_stats.record_delay(start - r.arrived)
+            # the one dispatcher gathers no other batch while this one runs: its senders are
+            # awaited from here on, as they are once answered
+            self.runner.answered([r.sender for r in live])
             try:
                 results = self.runner.run([(r.feeds, r.outputs) for r in live])
             except Exception as exc:  # the batch's own requests fail, each with the error; the next batch runs
-                self.runner.answered([r.sender for r in live])
                 for r in live:
                     self._ended(r, error=exc)
                 continue
-            self.runner.answered([r.sender for r in live])
             for r, result in zip(live, results):
                 produced = dict(zip(r.outputs or self.runner.outputs, result))
                 try:

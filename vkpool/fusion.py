@@ -404,9 +404,14 @@ def _fold_conv_bias(model: LoadedModel, conv: Node, add: Node, first: str) -> bo
     name = model.fresh_name(f"{conv.name or conv.outputs[0]}_fused_bias")
     model.constants[name] = total
     model.tensors[name] = TensorInfo((channels,), _F32)
-    conv.inputs = [*conv.inputs, *[""] * (3 - len(conv.inputs))]
-    conv.inputs[2] = name  # a residual (input 3) stays
+    _set_input(conv, 2, name)  # a residual (input 3) stays
     return True
+
+
+def _set_input(node: Node, pos: int, name: str) -> None:
+    """``node``'s input ``pos`` becomes ``name``, absent ones ("") filling the places before it."""
+    node.inputs = [*node.inputs, *[""] * (pos + 1 - len(node.inputs))]
+    node.inputs[pos] = name
 
 
 def _fold_matmul_bias(model: LoadedModel, g: _Graph, matmul: Node, add: Node, first: str) -> bool:
@@ -478,7 +483,7 @@ def _fold_residual_into_conv(g: _Graph, add: Node) -> bool:
                 or g.model.tensors.get(first) != info or g.model.tensors.get(other) != info \
                 or g.constant(other) is not None:
             continue
-        conv.inputs = [*conv.inputs, *[""] * (3 - len(conv.inputs)), other]
+        _set_input(conv, 3, other)
         if "activation" in add.attrs:
             conv.attrs["activation"] = add.attrs["activation"]
         nodes = g.model.nodes

@@ -291,10 +291,11 @@ class MatmulPlan:
         tile = self.tile_for(caps, inner.count)
         splits = tile["SPLITS"]
         split = splits > 1
+        here = None if split else residual  # a split product's reduction adds it
         defines = {
             **tile, "A_KCONTIG": int(p.sAk == 1), "B_NCONTIG": int(p.sBn == 1),
             "HAS_BIAS": int(p.has_bias), "ACT": p.act, **(extra_defines or {}),
-            **({"HAS_RES": 1} if residual is not None and not split else {}),
+            **({"HAS_RES": 1} if here is not None else {}),
         }
         if tile.get("REGISTER_TILE"):  # a one-subgroup workgroup shares its loads of A by shuffles
             defines["A_SHUFFLE"] = int(caps is not None and caps.subgroup_shuffle
@@ -313,8 +314,8 @@ class MatmulPlan:
                 U32(p.sAm), U32(p.sAk), U32(p.sBk), U32(p.sBn), U32(p.sCm), U32(p.sCn),
                 U32(inner.a), U32(inner.b), U32(inner.c), F32(p.alpha), F32(p.beta),
             ]
-            if residual is not None and not split:
-                args.append(ptr_at(residual, oy))
+            if here is not None:
+                args.append(ptr_at(here, oy))
             out.append(Dispatch("gemm", args, groups, defines))
         if split:  # only with a single batch dimension: one product
             out.append(self._reduce(ws, c_or_y, y, caps, splits, int((extra_defines or {}).get("FOLD", 0)),

@@ -12,9 +12,6 @@
 #include "epilogue.glsl"
 layout(local_size_x = LOCAL_SIZE) in;
 
-#ifndef HAS_RES
-#define HAS_RES 0
-#endif
 layout(push_constant) uniform Args {
     F32Buf x;
     F32Buf w;

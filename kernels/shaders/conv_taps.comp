@@ -13,9 +13,6 @@
 
 layout(local_size_x = WG) in;
 
-#ifndef HAS_RES
-#define HAS_RES 0
-#endif
 layout(push_constant) uniform Args {
     F32Buf a;
     F32Buf b;

@@ -4,6 +4,11 @@
 #ifndef ACT
 #define ACT 0
 #endif
+// HAS_RES: a product adds a residual of its output's layout after the bias, before the
+// activation (its push constants then end with the residual's address, ``r``)
+#ifndef HAS_RES
+#define HAS_RES 0
+#endif
 
 float epilogue(float v) {
 #if ACT == 1

@@ -63,9 +63,6 @@
 #endif
 layout(local_size_x = NT) in;
 
-#ifndef HAS_RES
-#define HAS_RES 0
-#endif
 layout(push_constant) uniform Args {
     F32Buf a;
     F32Buf b;

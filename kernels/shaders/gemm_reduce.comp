@@ -22,9 +22,6 @@
 #endif
 layout(local_size_x = LOCAL_SIZE) in;
 
-#ifndef HAS_RES
-#define HAS_RES 0
-#endif
 layout(push_constant) uniform Args {
     F32Buf ws;
     OBUF c;
