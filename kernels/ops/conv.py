@@ -9,6 +9,8 @@ A fourth input (``vkpool.fusion``'s, never in a file) is a residual of Y's shape
 output after the bias and before the fused activation: a residual block's sum.
 On a CPU-like device (the register tiling, with shuffles) a window of up to 64 taps runs the
 same product as ``conv_taps.comp``, its window arithmetic hoisted out of the reduction.
+A 3x3 convolution of stride 1 over enough tiles runs by Winograd's F(2x2, 3x3) instead
+(``winograd.comp``): 16 batched products of C-long sums, 2.25 times fewer multiplications.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ _F32 = np.dtype(np.float32)
 _GEMM_MIN_CHANNELS = 16
 #: ... and this long a reduction (input channels per group x kernel size)
 _GEMM_MIN_REDUCTION = 64
+#: a 3x3 convolution of stride 1 runs by Winograd's F(2x2, 3x3) from this many 2 x 2 output tiles
+#: (over the images) and this many input and output channels
+WINOGRAD_MIN_TILES = 256
+WINOGRAD_MIN_CHANNELS = 16
 
 
 class Conv(Op):
@@ -74,6 +80,62 @@ class Conv(Op):
             ), force_gemm=True)
         self.pointwise = self._pointwise_plan() if self.plan is not None else None
         self.folded = self._folded_plan() if self.plan is not None else None
+        self.winograd = self._winograd_plan()
+
+    def _winograd_plan(self) -> MatmulPlan | None:
+        """Winograd's F(2x2, 3x3) for a 2-D 3x3 convolution of stride and dilation 1, one group,
+        at least ``WINOGRAD_MIN_CHANNELS`` channels each way and ``WINOGRAD_MIN_TILES`` tiles of
+        2 x 2 outputs over the images: the product ``P[xi] = U[xi] @ V[xi]`` of each of the 16
+        transformed positions xi (M x T, summing over C), run between ``winograd.comp``'s
+        stages; None for any other convolution."""
+        win = self.win
+        if (win.rank != 2 or tuple(win.kernel) != (3, 3) or any(s != 1 for s in win.strides)
+                or any(d != 1 for d in win.dilations) or self.group != 1):
+            return None
+        n, c = self.input(0).shape[:2]
+        m = self.input(1).shape[0]
+        oh, ow = win.out_shape
+        self.tiles = (-(-oh // 2), -(-ow // 2))
+        t = n * self.tiles[0] * self.tiles[1]
+        if min(c, m) < WINOGRAD_MIN_CHANNELS or t < WINOGRAD_MIN_TILES:
+            return None
+        return MatmulPlan(MatmulProblem(
+            M=m, N=t, K=c, sAm=c, sAk=1, sBk=t, sBn=1, batch=[BatchDim(16, m * c, c * t, 0, m * t)],
+        ), force_gemm=True)
+
+    def _winograd_sizes(self) -> tuple[int, int, int]:
+        """Bytes of the transformed weights, input and product in the workspace."""
+        n, c = self.input(0).shape[:2]
+        m = self.input(1).shape[0]
+        t = n * self.tiles[0] * self.tiles[1]
+        return 16 * m * c * 4, 16 * c * t * 4, 16 * m * t * 4
+
+    def _winograd_dispatches(self, ctx: DispatchContext, x: object, w: object, b: object, y: object,
+                             r: object) -> list[Dispatch]:
+        """The three stages of ``winograd.comp`` around the batched product, in the workspace:
+        the transformed weights, then input, then the product, then the product's own split sums."""
+        assert self.winograd is not None
+        c, m = self.input(0).shape[1], self.input(1).shape[0]
+        th, tw = self.tiles
+        t = self.input(0).shape[0] * th * tw
+        u_bytes, v_bytes, p_bytes = self._winograd_sizes()
+        ws = ctx.workspace
+        u, v, p, rest = (Ptr(ws, 0), Ptr(ws, u_bytes), Ptr(ws, u_bytes + v_bytes),
+                         Ptr(ws, u_bytes + v_bytes + p_bytes))
+        (ih, iw), (oh, ow) = self.win.in_shape, self.win.out_shape
+        geometry = {"C": c, "M": m, "IH": ih, "IW": iw, "OH": oh, "OW": ow, "PH": self.win.pads_begin[0],
+                    "PW": self.win.pads_begin[1], "TH": th, "TW": tw, "T": t}
+        out = [
+            Dispatch("winograd", [Ptr(w), u, U32(m * c)], groups_1d(m * c, 256, ctx.caps), {"STAGE": 1, **geometry}),
+            Dispatch("winograd", [Ptr(x), v, U32(c * t)], groups_1d(c * t, 256, ctx.caps), {"STAGE": 2, **geometry}),
+            *self.winograd.dispatches(u, v, None, p, rest, caps=ctx.caps),
+        ]
+        res = [Ptr(r)] if r is not None else []
+        out.append(Dispatch("winograd", [p, Ptr(b if b is not None else y), Ptr(y), U32(m * t), *res],
+                            groups_1d(m * t, 256, ctx.caps),
+                            {"STAGE": 3, **geometry, "HAS_BIAS": int(b is not None), "ACT": self.act,
+                             **({"HAS_RES": 1} if r is not None else {})}))
+        return out
 
     def _folded_plan(self) -> MatmulPlan | None:
         """The implicit GEMM of a batch of images as one product whose columns run over the images
@@ -149,6 +211,11 @@ class Conv(Op):
         r = ctx.inputs[3] if len(ctx.inputs) > 3 else None  # the residual, added before the activation
         c, m = self.input(0).shape[1], self.input(1).shape[0]
         geometry = self.win.defines()
+        if self.winograd is not None:
+            try:
+                return self._winograd_dispatches(ctx, x, w, b, y, r)
+            except UnsupportedOp:  # its product past the device's workgroup grid: the implicit GEMM
+                pass
         if self.pointwise is not None and ctx.caps is not None and ctx.caps.gemm_variant == "register":
             return self.pointwise.dispatches(w, x, b, y, ctx.workspace, caps=ctx.caps, residual=r)
         if self.plan is not None:
@@ -183,7 +250,10 @@ class Conv(Op):
 
     def workspace_bytes(self) -> int:
         plans = [p for p in (self.plan, self.pointwise, self.folded) if p is not None]
-        return max((p.workspace_bytes() for p in plans), default=0)
+        most = max((p.workspace_bytes() for p in plans), default=0)
+        if self.winograd is not None:
+            most = max(most, sum(self._winograd_sizes()) + self.winograd.workspace_bytes())
+        return most
 
 
 __all__ = ["Conv"]
