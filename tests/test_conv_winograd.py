@@ -82,7 +82,8 @@ def test_winograd_convolutions_match_onnxruntime(variant: str, monkeypatch: pyte
 
 def test_which_convolutions_run_by_winograd(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only 2-D 3x3 convolutions of stride and dilation 1 in one group, with enough channels and
-    tiles; the others keep their kernels, and every one equals onnxruntime's outputs."""
+    tiles, whose transforms fit the workspace bound; the others keep their kernels, and every
+    one equals onnxruntime's outputs."""
     from vkpool.kernels.ops.conv import WINOGRAD_MIN_CHANNELS, WINOGRAD_MIN_TILES
 
     assert WINOGRAD_MIN_TILES > 2 and WINOGRAD_MIN_CHANNELS > 2
@@ -92,6 +93,8 @@ def test_which_convolutions_run_by_winograd(monkeypatch: pytest.MonkeyPatch) -> 
         return ort_case("Conv", [x, w], {"pads": [1, 1] * (x.ndim - 2), **attrs}, constants=(1,))
 
     x = rand(1, 16, 16, 16)
+    # 16 x 16 x 4 bytes of weights, 16 x 16 x 64 x 4 of each transformed input and products
+    monkeypatch.setattr(conv_op, "WINOGRAD_MAX_WORKSPACE", 16 * 4 * (16 * 16 + 2 * 16 * 64))
     cases = {  # name: (model case, runs by Winograd)
         "64 tiles": (case(x, rand(16, 16, 3, 3)), True),  # 16 x 16 outputs
         "63 tiles": (case(rand(1, 16, 14, 18), rand(16, 16, 3, 3)), False),
@@ -102,6 +105,7 @@ def test_which_convolutions_run_by_winograd(monkeypatch: pytest.MonkeyPatch) -> 
         "no padding": (case(rand(1, 16, 18, 18), rand(16, 16, 3, 3), pads=[0, 0, 0, 0]), True),
         "few outputs": (case(x, rand(WINOGRAD_MIN_CHANNELS - 1, 16, 3, 3)), False),
         "1-D": (case(rand(1, 16, 200), rand(16, 16, 3)), False),
+        "past the workspace": (case(rand(1, 17, 16, 16), rand(16, 17, 3, 3)), False),
     }
     p = vulkan_pool()
     try:

@@ -35,6 +35,11 @@ _GEMM_MIN_REDUCTION = 64
 #: (over the images) and this many input and output channels
 WINOGRAD_MIN_TILES = 256
 WINOGRAD_MIN_CHANNELS = 16
+#: ... and its transformed weights, input and products fit this many bytes of workspace
+#: (ResNet-50 at batch 16 needs 103 MB, bench.export_models' U-Net at 256 x 256 101 MB); a
+#: larger one keeps the implicit GEMM, which needs none: a large image takes no large share of
+#: a device's memory
+WINOGRAD_MAX_WORKSPACE = 256 << 20
 
 
 class Conv(Op):
@@ -85,7 +90,7 @@ class Conv(Op):
     def _winograd_plan(self) -> MatmulPlan | None:
         """Winograd's F(2x2, 3x3) for a 2-D 3x3 convolution of stride and dilation 1, one group,
         at least ``WINOGRAD_MIN_CHANNELS`` channels each way and ``WINOGRAD_MIN_TILES`` tiles of
-        2 x 2 outputs over the images: the product ``P[xi] = U[xi] @ V[xi]`` of each of the 16
+        2 x 2 outputs over the images, within ``WINOGRAD_MAX_WORKSPACE``: the product ``P[xi] = U[xi] @ V[xi]`` of each of the 16
         transformed positions xi (M x T, summing over C), run between ``winograd.comp``'s
         stages; None for any other convolution."""
         win = self.win
@@ -98,6 +103,8 @@ class Conv(Op):
         self.tiles = (-(-oh // 2), -(-ow // 2))
         t = n * self.tiles[0] * self.tiles[1]
         if min(c, m) < WINOGRAD_MIN_CHANNELS or t < WINOGRAD_MIN_TILES:
+            return None
+        if sum(self._winograd_sizes()) > WINOGRAD_MAX_WORKSPACE:
             return None
         return MatmulPlan(MatmulProblem(
             M=m, N=t, K=c, sAm=c, sAk=1, sBk=t, sBn=1, batch=[BatchDim(16, m * c, c * t, 0, m * t)],
