@@ -32,8 +32,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from vkpool.daemon import protocol as P
 from vkpool.daemon.bound import FRAME_HEAD, REPLY_MAGIC, ClientBinding, ClientFrameBinding, views
-from vkpool.daemon.endpoint import default_endpoint, ipc_path
-from vkpool.daemon.errors import CONNECTION_LOST, DaemonUnavailable, from_reply
+from vkpool.daemon.endpoint import default_endpoint, ipc_path, paused_path
+from vkpool.daemon.errors import CONNECTION_LOST, DaemonUnavailable, TooManyConnections, from_reply
 from vkpool.daemon.lane import (CLIENT_MAX_LANES, POLL_MAX_S, ZMQ_POLL_MAX_S, ClientLane, LaneRefused, Poller,
                                 lane_wanted)
 
@@ -82,8 +82,15 @@ def make_socket(ctx: zmq.Context, endpoint: str, curve: tuple[bytes, bytes, byte
 
 
 def check_endpoint(endpoint: str) -> None:
+    """Refuse at once an ipc endpoint whose socket file is missing: ``DaemonUnavailable``, or
+    ``TooManyConnections`` where a daemon moved it aside because its open files reached their
+    limit (:func:`vkpool.daemon.endpoint.paused_path`; it takes connections again once some
+    close)."""
     path = ipc_path(endpoint)
     if path is not None and not path.exists():
+        if paused_path(path).exists():
+            raise TooManyConnections(f"the daemon at {endpoint} is at its open-file limit and takes no "
+                                     "connections until some of its clients close; retry in a moment")
         raise _not_running(endpoint, f"{path} does not exist")
 
 

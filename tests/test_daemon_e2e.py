@@ -401,6 +401,13 @@ def test_one_daemon_per_socket_and_a_stale_socket_is_cleaned_up(folder: Path) ->
         assert daemon.stop() == 0
     with pytest.raises(E.DaemonUnavailable, match="start it with `vkpool serve`"):
         Client(daemon.endpoint)
+    paused = path.with_name(path.name + ".paused")  # a daemon at its open-file limit moves it aside
+    paused.touch()
+    try:
+        with pytest.raises(E.TooManyConnections, match="open-file limit"):
+            Client(daemon.endpoint)
+    finally:
+        paused.unlink()
 
 
 def test_plain_tcp_is_refused_and_curve_tcp_authenticates(folder: Path) -> None:
