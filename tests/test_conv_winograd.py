@@ -61,26 +61,36 @@ CASES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def winograd_of(session: Session) -> Any:
-    [conv] = [op for op in session._chunk.ops if op.op_type == "Conv"]
-    return conv.winograd
+def runs_winograd(session: Session) -> bool:
+    """Whether the session's convolution dispatches ``winograd.comp`` on its device."""
+    conv = next(op for op in session._chunk.ops if op.op_type == "Conv")
+    caps = session._chunk.member.device.caps
+    dispatches = conv.dispatches(DispatchContext([object(), object(), object()], [object()], object(), caps, {}))
+    return any(d.shader == "winograd" for d in dispatches)
+
+
+@pytest.fixture
+def cpu_like_from_16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Winograd from 16 channels on lavapipe too, as on a GPU (64 on a CPU-like device)."""
+    monkeypatch.setattr(conv_op, "WINOGRAD_MIN_CHANNELS_CPU_LIKE", 16)
 
 
 @pytest.mark.parametrize("variant", ["gemm=shared", "gemm=register", "gemm=register:3x5x8"])
-def test_winograd_convolutions_match_onnxruntime(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_winograd_convolutions_match_onnxruntime(variant: str, monkeypatch: pytest.MonkeyPatch,
+                                                 cpu_like_from_16: None) -> None:
     monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", variant)
     p = vulkan_pool()
     try:
         for name, (x, w, bias, pads, residual, relu) in CASES.items():
             model, feeds, expected = conv_model(x, w, bias, pads, residual, relu)
             with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
-                assert winograd_of(s) is not None, name
+                assert runs_winograd(s), name
                 assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
     finally:
         p.close()
 
 
-def test_which_convolutions_run_by_winograd(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_which_convolutions_run_by_winograd(monkeypatch: pytest.MonkeyPatch, cpu_like_from_16: None) -> None:
     """Only 2-D 3x3 convolutions of stride and dilation 1 in one group, with enough channels and
     tiles, whose transforms fit the workspace bound; the others keep their kernels, and every
     one equals onnxruntime's outputs."""
@@ -111,13 +121,13 @@ def test_which_convolutions_run_by_winograd(monkeypatch: pytest.MonkeyPatch) -> 
     try:
         for name, ((model, feeds, expected), runs) in cases.items():
             with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
-                assert (winograd_of(s) is not None) == runs, name
+                assert runs_winograd(s) == runs, name
                 assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
     finally:
         p.close()
 
 
-def test_winograd_through_a_folded_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_winograd_through_a_folded_grid(monkeypatch: pytest.MonkeyPatch, cpu_like_from_16: None) -> None:
     """The transforms' grids fold into y where the device bounds x lower than they need (lavapipe
     made to believe 16 workgroups in x, 64 in y), and the outputs stay onnxruntime's."""
     x, w, bias, pads, residual, relu = CASES["same, odd sizes, bias"]
@@ -133,5 +143,21 @@ def test_winograd_through_a_folded_grid(monkeypatch: pytest.MonkeyPatch) -> None
             assert [d.defines["STAGE"] for d in stages] == [1, 2, 3]
             assert all(d.groups[0] <= 16 for d in dispatches) and stages[1].groups[1] > 1  # folded into y
             assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        p.close()
+
+
+def test_a_cpu_like_device_takes_winograd_from_64_channels() -> None:
+    """lavapipe's own choice: 63 channels keep the implicit GEMM, 64 take Winograd; both equal
+    onnxruntime's outputs."""
+    p = vulkan_pool()
+    try:
+        assert p.vulkan_members[0].device.caps.cpu_like
+        for channels, runs in ((63, False), (64, True)):
+            model, feeds, expected = conv_model(rand(1, channels, 32, 32), rand(channels, channels, 3, 3), True,
+                                                [1, 1, 1, 1])
+            with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
+                assert runs_winograd(s) == runs, channels
+                assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
     finally:
         p.close()

@@ -40,6 +40,11 @@ WINOGRAD_MIN_CHANNELS = 16
 #: larger one keeps the implicit GEMM, which needs none: a large image takes no large share of
 #: a device's memory
 WINOGRAD_MAX_WORKSPACE = 256 << 20
+#: on a CPU-like device, from this many channels each way: the implicit GEMM's register tiling
+#: (conv_taps.comp) is quicker on fewer. lavapipe, 2 cores, ms of one 3x3 convolution, Winograd
+#: against the implicit GEMM: 64 -> 64 channels at 128 x 128 231 / 240, at 16 x 28 x 28 176 / 193;
+#: 128 -> 128 at 4 x 28 x 28 126 / 175; 32 -> 32 at 256 x 256 356 / 270
+WINOGRAD_MIN_CHANNELS_CPU_LIKE = 64
 
 
 class Conv(Op):
@@ -218,7 +223,8 @@ class Conv(Op):
         r = ctx.inputs[3] if len(ctx.inputs) > 3 else None  # the residual, added before the activation
         c, m = self.input(0).shape[1], self.input(1).shape[0]
         geometry = self.win.defines()
-        if self.winograd is not None:
+        cpu_like = ctx.caps is not None and ctx.caps.cpu_like
+        if self.winograd is not None and (not cpu_like or min(c, m) >= WINOGRAD_MIN_CHANNELS_CPU_LIKE):
             try:
                 return self._winograd_dispatches(ctx, x, w, b, y, r)
             except UnsupportedOp:  # its product past the device's workgroup grid: the implicit GEMM
