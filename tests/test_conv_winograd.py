@@ -58,6 +58,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     "same, odd sizes, bias": (rand(2, 16, 33, 31), rand(20, 16, 3, 3), True, [1, 1, 1, 1], False, False),
     "pads 0 to 2, no bias": (rand(1, 24, 36, 35), rand(17, 24, 3, 3), False, [0, 1, 2, 0], False, False),
     "residual and Relu": (rand(3, 18, 22, 21), rand(32, 18, 3, 3), True, [1, 1, 1, 1], True, True),
+    "a long reduction": (rand(1, 512, 32, 32), rand(24, 512, 3, 3) / 16, True, [1, 1, 1, 1], False, False),
 }
 
 
