@@ -51,23 +51,29 @@ def main() -> None:
     head = " product | TFLOP/s |\n|---|---|---|---|" if args.shapes else "\n|---|---|"
     print("\n| costliest dispatches | GPU µs |" + head)
     ranked = sorted(zip(chunk.dispatch_labels, per_dispatch), key=lambda lt: -lt[1])
+    winograd = {label.rsplit(" [", 1)[0] for label in chunk.dispatch_labels if label.endswith("[winograd]")}
     for label, us in ranked[: args.top]:
-        shape = _product(products.get(label.rsplit(" [", 1)[0]), us) if args.shapes else ""
+        op = label.rsplit(" [", 1)[0]
+        transform = label.endswith("[winograd]")  # a transform of Winograd's, not its products
+        shape = (" | |" if transform else _product(products.get(op), us, op in winograd)) if args.shapes else ""
         print(f"| {label} | {us:.1f} |{shape}")
     sess.close()
 
 
-def _product(op: object, us: float) -> str:
-    """`` M x N x K (tile) | TFLOP/s |`` of the product ``op`` runs (a convolution's folded one
-    where it has it), or empty cells."""
-    plan = getattr(op, "folded", None) or getattr(op, "plan", None)
+def _product(op: object, us: float, winograd: bool = False) -> str:
+    """`` M x N x K (tile) | TFLOP/s |`` of the product ``op`` runs (a convolution's Winograd
+    products where it ran them, ``16 x`` in front, else its folded one where it has it), or
+    empty cells."""
+    plan = (getattr(op, "winograd", None) if winograd else None) or getattr(op, "folded", None) \
+        or getattr(op, "plan", None)
     p = getattr(plan, "p", None)
     if p is None or getattr(plan, "kind", "") != "gemm":
         return " | |"
     tile = plan.tile
     name = f"{tile['BM']}x{tile['BN']}{'v' if tile.get('VEC4') else ''}"
     flops = 2 * p.M * p.N * p.K * p.batch_count
-    return f" {p.M} x {p.N} x {p.K} ({name}, {plan.splits} splits) | {flops / us / 1e6:.1f} |"
+    batch = f"{p.batch_count} x " if p.batch_count > 1 else ""
+    return f" {batch}{p.M} x {p.N} x {p.K} ({name}, {plan.splits} splits) | {flops / us / 1e6:.1f} |"
 
 
 if __name__ == "__main__":
