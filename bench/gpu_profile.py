@@ -55,7 +55,9 @@ def main() -> None:
     for label, us in ranked[: args.top]:
         op = label.rsplit(" [", 1)[0]
         transform = label.endswith("[winograd]")  # a transform of Winograd's, not its products
-        shape = (" | |" if transform else _product(products.get(op), us, op in winograd)) if args.shapes else ""
+        shape = ""
+        if args.shapes:
+            shape = " | |" if transform else _product(products.get(op), us, op in winograd)
         print(f"| {label} | {us:.1f} |{shape}")
     sess.close()
 

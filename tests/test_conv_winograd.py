@@ -46,9 +46,10 @@ def conv_model(x: np.ndarray, w: np.ndarray, bias: bool, pads: list[int], residu
     if relu:
         nodes.append(helper.make_node("Relu", [last], ["y"]))
         last = "y"
-    graph = helper.make_graph(nodes, "winograd", inputs, [helper.make_tensor_value_info(last, TensorProto.FLOAT,
-                                                                                        out_shape)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    outputs = [helper.make_tensor_value_info(last, TensorProto.FLOAT, out_shape)]
+    graph = helper.make_graph(nodes, "winograd", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    model = model.SerializeToString()
     return model, feeds, ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
@@ -62,11 +63,16 @@ CASES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def stand_ins(caps: Any) -> DispatchContext:
+    """A dispatch context of stand-in buffers: only the shaders and defines are looked at."""
+    return DispatchContext([object(), object(), object()], [object()], object(), caps, {})
+
+
 def runs_winograd(session: Session) -> bool:
     """Whether the session's convolution dispatches ``winograd.comp`` on its device."""
     conv = next(op for op in session._chunk.ops if op.op_type == "Conv")
     caps = session._chunk.member.device.caps
-    dispatches = conv.dispatches(DispatchContext([object(), object(), object()], [object()], object(), caps, {}))
+    dispatches = conv.dispatches(stand_ins(caps))
     return any(d.shader == "winograd" for d in dispatches)
 
 
@@ -100,7 +106,7 @@ def test_which_convolutions_run_by_winograd(monkeypatch: pytest.MonkeyPatch, cpu
     assert WINOGRAD_MIN_TILES > 2 and WINOGRAD_MIN_CHANNELS > 2
     monkeypatch.setattr(conv_op, "WINOGRAD_MIN_TILES", 64)
 
-    def case(x: np.ndarray, w: np.ndarray, **attrs: Any) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
+    def case(x: np.ndarray, w: np.ndarray, **attrs: Any) -> Any:
         return ort_case("Conv", [x, w], {"pads": [1, 1] * (x.ndim - 2), **attrs}, constants=(1,))
 
     x = rand(1, 16, 16, 16)
@@ -139,7 +145,7 @@ def test_winograd_through_a_folded_grid(monkeypatch: pytest.MonkeyPatch, cpu_lik
         caps = p.vulkan_members[0].device.caps
         with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
             conv = next(op for op in s._chunk.ops if op.op_type == "Conv")
-            dispatches = conv.dispatches(DispatchContext([object(), object(), object()], [object()], object(), caps, {}))
+            dispatches = conv.dispatches(stand_ins(caps))
             stages = [d for d in dispatches if d.shader == "winograd"]
             assert [d.defines["STAGE"] for d in stages] == [1, 2, 3]
             assert all(d.groups[0] <= 16 for d in dispatches) and stages[1].groups[1] > 1  # folded into y
@@ -155,8 +161,8 @@ def test_a_cpu_like_device_takes_winograd_from_64_channels() -> None:
     try:
         assert p.vulkan_members[0].device.caps.cpu_like
         for channels, runs in ((63, False), (64, True)):
-            model, feeds, expected = conv_model(rand(1, channels, 32, 32), rand(channels, channels, 3, 3), True,
-                                                [1, 1, 1, 1])
+            x, w = rand(1, channels, 32, 32), rand(channels, channels, 3, 3)
+            model, feeds, expected = conv_model(x, w, True, [1, 1, 1, 1])
             with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
                 assert runs_winograd(s) == runs, channels
                 assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)

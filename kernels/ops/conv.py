@@ -95,9 +95,11 @@ class Conv(Op):
     def _winograd_plan(self) -> MatmulPlan | None:
         """Winograd's F(2x2, 3x3) for a 2-D 3x3 convolution of stride and dilation 1, one group,
         at least ``WINOGRAD_MIN_CHANNELS`` channels each way and ``WINOGRAD_MIN_TILES`` tiles of
-        2 x 2 outputs over the images, within ``WINOGRAD_MAX_WORKSPACE``: the product ``P[xi] = U[xi] @ V[xi]`` of each of the 16
-        transformed positions xi (M x T, summing over C), run between ``winograd.comp``'s
-        stages; None for any other convolution."""
+        2 x 2 outputs over the images, its transforms within ``WINOGRAD_MAX_WORKSPACE``: the
+        product ``P[xi] = U[xi] @ V[xi]`` of each of the 16 transformed positions xi (M x T,
+        summing over C), run between ``winograd.comp``'s stages; None for any other
+        convolution. (A CPU-like device runs it from ``WINOGRAD_MIN_CHANNELS_CPU_LIKE``; the
+        workspace is reserved for it all the same.)"""
         win = self.win
         if (win.rank != 2 or tuple(win.kernel) != (3, 3) or any(s != 1 for s in win.strides)
                 or any(d != 1 for d in win.dilations) or self.group != 1):
@@ -124,8 +126,9 @@ class Conv(Op):
 
     def _winograd_dispatches(self, ctx: DispatchContext, x: object, w: object, b: object, y: object,
                              r: object) -> list[Dispatch]:
-        """The three stages of ``winograd.comp`` around the batched product, in the workspace:
-        the transformed weights, then input, then the product, then the product's own split sums."""
+        """The three stages of ``winograd.comp`` around the batched product. The workspace holds,
+        in order, the transformed weights, the transformed input, the products, and the split
+        sums of a product whose reduction is split."""
         assert self.winograd is not None
         c, m = self.input(0).shape[1], self.input(1).shape[0]
         th, tw = self.tiles
@@ -138,8 +141,10 @@ class Conv(Op):
         geometry = {"C": c, "M": m, "IH": ih, "IW": iw, "OH": oh, "OW": ow, "PH": self.win.pads_begin[0],
                     "PW": self.win.pads_begin[1], "TH": th, "TW": tw, "T": t}
         out = [
-            Dispatch("winograd", [Ptr(w), u, U32(m * c)], groups_1d(m * c, 256, ctx.caps), {"STAGE": 1, **geometry}),
-            Dispatch("winograd", [Ptr(x), v, U32(c * t)], groups_1d(c * t, 256, ctx.caps), {"STAGE": 2, **geometry}),
+            Dispatch("winograd", [Ptr(w), u, U32(m * c)], groups_1d(m * c, 256, ctx.caps),
+                     {"STAGE": 1, **geometry}),
+            Dispatch("winograd", [Ptr(x), v, U32(c * t)], groups_1d(c * t, 256, ctx.caps),
+                     {"STAGE": 2, **geometry}),
             *self.winograd.dispatches(u, v, None, p, rest, caps=ctx.caps),
         ]
         res = [Ptr(r)] if r is not None else []
