@@ -82,3 +82,36 @@ def ort_case(op: str, inputs: list[np.ndarray], attrs: dict[str, Any] | None = N
     typed = [helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(e.dtype), e.shape)
              for o, e in zip(outs, expected)]
     return model(typed), feeds, expected
+
+
+def conv_residual_case(inputs: list[np.ndarray], attrs: dict[str, Any], residual: Any, relu: bool,
+                       swap: bool = False) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
+    """A residual block's sum as exporters spell it: ``[Relu](Add(Conv(x, w[, b]), r))`` (the Add's
+    operands swapped with ``swap``), w and b initializers, ``r = residual(shape)`` a second input
+    of the convolution's output shape; the model, its feeds and onnxruntime's outputs."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    x, w, *b = inputs
+    out = ort_case("Conv", inputs, attrs, tuple(range(1, len(inputs))))[2][0]
+    r = residual(out.shape)
+    weights = [numpy_helper.from_array(w, "w"), *[numpy_helper.from_array(v, "b") for v in b]]
+    nodes = [helper.make_node("Conv", ["x", "w", *(["b"] if b else [])], ["h"], **attrs),
+             helper.make_node("Add", ["r", "h"] if swap else ["h", "r"], ["s" if relu else "y"])]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["s"], ["y"]))
+    graph = helper.make_graph(nodes, "residual", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+                                                  helper.make_tensor_value_info("r", TensorProto.FLOAT, r.shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out.shape)], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                              ir_version=9).SerializeToString()
+    feeds = {"x": x, "r": r}
+    return model, feeds, ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def dispatches_of(op: Any, caps: Any) -> list[Any]:
+    """The dispatches an op of three inputs and one output records on a device with ``caps``
+    (buffer stand-ins: only the shaders, defines and grids are looked at)."""
+    from vkpool.kernels.base import DispatchContext
+
+    return op.dispatches(DispatchContext([object(), object(), object()], [object()], object(), caps, {}))

@@ -9,70 +9,42 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import vulkan_pool
-from node_cases import assert_outputs_match, ort_case
-from vkpool.kernels.base import DispatchContext
+from node_cases import assert_outputs_match, conv_residual_case, dispatches_of, ort_case
 from vkpool.kernels.ops import conv as conv_op
 
 from vkpool.session import Session
 
-ort = pytest.importorskip("onnxruntime", reason="the references are onnxruntime's")
+pytest.importorskip("onnxruntime", reason="the references are onnxruntime's")
 
 
 def rand(*shape: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype(np.float32)
 
 
-def conv_model(x: np.ndarray, w: np.ndarray, bias: bool, pads: list[int], residual: bool = False,
-               relu: bool = False) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
-    """``[Relu]([Add](Conv(x, w[, b]), r))``, w (and b) initializers; the model, its feeds and
-    onnxruntime's outputs."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    m = w.shape[0]
-    oh, ow = x.shape[2] + pads[0] + pads[2] - 2, x.shape[3] + pads[1] + pads[3] - 2
-    out_shape = (x.shape[0], m, oh, ow)
-    inits = [numpy_helper.from_array(w, "w")]
-    if bias:
-        inits.append(numpy_helper.from_array(rand(m, seed=5), "b"))
-    feeds = {"x": x}
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)]
-    last = "h"
-    nodes = [helper.make_node("Conv", ["x", "w", *(["b"] if bias else [])], [last], pads=pads)]
-    if residual:
-        feeds["r"] = rand(*out_shape, seed=7)
-        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, out_shape))
-        nodes.append(helper.make_node("Add", [last, "r"], ["s"]))
-        last = "s"
-    if relu:
-        nodes.append(helper.make_node("Relu", [last], ["y"]))
-        last = "y"
-    outputs = [helper.make_tensor_value_info(last, TensorProto.FLOAT, out_shape)]
-    graph = helper.make_graph(nodes, "winograd", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
-    model = model.SerializeToString()
-    return model, feeds, ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+def conv_case(inputs: list[np.ndarray], attrs: dict[str, Any], residual_relu: bool = False
+              ) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
+    """The convolution of ``inputs`` (x, w[, b]; w and b initializers), or its residual block's sum
+    with a Relu; the model, its feeds and onnxruntime's outputs."""
+    if residual_relu:
+        return conv_residual_case(inputs, attrs, lambda shape: rand(*shape, seed=7), relu=True)
+    return ort_case("Conv", inputs, attrs, constants=tuple(range(1, len(inputs))))
 
 
-#: (x, w, bias, pads, residual, relu): odd output sizes leave a tile's last row or column past
-#: the edge; pads of 0 to 2 on any side
-CASES: dict[str, tuple[Any, ...]] = {
-    "same, odd sizes, bias": (rand(2, 16, 33, 31), rand(20, 16, 3, 3), True, [1, 1, 1, 1], False, False),
-    "pads 0 to 2, no bias": (rand(1, 24, 36, 35), rand(17, 24, 3, 3), False, [0, 1, 2, 0], False, False),
-    "residual and Relu": (rand(3, 18, 22, 21), rand(32, 18, 3, 3), True, [1, 1, 1, 1], True, True),
-    "a long reduction": (rand(1, 512, 32, 32), rand(24, 512, 3, 3) / 16, True, [1, 1, 1, 1], False, False),
+SAME = {"pads": [1, 1, 1, 1]}
+#: (inputs, attributes, as a residual block's sum with its Relu): odd output sizes leave a
+#: tile's last row or column past the edge; pads of 0 to 2 on any side
+CASES: dict[str, tuple[list[np.ndarray], dict[str, Any], bool]] = {
+    "same, odd sizes, bias": ([rand(2, 16, 33, 31), rand(20, 16, 3, 3), rand(20, seed=5)], SAME, False),
+    "pads 0 to 2, no bias": ([rand(1, 24, 36, 35), rand(17, 24, 3, 3)], {"pads": [0, 1, 2, 0]}, False),
+    "residual and Relu": ([rand(3, 18, 22, 21), rand(32, 18, 3, 3), rand(32, seed=5)], SAME, True),
+    "a long reduction": ([rand(1, 512, 32, 32), rand(24, 512, 3, 3) / 16, rand(24, seed=5)], SAME, False),
 }
-
-
-def stand_ins(caps: Any) -> DispatchContext:
-    """A dispatch context of stand-in buffers: only the shaders and defines are looked at."""
-    return DispatchContext([object(), object(), object()], [object()], object(), caps, {})
 
 
 def runs_winograd(session: Session) -> bool:
     """Whether the session's convolution dispatches ``winograd.comp`` on its device."""
     conv = next(op for op in session._chunk.ops if op.op_type == "Conv")
-    caps = session._chunk.member.device.caps
-    dispatches = conv.dispatches(stand_ins(caps))
+    dispatches = dispatches_of(conv, session._chunk.member.device.caps)
     return any(d.shader == "winograd" for d in dispatches)
 
 
@@ -88,8 +60,8 @@ def test_winograd_convolutions_match_onnxruntime(variant: str, monkeypatch: pyte
     monkeypatch.setenv("VKPOOL_KERNEL_VARIANT", variant)
     p = vulkan_pool()
     try:
-        for name, (x, w, bias, pads, residual, relu) in CASES.items():
-            model, feeds, expected = conv_model(x, w, bias, pads, residual, relu)
+        for name, (inputs, attrs, residual_relu) in CASES.items():
+            model, feeds, expected = conv_case(inputs, attrs, residual_relu)
             with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
                 assert runs_winograd(s), name
                 assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)
@@ -137,15 +109,14 @@ def test_which_convolutions_run_by_winograd(monkeypatch: pytest.MonkeyPatch, cpu
 def test_winograd_through_a_folded_grid(monkeypatch: pytest.MonkeyPatch, cpu_like_from_16: None) -> None:
     """The transforms' grids fold into y where the device bounds x lower than they need (lavapipe
     made to believe 16 workgroups in x, 64 in y), and the outputs stay onnxruntime's."""
-    x, w, bias, pads, residual, relu = CASES["same, odd sizes, bias"]
-    model, feeds, expected = conv_model(x, w, bias, pads, residual, relu)
+    model, feeds, expected = conv_case(*CASES["same, odd sizes, bias"])
     monkeypatch.setenv("VKPOOL_DEVICE_LIMITS", "max_workgroup_count=16x64x65535")
     p = vulkan_pool()
     try:
         caps = p.vulkan_members[0].device.caps
         with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
             conv = next(op for op in s._chunk.ops if op.op_type == "Conv")
-            dispatches = conv.dispatches(stand_ins(caps))
+            dispatches = dispatches_of(conv, caps)
             stages = [d for d in dispatches if d.shader == "winograd"]
             assert [d.defines["STAGE"] for d in stages] == [1, 2, 3]
             assert all(d.groups[0] <= 16 for d in dispatches) and stages[1].groups[1] > 1  # folded into y
@@ -161,8 +132,8 @@ def test_a_cpu_like_device_takes_winograd_from_64_channels() -> None:
     try:
         assert p.vulkan_members[0].device.caps.cpu_like
         for channels, runs in ((63, False), (64, True)):
-            x, w = rand(1, channels, 32, 32), rand(channels, channels, 3, 3)
-            model, feeds, expected = conv_model(x, w, True, [1, 1, 1, 1])
+            inputs = [rand(1, channels, 32, 32), rand(channels, channels, 3, 3), rand(channels, seed=5)]
+            model, feeds, expected = conv_case(inputs, SAME)
             with Session(model, pool=p, device=p.vulkan_members[0].id) as s:
                 assert runs_winograd(s) == runs, channels
                 assert_outputs_match(s.run(None, feeds), expected, rtol=1e-4, atol=1e-4)

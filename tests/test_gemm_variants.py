@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import vulkan_pool
-from node_cases import assert_outputs_match, ort_case
+from node_cases import assert_outputs_match, conv_residual_case, dispatches_of, ort_case
 from vkpool.kernel_variants import DEFAULT_REGISTER_TILE, KernelVariantError, forced, gemm_choice
 from vkpool.session import Session
 
@@ -80,14 +80,6 @@ def run_under_limits(model: bytes, feeds: dict[str, np.ndarray], limits: str,
             return s.run(None, feeds), steps, register
     finally:
         p.close()
-
-
-def dispatches_of(conv: Any, caps: Any) -> list[Any]:
-    """The dispatches a convolution of three inputs records on a device with ``caps`` (buffers
-    stand-ins: only the shaders and defines are looked at)."""
-    from vkpool.kernels.base import DispatchContext
-
-    return conv.dispatches(DispatchContext([object(), object(), object()], [object()], object(), caps, {}))
 
 
 def test_pointwise_convolutions_run_as_plain_products_where_the_tiling_is_register(variant_pool: Any) -> None:
@@ -296,28 +288,9 @@ def test_the_tuning_pass_keeps_the_fastest_tile_per_device_and_driver(monkeypatc
 
 
 def residual_case(name: str, relu: bool, swap: bool) -> tuple[bytes, dict[str, np.ndarray], list[np.ndarray]]:
-    """A residual block's sum as exporters spell it: ``[Relu](Add(Conv(x, w[, b]), r))`` (the Add's
-    operands swapped with ``swap``), the convolution of ``CASES[name]`` and ``r`` a second input;
-    the model and onnxruntime's outputs."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
+    """:func:`node_cases.conv_residual_case` of the convolution of ``CASES[name]``."""
     _, inputs, attrs, _ = CASES[name]
-    x, w, *b = inputs
-    out = ort_case("Conv", inputs, attrs, tuple(range(1, len(inputs))))[2][0]
-    r = rand(*out.shape, seed=11)
-    weights = [numpy_helper.from_array(w, "w"), *[numpy_helper.from_array(v, "b") for v in b]]
-    nodes = [helper.make_node("Conv", ["x", "w", *(["b"] if b else [])], ["h"], **attrs),
-             helper.make_node("Add", ["r", "h"] if swap else ["h", "r"], ["s" if relu else "y"])]
-    if relu:
-        nodes.append(helper.make_node("Relu", ["s"], ["y"]))
-    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
-                                            helper.make_tensor_value_info("r", TensorProto.FLOAT, r.shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out.shape)], weights)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
-                              ir_version=9).SerializeToString()
-    feeds = {"x": x, "r": r}
-    return model, feeds, ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    return conv_residual_case(inputs, attrs, lambda shape: rand(*shape, seed=11), relu, swap)
 
 
 #: convolutions whose residual sum each kernel path adds: a grouped strided one per image, a split

@@ -104,11 +104,8 @@ class Conv(Op):
         if (win.rank != 2 or tuple(win.kernel) != (3, 3) or any(s != 1 for s in win.strides)
                 or any(d != 1 for d in win.dilations) or self.group != 1):
             return None
-        n, c = self.input(0).shape[:2]
-        m = self.input(1).shape[0]
-        oh, ow = win.out_shape
-        self.tiles = (-(-oh // 2), -(-ow // 2))
-        t = n * self.tiles[0] * self.tiles[1]
+        c, m = self.input(0).shape[1], self.input(1).shape[0]
+        t = self._winograd_tiles()[2]
         if min(c, m) < WINOGRAD_MIN_CHANNELS or t < WINOGRAD_MIN_TILES:
             return None
         if sum(self._winograd_sizes()) > WINOGRAD_MAX_WORKSPACE:
@@ -117,11 +114,16 @@ class Conv(Op):
             M=m, N=t, K=c, sAm=c, sAk=1, sBk=t, sBn=1, batch=[BatchDim(16, m * c, c * t, 0, m * t)],
         ), force_gemm=True)
 
+    def _winograd_tiles(self) -> tuple[int, int, int]:
+        """Rows and columns of 2 x 2 output tiles per image, and the tiles of all the images."""
+        (oh, ow), n = self.win.out_shape, self.input(0).shape[0]
+        th, tw = -(-oh // 2), -(-ow // 2)
+        return th, tw, n * th * tw
+
     def _winograd_sizes(self) -> tuple[int, int, int]:
         """Bytes of the transformed weights, input and product in the workspace."""
-        n, c = self.input(0).shape[:2]
-        m = self.input(1).shape[0]
-        t = n * self.tiles[0] * self.tiles[1]
+        c, m = self.input(0).shape[1], self.input(1).shape[0]
+        t = self._winograd_tiles()[2]
         return 16 * m * c * 4, 16 * c * t * 4, 16 * m * t * 4
 
     def _winograd_dispatches(self, ctx: DispatchContext, x: object, w: object, b: object, y: object,
@@ -131,8 +133,7 @@ class Conv(Op):
         sums of a product whose reduction is split."""
         assert self.winograd is not None
         c, m = self.input(0).shape[1], self.input(1).shape[0]
-        th, tw = self.tiles
-        t = self.input(0).shape[0] * th * tw
+        th, tw, t = self._winograd_tiles()
         u_bytes, v_bytes, p_bytes = self._winograd_sizes()
         ws = ctx.workspace
         u, v, p, rest = (Ptr(ws, 0), Ptr(ws, u_bytes), Ptr(ws, u_bytes + v_bytes),
